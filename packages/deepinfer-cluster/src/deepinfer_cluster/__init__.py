@@ -1,0 +1,3 @@
+"""deepinfer-cluster."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+"""deepinfer-eval."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+"""deepinfer-model."""
+
+__version__ = "0.1.0"

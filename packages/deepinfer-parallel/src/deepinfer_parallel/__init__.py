@@ -1,0 +1,3 @@
+"""deepinfer-parallel."""
+
+__version__ = "0.1.0"

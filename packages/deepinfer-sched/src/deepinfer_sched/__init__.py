@@ -1,0 +1,15 @@
+"""DeepInfer's scheduler: sequences, the paged KV block manager and the continuous-batching
+scheduler. The core is C++17 (``native/sched``) bound with pybind11; this package adds types."""
+
+from deepinfer_sched._core import BlockAllocator
+from deepinfer_sched._core import build_info as _native_build_info
+
+__version__ = "0.1.0"
+
+
+def build_info() -> dict:
+    """What the native core was built for: ``{"accelerator": "cpu" | "nvidia", ...}``."""
+    return dict(_native_build_info())
+
+
+__all__ = ["BlockAllocator", "build_info", "__version__"]

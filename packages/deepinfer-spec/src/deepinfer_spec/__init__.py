@@ -1,0 +1,3 @@
+"""deepinfer-spec."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+"""deepinfer-structured."""
+
+__version__ = "0.1.0"

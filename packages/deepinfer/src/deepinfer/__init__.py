@@ -1,0 +1,3 @@
+"""deepinfer."""
+
+__version__ = "0.1.0"
