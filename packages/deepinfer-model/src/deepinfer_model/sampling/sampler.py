@@ -1,0 +1,86 @@
+"""The sampler: one token per logits row, each row with its own parameters and random stream."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .params import RowParams
+from .random_stream import Purpose, stream_uniform
+from .transform import filtered_probs
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # int64 [B]
+    # Raw model log-probabilities (log_softmax of the logits before any transform), only when a row
+    # asked for logprobs: chosen token [B], and the top-n ids / values [B, max n] (n per row in params).
+    logprobs: torch.Tensor | None = None
+    top_token_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+
+class Sampler:
+    """Greedy / temperature / top-p / top-k / min-p sampling with seeded per-row streams.
+
+    The draw is exact inverse-CDF sampling: u = uniform(seed, position, purpose) picks the token whose
+    cumulative (float64, vocabulary order) probability interval contains u * total. u depends only on
+    the row's key, and the CDF only on the row's logits, so the result is independent of the batch.
+    """
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: list[RowParams],
+        allowed: torch.Tensor | None = None,
+        purpose: Purpose = Purpose.SAMPLE,
+    ) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}")
+        raw = logits.float()
+        masked = self._mask(raw, rows, allowed)
+        tokens = torch.empty(len(rows), dtype=torch.int64, device=raw.device)
+
+        greedy = [i for i, r in enumerate(rows) if r.greedy]
+        sampled = [i for i, r in enumerate(rows) if not r.greedy]
+        if greedy:
+            tokens[greedy] = torch.argmax(masked[greedy], dim=-1)  # first maximum = lowest id
+        if sampled:
+            probs = filtered_probs(masked[sampled], [rows[i] for i in sampled]).double()
+            cdf = torch.cumsum(probs, dim=-1)
+            total = cdf[:, -1]
+            if bool((total <= 0).any()) or not bool(torch.isfinite(total).all()):
+                raise ValueError("a sampled row has no token left with positive probability (all masked?)")
+            u = torch.tensor(
+                [stream_uniform(rows[i].seed, rows[i].position, purpose) for i in sampled],
+                dtype=torch.float64,
+                device=raw.device,
+            )
+            picked = torch.searchsorted(cdf, (u * total)[:, None], right=True).squeeze(1)
+            # u * total can round up to total; fall back to the last token with positive probability.
+            last_nonzero = probs.shape[-1] - 1 - torch.argmax((probs.flip(-1) > 0).to(torch.int8), dim=-1)
+            tokens[sampled] = torch.minimum(picked, last_nonzero)
+
+        out = SamplerOutput(token_ids=tokens)
+        wants = [r.logprobs for r in rows if r.logprobs is not None]
+        if wants:
+            logprobs = torch.log_softmax(raw, dim=-1)
+            out.logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
+            top_n = max(wants)
+            if top_n > 0:
+                out.top_logprobs, out.top_token_ids = torch.topk(logprobs, min(top_n, raw.shape[-1]), dim=-1)
+        return out
+
+    @staticmethod
+    def _mask(raw: torch.Tensor, rows: list[RowParams], allowed: torch.Tensor | None) -> torch.Tensor:
+        banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids if 0 <= t < raw.shape[-1]]
+        if not banned and allowed is None:
+            return raw
+        masked = raw.clone()
+        if banned:
+            row_idx, tok_idx = zip(*banned)
+            masked[list(row_idx), list(tok_idx)] = float("-inf")
+        if allowed is not None:
+            masked = masked.masked_fill(~allowed.to(torch.bool), float("-inf"))
+        return masked
