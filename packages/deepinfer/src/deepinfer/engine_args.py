@@ -1,0 +1,99 @@
+"""`EngineArgs`: every engine knob, with the reference's names and defaults where they fit a CPU host.
+
+`add_cli_args` / `from_cli_args` expose each field as a `--kebab-case` flag, so the CLI and the
+Python API cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+
+from . import envs
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = field(
+        default=None,
+        metadata={
+            "help": "checkpoint directory (default: $DEEPINFER_HF_MODEL_DIR, else the built-in deepinfer-tiny)"
+        },
+    )
+    tokenizer: str | None = field(
+        default=None, metadata={"help": "tokenizer directory (default: the model's)"}
+    )
+    seed: int = field(
+        default=0, metadata={"help": "engine seed: derives seq_seed of requests that give none"}
+    )
+    max_model_len: int | None = field(
+        default=None, metadata={"help": "max prompt + output tokens (default: min(4096, the model's limit))"}
+    )
+    max_num_seqs: int = field(default=256, metadata={"help": "max sequences in one step"})
+    max_num_batched_tokens: int | None = field(
+        default=None, metadata={"help": "max tokens in one step (default: max(max_model_len, 4096))"}
+    )
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block (reference: 128)"})
+    num_kv_blocks: int | None = field(
+        default=None,
+        metadata={"help": "KV blocks in the pool (default: enough for max_num_seqs full sequences)"},
+    )
+    chunked_prefill: bool = field(default=True, metadata={"help": "split long prompts across steps"})
+    async_scheduling: bool = field(
+        default=True,
+        metadata={
+            "help": "schedule step N+1 while step N runs (ZOS); $DEEPINFER_ZERO_OVERHEAD_SCHEDULING overrides"
+        },
+    )
+    stop_preempted_request: bool = field(
+        default=False, metadata={"help": "finish preempted requests instead of recomputing them"}
+    )
+    load_format: str = field(
+        default="auto", metadata={"help": "auto (safetensors) or dummy (random weights)"}
+    )
+    dtype: str = field(default="float32", metadata={"help": "compute dtype of the CPU reference model"})
+    num_threads: int | None = field(
+        default=None, metadata={"help": "torch intra-op threads (default: torch's)"}
+    )
+    disable_log_stats: bool = field(default=True, metadata={"help": "no periodic stats log lines"})
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks", "num_threads"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.dtype not in ("float32", "bfloat16", "float64"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float64, got {self.dtype!r}")
+        if self.model is None:
+            self.model = envs.DEEPINFER_HF_MODEL_DIR
+
+    @property
+    def use_async(self) -> bool:
+        env = envs.DEEPINFER_ZERO_OVERHEAD_SCHEDULING
+        return self.async_scheduling if env is None else bool(env)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        group = parser.add_argument_group("engine arguments")
+        for f in dataclasses.fields(EngineArgs):
+            flag = "--" + f.name.replace("_", "-")
+            help_text = f.metadata.get("help", "") + f" (default: {f.default})"
+            if f.type in ("bool", bool):
+                group.add_argument(
+                    flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
+                )
+            else:
+                kind = int if "int" in str(f.type) else str
+                group.add_argument(flag, type=kind, default=f.default, help=help_text)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})

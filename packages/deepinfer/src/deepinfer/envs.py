@@ -1,0 +1,127 @@
+"""Every DEEPINFER_* environment variable the engine reads, typed and documented in one place.
+
+Values are read when accessed (`envs.DEEPINFER_HF_MODEL_DIR`), so tests and callers may change the
+environment at any time. Booleans follow the reference: unset, "", "0", "false", "False" are false.
+Names that start with DEEPINFER_ but are not listed here trigger one warning (`warn_unknown`).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+def _bool(v: str) -> bool:
+    return v not in ("", "0", "false", "False")
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    doc: str
+    used_here: bool = True  # False: recognised reference knob for a feature this engine lacks
+
+
+_VARS = [
+    EnvVar("DEEPINFER_HF_MODEL_DIR", str, None, "checkpoint directory used when no model is given"),
+    EnvVar(
+        "DEEPINFER_CACHE_DIR",
+        str,
+        None,
+        "where the generated deepinfer-tiny checkpoint lives (default: user cache dir)",
+    ),
+    EnvVar(
+        "DEEPINFER_ZERO_OVERHEAD_SCHEDULING",
+        _bool,
+        None,
+        "async (zero-overhead) scheduling; unset: EngineArgs.async_scheduling decides (on by default)",
+    ),
+    EnvVar("DEEPINFER_ACCELERATOR", str, "cpu", "kernel backend: cpu (reference) or nvidia"),
+    EnvVar(
+        "DEEPINFER_DECODE_TOKEN_BLACKLIST",
+        str,
+        "",
+        "token ids never sampled, syntax a..b,c (inclusive ranges)",
+    ),
+    EnvVar("DEEPINFER_LOGGING_INTERVAL_STEP", int, 100, "steps between stats log lines (<= 0 disables)"),
+    EnvVar("DEEPINFER_GC_INTERVAL_STEP", int, 1000, "Python GC period in engine steps (GC is otherwise off)"),
+    EnvVar(
+        "DEEPINFER_BATCH_INVARIANT", _bool, False, "batch-invariant numerics (CPU path is invariant already)"
+    ),
+    EnvVar(
+        "DEEPINFER_USE_NEXTN_DECODE", int, 0, "draft tokens per decode step (speculative decoding)", False
+    ),
+    EnvVar("DEEPINFER_ENABLE_MTP_VARLEN", _bool, False, "confidence-scheduled verification length", False),
+    EnvVar("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", str, "off", "off / mask / compact", False),
+    EnvVar("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", int, 0, "tokens kept for YOCO consumer layers", False),
+    EnvVar(
+        "DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS", int, 0, "minimum number of redundant experts (EPLB)", False
+    ),
+    EnvVar("DEEPINFER_SAMPLER_FORCE_TOPK", int, 0, "sample only among the top-K logits", False),
+    EnvVar("DEEPINFER_COMPUTE_SUM_SMALLER_PROBS", _bool, False, "extra sampler statistic", False),
+    EnvVar("DEEPINFER_XGRAMMAR_TIMEOUT", float, 20.0, "grammar compile timeout (s)", False),
+    EnvVar("DEEPINFER_ENFORCE_EAGER", _bool, False, "disable CUDA graphs", False),
+]
+# Reference knobs of subsystems this engine does not have; recognised so they are not warned about.
+_RECOGNISED_ONLY = """JIT_CACHE_DIR NCCL_NUM_SMS USERBUFFER_COMM_SMS GLOO_TIMEOUT REARRANGE_P2P_GROUPS
+EXPERT_COUNT_WINDOW_SIZE EXPERT_REARRANGEMENT_STEP_INTERVAL REARRANGE_AFTER_PREFILL_IN_NORMAL_ENGINE
+MOE_LB_STAT_INTERVAL FORCE_IMBALANCE_RATIO FORCE_LOAD_BALANCE SHOW_EPLB_DETAIL PREFILL_MAX_SUM_SEQLEN_K
+INDEX_ATTN_MEMORY_LIMIT MAX_BACKTRACKING_TOKENS DFLASH_CONFIDENCE_HEAD_TEMPERATURE ENGRAM_PAD_TOKEN
+ENGRAM_FORCE_GPU_STORAGE CUDAGRAPH_BATCH_SIZE_INTERVAL DFLASH_ENFORCE_EAGER DFLASH_CUDAGRAPH_BATCH_SIZE_INTERVAL
+DECODE_PERF_CACHE_DIR DECODE_PERF_CACHE_TTL_SEC NUM_STATE_SLOTS_RATIO PREFILL_STORE_EXTRA_STATE
+PREFILL_STORE_EXTRA_SIZE XGRAMMAR_DEBUG XGRAMMAR_DISABLE_CACHE XGRAMMAR_CACHE_LIMIT_BYTES SO_BUILDER_CPUS
+PREFILL_ATTEMPT_INTERVAL PREFILL_ANY_ATTEMPT_INTERVAL NCCL_MEMORY_SAMPLE_INTERVAL_STEPS
+RINGBUFFER_WARNING_INTERVAL DISABLE_SYNC_GUARD PROFILE_TORCH_CUDA_MEMORY ENABLE_MEMORY_TRACING
+PROFILE_HTTP_ENABLE PROFILE_HTTP_PORT_BASE TORCH_PROFILER_DIR USE_MULTIMODAL_POOL MULTIMODAL_POOL_SIZE_GB
+MULTI_MODAL_BUFFER_SIZE MULTI_MODAL_WORKER_TIMEOUT CPP_LOG_LEVEL FUSED_SAMPLE_STRESS_TEST
+FUSED_SAMPLE_DETAIL_LOG""".split()
+
+VARS: dict[str, EnvVar] = {v.name: v for v in _VARS}
+KNOWN_NAMES = frozenset(VARS) | {"DEEPINFER_" + n for n in _RECOGNISED_ONLY}
+
+
+def get(name: str) -> Any:
+    var = VARS[name]
+    raw = os.environ.get(name)
+    if raw is None:
+        return var.default
+    try:
+        return var.parse(raw)
+    except ValueError as e:
+        raise ValueError(f"{name}={raw!r}: {e}") from None
+
+
+def __getattr__(name: str) -> Any:
+    if name in VARS:
+        return get(name)
+    raise AttributeError(name)
+
+
+def parse_token_ranges(spec: str) -> list[int]:
+    """'a..b,c' -> [a, ..., b, c]; ranges inclusive and strictly increasing (reference syntax)."""
+    ids: list[int] = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        lo, _, hi = part.partition("..")
+        start, end = int(lo), int(hi or lo)
+        if end < start or (ids and start <= ids[-1]):
+            raise ValueError(f"DEEPINFER_DECODE_TOKEN_BLACKLIST must be strictly increasing, got {spec!r}")
+        ids.extend(range(start, end + 1))
+    return ids
+
+
+_warned: set[str] = set()
+
+
+def warn_unknown() -> list[str]:
+    """Warn (once per name) about DEEPINFER_* variables nobody reads; returns the unknown names."""
+    unknown = sorted(n for n in os.environ if n.startswith("DEEPINFER_") and n not in KNOWN_NAMES)
+    for name in unknown:
+        if name not in _warned:
+            _warned.add(name)
+            warnings.warn(f"unknown environment variable {name} is ignored (typo?)", stacklevel=2)
+    return unknown

@@ -1,0 +1,82 @@
+"""SamplingParams / EngineArgs validation and the envs module."""
+
+import argparse
+import warnings
+
+import pytest
+from deepinfer import envs
+from deepinfer.engine_args import EngineArgs
+from deepinfer.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("n", 0),
+        ("temperature", -1.0),
+        ("top_p", 0.0),
+        ("top_p", 2.0),
+        ("top_k", 0),
+        ("top_k", -5),
+        ("min_p", 1.1),
+        ("max_tokens", -3),
+        ("min_tokens", -1),
+        ("logprobs", 1001),
+        ("stop", [""]),
+        ("stop_token_ids", [-1]),
+        ("first_n_token_no_eos", 2),
+        ("seq_seed", 1.5),
+        ("prompt_logprobs", True),
+    ],
+)
+def test_sampling_params_errors_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_sampling_params_normalisation():
+    p = SamplingParams(max_tokens=0, stop="END", seq_seed=-1, top_logprobs=3)
+    assert p.max_tokens == 1  # reference: 0 becomes 1
+    assert p.stop == ["END"]
+    assert p.seq_seed == 2**64 - 1
+    assert p.logprobs == 3
+    assert SamplingParams(logprobs=True).logprobs == 0
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=5, max_tokens=4)
+
+
+def test_engine_args_cli_round_trip():
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = EngineArgs.from_cli_args(
+        parser.parse_args(["--max-num-seqs", "4", "--no-async-scheduling", "--seed", "7"])
+    )
+    assert (args.max_num_seqs, args.async_scheduling, args.seed) == (4, False, 7)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        EngineArgs(max_num_seqs=0)
+    with pytest.raises(ValueError, match="load_format"):
+        EngineArgs(load_format="pt")
+
+
+def test_envs_typed_and_unknown_warned(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_HF_MODEL_DIR", "/some/where")
+    monkeypatch.setenv("DEEPINFER_LOGGING_INTERVAL_STEP", "5")
+    monkeypatch.setenv("DEEPINFER_ZERO_OVERHEAD_SCHEDULING", "0")
+    assert envs.DEEPINFER_HF_MODEL_DIR == "/some/where"
+    assert envs.DEEPINFER_LOGGING_INTERVAL_STEP == 5
+    assert EngineArgs().model == "/some/where"
+    assert EngineArgs(async_scheduling=True).use_async is False
+    monkeypatch.setenv("DEEPINFER_LOGGING_INTERVAL_STEP", "five")
+    with pytest.raises(ValueError, match="DEEPINFER_LOGGING_INTERVAL_STEP"):
+        _ = envs.DEEPINFER_LOGGING_INTERVAL_STEP
+    monkeypatch.setenv("DEEPINFER_TYPO_VARIABLE", "1")
+    monkeypatch.setenv("DEEPINFER_GLOO_TIMEOUT", "10")  # a recognised reference knob: no warning
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert envs.warn_unknown() == ["DEEPINFER_TYPO_VARIABLE"]
+    assert any("DEEPINFER_TYPO_VARIABLE" in str(w.message) for w in caught)
+
+
+def test_token_blacklist_syntax():
+    assert envs.parse_token_ranges("1..3,7, 9..9") == [1, 2, 3, 7, 9]
+    with pytest.raises(ValueError, match="BLACKLIST"):
+        envs.parse_token_ranges("5,3")
