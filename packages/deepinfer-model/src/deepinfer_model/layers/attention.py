@@ -1,0 +1,114 @@
+"""MQA attention over one shared latent (K = V), with per-head sinks, and its projections.
+
+The core (`sink_attention`) takes explicit keys and a visibility mask, so a KV cache (paged runtime,
+decode) can feed it the same keys a whole-sequence forward builds; `sliding_window_visible` and
+`compressed_visible` are the two visibility rules, expressed over absolute positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..numerics import linear, round_to
+from .norm import rms_norm
+from .rope import apply_rope
+
+
+@dataclass
+class AttentionWeights:
+    """Dequantised projections of one attention layer (upstream names in comments)."""
+
+    wq_a: torch.Tensor  # attn.wq_a   [Rq, H]
+    q_norm: torch.Tensor  # attn.q_norm [Rq]
+    wq_b: torch.Tensor  # attn.wq_b   [nh*D, Rq]
+    wkv: torch.Tensor  # attn.wkv    [D, H]
+    kv_norm: torch.Tensor  # attn.kv_norm [D]
+    wo_a: torch.Tensor  # attn.wo_a   [G*Ro, nh*D/G]
+    wo_b: torch.Tensor  # attn.wo_b   [H, G*Ro]
+    sinks: torch.Tensor  # attn.attn_sink [nh] FP32 logits
+
+
+def sliding_window_visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """[Tq, Tk] bool: key at `k` is visible to the query at `p` iff `p - window < k <= p` (W keys incl. itself)."""
+    q, k = q_pos[:, None], k_pos[None, :]
+    return (k <= q) & (k > q - window)
+
+
+def compressed_visible(q_pos: torch.Tensor, n_entries: int, ratio: int) -> torch.Tensor:
+    """[Tq, n] bool: compressed entry `j` (tokens j*r .. j*r+r-1) exists for the query at `p` iff j < (p+1)//r."""
+    j = torch.arange(n_entries, device=q_pos.device)
+    return j[None, :] < torch.div(q_pos[:, None] + 1, ratio, rounding_mode="floor")
+
+
+def sink_attention(
+    q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Softmax attention with one shared latent as key and value and a per-head sink logit.
+
+    q [T, nh, D], keys [T, S, D] (per-query key set) or [S, D] (shared), visible [T, S] bool,
+    sinks [nh]. The sink is an extra logit with a zero value vector; a query with no visible key
+    returns zeros. Returns FP32 [T, nh, D].
+    """
+    q, keys = q.float(), keys.float()
+    if keys.dim() == 2:
+        scores = torch.einsum("thd,sd->ths", q, keys) * scale
+    else:
+        scores = torch.einsum("thd,tsd->ths", q, keys) * scale
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    sink = sinks.float()[None, :, None].expand(scores.shape[0], -1, 1)
+    logits = torch.cat((scores, sink), dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    if keys.dim() == 2:
+        return torch.einsum("ths,sd->thd", probs, keys)
+    return torch.einsum("ths,tsd->thd", probs, keys)
+
+
+def project_query(
+    y: torch.Tensor,
+    w: AttentionWeights,
+    num_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    head_norm: bool,
+    act_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [T, nh, D] with RoPE on its tail, q_lat [T, Rq] = normed low-rank query that the indexer reuses)."""
+    q_lat = rms_norm(linear(y, w.wq_a, act_dtype), w.q_norm, eps, act_dtype)
+    q = linear(q_lat, w.wq_b, act_dtype).view(y.shape[0], num_heads, -1)
+    if head_norm:  # public V4 only: unweighted RMSNorm of every head
+        q = rms_norm(q, None, eps, act_dtype)
+    return round_to(apply_rope(q, cos, sin), act_dtype), q_lat
+
+
+def project_latent(
+    y: torch.Tensor,
+    w: AttentionWeights,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    act_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The token's own (sliding-window) latent [T, D]: wkv -> kv_norm -> RoPE on the tail."""
+    kv = rms_norm(linear(y, w.wkv, act_dtype), w.kv_norm, eps, act_dtype)
+    return round_to(apply_rope(kv, cos, sin), act_dtype)
+
+
+def project_output(
+    o: torch.Tensor,
+    w: AttentionWeights,
+    o_groups: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    act_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Attention output [T, nh, D] -> [T, H]: conjugate RoPE on the tail, grouped wo_a, then wo_b."""
+    t = o.shape[0]
+    o = round_to(apply_rope(o, cos, sin, inverse=True), act_dtype)
+    grouped = o.reshape(t, o_groups, -1)  # group g = heads g*nh/G .. (g+1)*nh/G - 1
+    wo_a = w.wo_a.float().view(o_groups, -1, grouped.shape[-1])  # [G, Ro, nh*D/G]
+    z = round_to(torch.einsum("tgi,gri->tgr", grouped, wo_a), act_dtype).reshape(t, -1)
+    return linear(z, w.wo_b, act_dtype)

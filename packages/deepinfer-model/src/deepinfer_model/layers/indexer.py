@@ -1,0 +1,82 @@
+"""Lightning indexer: score compressed entries per query and keep the top-k (sparse attention selection).
+
+`I[t, j] = sum_h w[t, h] * relu(q[t, h] . k[j])` (public V4 also scales by `d_i^-1/2 * n_i^-1/2`).
+Selection is deterministic: larger score first, equal scores -> lower index first; the result is
+returned in ascending index order and padded with -1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..numerics import linear, round_to
+from .compressor import CompressorWeights
+from .rope import apply_rope
+
+
+@dataclass
+class IndexerWeights:
+    """`wq_b` [n_i*d_i, Rq] on the attention's normed low-rank query, `weights_proj` [n_i, H] on the layer input.
+
+    Public V4 gives the indexer its own compressor over the hidden (`compressor`, 2*d_i wide with overlap);
+    V4.1 derives index keys from the main compressed latent instead (`wk` [d_i, D], `k_norm` [d_i]).
+    """
+
+    wq_b: torch.Tensor
+    weights_proj: torch.Tensor
+    compressor: CompressorWeights | None = None
+    wk: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+
+
+def index_queries(
+    q_lat: torch.Tensor,
+    w: IndexerWeights,
+    n_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    act_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Index queries [T, n_i, d_i] with RoPE on the tail of every head."""
+    q = linear(q_lat, w.wq_b, act_dtype).view(q_lat.shape[0], n_heads, -1)
+    return round_to(apply_rope(q, cos, sin), act_dtype)
+
+
+def index_scores(
+    q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, scaled: bool
+) -> torch.Tensor:
+    """FP32 scores [T, n] of queries [T, n_i, d_i] against index keys [n, d_i] with head weights [T, n_i]."""
+    n_heads, head_dim = q.shape[1], q.shape[2]
+    s = torch.relu(torch.einsum("thd,nd->thn", q.float(), keys.float()))
+    w = head_weights.float()
+    if scaled:
+        s = s * head_dim**-0.5
+        w = w * n_heads**-0.5
+    return (s * w.unsqueeze(-1)).sum(dim=1)
+
+
+def select_topk(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [T, k] of the k best valid entries per row (ties -> lower index), ascending, -1 padded."""
+    t, n = scores.shape
+    if n == 0:
+        return torch.full((t, k), -1, dtype=torch.long)
+    masked = scores.float().masked_fill(~valid, float("-inf"))
+    order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :k]
+    keep = valid.gather(1, order)
+    picked = torch.where(keep, order, torch.full_like(order, n))  # n sorts after every real index
+    picked = torch.sort(picked, dim=-1).values
+    picked = torch.where(picked == n, torch.full_like(picked, -1), picked)
+    if picked.shape[1] < k:
+        picked = torch.cat((picked, torch.full((t, k - picked.shape[1]), -1, dtype=torch.long)), dim=1)
+    return picked
+
+
+def selection_mask(selected: torch.Tensor, n_entries: int) -> torch.Tensor:
+    """[T, n] bool mask of the entries listed in `selected` [T, k] (-1 = none)."""
+    t = selected.shape[0]
+    mask = torch.zeros(t, n_entries + 1, dtype=torch.bool)
+    idx = torch.where(selected >= 0, selected, torch.full_like(selected, n_entries))
+    mask.scatter_(1, idx, True)
+    return mask[:, :n_entries]

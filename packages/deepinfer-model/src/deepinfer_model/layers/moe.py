@@ -1,0 +1,41 @@
+"""The MoE feed-forward block of one layer: router (score top-k or hash) + routed experts + shared expert."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..numerics import linear
+from .experts import ExpertWeights, MLPWeights, moe
+from .router import route_hash, route_topk
+
+
+@dataclass
+class MoEWeights:
+    """`gate` [E, H]; `bias` [E] (score-routed layers) or `tid2eid` [vocab, k] (hash-routed layers)."""
+
+    gate: torch.Tensor
+    experts: ExpertWeights
+    shared: MLPWeights | None
+    bias: torch.Tensor | None = None
+    tid2eid: torch.Tensor | None = None
+
+
+def moe_block(
+    x: torch.Tensor,
+    token_ids: torch.Tensor,
+    w: MoEWeights,
+    top_k: int,
+    routed_scaling_factor: float,
+    swiglu_limit: float,
+    act_dtype: torch.dtype = torch.float32,
+    weight_before_down: bool = False,
+) -> torch.Tensor:
+    """MoE output [T, H] for the normed layer input `x` [T, H] of tokens `token_ids` [T]."""
+    logits = linear(x, w.gate, torch.float32)  # router logits stay FP32
+    if w.tid2eid is not None:
+        weights, ids = route_hash(logits, token_ids, w.tid2eid, routed_scaling_factor)
+    else:
+        weights, ids = route_topk(logits, w.bias, top_k, routed_scaling_factor)
+    return moe(x, weights, ids, w.experts, w.shared, swiglu_limit, act_dtype, weight_before_down)

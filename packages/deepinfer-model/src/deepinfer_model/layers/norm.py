@@ -1,0 +1,18 @@
+"""RMSNorm: FP32 statistics over the last dimension, one rounding of the output."""
+
+from __future__ import annotations
+
+import torch
+
+from ..numerics import round_to
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, act_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """`x * rsqrt(mean(x^2) + eps) * weight`; `weight=None` is the unweighted norm (public V4 per-head q norm)."""
+    x = x.float()
+    y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    return round_to(y, act_dtype)

@@ -1,0 +1,59 @@
+"""Interleaved rotary position embedding on the trailing channels of a vector (base or YaRN).
+
+Pairs are `(x[2i], x[2i+1])` of the last `spec.dim` channels; the leading channels are left alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..config import RopeSpec
+
+
+def inv_freq(spec: RopeSpec) -> torch.Tensor:
+    """FP32 [dim/2] angular frequencies; YaRN blends interpolated and original ones with a linear ramp."""
+    dim = spec.dim
+    base_freq = 1.0 / (spec.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if spec.yarn is None:
+        return base_freq
+    y = spec.yarn
+
+    def correction_dim(rotations: float) -> float:
+        return (
+            dim
+            * math.log(y.original_max_position_embeddings / (rotations * 2 * math.pi))
+            / (2 * math.log(spec.theta))
+        )
+
+    low = max(math.floor(correction_dim(y.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(y.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return (base_freq / y.factor) * ramp + base_freq * (1 - ramp)
+
+
+def cos_sin(spec: RopeSpec, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP32 cos/sin tables [len(positions), dim/2] (amplitude 1: DeepSeek-V4 applies no YaRN mscale)."""
+    angles = positions.to(torch.float32)[:, None] * inv_freq(spec)[None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the last `2*cos.shape[-1]` channels of `x` [T, ..., C] by the angles of `cos/sin` [T, dim/2].
+
+    `inverse=True` rotates by the negative angle (the conjugate rotation applied to attention outputs).
+    Returns FP32.
+    """
+    x = x.float()
+    half = cos.shape[-1]
+    view = (x.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    c, s = cos.reshape(view), sin.reshape(view)
+    if inverse:
+        s = -s
+    tail = x[..., -2 * half :]
+    even, odd = tail[..., 0::2], tail[..., 1::2]
+    rotated = torch.stack((even * c - odd * s, even * s + odd * c), dim=-1).flatten(-2)
+    return torch.cat((x[..., : -2 * half], rotated), dim=-1)

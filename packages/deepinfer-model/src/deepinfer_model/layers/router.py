@@ -1,0 +1,39 @@
+"""MoE routers: score-based top-k (`sqrtsoftplus`, bias only for selection) and hash routing.
+
+Both return `(weights [T, k] FP32, expert_ids [T, k] long)`; the weights are the *unbiased* scores of
+the chosen experts normalised to sum 1 (plus 1e-20 in the denominator) and multiplied by
+`routed_scaling_factor`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def sqrt_softplus(logits: torch.Tensor) -> torch.Tensor:
+    """`sqrt(softplus(x))` with softplus(x) = x above 20 (FP32)."""
+    return F.softplus(logits.float(), beta=1.0, threshold=20.0).sqrt()
+
+
+def _normalise(scores: torch.Tensor, ids: torch.Tensor, scaling: float) -> torch.Tensor:
+    w = scores.gather(1, ids)
+    return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * scaling
+
+
+def route_topk(
+    logits: torch.Tensor, bias: torch.Tensor | None, k: int, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k experts by `score + bias` (stable: equal values -> lower expert id)."""
+    scores = sqrt_softplus(logits)
+    choice = scores if bias is None else scores + bias.float()
+    ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :k]
+    return _normalise(scores, ids, scaling), ids
+
+
+def route_hash(
+    logits: torch.Tensor, token_ids: torch.Tensor, tid2eid: torch.Tensor, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Experts fixed per token id by the table `tid2eid` [vocab, k]; weights still come from the scores."""
+    ids = tid2eid[token_ids.long()].long()
+    return _normalise(sqrt_softplus(logits), ids, scaling), ids

@@ -1,0 +1,34 @@
+"""Whole models of the DeepSeek-V4 family, and `load_model`, which picks one by `config.json`'s model_type."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import torch
+
+from ..config import ConfigError
+
+# model_type -> module exposing `load_model(path, dtype)`; imported on first use.
+MODEL_MODULES = {
+    "deepseek_v4": "deepinfer_model.models.deepseek_v4",
+    "deepseek_v41": "deepinfer_model.models.deepseek_v41",
+}
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
+    """Load a checkpoint directory into the CPU reference model named by its `config.json` model_type."""
+    file = Path(path) / "config.json"
+    if not file.exists():
+        raise FileNotFoundError(f"no config.json in checkpoint directory {path}")
+    try:
+        model_type = json.loads(file.read_text()).get("model_type")
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise ConfigError(f"{file} is not a valid JSON object: {e}") from e
+    if model_type not in MODEL_MODULES:
+        raise ConfigError(f"config key 'model_type' = {model_type!r} must be one of {sorted(MODEL_MODULES)}")
+    return importlib.import_module(MODEL_MODULES[model_type]).load_model(path, dtype)
+
+
+__all__ = ["MODEL_MODULES", "load_model"]
