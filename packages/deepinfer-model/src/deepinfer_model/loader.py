@@ -152,8 +152,16 @@ def _expected_storage(
     ]
 
 
-def check_checkpoint(files: CheckpointFiles, layout: dict[str, TensorSpec], cfg: ModelConfig) -> list[str]:
-    """Every mismatch between the stored tensors and the expected layout (empty list = loadable)."""
+def check_checkpoint(
+    files: CheckpointFiles,
+    layout: dict[str, TensorSpec],
+    cfg: ModelConfig,
+    ignored_prefixes: tuple[str, ...] = IGNORED_PREFIXES,
+) -> list[str]:
+    """Every mismatch between the stored tensors and the expected layout (empty list = loadable).
+
+    Stored tensors outside the layout whose names start with one of `ignored_prefixes` are allowed.
+    """
     problems = list(files.problems)
     expected_names: set[str] = set()
     for spec in layout.values():
@@ -168,7 +176,7 @@ def check_checkpoint(files: CheckpointFiles, layout: dict[str, TensorSpec], cfg:
             if t.shape != shape:
                 problems.append(f"tensor '{name}': expected shape {list(shape)}, found {list(t.shape)}")
     for name in sorted(set(files.tensors) - expected_names):
-        if not name.startswith(IGNORED_PREFIXES):
+        if not name.startswith(ignored_prefixes):
             t = files.tensors[name]
             problems.append(f"unexpected tensor '{name}' ({t.dtype} {list(t.shape)}) in {t.file.name}")
     return problems
@@ -180,6 +188,7 @@ def load_tensors(
     layout: dict[str, TensorSpec],
     dtype: torch.dtype = torch.float32,
     progress: Callable[[Iterable], Iterable] | None = None,
+    ignored_prefixes: tuple[str, ...] = IGNORED_PREFIXES,
 ) -> dict[str, torch.Tensor]:
     """Validate, then read and dequantise every tensor of `layout`.
 
@@ -187,7 +196,7 @@ def load_tensors(
     Raises `CheckpointError` listing all problems before reading any data.
     """
     files = CheckpointFiles(path)
-    problems = check_checkpoint(files, layout, cfg)
+    problems = check_checkpoint(files, layout, cfg, ignored_prefixes)
     if problems:
         raise CheckpointError(path, problems)
     out: dict[str, torch.Tensor] = {}
