@@ -1,0 +1,48 @@
+"""`RunnerBatch`: what a model runner needs from one scheduled step, as flat numpy arrays.
+
+It is the runner-facing view of the scheduler's output (`from_scheduler_output` converts), so the
+recompute runner here and the paged runner later consume exactly the same thing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class RunnerBatch:
+    seq_ids: np.ndarray  # int64 [B]
+    start_positions: np.ndarray  # int64 [B]: tokens of the sequence already computed before this step
+    query_lens: np.ndarray  # int64 [B]: tokens this step computes, at positions start .. start+q-1
+    block_tables: list[np.ndarray]  # per sequence, int32 block ids covering positions 0 .. start+q-1
+    input_ids: np.ndarray  # int64 [sum(query_lens)]: the query tokens, sequence after sequence
+    logits_lens: np.ndarray  # int64 [B]: trailing query positions that need logits (0: none, 1: last)
+
+    def __post_init__(self) -> None:
+        b = len(self.seq_ids)
+        for name in ("start_positions", "query_lens", "logits_lens"):
+            if len(getattr(self, name)) != b:
+                raise ValueError(
+                    f"{name} must have one entry per sequence ({b}), got {len(getattr(self, name))}"
+                )
+        if len(self.block_tables) != b:
+            raise ValueError(
+                f"block_tables must have one entry per sequence ({b}), got {len(self.block_tables)}"
+            )
+        if int(self.query_lens.sum()) != len(self.input_ids):
+            raise ValueError(
+                f"input_ids must hold sum(query_lens)={int(self.query_lens.sum())} tokens, got {len(self.input_ids)}"
+            )
+        if np.any(self.logits_lens > self.query_lens) or np.any(self.logits_lens < 0):
+            raise ValueError("logits_lens must be in [0, query_lens] for every sequence")
+
+    @property
+    def num_logits_rows(self) -> int:
+        return int(self.logits_lens.sum())
+
+    @property
+    def query_offsets(self) -> np.ndarray:
+        """Start of each sequence's query tokens in `input_ids`."""
+        return np.concatenate(([0], np.cumsum(self.query_lens)[:-1])).astype(np.int64)

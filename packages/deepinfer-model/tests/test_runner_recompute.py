@@ -1,0 +1,94 @@
+"""The recompute runner returns exactly the stateless forward's logits for any chunking / batch mix."""
+
+import numpy as np
+import pytest
+import torch
+from deepinfer_model import load_model
+from deepinfer_model.runner import RecomputeRunner, RunnerBatch
+from deepinfer_model.testing import make_checkpoint
+from deepinfer_model.testing.checkpoint import tiny_config
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = make_checkpoint(tmp_path_factory.mktemp("v4"), tiny_config(), seed=3, tokenizer=False)
+    return load_model(path)
+
+
+def _batch(entries):
+    """entries: (seq_id, start, tokens of the query, block_table, logits_len)."""
+    return RunnerBatch(
+        seq_ids=np.array([e[0] for e in entries], dtype=np.int64),
+        start_positions=np.array([e[1] for e in entries], dtype=np.int64),
+        query_lens=np.array([len(e[2]) for e in entries], dtype=np.int64),
+        block_tables=[np.array(e[3], dtype=np.int32) for e in entries],
+        input_ids=np.concatenate([np.array(e[2], dtype=np.int64) for e in entries]),
+        logits_lens=np.array([e[4] for e in entries], dtype=np.int64),
+    )
+
+
+def test_random_chunkings_and_interleavings_match_forward(model):
+    rng = np.random.default_rng(0)
+    runner = RecomputeRunner(model, num_blocks=64, block_size=BLOCK)
+    vocab = model.config.vocab_size
+    seqs = {}
+    free_blocks = list(range(64))
+    for sid in range(4):
+        n = int(rng.integers(9, 23))
+        table = [free_blocks.pop() for _ in range(-(-n // BLOCK))]
+        seqs[sid] = dict(tokens=rng.integers(0, vocab, n).tolist(), done=0, table=table)
+    while any(s["done"] < len(s["tokens"]) for s in seqs.values()):
+        entries = []
+        for sid, s in seqs.items():
+            left = len(s["tokens"]) - s["done"]
+            if left == 0 or rng.random() < 0.3:
+                continue
+            q = int(rng.integers(1, left + 1))
+            complete = s["done"] + q == len(s["tokens"])
+            n_logits = int(rng.integers(1, q + 1)) if complete else 0
+            entries.append((sid, s["done"], s["tokens"][s["done"] : s["done"] + q], s["table"], n_logits))
+            s["done"] += q
+        if not entries:
+            continue
+        rng.shuffle(entries)
+        logits = runner.execute(_batch(entries))
+        row = 0
+        for sid, start, query, _, n_logits in entries:
+            if n_logits:
+                ref = model.forward(torch.tensor(seqs[sid]["tokens"][: start + len(query)]))[-n_logits:]
+                assert torch.equal(logits[row : row + n_logits], ref)
+                row += n_logits
+        assert row == logits.shape[0]
+
+
+def test_shared_prefix_blocks_and_reuse_after_free(model):
+    runner = RecomputeRunner(model, num_blocks=8, block_size=BLOCK)  # sequences >= 8 tokens: see README
+    prefix = [5, 6, 7, 8, 1, 2, 3, 4]
+    a, b = prefix + [9, 10], prefix + [11]
+    runner.execute(_batch([(0, 0, a, [0, 4, 1], 1)]))
+    # b hits the cached prefix blocks 0 and 4 and only computes its own suffix
+    logits = runner.execute(_batch([(1, 8, b[8:], [0, 4, 2], 1)]))
+    assert torch.equal(logits[0], model.forward(torch.tensor(b))[-1])
+    # block 1 freed and reused by another sequence: new tokens overwrite old ones
+    c = [1, 2, 3, 4, 20, 21, 22, 23, 24]
+    logits = runner.execute(_batch([(2, 0, c, [3, 5, 1], 1)]))
+    assert torch.equal(logits[0], model.forward(torch.tensor(c))[-1])
+
+
+def test_bad_inputs_are_rejected(model):
+    runner = RecomputeRunner(model, num_blocks=2, block_size=BLOCK)
+    with pytest.raises(ValueError, match="token ids"):
+        runner.execute(_batch([(0, 0, [model.config.vocab_size], [0], 1)]))
+    with pytest.raises(ValueError, match="block table"):
+        runner.execute(_batch([(0, 0, list(range(9)), [0], 1)]))
+    with pytest.raises(ValueError, match="input_ids"):
+        RunnerBatch(
+            seq_ids=np.array([0]),
+            start_positions=np.array([0]),
+            query_lens=np.array([3]),
+            block_tables=[np.array([0])],
+            input_ids=np.array([1, 2]),
+            logits_lens=np.array([1]),
+        )
