@@ -1,0 +1,162 @@
+"""Generation stage: output lines, GPQA shuffles, image-task skips and resume after a crash.
+
+The engine is not involved: ``SumGenerator`` is a real (if simple) Generator that solves the
+"Compute a + b." problems of the fixtures, so the bookkeeping is tested end to end.
+"""
+
+import json
+import re
+
+import pytest
+from deepinfer_eval import read_jsonl, run_generation, score_records
+from deepinfer_eval.prompts import gpqa_permutation
+
+
+class SumGenerator:
+    """Answers "Compute a + b." correctly on even seeds' first sample, off by one otherwise."""
+
+    def __init__(self, fail_after_calls: int | None = None):
+        self.calls, self.requests, self.fail_after_calls = 0, 0, fail_after_calls
+
+    def generate(self, conversations, n, seeds):
+        if self.fail_after_calls is not None and self.calls >= self.fail_after_calls:
+            raise RuntimeError("simulated crash")
+        self.calls += 1
+        self.requests += len(conversations)
+        out = []
+        for conv, seed in zip(conversations, seeds):
+            a, b = map(int, re.search(r"Compute (\d+) \+ (\d+)", conv[-1]["content"]).groups())
+            out.append([f"<think>{a}+{b}, seed {seed}</think>\\boxed{{{a + b + (i % 2)}}}" for i in range(n)])
+        return out
+
+
+def _aime_tasks(n):
+    return [
+        {
+            "benchmark": "aime",
+            "id": f"t{i}",
+            "problem": f"Compute {i} + {i + 1}.",
+            "answer": f"{2 * i + 1:03d}",
+        }
+        for i in range(n)
+    ]
+
+
+def _lines(path):
+    return [
+        json.loads(line)
+        for line in path.read_text().splitlines()
+        if line.startswith("{") and line.endswith("}")
+    ]
+
+
+def test_output_lines_and_scoring(tmp_path):
+    out = tmp_path / "gen.jsonl"
+    summary = run_generation(_aime_tasks(3), SumGenerator(), out, samples=4, seed=5, progress=False)
+    assert summary.written == 12
+    lines = _lines(out)
+    assert {(r["id"], r["sample"]) for r in lines} == {(f"t{i}", s) for i in range(3) for s in range(4)}
+    first = lines[0]
+    assert set(first) >= {"benchmark", "id", "sample", "prompt", "response", "answer", "answer_type", "seed"}
+    assert first["answer"] == "001" and "\\boxed{}" in first["prompt"]
+    scored, _ = score_records(read_jsonl(out).records)
+    # samples 0 and 2 of each task are right (n index even), 1 and 3 off by one
+    assert [s["correct"] for s in scored if s["id"] == "t1"] == [True, False, True, False]
+
+
+def test_resume_after_crash_matches_uninterrupted_run(tmp_path):
+    tasks = _aime_tasks(7)
+    full = tmp_path / "full.jsonl"
+    run_generation(tasks, SumGenerator(), full, samples=3, seed=1, batch_size=2, progress=False)
+
+    out = tmp_path / "resumed.jsonl"
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_generation(
+            tasks, SumGenerator(fail_after_calls=2), out, samples=3, seed=1, batch_size=2, progress=False
+        )
+    assert len(_lines(out)) == 2 * 2 * 3  # two batches of two tasks were written before the crash
+    with open(out, "a") as f:
+        f.write('{"benchmark": "aime", "id": "t4", "sam')  # a kill in the middle of a line
+    partial_line = len(out.read_text().splitlines())
+
+    resumed = SumGenerator()
+    summary = run_generation(tasks, resumed, out, samples=3, seed=1, batch_size=2, progress=False)
+    assert summary.already_done == 12 and summary.written == 9 and resumed.requests == 3
+    assert [p.line for p in summary.problems] == [partial_line]
+
+    def key(r):
+        return r["id"], r["sample"], r["response"], r["seed"], r["prompt"]
+
+    assert sorted(map(key, _lines(out))) == sorted(map(key, _lines(full)))
+    again = SumGenerator()
+    assert (
+        run_generation(tasks, again, out, samples=3, seed=1, progress=False).written == 0 and again.calls == 0
+    )
+
+
+class LongestOptionGenerator:
+    """Picks the option with the longest text, answering in the GPQA answer-line format."""
+
+    def generate(self, conversations, n, seeds):
+        out = []
+        for conv in conversations:
+            options = dict(re.findall(r"^([A-D])\) (.*)$", conv[-1]["content"], re.M))
+            out.append([f"Reasoning.\nAnswer: {max(options, key=lambda k: len(options[k]))}"] * n)
+        return out
+
+
+def test_gpqa_shuffle_is_per_sample_recorded_and_gold_letter_points_at_correct_option(tmp_path):
+    task = {
+        "benchmark": "gpqa",
+        "id": "g1",
+        "question": "Which is longest?",
+        "correct": "a long correct option",
+        "incorrect": ["no", "nope", "never"],
+    }
+    out = tmp_path / "gpqa.jsonl"
+    run_generation([task], LongestOptionGenerator(), out, samples=8, seed=3, progress=False)
+    lines = _lines(out)
+    perms = [r["permutation"] for r in lines]
+    assert perms == [gpqa_permutation(3, "g1", s) for s in range(8)]
+    assert len({tuple(p) for p in perms}) > 1  # the order changes between samples
+    for r in lines:
+        shown = dict(re.findall(r"^([A-D])\) (.*)$", r["prompt"], re.M))
+        assert shown[r["answer"]] == "a long correct option"
+    scored, _ = score_records(read_jsonl(out).records)
+    assert all(s["correct"] for s in scored)
+
+
+def test_hle_image_tasks_are_skipped_and_recorded_once(tmp_path):
+    tasks = [
+        {
+            "benchmark": "hle",
+            "id": "h1",
+            "question": "Compute 1 + 1.",
+            "image": "",
+            "answer": "2",
+            "answer_type": "exactMatch",
+            "category": "Math",
+        },
+        {
+            "benchmark": "hle",
+            "id": "h2",
+            "question": "Compute 2 + 2.",
+            "image": "data:image/png;base64,AAAA",
+            "answer": "4",
+            "answer_type": "exactMatch",
+            "category": "Math",
+        },
+    ]
+    out = tmp_path / "hle.jsonl"
+    for _ in range(2):  # the second run resumes and must not duplicate the skip record
+        summary = run_generation(tasks, SumGenerator(), out, samples=2, progress=False)
+        assert summary.image_tasks_skipped == 1
+    lines = _lines(out)
+    assert [(r["id"], r["sample"]) for r in lines if r["id"] == "h2"] == [("h2", None)]
+    assert lines[0]["skipped"].startswith("image")
+    assert "Exact Answer:" in [r for r in lines if r["id"] == "h1"][0]["prompt"]
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="samples must be >= 1"):
+        run_generation(_aime_tasks(1), SumGenerator(), "unused.jsonl", samples=0, progress=False)
