@@ -8,6 +8,7 @@ logical (dequantised) shapes; `kind` says how a tensor may be stored:
 * `index`  - I32 / I64 (hash-routing table)
 * `fp8`    - float, or F8_E4M3 + `.scale` (block-scaled) in a quantised checkpoint
 * `expert` - like `fp8`, or MXFP4 (packed I8 + `.scale`) when `expert_dtype == "fp4"`
+* `fp8_rows` - like `fp8` but scaled per row in 1 x 32 groups (V4.1 Engram tables)
 """
 
 from __future__ import annotations

@@ -127,6 +127,14 @@ class CheckpointFiles:
             return f.get_tensor(t.key)
 
 
+# Kind of FP8 tensors scaled per row in 1 x 32 groups (V4.1's Engram tables) instead of 2-D weight blocks.
+FP8_ROWS = "fp8_rows"
+
+
+def _fp8_block(spec: TensorSpec, cfg: ModelConfig) -> tuple[int, int]:
+    return (1, MXFP4_BLOCK) if spec.kind == FP8_ROWS else cfg.quant.weight_block_size
+
+
 def _expected_storage(
     spec: TensorSpec, cfg: ModelConfig
 ) -> list[tuple[str, tuple[str, ...], tuple[int, ...]]]:
@@ -145,7 +153,7 @@ def _expected_storage(
             (spec.name, ("I8", "U8"), (rows, cols // 2)),
             (scale_name, ("F8_E8M0",), (rows, -(-cols // MXFP4_BLOCK))),
         ]
-    b0, b1 = q.weight_block_size
+    b0, b1 = _fp8_block(spec, cfg)
     return [
         (spec.name, ("F8_E4M3",), spec.shape),
         (scale_name, SCALE_DTYPES, (-(-rows // b0), -(-cols // b1))),
@@ -209,7 +217,7 @@ def load_tensors(
             if tensor.dtype in (torch.int8, torch.uint8):
                 tensor = dequant_mxfp4(tensor, scale)
             else:
-                tensor = dequant_fp8_block(tensor, scale, cfg.quant.weight_block_size)
+                tensor = dequant_fp8_block(tensor, scale, _fp8_block(spec, cfg))
         if spec.kind == "index":
             tensor = tensor.long()
             bad = (tensor < 0) | (tensor >= cfg.n_routed_experts)
