@@ -9,10 +9,11 @@ derived and validated in `topology.py` and attached as `config.topology`.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ...config import CSA, MOE, SLIDING, AttentionSpec, ModelConfig, QuantConfig, RopeSpec, YarnScaling
 from .topology import Topology, build_topology
 
 ARCHITECTURE = "DeepseekV41ForCausalLM"
@@ -62,16 +63,6 @@ def _id_list(d: dict, key: str, default: Any = None) -> list[int]:
 
 
 @dataclass(frozen=True)
-class YarnScaling:
-    """`rope_scaling` of compressed layers (§4.2); amplitude scaling is always 1 (mscale=False)."""
-
-    factor: float
-    original_max_position_embeddings: int
-    beta_fast: float
-    beta_slow: float
-
-
-@dataclass(frozen=True)
 class EngramConfig:
     """Derived Engram settings (§5): tables for n-gram sizes 2..max_ngram_size."""
 
@@ -97,57 +88,22 @@ class DSparkConfig:
     num_experts_per_tok: int
 
 
-@dataclass(frozen=True)
-class DeepseekV41Config:
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    head_dim: int
-    qk_rope_head_dim: int
-    q_lora_rank: int
-    o_lora_rank: int
-    o_groups: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    rope_theta: float
-    compress_rope_theta: float
-    rope_scaling: YarnScaling | None
-    sliding_window: int
+@dataclass(frozen=True, kw_only=True)
+class DeepseekV41Config(ModelConfig):
+    """The internal V4.1 config: the shared `ModelConfig` plus the V4.1-only parts (§1.3)."""
+
     compress_ratios: tuple[int, ...]  # backbone layers only (draft entries dropped, §1.2)
-    index_topk: int
-    index_n_heads: int
-    index_head_dim: int
     use_fp4_sparse_kv: bool
-    hc_mult: int
-    hc_shifted: bool
-    hc_eps: float
-    hc_sinkhorn_iters: int
-    moe_intermediate_size: int
-    n_routed_experts: int
-    n_shared_experts: int
-    num_experts_per_tok: int
-    routed_scaling_factor: float
-    swiglu_limit: float
     engram: EngramConfig | None
     dspark: DSparkConfig | None
     topology: Topology
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     hc_post_mult: float = 2.0  # fixed by the reference (`hc_post_mult_value`, §1.3)
-    raw: dict = field(default_factory=dict, repr=False, compare=False)
-
-    @property
-    def kv_lora_rank(self) -> int:
-        return self.head_dim - self.qk_rope_head_dim
 
     @property
     def n_prefill_layer(self) -> int:
         return self.topology.n_prefill_layer
-
-    @property
-    def num_nextn_predict_layers(self) -> int:
-        return self.dspark.num_blocks if self.dspark else 0
 
     @classmethod
     def from_file(cls, path: str | Path) -> DeepseekV41Config:
@@ -225,6 +181,14 @@ class DeepseekV41Config:
             dspark_target_layer_ids=dspark.target_layer_ids if dspark else (),
             yoco_compaction=yoco_compaction,
         )
+        rope = RopeSpec(_pos_float(t, "rope_theta"), R, None)
+        c_rope = RopeSpec(_pos_float(t, "compress_rope_theta"), R, rope_scaling)
+        attention = tuple(
+            AttentionSpec(SLIDING, 0, False, False, False, rope)
+            if r == 0
+            else AttentionSpec(CSA, r, False, False, topology.is_index_source(i), c_rope)
+            for i, r in enumerate(ratios[:L])
+        )
         return cls(
             vocab_size=_pos_int(t, "vocab_size"),
             hidden_size=_pos_int(t, "hidden_size"),
@@ -237,31 +201,38 @@ class DeepseekV41Config:
             o_groups=G,
             rms_norm_eps=_pos_float(t, "rms_norm_eps"),
             max_position_embeddings=_pos_int(t, "max_position_embeddings"),
-            rope_theta=_pos_float(t, "rope_theta"),
-            compress_rope_theta=_pos_float(t, "compress_rope_theta"),
+            rope_theta=rope.theta,
+            compress_rope_theta=c_rope.theta,
             rope_scaling=rope_scaling,
             sliding_window=W,
-            compress_ratios=tuple(ratios[:L]),
+            attention=attention,
+            mlp_layer_types=(MOE,) * L,
             index_topk=_pos_int(t, "index_topk"),
             index_n_heads=_pos_int(t, "index_n_heads"),
             index_head_dim=index_head_dim,
-            use_fp4_sparse_kv=bool(t.get("use_fp4_sparse_kv", True)),
             hc_mult=hc_mult,
-            hc_shifted=_shifted(t),
             hc_eps=_pos_float(t, "hc_eps"),
             hc_sinkhorn_iters=_pos_int(t, "hc_sinkhorn_iters"),
+            hc_shifted=_shifted(t),
             moe_intermediate_size=_pos_int(t, "moe_intermediate_size"),
             n_routed_experts=_pos_int(t, "n_routed_experts"),
             n_shared_experts=_pos_int(t, "n_shared_experts"),
             num_experts_per_tok=_experts_per_tok(t),
             routed_scaling_factor=_pos_float(t, "routed_scaling_factor"),
             swiglu_limit=_pos_float(t, "swiglu_limit"),
+            q_head_norm=False,  # V4.1 has no per-head q RMSNorm
+            index_score_scale=False,  # V4.1 index logits are unscaled
+            quant=QuantConfig(weight_block_size=(32, 32), expert_dtype="fp4", scale_fmt="ue8m0"),
+            num_nextn_predict_layers=nextn,
+            model_type=MODEL_TYPE,
+            extra=cfg,
+            compress_ratios=tuple(ratios[:L]),
+            use_fp4_sparse_kv=bool(t.get("use_fp4_sparse_kv", True)),
             engram=engram,
             dspark=dspark,
             topology=topology,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
-            raw=cfg,
         )
 
 

@@ -1,0 +1,53 @@
+"""The shifted mHC schedule around one decoder block, and the V4.1 MoE FFN (spec v41-model §3.3, §6)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ...layers.mhc import HCParams, expand, mixes, read, write
+from ...layers.moe import moe_block
+from ...layers.norm import rms_norm
+from .config import DeepseekV41Config
+from .weights import BlockWeights
+
+
+class ShiftedHC:
+    """Trunk `R` [T, m, H] and the pending pre mix: each sub-layer reads with the previous one's `pre`.
+
+    The first read is one-hot on stream 0 (i.e. exactly the embedding); `final()` applies the last
+    sub-layer's pre mix.
+    """
+
+    def __init__(self, x0: torch.Tensor, cfg: DeepseekV41Config):
+        self.cfg = cfg
+        m = cfg.hc_mult
+        self.trunk = expand(x0, m)
+        self.prev_pre = torch.zeros(x0.shape[0], m, dtype=self.trunk.dtype)
+        self.prev_pre[:, 0] = 1.0
+
+    def sublayer(
+        self,
+        params: HCParams,
+        norm: torch.Tensor,
+        fn: Callable[[torch.Tensor], torch.Tensor],
+        act_dtype: torch.dtype,
+    ) -> None:
+        c = self.cfg
+        pre, post, comb = mixes(self.trunk, params, c.hc_eps, c.rms_norm_eps, c.hc_sinkhorn_iters)
+        y_in = rms_norm(read(self.trunk, self.prev_pre, act_dtype), norm, c.rms_norm_eps, act_dtype)
+        self.prev_pre = pre
+        self.trunk = write(fn(y_in), self.trunk, post, comb, act_dtype)
+
+    def final(self, act_dtype: torch.dtype) -> torch.Tensor:
+        return read(self.trunk, self.prev_pre, act_dtype)
+
+
+def moe_ffn(
+    cfg: DeepseekV41Config, w: BlockWeights, y: torch.Tensor, top_k: int, act_dtype: torch.dtype
+) -> torch.Tensor:
+    """The shared MoE block; V4.1 applies the routing weight before `w2` (§6.2)."""
+    return moe_block(
+        y, None, w.moe, top_k, cfg.routed_scaling_factor, cfg.swiglu_limit, act_dtype, weight_before_down=True
+    )

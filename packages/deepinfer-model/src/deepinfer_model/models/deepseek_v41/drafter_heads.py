@@ -1,0 +1,76 @@
+"""DSpark drafter heads (spec v41-model §7.1, §7.4): target features, Markov correction, confidence.
+
+The drafter predicts a block of tokens in parallel; two small heads make it sequential-aware and
+self-assessing: a rank-`r` first-order Markov term adds `head · embed[previous token]` to each draft
+position's logits, and a confidence head turns `[hidden ; markov embedding]` into the probability the
+scheduler uses to decide how many drafts to verify.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ...numerics import round_to
+
+_CONF_CLAMP = 60.0
+_MIN_TEMPERATURE = 1e-5
+
+
+@dataclass
+class MarkovHead:
+    """`embed` [V, rank] (previous token -> low-rank code) and `head` [V, rank] (code -> logit correction)."""
+
+    embed: torch.Tensor
+    head: torch.Tensor
+
+
+def target_features(trunk: torch.Tensor, act_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Drafter feature of one target layer: the mean of the mHC streams at its attention input [T, H]."""
+    return round_to(trunk.double().mean(dim=1), act_dtype)
+
+
+def markov_correction(
+    logits: torch.Tensor,
+    prev_tokens: torch.Tensor,
+    markov: MarkovHead,
+    act_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits + head · embed[prev] in FP32 [S, V], the embeddings e [S, rank] in act_dtype)."""
+    e = round_to(markov.embed[prev_tokens.long()], act_dtype)
+    return round_to(logits.double() + e @ markov.head.double().t(), torch.float32), e
+
+
+def confidence(
+    hidden: torch.Tensor,
+    markov_embed: torch.Tensor,
+    proj: torch.Tensor,
+    temperature: torch.Tensor | float = 1.0,
+) -> torch.Tensor:
+    """Per-draft acceptance confidence [S] = sigmoid(clamp(proj · [h ; e] / T, ±60)); `proj` [1, H + rank]."""
+    feats = torch.cat((hidden.double(), markov_embed.double()), dim=-1)
+    z = feats @ proj.double().reshape(-1)
+    temp = torch.as_tensor(temperature, dtype=torch.float64).clamp(min=_MIN_TEMPERATURE)
+    return round_to(torch.sigmoid((z / temp).clamp(-_CONF_CLAMP, _CONF_CLAMP)), torch.float32)
+
+
+def confidence_temperatures(num_draft_tokens: int) -> torch.Tensor:
+    """`DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE`: one float or exactly `num_draft_tokens` comma-separated
+    values (one per draft step), each floored at 1e-5; default 1.0."""
+    raw = os.environ.get("DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE", "1.0")
+    try:
+        vals = [float(v) for v in raw.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE = {raw!r} must be a float or a comma list"
+        ) from None
+    if len(vals) == 1:
+        vals = vals * num_draft_tokens
+    if len(vals) != num_draft_tokens:
+        raise ValueError(
+            f"DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE = {raw!r} must hold 1 or exactly "
+            f"{num_draft_tokens} values (one per draft step)"
+        )
+    return torch.tensor(vals, dtype=torch.float32).clamp(min=_MIN_TEMPERATURE)

@@ -1,0 +1,78 @@
+"""Engram injection (spec v41-model §5.4): hashed n-gram embeddings gated into the mHC streams.
+
+At an Engram layer the trunk entering the attention sub-layer is updated per stream `i`:
+`R[i] += g_i * v`, where `[k_0 .. k_{m-1} | v] = W_e · concat(table rows of the token's n-gram hashes)`
+and `g_i` is a signed-sqrt sigmoid gate of the normalised dot product of `R[i]` and `k_i` weighted by
+`q_weight[i] * k_weight[i]`. Image tokens (hash -1) leave the trunk unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ...numerics import linear, round_to
+from .config import EngramConfig
+from .engram_hash import EngramLayout, engram_hash, hash_multipliers
+from .engram_vocab import CompressedVocabulary
+
+_GATE_CLAMP = 1e-6  # hard-coded floor of |dot| before the signed square root
+
+
+@dataclass
+class EngramWeights:
+    """One Engram layer, dequantised: `table` [rows, d_e], `wkv` [(m+1)H, (N-1)·n_heads·d_e], `q/k_weight` [m, H]."""
+
+    table: torch.Tensor
+    wkv: torch.Tensor
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+
+
+def engram_inject(
+    trunk: torch.Tensor,
+    rows: torch.Tensor,
+    w: EngramWeights,
+    eps: float,
+    act_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Return the trunk [T, m, H] after the gated Engram update; `rows` [T, n_sub] are table row ids (-1: image)."""
+    t, m, hidden = trunk.shape
+    image = (rows < 0).any(dim=1)
+    e = w.table[rows.clamp(min=0)].double().reshape(t, -1)
+    kv = linear(e, w.wkv, act_dtype)
+    k, v = kv[:, : m * hidden].view(t, m, hidden), kv[:, m * hidden :]
+    x = trunk.double()
+    qk = round_to(w.q_weight.double() * w.k_weight.double(), torch.float32)  # [m, H], formed in FP32
+    dot = (x * k * qk).sum(-1)
+    dot = (
+        dot
+        * torch.rsqrt(x.square().mean(-1) + eps)
+        * torch.rsqrt(k.square().mean(-1) + eps)
+        / math.sqrt(hidden)
+    )
+    gate = torch.sigmoid(torch.sign(dot) * dot.abs().clamp(min=_GATE_CLAMP).sqrt())
+    out = round_to(x + gate.unsqueeze(-1) * v.unsqueeze(1), act_dtype)
+    return torch.where(image[:, None, None], trunk.to(out.dtype), out)
+
+
+class EngramHasher:
+    """Everything Engram needs before the layers run: vocabulary compression, layout and multipliers."""
+
+    def __init__(self, cfg: EngramConfig, vocab: CompressedVocabulary):
+        self.cfg = cfg
+        self.vocab = vocab
+        self.layout = EngramLayout.from_config(cfg)
+        self.multipliers = {
+            layer: hash_multipliers(layer, cfg.max_ngram_size, vocab.size) for layer in cfg.layer_ids
+        }
+
+    def rows(self, token_ids: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Table row ids [T, (N-1)·n_heads] per Engram layer for one sequence of raw token ids."""
+        comp = self.vocab.compress(token_ids)
+        return {
+            layer: engram_hash(comp, self.layout, layer, self.multipliers[layer], self.vocab.pad_id)
+            for layer in self.cfg.layer_ids
+        }

@@ -1,0 +1,38 @@
+"""Load a V4.1 checkpoint directory through the shared safetensors loader (spec v41-model §9)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ...loader import load_tensors
+from .config import DeepseekV41Config
+from .engram_vocab import CompressedVocabulary
+from .layout import checkpoint_layout
+from .model import DeepseekV41ForCausalLM
+from .weights import V41Weights
+
+# Stored but not read by the text model: the vision tower and the per-draft-block copies of the
+# embedding / LM head (tied to the backbone's, §9.3).
+_VISION_PREFIXES = ("vision.", "aligner.")
+
+
+def ignored_prefixes(cfg: DeepseekV41Config) -> tuple[str, ...]:
+    tied = tuple(f"mtp.{i}.{n}." for i in range(cfg.num_nextn_predict_layers) for n in ("embed", "head"))
+    return _VISION_PREFIXES + tied
+
+
+def load_v41(path: str | Path, act_dtype: torch.dtype = torch.float32) -> DeepseekV41ForCausalLM:
+    """Validate and load `config.json`, the weights (dequantised to FP32) and, with Engram, `tokenizer.json`."""
+    cfg = DeepseekV41Config.from_file(path)
+    tensors = load_tensors(
+        path, cfg, checkpoint_layout(cfg), torch.float32, ignored_prefixes=ignored_prefixes(cfg)
+    )
+    vocab = CompressedVocabulary.from_file(path) if cfg.engram else None
+    return DeepseekV41ForCausalLM(cfg, V41Weights.from_tensors(cfg, tensors.__getitem__), vocab, act_dtype)
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> DeepseekV41ForCausalLM:
+    """Entry point of `deepinfer_model.load_model` for `model_type: deepseek_v41`; `dtype` = activation dtype."""
+    return load_v41(path, act_dtype=dtype)

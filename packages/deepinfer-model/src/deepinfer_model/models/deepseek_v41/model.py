@@ -1,0 +1,140 @@
+"""DeepSeek-V4.1 stateless forward (spec v41-model §2.1 and Appendix A): one sequence, no cache.
+
+`DeepseekV41ForCausalLM.forward(token_ids)` runs the backbone (shifted mHC, Engram, SWA / C2 / C1
+attention with cross-layer sharing, candidate blocks, YOCO shared hidden, MoE), returns the logits of
+every position, the drafter's target features and main keys, and optionally one drafted block after
+the last position. It is the reference a paged / cached runtime must reproduce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...layers.embedding import embed
+from ...layers.norm import rms_norm
+from .attention import AttentionTrace, CrossLayerState, layer_attention
+from .blocks import ShiftedHC, moe_ffn
+from .config import DeepseekV41Config
+from .drafter import DraftOutput, Sampler, draft_block, greedy, main_keys
+from .drafter_heads import confidence_temperatures, target_features
+from .engram import EngramHasher, engram_inject
+from .engram_vocab import CompressedVocabulary
+from .weights import V41Weights
+
+
+@dataclass
+class V41Output:
+    """`logits` [T, V] FP32; `features` [T, n_t·H] drafter inputs; `main_keys` [Ld, T, D] drafter KV;
+    `draft` = one drafted block after the last position (if asked); `trace` per-layer attention views."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    features: torch.Tensor | None = None
+    main_keys: torch.Tensor | None = None
+    draft: DraftOutput | None = None
+    trace: list[AttentionTrace] | None = None
+
+
+class DeepseekV41ForCausalLM:
+    """The V4.1 text model on the CPU reference path (FP32 math, rounding through `act_dtype`)."""
+
+    def __init__(
+        self,
+        config: DeepseekV41Config,
+        weights: V41Weights,
+        vocab: CompressedVocabulary | None = None,
+        act_dtype: torch.dtype = torch.float32,
+    ):
+        if config.engram is not None and vocab is None:
+            raise ValueError(
+                "this config has Engram layers: pass the compressed vocabulary of its tokenizer.json"
+            )
+        self.config = config
+        self.weights = weights
+        self.act_dtype = act_dtype
+        self.engram = EngramHasher(config.engram, vocab) if config.engram else None
+
+    @classmethod
+    def from_pretrained(cls, path, act_dtype: torch.dtype = torch.float32) -> DeepseekV41ForCausalLM:
+        from .loader import load_v41
+
+        return load_v41(path, act_dtype=act_dtype)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        token_ids,
+        *,
+        num_draft_tokens: int = 0,
+        next_token: int | None = None,
+        sampler: Sampler = greedy,
+        return_trace: bool = False,
+    ) -> V41Output:
+        """Logits for every position of one sequence; with `num_draft_tokens > 0` also draft that many
+        tokens after `next_token` (default: the greedy next token of the last position)."""
+        cfg, w, act = self.config, self.weights, self.act_dtype
+        ids = torch.as_tensor(token_ids, dtype=torch.long)
+        x0 = embed(ids, w.embed)
+        if x0.shape[0] == 0:
+            raise ValueError("token_ids must hold at least one token")
+        positions = torch.arange(ids.shape[0])
+        rows = self.engram.rows(ids) if self.engram else {}
+        targets = cfg.dspark.target_layer_ids if cfg.dspark else ()
+        feats: dict[int, torch.Tensor] = {}
+        traces: list[AttentionTrace] = []
+        state = CrossLayerState()
+        hc = ShiftedHC(x0, cfg)
+        for layer, blk in enumerate(w.layers):
+            if blk.engram is not None:
+                hc.trunk = engram_inject(hc.trunk, rows[layer], blk.engram, cfg.rms_norm_eps, act)
+            if layer in targets:
+                feats[layer] = target_features(hc.trunk, act)
+
+            def attention(y, layer=layer, blk=blk):
+                if layer == cfg.n_prefill_layer:
+                    state.shared_hidden = y  # YOCO: consumer-half compressed KV is projected from S
+                out, tr = layer_attention(cfg, layer, blk, y, positions, state, act)
+                traces.append(tr)
+                return out
+
+            hc.sublayer(blk.hc_attn, blk.attn_norm, attention, act)
+            hc.sublayer(
+                blk.hc_ffn,
+                blk.ffn_norm,
+                lambda y, blk=blk: moe_ffn(cfg, blk, y, cfg.num_experts_per_tok, act),
+                act,
+            )
+        hidden = rms_norm(hc.final(act), w.norm, cfg.rms_norm_eps, act)
+        logits = (hidden @ w.head.double().t()).float()  # FP32 logits (§2.1)
+        out = V41Output(logits=logits, hidden=hidden, trace=traces if return_trace else None)
+        if w.drafter is not None:
+            out.features = torch.cat([feats[t] for t in targets], dim=1)
+            out.main_keys = main_keys(cfg, w.drafter, out.features, positions, act)
+            if num_draft_tokens:
+                if not 1 <= num_draft_tokens <= 32:
+                    raise ValueError(f"num_draft_tokens = {num_draft_tokens} must lie in [1, 32]")
+                g = int(out.logits[-1].argmax()) if next_token is None else int(next_token)
+                if not 0 <= g < cfg.vocab_size:
+                    raise ValueError(f"next_token = {g} must lie in [0, vocab_size={cfg.vocab_size})")
+                out.draft = draft_block(
+                    cfg,
+                    w.drafter,
+                    w.embed,
+                    w.head,
+                    out.main_keys,
+                    g,
+                    int(positions[-1]),
+                    num_draft_tokens,
+                    sampler,
+                    confidence_temperatures(num_draft_tokens),
+                    act,
+                )
+        elif num_draft_tokens:
+            raise ValueError(
+                "num_draft_tokens > 0 needs a checkpoint with draft blocks (num_nextn_predict_layers > 0)"
+            )
+        return out
+
+    __call__ = forward

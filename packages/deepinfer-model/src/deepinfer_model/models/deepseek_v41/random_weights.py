@@ -1,0 +1,54 @@
+"""Random V4.1 weights in the logical (dequantised) shapes of the checkpoint layout, for tests and demos.
+
+Scales keep activations O(1) through every block, and the mHC biases follow the reference's random-init
+layout (§3.1) so the mixes start close to the identity-like schedule the real model uses.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import DeepseekV41Config
+from .layout import BF16, F32, checkpoint_layout
+
+
+def random_v41_tensors(cfg: DeepseekV41Config, seed: int = 0) -> dict[str, torch.Tensor]:
+    """name -> FP32 tensor for every entry of `checkpoint_layout(cfg)`."""
+    g = torch.Generator().manual_seed(seed)
+    m = cfg.hc_mult
+    out: dict[str, torch.Tensor] = {}
+    for spec in checkpoint_layout(cfg).values():
+        name, shape = spec.name, spec.shape
+
+        def randn(*s, std=1.0):
+            return torch.randn(*s, generator=g) * std
+
+        if name.endswith("_base") and "hc_" in name:
+            base = torch.zeros(shape)
+            layer = int(name.split(".")[1])
+            base[:m] = -3.0
+            base[layer % m] = 3.0
+            comb = torch.full((m, m), -3.0) + 6.0 * torch.eye(m)
+            base[2 * m :] = comb.flatten()
+            t = base + randn(*shape, std=0.5)
+        elif name.endswith("_scale") and "hc_" in name:
+            t = 0.5 + torch.rand(shape, generator=g)
+        elif "hc_" in name and name.endswith("_fn"):
+            t = randn(*shape, std=1.0 / math.sqrt(shape[1]))
+        elif name.endswith("norm.weight") or name.endswith("q_weight") or name.endswith("k_weight"):
+            t = 1.0 + randn(*shape, std=0.1)
+        elif name.endswith("attn_sink"):
+            t = randn(*shape)
+        elif name.endswith("gate.bias") or name.endswith("gate.bias_vl"):
+            t = randn(*shape, std=0.1)
+        elif name in ("embed.weight", "image_start", "image_end", "image_newline") or "engram.embed" in name:
+            t = randn(*shape)
+        elif "markov_head.embed" in name:
+            t = randn(*shape)
+        else:  # projections: unit-variance outputs for unit-variance inputs
+            t = randn(*shape, std=1.0 / math.sqrt(shape[-1]))
+        assert spec.kind in (BF16, F32) or len(shape) == 2
+        out[name] = t.float()
+    return out

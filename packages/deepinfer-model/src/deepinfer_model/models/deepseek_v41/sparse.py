@@ -1,0 +1,64 @@
+"""V4.1 index keys and candidate blocks (spec v41-model §4.5, §4.6).
+
+Index keys are projected from the KV segment's normalised compressed latent (not from the hidden as in
+the public V4). Candidate blocks let later index-source layers score only a few blocks of compressed
+tokens chosen once, at the candidate source layer, by their best index score.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...config import RopeSpec
+from ...layers.indexer import select_topk
+from ...layers.norm import rms_norm
+from ...layers.rope import apply_rope, cos_sin
+from ...numerics import linear, round_to
+
+_BF16_MAX = torch.finfo(torch.bfloat16).max
+
+
+def index_keys(
+    pre_rope: torch.Tensor,
+    positions: torch.Tensor,
+    wk: torch.Tensor,
+    k_norm: torch.Tensor,
+    rope: RopeSpec,
+    eps: float,
+    act_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """[n, d_i] = RoPE(RMSNorm_{k_norm}(wk · pre_rope_kv_j)) at the block position j·r of each entry."""
+    k = rms_norm(linear(pre_rope, wk, act_dtype), k_norm, eps, act_dtype)
+    cos, sin = cos_sin(rope, positions)
+    return round_to(apply_rope(k, cos, sin), act_dtype)
+
+
+def candidate_blocks(
+    scores: torch.Tensor, valid: torch.Tensor, block_size: int, topk_blocks: int
+) -> torch.Tensor:
+    """Candidate block ids [T, topk_blocks] (ascending, -1 padded) from index scores [T, n] over valid entries.
+
+    A block's score is the max of its valid entries (clamped at the BF16 max); the newest (possibly
+    partial) block of each query always wins (+inf). Ties go to the lower block id.
+    """
+    t, n = scores.shape
+    nb = -(-n // block_size)
+    pad = nb * block_size - n
+    s = scores.double().masked_fill(~valid, float("-inf"))
+    s = torch.nn.functional.pad(s, (0, pad), value=float("-inf")).view(t, nb, block_size)
+    block_score = s.max(dim=-1).values.clamp(max=_BF16_MAX)
+    klen = valid.sum(dim=1)  # valid entries are a prefix j < (p+1)//r
+    n_blocks = -(-klen // block_size)
+    ids = torch.arange(nb)[None, :]
+    newest = ids == (n_blocks - 1)[:, None]
+    block_score = torch.where(newest, torch.full_like(block_score, float("inf")), block_score)
+    return select_topk(block_score, ids < n_blocks[:, None], topk_blocks)
+
+
+def candidate_mask(blocks: torch.Tensor, n_entries: int, block_size: int) -> torch.Tensor:
+    """[T, n] bool: entry j lies in one of the query's candidate blocks (`blocks` [T, k], -1 = none)."""
+    t = blocks.shape[0]
+    nb = -(-n_entries // block_size)
+    mask = torch.zeros(t, nb + 1, dtype=torch.bool)
+    mask.scatter_(1, torch.where(blocks >= 0, blocks, torch.full_like(blocks, nb)), True)
+    return mask[:, :nb].repeat_interleave(block_size, dim=1)[:, :n_entries]
