@@ -307,10 +307,12 @@ def parse_config(cfg: dict) -> ModelConfig:
     hidden = _positive(cfg, "hidden_size")
     heads = _positive(cfg, "num_attention_heads")
     head_dim = _positive(cfg, "head_dim")
+    nested_main = (cfg.get("rope_parameters") or {}).get("main") or {}
+    partial = cfg.get("partial_rotary_factor", nested_main.get("partial_rotary_factor"))
     if "qk_rope_head_dim" in cfg:
         rope_dim = _positive(cfg, "qk_rope_head_dim")
-    elif cfg.get("partial_rotary_factor") is not None:
-        rope_dim = int(head_dim * float(cfg["partial_rotary_factor"]))
+    elif partial is not None:
+        rope_dim = int(head_dim * float(partial))
     else:
         rope_dim = 64
     if rope_dim % 2 or rope_dim > head_dim:

@@ -1,8 +1,10 @@
 """Rounding points of the CPU reference.
 
-All math runs in FP32; `round_to(x, act_dtype)` marks a place where the engine stores the value in
-the activation dtype (BF16 on real checkpoints). With `act_dtype=float32` there is no rounding at
-all, which is how the model is compared against transformers.
+Blocks compute in FP64 and `round_to(x, act_dtype)` marks every place where the engine stores a value:
+FP32 (the oracle setting) or BF16 (real checkpoints). Accumulating in FP64 and rounding to at most FP32
+makes each row's result independent of how many rows are computed together (CPU GEMM blocking
+changes FP32 sums with the batch shape), so a prefix forward, a decode step and a batched forward give
+bitwise equal rows - the property the paged runtime is tested against.
 """
 
 from __future__ import annotations
@@ -11,13 +13,10 @@ import torch
 
 
 def round_to(x: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor:
-    """Return FP32 `x` rounded (round-to-nearest-even) through `act_dtype`."""
-    x = x.float()
-    if act_dtype == torch.float32:
-        return x
-    return x.to(act_dtype).float()
+    """`x` rounded (round-to-nearest-even) to `act_dtype` (FP32 or BF16), returned as FP64 for further math."""
+    return x.to(act_dtype).double()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, act_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """`x @ weight.T` with FP32 accumulation and one rounding of the output."""
-    return round_to(x.float() @ weight.float().t(), act_dtype)
+    """`x @ weight.T` accumulated in FP64, output rounded once to `act_dtype`."""
+    return round_to(x.double() @ weight.double().t(), act_dtype)

@@ -1,7 +1,7 @@
 """Building blocks shared by the DeepSeek-V4 family (public V4 and V4.1).
 
 Every block is a pure function over explicit tensors plus a small weights dataclass; none reads
-global state. FP32 math; `act_dtype` marks where the engine rounds activations (BF16 on real models).
+global state. Math in FP64; `act_dtype` marks where the engine stores activations (FP32, or BF16 on real models).
 """
 
 from .attention import (

@@ -49,15 +49,15 @@ def sink_attention(
 
     q [T, nh, D], keys [T, S, D] (per-query key set) or [S, D] (shared), visible [T, S] bool,
     sinks [nh]. The sink is an extra logit with a zero value vector; a query with no visible key
-    returns zeros. Returns FP32 [T, nh, D].
+    returns zeros. Returns unrounded FP64 [T, nh, D].
     """
-    q, keys = q.float(), keys.float()
+    q, keys = q.double(), keys.double()
     if keys.dim() == 2:
         scores = torch.einsum("thd,sd->ths", q, keys) * scale
     else:
         scores = torch.einsum("thd,tsd->ths", q, keys) * scale
     scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
-    sink = sinks.float()[None, :, None].expand(scores.shape[0], -1, 1)
+    sink = sinks.double()[None, :, None].expand(scores.shape[0], -1, 1)
     logits = torch.cat((scores, sink), dim=-1)
     logits = logits - logits.max(dim=-1, keepdim=True).values
     probs = torch.softmax(logits, dim=-1)[..., :-1]
@@ -109,6 +109,6 @@ def project_output(
     t = o.shape[0]
     o = round_to(apply_rope(o, cos, sin, inverse=True), act_dtype)
     grouped = o.reshape(t, o_groups, -1)  # group g = heads g*nh/G .. (g+1)*nh/G - 1
-    wo_a = w.wo_a.float().view(o_groups, -1, grouped.shape[-1])  # [G, Ro, nh*D/G]
+    wo_a = w.wo_a.double().view(o_groups, -1, grouped.shape[-1])  # [G, Ro, nh*D/G]
     z = round_to(torch.einsum("tgi,gri->tgr", grouped, wo_a), act_dtype).reshape(t, -1)
     return linear(z, w.wo_b, act_dtype)

@@ -58,19 +58,19 @@ def compress(
     n = x.shape[0] // ratio
     d = w.norm.shape[0]
     x = x[: n * ratio]
-    kv = linear(x, w.wkv, torch.float32).view(n, ratio, -1)  # pooling inputs stay FP32
+    kv = linear(x, w.wkv, torch.float32).view(n, ratio, w.wkv.shape[0])  # pooling inputs stay FP32
     if w.wgate is None:
         if ratio != 1:
             raise ValueError(f"a compressor without wgate needs ratio 1, got {ratio}")
         gate = torch.zeros_like(kv)
     else:
-        gate = linear(x, w.wgate, torch.float32).view(n, ratio, -1)
+        gate = linear(x, w.wgate, torch.float32).view(n, ratio, w.wgate.shape[0])
     if w.ape is not None:
-        gate = gate + w.ape.float()
+        gate = gate + w.ape.double()
     if overlap:
         # slots [0, r): first-half channels of the previous block; slots [r, 2r): second half of this block
-        prev_kv = torch.zeros(n, ratio, d)
-        prev_gate = torch.full((n, ratio, d), float("-inf"))
+        prev_kv = kv.new_zeros(n, ratio, d)
+        prev_gate = kv.new_full((n, ratio, d), float("-inf"))
         prev_kv[1:], prev_gate[1:] = kv[:-1, :, :d], gate[:-1, :, :d]
         kv = torch.cat((prev_kv, kv[..., d:]), dim=1)
         gate = torch.cat((prev_gate, gate[..., d:]), dim=1)

@@ -6,7 +6,7 @@ import torch
 
 
 def embed(token_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Rows of `table` [vocab, H] for `token_ids` [T] -> FP32 [T, H]; ids outside the table raise ValueError."""
+    """Rows of `table` [vocab, H] for `token_ids` [T] -> FP64 [T, H]; ids outside the table raise ValueError."""
     token_ids = torch.as_tensor(token_ids, dtype=torch.long)
     if token_ids.dim() != 1:
         raise ValueError(f"token_ids must be 1-D (one sequence), got shape {tuple(token_ids.shape)}")
@@ -15,4 +15,4 @@ def embed(token_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
             f"token_ids must lie in [0, vocab_size={table.shape[0]}), got range "
             f"[{int(token_ids.min())}, {int(token_ids.max())}]"
         )
-    return table[token_ids].float()
+    return table[token_ids].double()

@@ -28,13 +28,13 @@ class ExpertWeights:
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """`silu(min(gate, L)) * clamp(up, -L, L)` in FP32."""
-    g = gate.float().clamp(max=limit)
-    return g * torch.sigmoid(g) * up.float().clamp(-limit, limit)
+    """`silu(min(gate, L)) * clamp(up, -L, L)` (FP64, unrounded)."""
+    g = gate.double().clamp(max=limit)
+    return g * torch.sigmoid(g) * up.double().clamp(-limit, limit)
 
 
 def mlp(x: torch.Tensor, w: MLPWeights, limit: float, act_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Unweighted clamped SwiGLU MLP (the shared expert) -> FP32 [T, H] (rounded to act_dtype)."""
+    """Unweighted clamped SwiGLU MLP (the shared expert) -> [T, H] rounded to act_dtype."""
     h = clamped_swiglu(linear(x, w.w1, act_dtype), linear(x, w.w3, act_dtype), limit)
     return linear(h, w.w2, act_dtype)
 
@@ -49,13 +49,13 @@ def moe(
     act_dtype: torch.dtype = torch.float32,
     weight_before_down: bool = False,
 ) -> torch.Tensor:
-    """Sum over the k routed slots (in slot order) plus the shared expert, FP32, one rounding -> [T, H].
+    """Sum over the k routed slots (in slot order) plus the shared expert, FP64, one rounding -> [T, H].
 
     `weight_before_down` scales the SwiGLU output by the routing weight before `w2` (V4.1); the public V4
     scales the expert output after `w2`. Equal in exact arithmetic.
     """
     t, k = ids.shape
-    out = torch.zeros(t, x.shape[1])
+    out = torch.zeros(t, x.shape[1], dtype=torch.float64)
     for slot in range(k):
         for e in torch.unique(ids[:, slot]).tolist():
             rows = (ids[:, slot] == e).nonzero(as_tuple=True)[0]
@@ -63,7 +63,7 @@ def moe(
             h = clamped_swiglu(
                 linear(xr, experts.w1[e], act_dtype), linear(xr, experts.w3[e], act_dtype), limit
             )
-            wr = weights[rows, slot].float().unsqueeze(-1)
+            wr = weights[rows, slot].double().unsqueeze(-1)
             if weight_before_down:
                 y = linear(h * wr, experts.w2[e], act_dtype)
             else:

@@ -47,10 +47,10 @@ def index_queries(
 def index_scores(
     q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, scaled: bool
 ) -> torch.Tensor:
-    """FP32 scores [T, n] of queries [T, n_i, d_i] against index keys [n, d_i] with head weights [T, n_i]."""
+    """FP64 scores [T, n] of queries [T, n_i, d_i] against index keys [n, d_i] with head weights [T, n_i]."""
     n_heads, head_dim = q.shape[1], q.shape[2]
-    s = torch.relu(torch.einsum("thd,nd->thn", q.float(), keys.float()))
-    w = head_weights.float()
+    s = torch.relu(torch.einsum("thd,nd->thn", q.double(), keys.double()))
+    w = head_weights.double()
     if scaled:
         s = s * head_dim**-0.5
         w = w * n_heads**-0.5
@@ -62,7 +62,7 @@ def select_topk(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tens
     t, n = scores.shape
     if n == 0:
         return torch.full((t, k), -1, dtype=torch.long)
-    masked = scores.float().masked_fill(~valid, float("-inf"))
+    masked = scores.double().masked_fill(~valid, float("-inf"))
     order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :k]
     keep = valid.gather(1, order)
     picked = torch.where(keep, order, torch.full_like(order, n))  # n sorts after every real index

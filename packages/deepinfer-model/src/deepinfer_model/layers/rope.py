@@ -45,9 +45,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     """Rotate the last `2*cos.shape[-1]` channels of `x` [T, ..., C] by the angles of `cos/sin` [T, dim/2].
 
     `inverse=True` rotates by the negative angle (the conjugate rotation applied to attention outputs).
-    Returns FP32.
+    Returns FP64.
     """
-    x = x.float()
+    x = x.double()
     half = cos.shape[-1]
     view = (x.shape[0],) + (1,) * (x.dim() - 2) + (half,)
     c, s = cos.reshape(view), sin.reshape(view)

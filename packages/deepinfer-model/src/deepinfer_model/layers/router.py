@@ -12,13 +12,13 @@ import torch.nn.functional as F
 
 
 def sqrt_softplus(logits: torch.Tensor) -> torch.Tensor:
-    """`sqrt(softplus(x))` with softplus(x) = x above 20 (FP32)."""
-    return F.softplus(logits.float(), beta=1.0, threshold=20.0).sqrt()
+    """`sqrt(softplus(x))` with softplus(x) = x above 20 (computed in FP64)."""
+    return F.softplus(logits.double(), beta=1.0, threshold=20.0).sqrt()
 
 
 def _normalise(scores: torch.Tensor, ids: torch.Tensor, scaling: float) -> torch.Tensor:
     w = scores.gather(1, ids)
-    return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * scaling
+    return (w / (w.sum(dim=-1, keepdim=True) + 1e-20) * scaling).float()
 
 
 def route_topk(
@@ -26,7 +26,7 @@ def route_topk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k experts by `score + bias` (stable: equal values -> lower expert id)."""
     scores = sqrt_softplus(logits)
-    choice = scores if bias is None else scores + bias.float()
+    choice = scores if bias is None else scores + bias.double()
     ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :k]
     return _normalise(scores, ids, scaling), ids
 
