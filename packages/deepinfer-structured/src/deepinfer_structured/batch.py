@@ -1,0 +1,177 @@
+"""Masks for a whole step: fill every structured row of a mixed batch together, apply in place.
+
+The engine calls `BatchMasker.fill` once per step with the structured sequences only (free rows are
+not touched), then `apply_bitmask_inplace(logits, masks)` right before sampling / verification.
+Rows that restrict nothing (trigger not seen yet) are left out of `rows`, so applying skips them.
+
+With drafts, a sequence owns rows first_row .. first_row + len(drafts): the mask for its next token
+and for the token after each draft prefix; a draft the grammar rejects gets zero target probability
+and verification rejects it. Grammar-phase rows of all sequences are filled by one xgrammar
+BatchGrammarMatcher call per draft depth (its threads work on several rows at once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import xgrammar as xg
+
+from .grammar_state import GrammarState, Phase
+
+
+@dataclass
+class MaskRequest:
+    """One structured sequence in this step: its state, its first logits row, its draft tokens."""
+
+    state: GrammarState
+    first_row: int
+    drafts: Sequence[int] = ()
+
+
+@dataclass
+class StepMasks:
+    """The filled masks of one step.
+
+    bitmask: int32 [num_rows, ceil(vocab_size / 32)] on CPU; bit t of row r set = token t allowed.
+    rows: logits rows that must be masked (sorted). Rows not listed are left alone.
+    valid_drafts: per MaskRequest, how many leading drafts the grammar accepts.
+    """
+
+    bitmask: torch.Tensor
+    rows: list[int]
+    valid_drafts: list[int] = field(default_factory=list)
+    slot: _Slot | None = None
+
+
+@dataclass
+class _Slot:
+    """A reusable host buffer and the event of the last device copy made from it."""
+
+    buffer: torch.Tensor
+    copy_done: torch.cuda.Event | None = None
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+class BatchMasker:
+    """Reusable fill machinery for one LM-head width (keeps a pinned buffer when CUDA exists)."""
+
+    def __init__(self, vocab_size: int, max_threads: int | str = "auto"):
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size: must be >= 1, got {vocab_size}")
+        self.vocab_size = vocab_size
+        self._batch = xg.BatchGrammarMatcher(max_threads)
+        # Two host buffers used in turn: under asynchronous scheduling the CPU fills step N+1 while
+        # step N's non-blocking copy to the device may still be pending; a slot is reused only
+        # after the copy made from it has finished.
+        self._slots = [_Slot(torch.empty(0, bitmask_words(vocab_size), dtype=torch.int32)) for _ in range(2)]
+        self._next_slot = 0
+
+    def _take_slot(self, num_rows: int) -> _Slot:
+        slot = self._slots[self._next_slot]
+        self._next_slot ^= 1
+        if slot.copy_done is not None:
+            slot.copy_done.synchronize()
+            slot.copy_done = None
+        if slot.buffer.shape[0] < num_rows:
+            slot.buffer = torch.empty(max(num_rows, 2 * slot.buffer.shape[0]), bitmask_words(self.vocab_size),
+                                      dtype=torch.int32, pin_memory=torch.cuda.is_available())
+        return slot
+
+    def fill(self, requests: Sequence[MaskRequest], num_rows: int) -> StepMasks:
+        """Fill the mask rows of `requests` inside a [num_rows, words] bitmask (the logits' rows).
+
+        Every state is left exactly as it was (drafts are accepted tentatively, then rolled back).
+        """
+        for req in requests:
+            if req.state.vocab_size != self.vocab_size:
+                raise ValueError(f"state vocab_size {req.state.vocab_size} != masker vocab_size {self.vocab_size}")
+            if not (0 <= req.first_row and req.first_row + len(req.drafts) < num_rows):
+                raise ValueError(f"first_row {req.first_row} + {len(req.drafts)} drafts outside [0, {num_rows})")
+        slot = self._take_slot(num_rows)
+        bitmask = slot.buffer[:num_rows]
+        rows: set[int] = set()
+        accepted = [0] * len(requests)
+        alive = list(range(len(requests)))
+        depth = 0
+        while alive:
+            # One batched xgrammar call for every live grammar at this draft depth.
+            in_grammar = [i for i in alive if requests[i].state.phase is Phase.GRAMMAR
+                          and not requests[i].state.matcher.is_terminated()]
+            if in_grammar:
+                indices = [requests[i].first_row + depth for i in in_grammar]
+                self._batch.batch_fill_next_token_bitmask(
+                    [requests[i].state.matcher for i in in_grammar], bitmask, indices)
+                rows.update(indices)
+            grammar_set = set(in_grammar)
+            for i in alive:
+                if i not in grammar_set:
+                    row = requests[i].first_row + depth
+                    if requests[i].state.fill_next_token_bitmask(bitmask, row):
+                        rows.add(row)
+            still_alive = []
+            for i in alive:
+                req = requests[i]
+                if depth == len(req.drafts):
+                    continue
+                if req.state.accept_token(req.drafts[depth]):
+                    accepted[i] += 1
+                    still_alive.append(i)
+                    continue
+                # Rejected draft: verification stops here; later rows repeat this row's mask.
+                row = req.first_row + depth
+                for later in range(row + 1, req.first_row + len(req.drafts) + 1):
+                    bitmask[later].copy_(bitmask[row])
+                    if row in rows:
+                        rows.add(later)
+            alive = still_alive
+            depth += 1
+        for req, count in zip(requests, accepted):
+            req.state.rollback(count)
+        return StepMasks(bitmask, sorted(rows), accepted, slot)
+
+
+def apply_bitmask_inplace(logits: torch.Tensor, masks: StepMasks) -> None:
+    """Set disallowed logits of the masked rows to -inf, in place, on the logits' device."""
+    if not masks.rows:
+        return
+    if logits.dim() != 2 or logits.shape[0] < masks.bitmask.shape[0]:
+        raise ValueError(f"logits: expected [>= {masks.bitmask.shape[0]}, vocab] rows, got {tuple(logits.shape)}")
+    vocab_size = logits.shape[1]
+    if bitmask_words(vocab_size) != masks.bitmask.shape[1]:
+        raise ValueError(f"logits width {vocab_size} does not match the bitmask "
+                         f"({masks.bitmask.shape[1]} words); pass the LM-head width as vocab_size")
+    if logits.device.type == "cpu":
+        xg.apply_token_bitmask_inplace(logits, masks.bitmask, vocab_size=vocab_size, indices=masks.rows,
+                                       backend="cpu")
+        return
+    bitmask = masks.bitmask.to(logits.device, non_blocking=True)
+    if masks.slot is not None and logits.device.type == "cuda":
+        masks.slot.copy_done = torch.cuda.Event()
+        masks.slot.copy_done.record()
+    if logits.device.type == "cuda":
+        try:
+            xg.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=masks.rows,
+                                           backend="triton")
+            return
+        except ImportError:  # no triton: fall through to the plain torch version
+            pass
+    apply_bitmask_torch(logits, bitmask, masks.rows)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool [rows, vocab_size]: True where the token is allowed."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Device-agnostic torch version of the in-place masking (used where no xgrammar kernel fits)."""
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    allowed = unpack_bitmask(bitmask.index_select(0, index), logits.shape[1])
+    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill(~allowed, float("-inf")))

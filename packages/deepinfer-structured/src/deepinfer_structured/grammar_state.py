@@ -1,0 +1,166 @@
+"""Per-request grammar state: an xgrammar matcher plus the reference's trigger / bound phases.
+
+Phases (spec §8): FREE until the trigger token sequence has been emitted (any token allowed);
+FORCING after the bound token: the rest of the trigger is forced token by token; GRAMMAR: the
+compiled grammar decides; once it has accepted a stop token, later tokens are free again (only
+reachable with ignore_eos). Without a trigger the state starts in GRAMMAR.
+
+Every accepted token pushes one history entry, so `rollback(n)` is exact across phase changes,
+and `rebuild_from_tokens` replays a whole output after preemption + recompute.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+import xgrammar as xg
+
+from .errors import StructuredOutputError
+from .so_args import StructuredOutputRequest
+
+_ALL_ALLOWED = -1  # an int32 word with all 32 bits set
+
+
+class Phase(Enum):
+    FREE = "free"
+    FORCING = "forcing"
+    GRAMMAR = "grammar"
+
+
+class GrammarState:
+    """One request's structured-output state. Not thread-safe (one engine loop owns it)."""
+
+    def __init__(self, compiled: xg.CompiledGrammar, request: StructuredOutputRequest):
+        self.request = request
+        self.vocab_size = compiled.tokenizer_info.vocab_size
+        self.matcher = xg.GrammarMatcher(compiled)
+        self._trigger = request.trigger_token_ids
+        self._bound = request.bound_token_id
+        self._reset_phase()
+
+    def _reset_phase(self) -> None:
+        self.phase = Phase.FREE if self._trigger else Phase.GRAMMAR
+        self._matched = 0  # trigger tokens matched so far (FREE / FORCING)
+        # Per accepted token: (phase before, matched before, whether the matcher consumed it).
+        self._history: list[tuple[Phase, int, bool]] = []
+
+    # ---- queries -------------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        """Tokens accepted since the start (what `rollback` can undo)."""
+        return len(self._history)
+
+    @property
+    def constrained(self) -> bool:
+        """Whether the next token is restricted (forced trigger token or live grammar)."""
+        return self.phase is Phase.FORCING or (self.phase is Phase.GRAMMAR and not self.matcher.is_terminated())
+
+    def is_terminated(self) -> bool:
+        """The grammar has accepted a stop token: the structured output is complete."""
+        return self.phase is Phase.GRAMMAR and self.matcher.is_terminated()
+
+    def can_terminate(self) -> bool:
+        """A stop token would be accepted now (the output so far is a complete match)."""
+        return self.phase is Phase.GRAMMAR and self.matcher.is_completed()
+
+    # ---- masks ---------------------------------------------------------------------------------
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Write the allowed-token bits for the next token into `bitmask[row]` (int32, CPU).
+
+        Returns whether the row restricts anything (False: all allowed, applying can be skipped).
+        """
+        if self.phase is Phase.FORCING:
+            bitmask[row].zero_()
+            self._set_bit(bitmask, row, self._trigger[self._matched])
+            return True
+        if self.phase is Phase.GRAMMAR and not self.matcher.is_terminated():
+            return bool(self.matcher.fill_next_token_bitmask(bitmask, row))
+        bitmask[row].fill_(_ALL_ALLOWED)
+        return False
+
+    @staticmethod
+    def _set_bit(bitmask: torch.Tensor, row: int, token: int) -> None:
+        word, bit = divmod(token, 32)
+        value = (1 << bit) if bit < 31 else -(1 << 31)  # keep it inside int32
+        bitmask[row, word] = int(bitmask[row, word]) | value
+
+    def fill_draft_bitmasks(self, drafts: list[int], bitmask: torch.Tensor, first_row: int) -> int:
+        """Rows first_row .. first_row+len(drafts): the mask for the next token and for the token
+        after each draft prefix. Drafts are accepted tentatively and rolled back before returning,
+        so the state is unchanged. Returns how many leading drafts the grammar accepts; the rows
+        after the first rejected draft repeat the mask that rejects it (verification stops there).
+        """
+        need_apply = self.fill_next_token_bitmask(bitmask, first_row)
+        accepted = 0
+        for draft in drafts:
+            if not self.accept_token(draft):
+                break
+            accepted += 1
+            need_apply = self.fill_next_token_bitmask(bitmask, first_row + accepted) or need_apply
+        for row in range(first_row + accepted + 1, first_row + len(drafts) + 1):
+            bitmask[row].copy_(bitmask[first_row + accepted])
+        self.rollback(accepted)
+        return accepted
+
+    # ---- state changes -------------------------------------------------------------------------
+    def accept_token(self, token: int) -> bool:
+        """Advance by one emitted token; False (state unchanged) if the constraint forbids it."""
+        before = (self.phase, self._matched)
+        if self.phase is Phase.GRAMMAR:
+            if self.matcher.is_terminated():
+                self._history.append((*before, False))
+                return True
+            if not self.matcher.accept_token(token):
+                return False
+            self._history.append((*before, True))
+            return True
+        if self.phase is Phase.FORCING:
+            if token != self._trigger[self._matched]:
+                return False
+            self._matched += 1
+        else:
+            self._matched = self._advance_match(self._matched, token)
+            if token == self._bound and self._matched < len(self._trigger):
+                self.phase = Phase.FORCING
+        if self._matched == len(self._trigger):
+            self.phase = Phase.GRAMMAR
+        self._history.append((*before, False))
+        return True
+
+    def _advance_match(self, matched: int, token: int) -> int:
+        """Longest trigger prefix that is a suffix of (matched trigger prefix + token) (KMP step)."""
+        seq = self._trigger[:matched] + (token,)
+        for length in range(min(len(seq), len(self._trigger)), 0, -1):
+            if seq[len(seq) - length:] == self._trigger[:length]:
+                return length
+        return 0
+
+    def accept_verified(self, tokens: list[int]) -> None:
+        """Advance by the tokens a step produced (verified drafts + the bonus token).
+
+        Raises StructuredOutputError if one is forbidden (the sampler ignored the mask); the state
+        is then left where it was before the call, and the request should fail.
+        """
+        for i, token in enumerate(tokens):
+            if not self.accept_token(token):
+                self.rollback(i)
+                raise StructuredOutputError("schema", f"token {token} at output step "
+                                            f"{self.num_tokens + 1} violates the constraint")
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens exactly."""
+        if not 0 <= num_tokens <= len(self._history):
+            raise ValueError(f"num_tokens: must be in [0, {len(self._history)}], got {num_tokens}")
+        fed = 0
+        for _ in range(num_tokens):
+            self.phase, self._matched, consumed = self._history.pop()
+            fed += consumed
+        if fed:
+            self.matcher.rollback(fed)
+
+    def rebuild_from_tokens(self, emitted: list[int]) -> None:
+        """Reset and replay a request's whole output (after preemption by recompute)."""
+        self.matcher.reset()
+        self._reset_phase()
+        self.accept_verified(list(emitted))
