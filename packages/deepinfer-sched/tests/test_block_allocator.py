@@ -1,6 +1,5 @@
-import pytest
-
 import deepinfer_sched
+import pytest
 from deepinfer_sched import BlockAllocator
 
 

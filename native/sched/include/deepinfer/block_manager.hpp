@@ -1,0 +1,93 @@
+// Paged KV blocks with automatic prefix caching.
+//
+// A full block is identified by its content *and* everything before it: its key chains the
+// previous block's key with its own token ids. Keys are 64-bit hashes, so two different prefixes can
+// collide; a hit is therefore confirmed exactly: the candidate block must hold the same token ids and
+// must have been registered as the child of the very block matched just before (each registration
+// gets a never-reused id, `uid`). By induction a confirmed hit means the whole prefix is identical,
+// so a collision can never reuse the wrong KV.
+//
+// Freed blocks that hold registered content stay in the cache until the allocator hands them out
+// again; they are appended at the tail of the free list (evicted last, LRU), while freed blocks
+// without reusable content go to the head (recycled first).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <unordered_map>
+#include <vector>
+
+#include "deepinfer/block_allocator.hpp"
+
+namespace deepinfer {
+
+// The identity of a run of full blocks: the chained hash (for lookups) and the uid of the block
+// registered with that exact content (for exact confirmation). uid 0 = the empty prefix.
+struct PrefixChain {
+  std::vector<uint64_t> hashes;
+  std::vector<uint64_t> uids;
+  size_t size() const { return uids.size(); }
+  void clear() {
+    hashes.clear();
+    uids.clear();
+  }
+  uint64_t last_hash() const;
+  uint64_t last_uid() const { return uids.empty() ? 0 : uids.back(); }
+};
+
+class BlockManager {
+ public:
+  BlockManager(int32_t num_blocks, int32_t block_size, bool enable_prefix_caching);
+
+  int32_t block_size() const { return block_size_; }
+  int32_t num_blocks() const { return alloc_.num_blocks(); }
+  int32_t num_free() const { return alloc_.num_free(); }
+  int32_t num_used() const { return alloc_.num_used(); }
+  int32_t num_cached_free() const { return num_cached_free_; }
+  bool prefix_caching() const { return prefix_caching_; }
+  const BlockAllocator& allocator() const { return alloc_; }
+
+  // Longest run of cached full blocks matching tokens[0 : max_blocks * block_size]. Fills the
+  // matched block ids and the chain; returns how many of the matched blocks are currently free
+  // (they are taken out of the free pool when claimed).
+  int32_t match_prefix(const int32_t* tokens, int32_t max_blocks, std::vector<int32_t>& blocks,
+                       PrefixChain& chain) const;
+  // Claims the blocks returned by match_prefix (one more owner each).
+  void claim_cached(const std::vector<int32_t>& blocks);
+  // A fresh block for new KV; evicts its cached content if it had any.
+  int32_t allocate();
+  // Claims a specific free block (COMPLETION engines receive prompt blocks from outside).
+  void take(int32_t block_id);
+  // Drops one owner of each block, last block first (so a sequence's tail is evicted before its
+  // shared-looking prefix).
+  void free_table(const std::vector<int32_t>& table);
+  // Registers the full blocks table[chain.size() : num_full] (their tokens are final) in the
+  // prefix cache and extends the chain. Content already cached in another block is not registered
+  // twice; the chain then continues from that block's uid.
+  void register_full_blocks(const int32_t* tokens, int32_t num_full, const std::vector<int32_t>& table,
+                            PrefixChain& chain);
+
+  int32_t ref_count(int32_t block_id) const { return alloc_.ref_count(block_id); }
+  bool is_cached(int32_t block_id) const { return uid_[block_id] != 0; }
+  std::vector<int32_t> free_list() const { return alloc_.free_list(); }
+  // Throws std::logic_error describing the first inconsistency between the free list, the ref
+  // counts and the prefix-cache index.
+  void check_consistency() const;
+
+ private:
+  uint64_t hash_block(uint64_t parent_hash, const int32_t* tokens) const;
+  int32_t find(uint64_t hash, uint64_t parent_uid, const int32_t* tokens) const;
+  void evict(int32_t block_id);
+
+  int32_t block_size_;
+  bool prefix_caching_;
+  BlockAllocator alloc_;
+  // Per block: registration uid (0 = not cached), its parent's uid, its hash and its token ids.
+  std::vector<uint64_t> uid_, parent_uid_, hash_;
+  std::vector<int32_t> tokens_;  // num_blocks * block_size, valid where uid_ != 0
+  std::unordered_multimap<uint64_t, int32_t> index_;
+  uint64_t next_uid_ = 1;
+  int32_t num_cached_free_ = 0;
+};
+
+}  // namespace deepinfer

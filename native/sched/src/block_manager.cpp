@@ -1,0 +1,192 @@
+#include "deepinfer/block_manager.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+namespace deepinfer {
+
+namespace {
+constexpr uint64_t kRootHash = 0x9E3779B97F4A7C15ull;
+
+// splitmix64 finaliser: cheap and well mixed; collisions are harmless (hits are confirmed).
+inline uint64_t mix(uint64_t x) {
+  x ^= x >> 30;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 27;
+  x *= 0x94D049BB133111EBull;
+  x ^= x >> 31;
+  return x;
+}
+}  // namespace
+
+uint64_t PrefixChain::last_hash() const { return hashes.empty() ? kRootHash : hashes.back(); }
+
+BlockManager::BlockManager(int32_t num_blocks, int32_t block_size, bool enable_prefix_caching)
+    : block_size_(block_size), prefix_caching_(enable_prefix_caching), alloc_(num_blocks) {
+  uid_.assign(num_blocks, 0);
+  parent_uid_.assign(num_blocks, 0);
+  hash_.assign(num_blocks, 0);
+  if (prefix_caching_) tokens_.assign(static_cast<size_t>(num_blocks) * block_size, 0);
+}
+
+uint64_t BlockManager::hash_block(uint64_t parent_hash, const int32_t* tokens) const {
+  uint64_t h = mix(parent_hash);
+  for (int32_t i = 0; i < block_size_; ++i) {
+    h = mix(h ^ static_cast<uint32_t>(tokens[i]));
+  }
+  return h;
+}
+
+int32_t BlockManager::find(uint64_t hash, uint64_t parent_uid, const int32_t* tokens) const {
+  auto range = index_.equal_range(hash);
+  for (auto it = range.first; it != range.second; ++it) {
+    int32_t b = it->second;
+    if (parent_uid_[b] == parent_uid &&
+        std::memcmp(&tokens_[static_cast<size_t>(b) * block_size_], tokens,
+                    sizeof(int32_t) * block_size_) == 0) {
+      return b;
+    }
+  }
+  return -1;
+}
+
+int32_t BlockManager::match_prefix(const int32_t* tokens, int32_t max_blocks, std::vector<int32_t>& blocks,
+                                   PrefixChain& chain) const {
+  blocks.clear();
+  chain.clear();
+  if (!prefix_caching_) return 0;
+  int32_t num_free_hits = 0;
+  uint64_t h = kRootHash, parent = 0;
+  for (int32_t i = 0; i < max_blocks; ++i) {
+    const int32_t* t = tokens + static_cast<size_t>(i) * block_size_;
+    h = hash_block(h, t);
+    int32_t b = find(h, parent, t);
+    if (b < 0) break;
+    blocks.push_back(b);
+    chain.hashes.push_back(h);
+    chain.uids.push_back(uid_[b]);
+    parent = uid_[b];
+    if (alloc_.is_free(b)) ++num_free_hits;
+  }
+  return num_free_hits;
+}
+
+void BlockManager::claim_cached(const std::vector<int32_t>& blocks) {
+  for (int32_t b : blocks) {
+    if (alloc_.is_free(b)) {
+      alloc_.take(b);
+      --num_cached_free_;
+    } else {
+      alloc_.incref(b);
+    }
+  }
+}
+
+void BlockManager::evict(int32_t b) {
+  auto range = index_.equal_range(hash_[b]);
+  for (auto it = range.first; it != range.second; ++it) {
+    if (it->second == b) {
+      index_.erase(it);
+      break;
+    }
+  }
+  uid_[b] = 0;
+  parent_uid_[b] = 0;
+  hash_[b] = 0;
+}
+
+int32_t BlockManager::allocate() {
+  int32_t b = alloc_.allocate();
+  if (uid_[b] != 0) {
+    evict(b);
+    --num_cached_free_;
+  }
+  return b;
+}
+
+void BlockManager::take(int32_t block_id) {
+  alloc_.take(block_id);
+  if (uid_[block_id] != 0) {
+    evict(block_id);
+    --num_cached_free_;
+  }
+}
+
+void BlockManager::free_table(const std::vector<int32_t>& table) {
+  for (auto it = table.rbegin(); it != table.rend(); ++it) {
+    bool cached = uid_[*it] != 0;
+    if (alloc_.decref(*it, /*to_head=*/!cached) && cached) ++num_cached_free_;
+  }
+}
+
+void BlockManager::register_full_blocks(const int32_t* tokens, int32_t num_full,
+                                        const std::vector<int32_t>& table, PrefixChain& chain) {
+  if (!prefix_caching_) return;
+  for (int32_t i = static_cast<int32_t>(chain.size()); i < num_full; ++i) {
+    const int32_t* t = tokens + static_cast<size_t>(i) * block_size_;
+    uint64_t parent = chain.last_uid();
+    uint64_t h = hash_block(chain.last_hash(), t);
+    int32_t b = table[i];
+    int32_t existing = find(h, parent, t);
+    if (existing >= 0) {
+      // Same content is already cached (maybe in this very block): continue the chain from it.
+      chain.hashes.push_back(h);
+      chain.uids.push_back(uid_[existing]);
+      continue;
+    }
+    if (uid_[b] != 0) {
+      // The block is registered under other content; this cannot happen for a block owned by a
+      // sequence that is still writing it, so it signals a bookkeeping bug.
+      throw std::logic_error("register_full_blocks: block " + std::to_string(b) +
+                             " is already cached with different content");
+    }
+    uid_[b] = next_uid_++;
+    parent_uid_[b] = parent;
+    hash_[b] = h;
+    std::memcpy(&tokens_[static_cast<size_t>(b) * block_size_], t, sizeof(int32_t) * block_size_);
+    index_.emplace(h, b);
+    chain.hashes.push_back(h);
+    chain.uids.push_back(uid_[b]);
+  }
+}
+
+void BlockManager::check_consistency() const {
+  std::vector<int32_t> free = alloc_.free_list();
+  if (static_cast<int32_t>(free.size()) != alloc_.num_free()) {
+    throw std::logic_error("free list length " + std::to_string(free.size()) + " != num_free " +
+                           std::to_string(alloc_.num_free()));
+  }
+  std::vector<char> seen(num_blocks(), 0);
+  int32_t cached_free = 0;
+  for (int32_t b : free) {
+    if (seen[b]) throw std::logic_error("block " + std::to_string(b) + " twice in the free list");
+    seen[b] = 1;
+    if (alloc_.ref_count(b) != 0) {
+      throw std::logic_error("free block " + std::to_string(b) + " has a non-zero ref count");
+    }
+    if (uid_[b] != 0) ++cached_free;
+  }
+  for (int32_t b = 0; b < num_blocks(); ++b) {
+    if (!seen[b] && alloc_.ref_count(b) <= 0) {
+      throw std::logic_error("block " + std::to_string(b) + " is neither free nor owned");
+    }
+  }
+  if (cached_free != num_cached_free_) {
+    throw std::logic_error("cached free count " + std::to_string(num_cached_free_) + " != actual " +
+                           std::to_string(cached_free));
+  }
+  size_t registered = 0;
+  for (int32_t b = 0; b < num_blocks(); ++b) {
+    if (uid_[b] == 0) continue;
+    ++registered;
+    bool indexed = false;
+    auto range = index_.equal_range(hash_[b]);
+    for (auto it = range.first; it != range.second; ++it) indexed |= it->second == b;
+    if (!indexed) throw std::logic_error("cached block " + std::to_string(b) + " missing from the index");
+  }
+  if (registered != index_.size()) throw std::logic_error("prefix index holds stale entries");
+}
+
+}  // namespace deepinfer
