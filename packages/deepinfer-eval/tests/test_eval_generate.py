@@ -8,12 +8,12 @@ import json
 import re
 
 import pytest
-from deepinfer_eval import read_jsonl, run_generation, score_records
+from deepinfer_eval import Completion, read_jsonl, run_generation, score_records
 from deepinfer_eval.prompts import gpqa_permutation
 
 
 class SumGenerator:
-    """Answers "Compute a + b." correctly on even seeds' first sample, off by one otherwise."""
+    """Answers "Compute a + b." correctly for even sample seeds, off by one for odd ones."""
 
     def __init__(self, fail_after_calls: int | None = None):
         self.calls, self.requests, self.fail_after_calls = 0, 0, fail_after_calls
@@ -26,7 +26,13 @@ class SumGenerator:
         out = []
         for conv, seed in zip(conversations, seeds):
             a, b = map(int, re.search(r"Compute (\d+) \+ (\d+)", conv[-1]["content"]).groups())
-            out.append([f"<think>{a}+{b}, seed {seed}</think>\\boxed{{{a + b + (i % 2)}}}" for i in range(n)])
+            # sample i has seed seed + i (the Generator contract); the answer depends on that seed
+            out.append(
+                [
+                    f"<think>{a}+{b}, seed {seed + i}</think>\\boxed{{{a + b + (seed + i) % 2}}}"
+                    for i in range(n)
+                ]
+            )
         return out
 
 
@@ -60,8 +66,8 @@ def test_output_lines_and_scoring(tmp_path):
     assert set(first) >= {"benchmark", "id", "sample", "prompt", "response", "answer", "answer_type", "seed"}
     assert first["answer"] == "001" and "\\boxed{}" in first["prompt"]
     scored, _ = score_records(read_jsonl(out).records)
-    # samples 0 and 2 of each task are right (n index even), 1 and 3 off by one
-    assert [s["correct"] for s in scored if s["id"] == "t1"] == [True, False, True, False]
+    assert [s["correct"] for s in scored] == [r["seed"] % 2 == 0 for r in lines]
+    assert [r["seed"] for r in lines if r["id"] == "t1"] == [lines[4]["seed"] + i for i in range(4)]
 
 
 def test_resume_after_crash_matches_uninterrupted_run(tmp_path):
@@ -160,3 +166,37 @@ def test_hle_image_tasks_are_skipped_and_recorded_once(tmp_path):
 def test_bad_arguments():
     with pytest.raises(ValueError, match="samples must be >= 1"):
         run_generation(_aime_tasks(1), SumGenerator(), "unused.jsonl", samples=0, progress=False)
+
+
+def test_resume_fills_holes_with_the_seeds_an_uninterrupted_run_uses(tmp_path):
+    tasks = _aime_tasks(4)
+    full = tmp_path / "full.jsonl"
+    run_generation(tasks, SumGenerator(), full, samples=5, seed=9, progress=False)
+    holes = {("t0", 1), ("t2", 0), ("t2", 2), ("t2", 3), ("t3", 4)}
+    out = tmp_path / "holes.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in _lines(full) if (r["id"], r["sample"]) not in holes))
+    gen = SumGenerator()
+    summary = run_generation(tasks, gen, out, samples=5, seed=9, progress=False)
+    assert summary.written == 5 and gen.requests == 4  # t2's holes 0 and 2-3 are two requests
+
+    def key(r):
+        return r["id"], r["sample"], r["response"], r["seed"]
+
+    assert sorted(map(key, _lines(out))) == sorted(map(key, _lines(full)))
+
+
+class FailingGenerator:
+    """Every request fails the way the engine reports a bad request: no text, an error."""
+
+    def generate(self, conversations, n, seeds):
+        return [[Completion(None, "error", "prompt too long")] * n for _ in conversations]
+
+
+def test_failed_requests_are_written_and_score_as_wrong(tmp_path):
+    out = tmp_path / "gen.jsonl"
+    summary = run_generation(_aime_tasks(2), FailingGenerator(), out, samples=2, progress=False)
+    assert summary.written == 4 and summary.failed == 4
+    lines = _lines(out)
+    assert all(r["response"] is None and r["error"] == "prompt too long" for r in lines)
+    scored, _ = score_records(read_jsonl(out).records)
+    assert [s["correct"] for s in scored] == [False] * 4

@@ -6,7 +6,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from deepinfer_eval import HttpChatBackend, JudgeCache, JudgeItem, LLMJudge
+from deepinfer_eval import Completion, GeneratorBackend, HttpChatBackend, JudgeCache, JudgeItem, LLMJudge
 from deepinfer_eval.cli import main
 
 
@@ -140,3 +140,31 @@ def test_score_cli_with_openai_judge_rescore_is_free(tmp_path, judge_server, cap
     scored = [json.loads(line) for line in first.splitlines()]
     assert [s["correct"] for s in scored] == [True, True, True, False, False]
     assert all(s["confidence"] == 0.7 and s["judge"] == f"llm:openai:m@{url}" for s in scored)
+
+
+class GradingGenerator:
+    """A Generator that judges like the server above, thinking first as a reasoning model does."""
+
+    def __init__(self):
+        self.prompts = 0
+
+    def generate(self, conversations, n, seeds):
+        self.prompts += len(conversations)
+        out = []
+        for conv in conversations:
+            prompt = conv[-1]["content"]
+            if "FAIL_ONCE" in prompt:
+                out.append([Completion(None, "error", "engine refused")])
+            else:
+                out.append([f"<think>correct: no</think>{_grade(prompt)}"])
+        return out
+
+
+def test_llm_judge_on_a_generator_backend(tmp_path):
+    gen = GradingGenerator()
+    judge = LLMJudge(GeneratorBackend(gen, "local-judge"), JudgeCache(tmp_path / "c.jsonl"))
+    v = judge.judge(_items()[:3])
+    assert [x.correct for x in v] == [True, False, False] and "engine refused" in v[2].error
+    assert judge.name == "llm:generator:local-judge" and gen.prompts == 3
+    LLMJudge(GeneratorBackend(gen, "local-judge"), JudgeCache(tmp_path / "c.jsonl")).judge(_items()[:2])
+    assert gen.prompts == 3  # cached

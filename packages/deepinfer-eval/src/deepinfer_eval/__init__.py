@@ -13,7 +13,14 @@ from deepinfer_eval.extract import (
     hle_confidence,
     hle_extract,
 )
-from deepinfer_eval.generate import EngineGenerator, Generator, SamplingConfig, plan_jobs, run_generation
+from deepinfer_eval.generate import (
+    Completion,
+    EngineGenerator,
+    Generator,
+    SamplingConfig,
+    plan_jobs,
+    run_generation,
+)
 from deepinfer_eval.judges import (
     ExactMatchJudge,
     GeneratorBackend,
@@ -39,6 +46,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BENCHMARKS",
+    "Completion",
     "EngineGenerator",
     "ExactMatchJudge",
     "Generator",

@@ -11,7 +11,10 @@ from deepinfer_eval.convert import BENCHMARKS
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="deepinfer-eval", description=__doc__.strip())
+    p = argparse.ArgumentParser(
+        prog="deepinfer-eval",
+        description="AIME / HLE / GPQA Diamond evaluation: convert, generate, score and report as separate stages.",
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("convert", help="upstream CSV / JSON / JSONL / parquet -> task JSONL")
@@ -23,7 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--benchmark", choices=BENCHMARKS, required=True)
     g.add_argument("--tasks", required=True, help="task JSONL from 'convert'")
     g.add_argument("--samples", type=int, required=True, help="samples per task (k)")
-    g.add_argument("--model", required=True, help="local HF model directory")
+    g.add_argument("--model", help="local HF model directory (default: the engine's default model)")
     g.add_argument("--output", required=True, help="generation JSONL; existing samples are kept and skipped")
     g.add_argument("--seed", type=int, default=0, help="base of request seeds and GPQA option shuffles")
     g.add_argument("--temperature", type=float, default=0.6)
@@ -87,10 +90,14 @@ def cmd_generate(a) -> int:
     _warn(problems)
     sampling = SamplingConfig(a.temperature, a.top_p, a.max_tokens)
     generator = EngineGenerator(a.model, sampling)
-    summary = run_generation(tasks, generator, a.output, a.samples, a.seed, a.batch_size, sampling)
+    try:
+        summary = run_generation(tasks, generator, a.output, a.samples, a.seed, a.batch_size, sampling)
+    finally:
+        generator.close()
     _warn(summary.problems)
     print(
-        f"wrote {summary.written} sample(s); {summary.already_done} already done; "
+        f"wrote {summary.written} sample(s) ({summary.failed} failed requests, scored wrong); "
+        f"{summary.already_done} already done; "
         f"{summary.image_tasks_skipped} image task(s) skipped (no vision path)",
         file=sys.stderr,
     )

@@ -3,6 +3,10 @@
 The engine is reached through a small ``Generator`` protocol, so the resume and bookkeeping logic
 here does not depend on it; ``EngineGenerator`` adapts ``deepinfer.LLM`` (the optional extra
 ``deepinfer-eval[generate]``) and is the only place that imports the engine, lazily.
+
+Seeds: sample s of a task always has seed ``task_seed + s`` (the engine's rule for sample i of a
+request with ``n`` samples is ``seq_seed + i``), so a resumed run draws exactly the samples an
+uninterrupted run would have drawn.
 """
 
 from __future__ import annotations
@@ -18,10 +22,22 @@ from deepinfer_eval.records import JsonlAppender, Problem, read_jsonl
 Message = dict[str, str]
 
 
-class Generator(Protocol):
-    """Samples ``n`` responses for each chat conversation; ``seeds`` has one seed per conversation."""
+@dataclass
+class Completion:
+    """One sample. ``text`` is None when the request failed (``error`` says why)."""
 
-    def generate(self, conversations: list[list[Message]], n: int, seeds: list[int]) -> list[list[str]]: ...
+    text: str | None
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class Generator(Protocol):
+    """Samples ``n`` responses for each chat conversation; ``seeds[j]`` is the seed of sample 0 of
+    conversation j (sample i uses ``seeds[j] + i``). A sample may be a plain string."""
+
+    def generate(
+        self, conversations: list[list[Message]], n: int, seeds: list[int]
+    ) -> list[list[str | Completion]]: ...
 
 
 @dataclass
@@ -42,7 +58,7 @@ class SamplingConfig:
 class EngineGenerator:
     """``Generator`` on DeepInfer's public API: ``LLM.chat`` with ``SamplingParams(n=..., seq_seed=...)``."""
 
-    def __init__(self, model: str, sampling: SamplingConfig, **llm_kwargs):
+    def __init__(self, model: str | None, sampling: SamplingConfig, **llm_kwargs):
         try:
             from deepinfer import LLM, SamplingParams  # lazy: the engine is an optional extra
         except ImportError as e:
@@ -61,19 +77,22 @@ class EngineGenerator:
             )
             for seed in seeds
         ]
-        return [_texts(out) for out in self._llm.chat(conversations, params)]
+        return [_completions(out, n) for out in self._llm.chat(conversations, params)]
+
+    def close(self) -> None:
+        self._llm.close()
 
 
-def _texts(output) -> list[str]:
-    """The sampled texts of one request's output (a RequestOutput with .outputs, or a string)."""
-    if isinstance(output, str):
-        return [output]
-    return [completion.text for completion in output.outputs]
+def _completions(output, n: int) -> list[Completion]:
+    """The samples of one engine ``RequestOutput``; a failed request gives n failed samples."""
+    if getattr(output, "error", None):
+        return [Completion(None, "error", output.error)] * n
+    return [Completion(c.text, getattr(c, "finish_reason", None)) for c in output.outputs]
 
 
 @dataclass
 class Job:
-    """One request: ``len(samples)`` samples of one prompt, written as one line each."""
+    """One request: consecutive samples ``samples`` of one prompt, seeds ``seed + i``."""
 
     task: dict
     samples: list[int]
@@ -86,8 +105,20 @@ class Job:
 class GenerationSummary:
     written: int = 0
     already_done: int = 0
+    failed: int = 0  # samples written with an error instead of a response (they score as wrong)
     image_tasks_skipped: int = 0
     problems: list[Problem] = field(default_factory=list)
+
+
+def _runs(samples: list[int]) -> list[list[int]]:
+    """[0, 1, 2, 5, 6] -> [[0, 1, 2], [5, 6]]: one request per run of consecutive samples."""
+    runs: list[list[int]] = []
+    for s in samples:
+        if runs and runs[-1][-1] == s - 1:
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    return runs
 
 
 def plan_jobs(tasks: Sequence[dict], samples: int, seed: int, done: set[tuple[str, int]]) -> list[Job]:
@@ -99,12 +130,13 @@ def plan_jobs(tasks: Sequence[dict], samples: int, seed: int, done: set[tuple[st
         if not missing:
             continue
         bench = task["benchmark"]
+        task_seed = stable_seed(seed, bench, task["id"])
         if bench == "gpqa":
             for s in missing:
                 perm = gpqa_permutation(seed, task["id"], s)
                 prompt, gold = gpqa_prompt(task, perm)
                 extra = {"answer": gold, "answer_type": "multipleChoice", "permutation": perm}
-                jobs.append(Job(task, [s], prompt, stable_seed(seed, bench, task["id"], s), extra))
+                jobs.append(Job(task, [s], prompt, task_seed + s, extra))
             continue
         if bench == "aime":
             prompt, extra = aime_prompt(task), {"answer": task["answer"], "answer_type": "integer"}
@@ -118,15 +150,32 @@ def plan_jobs(tasks: Sequence[dict], samples: int, seed: int, done: set[tuple[st
             }
         else:
             raise ValueError(f"benchmark must be one of aime, gpqa, hle; got {bench!r}")
-        # the seed names the first missing sample, so a resumed run asks for exactly the same
-        # request as an uninterrupted one whenever whole tasks were written
-        jobs.append(Job(task, missing, prompt, stable_seed(seed, bench, task["id"], missing[0]), extra))
+        jobs.extend(Job(task, run, prompt, task_seed + run[0], extra) for run in _runs(missing))
     return jobs
 
 
 def _batches(items: list, size: int) -> Iterable[list]:
     for i in range(0, len(items), size):
         yield items[i : i + size]
+
+
+def _read_done(output, benchmarks: set[str], summary: GenerationSummary) -> tuple[set, set]:
+    done: set[tuple[str, int]] = set()
+    skipped: set[str] = set()
+    if not os.path.exists(output):
+        return done, skipped
+    existing = read_jsonl(output, required=("benchmark", "id"))
+    summary.problems = existing.problems
+    for r in existing.records:
+        if r["benchmark"] not in benchmarks:
+            raise ValueError(
+                f"output {output} holds benchmark {r['benchmark']!r}, the tasks are {sorted(benchmarks)}"
+            )
+        if r.get("skipped"):
+            skipped.add(str(r["id"]))
+        elif isinstance(r.get("sample"), int):
+            done.add((str(r["id"]), r["sample"]))
+    return done, skipped
 
 
 def run_generation(
@@ -145,21 +194,7 @@ def run_generation(
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     summary = GenerationSummary()
-    benchmarks = {t["benchmark"] for t in tasks}
-    done: set[tuple[str, int]] = set()
-    skipped_before: set[str] = set()
-    if os.path.exists(output):
-        existing = read_jsonl(output, required=("benchmark", "id"))
-        summary.problems = existing.problems
-        for r in existing.records:
-            if r["benchmark"] not in benchmarks:
-                raise ValueError(
-                    f"output {output} holds benchmark {r['benchmark']!r}, tasks are {sorted(benchmarks)}"
-                )
-            if r.get("skipped"):
-                skipped_before.add(str(r["id"]))
-            elif isinstance(r.get("sample"), int):
-                done.add((str(r["id"]), r["sample"]))
+    done, skipped_before = _read_done(output, {t["benchmark"] for t in tasks}, summary)
 
     # The engine has no vision path yet: image tasks are recorded as skipped, never dropped.
     image_tasks = [t for t in tasks if t.get("image")]
@@ -170,10 +205,10 @@ def run_generation(
 
     from tqdm import tqdm
 
-    sampling_record = vars(sampling) if sampling else None
+    todo = sum(len(job.samples) for job in jobs)
     with (
         JsonlAppender(output) as out,
-        tqdm(total=len(jobs), desc="generate", unit="req", disable=not progress) as bar,
+        tqdm(total=todo, desc="generate", unit="sample", disable=not progress) as bar,
     ):
         out.write(
             {
@@ -187,39 +222,50 @@ def run_generation(
             if t["id"] not in skipped_before
         )
         for batch in _batches(jobs, batch_size):
-            conversations = [[{"role": "user", "content": job.prompt}] for job in batch]
-            # one request per job; jobs of one batch share n only when they miss equally many samples
-            for n, group in _group_by_n(batch, conversations):
-                responses = generator.generate([c for _, c in group], n, [job.seed for job, _ in group])
+            for n, group in _group_by_n(batch):  # one engine call per sample count
+                conversations = [[{"role": "user", "content": job.prompt}] for job in group]
+                responses = generator.generate(conversations, n, [job.seed for job in group])
                 if len(responses) != len(group):
                     raise RuntimeError(
                         f"generator returned {len(responses)} outputs for {len(group)} prompts"
                     )
-                lines = []
-                for (job, _), texts in zip(group, responses):
-                    if len(texts) != n:
-                        raise RuntimeError(f"generator returned {len(texts)} samples, asked for {n}")
-                    for sample, text in zip(job.samples, texts):
-                        record = {
-                            "benchmark": job.task["benchmark"],
-                            "id": job.task["id"],
-                            "sample": sample,
-                            "prompt": job.prompt,
-                            "response": text,
-                            **job.extra,
-                            "seed": job.seed,
-                        }
-                        if sampling_record:
-                            record["sampling"] = sampling_record
-                        lines.append(record)
+                lines = [line for job, got in zip(group, responses) for line in _lines(job, got, n, sampling)]
                 out.write(lines)
                 summary.written += len(lines)
-                bar.update(len(group))
+                summary.failed += sum(1 for line in lines if line["response"] is None)
+                bar.update(len(lines))
     return summary
 
 
-def _group_by_n(batch: list[Job], conversations: list) -> list[tuple[int, list[tuple[Job, list]]]]:
-    groups: dict[int, list] = {}
-    for job, conv in zip(batch, conversations):
-        groups.setdefault(len(job.samples), []).append((job, conv))
+def _lines(job: Job, got: list, n: int, sampling: SamplingConfig | None) -> list[dict]:
+    if len(got) != n:
+        raise RuntimeError(
+            f"generator returned {len(got)} samples for task {job.task['id']!r}, asked for {n}"
+        )
+    lines = []
+    for i, (sample, c) in enumerate(zip(job.samples, got)):
+        c = c if isinstance(c, Completion) else Completion(c)
+        record = {
+            "benchmark": job.task["benchmark"],
+            "id": job.task["id"],
+            "sample": sample,
+            "prompt": job.prompt,
+            "response": c.text,
+            **job.extra,
+            "seed": job.seed + i,
+        }
+        if c.finish_reason is not None:
+            record["finish_reason"] = c.finish_reason
+        if c.error is not None:
+            record["error"] = c.error
+        if sampling is not None:
+            record["sampling"] = vars(sampling)
+        lines.append(record)
+    return lines
+
+
+def _group_by_n(batch: list[Job]) -> list[tuple[int, list[Job]]]:
+    groups: dict[int, list[Job]] = {}
+    for job in batch:
+        groups.setdefault(len(job.samples), []).append(job)
     return sorted(groups.items())

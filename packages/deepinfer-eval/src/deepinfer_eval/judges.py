@@ -176,7 +176,7 @@ class HttpChatBackend:
 
 
 class GeneratorBackend:
-    """Judge with any ``Generator`` (e.g. our engine): one greedy-ish sample per prompt."""
+    """Judge with any ``Generator`` (e.g. our engine, at temperature 0): one sample per prompt."""
 
     def __init__(self, generator, name: str):
         self.generator, self.name = generator, f"generator:{name}"
@@ -185,8 +185,14 @@ class GeneratorBackend:
         outs = self.generator.generate(
             [[{"role": "user", "content": p}] for p in prompts], 1, [0] * len(prompts)
         )
-        # a reasoning judge thinks first; only its final part holds the four lines
-        return [final_part(o[0]) if o else "" for o in outs]
+        replies: list[str | Exception] = []
+        for out in outs:
+            text = getattr(out[0], "text", out[0]) if out else None
+            if text is None:
+                replies.append(RuntimeError(getattr(out[0], "error", None) or "judge request failed"))
+            else:  # a reasoning judge thinks first; only its final part holds the four lines
+                replies.append(final_part(text))
+        return replies
 
 
 class JudgeCache:
