@@ -13,7 +13,7 @@ import io
 import logging
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from deepinfer_cluster._nvml import as_str, nvml_session
@@ -26,6 +26,7 @@ from deepinfer_cluster.accelerator import (
     pci_numa_node,
     physical_device_ids,
 )
+from deepinfer_cluster.cpu import numa_nodes, numa_nodes_from_sysfs
 
 log = logging.getLogger(__name__)
 
@@ -151,12 +152,25 @@ def probe_devices_from_sysfs(root: Path | str = "/") -> list[DeviceInfo]:
     return []
 
 
+def single_numa_node(root: Path | str = "/") -> int | None:
+    """The host's NUMA node when it has exactly one, else None.
+
+    Virtual machines often report numa_node -1 for every PCI device; on a one-node host the
+    device's node is still known: it is the only one.
+    """
+    nodes = numa_nodes_from_sysfs(root)
+    if nodes is None and str(root) == "/":
+        nodes = numa_nodes()
+    return nodes[0].id if nodes is not None and len(nodes) == 1 else None
+
+
 def probe_devices(root: Path | str = "/") -> list[DeviceInfo]:
     """All accelerator devices of this host (empty on a CPU-only host). NVML, nvidia-smi, sysfs."""
     kind = accelerator_kind(root)
+    found: list[DeviceInfo] | None = None
     if kind is AcceleratorKind.NVIDIA and str(root) == "/":
-        for probe in (_probe_nvml, _probe_nvidia_smi):
-            found = probe(root)
-            if found:
-                return found
-    return probe_devices_from_sysfs(root)
+        found = _probe_nvml(root) or _probe_nvidia_smi(root)
+    found = found or probe_devices_from_sysfs(root)
+    if any(d.numa_node is None for d in found) and (only := single_numa_node(root)) is not None:
+        found = [d if d.numa_node is not None else replace(d, numa_node=only) for d in found]
+    return found

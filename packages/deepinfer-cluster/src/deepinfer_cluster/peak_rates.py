@@ -1,7 +1,7 @@
 """Peak rates per device model for roofline reports: dense bf16 / fp8 TFLOP/s and HBM TB/s.
 
-Numbers are the vendors' public datasheet figures for dense math (datasheets quote sparse
-figures, twice as high, next to them). They are ceilings, not expectations: a measured rate
+Numbers are the vendors' public datasheet figures for dense math: the datasheets headline the
+2:4-sparse figures, and dense is half of those (e.g. H100 SXM bf16 1979 sparse -> 989.5 dense). They are ceilings, not expectations: a measured rate
 (e.g. a long bf16 GEMM, a device-to-device copy) should replace them through `with_measured`.
 """
 
@@ -42,11 +42,11 @@ class PeakRates:
 _TABLE: list[tuple[str, PeakRates]] = [
     (r"GB200", PeakRates("GB200", 2500.0, 5000.0, 8.0, 186.0)),
     (r"B200", PeakRates("B200", 2250.0, 4500.0, 8.0, 180.0)),
-    (r"H200 NVL", PeakRates("H200 NVL", 835.0, 1671.0, 4.8, 141.0)),
-    (r"H200", PeakRates("H200 SXM", 989.0, 1979.0, 4.8, 141.0)),
-    (r"H100 NVL", PeakRates("H100 NVL", 835.0, 1671.0, 3.9, 94.0)),
-    (r"H100 PCIE", PeakRates("H100 PCIe", 756.0, 1513.0, 2.0, 80.0)),
-    (r"H100", PeakRates("H100 SXM", 989.0, 1979.0, 3.35, 80.0)),
+    (r"H200 NVL", PeakRates("H200 NVL", 835.5, 1670.5, 4.8, 141.0)),
+    (r"H200", PeakRates("H200 SXM", 989.5, 1979.0, 4.8, 141.0)),
+    (r"H100 NVL", PeakRates("H100 NVL", 835.5, 1670.5, 3.9, 94.0)),
+    (r"H100 PCIE", PeakRates("H100 PCIe", 756.5, 1513.0, 2.0, 80.0)),
+    (r"H100", PeakRates("H100 SXM", 989.5, 1979.0, 3.35, 80.0)),
     (r"A100.*PCIE.*40GB|A100.*40GB.*PCIE", PeakRates("A100 PCIe 40GB", 312.0, None, 1.555, 40.0)),
     (r"A100.*PCIE", PeakRates("A100 PCIe 80GB", 312.0, None, 1.935, 80.0)),
     (r"A100.*40GB", PeakRates("A100 SXM 40GB", 312.0, None, 1.555, 40.0)),

@@ -261,8 +261,10 @@ def topology_from_nvml(root: Path | str = "/") -> Topology | None:
                     level = nvml.nvmlDeviceGetTopologyCommonAncestor(handles[i], handles[j])
                     row.append(Link(_NVML_LEVEL_TO_KIND.get(int(level), LinkKind.UNKNOWN)))
             links.append(row)
-    nodes = {node.id: node.cpus for node in numa_nodes(root)}
-    numa = [pci_numa_node(p, root) for p in pcis]
+    host_nodes = numa_nodes(root)
+    nodes = {node.id: node.cpus for node in host_nodes}
+    only = host_nodes[0].id if len(host_nodes) == 1 else None  # VMs report -1 per device
+    numa = [pci_numa_node(p, root) if pci_numa_node(p, root) is not None else only for p in pcis]
     affinity = [nodes.get(x, ()) if x is not None else () for x in numa]
     return Topology(links, numa, affinity)
 
