@@ -170,7 +170,7 @@ class DeepseekV4Model:
             trunk = mhc.write(h, trunk, post, comb, act)
         weights = mhc.head_weights(trunk, self.hc_head, cfg.hc_eps, cfg.rms_norm_eps)
         hidden = rms_norm(mhc.read(trunk, weights, act), self.norm, cfg.rms_norm_eps, act)
-        return linear(hidden, self.head, torch.float32)
+        return linear(hidden, self.head, torch.float32).float()
 
     __call__ = forward
 
