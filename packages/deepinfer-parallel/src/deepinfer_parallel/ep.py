@@ -1,0 +1,81 @@
+"""MoE expert parallelism: dispatch tokens to the ranks that own their experts, combine results back.
+
+This is the torch.distributed all-to-all backend (gloo on CPU, NCCL on GPU); it is always available.
+The shared expert is not routed: the model computes it locally and adds it to the result.
+
+Each (token, top-k choice) pair is sent as its own row; a token choosing two experts on one rank is
+sent twice. That costs bandwidth compared with DeepEP's per-rank deduplication but keeps the
+combine a plain weighted sum in the token's own rank, in a fixed order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from .layout import LayerExpertLayout
+
+# local_expert_fn(local_slot, tokens[n, hidden]) -> outputs[n, hidden]; local_slot in [0, slots_per_rank).
+LocalExpertFn = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+def _all_to_all(tensor: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
+    out = tensor.new_empty((sum(recv_splits), *tensor.shape[1:]))
+    dist.all_to_all_single(out, tensor.contiguous(), recv_splits, send_splits, group=group)
+    return out
+
+
+def dispatch_combine(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    local_expert_fn: LocalExpertFn,
+    layout: LayerExpertLayout,
+    group: dist.ProcessGroup | None = None,
+    expert_count: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Routed-expert output ``sum_k w[t,k] * expert_{ids[t,k]}(hidden[t])`` for this rank's tokens.
+
+    ``hidden [T, H]``, ``topk_ids [T, k]`` (logical ids), ``topk_weights [T, k]``. Collective over the
+    EP ``group`` (every member must call it, also with ``T == 0``). ``expert_count [slots_per_rank]``,
+    if given, gets the number of rows each local physical slot processed added to it (EPLB stats).
+    """
+    if hidden.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != hidden.shape[0]:
+        raise ValueError(
+            f"expected hidden [T, H], topk_ids and topk_weights [T, k]; got {tuple(hidden.shape)}, "
+            f"{tuple(topk_ids.shape)}, {tuple(topk_weights.shape)}"
+        )
+    ep_size = dist.get_world_size(group)
+    ep_rank = dist.get_rank(group)
+    if ep_size != layout.ep_size:
+        raise ValueError(f"layout is for ep_size={layout.ep_size} but the group has {ep_size} ranks")
+    num_tokens, top_k = topk_ids.shape
+    s = layout.slots_per_rank
+
+    physical = layout.physical_of(topk_ids, ep_rank).reshape(-1)
+    dest = physical // s
+    order = torch.argsort(dest, stable=True)  # rows grouped by destination rank
+    send_counts = torch.bincount(dest, minlength=ep_size)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+
+    token_of_row = order // top_k
+    recv_hidden = _all_to_all(hidden[token_of_row], send_splits, recv_splits, group)
+    recv_slot = _all_to_all((physical[order] % s).unsqueeze(1), send_splits, recv_splits, group).squeeze(1)
+
+    recv_out = torch.zeros_like(recv_hidden)
+    slot_rows = torch.bincount(recv_slot, minlength=s)
+    if expert_count is not None:
+        expert_count += slot_rows.to(expert_count.dtype)
+    for slot in torch.nonzero(slot_rows).flatten().tolist():
+        rows = torch.nonzero(recv_slot == slot).flatten()
+        recv_out[rows] = local_expert_fn(slot, recv_hidden[rows]).to(recv_out.dtype)
+
+    back = _all_to_all(recv_out, recv_splits, send_splits, group)
+    weights = topk_weights.reshape(-1)[order].to(back.dtype).unsqueeze(1)
+    out = torch.zeros((num_tokens, hidden.shape[1]), dtype=back.dtype, device=hidden.device)
+    out.index_add_(0, token_of_row, back * weights)
+    return out.to(hidden.dtype)
