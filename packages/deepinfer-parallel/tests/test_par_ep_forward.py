@@ -10,10 +10,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from par_moe_reference import E, H, assert_close, make_weights, moe_reference, route, swiglu  # noqa: E402
-
 from deepinfer_parallel import RedundantExpertLayout, dispatch_combine  # noqa: E402
 from deepinfer_parallel.launch import run_distributed  # noqa: E402
+from par_moe_reference import E, H, assert_close, make_weights, moe_reference, route, swiglu  # noqa: E402
 
 TOKENS_PER_RANK = [5, 0, 9, 4]  # rank 1 has an empty batch: it must still take part
 
@@ -33,7 +32,9 @@ def ep_moe(x, layer, layout, ep_rank, group=None, expert_count=None):
 
 def _ep_worker(rank, world, num_redundant):
     layer = make_weights(seed=1, hot=(0, 1))[0]
-    x = torch.randn(TOKENS_PER_RANK[rank], H, generator=torch.Generator().manual_seed(100 + rank), dtype=torch.float64)
+    x = torch.randn(
+        TOKENS_PER_RANK[rank], H, generator=torch.Generator().manual_seed(100 + rank), dtype=torch.float64
+    )
     layout = RedundantExpertLayout(E, num_redundant, world)
     count = torch.zeros(layout.slots_per_rank, dtype=torch.int64)
     out = ep_moe(x, layer, layout, rank, expert_count=count)

@@ -64,7 +64,9 @@ def mirror_split_plan(seq_lens: list[int], cp_size: int, rank: int, device=None)
     return MirrorSplit(cp_size, rank, seq_lens, cat(index), cat(positions), cat(seq_ids))
 
 
-def mirror_split(tokens: torch.Tensor, seq_lens: list[int], cp_size: int, rank: int) -> tuple[torch.Tensor, MirrorSplit]:
+def mirror_split(
+    tokens: torch.Tensor, seq_lens: list[int], cp_size: int, rank: int
+) -> tuple[torch.Tensor, MirrorSplit]:
     """This rank's rows of ``tokens [sum(seq_lens), ...]`` (padding rows are zero) and the plan."""
     if tokens.shape[0] != sum(seq_lens):
         raise ValueError(f"tokens has {tokens.shape[0]} rows but sum(seq_lens) = {sum(seq_lens)}")
@@ -93,7 +95,9 @@ def restore_order(gathered: torch.Tensor, seq_lens: list[int], cp_size: int) -> 
     return gathered[rev]
 
 
-def all_gather_restore(local: torch.Tensor, plan: MirrorSplit, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def all_gather_restore(
+    local: torch.Tensor, plan: MirrorSplit, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """All-gather every rank's shard (e.g. K/V, or final hidden states) and restore the original order.
 
     Each rank then holds the full sequence-ordered tensor: the KV its queries attend to is a prefix of

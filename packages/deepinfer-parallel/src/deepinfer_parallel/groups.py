@@ -33,7 +33,9 @@ class ParallelSizes:
     world: int
 
 
-def validate_parallel_sizes(world_size: int, dp: int = 1, cp: int = 1, ep: int = 1, enp: int = 1) -> ParallelSizes:
+def validate_parallel_sizes(
+    world_size: int, dp: int = 1, cp: int = 1, ep: int = 1, enp: int = 1
+) -> ParallelSizes:
     """Check the sizes against the world size; raise ``ValueError`` naming the offending sizes."""
     for name, value in (("world_size", world_size), ("dp", dp), ("cp", cp), ("ep", ep), ("enp", enp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -59,9 +61,7 @@ def group_layout(sizes: ParallelSizes) -> dict[str, list[list[int]]]:
     """Rank lists of every group kind (a pure function of the sizes; every rank computes the same)."""
     r, dp, cp = sizes.world, sizes.dp, sizes.cp
     block = dp * cp
-    dp_groups = [
-        [start + d * cp + c for d in range(dp)] for start in range(0, r, block) for c in range(cp)
-    ]
+    dp_groups = [[start + d * cp + c for d in range(dp)] for start in range(0, r, block) for c in range(cp)]
     return {
         "dp": dp_groups,
         "cp": [list(range(s, s + cp)) for s in range(0, r, cp)],
@@ -103,7 +103,9 @@ class ParallelState:
 _STATE: ParallelState | None = None
 
 
-def init_parallel(dp: int = 1, cp: int = 1, ep: int = 1, enp: int = 1, backend: str | None = None) -> ParallelState:
+def init_parallel(
+    dp: int = 1, cp: int = 1, ep: int = 1, enp: int = 1, backend: str | None = None
+) -> ParallelState:
     """Create all groups of the spec layout on an initialised default process group.
 
     Every rank must call this with the same sizes (``new_group`` is collective over the world).

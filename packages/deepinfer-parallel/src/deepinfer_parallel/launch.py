@@ -26,7 +26,9 @@ def _load(path: str, name: str) -> Callable:
     return getattr(module, name)
 
 
-def _child(rank: int, world_size: int, init_file: str, backend: str, path: str, name: str, args: tuple) -> None:
+def _child(
+    rank: int, world_size: int, init_file: str, backend: str, path: str, name: str, args: tuple
+) -> None:
     torch.set_num_threads(1)  # N processes share few cores; oversubscription makes gloo crawl
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
@@ -37,7 +39,12 @@ def _child(rank: int, world_size: int, init_file: str, backend: str, path: str, 
 
 
 def run_distributed(
-    fn: Callable, world_size: int, *args, backend: str = "gloo", timeout_s: float = 120.0, start_method: str = "fork"
+    fn: Callable,
+    world_size: int,
+    *args,
+    backend: str = "gloo",
+    timeout_s: float = 120.0,
+    start_method: str = "fork",
 ) -> None:
     """Call ``fn(rank, world_size, *args)`` in ``world_size`` new processes; re-raise a failure.
 

@@ -22,7 +22,9 @@ def initial_phys_to_logical(num_logical: int, num_physical: int) -> np.ndarray:
     return np.arange(num_physical, dtype=np.int64) % num_logical
 
 
-def logical_maps(phys_to_logical: np.ndarray, num_logical: int, max_replicas: int) -> tuple[np.ndarray, np.ndarray]:
+def logical_maps(
+    phys_to_logical: np.ndarray, num_logical: int, max_replicas: int
+) -> tuple[np.ndarray, np.ndarray]:
     """From ``phys_to_logical [..., P]`` build ``logical_to_physical [..., E, max_replicas]`` (-1 padded,
     replicas in increasing slot order) and ``replica_count [..., E]``."""
     p2l = np.asarray(phys_to_logical, dtype=np.int64)
@@ -74,7 +76,12 @@ class RedundantExpertLayout:
     ``ep_size`` ranks, starting from the spec's initial placement (identical for all layers)."""
 
     def __init__(
-        self, num_logical: int, num_redundant: int, ep_size: int, num_layers: int = 1, device: str | torch.device = "cpu"
+        self,
+        num_logical: int,
+        num_redundant: int,
+        ep_size: int,
+        num_layers: int = 1,
+        device: str | torch.device = "cpu",
     ):
         for name, value, low in (("num_logical", num_logical, 1), ("num_redundant", num_redundant, 0),
                                  ("ep_size", ep_size, 1), ("num_layers", num_layers, 1)):  # fmt: skip

@@ -33,7 +33,9 @@ def requested_extra_experts() -> int:
     return value
 
 
-def num_redundant_experts(n_routed: int, ep_size: int, minimum: int | None = None, which: str = "backbone") -> int:
+def num_redundant_experts(
+    n_routed: int, ep_size: int, minimum: int | None = None, which: str = "backbone"
+) -> int:
     """Smallest ``extra >= minimum`` with ``(n_routed + extra) % ep_size == 0``; logs when it rounds up.
 
     ``minimum`` defaults to ``DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS``; ``which`` names the MoE in the log.

@@ -38,7 +38,9 @@ def _check_trace(tokens, num_physical: int, num_ranks: int) -> torch.Tensor:
     if t.dim() == 2:
         t = t.unsqueeze(0)
     if t.dim() != 3:
-        raise ValueError(f"tokens must be [window, layers, experts] (or [layers, experts]), got {tuple(t.shape)}")
+        raise ValueError(
+            f"tokens must be [window, layers, experts] (or [layers, experts]), got {tuple(t.shape)}"
+        )
     num_logical = t.shape[2]
     if num_physical < num_logical:
         raise ValueError(f"num_replicas={num_physical} must be >= number of experts {num_logical}")
@@ -70,7 +72,9 @@ def replicate(tokens: torch.Tensor, num_physical: int) -> torch.Tensor:
     count = torch.ones(num_layers, num_logical, dtype=torch.float64)
     for i in range(num_extra):
         peak, first = per_replica.max(dim=-1)  # [W, L]; max returns the first index on ties
-        second = torch.where(positions == first.unsqueeze(-1), -1.0, per_replica).amax(-1) if k > 1 else 0 * peak
+        second = (
+            torch.where(positions == first.unsqueeze(-1), -1.0, per_replica).amax(-1) if k > 1 else 0 * peak
+        )
         hot = cand.gather(-1, first.unsqueeze(-1)).squeeze(-1)  # expert ids [W, L]
         hot_raw = cand_raw.gather(-1, first.unsqueeze(-1)).squeeze(-1)
         after = torch.maximum(second, hot_raw / (count[layers.unsqueeze(0), hot] + 1))
@@ -158,14 +162,18 @@ def rebalance(
     plan_t = t
     if max_window_steps is not None and w > max_window_steps:
         buckets = torch.arange(w) * max_window_steps // w
-        plan_t = torch.zeros(max_window_steps, num_layers, num_logical, dtype=t.dtype).index_add_(0, buckets, t)
+        plan_t = torch.zeros(max_window_steps, num_layers, num_logical, dtype=t.dtype).index_add_(
+            0, buckets, t
+        )
     p2l = place(plan_t, replicate(plan_t, num_replicas), num_ranks)
     if current is None:
         cur = torch.from_numpy(initial_phys_to_logical(num_logical, num_replicas)).expand(num_layers, -1)
     else:
         cur = torch.as_tensor(np.asarray(current), dtype=torch.int64)
         if tuple(cur.shape) != (num_layers, num_replicas):
-            raise ValueError(f"current must be [layers={num_layers}, num_replicas={num_replicas}], got {tuple(cur.shape)}")
+            raise ValueError(
+                f"current must be [layers={num_layers}, num_replicas={num_replicas}], got {tuple(cur.shape)}"
+            )
     keep = peak_sum(t, cur, num_ranks) <= peak_sum(t, p2l, num_ranks)
     p2l = torch.where(keep.unsqueeze(1), cur, p2l).numpy().copy()
     l2p, counts = logical_maps(p2l, num_logical, num_replicas - num_logical + 1)

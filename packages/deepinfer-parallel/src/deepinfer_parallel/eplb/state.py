@@ -97,11 +97,17 @@ class EplbState:
         if dist.is_initialized() and dist.get_world_size(group) != layout.ep_size:
             raise ValueError(f"layout ep_size={layout.ep_size} != EP group size {dist.get_world_size(group)}")
         if expert_weights is not None and len(expert_weights) != layout.num_layers:
-            raise ValueError(f"expert_weights has {len(expert_weights)} layers, the layout {layout.num_layers}")
+            raise ValueError(
+                f"expert_weights has {len(expert_weights)} layers, the layout {layout.num_layers}"
+            )
         device = layout.phys_to_logical.device
-        self.expert_count = torch.zeros(layout.num_layers, layout.slots_per_rank, dtype=torch.int64, device=device)
+        self.expert_count = torch.zeros(
+            layout.num_layers, layout.slots_per_rank, dtype=torch.int64, device=device
+        )
         # Window entries are *logical* counts, so they stay meaningful after a re-placement.
-        self.window = torch.zeros(max(config.window, 1), layout.num_layers, layout.num_logical, dtype=torch.int64)
+        self.window = torch.zeros(
+            max(config.window, 1), layout.num_layers, layout.num_logical, dtype=torch.int64
+        )
         self.filled = 0
         self.head = 0
         interval = config.interval
@@ -168,7 +174,11 @@ class EplbState:
             for i in changed:
                 stats.add(
                     shuffle_layer(
-                        self.expert_weights[i], old[i], plan.phys_to_logical[i], self.group, self.config.p2p_groups
+                        self.expert_weights[i],
+                        old[i],
+                        plan.phys_to_logical[i],
+                        self.group,
+                        self.config.p2p_groups,
                     )
                 )
         layout.apply(plan.phys_to_logical)
