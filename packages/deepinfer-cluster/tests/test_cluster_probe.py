@@ -187,3 +187,16 @@ def test_visible_devices_and_rank_assignment():
         parse_visible_devices("GPU-1234", "CUDA_VISIBLE_DEVICES")
     with pytest.raises(ValueError, match="no visible-device variable"):
         assign_visible_devices(0, kind="cpu", env={})
+
+
+def test_importing_the_package_loads_no_device_runtime():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, deepinfer_cluster, deepinfer_cluster.launch\n"
+        "deepinfer_cluster.accelerator_kind(); deepinfer_cluster.numa_nodes()\n"
+        "print(sorted(m for m in ('torch', 'pynvml', 'torch_npu') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"

@@ -11,7 +11,9 @@ from deepinfer_cluster.accelerator import (
 from deepinfer_cluster.binding import (
     BindResult,
     bind_device,
+    bind_local_rank,
     bind_to_numa_node,
+    binding_target,
     cores_for_device,
     get_cpu_affinity,
     libnuma_available,
@@ -61,6 +63,8 @@ __all__ = [
     "accelerator_kind",
     "assign_visible_devices",
     "bind_device",
+    "bind_local_rank",
+    "binding_target",
     "bind_to_numa_node",
     "check_layout",
     "cores_for_device",

@@ -129,6 +129,14 @@ def bind_to_numa_node(
     return BindResult(get_cpu_affinity(), node, bound, pinned, reason)
 
 
+def _share(cores: tuple[int, ...], members: int, position: int) -> tuple[int, ...]:
+    """The position-th of `members` equal, disjoint slices of `cores` (all of them if too few)."""
+    share = len(cores) // members
+    if share == 0:
+        return cores  # more members than cores: they share the node
+    return cores[position * share : (position + 1) * share]
+
+
 def cores_for_device(
     device: DeviceInfo, devices: Sequence[DeviceInfo], nodes: Sequence[NumaNode]
 ) -> tuple[int, ...]:
@@ -142,11 +150,58 @@ def cores_for_device(
             f"device {device.index}: numa node {device.numa_node} not among {[n.id for n in nodes]}"
         )
     peers = sorted(d.index for d in devices if d.numa_node == device.numa_node)
-    share = len(node.physical_cores) // len(peers)
-    if share == 0:
-        return node.physical_cores  # more devices than cores: they share the node
-    pos = peers.index(device.index)
-    return node.physical_cores[pos * share : (pos + 1) * share]
+    return _share(node.physical_cores, len(peers), peers.index(device.index))
+
+
+def binding_target(
+    local_rank: int,
+    local_world_size: int,
+    devices: Sequence[DeviceInfo],
+    nodes: Sequence[NumaNode],
+    device: int | None = None,
+) -> tuple[int, tuple[int, ...]] | None:
+    """(NUMA node, cores) where a local rank should run, or None (logged) when unknown.
+
+    With accelerators: the node of physical device `device` and that device's core slice.
+    Without (CPU ranks): ranks fill the NUMA nodes in contiguous blocks and split each node's
+    physical cores evenly.
+    """
+    if not 0 <= local_rank < local_world_size:
+        raise ValueError(f"local_rank={local_rank} out of range [0, {local_world_size})")
+    if devices:
+        info = next((d for d in devices if d.index == device), None)
+        if info is None or info.numa_node is None:
+            log.info("local rank %d: device %s has no known NUMA node; not binding", local_rank, device)
+            return None
+        return info.numa_node, cores_for_device(info, devices, nodes)
+    if not nodes:
+        log.info("local rank %d: no NUMA information; not binding", local_rank)
+        return None
+    node_of = [nodes[r * len(nodes) // local_world_size] for r in range(local_world_size)]
+    peers = [r for r in range(local_world_size) if node_of[r] is node_of[local_rank]]
+    node = node_of[local_rank]
+    return node.id, _share(node.physical_cores, len(peers), peers.index(local_rank))
+
+
+def bind_local_rank(
+    device: int | None = None,
+    local_rank: int | None = None,
+    local_world_size: int | None = None,
+    memory: bool = True,
+) -> BindResult:
+    """Bind the calling rank (LOCAL_RANK / LOCAL_WORLD_SIZE from the environment by default) to
+    the cores and memory of its device's NUMA node. `device` is the physical device id (e.g.
+    `visible_devices()[torch.cuda.current_device()]`); leave it None for CPU ranks."""
+    from deepinfer_cluster.devices import probe_devices
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
+    if local_world_size is None:
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    nodes = numa_nodes()
+    target = binding_target(local_rank, local_world_size, probe_devices(), nodes, device)
+    if target is None:
+        return BindResult(get_cpu_affinity(), None, False, False, "no NUMA placement known; not binding")
+    return bind_to_numa_node(target[0], target[1], nodes, memory)
 
 
 def bind_device(

@@ -178,21 +178,16 @@ def make_plan(args: argparse.Namespace, command: list[str], kind: AcceleratorKin
             env[var] = ",".join(map(str, mine))
         plan.rank_env.append(env)
         plan.numa_binding.append(
-            _numa_target(local, mine, visible, devices, nodes) if devices is not None else None
+            _numa_target(local, nproc, mine, visible, devices, nodes) if devices is not None else None
         )
     return plan
 
 
-def _numa_target(local, mine, visible, devices, nodes):
-    """(node, cpus) for a rank's first device, or None (logged) when it cannot be placed."""
-    from deepinfer_cluster.binding import cores_for_device
+def _numa_target(local, nproc, mine, visible, devices, nodes):
+    from deepinfer_cluster.binding import binding_target
 
     physical = mine[0] if mine else (visible[local] if local < len(visible) else None)
-    device = next((d for d in devices if d.index == physical), None)
-    if device is None or device.numa_node is None:
-        log.info("rank %d: device %s has no known NUMA node; not binding", local, physical)
-        return None
-    return device.numa_node, cores_for_device(device, devices, nodes)
+    return binding_target(local, nproc, devices, nodes, physical)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,10 +250,13 @@ def _binder(target):
         return None
     node, cpus = target
 
-    def bind() -> None:  # runs in the child between fork and exec
+    def bind() -> None:  # runs in the child between fork and exec; best effort
         from deepinfer_cluster.binding import bind_to_numa_node
 
-        bind_to_numa_node(node, cpus)
+        try:
+            bind_to_numa_node(node, cpus)
+        except (OSError, ValueError) as exc:
+            os.write(2, f"deepinfer-launch: NUMA binding to node {node} failed: {exc}\n".encode())
 
     return bind
 
