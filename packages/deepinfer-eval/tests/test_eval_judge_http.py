@@ -168,3 +168,22 @@ def test_llm_judge_on_a_generator_backend(tmp_path):
     assert judge.name == "llm:generator:local-judge" and gen.prompts == 3
     LLMJudge(GeneratorBackend(gen, "local-judge"), JudgeCache(tmp_path / "c.jsonl")).judge(_items()[:2])
     assert gen.prompts == 3  # cached
+
+
+class CrashingGradingGenerator(GradingGenerator):
+    def generate(self, conversations, n, seeds):
+        if self.prompts:
+            raise KeyboardInterrupt  # the user stops a long scoring run
+        return super().generate(conversations, n, seeds)
+
+
+def test_interrupted_judging_keeps_the_replies_it_already_has(tmp_path):
+    items = [JudgeItem("q", f"Exact Answer: {i}", str(i % 2), "exactMatch") for i in range(5)]
+    crashing = LLMJudge(
+        GeneratorBackend(CrashingGradingGenerator(), "j"), JudgeCache(tmp_path / "c.jsonl"), chunk=2
+    )
+    with pytest.raises(KeyboardInterrupt):
+        crashing.judge(items)
+    resumed = LLMJudge(GeneratorBackend(GradingGenerator(), "j"), JudgeCache(tmp_path / "c.jsonl"), chunk=2)
+    verdicts = resumed.judge(items)
+    assert resumed.calls == 3 and [v.correct for v in verdicts] == [True, True, False, False, False]

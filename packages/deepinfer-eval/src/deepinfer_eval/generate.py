@@ -135,7 +135,12 @@ def plan_jobs(tasks: Sequence[dict], samples: int, seed: int, done: set[tuple[st
             for s in missing:
                 perm = gpqa_permutation(seed, task["id"], s)
                 prompt, gold = gpqa_prompt(task, perm)
-                extra = {"answer": gold, "answer_type": "multipleChoice", "permutation": perm}
+                extra = {
+                    "answer": gold,
+                    "answer_type": "multipleChoice",
+                    "permutation": perm,
+                    "category": task.get("category", ""),
+                }
                 jobs.append(Job(task, [s], prompt, task_seed + s, extra))
             continue
         if bench == "aime":

@@ -221,8 +221,20 @@ class JudgeCache:
 
 
 class LLMJudge:
-    def __init__(self, backend: ChatBackend, cache: JudgeCache | None = None):
-        self.backend, self.cache = backend, cache or JudgeCache(None)
+    """Asks the backend in chunks and caches each chunk's replies at once, so an interrupted
+    scoring run keeps the judge answers it already paid for."""
+
+    def __init__(
+        self, backend: ChatBackend, cache: JudgeCache | None = None, chunk: int = 64, progress: bool = True
+    ):
+        if chunk < 1:
+            raise ValueError(f"judge chunk must be >= 1, got {chunk}")
+        self.backend, self.cache, self.chunk, self.progress = (
+            backend,
+            cache or JudgeCache(None),
+            chunk,
+            progress,
+        )
         self.name = f"llm:{backend.name}"
         self.calls = 0  # backend calls made (cache misses), for the report and tests
 
@@ -234,17 +246,24 @@ class LLMJudge:
             if final_part(item.response).strip() and key not in self.cache.entries:
                 first.setdefault(key, i)
         todo = list(first.values())
-        replies = self.backend.complete([prompts[i] for i in todo]) if todo else []
-        self.calls += len(todo)
-        fresh, errors = [], {}
-        for i, reply in zip(todo, replies):
-            if isinstance(reply, Exception):
-                errors[keys[i]] = f"judge call failed: {type(reply).__name__}: {reply}"
-            elif parse_judge_reply(reply).error is None:
-                fresh.append((keys[i], reply))
-            else:  # unusable replies are not cached: the next rescore asks again
-                errors[keys[i]] = parse_judge_reply(reply).error
-        self.cache.add(fresh)
+        errors: dict[str, str] = {}
+        from tqdm import tqdm
+
+        with tqdm(total=len(todo), desc="judge", unit="call", disable=not (self.progress and todo)) as bar:
+            for start in range(0, len(todo), self.chunk):
+                part = todo[start : start + self.chunk]
+                replies = self.backend.complete([prompts[i] for i in part])
+                self.calls += len(part)
+                fresh = []
+                for i, reply in zip(part, replies):
+                    if isinstance(reply, Exception):
+                        errors[keys[i]] = f"judge call failed: {type(reply).__name__}: {reply}"
+                    elif parse_judge_reply(reply).error is None:
+                        fresh.append((keys[i], reply))
+                    else:  # unusable replies are not cached: the next rescore asks again
+                        errors[keys[i]] = parse_judge_reply(reply).error
+                self.cache.add(fresh)
+                bar.update(len(part))
         verdicts = []
         for item, key in zip(items, keys):
             if not final_part(item.response).strip():

@@ -38,27 +38,33 @@ def read_jsonl(path: str | os.PathLike, required: Sequence[str] = ()) -> ReadRes
     """Read a JSONL file; lines that are not JSON objects or lack a required key become Problems."""
     result = ReadResult()
     p = str(path)
+    line = ""
+    # Iterate the file, not str.splitlines(): JSON strings may hold raw U+2028 / U+0085, which
+    # splitlines() treats as line breaks. Streaming also keeps long generation files out of memory.
     with open(path, encoding="utf-8") as f:
-        text = f.read()
-    result.ends_without_newline = bool(text) and not text.endswith("\n")
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            result.problems.append(Problem(p, lineno, f"not valid JSON ({e.msg})"))
-            continue
-        if not isinstance(record, dict):
-            result.problems.append(Problem(p, lineno, "not a JSON object"))
-            continue
-        missing = [k for k in required if k not in record]
-        if missing:
-            result.problems.append(Problem(p, lineno, f"missing field(s) {', '.join(missing)}"))
-            continue
-        record["_line"] = lineno
-        result.records.append(record)
+        for lineno, line in enumerate(f, start=1):
+            _parse_line(line, lineno, p, required, result)
+    result.ends_without_newline = bool(line) and not line.endswith("\n")
     return result
+
+
+def _parse_line(line: str, lineno: int, p: str, required: Sequence[str], result: ReadResult) -> None:
+    if not line.strip():
+        return
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        result.problems.append(Problem(p, lineno, f"not valid JSON ({e.msg})"))
+        return
+    if not isinstance(record, dict):
+        result.problems.append(Problem(p, lineno, "not a JSON object"))
+        return
+    missing = [k for k in required if k not in record]
+    if missing:
+        result.problems.append(Problem(p, lineno, f"missing field(s) {', '.join(missing)}"))
+        return
+    record["_line"] = lineno
+    result.records.append(record)
 
 
 def report_problems(problems: Iterable[Problem], stream=None) -> None:
