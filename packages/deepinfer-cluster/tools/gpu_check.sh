@@ -43,3 +43,16 @@ if dist.get_rank() == 1:
 dist.all_reduce(t); torch.cuda.synchronize()
 print("unreachable")'
 echo "crash launch rc=$? after ${SECONDS} s"
+
+# Ranks that see every GPU and pick cuda:LOCAL_RANK, binding themselves (the engine's path).
+python3 -m deepinfer_cluster.launch --nproc "$N" -- python3 -c '
+import os, torch, torch.distributed as dist
+from deepinfer_cluster import bind_local_rank, visible_devices
+local = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(local)
+r = bind_local_rank(device=visible_devices()[torch.cuda.current_device()])
+dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+t = torch.ones(8, device="cuda"); dist.all_reduce(t)
+print("self-bound", r.applied, r.numa_node, r.cpus[0], len(r.cpus), t[0].item())
+dist.destroy_process_group()'
+echo "self-bind launch rc=$?"
