@@ -177,3 +177,24 @@ def test_unsupported_file_type(tmp_path):
         from deepinfer_eval import convert_rows
 
         convert_rows("mmlu", [])
+
+
+def test_read_tasks_checks_fields_and_makes_ids_and_answers_strings(tmp_path):
+    from deepinfer_eval import read_tasks
+
+    path = _write_jsonl(
+        tmp_path / "tasks.jsonl",
+        [
+            {"benchmark": "aime", "id": 7, "problem": "p", "answer": 42},
+            {"benchmark": "gpqa", "id": "g", "question": "q", "correct": "c", "incorrect": ["x", "y"]},
+            {"benchmark": "aime", "id": 8, "problem": "p"},
+        ],
+    )
+    tasks, problems = read_tasks(path)
+    assert tasks[0]["id"] == "7" and tasks[0]["answer"] == "42" and len(tasks) == 1
+    assert [(p.line, "incorrect" in p.reason or "answer" in p.reason) for p in problems] == [
+        (2, True),
+        (3, True),
+    ]
+    tasks, problems = read_tasks(path, "gpqa")
+    assert tasks == [] and "benchmark must be gpqa" in problems[0].reason

@@ -173,6 +173,7 @@ def read_tasks(path: str | os.PathLike, benchmark: str | None = None) -> tuple[l
             problems.append(Problem(str(path), r["_line"], f"missing field(s) {', '.join(missing)}"))
             continue
         r["id"] = str(r["id"])
-        r["answer"] = _text(r.get("answer")) if "answer" in r else r.get("answer")
+        if "answer" in r:  # a hand-written file may hold 42 where convert would write "42"
+            r["answer"] = _text(r["answer"])
         tasks.append(r)
     return tasks, problems
