@@ -15,7 +15,7 @@ from .attention import (
 )
 from .compressor import Compressed, CompressorWeights, compress
 from .embedding import embed
-from .experts import ExpertWeights, MLPWeights, clamped_swiglu, mlp, moe
+from .experts import ExpertWeights, MLPWeights, clamped_swiglu, experts_forward, mlp
 from .indexer import IndexerWeights, index_queries, index_scores, select_topk, selection_mask
 from .mhc import HCHeadParams, HCParams, expand, head_weights, mixes, read, sinkhorn, write
 from .moe import MoEWeights, moe_block
@@ -46,7 +46,7 @@ __all__ = [
     "inv_freq",
     "mixes",
     "mlp",
-    "moe",
+    "experts_forward",
     "moe_block",
     "project_latent",
     "project_output",

@@ -39,7 +39,7 @@ def mlp(x: torch.Tensor, w: MLPWeights, limit: float, act_dtype: torch.dtype = t
     return linear(h, w.w2, act_dtype)
 
 
-def moe(
+def experts_forward(
     x: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,

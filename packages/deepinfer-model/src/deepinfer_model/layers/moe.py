@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..numerics import linear
-from .experts import ExpertWeights, MLPWeights, moe
+from .experts import ExpertWeights, MLPWeights, experts_forward
 from .router import route_hash, route_topk
 
 
@@ -38,4 +38,4 @@ def moe_block(
         weights, ids = route_hash(logits, token_ids, w.tid2eid, routed_scaling_factor)
     else:
         weights, ids = route_topk(logits, w.bias, top_k, routed_scaling_factor)
-    return moe(x, weights, ids, w.experts, w.shared, swiglu_limit, act_dtype, weight_before_down)
+    return experts_forward(x, weights, ids, w.experts, w.shared, swiglu_limit, act_dtype, weight_before_down)
