@@ -149,3 +149,21 @@ def test_gloo_rank_crash_takes_the_others_down():
     crashed_at = float(next(x for x in res.stdout.splitlines() if "crashing" in x).split()[-1])
     assert ended - crashed_at < 15  # the run ends within seconds of the crash (grace 2 s)
     assert time.monotonic() - start < 90
+
+
+def test_stopping_the_launcher_stops_every_rank():
+    import signal
+
+    import psutil
+
+    code = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(300)"
+    proc = subprocess.Popen(
+        [PY, "-m", "deepinfer_cluster.launch", "--nproc", "2", "--", PY, "-c", code],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    pids = [int(proc.stdout.readline().split()[-1]) for _ in range(2)]
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "interrupted by SIGTERM; all ranks stopped" in err
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)

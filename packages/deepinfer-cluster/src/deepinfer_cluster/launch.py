@@ -271,44 +271,45 @@ def run_local(plan: Plan, kill_grace: float = 3.0, tail_lines: int = 20, out=Non
     if plan.nproc > 1:
         base.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: ranks must not oversubscribe cores
     ranks: list[_Rank] = []
-    # Every child starts before any reader thread exists: preexec_fn (NUMA binding) is only safe
-    # in a single-threaded parent.
-    try:
-        for local, env in enumerate(plan.rank_env):
-            proc = subprocess.Popen(
-                plan.command,
-                env={**base, **env},
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,  # own process group, so stopping a rank stops its children
-                preexec_fn=_binder(plan.numa_binding[local] if plan.numa_binding else None),
-            )
-            ranks.append(_Rank(local, int(env["RANK"]), proc, tail_lines))
-    except OSError as exc:
-        _stop(ranks, kill_grace)
-        err.write(f"deepinfer-launch: cannot start {plan.command[0]!r}: {exc}\n")
-        return 127
-    lock = threading.Lock()
-    # SimpleQueue.put is reentrant, so the signal handler below may use it too.
+    # SimpleQueue.put is reentrant, so the signal handler may use it too. Handlers go in before
+    # the first child starts, so that no moment exists where a signal would orphan the ranks.
     exits: queue.SimpleQueue[tuple[_Rank | None, int]] = queue.SimpleQueue()
-    for r in ranks:
-        for stream, sink in ((r.proc.stdout, out), (r.proc.stderr, err)):
-            t = threading.Thread(target=_pump, args=(r, stream, sink, lock), daemon=True)
-            t.start()
-            r.readers.append(t)
-        threading.Thread(target=lambda r=r: exits.put((r, r.proc.wait())), daemon=True).start()
-
     interrupted: list[int] = []
     previous = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, lambda s, _f: (interrupted.append(s), exits.put((None, 0))))
     try:
+        # Every child starts before any reader thread exists: preexec_fn (NUMA binding) is only
+        # safe in a single-threaded parent.
+        try:
+            for local, env in enumerate(plan.rank_env):
+                proc = subprocess.Popen(
+                    plan.command,
+                    env={**base, **env},
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,  # own process group: stopping a rank stops its children
+                    preexec_fn=_binder(plan.numa_binding[local] if plan.numa_binding else None),
+                )
+                ranks.append(_Rank(local, int(env["RANK"]), proc, tail_lines))
+        except (OSError, subprocess.SubprocessError) as exc:
+            _stop(ranks, kill_grace)
+            err.write(f"deepinfer-launch: cannot start {plan.command[0]!r}: {exc}\n")
+            return 127
+        lock = threading.Lock()
+        for r in ranks:
+            for stream, sink in ((r.proc.stdout, out), (r.proc.stderr, err)):
+                t = threading.Thread(target=_pump, args=(r, stream, sink, lock), daemon=True)
+                t.start()
+                r.readers.append(t)
+            threading.Thread(target=lambda r=r: exits.put((r, r.proc.wait())), daemon=True).start()
+
         failed: tuple[_Rank, int] | None = None
         running: list[int] = []
         done = 0
-        while done < len(ranks):
+        while done < len(ranks) and not interrupted:
             try:
                 r, code = exits.get(timeout=0.5)  # a timeout keeps the loop responsive to signals
             except queue.Empty:
