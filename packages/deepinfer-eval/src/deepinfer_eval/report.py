@@ -113,44 +113,45 @@ def build_report(
     return report, problems
 
 
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.2f}"
+
+
+def _ci(s: dict) -> str:
+    return "-" if s["ci95_low"] is None else f"{_pct(s['ci95_low'])}-{_pct(s['ci95_high'])}"
+
+
 def print_report(report: dict, console=None) -> None:
+    """One table over benchmarks, then one per benchmark with categories (HLE)."""
     from rich.console import Console
     from rich.table import Table
 
     console = console or Console()
-    table = Table(title=f"Pass@1 (95% interval, {report['interval']}, tasks as the unit)")
-    for col in (
-        "benchmark",
-        "tasks",
-        "k",
-        "Pass@1 %",
-        "95% CI %",
-        "missing",
-        "skipped tasks",
-        "calib. err %",
-    ):
-        table.add_column(col, justify="left" if col == "benchmark" else "right")
-
-    def pct(x):
-        return "-" if x is None else f"{100 * x:.2f}"
-
+    table = Table(title=f"Pass@1 with 95% interval ({report['interval']}, tasks as the unit)")
+    for col in ("benchmark", "tasks", "k", "Pass@1%", "95% CI", "missing", "skipped", "calib%"):
+        table.add_column(
+            col, justify="left" if col == "benchmark" else "right", no_wrap=True, min_width=len(col)
+        )
     for bench, e in report["benchmarks"].items():
-        rows = [(bench, e)] + [(f"  {bench}/{c}", s) for c, s in e.get("categories", {}).items()]
-        for name, s in rows:
-            ci = "-" if s["ci95_low"] is None else f"{pct(s['ci95_low'])} - {pct(s['ci95_high'])}"
-            top = s is e
-            table.add_row(
-                name,
-                str(s["tasks"]),
-                str(e["samples_per_task"]) if top else "",
-                pct(s["pass_at_1"]),
-                ci,
-                str(s["samples_missing"]),
-                str(e["skipped_tasks"]) if top else "",
-                pct(e.get("calibration_error")) if top else "",
-            )
+        table.add_row(
+            bench,
+            str(e["tasks"]),
+            str(e["samples_per_task"]),
+            _pct(e["pass_at_1"]),
+            _ci(e),
+            str(e["samples_missing"]),
+            str(e["skipped_tasks"]),
+            _pct(e.get("calibration_error")),
+        )
     console.print(table)
     for bench, e in report["benchmarks"].items():
+        if "categories" in e:
+            cats = Table(title=f"{bench} by category")
+            for col in ("category", "tasks", "Pass@1%", "95% CI"):
+                cats.add_column(col, justify="left" if col == "category" else "right", no_wrap=True)
+            for name, s in e["categories"].items():
+                cats.add_row(name, str(s["tasks"]), _pct(s["pass_at_1"]), _ci(s))
+            console.print(cats)
         if e["skipped_tasks"]:
             console.print(
                 f"{bench}: {e['skipped_tasks']} task(s) skipped (image input, no vision path); "
@@ -160,3 +161,7 @@ def print_report(report: dict, console=None) -> None:
             console.print(f"{bench}: {e['judge_errors']} sample(s) counted wrong because the judge failed")
     if report["skipped_lines"]:
         console.print(f"{report['skipped_lines']} malformed line(s) skipped")
+    console.print(
+        "missing: samples counted wrong because no scored line exists; skipped: image tasks; "
+        "calib%: RMS calibration error (HLE, when confidences exist)"
+    )
