@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from deepinfer_model.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ConfigError, parse_config
 from deepinfer_model.testing import tiny_config
 
@@ -51,7 +50,9 @@ def test_defaults_follow_upstream_v4():
 
 
 def test_errors_name_key_value_and_rule():
-    with pytest.raises(ConfigError, match=r"'compress_rates.heavily_compressed_attention' = 0 must be a positive"):
+    with pytest.raises(
+        ConfigError, match=r"'compress_rates.heavily_compressed_attention' = 0 must be a positive"
+    ):
         parse_config(tiny_config(compress_rates={CSA: 4, HCA: 0}))
     with pytest.raises(ConfigError, match=r"'num_hash_layers' = 9 must be in \[0, num_hidden_layers=4\]"):
         parse_config({**_upstream(tiny_config()), "num_hash_layers": 9})
