@@ -198,3 +198,24 @@ def test_read_tasks_checks_fields_and_makes_ids_and_answers_strings(tmp_path):
     ]
     tasks, problems = read_tasks(path, "gpqa")
     assert tasks == [] and "benchmark must be gpqa" in problems[0].reason
+
+
+def test_unreadable_and_missing_inputs_are_value_errors(tmp_path):
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"not parquet at all")
+    with pytest.raises(ValueError, match="could not read"):
+        convert_file("hle", bad)
+    with pytest.raises(ValueError, match="no such file"):
+        convert_file("hle", tmp_path / "absent.jsonl")
+
+
+def test_engine_args_parse():
+    from deepinfer_eval.cli import parse_engine_args
+
+    assert parse_engine_args(["max_model_len=40960", "tokenizer=/x", "trust_remote_code=true"]) == {
+        "max_model_len": 40960,
+        "tokenizer": "/x",
+        "trust_remote_code": True,
+    }
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        parse_engine_args(["oops"])

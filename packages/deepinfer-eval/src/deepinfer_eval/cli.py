@@ -33,6 +33,14 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=0.95)
     g.add_argument("--max-tokens", type=int, default=32768)
     g.add_argument("--batch-size", type=int, default=64, help="requests handed to the engine at once")
+    g.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="passed to deepinfer.LLM (repeatable; VALUE parsed as JSON if it can be), "
+        "e.g. --engine-arg max_model_len=40960",
+    )
 
     s = sub.add_parser("score", help="generations -> one scored line per sample")
     s.add_argument("--generations", required=True)
@@ -82,6 +90,20 @@ def cmd_convert(a) -> int:
     return 0
 
 
+def parse_engine_args(items: list[str]) -> dict:
+    """["max_model_len=40960", "tokenizer=/x"] -> {"max_model_len": 40960, "tokenizer": "/x"}."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--engine-arg must be KEY=VALUE, got {item!r}")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
+
+
 def cmd_generate(a) -> int:
     from deepinfer_eval.convert import read_tasks
     from deepinfer_eval.generate import EngineGenerator, SamplingConfig, run_generation
@@ -89,7 +111,7 @@ def cmd_generate(a) -> int:
     tasks, problems = read_tasks(a.tasks, a.benchmark)
     _warn(problems)
     sampling = SamplingConfig(a.temperature, a.top_p, a.max_tokens)
-    generator = EngineGenerator(a.model, sampling)
+    generator = EngineGenerator(a.model, sampling, **parse_engine_args(a.engine_arg))
     try:
         summary = run_generation(tasks, generator, a.output, a.samples, a.seed, a.batch_size, sampling)
     finally:

@@ -41,7 +41,16 @@ def load_rows(path: str | os.PathLike) -> list[dict]:
         # Typing every column as string keeps "042" and "NA"; pandas would infer 42 and NaN.
         kwargs = dict(features=Features({c: Value("string") for c in header}), keep_default_na=False)
     with tempfile.TemporaryDirectory(prefix="deepinfer-eval-") as cache:  # never reuse a stale cache
-        ds = load_dataset(_BUILDERS[suffix], data_files=str(path), split="train", cache_dir=cache, **kwargs)
+        if not os.path.exists(path):
+            raise ValueError(f"input: no such file {str(path)!r}")
+        try:
+            ds = load_dataset(
+                _BUILDERS[suffix], data_files=str(path), split="train", cache_dir=cache, **kwargs
+            )
+        except Exception as e:  # datasets/pyarrow raise many types; the user needs the file and why
+            raise ValueError(
+                f"input: could not read {str(path)!r} as {suffix[1:]}: {type(e).__name__}: {e}"
+            ) from e
         return ds.to_list()
 
 
