@@ -6,7 +6,7 @@ set -euo pipefail
 usage() {
   cat <<'USAGE'
 usage: eval/reference_suite.sh --model DIR --out DIR [--aime FILE] [--gpqa FILE] [--hle FILE]
-                               [--judge-url URL --judge-model NAME] [--seed N]
+                               [--judge-url URL --judge-model NAME] [--seed N] [--max-model-len N]
 
   --model DIR        local HF model directory for generation
   --out DIR          where tasks, generations, scores and reports go
@@ -16,11 +16,12 @@ usage: eval/reference_suite.sh --model DIR --out DIR [--aime FILE] [--gpqa FILE]
   --judge-url URL    OpenAI-compatible endpoint for the HLE judge (default: exact-match judge)
   --judge-model NAME model name at that endpoint ($OPENAI_API_KEY is sent if set)
   --seed N           generation seed (default 0)
+  --max-model-len N  engine context length (default 40960: prompt + 32768 generated tokens)
 Benchmarks whose file is not given are left out.
 USAGE
 }
 
-model="" out="" aime="" gpqa="" hle="" judge_url="" judge_model="" seed=0
+model="" out="" aime="" gpqa="" hle="" judge_url="" judge_model="" seed=0 max_model_len=40960
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --model) model="$2"; shift 2 ;;
@@ -31,6 +32,7 @@ while [[ $# -gt 0 ]]; do
     --judge-url) judge_url="$2"; shift 2 ;;
     --judge-model) judge_model="$2"; shift 2 ;;
     --seed) seed="$2"; shift 2 ;;
+    --max-model-len) max_model_len="$2"; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "unknown argument: $1" >&2; usage >&2; exit 2 ;;
   esac
@@ -42,7 +44,7 @@ run() {  # run BENCHMARK UPSTREAM SAMPLES [score options...]
   local b="$1" src="$2" k="$3"; shift 3
   deepinfer-eval convert --benchmark "$b" --input "$src" --output "$out/$b-tasks.jsonl"
   deepinfer-eval generate --benchmark "$b" --tasks "$out/$b-tasks.jsonl" --samples "$k" --model "$model" \
-    --seed "$seed" --output "$out/$b-gen.jsonl"
+    --seed "$seed" --engine-arg "max_model_len=$max_model_len" --output "$out/$b-gen.jsonl"
   deepinfer-eval score --generations "$out/$b-gen.jsonl" --output "$out/$b-scores.jsonl" "$@"
   deepinfer-eval report --scores "$out/$b-scores.jsonl" --tasks "$out/$b-tasks.jsonl" --samples "$k" \
     --output "$out/$b-report.json"
