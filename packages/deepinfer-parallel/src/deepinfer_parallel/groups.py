@@ -10,8 +10,8 @@ Layout (engine spec §7.1), with ranks ``0..R-1`` and ``R = max(enp, dp*cp)``:
 There is no tensor parallelism: attention is data parallel (optionally context parallel) and the
 experts are expert parallel.
 
-The size rules are checked here. TODO(cluster): once ``deepinfer_cluster`` exposes its own
-parallel-size validation for the launcher, call it from ``validate_parallel_sizes`` so both agree.
+The dp/cp/ep rules are ``deepinfer_cluster.check_layout`` (the launcher uses the same function, so
+both agree); the Engram size ``enp`` is checked here, since only this package knows about it.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from deepinfer_cluster import check_layout
 
 
 @dataclass(frozen=True)
@@ -46,13 +47,17 @@ def validate_parallel_sizes(
         raise ValueError(
             f"world_size={world_size} must equal max(enp, dp*cp) = max({enp}, {dp}*{cp}) = {expected}"
         )
-    if expected % attention != 0:
-        raise ValueError(f"dp*cp = {dp}*{cp} = {attention} must divide world_size={world_size}")
     if ep > world_size:
         raise ValueError(f"ep={ep} must not exceed world_size={world_size}")
-    if world_size % ep != 0:
-        raise ValueError(f"ep={ep} must divide world_size={world_size}")
-    if world_size % enp != 0:
+    if enp > attention:
+        # Engram-only ranks beyond the attention ranks: the (replica, dp, cp) blocks must tile the world.
+        if world_size % attention:
+            raise ValueError(f"dp*cp = {dp}*{cp} = {attention} must divide world_size={world_size}")
+        if world_size % ep:
+            raise ValueError(f"ep={ep} must divide world_size={world_size}")
+    else:
+        check_layout(world_size, dp, cp, ep)
+    if world_size % enp:
         raise ValueError(f"enp={enp} must divide world_size={world_size}")
     return ParallelSizes(dp=dp, cp=cp, ep=ep, enp=enp, world=world_size)
 

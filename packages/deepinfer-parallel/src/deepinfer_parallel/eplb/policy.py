@@ -127,7 +127,10 @@ def rank_loads(tokens, phys_to_logical, num_ranks: int) -> torch.Tensor:
     t = torch.as_tensor(tokens, dtype=torch.float64)
     if t.dim() == 2:
         t = t.unsqueeze(0)
-    p2l = torch.as_tensor(np.asarray(phys_to_logical), dtype=torch.int64)
+    if torch.is_tensor(phys_to_logical):
+        p2l = phys_to_logical.detach().cpu().long()
+    else:
+        p2l = torch.from_numpy(np.array(phys_to_logical, dtype=np.int64))
     if p2l.dim() == 1:
         p2l = p2l.expand(t.shape[1], -1)
     num_layers, num_physical = p2l.shape
