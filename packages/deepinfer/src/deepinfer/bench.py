@@ -1,0 +1,126 @@
+"""Offline throughput benchmark (nano-vllm style): random prompts and output lengths, `ignore_eos`,
+run once with the synchronous loop and once with the asynchronous one on the same workload."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("workload")
+    g.add_argument("--num-requests", type=int, default=16)
+    g.add_argument("--min-input-len", type=int, default=16)
+    g.add_argument("--max-input-len", type=int, default=64)
+    g.add_argument("--min-output-len", type=int, default=8)
+    g.add_argument("--max-output-len", type=int, default=32)
+    g.add_argument("--workload-seed", type=int, default=0)
+    g.add_argument("--loops", default="sync,async", help="comma list of sync / async (default: both)")
+    g.add_argument("--output-json", type=Path, default=None, help="write the result records here")
+
+
+def make_workload(args, vocab_size: int):
+    from .sampling_params import SamplingParams
+
+    rng = random.Random(args.workload_seed)
+    prompts, params = [], []
+    for i in range(args.num_requests):
+        n_in = rng.randint(args.min_input_len, args.max_input_len)
+        prompts.append([rng.randrange(3, vocab_size) for _ in range(n_in)])
+        n_out = rng.randint(args.min_output_len, args.max_output_len)
+        params.append(SamplingParams(max_tokens=n_out, ignore_eos=True, temperature=0.8, seq_seed=i))
+    return prompts, params
+
+
+def run_bench(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .engine_args import EngineArgs
+    from .llm import LLM
+
+    console = Console()
+    records = []
+    tokens_by_loop = {}
+    for loop in [m.strip() for m in args.loops.split(",") if m.strip()]:
+        if loop not in ("sync", "async"):
+            raise SystemExit(f"--loops entries must be sync or async, got {loop!r}")
+        engine_args = EngineArgs.from_cli_args(args)
+        engine_args.async_scheduling = loop == "async"
+        llm = LLM(**vars(engine_args))
+        engine = llm.engine
+        if engine.use_async != (loop == "async"):
+            raise SystemExit(
+                "DEEPINFER_ZERO_OVERHEAD_SCHEDULING overrides --loops; unset it to compare loops"
+            )
+        prompts, params = make_workload(args, engine.vocab_size)
+        # warm-up: one short request so one-time costs (allocations, first forward) are not timed
+        llm.generate(prompt_token_ids=[prompts[0][:8]], sampling_params=params[0], use_tqdm=False)
+        engine.stats.__init__()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=True)
+        elapsed = time.perf_counter() - t0
+        llm.close()
+        gen = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        tokens_by_loop[loop] = [c.token_ids for o in outs for c in o.outputs]
+        st = engine.stats
+        records.append(
+            {
+                "loop": loop,
+                "num_requests": len(prompts),
+                "prompt_tokens": sum(map(len, prompts)),
+                "output_tokens": gen,
+                "elapsed_s": elapsed,
+                "output_tok_per_s": gen / elapsed,
+                "total_tok_per_s": (gen + sum(map(len, prompts))) / elapsed,
+                "steps": st.steps,
+                "schedule_ms": st.schedule_s * 1e3,
+                "hidden_schedule_ms": st.hidden_schedule_s * 1e3,
+                "process_ms": st.process_s * 1e3,
+                "hidden_process_ms": st.hidden_process_s * 1e3,
+                "forward_ms": st.forward_s * 1e3,
+                "sample_ms": st.sample_s * 1e3,
+            }
+        )
+    base = next((r for r in records if r["loop"] == "sync"), None)
+    for r in records:
+        r["speedup_vs_sync"] = r["output_tok_per_s"] / base["output_tok_per_s"] if base else None
+    if {"sync", "async"} <= tokens_by_loop.keys():
+        same = tokens_by_loop["sync"] == tokens_by_loop["async"]
+        for r in records:
+            r["tokens_identical_sync_async"] = same
+
+    table = Table(title="deepinfer offline throughput")
+    for col in (
+        "loop",
+        "requests",
+        "out tokens",
+        "tok/s",
+        "vs sync",
+        "steps",
+        "sched ms (hidden)",
+        "detok ms (hidden)",
+    ):
+        table.add_column(col, justify="right")
+    for r in records:
+        table.add_row(
+            r["loop"],
+            str(r["num_requests"]),
+            str(r["output_tokens"]),
+            f"{r['output_tok_per_s']:.1f}",
+            "-" if r["speedup_vs_sync"] is None else f"{r['speedup_vs_sync']:.3f}x",
+            str(r["steps"]),
+            f"{r['schedule_ms']:.1f} ({r['hidden_schedule_ms']:.1f})",
+            f"{r['process_ms']:.1f} ({r['hidden_process_ms']:.1f})",
+        )
+    console.print(table)
+    if "tokens_identical_sync_async" in records[0]:
+        console.print(f"sync and async tokens identical: {records[0]['tokens_identical_sync_async']}")
+    if args.output_json:
+        args.output_json.parent.mkdir(parents=True, exist_ok=True)
+        args.output_json.write_text(json.dumps(records, indent=2) + "\n")
+        console.print(f"wrote {args.output_json}")
+    return 0

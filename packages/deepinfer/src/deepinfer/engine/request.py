@@ -1,0 +1,159 @@
+"""Engine-side state of one request: its `n` sequences, their text, stops and metrics.
+
+The scheduler knows tokens and blocks; this side knows what the user sees: incremental text, stop
+strings and stop token ids (which end a sequence here, then in the scheduler), logprobs, timings.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer
+
+from ..detokenizer import IncrementalDetokenizer, find_stop
+from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
+from ..sampling_params import SamplingParams
+
+
+@dataclass
+class SeqState:
+    seq_id: int
+    index: int  # which of the request's n samples
+    seed: int
+    request: RequestState
+    detok: IncrementalDetokenizer
+    output: CompletionOutput
+    token_ids: list[int] = field(default_factory=list)  # prompt + generated so far (model input)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output.token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.output.finish_reason is not None
+
+    def finish(self, reason: str, stop_reason: str | int | None = None) -> None:
+        if self.output.finish_reason is None:
+            if reason != "stop":  # stop handling already cut the text; otherwise emit what is pending
+                self.detok.flush()
+                self.output.text = self.detok.text
+            self.output.finish_reason = reason
+            self.output.stop_reason = stop_reason
+            self.request.on_seq_finished()
+
+    def append(
+        self,
+        token_id: int,
+        eos_token_id: int | None,
+        max_model_len: int,
+        logprob: float | None = None,
+        top: dict[int, float] | None = None,
+    ) -> None:
+        """Record one generated token and decide whether the sequence ends with it."""
+        if self.finished:
+            return
+        p = self.request.params
+        now = time.perf_counter()
+        if self.request.metrics.first_token_time is None:
+            self.request.metrics.first_token_time = now
+        self.token_ids.append(token_id)
+        out = self.output
+        out.token_ids.append(token_id)
+        self.request.metrics.num_output_tokens += 1
+        if out.logprobs is not None:
+            out.logprobs.append(logprob)
+            out.top_logprobs.append(top or {})
+
+        if token_id == eos_token_id and not p.ignore_eos:
+            self._emit_text(token_id, skip=True)
+            self.finish("stop", token_id)
+            return
+        if token_id in p.stop_token_ids:
+            self._emit_text(token_id, skip=True)
+            self.finish("stop", token_id)
+            return
+        self._emit_text(token_id)
+        if self.finished:
+            return
+        if len(out.token_ids) >= p.max_tokens:
+            self.finish("length")
+        elif len(self.token_ids) >= max_model_len:
+            self.finish("length")
+
+    def _emit_text(self, token_id: int, skip: bool = False) -> None:
+        p = self.request.params
+        if skip:  # stop tokens are not part of the text (they stay in token_ids)
+            self.detok.flush()
+            self.output.text = self.detok.text
+            return
+        delta = self.detok.add(token_id)
+        text = self.detok.text
+        if delta and p.stop:
+            hit = find_stop(text, len(delta), p.stop)
+            if hit is not None:
+                start, stop = hit
+                self.output.text = text[: start + len(stop)] if p.include_stop_str_in_output else text[:start]
+                self.finish("stop", stop)
+                return
+        self.output.text = text
+
+
+class RequestState:
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Tokenizer,
+        seq_ids: list[int],
+        seeds: list[int],
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.metrics = RequestMetrics(
+            arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
+            num_prompt_tokens=len(prompt_token_ids),
+        )
+        self.num_unfinished = len(seq_ids)
+        self.error: str | None = None
+        self.seqs: list[SeqState] = []
+        for index, (seq_id, seed) in enumerate(zip(seq_ids, seeds)):
+            out = CompletionOutput(index=index)
+            if params.logprobs is not None:
+                out.logprobs, out.top_logprobs = [], []
+            self.seqs.append(
+                SeqState(
+                    seq_id=seq_id,
+                    index=index,
+                    seed=seed,
+                    request=self,
+                    detok=IncrementalDetokenizer(tokenizer, params.skip_special_tokens),
+                    output=out,
+                    token_ids=list(prompt_token_ids),
+                )
+            )
+
+    def on_seq_finished(self) -> None:
+        self.num_unfinished -= 1
+        if self.num_unfinished == 0:
+            self.metrics.finish_time = time.perf_counter()
+
+    @property
+    def finished(self) -> bool:
+        return self.num_unfinished == 0
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=list(self.prompt_token_ids),
+            outputs=[s.output for s in self.seqs],
+            metrics=self.metrics,
+            error=self.error,
+        )

@@ -1,0 +1,108 @@
+"""The engine's only contact with `deepinfer_sched`: building the scheduler and reading its output.
+
+Kept in one file so the rest of the engine speaks in engine terms (sequences, batches, tokens).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from deepinfer_model.runner import RunnerBatch
+from deepinfer_sched import Scheduler, SchedulerConfig
+
+from ..sampling_params import SamplingParams
+
+
+def make_scheduler(
+    block_size: int,
+    num_blocks: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    chunked_prefill: bool,
+) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(
+            block_size=block_size,
+            num_blocks=num_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=chunked_prefill,
+        )
+    )
+
+
+def add_sequence(
+    sched: Scheduler,
+    seq_id: int,
+    prompt: list[int],
+    params: SamplingParams,
+    eos_token_id: int | None,
+    max_tokens: int,
+) -> None:
+    sched.add_request(
+        np.asarray(prompt, dtype=np.int32),
+        seq_id=seq_id,
+        max_tokens=max_tokens,
+        min_tokens=min(params.min_tokens, max_tokens),
+        stop_token_ids=list(params.stop_token_ids),
+        eos_token_id=eos_token_id,
+        ignore_eos=params.ignore_eos,
+    )
+
+
+def schedule(sched: Scheduler):
+    return sched.schedule()
+
+
+def is_empty(out) -> bool:
+    return out is None or out.is_empty
+
+
+def reconcile(sched: Scheduler, out):
+    return sched.reconcile(out) if out.has_unknown_input_ids else out
+
+
+def seq_ids(out) -> np.ndarray:
+    return np.asarray(out.seq_ids)
+
+
+def emits_tokens(out) -> np.ndarray:
+    return np.asarray(out.emits_tokens, dtype=bool)
+
+
+def to_runner_batch(out) -> RunnerBatch:
+    tables = np.asarray(out.block_tables)
+    # Each table row is padded with -1 (tables are prefixes: a sequence's blocks come first).
+    return RunnerBatch(
+        seq_ids=np.asarray(out.seq_ids, dtype=np.int64),
+        start_positions=np.asarray(out.start_positions, dtype=np.int64),
+        query_lens=np.asarray(out.query_lens, dtype=np.int64),
+        block_tables=[row[row >= 0] for row in tables],
+        input_ids=np.asarray(out.input_ids, dtype=np.int64),
+        logits_lens=emits_tokens(out).astype(np.int64),
+    )
+
+
+def update_from_output(sched: Scheduler, out, tokens: np.ndarray) -> dict[int, str]:
+    """tokens: one per scheduled sequence, -1 where it emits none. Returns {seq_id: finish reason}."""
+    counts = (tokens >= 0).astype(np.int32)
+    finished = sched.update_from_output(out, (tokens[tokens >= 0].astype(np.int32), counts))
+    return {int(f.seq_id): str(f.finish_reason) for f in finished}
+
+
+def retire(sched: Scheduler, out) -> None:
+    """Close a step that will not run (empty): the scheduler counts every scheduled step until updated."""
+    sched.update_from_output(out, (np.empty(0, dtype=np.int32), np.empty(0, dtype=np.int32)))
+
+
+def abort(sched: Scheduler, seq_id: int) -> None:
+    sched.abort(seq_id)
+
+
+def release(sched: Scheduler, seq_id: int) -> None:
+    sched.release(seq_id)
+
+
+def stats(sched: Scheduler) -> dict:
+    return dict(sched.stats())

@@ -1,0 +1,90 @@
+"""The model side of one engine step: runner forward + sampling, isolated per request on failure.
+
+Runs on the engine's worker thread under asynchronous scheduling (while the main thread schedules
+the next step), or inline in the synchronous loop. It touches no scheduler or request state, so the
+two threads share nothing but the immutable step description.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from deepinfer_model.runner import RunnerBatch
+from deepinfer_model.sampling import RowParams, Sampler
+
+
+@dataclass
+class StepResult:
+    # One entry per sequence of the batch: the sampled token (or -1 when it emits none / failed).
+    tokens: np.ndarray
+    logprobs: list[float | None]
+    top: list[dict[int, float] | None]
+    errors: dict[int, str] = field(default_factory=dict)  # batch index -> message (request failed alone)
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+
+
+class ModelWorker:
+    def __init__(self, runner, sampler: Sampler | None = None) -> None:
+        self.runner = runner
+        self.sampler = sampler or Sampler()
+
+    def run(self, batch: RunnerBatch, rows: list[RowParams | None], golden: list[int | None]) -> StepResult:
+        """rows[i]: how sequence i samples (None: it emits nothing this step, e.g. a prefill chunk)."""
+        n = len(rows)
+        result = StepResult(tokens=np.full(n, -1, dtype=np.int64), logprobs=[None] * n, top=[None] * n)
+        t0 = time.perf_counter()
+        try:
+            logits = self.runner.execute(batch)
+            ok = list(range(n))
+        except Exception:  # noqa: BLE001 - find the sequence(s) at fault; the others go on
+            logits, ok = self._execute_one_by_one(batch, result)
+        t1 = time.perf_counter()
+        emitting = [i for i in ok if rows[i] is not None]
+        if emitting:
+            # logits rows follow the batch order of sequences with logits_lens > 0
+            row_of = {i: r for r, i in enumerate(j for j in ok if batch.logits_lens[j] > 0)}
+            picked = logits[[row_of[i] for i in emitting]]
+            try:
+                out = self.sampler(picked, [rows[i] for i in emitting])
+            except ValueError as e:
+                for i in emitting:
+                    result.errors[i] = f"sampling failed: {e}"
+                emitting, out = [], None
+            for k, i in enumerate(emitting):
+                token = int(out.token_ids[k])
+                if golden[i] is not None:  # teacher forcing: emit the given token, report its logprob
+                    token = golden[i]
+                result.tokens[i] = token
+                if rows[i].logprobs is not None:
+                    lp = torch.log_softmax(picked[k].float(), dim=-1)
+                    result.logprobs[i] = float(lp[token])
+                    if rows[i].logprobs > 0:
+                        top = out.top_token_ids[k, : rows[i].logprobs].tolist()
+                        vals = out.top_logprobs[k, : rows[i].logprobs].tolist()
+                        result.top[i] = dict(zip(top, vals))
+        result.forward_s, result.sample_s = t1 - t0, time.perf_counter() - t1
+        return result
+
+    def _execute_one_by_one(self, batch: RunnerBatch, result: StepResult) -> tuple[torch.Tensor, list[int]]:
+        rows, ok = [], []
+        offsets = batch.query_offsets
+        for i in range(len(batch.seq_ids)):
+            one = RunnerBatch(
+                seq_ids=batch.seq_ids[i : i + 1],
+                start_positions=batch.start_positions[i : i + 1],
+                query_lens=batch.query_lens[i : i + 1],
+                block_tables=[batch.block_tables[i]],
+                input_ids=batch.input_ids[offsets[i] : offsets[i] + batch.query_lens[i]],
+                logits_lens=batch.logits_lens[i : i + 1],
+            )
+            try:
+                rows.append(self.runner.execute(one))
+                ok.append(i)
+            except Exception as e:  # noqa: BLE001
+                result.errors[i] = f"model forward failed: {type(e).__name__}: {e}"
+        vocab = self.runner.vocab_size
+        return (torch.cat(rows) if rows else torch.empty(0, vocab)), ok

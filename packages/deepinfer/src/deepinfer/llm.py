@@ -1,0 +1,146 @@
+"""`LLM`: the offline entry point (generate / chat over many prompts at once)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from .engine.llm_engine import LLMEngine
+from .engine_args import EngineArgs
+from .outputs import RequestMetrics, RequestOutput
+from .sampling_params import SamplingParams
+from .tokenizer import render_chat
+
+
+class LLM:
+    """`LLM(model=None, **engine_args)`; with no model (and no $DEEPINFER_HF_MODEL_DIR) it runs the
+    built-in random-weight `deepinfer-tiny`."""
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
+        prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        use_tqdm: bool = True,
+        raise_on_error: bool = False,
+    ) -> list[RequestOutput]:
+        """One `RequestOutput` per prompt, in input order.
+
+        A request that is invalid (bad sampling parameters given as a dict, empty or too long prompt,
+        token ids outside the vocabulary) or whose forward fails gets `error` set and no text; the
+        others complete. With `raise_on_error=True`, all requests are validated first and the first
+        problem raises a ValueError before anything runs.
+        """
+        prompts, token_ids = _normalise_prompts(prompts, prompt_token_ids)
+        count = len(prompts) if prompts is not None else len(token_ids)
+        params_list = _normalise_params(sampling_params, count)
+        engine = self.engine
+
+        prepared: list[tuple[str | None, list[int] | None, SamplingParams | None, str | None]] = []
+        for i in range(count):
+            prompt = prompts[i] if prompts is not None else None
+            ids = list(token_ids[i]) if token_ids is not None else None
+            try:
+                p = params_list[i]
+                p = SamplingParams(**p) if isinstance(p, dict) else p.clone()
+                if ids is None:
+                    ids = engine.encode(prompt)
+                engine.validate_prompt(ids)
+                prepared.append((prompt, ids, p, None))
+            except (ValueError, TypeError) as e:
+                if raise_on_error:
+                    raise ValueError(f"request {i}: {e}") from e
+                prepared.append((prompt, ids, None, str(e)))
+
+        results: dict[str, RequestOutput] = {}
+        order: list[str] = []
+        for prompt, ids, p, error in prepared:
+            rid = str(self._counter)
+            self._counter += 1
+            order.append(rid)
+            if error is None:
+                try:
+                    engine.add_request(rid, prompt, p, prompt_token_ids=ids)
+                    continue
+                except ValueError as e:
+                    error = str(e)
+            results[rid] = RequestOutput(
+                rid, prompt, ids or [], [], RequestMetrics(arrival_time=0.0), error=error
+            )
+
+        bar = tqdm(total=count, desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        bar.update(len(results))
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    results[out.request_id] = out
+                    bar.update(1)
+                if use_tqdm and engine.stats.steps:
+                    bar.set_postfix(tok=engine.stats.generated_tokens, refresh=False)
+        except KeyboardInterrupt:
+            for rid in order:
+                if rid not in results:
+                    engine.abort_request(rid)
+            engine.close()
+            raise
+        finally:
+            bar.close()
+        return [results[rid] for rid in order]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        **kwargs,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the checkpoint's chat template, then `generate`."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [render_chat(c, self.engine.tokenizer_config, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, **kwargs)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _normalise_prompts(prompts, prompt_token_ids):
+    if prompts is None and prompt_token_ids is None:
+        raise ValueError("either prompts or prompt_token_ids must be given")
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if prompt_token_ids is not None and len(prompt_token_ids) and isinstance(prompt_token_ids[0], int):
+        prompt_token_ids = [prompt_token_ids]
+    if prompts is not None and prompt_token_ids is not None and len(prompts) != len(prompt_token_ids):
+        raise ValueError(
+            f"prompts ({len(prompts)}) and prompt_token_ids ({len(prompt_token_ids)}) must have the same length"
+        )
+    return (list(prompts) if prompts is not None else None), (
+        list(prompt_token_ids) if prompt_token_ids is not None else None
+    )
+
+
+def _normalise_params(sampling_params, count: int) -> list:
+    if sampling_params is None:
+        return [SamplingParams()] * count
+    if isinstance(sampling_params, SamplingParams | dict):
+        return [sampling_params] * count
+    if len(sampling_params) != count:
+        raise ValueError(f"sampling_params has {len(sampling_params)} entries for {count} prompts")
+    return list(sampling_params)

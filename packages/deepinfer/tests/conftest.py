@@ -1,0 +1,30 @@
+"""Shared fixtures: small random checkpoints carrying the real DeepSeek-V4 tokenizer.
+
+The CPU reference model is exact but slow and the recompute runner is O(n^2), so engine tests use a
+two-layer public-V4 model (sliding window + compressed sparse attention, hash MoE + MoE) and a small
+vocabulary; `real_vocab_checkpoint` has the tokenizer's full vocabulary for tests that start from text.
+"""
+
+import pytest
+from deepinfer_model.testing import make_checkpoint
+from deepinfer_model.testing.checkpoint import tiny_config
+
+
+def micro_config(vocab_size: int) -> dict:
+    return tiny_config(
+        vocab_size=vocab_size,
+        num_hidden_layers=2,
+        layer_types=["sliding_attention", "compressed_sparse_attention"],
+        mlp_layer_types=["hash_moe", "moe"],
+        n_routed_experts=4,
+    )
+
+
+@pytest.fixture(scope="session")
+def micro_checkpoint(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("v4-micro"), micro_config(512), seed=1)
+
+
+@pytest.fixture(scope="session")
+def real_vocab_checkpoint(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("v4-micro-real-vocab"), micro_config(129280), seed=2)
