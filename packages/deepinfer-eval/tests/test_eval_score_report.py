@@ -83,6 +83,8 @@ def test_report_pass_at_1_k_missing_samples_tasks_file_and_categories(tmp_path, 
                 "confidence": 0.5,
             },
             {"benchmark": "hle", "id": "h4", "sample": None, "skipped": "image input", "category": "Bio"},
+            {"benchmark": "mmlu", "id": "m", "sample": 0, "correct": True},  # line 13: unknown benchmark
+            {"benchmark": "aime", "id": "d", "sample": -1, "correct": True},  # line 14: no task "d" made
         ],
     )
     tasks = _write(
@@ -99,7 +101,8 @@ def test_report_pass_at_1_k_missing_samples_tasks_file_and_categories(tmp_path, 
     # k = 4; a: 3/4, b: 1/4 (three samples missing), c: never generated -> 0
     assert aime["samples_per_task"] == 4 and aime["tasks"] == 3 and aime["samples_missing"] == 7
     assert aime["pass_at_1"] == pytest.approx((0.75 + 0.25 + 0.0) / 3)
-    assert report["skipped_lines"] == 3
+    assert report["skipped_lines"] == 5 and "line 13:" in captured.err and "line 14:" in captured.err
+    assert set(report["benchmarks"]) == {"aime", "hle"}
     hle = report["benchmarks"]["hle"]
     assert hle["tasks"] == 3 and hle["skipped_tasks"] == 1 and hle["pass_at_1"] == pytest.approx(2 / 3)
     assert hle["categories"]["Math"]["pass_at_1"] == 0.5 and hle["categories"]["Bio"]["pass_at_1"] == 1.0

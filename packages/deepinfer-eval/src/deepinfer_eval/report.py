@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from deepinfer_eval.convert import BENCHMARKS
 from deepinfer_eval.records import Problem
 from deepinfer_eval.stats import bootstrap_interval, calibration_error, clustered_interval, pass_at_1
 
@@ -56,10 +57,16 @@ def build_report(
     judge_errors: dict[str, int] = defaultdict(int)
     for i, r in enumerate(scores):
         line = r.get("_line", i + 1)
-        task = bench_tasks[r["benchmark"]].setdefault(str(r["id"]), _Task())
-        task.category = r.get("category") or task.category
+        if r["benchmark"] not in BENCHMARKS:
+            problems.append(
+                Problem(
+                    source, line, f"benchmark must be one of {', '.join(BENCHMARKS)}, got {r['benchmark']!r}"
+                )
+            )
+            continue
         if r.get("skipped"):
-            task.skipped = True
+            task = bench_tasks[r["benchmark"]].setdefault(str(r["id"]), _Task())
+            task.category, task.skipped = r.get("category") or task.category, True
             continue
         sample, correct = r.get("sample"), r.get("correct")
         if not isinstance(sample, int) or isinstance(sample, bool) or sample < 0:
@@ -68,6 +75,8 @@ def build_report(
         if not isinstance(correct, bool):
             problems.append(Problem(source, line, f"field 'correct' must be true or false, got {correct!r}"))
             continue
+        task = bench_tasks[r["benchmark"]].setdefault(str(r["id"]), _Task())
+        task.category = r.get("category") or task.category
         if sample in task.correct:
             problems.append(
                 Problem(source, line, f"sample {sample} of task {r['id']!r} repeats an earlier line")

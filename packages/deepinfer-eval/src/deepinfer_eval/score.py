@@ -42,7 +42,8 @@ def score_records(records: list[dict], judge: Judge | None = None, source: str =
             out[i] = {**_base(r), "skipped": r["skipped"]}
             summary.skipped_tasks += 1
             continue
-        if not isinstance(r.get("sample"), int) or isinstance(r.get("sample"), bool):
+        sample = r.get("sample")
+        if not isinstance(sample, int) or isinstance(sample, bool) or sample < 0:
             summary.problems.append(
                 Problem(source, line, f"field 'sample' must be an integer >= 0, got {r.get('sample')!r}")
             )
