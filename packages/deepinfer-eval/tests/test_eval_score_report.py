@@ -16,7 +16,14 @@ def test_score_skips_malformed_lines_with_line_numbers_and_counts_missing_wrong(
     gen = _write(
         tmp_path / "gen.jsonl",
         [
-            {"benchmark": "aime", "id": "a", "sample": 0, "answer": "042", "response": "\\boxed{42}"},
+            {
+                "benchmark": "aime",
+                "id": "a",
+                "sample": 0,
+                "answer": "042",
+                "response": "\\boxed{42}",
+                "finish_reason": "length",
+            },
             '{"benchmark": "aime", "id": "a", "sample": 1, "answer": ',  # line 2: cut off
             {
                 "benchmark": "aime",
@@ -44,6 +51,9 @@ def test_score_skips_malformed_lines_with_line_numbers_and_counts_missing_wrong(
         ("g", 0, True, "C"),
         ("g", 1, False, None),
     ]
+    assert scored[0]["finish_reason"] == "length"
+    report, _ = build_report(scored)
+    assert report["benchmarks"]["aime"]["samples_truncated"] == 1
 
 
 def test_report_pass_at_1_k_missing_samples_tasks_file_and_categories(tmp_path, capsys):

@@ -55,6 +55,7 @@ def build_report(
     bench_tasks: dict[str, dict[str, _Task]] = defaultdict(dict)
     confidences: dict[str, list[tuple[float, bool]]] = defaultdict(list)
     judge_errors: dict[str, int] = defaultdict(int)
+    truncated: dict[str, int] = defaultdict(int)  # samples that hit max_tokens
     for i, r in enumerate(scores):
         line = r.get("_line", i + 1)
         if r["benchmark"] not in BENCHMARKS:
@@ -90,6 +91,8 @@ def build_report(
         task.correct[sample] = correct
         if r.get("judge_error"):
             judge_errors[r["benchmark"]] += 1
+        if r.get("finish_reason") == "length":
+            truncated[r["benchmark"]] += 1
         if isinstance(r.get("confidence"), int | float):
             confidences[r["benchmark"]].append((float(r["confidence"]), correct))
     for t in tasks or []:  # tasks never generated or scored count as all wrong
@@ -106,6 +109,7 @@ def build_report(
             **_summary(graded, k, interval, resamples, seed),
             "skipped_tasks": sum(1 for t in by_id.values() if t.skipped),
             "judge_errors": judge_errors[bench],
+            "samples_truncated": truncated[bench],
         }
         if confidences[bench]:
             conf, ok = zip(*confidences[bench])
@@ -166,6 +170,8 @@ def print_report(report: dict, console=None) -> None:
                 f"{bench}: {e['skipped_tasks']} task(s) skipped (image input, no vision path); "
                 "Pass@1 is over the other tasks"
             )
+        if e["samples_truncated"]:
+            console.print(f"{bench}: {e['samples_truncated']} sample(s) stopped at max_tokens")
         if e["judge_errors"]:
             console.print(f"{bench}: {e['judge_errors']} sample(s) counted wrong because the judge failed")
     if report["skipped_lines"]:

@@ -25,8 +25,9 @@ class ScoreSummary:
 
 def _base(record: dict) -> dict:
     out = {"benchmark": record["benchmark"], "id": str(record["id"]), "sample": record["sample"]}
-    if record.get("category") is not None:
-        out["category"] = record["category"]
+    for key in ("category", "finish_reason"):  # kept for breakdowns in the report
+        if record.get(key) is not None:
+            out[key] = record[key]
     return out
 
 
