@@ -5,6 +5,7 @@ The engine is not involved: ``SumGenerator`` is a real (if simple) Generator tha
 """
 
 import json
+import random
 import re
 
 import pytest
@@ -124,6 +125,8 @@ def test_gpqa_shuffle_is_per_sample_recorded_and_gold_letter_points_at_correct_o
     lines = _lines(out)
     perms = [r["permutation"] for r in lines]
     assert perms == [gpqa_permutation(3, "g1", s) for s in range(8)]
+    # the recorded shuffle seed alone reproduces the order
+    assert all(random.Random(r["shuffle_seed"]).sample(range(4), 4) == r["permutation"] for r in lines)
     assert len({tuple(p) for p in perms}) > 1  # the order changes between samples
     for r in lines:
         shown = dict(re.findall(r"^([A-D])\) (.*)$", r["prompt"], re.M))

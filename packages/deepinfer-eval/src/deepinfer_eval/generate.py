@@ -16,7 +16,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from deepinfer_eval.prompts import aime_prompt, gpqa_permutation, gpqa_prompt, hle_prompt, stable_seed
+from deepinfer_eval.prompts import (
+    aime_prompt,
+    gpqa_permutation,
+    gpqa_prompt,
+    gpqa_shuffle_seed,
+    hle_prompt,
+    stable_seed,
+)
 from deepinfer_eval.records import JsonlAppender, Problem, read_jsonl
 
 Message = dict[str, str]
@@ -139,6 +146,7 @@ def plan_jobs(tasks: Sequence[dict], samples: int, seed: int, done: set[tuple[st
                     "answer": gold,
                     "answer_type": "multipleChoice",
                     "permutation": perm,
+                    "shuffle_seed": gpqa_shuffle_seed(seed, task["id"], s),
                     "category": task.get("category", ""),
                 }
                 jobs.append(Job(task, [s], prompt, task_seed + s, extra))

@@ -43,9 +43,14 @@ def stable_seed(*parts: object) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
+def gpqa_shuffle_seed(seed: int, task_id: str, sample: int) -> int:
+    return stable_seed("gpqa-shuffle", seed, task_id, sample)
+
+
 def gpqa_permutation(seed: int, task_id: str, sample: int) -> list[int]:
-    """Order of (correct, incorrect 1, incorrect 2, incorrect 3) shown as options A-D."""
-    return random.Random(stable_seed("gpqa-shuffle", seed, task_id, sample)).sample(range(4), 4)
+    """Order of (correct, incorrect 1, incorrect 2, incorrect 3) shown as options A-D:
+    ``random.Random(shuffle_seed).sample(range(4), 4)``."""
+    return random.Random(gpqa_shuffle_seed(seed, task_id, sample)).sample(range(4), 4)
 
 
 def gpqa_prompt(task: dict, permutation: list[int]) -> tuple[str, str]:
