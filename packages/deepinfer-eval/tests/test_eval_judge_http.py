@@ -27,6 +27,10 @@ def _grade(prompt: str) -> str:
 class _Handler(BaseHTTPRequestHandler):
     def do_POST(self):  # noqa: N802 - http.server's naming
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path != "/v1/chat/completions":
+            self.server.not_found += 1
+            self.send_error(404, "no such route")
+            return
         self.server.requests.append(body)
         prompt = body["messages"][-1]["content"]
         if "FAIL_ONCE" in prompt and not self.server.failed_once:
@@ -48,7 +52,7 @@ class _Handler(BaseHTTPRequestHandler):
 @pytest.fixture
 def judge_server():
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    server.requests, server.failed_once = [], False
+    server.requests, server.failed_once, server.not_found = [], False, 0
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     guard = threading.Timer(60, server.shutdown)  # never outlives a hung test
     thread.start()
@@ -81,7 +85,8 @@ def _items():
 def test_llm_judge_verdicts_errors_and_cache(tmp_path, judge_server):
     server, url = judge_server
     cache_path = tmp_path / "cache.jsonl"
-    judge = LLMJudge(HttpChatBackend(url, "judge-model", api_key="k", workers=3), JudgeCache(cache_path))
+    backend = HttpChatBackend(url, "judge-model", api_key="k", workers=3, retries=0)
+    judge = LLMJudge(backend, JudgeCache(cache_path))
     v = judge.judge(_items())
     assert [x.correct for x in v] == [True, False, False, False, False, False]
     assert (v[0].extracted, v[0].confidence, v[1].confidence) == ("Paris", 0.9, 0.6)
@@ -187,3 +192,14 @@ def test_interrupted_judging_keeps_the_replies_it_already_has(tmp_path):
     resumed = LLMJudge(GeneratorBackend(GradingGenerator(), "j"), JudgeCache(tmp_path / "c.jsonl"), chunk=2)
     verdicts = resumed.judge(items)
     assert resumed.calls == 3 and [v.correct for v in verdicts] == [True, True, False, False, False]
+
+
+def test_http_judge_retries_server_errors_but_not_bad_requests(judge_server):
+    server, url = judge_server
+    backend = HttpChatBackend(url, "m", retries=1, backoff_s=0.01)
+    (reply,) = backend.complete([LLMJudge.prompt(_items()[2])])
+    assert "correct: yes" in reply and len(server.requests) == 2  # the 500 was retried once
+    (missing,) = HttpChatBackend(url.replace("/v1", "/nowhere"), "m", retries=3, backoff_s=0.01).complete(
+        ["x"]
+    )
+    assert "404" in str(missing) and server.not_found == 1  # a client error is not retried

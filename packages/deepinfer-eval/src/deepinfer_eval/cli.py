@@ -60,6 +60,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--judge-workers", type=int, default=8, help="parallel calls to the endpoint")
     s.add_argument("--judge-timeout", type=float, default=600.0, help="seconds per endpoint call")
+    s.add_argument(
+        "--judge-retries",
+        type=int,
+        default=2,
+        help="retries of a call that failed with 429 / 5xx / a connection error (backoff 2, 4, ... s)",
+    )
     s.add_argument("--judge-cache", help="judge reply cache (default: <output>.judge-cache.jsonl)")
 
     r = sub.add_parser("report", help="Pass@1 with a 95%% interval; a table and JSON")
@@ -142,6 +148,7 @@ def _judge(a):
             a.judge_model,
             os.environ.get(a.judge_api_key_env),
             timeout_s=a.judge_timeout,
+            retries=a.judge_retries,
             workers=a.judge_workers,
         )
         return LLMJudge(backend, cache)

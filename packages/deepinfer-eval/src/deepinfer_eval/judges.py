@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import re
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -135,11 +136,16 @@ class HttpChatBackend:
         timeout_s: float = 600.0,
         max_tokens: int = 4096,
         workers: int = 8,
+        retries: int = 2,
+        backoff_s: float = 2.0,
     ):
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"judge URL must start with http:// or https://, got {base_url!r}")
         if workers < 1:
             raise ValueError(f"judge workers must be >= 1, got {workers}")
+        if retries < 0:
+            raise ValueError(f"judge retries must be >= 0, got {retries}")
+        self.retries, self.backoff_s = retries, backoff_s
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.model, self.api_key, self.timeout_s, self.max_tokens, self.workers = (
             model,
@@ -163,12 +169,24 @@ class HttpChatBackend:
         request = urllib.request.Request(
             self.url, data=json.dumps(body).encode(), headers=headers, method="POST"
         )
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
-                data = json.load(reply)
-            return data["choices"][0]["message"]["content"] or ""
-        except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError, TypeError) as e:
-            return e  # one failed call costs one sample, never the run
+        for attempt in range(self.retries + 1):
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
+                    data = json.load(reply)
+                # a reasoning judge may inline its thinking; the verdict lines follow it
+                return final_part(data["choices"][0]["message"]["content"] or "")
+            except urllib.error.HTTPError as e:
+                error: Exception = e
+                if e.code != 429 and e.code < 500:  # a bad request will not get better
+                    break
+            except (urllib.error.URLError, OSError) as e:  # connection refused, reset, timeout
+                error = e
+            except (ValueError, KeyError, IndexError, TypeError) as e:  # not an OpenAI-style reply
+                error = e
+                break
+            if attempt < self.retries:
+                time.sleep(self.backoff_s * 2**attempt)
+        return error  # one failed call costs one sample, never the run
 
     def complete(self, prompts):
         with ThreadPoolExecutor(self.workers) as pool:
