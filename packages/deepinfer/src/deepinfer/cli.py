@@ -13,7 +13,7 @@ from .engine_args import EngineArgs
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sampling (defaults for every request; an input line may override)")
-    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per sample (default: 64)")
+    g.add_argument("--max-tokens", type=int, default=16, help="tokens to generate per sample (default: 16)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)

@@ -52,11 +52,11 @@ def ensure_tiny_model(root: Path | None = None) -> Path:
     with FileLock(str(root / f"{TINY_NAME}.lock")):
         if (target / "config.json").exists():  # another process finished while we waited
             return target
-        from deepinfer_model.testing import make_checkpoint
+        from deepinfer_model.models.deepseek_v41 import make_v41_checkpoint
 
         tmp = root / f".{target.name}.{os.getpid()}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        make_checkpoint(tmp, tiny_config(), seed=TINY_SEED)
+        make_v41_checkpoint(tmp, tiny_config(), seed=TINY_SEED, tokenizer=False)
         tok_dir = bundled_tokenizer_dir()
         shutil.copy(tok_dir / "tokenizer.json", tmp / "tokenizer.json")
         tok_config = json.loads((tok_dir / "tokenizer_config.json").read_text())

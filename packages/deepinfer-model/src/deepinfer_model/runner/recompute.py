@@ -58,7 +58,9 @@ class RecomputeRunner:
             context = self.token_pool[self._slots(batch.block_tables[i], np.arange(end))]
             if np.any(context < 0):
                 raise RuntimeError(f"sequence {int(batch.seq_ids[i])}: context reads a block never written")
-            rows.append(self.model.forward(torch.from_numpy(context))[-n:].float())
+            out = self.model.forward(torch.from_numpy(context))
+            logits = out.logits if hasattr(out, "logits") else out  # V4.1 returns a V41Output
+            rows.append(logits[-n:].float())
         if not rows:
             return torch.empty(0, self.vocab_size)
         return torch.cat(rows)
