@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from deepinfer_model.config import RopeSpec, YarnScaling
 from deepinfer_model.layers import (
@@ -215,3 +216,25 @@ def test_linear_rows_do_not_depend_on_batch_shape():
     full = linear(x, w)
     for m in (1, 2, 3, 7, 13, 39):
         assert torch.equal(linear(x[:m], w), full[:m])
+
+
+def test_compressor_continues_a_sequence_in_chunks():
+    """What a cache relies on: compressing blocks 0..k-1 and then k.. gives the whole-sequence entries."""
+    h, d, rope = 16, 8, RopeSpec(10000.0, 4)
+    x = rnd(24, h)
+    for ratio, overlap in ((4, True), (2, False)):
+        width = 2 * d if overlap else d
+        w = CompressorWeights(
+            rnd(width, h, std=0.3), rnd(width, h, std=0.3), 1 + rnd(d, std=0.1), rnd(ratio, width)
+        )
+        whole = compress(x, w, ratio, overlap, rope, 1e-6)
+        cut = 3 * ratio
+        head = compress(x[:cut], w, ratio, overlap, rope, 1e-6)
+        prev = x[cut - ratio : cut] if overlap else None
+        tail = compress(x[cut:], w, ratio, overlap, rope, 1e-6, start_position=cut, prev_block=prev)
+        assert torch.equal(torch.cat((head.keys, tail.keys)), whole.keys)
+        assert torch.equal(torch.cat((head.positions, tail.positions)), whole.positions)
+    with pytest.raises(ValueError, match="prev_block"):
+        compress(x[8:], w, 4, True, rope, 1e-6, start_position=8)
+    with pytest.raises(ValueError, match="multiple of the ratio"):
+        compress(x, w, 2, False, rope, 1e-6, start_position=3)

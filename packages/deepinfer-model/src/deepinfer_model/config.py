@@ -151,6 +151,13 @@ def _positive(cfg: dict, key: str, default: Any = ...) -> int:
     return value
 
 
+def _non_negative(cfg: dict, key: str, default: Any = ...) -> int:
+    value = _get(cfg, key, int, default)
+    if value < 0:
+        raise ConfigError(f"config key '{key}' = {value!r} must be a non-negative integer")
+    return value
+
+
 def _positive_float(cfg: dict, key: str, default: Any = ...) -> float:
     value = float(_get(cfg, key, (int, float), default))
     if not (value > 0 and math.isfinite(value)):
@@ -377,7 +384,7 @@ def parse_config(cfg: dict) -> ModelConfig:
         hc_shifted=False,
         moe_intermediate_size=_positive(cfg, "moe_intermediate_size"),
         n_routed_experts=n_experts,
-        n_shared_experts=_get(cfg, "n_shared_experts", int, 1),
+        n_shared_experts=_non_negative(cfg, "n_shared_experts", 1),
         num_experts_per_tok=top_k,
         routed_scaling_factor=_positive_float(cfg, "routed_scaling_factor", 1.0),
         swiglu_limit=_positive_float(cfg, "swiglu_limit", 10.0),

@@ -56,6 +56,7 @@ class CheckpointFiles:
         self.path = Path(path)
         self.problems: list[str] = []
         self.tensors: dict[str, StoredTensor] = {}
+        self._handles: dict[Path, object] = {}
         if not self.path.is_dir():
             raise FileNotFoundError(f"checkpoint directory {self.path} does not exist")
         index = self.path / INDEX_FILE
@@ -122,9 +123,14 @@ class CheckpointFiles:
         self.tensors[canon] = t
 
     def read(self, name: str) -> torch.Tensor:
+        """One tensor's data (the file stays memory-mapped; opened once per shard)."""
         t = self.tensors[name]
-        with safe_open(t.file, framework="pt") as f:
-            return f.get_tensor(t.key)
+        if t.file not in self._handles:
+            self._handles[t.file] = safe_open(t.file, framework="pt")
+        return self._handles[t.file].get_tensor(t.key)
+
+    def close(self) -> None:
+        self._handles.clear()
 
 
 # Kind of FP8 tensors scaled per row in 1 x 32 groups (V4.1's Engram tables) instead of 2-D weight blocks.
@@ -207,6 +213,20 @@ def load_tensors(
     problems = check_checkpoint(files, layout, cfg, ignored_prefixes)
     if problems:
         raise CheckpointError(path, problems)
+    try:
+        return _read_all(files, cfg, layout, dtype, progress, path)
+    finally:
+        files.close()
+
+
+def _read_all(
+    files: CheckpointFiles,
+    cfg: ModelConfig,
+    layout: dict[str, TensorSpec],
+    dtype: torch.dtype,
+    progress: Callable[[Iterable], Iterable] | None,
+    path: str | Path,
+) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     specs = list(layout.values())
     for spec in progress(specs) if progress else specs:

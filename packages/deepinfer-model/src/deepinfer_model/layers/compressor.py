@@ -48,13 +48,25 @@ def compress(
     eps: float,
     start_position: int = 0,
     act_dtype: torch.dtype = torch.float32,
+    prev_block: torch.Tensor | None = None,
 ) -> Compressed:
-    """Compress a contiguous run of token hiddens `x` [T, H] starting at a block boundary `start_position`."""
+    """Compress a contiguous run of token hiddens `x` [T, H] starting at a block boundary `start_position`.
+
+    With `overlap`, entry j also pools block j-1: when continuing a sequence (`start_position > 0`) pass
+    the hiddens of the `ratio` tokens before `start_position` as `prev_block` [r, H].
+    """
     if start_position % ratio:
         raise ValueError(f"start_position = {start_position} must be a multiple of the ratio {ratio}")
     if overlap and start_position:
-        # the previous block's first-half projection would be needed; pass the sequence from position 0
-        raise ValueError("an overlapping compressor needs start_position = 0 (whole prefix)")
+        if prev_block is None or prev_block.shape[0] != ratio:
+            raise ValueError(
+                f"an overlapping compressor continuing at {start_position} needs prev_block [{ratio}, H]"
+            )
+        full = compress(torch.cat((prev_block, x)), w, ratio, overlap, rope, eps, 0, act_dtype)
+        shift = torch.arange(full.keys.shape[0] - 1) * ratio + start_position
+        cos, sin = cos_sin(rope, shift)
+        keys = round_to(apply_rope(full.pre_rope[1:], cos, sin), act_dtype)
+        return Compressed(pre_rope=full.pre_rope[1:], keys=keys, positions=shift)
     n = x.shape[0] // ratio
     d = w.norm.shape[0]
     x = x[: n * ratio]
