@@ -67,24 +67,33 @@ def replicate(tokens: torch.Tensor, num_physical: int) -> torch.Tensor:
     k = min(num_extra + 2, num_logical)
     cand_load, cand = (tokens + tie).topk(k, dim=-1)  # [W, L, K], tie-broken loads at count 1
     cand_raw = tokens.gather(-1, cand)
-    positions = torch.arange(k)
-    per_replica = cand_load.clone()  # [W, L, K] tie-broken per-replica loads, updated in place
+    # Where each expert sits among a step's candidates (-1: not a candidate), to update it in place.
+    slot_of = torch.full((w, num_layers, num_logical), -1, dtype=torch.int64)
+    slot_of.scatter_(-1, cand, torch.arange(k).expand(w, num_layers, k))
+    per_replica = cand_load.clone()  # [W, L, K] tie-broken per-replica loads
     count = torch.ones(num_layers, num_logical, dtype=torch.float64)
+    lw = layers.unsqueeze(0)  # [1, L]
     for i in range(num_extra):
         peak, first = per_replica.max(dim=-1)  # [W, L]; max returns the first index on ties
-        second = (
-            torch.where(positions == first.unsqueeze(-1), -1.0, per_replica).amax(-1) if k > 1 else 0 * peak
-        )
-        hot = cand.gather(-1, first.unsqueeze(-1)).squeeze(-1)  # expert ids [W, L]
-        hot_raw = cand_raw.gather(-1, first.unsqueeze(-1)).squeeze(-1)
-        after = torch.maximum(second, hot_raw / (count[layers.unsqueeze(0), hot] + 1))
+        first = first.unsqueeze(-1)
+        if k > 1:
+            per_replica.scatter_(-1, first, -1.0)  # hide the maximum to read the second largest
+            second = per_replica.amax(-1)
+            per_replica.scatter_(-1, first, peak.unsqueeze(-1))
+        else:
+            second = torch.zeros_like(peak)
+        hot = cand.gather(-1, first).squeeze(-1)  # expert ids [W, L]
+        after = torch.maximum(second, cand_raw.gather(-1, first).squeeze(-1) / (count[lw, hot] + 1))
         gain = torch.zeros(num_layers, num_logical, dtype=torch.float64)
         gain.scatter_add_(1, hot.T, (peak - after).T)
         best = torch.argmax(gain, dim=1)  # argmax returns the first (lowest id) on ties
         extra[:, i] = best
         count[layers, best] += 1
-        changed = cand == best.view(1, -1, 1)
-        per_replica = torch.where(changed, cand_load / count[layers, best].view(1, -1, 1), per_replica)
+        pos = slot_of[:, layers, best]  # [W, L]
+        present = (pos >= 0).unsqueeze(-1)
+        pos = pos.clamp(min=0).unsqueeze(-1)
+        fresh = cand_load.gather(-1, pos) / count[layers, best].view(1, -1, 1)
+        per_replica.scatter_(-1, pos, torch.where(present, fresh, per_replica.gather(-1, pos)))
     base = torch.arange(num_logical).expand(num_layers, num_logical)
     return torch.cat([base, extra], dim=1)
 
@@ -103,21 +112,26 @@ def place(tokens: torch.Tensor, slots: torch.Tensor, num_ranks: int) -> torch.Te
     per_replica = tokens.permute(1, 2, 0) / count.unsqueeze(-1)  # [L, E, W]
     v = per_replica.gather(1, slots.unsqueeze(-1).expand(-1, -1, w)).float()  # [L, P, W]
     order = torch.argsort(-v.sum(-1), dim=1, stable=True)
+    v = v.gather(1, order.unsqueeze(-1).expand(-1, -1, w))  # heaviest first
+    ordered_slots = slots.gather(1, order)
     layers = torch.arange(num_layers)
     load = torch.zeros(num_layers, num_ranks, w)
     peak = torch.zeros(num_layers, 1, w)
+    buf = torch.empty_like(load)
+    score = torch.empty(num_layers, num_ranks)
     fill = torch.zeros(num_layers, num_ranks, dtype=torch.int64)
     out = torch.empty(num_layers, num_ranks, per_rank, dtype=torch.int64)
-    inf = torch.tensor(float("inf"))
     for i in range(num_physical):
-        p = order[:, i]
-        vp = v[layers, p].unsqueeze(1)  # [L, 1, W]
-        score = torch.maximum(peak, load + vp).sum(-1)  # [L, R]
-        score = torch.where(fill >= per_rank, inf, score)
+        vp = v[:, i].unsqueeze(1)  # [L, 1, W]
+        torch.add(load, vp, out=buf)
+        torch.maximum(buf, peak, out=buf)
+        torch.sum(buf, dim=-1, out=score)  # [L, R]: sum_t max(peak, load + v) if placed on r
+        score.masked_fill_(fill >= per_rank, float("inf"))
         r = torch.argmin(score, dim=1)
-        load[layers, r] += vp.squeeze(1)
-        peak = torch.maximum(peak, load[layers, r].unsqueeze(1))
-        out[layers, r, fill[layers, r]] = slots[layers, p]
+        placed = load[layers, r] + vp.squeeze(1)
+        load[layers, r] = placed
+        torch.maximum(peak, placed.unsqueeze(1), out=peak)
+        out[layers, r, fill[layers, r]] = ordered_slots[:, i]
         fill[layers, r] += 1
     return out.reshape(num_layers, num_physical)
 
