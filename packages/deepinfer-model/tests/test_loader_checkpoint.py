@@ -160,6 +160,7 @@ def test_quantised_dtypes_are_checked(tmp_path):
         ({"rope_scaling": {"type": "linear", "factor": 2}}, "'rope_scaling.type' = 'linear' must be 'yarn'"),
         ({"quantization_config": {"quant_method": "awq"}}, "'quantization_config.quant_method' = 'awq'"),
         ({"num_hidden_layers": None}, "'num_hidden_layers' is required"),
+        ({"tie_word_embeddings": True}, "'tie_word_embeddings' = True must be false"),
     ],
 )
 def test_invalid_config(ckpt, tmp_path, change, message):
@@ -187,3 +188,35 @@ def test_missing_directory_and_config(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_model(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("expert_dtype,scale_fmt", [("fp8", "ue8m0"), ("fp4", "ue8m0"), ("fp8", "float")])
+def test_quantised_forward_equals_forward_on_dequantised_f32_copy(tmp_path, expert_dtype, scale_fmt):
+    from deepinfer_model import load_config
+    from deepinfer_model.layout import model_tensors
+    from deepinfer_model.loader import load_tensors
+    from deepinfer_model.quant import ue8m0_to_float
+
+    q = {
+        "quant_method": "fp8",
+        "weight_block_size": [32, 16],
+        "expert_dtype": expert_dtype,
+        "scale_fmt": scale_fmt,
+    }
+    path = make_checkpoint(
+        tmp_path / "q", tiny_config(**SMALL, quantization_config=q), seed=6, tokenizer=False
+    )
+    if scale_fmt == "float":  # FP32 block scales are accepted too
+        t = load_file(path / "model.safetensors")
+        t = {k: ue8m0_to_float(v) if k.endswith(".scale") else v for k, v in t.items()}
+        save_file(t, path / "model.safetensors")
+    cfg = load_config(path)
+    tensors = load_tensors(path, cfg, model_tensors(cfg))
+    plain_cfg = {
+        k: v for k, v in json.loads((path / "config.json").read_text()).items() if k != "quantization_config"
+    }
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, plain / "model.safetensors")
+    (plain / "config.json").write_text(json.dumps(plain_cfg))
+    assert torch.equal(load_model(path).forward(IDS), load_model(plain).forward(IDS))

@@ -305,6 +305,10 @@ def parse_config(cfg: dict) -> ModelConfig:
         raise ConfigError(
             f"config key 'num_key_value_heads' = {cfg['num_key_value_heads']!r} must be 1 (MQA)"
         )
+    if cfg.get("tie_word_embeddings", False):
+        raise ConfigError(
+            "config key 'tie_word_embeddings' = True must be false (DeepSeek-V4 ships head.weight)"
+        )
     if cfg.get("norm_topk_prob", True) is not True:
         raise ConfigError("config key 'norm_topk_prob' = False must be true")
     if cfg.get("topk_method", "noaux_tc") != "noaux_tc":
