@@ -13,6 +13,8 @@ from deepinfer_model.layers import (
     sliding_window_visible,
 )
 from deepinfer_model.testing import make_checkpoint, tiny_config
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 GEN = torch.Generator().manual_seed(0)
 
@@ -134,3 +136,26 @@ def test_token_ids_out_of_range_raise(full_model):
         full_model.forward([1, 2, 128])
     with pytest.raises(ValueError, match="1-D"):
         full_model.forward(torch.zeros(2, 2, dtype=torch.long))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.lists(
+        st.lists(st.tuples(st.integers(-3, 3), st.booleans()), min_size=1, max_size=12),
+        min_size=1,
+        max_size=4,
+    ),
+    k=st.integers(1, 6),
+)
+def test_topk_selection_equals_python_sort_with_many_ties(rows, k):
+    n = max(len(r) for r in rows)
+    scores = torch.zeros(len(rows), n)
+    valid = torch.zeros(len(rows), n, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        for j, (s, v) in enumerate(r):
+            scores[i, j], valid[i, j] = float(s), v
+    got = select_topk(scores, valid, k)
+    for i in range(len(rows)):
+        cand = sorted((-scores[i, j].item(), j) for j in range(n) if valid[i, j])
+        want = sorted(j for _, j in cand[:k])
+        assert got[i].tolist() == want + [-1] * (k - len(want))
