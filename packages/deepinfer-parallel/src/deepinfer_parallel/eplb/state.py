@@ -156,7 +156,10 @@ class EplbState:
         idx = [(self.head - n + i) % self.window.shape[0] for i in range(n)]
         tokens = self.window[idx].clone()
         if dist.is_initialized() and self.layout.ep_size > 1:
-            dist.all_reduce(tokens, group=self.group)
+            # On the counts' device: NCCL groups reduce CUDA tensors only.
+            on_device = tokens.to(self.expert_count.device)
+            dist.all_reduce(on_device, group=self.group)
+            tokens = on_device.cpu()
         return tokens
 
     def rearrange(self) -> RebalanceReport | None:
@@ -182,7 +185,7 @@ class EplbState:
                     )
                 )
         layout.apply(plan.phys_to_logical)
-        moved = torch.tensor([stats.bytes_received], dtype=torch.int64)
+        moved = torch.tensor([stats.bytes_received], dtype=torch.int64, device=self.expert_count.device)
         if dist.is_initialized() and layout.ep_size > 1:
             dist.all_reduce(moved, group=self.group)
 
