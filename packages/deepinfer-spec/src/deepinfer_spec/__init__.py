@@ -1,3 +1,48 @@
-"""deepinfer-spec."""
+"""deepinfer-spec: DSpark draft bookkeeping, verification, confidence-scheduled verification, accounting."""
+
+from .env import DEFAULT_NEXTN, MAX_NEXTN, nextn_from_env, varlen_from_env
+from .random_stream import (
+    DRAFT_SEED_OFFSET,
+    VERIFY_ROW_STRIDE,
+    Purpose,
+    draft_position,
+    stream_bits,
+    stream_uniform,
+    verify_row_position,
+)
+from .state import Rollback, SpecDecodeState, cumulative_rates
+from .stats import SpecStats, expected_calibration_error, full_acceptance_tokens_per_s
+from .step_time import ForwardRuntimeEstimator, SamplerRuntimeEstimator, StepTimeCurve
+from .varlen import ConfidenceScheduler, VarlenRequest, VerifyPlan, split_by_rates
+from .verify import DraftVerifier, VerifyResult
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_NEXTN",
+    "DRAFT_SEED_OFFSET",
+    "MAX_NEXTN",
+    "VERIFY_ROW_STRIDE",
+    "ConfidenceScheduler",
+    "DraftVerifier",
+    "ForwardRuntimeEstimator",
+    "Purpose",
+    "Rollback",
+    "SamplerRuntimeEstimator",
+    "SpecDecodeState",
+    "SpecStats",
+    "StepTimeCurve",
+    "VarlenRequest",
+    "VerifyPlan",
+    "VerifyResult",
+    "cumulative_rates",
+    "draft_position",
+    "expected_calibration_error",
+    "full_acceptance_tokens_per_s",
+    "nextn_from_env",
+    "split_by_rates",
+    "stream_bits",
+    "stream_uniform",
+    "varlen_from_env",
+    "verify_row_position",
+]

@@ -1,0 +1,58 @@
+"""Counter-based random numbers: a uniform that is a pure function of (seed, position, purpose).
+
+This is the same stream as `deepinfer_model.sampling.random_stream` (bit for bit; a test checks it
+when deepinfer_model is installed). It is restated here because deepinfer-spec must not import the
+model package. No generator state is carried between steps, so a draw cannot depend on batch
+composition, on which verification length the scheduler chose for other requests, or on row order.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+_MASK = (1 << 64) - 1
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15
+
+# Draft-model sampling uses the target's streams with the seed shifted by this offset (spec §5.4).
+DRAFT_SEED_OFFSET = 1_000_000_007
+# Verification row j of a request samples at position `base + j * VERIFY_ROW_STRIDE` (spec §5.4), so
+# every row has its own stream and row 0 uses exactly the position of a plain (draft-free) decode.
+VERIFY_ROW_STRIDE = 10_000_019
+
+
+class Purpose(IntEnum):
+    """Which draw at a position; the reference's subsequence cases (spec §5.4)."""
+
+    SAMPLE = 0  # the ordinary token draw (the fresh row after the last verified draft)
+    RESIDUAL = 1  # resample from the residual after a rejected draft
+    ACCEPT = 2  # the accept / reject uniform of a verified draft
+
+
+def _mix64(z: int) -> int:
+    # SplitMix64's finaliser: a 64-bit bijection with full avalanche.
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & _MASK
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB & _MASK
+    return z ^ (z >> 31)
+
+
+def stream_bits(seed: int, position: int, purpose: int = Purpose.SAMPLE) -> int:
+    """64 random bits for (seed, position, purpose)."""
+    seed = int(seed) & _MASK
+    subsequence = 3 * int(position) + int(purpose)
+    z = _mix64((seed + _GOLDEN_GAMMA * (subsequence + 1)) & _MASK)
+    return _mix64((z + seed + _GOLDEN_GAMMA) & _MASK)
+
+
+def stream_uniform(seed: int, position: int, purpose: int = Purpose.SAMPLE) -> float:
+    """A float64 uniform in [0, 1) with 53 random bits."""
+    return (stream_bits(seed, position, purpose) >> 11) * (1.0 / (1 << 53))
+
+
+def verify_row_position(base_position: int, row: int) -> int:
+    """Sample position of verification row `row` of a request whose plain decode position is `base`."""
+    return base_position + row * VERIFY_ROW_STRIDE
+
+
+def draft_position(base_position: int, num_accepted: int, step: int) -> int:
+    """Sample position of draft step `step` (0-based) after `num_accepted` drafts were accepted."""
+    return base_position + num_accepted + step + 1
