@@ -221,7 +221,7 @@ def run_generation(
     todo = sum(len(job.samples) for job in jobs)
     with (
         JsonlAppender(output) as out,
-        tqdm(total=todo, desc="generate", unit="sample", disable=not progress) as bar,
+        tqdm(total=todo, desc="samples written", unit="sample", disable=not progress) as bar,
     ):
         out.write(
             {
