@@ -231,3 +231,14 @@ def test_special_tokens_are_never_allowed_inside_text(service):
     state.fill_next_token_bitmask(row, 0)
     allowed = ds.unpack_bitmask(row, VOCAB_SIZE)[0]
     assert not allowed[0] and not allowed[EOS_ID] and allowed.sum() > 100000
+
+
+def test_cache_byte_limit_drops_least_recently_used(tokenizer_info):
+    svc = ds.GrammarCompileService(tokenizer_info, max_threads=1, cache_limit_bytes=1)
+    svc.compile({"schema_type": "regex", "schema": "a+"})
+    assert svc.cache_bytes() > 1  # the newest entry always stays
+    svc.compile({"schema_type": "regex", "schema": "b+"})
+    assert svc.stats.entries == 1
+    svc.compile({"schema_type": "regex", "schema": "b+"})
+    assert svc.stats.hits == 1
+    svc.shutdown()

@@ -24,6 +24,12 @@ from .errors import StructuredOutputError, from_xgrammar
 from .grammar_state import GrammarState
 from .so_args import StructuredOutputRequest, parse_so_args
 
+def _size(future: Future) -> int:
+    if future.done() and future.exception() is None:
+        return future.result().memory_size_bytes
+    return 0
+
+
 _WHAT = {"json_schema": "JSON schema", "json_object": "JSON object grammar", "regex": "regex",
          "ebnf": "EBNF grammar"}
 
@@ -78,12 +84,16 @@ class GrammarCompileService:
     Args:
         tokenizer_info: from `tokenizer_info_from_file` (its vocab_size is the mask width).
         max_threads: worker threads (and xgrammar's own threads per compile).
-        cache_entries: compiled grammars kept (least recently used dropped); 0 disables caching.
-        timeout_s: compile deadline per request, counted from `submit`.
+        cache_entries: compiled grammars kept (least recently used dropped); 0 disables caching
+            (the reference's DEEPINFER_XGRAMMAR_DISABLE_CACHE).
+        cache_limit_bytes: also drop least recently used grammars while the finished ones hold
+            more than this (<= 0: no byte limit; DEEPINFER_XGRAMMAR_CACHE_LIMIT_BYTES).
+        timeout_s: compile deadline per request, counted from `submit` (DEEPINFER_XGRAMMAR_TIMEOUT,
+            20 s in the reference).
     """
 
     def __init__(self, tokenizer_info: xg.TokenizerInfo, *, max_threads: int = 2,
-                 cache_entries: int = 256, timeout_s: float = 30.0):
+                 cache_entries: int = 256, cache_limit_bytes: int = 10 << 30, timeout_s: float = 20.0):
         if max_threads < 1:
             raise ValueError(f"max_threads: must be >= 1, got {max_threads}")
         if cache_entries < 0:
@@ -97,6 +107,7 @@ class GrammarCompileService:
         self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="so-compile")
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._cache_entries = cache_entries
+        self._cache_limit_bytes = cache_limit_bytes
         self._lock = threading.Lock()
         self._timeout_s = timeout_s
         self.stats = CacheStats()
@@ -119,8 +130,7 @@ class GrammarCompileService:
                 future = self._pool.submit(self._compile, request)
                 if self._cache_entries:
                     self._cache[request.cache_key] = future
-                    while len(self._cache) > self._cache_entries:
-                        self._cache.popitem(last=False)
+                    self._evict()
             self.stats.entries = len(self._cache)
         return PendingGrammar(request, future, deadline, self._timeout_s)
 
@@ -132,6 +142,25 @@ class GrammarCompileService:
         """Blocking: a fresh per-request GrammarState (convenience for tests and simple callers)."""
         pending = self.submit(so_args)
         return GrammarState(pending.result(), pending.request)
+
+    def _evict(self) -> None:
+        """Drop least recently used entries beyond the entry and byte limits (lock held)."""
+        while len(self._cache) > self._cache_entries:
+            self._cache.popitem(last=False)
+        if self._cache_limit_bytes <= 0:
+            return
+        sizes = {key: _size(f) for key, f in self._cache.items()}
+        total = sum(sizes.values())
+        for key in list(self._cache)[:-1]:  # never drop the entry just added
+            if total <= self._cache_limit_bytes:
+                break
+            total -= sizes[key]
+            del self._cache[key]
+
+    def cache_bytes(self) -> int:
+        """Memory held by the finished compiled grammars in the cache."""
+        with self._lock:
+            return sum(_size(f) for f in self._cache.values())
 
     def clear_cache(self) -> None:
         with self._lock:
