@@ -24,6 +24,7 @@ from .errors import StructuredOutputError, from_xgrammar
 from .grammar_state import GrammarState
 from .so_args import StructuredOutputRequest, parse_so_args
 
+
 def _size(future: Future) -> int:
     if future.done() and future.exception() is None:
         return future.result().memory_size_bytes
