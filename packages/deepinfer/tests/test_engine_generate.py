@@ -205,3 +205,29 @@ def test_text_prompts_and_chat_template(real_vocab_checkpoint):
             and tok.token_to_id("<｜User｜>") in ids
             and ids[-1] == tok.token_to_id("<｜Assistant｜>")
         )
+
+
+def test_ctrl_c_aborts_cleanly_and_engine_stays_usable(micro_checkpoint):
+    with LLM(model=str(micro_checkpoint), block_size=16, max_model_len=256) as llm:
+        engine = llm.engine
+        free_before = engine.scheduler_stats()["num_free_blocks"]
+        real_step, calls = engine.step, []
+
+        def interrupted_step():
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+            return real_step()
+
+        engine.step = interrupted_step
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(
+                prompt_token_ids=PROMPTS, sampling_params=SamplingParams(max_tokens=20), use_tqdm=False
+            )
+        engine.step = real_step
+        assert not engine.has_unfinished_requests()
+        assert engine.scheduler_stats()["num_free_blocks"] == free_before
+        out = llm.generate(
+            prompt_token_ids=PROMPTS[0], sampling_params=SamplingParams(max_tokens=2), use_tqdm=False
+        )
+        assert out[0].error is None and len(out[0].outputs[0].token_ids) == 2

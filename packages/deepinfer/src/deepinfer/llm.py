@@ -88,10 +88,7 @@ class LLM:
                 if use_tqdm and engine.stats.steps:
                     bar.set_postfix(tok=engine.stats.generated_tokens, refresh=False)
         except KeyboardInterrupt:
-            for rid in order:
-                if rid not in results:
-                    engine.abort_request(rid)
-            engine.close()
+            engine.abort_all()  # frees every block; the engine stays usable
             raise
         finally:
             bar.close()

@@ -38,6 +38,25 @@ class RunnerBatch:
         if np.any(self.logits_lens > self.query_lens) or np.any(self.logits_lens < 0):
             raise ValueError("logits_lens must be in [0, query_lens] for every sequence")
 
+    @classmethod
+    def from_scheduler_output(cls, out) -> RunnerBatch:
+        """From a `deepinfer_sched.SchedulerOutput` whose input ids are all known (a synchronous step,
+        or an asynchronous one after `Scheduler.reconcile`). One row of logits per sequence that
+        emits a token (non-final prefill chunks emit none)."""
+        if getattr(out, "has_unknown_input_ids", False):
+            raise ValueError(
+                "the step still has unknown input ids: reconcile it with the previous step first"
+            )
+        tables = np.asarray(out.block_tables)
+        return cls(
+            seq_ids=np.asarray(out.seq_ids, dtype=np.int64),
+            start_positions=np.asarray(out.start_positions, dtype=np.int64),
+            query_lens=np.asarray(out.query_lens, dtype=np.int64),
+            block_tables=[row[row >= 0] for row in tables],  # rows are padded with -1
+            input_ids=np.asarray(out.input_ids, dtype=np.int64),
+            logits_lens=np.asarray(out.emits_tokens, dtype=bool).astype(np.int64),
+        )
+
     @property
     def num_logits_rows(self) -> int:
         return int(self.logits_lens.sum())

@@ -35,9 +35,11 @@ class RecomputeRunner:
             )
         return np.asarray(block_table)[blocks], positions % self.block_size
 
-    def execute(self, batch: RunnerBatch) -> torch.Tensor:
+    def execute(self, batch) -> torch.Tensor:
         """float32 logits [batch.num_logits_rows, vocab]: for each sequence in order, its last
-        `logits_lens[i]` query positions."""
+        `logits_lens[i]` query positions. `batch`: a RunnerBatch or a deepinfer_sched SchedulerOutput."""
+        if not isinstance(batch, RunnerBatch):
+            batch = RunnerBatch.from_scheduler_output(batch)
         offsets = batch.query_offsets
         # Write every sequence's query tokens first: sequences sharing cached prefix blocks then all
         # see complete contexts regardless of their order in the batch.

@@ -177,6 +177,18 @@ class LLMEngine:
         self._collect(state)
         return True
 
+    def abort_all(self) -> list[RequestOutput]:
+        """Abort every request and settle the step in flight (Ctrl-C path); returns their outputs."""
+        for request_id in list(self.requests):
+            self.abort_request(request_id)
+        if self._inflight is not None:
+            out, _, future = self._inflight
+            self._inflight = None
+            self._commit(out, future.result())
+        self._release_idle()
+        done, self._done = self._done, []
+        return done
+
     def fail_request(self, request_id: str, message: str) -> None:
         state = self.requests[request_id]
         for seq in state.seqs:

@@ -72,16 +72,7 @@ def emits_tokens(out) -> np.ndarray:
 
 
 def to_runner_batch(out) -> RunnerBatch:
-    tables = np.asarray(out.block_tables)
-    # Each table row is padded with -1 (tables are prefixes: a sequence's blocks come first).
-    return RunnerBatch(
-        seq_ids=np.asarray(out.seq_ids, dtype=np.int64),
-        start_positions=np.asarray(out.start_positions, dtype=np.int64),
-        query_lens=np.asarray(out.query_lens, dtype=np.int64),
-        block_tables=[row[row >= 0] for row in tables],
-        input_ids=np.asarray(out.input_ids, dtype=np.int64),
-        logits_lens=emits_tokens(out).astype(np.int64),
-    )
+    return RunnerBatch.from_scheduler_output(out)
 
 
 def update_from_output(sched: Scheduler, out, tokens: np.ndarray) -> dict[int, str]:
