@@ -96,3 +96,22 @@ def test_candidate_blocks_match_reference():
     for q in range(t):
         want = [j for j in range(n) if j // bsize in got[q].tolist()]
         assert mask[q].nonzero().flatten().tolist() == want
+
+
+def test_fp4_main_kv_format_matches_scalar_reference():
+    from deepinfer_model.models.deepseek_v41.kv_quant import fake_quant_fp4_e4m3
+
+    grid = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(7)) * 3
+    x[2, 16:] = 1e-5  # tiny group: amax floor 6 * 2^-9
+    got = fake_quant_fp4_e4m3(x)
+    for r in range(3):
+        for g0 in (0, 16):
+            grp = x[r, g0 : g0 + 16].double()
+            amax = max(float(grp.abs().max()), 6 * 2.0**-9)
+            scale = float(torch.tensor(amax / 6).to(torch.float8_e4m3fn).double())  # E4M3, not a power of two
+            for c in range(16):
+                a = min(abs(float(grp[c])) / scale, 6.0)
+                best = min(range(8), key=lambda i: (abs(grid[i] - a), i % 2))  # nearest, ties to even code
+                want = math.copysign(grid[best], float(grp[c])) * scale
+                assert abs(float(got[r, g0 + c]) - want) < 1e-12 * max(1.0, abs(want))

@@ -25,6 +25,7 @@ from ...layers.indexer import index_queries, index_scores, select_topk, selectio
 from ...layers.rope import cos_sin
 from ...numerics import linear, round_to
 from .config import DeepseekV41Config
+from .kv_quant import EXACT_KV, KVQuant
 from .sparse import candidate_blocks, candidate_mask, index_keys
 from .weights import BlockWeights
 
@@ -65,6 +66,7 @@ def layer_attention(
     positions: torch.Tensor,
     state: CrossLayerState,
     act_dtype: torch.dtype = torch.float32,
+    kvq: KVQuant = EXACT_KV,
 ) -> tuple[torch.Tensor, AttentionTrace]:
     """Attention output [T, H] of backbone layer `layer` for one sequence (`y` = its normed HC read)."""
     ratio = cfg.compress_ratios[layer]
@@ -73,25 +75,29 @@ def layer_attention(
     rope = cfg.compress_rope() if ratio else cfg.main_rope()
     cos, sin = cos_sin(rope, positions)
     q, q_lat = project_query(y, w.attn, cfg.num_attention_heads, cos, sin, eps, False, act_dtype)
-    swa = project_latent(y, w.attn, cos, sin, eps, act_dtype)
+    swa = kvq.swa(project_latent(y, w.attn, cos, sin, eps, act_dtype))
     visible = sliding_window_visible(positions, positions, cfg.sliding_window)
     keys = swa
     trace = AttentionTrace(layer, y, swa)
     if ratio:
         if topo.is_kv_source(layer):
             x = state.shared_hidden if topo.is_consumer_half(layer) else y
-            state.kv = compress(x, w.compressor, ratio, False, rope, eps, 0, act_dtype)
+            comp = compress(x, w.compressor, ratio, False, rope, eps, 0, act_dtype)
+            comp.keys = kvq.main(comp.keys)  # attention reads the cached (quantised) keys
+            state.kv = comp
             state.kv_layer = layer
         comp = state.kv
         n = comp.keys.shape[0]
         valid = compressed_visible(positions, n, ratio)
         if topo.is_index_source(layer):
             if topo.is_index_k_source(layer):
-                state.index_keys = index_keys(
-                    comp.pre_rope, comp.positions, w.indexer.wk, w.indexer.k_norm, rope, eps, act_dtype
+                state.index_keys = kvq.index(
+                    index_keys(
+                        comp.pre_rope, comp.positions, w.indexer.wk, w.indexer.k_norm, rope, eps, act_dtype
+                    )
                 )
                 state.index_k_layer = layer
-            qi = index_queries(q_lat, w.indexer, cfg.index_n_heads, cos, sin, act_dtype)
+            qi = kvq.index(index_queries(q_lat, w.indexer, cfg.index_n_heads, cos, sin, act_dtype))
             head_w = linear(y, w.indexer.weights_proj, act_dtype)
             # No scale in V4.1; the logits are stored in the activation dtype (BF16 in the engine).
             scores = round_to(index_scores(qi, state.index_keys, head_w, scaled=False), act_dtype)

@@ -21,6 +21,7 @@ from ...numerics import linear, round_to
 from .blocks import ShiftedHC, moe_ffn
 from .config import DeepseekV41Config
 from .drafter_heads import confidence, markov_correction
+from .kv_quant import EXACT_KV, KVQuant
 from .weights import DrafterWeights
 
 Sampler = Callable[[torch.Tensor, int], int]  # (fp32 logits [V], draft step) -> token id
@@ -48,12 +49,13 @@ def main_keys(
     features: torch.Tensor,
     positions: torch.Tensor,
     act_dtype: torch.dtype,
+    kvq: KVQuant = EXACT_KV,
 ) -> torch.Tensor:
     """[Ld, T, D]: each draft block's key/value latent for every processed main token (§7.2)."""
     eps = cfg.rms_norm_eps
     m = rms_norm(linear(features, w.main_proj, act_dtype), w.main_norm, eps, act_dtype)
     cos, sin = cos_sin(cfg.main_rope(), positions)
-    return torch.stack([project_latent(m, blk.attn, cos, sin, eps, act_dtype) for blk in w.blocks])
+    return torch.stack([kvq.swa(project_latent(m, blk.attn, cos, sin, eps, act_dtype)) for blk in w.blocks])
 
 
 def draft_block(
@@ -68,6 +70,7 @@ def draft_block(
     sampler: Sampler = greedy,
     temperatures: torch.Tensor | float = 1.0,
     act_dtype: torch.dtype = torch.float32,
+    kvq: KVQuant = EXACT_KV,
 ) -> DraftOutput:
     """Draft `num_draft_tokens` tokens after `next_token` (at `last_position + 1`).
 
@@ -86,7 +89,7 @@ def draft_block(
 
         def attention(y, blk=blk, i=i):
             q, _ = project_query(y, blk.attn, cfg.num_attention_heads, cos, sin, eps, False, act_dtype)
-            kd = project_latent(y, blk.attn, cos, sin, eps, act_dtype)
+            kd = kvq.swa(project_latent(y, blk.attn, cos, sin, eps, act_dtype))  # FP8 ring, like main keys
             keys = torch.cat((window[i], kd), dim=0)
             visible = torch.ones(bd, keys.shape[0], dtype=torch.bool)  # bidirectional inside the block
             o = sink_attention(q, keys, visible, blk.attn.sinks, cfg.head_dim**-0.5)

@@ -23,14 +23,20 @@ def ignored_prefixes(cfg: DeepseekV41Config) -> tuple[str, ...]:
     return _VISION_PREFIXES + tied
 
 
-def load_v41(path: str | Path, act_dtype: torch.dtype = torch.float32) -> DeepseekV41ForCausalLM:
-    """Validate and load `config.json`, the weights (dequantised to FP32) and, with Engram, `tokenizer.json`."""
+def load_v41(
+    path: str | Path, act_dtype: torch.dtype = torch.float32, quantize_kv: bool = False
+) -> DeepseekV41ForCausalLM:
+    """Validate and load `config.json`, the weights (dequantised to FP32) and, with Engram, `tokenizer.json`.
+
+    `act_dtype` / `quantize_kv`: see `DeepseekV41ForCausalLM` (FP32 and exact KV by default).
+    """
     cfg = DeepseekV41Config.from_file(path)
     tensors = load_tensors(
         path, cfg, checkpoint_layout(cfg), torch.float32, ignored_prefixes=ignored_prefixes(cfg)
     )
     vocab = CompressedVocabulary.from_file(path) if cfg.engram else None
-    return DeepseekV41ForCausalLM(cfg, V41Weights.from_tensors(cfg, tensors.__getitem__), vocab, act_dtype)
+    weights = V41Weights.from_tensors(cfg, tensors.__getitem__)
+    return DeepseekV41ForCausalLM(cfg, weights, vocab, act_dtype, quantize_kv)
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> DeepseekV41ForCausalLM:

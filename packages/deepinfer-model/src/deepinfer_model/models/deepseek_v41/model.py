@@ -21,6 +21,7 @@ from .drafter import DraftOutput, Sampler, draft_block, greedy, main_keys
 from .drafter_heads import confidence_temperatures, target_features
 from .engram import EngramHasher, engram_inject
 from .engram_vocab import CompressedVocabulary
+from .kv_quant import KVQuant
 from .weights import V41Weights
 
 
@@ -46,7 +47,10 @@ class DeepseekV41ForCausalLM:
         weights: V41Weights,
         vocab: CompressedVocabulary | None = None,
         act_dtype: torch.dtype = torch.float32,
+        quantize_kv: bool = False,
     ):
+        """`act_dtype` sets the activation rounding points (FP32: none; BF16: the engine's); `quantize_kv`
+        also rounds every cached KV value to its cache format (FP8 SWA, FP4 main KV, FP4 index Q/K)."""
         if config.engram is not None and vocab is None:
             raise ValueError(
                 "this config has Engram layers: pass the compressed vocabulary of its tokenizer.json"
@@ -54,6 +58,7 @@ class DeepseekV41ForCausalLM:
         self.config = config
         self.weights = weights
         self.act_dtype = act_dtype
+        self.kvq = KVQuant(enabled=quantize_kv, fp4_main_kv=config.use_fp4_sparse_kv)
         self.engram = EngramHasher(config.engram, vocab) if config.engram else None
 
     @classmethod
@@ -95,7 +100,7 @@ class DeepseekV41ForCausalLM:
             def attention(y, layer=layer, blk=blk):
                 if layer == cfg.n_prefill_layer:
                     state.shared_hidden = y  # YOCO: consumer-half compressed KV is projected from S
-                out, tr = layer_attention(cfg, layer, blk, y, positions, state, act)
+                out, tr = layer_attention(cfg, layer, blk, y, positions, state, act, self.kvq)
                 traces.append(tr)
                 return out
 
@@ -111,7 +116,7 @@ class DeepseekV41ForCausalLM:
         out = V41Output(logits=logits, hidden=hidden, trace=traces if return_trace else None)
         if w.drafter is not None:
             out.features = torch.cat([feats[t] for t in targets], dim=1)
-            out.main_keys = main_keys(cfg, w.drafter, out.features, positions, act)
+            out.main_keys = main_keys(cfg, w.drafter, out.features, positions, act, self.kvq)
             if num_draft_tokens:
                 if not 1 <= num_draft_tokens <= 32:
                     raise ValueError(f"num_draft_tokens = {num_draft_tokens} must lie in [1, 32]")
@@ -130,6 +135,7 @@ class DeepseekV41ForCausalLM:
                     sampler,
                     confidence_temperatures(num_draft_tokens),
                     act,
+                    self.kvq,
                 )
         elif num_draft_tokens:
             raise ValueError(
