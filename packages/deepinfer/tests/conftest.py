@@ -6,6 +6,7 @@ vocabulary; `real_vocab_checkpoint` has the tokenizer's full vocabulary for test
 """
 
 import pytest
+import torch
 from deepinfer_model.testing import make_checkpoint
 from deepinfer_model.testing.checkpoint import tiny_config
 
@@ -28,3 +29,12 @@ def micro_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def real_vocab_checkpoint(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("v4-micro-real-vocab"), micro_config(129280), seed=2)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """Tiny matrices gain nothing from threads; on a shared 2-core runner they only add sync stalls."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
