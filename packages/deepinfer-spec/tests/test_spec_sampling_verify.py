@@ -1,0 +1,169 @@
+"""Rejection-sampling verification: distribution preservation, seeded reproducibility, batch independence."""
+
+import itertools
+import math
+
+import pytest
+import torch
+from deepinfer_spec import DraftVerifier, Purpose, stream_bits, stream_uniform
+from deepinfer_spec.toy import Drafter, NGramModel, run_toy_decode
+
+Z_1E4 = 3.719  # standard normal upper quantile for p = 1e-4
+
+
+def chi2_critical(dof: int, z: float = Z_1E4) -> float:
+    """Wilson-Hilferty approximation of the chi-square upper quantile."""
+    a = 2.0 / (9.0 * dof)
+    return dof * (1.0 - a + z * math.sqrt(a)) ** 3
+
+
+def exact_sequence_probs(target: NGramModel, prompt, length, temperature):
+    probs = {}
+    for seq in itertools.product(range(target.vocab), repeat=length):
+        ctx, p = list(prompt), 1.0
+        for tok in seq:
+            p *= float(target.probs([ctx], temperature)[0, tok])
+            ctx.append(tok)
+        probs[seq] = p
+    return probs
+
+
+def chi_square(counts, probs, n):
+    """Pearson statistic over cells with expected count >= 5 plus one pooled cell for the rest."""
+    stat, dof, pooled_obs, pooled_exp = 0.0, -1, 0, 0.0
+    for seq, p in probs.items():
+        expected, observed = n * p, counts.get(seq, 0)
+        if expected >= 5:
+            stat += (observed - expected) ** 2 / expected
+            dof += 1
+        else:
+            pooled_obs += observed
+            pooled_exp += expected
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        dof += 1
+    return stat, dof
+
+
+@pytest.mark.slow
+def test_sampled_outputs_with_drafts_follow_the_target_distribution():
+    vocab, length, n, temperature = 5, 3, 3000, 0.9
+    target = NGramModel(vocab=vocab, order=2, seed=21, scale=1.0)
+    drafter = Drafter(target, alpha=0.3, seed=8)  # q differs from p: rejections and residuals happen
+    prompt = [1, 2]
+    run = run_toy_decode(
+        target, drafter, [prompt] * n, max_new_tokens=length, nextn=2, temperature=temperature, seeds=range(n)
+    )
+    stats = run.stats
+    assert 0 < stats.total_accepted < stats.total_verified  # both accept and reject paths were used
+    counts = {}
+    for out in run.outputs:
+        counts[tuple(out)] = counts.get(tuple(out), 0) + 1
+    probs = exact_sequence_probs(target, prompt, length, temperature)
+    stat, dof = chi_square(counts, probs, n)
+    assert stat < chi2_critical(dof), (stat, dof)
+
+    # Power check: the same samples are clearly NOT distributed like the drafter's own chain, so the
+    # test above would catch a verifier that accepted drafts blindly.
+    mix_probs = {}
+    for seq in probs:
+        ctx, p = list(prompt), 1.0
+        for tok in seq:
+            pt = target.probs([ctx], temperature)[0]
+            po = drafter.own.probs([ctx], temperature)[0]
+            p *= float(0.3 * pt[tok] + 0.7 * po[tok])
+            ctx.append(tok)
+        mix_probs[seq] = p
+    stat_q, dof_q = chi_square(counts, mix_probs, n)
+    assert stat_q > 3 * chi2_critical(dof_q)
+
+
+def test_single_step_first_token_distribution_with_residual():
+    """One verification step, many seeds: the first emitted token ~ p even though q is far from p."""
+    p = torch.tensor([0.5, 0.2, 0.2, 0.1], dtype=torch.float64)
+    q = torch.tensor([0.1, 0.1, 0.1, 0.7], dtype=torch.float64)
+    n = 4000
+    target = p.repeat(2 * n, 1)  # rows [x, d1] per request
+    drafts = []
+    for seed in range(n):  # the draft itself is sampled from q with its own stream
+        u = stream_uniform(seed + 99, 0)
+        drafts.append(
+            int(torch.searchsorted(torch.cumsum(q, 0), torch.tensor([u]), right=True)[0].clamp(max=3))
+        )
+    result = DraftVerifier().verify(
+        target,
+        drafts,
+        [1] * n,
+        seeds=list(range(n)),
+        base_positions=[3] * n,
+        greedy=[False] * n,
+        draft_probs=q.repeat(n, 1),
+    )
+    first = torch.tensor([e[0] for e in result.emitted])
+    counts = torch.bincount(first, minlength=4).double()
+    stat = float(((counts - n * p) ** 2 / (n * p)).sum())
+    assert stat < chi2_critical(3)
+    # The estimated acceptance probability is the overlap Σ min(p, q).
+    assert torch.allclose(
+        result.accept_probs, torch.full((n,), float(torch.minimum(p, q).sum()), dtype=torch.float64)
+    )
+    # The empirical acceptance rate matches it.
+    rate = sum(result.num_accepted) / n
+    assert abs(rate - 0.4) < 4 * math.sqrt(0.4 * 0.6 / n)
+
+
+def test_seeded_runs_are_reproducible_and_seed_dependent():
+    target = NGramModel(vocab=8, order=2, seed=2, scale=1.0)
+    drafter = Drafter(target, alpha=0.5)
+    kwargs = dict(max_new_tokens=20, nextn=3, temperature=1.0)
+    a = run_toy_decode(target, drafter, [[1], [2]], seeds=[7, 8], **kwargs)
+    b = run_toy_decode(target, drafter, [[1], [2]], seeds=[7, 8], **kwargs)
+    c = run_toy_decode(target, drafter, [[1], [2]], seeds=[70, 80], **kwargs)
+    assert a.outputs == b.outputs
+    assert a.outputs != c.outputs
+    # A request's tokens do not depend on what else is in the batch.
+    alone = run_toy_decode(target, drafter, [[2]], seeds=[8], **kwargs)
+    assert alone.outputs[0] == a.outputs[1]
+
+
+def test_verification_of_a_request_is_independent_of_its_batch():
+    gen = torch.Generator().manual_seed(0)
+    vocab = 7
+    target = torch.softmax(torch.randn(4 + 3, vocab, generator=gen), -1)  # req A: 3 drafts, req B: 2
+    q = torch.softmax(torch.randn(5, vocab, generator=gen), -1)
+    drafts = [1, 2, 3, 4, 5]
+    both = DraftVerifier().verify(
+        target, drafts, [3, 2], seeds=[5, 6], base_positions=[10, 20], greedy=[False, True], draft_probs=q
+    )
+    alone = DraftVerifier().verify(
+        target[4:], drafts[3:], [2], seeds=[6], base_positions=[20], greedy=[True], draft_probs=q[3:]
+    )
+    first = DraftVerifier().verify(
+        target[:4], drafts[:3], [3], seeds=[5], base_positions=[10], greedy=[False], draft_probs=q[:3]
+    )
+    assert both.emitted == first.emitted + alone.emitted
+    assert both.num_accepted == first.num_accepted + alone.num_accepted
+
+
+def test_random_stream_matches_the_model_sampler_stream():
+    sampling = pytest.importorskip("deepinfer_model.sampling")
+    for seed, pos, purpose in [(0, 0, 0), (123, 456, 1), (2**64 - 1, 10**12, 2), (7, 10_000_019 * 3 + 5, 0)]:
+        assert stream_bits(seed, pos, purpose) == sampling.stream_bits(seed, pos, purpose)
+        assert stream_uniform(seed, pos, Purpose(purpose)) == sampling.stream_uniform(seed, pos, purpose)
+
+
+def test_zero_drafts_reproduce_the_model_sampler():
+    """With no drafts the fresh row is exactly a plain decode sample (same stream, same rule)."""
+    sampling = pytest.importorskip("deepinfer_model.sampling")
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 50, generator=gen)
+    rows = [
+        sampling.RowParams(temperature=0.7, top_k=20, seed=s, position=p)
+        for s, p in zip(range(6), range(3, 9))
+    ]
+    expected = sampling.Sampler()(logits, rows).token_ids.tolist()
+    probs = sampling.filtered_probs(logits, rows)
+    result = DraftVerifier().verify(
+        probs, [], [0] * 6, seeds=list(range(6)), base_positions=list(range(3, 9)), greedy=[False] * 6
+    )
+    assert result.final_tokens == expected
