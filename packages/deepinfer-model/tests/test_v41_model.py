@@ -113,6 +113,19 @@ def test_yoco_consumer_kv_comes_from_shared_hidden(model, tokens, out):
     assert not torch.allclose(alt[5].y, tr[5].y)
 
 
+def test_yoco_bounded_replay_mask_mode(model, tokens, out):
+    """KEEP = 16: producer half, S and consumer compressed KV exact; consumer SWA clipped at len - KEEP."""
+    cut = model.forward(tokens, yoco_keep_tokens=16, return_trace=True)
+    for layer in range(3):
+        assert torch.equal(cut.trace[layer].y, out.trace[layer].y)
+    assert torch.equal(cut.trace[3].y, out.trace[3].y)  # S
+    assert torch.equal(cut.trace[5].compressed.keys, out.trace[5].compressed.keys)
+    assert torch.isfinite(cut.logits).all() and not torch.equal(cut.logits[-1], out.logits[-1])
+    assert torch.equal(model.forward(tokens, yoco_keep_tokens=T).logits, out.logits)  # nothing cut
+    with pytest.raises(ValueError, match="yoco_keep_tokens"):
+        model.forward(tokens, yoco_keep_tokens=13)  # < W + B = 8 + 6
+
+
 def test_candidate_blocks_restrict_later_index_sources(out):
     tr = out.trace
     cand = tr[3].candidates

@@ -67,8 +67,12 @@ def layer_attention(
     state: CrossLayerState,
     act_dtype: torch.dtype = torch.float32,
     kvq: KVQuant = EXACT_KV,
+    swa_lower_bound: int = 0,
 ) -> tuple[torch.Tensor, AttentionTrace]:
-    """Attention output [T, H] of backbone layer `layer` for one sequence (`y` = its normed HC read)."""
+    """Attention output [T, H] of backbone layer `layer` for one sequence (`y` = its normed HC read).
+
+    `swa_lower_bound` hides SWA keys at positions below it (YOCO bounded replay, §8 item 5).
+    """
     ratio = cfg.compress_ratios[layer]
     topo = cfg.topology
     eps = cfg.rms_norm_eps
@@ -76,7 +80,10 @@ def layer_attention(
     cos, sin = cos_sin(rope, positions)
     q, q_lat = project_query(y, w.attn, cfg.num_attention_heads, cos, sin, eps, False, act_dtype)
     swa = kvq.swa(project_latent(y, w.attn, cos, sin, eps, act_dtype))
-    visible = sliding_window_visible(positions, positions, cfg.sliding_window)
+    visible = (
+        sliding_window_visible(positions, positions, cfg.sliding_window)
+        & (positions >= swa_lower_bound)[None, :]
+    )
     keys = swa
     trace = AttentionTrace(layer, y, swa)
     if ratio:

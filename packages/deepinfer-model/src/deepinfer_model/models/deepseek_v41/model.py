@@ -76,15 +76,23 @@ class DeepseekV41ForCausalLM:
         next_token: int | None = None,
         sampler: Sampler = greedy,
         return_trace: bool = False,
+        yoco_keep_tokens: int | None = None,
+        backtracking_tokens: int = 6,
     ) -> V41Output:
         """Logits for every position of one sequence; with `num_draft_tokens > 0` also draft that many
-        tokens after `next_token` (default: the greedy next token of the last position)."""
+        tokens after `next_token` (default: the greedy next token of the last position).
+
+        `yoco_keep_tokens` = KEEP applies YOCO bounded replay in `mask` mode (§8): consumer-half layers see
+        no SWA key before `len - KEEP` (explicitly approximate; needs KEEP >= sliding_window +
+        `backtracking_tokens`). Producer layers, the shared hidden and consumer compressed KV are unchanged.
+        """
         cfg, w, act = self.config, self.weights, self.act_dtype
         ids = torch.as_tensor(token_ids, dtype=torch.long)
         x0 = embed(ids, w.embed)
         if x0.shape[0] == 0:
             raise ValueError("token_ids must hold at least one token")
         positions = torch.arange(ids.shape[0])
+        rect_lo = self._yoco_rect_lo(ids.shape[0], yoco_keep_tokens, backtracking_tokens)
         rows = self.engram.rows(ids) if self.engram else {}
         targets = cfg.dspark.target_layer_ids if cfg.dspark else ()
         feats: dict[int, torch.Tensor] = {}
@@ -100,7 +108,17 @@ class DeepseekV41ForCausalLM:
             def attention(y, layer=layer, blk=blk):
                 if layer == cfg.n_prefill_layer:
                     state.shared_hidden = y  # YOCO: consumer-half compressed KV is projected from S
-                out, tr = layer_attention(cfg, layer, blk, y, positions, state, act, self.kvq)
+                out, tr = layer_attention(
+                    cfg,
+                    layer,
+                    blk,
+                    y,
+                    positions,
+                    state,
+                    act,
+                    self.kvq,
+                    rect_lo if cfg.topology.is_consumer_half(layer) else 0,
+                )
                 traces.append(tr)
                 return out
 
@@ -142,5 +160,18 @@ class DeepseekV41ForCausalLM:
                 "num_draft_tokens > 0 needs a checkpoint with draft blocks (num_nextn_predict_layers > 0)"
             )
         return out
+
+    def _yoco_rect_lo(self, n: int, keep: int | None, backtracking: int) -> int:
+        if keep is None:
+            return 0
+        cfg = self.config
+        if not (cfg.topology.yoco_enabled and cfg.n_prefill_layer > 0):
+            raise ValueError("yoco_keep_tokens needs a YOCO config (0 < n_prefill_layer < num_hidden_layers)")
+        if keep < cfg.sliding_window + backtracking:
+            raise ValueError(
+                f"yoco_keep_tokens = {keep} must be >= sliding_window + backtracking_tokens = "
+                f"{cfg.sliding_window + backtracking} (replayed suffix must cover every SWA key a resume needs)"
+            )
+        return max(0, n - keep)
 
     __call__ = forward
