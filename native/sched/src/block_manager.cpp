@@ -23,8 +23,11 @@ inline uint64_t mix(uint64_t x) {
 
 uint64_t PrefixChain::last_hash() const { return hashes.empty() ? kRootHash : hashes.back(); }
 
-BlockManager::BlockManager(int32_t num_blocks, int32_t block_size, bool enable_prefix_caching)
-    : block_size_(block_size), prefix_caching_(enable_prefix_caching), alloc_(num_blocks) {
+BlockManager::BlockManager(int32_t num_blocks, int32_t block_size, bool enable_prefix_caching, int32_t hash_bits)
+    : block_size_(block_size),
+      prefix_caching_(enable_prefix_caching),
+      alloc_(num_blocks),
+      hash_mask_(hash_bits >= 64 ? ~0ull : ((1ull << hash_bits) - 1)) {
   uid_.assign(num_blocks, 0);
   parent_uid_.assign(num_blocks, 0);
   hash_.assign(num_blocks, 0);
@@ -36,7 +39,7 @@ uint64_t BlockManager::hash_block(uint64_t parent_hash, const int32_t* tokens) c
   for (int32_t i = 0; i < block_size_; ++i) {
     h = mix(h ^ static_cast<uint32_t>(tokens[i]));
   }
-  return h;
+  return h & hash_mask_;
 }
 
 int32_t BlockManager::find(uint64_t hash, uint64_t parent_uid, const int32_t* tokens) const {

@@ -57,6 +57,9 @@ void SchedulerConfig::validate() const {
   if (num_speculative_tokens < 0 || num_speculative_tokens >= max_num_batched_tokens) {
     bad("num_speculative_tokens must be in [0, max_num_batched_tokens), got " + S(num_speculative_tokens));
   }
+  if (prefix_hash_bits < 0 || prefix_hash_bits > 64) {
+    bad("prefix_hash_bits must be in [0, 64], got " + S(prefix_hash_bits));
+  }
   if (engine_type != EngineType::kNormal && engine_type != EngineType::kPrompt &&
       engine_type != EngineType::kCompletion) {
     bad("engine_type must be NORMAL, PROMPT or COMPLETION");
@@ -66,7 +69,7 @@ void SchedulerConfig::validate() const {
 Scheduler::Scheduler(const SchedulerConfig& config)
     : cfg_((config.validate(), config)),
       bm_(config.num_blocks, config.block_size,
-          config.enable_prefix_caching && config.engine_type != EngineType::kCompletion) {
+          config.enable_prefix_caching && config.engine_type != EngineType::kCompletion, config.prefix_hash_bits) {
   st_.num_blocks = cfg_.num_blocks;
 }
 

@@ -37,7 +37,8 @@ struct PrefixChain {
 
 class BlockManager {
  public:
-  BlockManager(int32_t num_blocks, int32_t block_size, bool enable_prefix_caching);
+  // hash_bits < 64 keeps only that many bits of each key: tests use it to force collisions.
+  BlockManager(int32_t num_blocks, int32_t block_size, bool enable_prefix_caching, int32_t hash_bits = 64);
 
   int32_t block_size() const { return block_size_; }
   int32_t num_blocks() const { return alloc_.num_blocks(); }
@@ -86,6 +87,7 @@ class BlockManager {
   std::vector<uint64_t> uid_, parent_uid_, hash_;
   std::vector<int32_t> tokens_;  // num_blocks * block_size, valid where uid_ != 0
   std::unordered_multimap<uint64_t, int32_t> index_;
+  uint64_t hash_mask_;
   uint64_t next_uid_ = 1;
   int32_t num_cached_free_ = 0;
 };

@@ -28,6 +28,8 @@ struct SchedulerConfig {
   // Drafts assumed per sequence when scheduling ahead of an unprocessed step (their ids are not
   // known yet); also the most drafts one step verifies.
   int32_t num_speculative_tokens = 0;
+  // Bits kept of each prefix-cache key (64 = all); fewer force hash collisions in tests.
+  int32_t prefix_hash_bits = 64;
 
   // Throws std::invalid_argument naming the field and the allowed range.
   void validate() const;

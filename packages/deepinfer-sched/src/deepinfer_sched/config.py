@@ -31,6 +31,8 @@ class SchedulerConfig:
     - ``engine_type``: NORMAL, PROMPT (prefill only) or COMPLETION (decode only); a string works too.
     - ``num_speculative_tokens``: drafts verified per step at most, and the number assumed when a step
       is scheduled ahead of the unprocessed one (0 = no speculative decoding).
+    - ``prefix_hash_bits``: bits kept of each prefix-cache key; only tests lower it, to force hash
+      collisions (hits are confirmed token by token, so collisions cost time, never correctness).
     """
 
     num_blocks: int
@@ -42,6 +44,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     engine_type: EngineType = EngineType.NORMAL
     num_speculative_tokens: int = 0
+    prefix_hash_bits: int = 64
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "engine_type", _engine_type(self.engine_type))
@@ -52,6 +55,7 @@ class SchedulerConfig:
             "max_num_batched_tokens",
             "max_model_len",
             "num_speculative_tokens",
+            "prefix_hash_bits",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -71,4 +75,5 @@ class SchedulerConfig:
             enable_chunked_prefill=bool(self.enable_chunked_prefill),
             engine_type=self.engine_type,
             num_speculative_tokens=self.num_speculative_tokens,
+            prefix_hash_bits=self.prefix_hash_bits,
         )
