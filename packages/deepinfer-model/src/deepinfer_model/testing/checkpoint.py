@@ -149,8 +149,13 @@ def make_checkpoint(
     """Write `config.json`, random weights (upstream names, quantised if the config says so) and a tokenizer.
 
     `shards > 1` splits the tensors over several files plus `model.safetensors.index.json`.
+    A `deepseek_v41` config is written by `models.deepseek_v41.make_v41_checkpoint` (always BF16/FP8/FP4).
     Returns the directory.
     """
+    if config is not None and config.get("model_type") == "deepseek_v41":
+        from ..models.deepseek_v41.checkpoint import make_v41_checkpoint
+
+        return make_v41_checkpoint(path, config, seed, shards=shards, tokenizer=tokenizer)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = dict(config if config is not None else tiny_config())
