@@ -180,3 +180,13 @@ def test_load_model_dispatch_and_loader_errors(ckpt, tmp_path):
     msg = str(e.value)
     assert "missing tensor 'mtp.1.markov_head.head.weight'" in msg and "layers.0.attn.wkv.scale" in msg
     assert "vision" not in msg
+
+
+def test_shared_writer_dispatches_v41_and_sharded_round_trip(tmp_path, model, tokens, out):
+    from deepinfer_model.models.deepseek_v41 import tiny_v41_config_dict
+    from deepinfer_model.testing import make_checkpoint
+
+    path = make_checkpoint(tmp_path, tiny_v41_config_dict(), seed=0, shards=3)
+    assert (path / "model.safetensors.index.json").exists() and len(list(path.glob("*.safetensors"))) == 3
+    again = load_model(path)  # same seed -> same weights as the single-file checkpoint
+    assert torch.equal(again.forward(tokens[:32]).logits, out.logits[:32])
