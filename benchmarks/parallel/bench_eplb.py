@@ -15,8 +15,9 @@ Imbalance = peak rank load / mean rank load, two ways:
          quoted in issue 10 are measured);
   step - sum over steps and layers of the peak rank load / the same sum of the mean (the runtime
          `moe_lb` statistic of the reference; what the planner minimises).
-Planners: `deepinfer` (deepinfer_parallel.eplb.rebalance, the spec's two-phase per-step policy) and
-`greedy` (the in-run baseline: replicate and place by the summed load, greedy_rebalance).
+Planners: `deepinfer` (deepinfer_parallel.eplb.rebalance, the spec's two-phase per-step policy),
+`deepinfer_agg` (the same with max_window_steps=1: planned on the window's total) and `greedy` (the
+in-run baseline: replicate and place by the summed load, greedy_rebalance).
 """
 
 from __future__ import annotations
@@ -28,12 +29,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from deepinfer_parallel import initial_phys_to_logical, num_redundant_experts
+from deepinfer_parallel.eplb import greedy_rebalance, rank_loads, rebalance
 from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
-
-from deepinfer_parallel import initial_phys_to_logical, num_redundant_experts
-from deepinfer_parallel.eplb import greedy_rebalance, rank_loads, rebalance
 
 # DeepSeek's hierarchical EPLB on a Zipf(1) trace as quoted in issue 10 (before -> after), EP 8/16/32/64.
 DEEPSEEK_ZIPF1 = {8: (2.14, 1.00), 16: (3.29, 1.05), 32: (5.44, 1.39), 64: (9.60, 2.54)}
@@ -135,11 +135,16 @@ def main(argv=None) -> None:
         )
         ours, ours_s, ours_cpu = timed(lambda: rebalance(plan_w, num_physical, ep), args.repeats)  # noqa: B023
         greedy, greedy_s, greedy_cpu = timed(lambda: greedy_rebalance(plan_w, num_physical, ep), args.repeats)  # noqa: B023
+        agg_plan, agg_s, agg_cpu = timed(
+            lambda: rebalance(plan_w, num_physical, ep, max_window_steps=1),  # noqa: B023
+            args.repeats,
+        )
         rec = {"trace": kind, "ep": ep, "layers": args.layers, "experts": args.experts, "redundant": extra,
                "window_steps": args.window, "tokens_per_step": args.tokens, "topk": args.topk}  # fmt: skip
         for name, p2l in (
             ("initial", initial),
             ("deepinfer", ours.phys_to_logical),
+            ("deepinfer_agg", agg_plan.phys_to_logical),
             ("greedy", greedy.phys_to_logical),
         ):
             for window_name, w in (("plan", plan_w), ("eval", eval_w)):
@@ -150,6 +155,7 @@ def main(argv=None) -> None:
         rec["greedy_planner_s"] = round(greedy_s, 4)
         rec["deepinfer_planner_cpu_s"] = round(ours_cpu, 4)
         rec["greedy_planner_cpu_s"] = round(greedy_cpu, 4)
+        rec["deepinfer_agg_planner_s"] = round(agg_s, 4)
         rec["torch_threads"] = torch.get_num_threads()
         rec["step_eval_ratio_deepinfer_vs_greedy"] = round(
             rec["deepinfer_step_peak_over_mean_eval"] / rec["greedy_step_peak_over_mean_eval"], 4
@@ -158,28 +164,35 @@ def main(argv=None) -> None:
             rec["deepseek_quoted_agg_before"], rec["deepseek_quoted_agg_after"] = DEEPSEEK_ZIPF1[ep]
         records.append(rec)
 
-    table = Table(
-        title="EPLB: peak / mean rank load (agg = window sums, step = per-step; plan | eval window)"
-    )
-    for col in ("trace", "EP", "extra", "initial agg", "greedy agg", "deepinfer agg", "DeepSeek agg (quoted)",
-                "initial step", "greedy step", "deepinfer step", "deepinfer s (cpu)", "greedy s (cpu)"):  # fmt: skip
-        table.add_column(col, justify="right")
-    for r in records:
-        pair = lambda n, m: (
-            f"{r[f'{n}_{m}_peak_over_mean_plan']:.3f} | {r[f'{n}_{m}_peak_over_mean_eval']:.3f}"
-        )  # noqa: E731
-        quoted = (
-            f"{r['deepseek_quoted_agg_before']:.2f} -> {r['deepseek_quoted_agg_after']:.2f}"
-            if "deepseek_quoted_agg_after" in r
-            else "-"
-        )
-        table.add_row(
-            r["trace"], str(r["ep"]), str(r["redundant"]), pair("initial", "agg"), pair("greedy", "agg"),
-            pair("deepinfer", "agg"), quoted, pair("initial", "step"), pair("greedy", "step"),
-            pair("deepinfer", "step"), f"{r['deepinfer_planner_s']:.3f} ({r['deepinfer_planner_cpu_s']:.3f})",
-            f"{r['greedy_planner_s']:.3f} ({r['greedy_planner_cpu_s']:.3f})",
-        )  # fmt: skip
-    Console(width=250).print(table)
+    names = ("initial", "greedy", "deepinfer", "deepinfer_agg")
+    tables = []
+    for metric in ("agg", "step"):
+        table = Table(title=f"EPLB {metric} peak / mean rank load (planning window | evaluation window)")
+        for col in (
+            "trace",
+            "EP",
+            "extra",
+            *names,
+            "DeepSeek (quoted)" if metric == "agg" else "deepinfer s (cpu)",
+        ):
+            table.add_column(col, justify="right")
+        for r in records:
+            cells = [
+                f"{r[f'{n}_{metric}_peak_over_mean_plan']:.3f} | {r[f'{n}_{metric}_peak_over_mean_eval']:.3f}"
+                for n in names
+            ]
+            if metric == "agg":
+                last = (
+                    f"{r['deepseek_quoted_agg_before']:.2f} -> {r['deepseek_quoted_agg_after']:.2f}"
+                    if "deepseek_quoted_agg_after" in r
+                    else "-"
+                )
+            else:
+                last = f"{r['deepinfer_planner_s']:.3f} ({r['deepinfer_planner_cpu_s']:.3f})"
+            table.add_row(r["trace"], str(r["ep"]), str(r["redundant"]), *cells, last)
+        tables.append(table)
+    for table in tables:
+        Console(width=200).print(table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(records, indent=1))

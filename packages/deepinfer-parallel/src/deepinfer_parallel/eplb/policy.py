@@ -100,7 +100,8 @@ def replicate(tokens: torch.Tensor, num_physical: int) -> torch.Tensor:
 
 def place(tokens: torch.Tensor, slots: torch.Tensor, num_ranks: int) -> torch.Tensor:
     """Phase 2. Put the slots of ``slots [L, P]`` (logical ids) on ranks, heaviest replica first, each
-    on the rank with free capacity that least raises ``sum_t max_r load[t, r]``. Returns the new
+    on the rank with free capacity that least raises ``sum_t max_r load[t, r]`` (lowest rank
+    id on ties). Returns the new
     ``phys_to_logical [L, P]`` (rank ``r`` owns positions ``[r*S, (r+1)*S)``)."""
     w, num_layers, num_logical = tokens.shape
     num_physical = slots.shape[1]
@@ -127,7 +128,7 @@ def place(tokens: torch.Tensor, slots: torch.Tensor, num_ranks: int) -> torch.Te
         torch.maximum(buf, peak, out=buf)
         torch.sum(buf, dim=-1, out=score)  # [L, R]: sum_t max(peak, load + v) if placed on r
         score.masked_fill_(fill >= per_rank, float("inf"))
-        r = torch.argmin(score, dim=1)
+        r = torch.argmin(score, dim=1)  # argmin returns the first (lowest rank id) on ties
         placed = load[layers, r] + vp.squeeze(1)
         load[layers, r] = placed
         torch.maximum(peak, placed.unsqueeze(1), out=peak)

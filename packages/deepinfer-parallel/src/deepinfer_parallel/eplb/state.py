@@ -45,6 +45,9 @@ class EplbConfig:
     rearrange_after_prefill: bool = False
     normal_engine: bool = True  # NORMAL engines ignore prefill steps unless rearrange_after_prefill
     p2p_groups: int = 1
+    # Plan on at most this many buckets of consecutive steps (0: every step, as the reference). 1 plans on
+    # the window's total, which bench_eplb.py finds more robust when the hot set drifts.
+    max_window_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.interval < 0:
@@ -53,6 +56,8 @@ class EplbConfig:
             raise ValueError(f"EPLB window must be in [1, interval={self.interval}], got {self.window}")
         if self.p2p_groups < 1:
             raise ValueError(f"p2p_groups must be >= 1, got {self.p2p_groups}")
+        if self.max_window_steps < 0:
+            raise ValueError(f"max_window_steps must be >= 0, got {self.max_window_steps}")
 
     @classmethod
     def from_env(cls, normal_engine: bool = True) -> EplbConfig:
@@ -66,6 +71,7 @@ class EplbConfig:
             rearrange_after_prefill=_env_bool("DEEPINFER_REARRANGE_AFTER_PREFILL_IN_NORMAL_ENGINE"),
             normal_engine=normal_engine,
             p2p_groups=_env_int("DEEPINFER_REARRANGE_P2P_GROUPS", 1),
+            max_window_steps=_env_int("DEEPINFER_EPLB_MAX_WINDOW_STEPS", 0),
         )
 
 
@@ -170,7 +176,10 @@ class EplbState:
         tokens = self.window_tokens().double()
         layout = self.layout
         old = layout.phys_to_logical.cpu().numpy().copy()
-        plan = rebalance(tokens, layout.num_physical, layout.ep_size, current=old)
+        plan = rebalance(
+            tokens, layout.num_physical, layout.ep_size, current=old,
+            max_window_steps=self.config.max_window_steps or None,
+        )  # fmt: skip
         stats = ShuffleStats()
         changed = [i for i in range(layout.num_layers) if not (old[i] == plan.phys_to_logical[i]).all()]
         if self.expert_weights is not None:
