@@ -77,7 +77,9 @@ def run_bench(args) -> int:
                 "output_tok_per_s": gen / elapsed,
                 "total_tok_per_s": (gen + sum(map(len, prompts))) / elapsed,
                 "steps": st.steps,
+                "model": str(engine.model_path),
                 "schedule_ms": st.schedule_s * 1e3,
+                "prepare_ms": st.prepare_s * 1e3,
                 "hidden_schedule_ms": st.hidden_schedule_s * 1e3,
                 "process_ms": st.process_s * 1e3,
                 "hidden_process_ms": st.hidden_process_s * 1e3,
@@ -114,7 +116,9 @@ def run_bench(args) -> int:
             "-" if r["speedup_vs_sync"] is None else f"{r['speedup_vs_sync']:.3f}x",
             str(r["steps"]),
             f"{r['schedule_ms']:.1f} ({r['hidden_schedule_ms']:.1f})",
+            f"{r['prepare_ms']:.1f}",
             f"{r['process_ms']:.1f} ({r['hidden_process_ms']:.1f})",
+            f"{r['forward_ms']:.0f}",
         )
     console.print(table)
     if "tokens_identical_sync_async" in records[0]:

@@ -33,6 +33,7 @@ from ..sampling_params import SamplingParams
 from ..tokenizer import load_tokenizer, load_tokenizer_config
 from . import scheduling
 from .request import RequestState, SeqState
+from .structured import StructuredOutputs
 from .worker import ModelWorker, StepResult
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -41,8 +42,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torc
 @dataclass
 class EngineStats:
     steps: int = 0
-    schedule_s: float = 0.0  # main-thread time in schedule() (+ reconcile)
+    schedule_s: float = 0.0  # main-thread time in Scheduler.schedule()
     hidden_schedule_s: float = 0.0  # of which ran while the worker was busy with the previous step
+    prepare_s: float = 0.0  # reconcile + runner batch + sampler rows + grammar masks (not hidden)
     forward_s: float = 0.0
     sample_s: float = 0.0
     process_s: float = 0.0  # update_from_output + detokenization + stop handling
@@ -102,6 +104,8 @@ class LLMEngine:
         # step in flight may still name them.
         self._pending_release: list[int] = []
         self.stats = EngineStats()
+        self._tokenizer_dir = tok_path
+        self._structured: StructuredOutputs | None = None  # built on the first so_args request
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -142,8 +146,11 @@ class LLMEngine:
             prompt_token_ids = self.encode(prompt)
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         self.validate_prompt(prompt_token_ids)
+        grammars = [None] * params.n
         if params.so_args is not None:
-            raise ValueError("so_args (structured output) is not wired into this engine yet")
+            if self._structured is None:
+                self._structured = StructuredOutputs(self._tokenizer_dir, self.vocab_size, self.eos_token_id)
+            grammars = [self._structured.new_state(params.so_args) for _ in range(params.n)]
         seeds = [
             (params.seq_seed + i) & (2**64 - 1)
             if params.seq_seed is not None
@@ -154,6 +161,8 @@ class LLMEngine:
         state = RequestState(
             request_id, prompt, prompt_token_ids, params, self.tokenizer, seq_ids, seeds, arrival_time
         )
+        for seq, grammar in zip(state.seqs, grammars):
+            seq.grammar = grammar
         max_tokens = min(params.max_tokens, self.max_model_len - len(prompt_token_ids))
         for seq in state.seqs:
             scheduling.add_sequence(
@@ -214,23 +223,28 @@ class LLMEngine:
         done, self._done = self._done, []
         return done
 
-    def _step_sync(self) -> None:
+    def _schedule(self):
         t0 = time.perf_counter()
         out = scheduling.schedule(self.scheduler)
-        self.stats.schedule_s += time.perf_counter() - t0
+        return out, time.perf_counter() - t0
+
+    def _step_sync(self) -> None:
+        out, dt = self._schedule()
+        self.stats.schedule_s += dt
         if scheduling.is_empty(out):
             scheduling.retire(self.scheduler, out)
             self._release_idle()
             return
-        batch, rows, golden = self._prepare(out)
-        result = self.worker.run(batch, rows, golden)
+        t0 = time.perf_counter()
+        batch, rows, golden, allowed = self._prepare(out)
+        self.stats.prepare_s += time.perf_counter() - t0
+        result = self.worker.run(batch, rows, golden, allowed)
         self._process(out, result)
 
     def _step_async(self) -> None:
         if self._inflight is None:
-            t0 = time.perf_counter()
-            out = scheduling.schedule(self.scheduler)
-            self.stats.schedule_s += time.perf_counter() - t0
+            out, dt = self._schedule()
+            self.stats.schedule_s += dt
             if scheduling.is_empty(out):
                 scheduling.retire(self.scheduler, out)
                 self._release_idle()
@@ -238,9 +252,7 @@ class LLMEngine:
             self._launch(out)
         out, rows, future = self._inflight
         # Step N runs on the worker; schedule N+1 meanwhile.
-        t0 = time.perf_counter()
-        nxt = scheduling.schedule(self.scheduler)
-        dt = time.perf_counter() - t0
+        nxt, dt = self._schedule()
         self.stats.schedule_s += dt
         if not future.done():
             self.stats.hidden_schedule_s += dt
@@ -248,13 +260,15 @@ class LLMEngine:
         self._inflight = None
         t0 = time.perf_counter()
         finished = self._commit(out, result)
+        t1 = time.perf_counter()
         if not scheduling.is_empty(nxt):
             nxt = scheduling.reconcile(self.scheduler, nxt)
         if scheduling.is_empty(nxt):  # nothing to run (or all of it finished): retire it unrun
             scheduling.retire(self.scheduler, nxt)
         else:
             self._launch(nxt)
-        self.stats.schedule_s += time.perf_counter() - t0
+        self.stats.process_s += t1 - t0
+        self.stats.prepare_s += time.perf_counter() - t1
         # Detokenize N's tokens while N+1 runs.
         t0 = time.perf_counter()
         self._emit(out, result, finished)
@@ -265,14 +279,15 @@ class LLMEngine:
         self._collect_all()
 
     def _launch(self, out) -> None:
-        batch, rows, golden = self._prepare(out)
-        self._inflight = (out, rows, self._pool.submit(self.worker.run, batch, rows, golden))
+        batch, rows, golden, allowed = self._prepare(out)
+        self._inflight = (out, rows, self._pool.submit(self.worker.run, batch, rows, golden, allowed))
 
     def _prepare(self, out):
         batch = scheduling.to_runner_batch(out)
         emits = scheduling.emits_tokens(out)
         rows: list[RowParams | None] = []
         golden: list[int | None] = []
+        grammar_rows: dict[int, object] = {}
         for i, seq_id in enumerate(batch.seq_ids.tolist()):
             seq = self.seqs.get(seq_id)
             if not emits[i] or seq is None:
@@ -296,7 +311,10 @@ class LLMEngine:
             )
             g = p.golden_token_ids
             golden.append(g[generated_before] if g is not None and generated_before < len(g) else None)
-        return batch, rows, golden
+            if seq.grammar is not None:
+                grammar_rows[i] = seq.grammar
+        allowed = self._structured.allowed_rows(grammar_rows, len(rows)) if grammar_rows else {}
+        return batch, rows, golden, allowed
 
     def _banned(self, seq: SeqState, generated_before: int) -> tuple[int, ...]:
         p = seq.request.params
@@ -315,6 +333,17 @@ class LLMEngine:
             seq = self.seqs.get(seq_id)
             if seq is not None and seq.request.request_id in self.requests:
                 self.fail_request(seq.request.request_id, result.errors[i])
+        if self._structured is not None:
+            for i, seq_id in enumerate(scheduling.seq_ids(out).tolist()):
+                seq = self.seqs.get(seq_id)
+                token = int(result.tokens[i])
+                if seq is None or seq.grammar is None or seq.finished or token < 0 or i in result.errors:
+                    continue
+                try:
+                    self._structured.accept(seq.grammar, token)
+                except ValueError as e:
+                    result.errors[i] = f"structured output: {e}"
+                    self.fail_request(seq.request.request_id, result.errors[i])
         tokens = result.tokens.copy()
         tokens[list(result.errors)] = -1
         releasable, self._pending_release = self._pending_release, []
@@ -376,6 +405,9 @@ class LLMEngine:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._structured is not None:
+            self._structured.close()
+            self._structured = None
 
     def scheduler_stats(self) -> dict:
         return scheduling.stats(self.scheduler)

@@ -25,6 +25,7 @@ class SeqState:
     detok: IncrementalDetokenizer
     output: CompletionOutput
     token_ids: list[int] = field(default_factory=list)  # prompt + generated so far (model input)
+    grammar: object | None = None  # deepinfer_structured.GrammarState when so_args is set
 
     @property
     def num_generated(self) -> int:

@@ -32,8 +32,15 @@ class ModelWorker:
         self.runner = runner
         self.sampler = sampler or Sampler()
 
-    def run(self, batch: RunnerBatch, rows: list[RowParams | None], golden: list[int | None]) -> StepResult:
-        """rows[i]: how sequence i samples (None: it emits nothing this step, e.g. a prefill chunk)."""
+    def run(
+        self,
+        batch: RunnerBatch,
+        rows: list[RowParams | None],
+        golden: list[int | None],
+        allowed: dict[int, torch.Tensor] | None = None,
+    ) -> StepResult:
+        """rows[i]: how sequence i samples (None: it emits nothing this step, e.g. a prefill chunk);
+        allowed[i]: bool [vocab] tokens sequence i may produce (structured output)."""
         n = len(rows)
         result = StepResult(tokens=np.full(n, -1, dtype=np.int64), logprobs=[None] * n, top=[None] * n)
         t0 = time.perf_counter()
@@ -48,8 +55,14 @@ class ModelWorker:
             # logits rows follow the batch order of sequences with logits_lens > 0
             row_of = {i: r for r, i in enumerate(j for j in ok if batch.logits_lens[j] > 0)}
             picked = logits[[row_of[i] for i in emitting]]
+            mask = None
+            if allowed:
+                mask = torch.ones(picked.shape, dtype=torch.bool)
+                for k, i in enumerate(emitting):
+                    if i in allowed:
+                        mask[k] = allowed[i]
             try:
-                out = self.sampler(picked, [rows[i] for i in emitting])
+                out = self.sampler(picked, [rows[i] for i in emitting], allowed=mask)
             except ValueError as e:
                 for i in emitting:
                     result.errors[i] = f"sampling failed: {e}"

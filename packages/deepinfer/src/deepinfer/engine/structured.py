@@ -1,0 +1,51 @@
+"""Structured output (`SamplingParams.so_args`) through `deepinfer_structured`.
+
+Per sequence a `GrammarState`; every step the emitting rows that are constrained get a token mask
+(built on the main thread from the state after the previous step's tokens, so it is correct under
+asynchronous scheduling too), the sampler draws only allowed tokens, and the committed token is fed
+back to the state. A grammar violation or a compile error fails that request alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .. import envs
+
+
+class StructuredOutputs:
+    def __init__(self, tokenizer_dir: Path, vocab_size: int, eos_token_id: int | None) -> None:
+        import deepinfer_structured as ds
+
+        self._ds = ds
+        info = ds.tokenizer_info_from_file(
+            Path(tokenizer_dir) / "tokenizer.json",
+            vocab_size=vocab_size,
+            stop_token_ids=None if eos_token_id is None else [eos_token_id],
+        )
+        self.vocab_size = vocab_size
+        self.compiler = ds.GrammarCompileService(info, timeout_s=float(envs.DEEPINFER_XGRAMMAR_TIMEOUT))
+        self.masker = ds.BatchMasker(vocab_size)
+
+    def new_state(self, so_args: dict):
+        """A fresh grammar state; raises ValueError (StructuredOutputError) naming what is wrong."""
+        return self.compiler.new_state(so_args)
+
+    def allowed_rows(self, states: dict[int, object], num_rows: int) -> dict[int, torch.Tensor]:
+        """{batch row: bool [vocab] allowed tokens} for the constrained rows among `states`."""
+        if not states:
+            return {}
+        requests = [self._ds.MaskRequest(state, row) for row, state in states.items()]
+        masks = self.masker.fill(requests, num_rows=num_rows)
+        if not masks.rows:
+            return {}
+        dense = self._ds.unpack_bitmask(masks.bitmask[masks.rows], self.vocab_size)
+        return {row: dense[k].clone() for k, row in enumerate(masks.rows)}
+
+    def accept(self, state, token: int) -> None:
+        state.accept_verified([token])
+
+    def close(self) -> None:
+        self.compiler.shutdown()
