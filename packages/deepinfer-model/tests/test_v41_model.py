@@ -190,3 +190,35 @@ def test_shared_writer_dispatches_v41_and_sharded_round_trip(tmp_path, model, to
     assert (path / "model.safetensors.index.json").exists() and len(list(path.glob("*.safetensors"))) == 3
     again = load_model(path)  # same seed -> same weights as the single-file checkpoint
     assert torch.equal(again.forward(tokens[:32]).logits, out.logits[:32])
+
+
+def test_consumer_attention_equals_float64_over_producer_keys(model, out):
+    """Layer 4 (KV and top-k consumer of 3) attends to exactly its own SWA window plus layer 3's
+    compressed keys at layer 3's selection: re-derived with explicit per-row key lists in float64."""
+    from deepinfer_model.layers.attention import project_latent, project_output, project_query
+    from deepinfer_model.layers.rope import cos_sin
+    from deepinfer_model.models.deepseek_v41.attention import CrossLayerState, layer_attention
+
+    cfg, tr, w4 = model.config, out.trace, model.weights.layers[4]
+    pos = torch.arange(T)
+    state = CrossLayerState(
+        kv=tr[3].compressed,
+        index_keys=tr[3].index_keys,
+        selection=tr[3].selection,
+        candidates=tr[3].candidates,
+        shared_hidden=tr[3].y,
+    )
+    got, _ = layer_attention(cfg, 4, w4, tr[4].y, pos, state)
+    cos, sin = cos_sin(cfg.compress_rope(), pos)
+    q, _ = project_query(tr[4].y, w4.attn, cfg.num_attention_heads, cos, sin, cfg.rms_norm_eps, False)
+    swa = project_latent(tr[4].y, w4.attn, cos, sin, cfg.rms_norm_eps)
+    o = torch.zeros(T, cfg.num_attention_heads, cfg.head_dim, dtype=torch.float64)
+    for t in range(T):
+        keys = [swa[j] for j in range(max(0, t - cfg.sliding_window + 1), t + 1)]
+        keys += [tr[3].compressed.keys[j] for j in tr[3].selection[t].tolist() if j >= 0]
+        k = torch.stack(keys).double()
+        s = (q[t].double() @ k.t()) / cfg.head_dim**0.5
+        e = s.exp()
+        o[t] = (e / (e.sum(-1, keepdim=True) + w4.attn.sinks.double().exp()[:, None])) @ k
+    want = project_output(o, w4.attn, cfg.o_groups, cos, sin)
+    torch.testing.assert_close(got.double(), want.double(), rtol=1e-6, atol=1e-6)
