@@ -147,3 +147,16 @@ def _eplb_worker(rank, world):
 @pytest.mark.distributed
 def test_rebalance_and_shuffle_mid_run_keep_outputs():
     run_distributed(_eplb_worker, 4)
+
+
+def test_config_from_env(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_EXPERT_REARRANGEMENT_STEP_INTERVAL", "50")
+    monkeypatch.setenv("DEEPINFER_EXPERT_COUNT_WINDOW_SIZE", "100")
+    monkeypatch.setenv("DEEPINFER_REARRANGE_AFTER_PREFILL_IN_NORMAL_ENGINE", "1")
+    monkeypatch.setenv("DEEPINFER_REARRANGE_P2P_GROUPS", "4")
+    cfg = EplbConfig.from_env()
+    assert (cfg.interval, cfg.window, cfg.rearrange_after_prefill, cfg.p2p_groups) == (50, 50, True, 4)
+    monkeypatch.setenv("DEEPINFER_REARRANGE_AFTER_PREFILL_IN_NORMAL_ENGINE", "false")
+    monkeypatch.setenv("DEEPINFER_EXPERT_REARRANGEMENT_STEP_INTERVAL", "x")
+    with pytest.raises(ValueError, match="DEEPINFER_EXPERT_REARRANGEMENT_STEP_INTERVAL must be an integer"):
+        EplbConfig.from_env()

@@ -12,6 +12,7 @@ import importlib.util
 import os
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -58,10 +59,14 @@ def run_distributed(
     path, name = fn.__code__.co_filename, fn.__name__
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        ctx = mp.start_processes(
-            _child, args=(world_size, init_file, backend, path, name, args), nprocs=world_size,
-            join=False, start_method=start_method,
-        )  # fmt: skip
+        with warnings.catch_warnings():
+            # Python warns about fork() in a multi-threaded parent; the child avoids the inherited
+            # thread pools (one intra-op thread, gloo/NCCL created after the fork).
+            warnings.filterwarnings("ignore", message=".*use of fork\\(\\) may lead to deadlocks.*")
+            ctx = mp.start_processes(
+                _child, args=(world_size, init_file, backend, path, name, args), nprocs=world_size,
+                join=False, start_method=start_method,
+            )  # fmt: skip
         deadline = time.monotonic() + timeout_s
         while not ctx.join(timeout=1.0):
             if time.monotonic() > deadline:
