@@ -231,3 +231,14 @@ def test_ctrl_c_aborts_cleanly_and_engine_stays_usable(micro_checkpoint):
             prompt_token_ids=PROMPTS[0], sampling_params=SamplingParams(max_tokens=2), use_tqdm=False
         )
         assert out[0].error is None and len(out[0].outputs[0].token_ids) == 2
+
+
+def test_stats_logged_every_interval(micro_checkpoint, monkeypatch, caplog):
+    monkeypatch.setenv("DEEPINFER_LOGGING_INTERVAL_STEP", "1")
+    with LLM(model=str(micro_checkpoint), block_size=16, max_model_len=64, disable_log_stats=False) as llm:
+        with caplog.at_level("INFO", logger="deepinfer"):
+            llm.generate(
+                prompt_token_ids=PROMPTS[0], sampling_params=SamplingParams(max_tokens=2), use_tqdm=False
+            )
+    lines = [r.getMessage() for r in caplog.records if r.name == "deepinfer"]
+    assert lines and all("KV usage" in line for line in lines)

@@ -13,6 +13,7 @@ same tokens.
 from __future__ import annotations
 
 import json
+import logging
 import random
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,6 +36,8 @@ from . import scheduling
 from .request import RequestState, SeqState
 from .structured import StructuredOutputs
 from .worker import ModelWorker, StepResult
+
+logger = logging.getLogger("deepinfer")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -220,8 +223,27 @@ class LLMEngine:
             self._step_async()
         else:
             self._step_sync()
+        if not self.args.disable_log_stats:
+            self._maybe_log_stats()
         done, self._done = self._done, []
         return done
+
+    def _maybe_log_stats(self) -> None:
+        interval = envs.DEEPINFER_LOGGING_INTERVAL_STEP
+        if interval <= 0 or self.stats.steps == 0 or self.stats.steps % interval:
+            return
+        s = scheduling.stats(self.scheduler)
+        logger.info(
+            "step %d: running %d waiting %d, KV usage %.1f%%, prefix-cache hit rate %.1f%%, preemptions %d, "
+            "generated %d tokens",
+            self.stats.steps,
+            s["num_running"],
+            s["num_waiting"],
+            100 * s["kv_usage"],
+            100 * s["prefix_cache_hit_rate"],
+            s["num_preemptions"],
+            self.stats.generated_tokens,
+        )
 
     def _schedule(self):
         t0 = time.perf_counter()
