@@ -167,3 +167,16 @@ def test_zero_drafts_reproduce_the_model_sampler():
         probs, [], [0] * 6, seeds=list(range(6)), base_positions=list(range(3, 9)), greedy=[False] * 6
     )
     assert result.final_tokens == expected
+
+
+def test_vectorised_stream_is_bit_identical_to_the_scalar_one():
+    import random
+
+    from deepinfer_spec import stream_uniforms
+
+    rng = random.Random(3)
+    seeds = [rng.getrandbits(64) for _ in range(200)] + [0, 2**64 - 1, -5]
+    positions = [rng.getrandbits(rng.choice([8, 40, 62])) for _ in range(203)]
+    for purpose in Purpose:
+        got = stream_uniforms(seeds, positions, purpose).tolist()
+        assert got == [stream_uniform(s, p, purpose) for s, p in zip(seeds, positions)]

@@ -8,6 +8,7 @@ from .random_stream import (
     draft_position,
     stream_bits,
     stream_uniform,
+    stream_uniforms,
     verify_row_position,
 )
 from .state import Rollback, SpecDecodeState, cumulative_rates
@@ -43,6 +44,7 @@ __all__ = [
     "split_by_rates",
     "stream_bits",
     "stream_uniform",
+    "stream_uniforms",
     "varlen_from_env",
     "verify_row_position",
 ]

@@ -8,7 +8,10 @@ composition, on which verification length the scheduler chose for other requests
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import IntEnum
+
+import numpy as np
 
 _MASK = (1 << 64) - 1
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15
@@ -56,3 +59,26 @@ def verify_row_position(base_position: int, row: int) -> int:
 def draft_position(base_position: int, num_accepted: int, step: int) -> int:
     """Sample position of draft step `step` (0-based) after `num_accepted` drafts were accepted."""
     return base_position + num_accepted + step + 1
+
+
+def _mix64_array(z: np.ndarray) -> np.ndarray:
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def stream_uniforms(
+    seeds: Sequence[int], positions: Sequence[int], purpose: int = Purpose.SAMPLE
+) -> np.ndarray:
+    """Vectorised `stream_uniform` (float64 [n], bit-identical): uint64 arithmetic wraps modulo 2**64
+    exactly as the masked Python integers do, so the engine can draw a whole batch in one call."""
+    if len(seeds) != len(positions):
+        raise ValueError(
+            f"seeds and positions must have the same length, got {len(seeds)} and {len(positions)}"
+        )
+    seed = np.array([int(s) & _MASK for s in seeds], dtype=np.uint64)
+    subsequence = np.array([(3 * int(p) + int(purpose)) & _MASK for p in positions], dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        z = _mix64_array(seed + np.uint64(_GOLDEN_GAMMA) * (subsequence + np.uint64(1)))
+        bits = _mix64_array(z + seed + np.uint64(_GOLDEN_GAMMA))
+    return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))

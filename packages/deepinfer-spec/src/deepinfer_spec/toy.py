@@ -93,7 +93,8 @@ class ToyRun:
     outputs: list[list[int]]
     stats: SpecStats
     plans: list[VerifyPlan] = field(default_factory=list)
-    seconds: float = 0.0
+    seconds: float = 0.0  # whole loop, toy target and drafter included
+    spec_seconds: float = 0.0  # this package's calls only: choose, pack, verify, commit, record
 
 
 def run_toy_decode(
@@ -124,9 +125,11 @@ def run_toy_decode(
         if not ids:
             break
         # 1. how many drafts each request verifies; 2. the packed drafts.
+        tick = time.perf_counter()
         plan = scheduler.choose(state.varlen_inputs(ids))
         state.mark_scheduled(ids)
         draft_tokens, draft_probs, confs = state.pack(ids, plan)
+        run.spec_seconds += time.perf_counter() - tick
         # 3. target forward on [g, d1..dk] per request (here: table look-ups).
         rows, offset = [], 0
         for i, k in zip(ids, plan.num_verify):
@@ -135,6 +138,7 @@ def run_toy_decode(
             rows.extend(contexts[i] + drafts[:j] for j in range(k + 1))
         target_probs = target.probs(rows, temperature)
         base = [len(contexts[i]) for i in ids]
+        tick = time.perf_counter()
         # 4. verification, 5. bookkeeping (the engine would roll back caches from `rollbacks`).
         result = verifier.verify(
             target_probs,
@@ -147,6 +151,7 @@ def run_toy_decode(
         )
         state.commit(ids, result)
         stats.record_step(plan.num_verify, result.num_accepted, confs, result.accept_probs.tolist())
+        run.spec_seconds += time.perf_counter() - tick
         run.plans.append(plan)
         # 6. append emitted tokens, then 7. the drafter proposes for the next step.
         for n, i in enumerate(ids):

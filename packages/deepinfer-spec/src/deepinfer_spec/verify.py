@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .random_stream import Purpose, stream_uniform, verify_row_position
+from .random_stream import VERIFY_ROW_STRIDE, Purpose, stream_uniforms
 
 
 @dataclass
@@ -166,13 +166,8 @@ class DraftVerifier:
             q_rows[sampled_idx] = self._normalise(q_rows[sampled_idx], "draft_probs")
             p_t = p_rows.gather(1, safe_drafts[:, None]).squeeze(1)
             q_t = q_rows.gather(1, safe_drafts[:, None]).squeeze(1)
-            u = torch.tensor(
-                [
-                    stream_uniform(seeds[i], verify_row_position(int(base_positions[i]), j), Purpose.ACCEPT)
-                    for i, j in zip(req_of_draft.tolist(), local_of_draft)
-                ],
-                dtype=torch.float64,
-                device=device,
+            u = self._uniforms(
+                req_of_draft.tolist(), local_of_draft, seeds, base_positions, Purpose.ACCEPT, device
             )
             # Division-free form of U < min(1, p/q); q(t) = 0 accepts iff p(t) > 0.
             sampled_ok = valid & (u * q_t < p_t)
@@ -264,14 +259,9 @@ class DraftVerifier:
     @staticmethod
     def _uniforms(requests, rows, seeds, base_positions, purpose, device) -> torch.Tensor:
         """Uniforms for request `requests[n]` at its verification row `rows[n]`."""
-        return torch.tensor(
-            [
-                stream_uniform(seeds[i], verify_row_position(int(base_positions[i]), r), purpose)
-                for i, r in zip(requests, rows)
-            ],
-            dtype=torch.float64,
-            device=device,
-        )
+        positions = [int(base_positions[i]) + r * VERIFY_ROW_STRIDE for i, r in zip(requests, rows)]
+        u = stream_uniforms([seeds[i] for i in requests], positions, purpose)
+        return torch.from_numpy(u).to(device)
 
     @staticmethod
     def _check_mass(rows: torch.Tensor, name: str) -> torch.Tensor:
