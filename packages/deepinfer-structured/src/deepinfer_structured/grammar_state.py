@@ -37,6 +37,9 @@ class GrammarState:
         self.matcher = xg.GrammarMatcher(compiled)
         self._trigger = request.trigger_token_ids
         self._bound = request.bound_token_id
+        # In the grammar phase all trigger tokens are matched, so these entries never vary.
+        self._grammar_entry = (Phase.GRAMMAR, len(self._trigger), True)
+        self._after_end_entry = (Phase.GRAMMAR, len(self._trigger), False)
         self._reset_phase()
 
     def _reset_phase(self) -> None:
@@ -106,15 +109,15 @@ class GrammarState:
     # ---- state changes -------------------------------------------------------------------------
     def accept_token(self, token: int) -> bool:
         """Advance by one emitted token; False (state unchanged) if the constraint forbids it."""
-        before = (self.phase, self._matched)
-        if self.phase is Phase.GRAMMAR:
+        if self.phase is Phase.GRAMMAR:  # the hot path: one C++ call, one shared history entry
             if self.matcher.is_terminated():
-                self._history.append((*before, False))
+                self._history.append(self._after_end_entry)
                 return True
             if not self.matcher.accept_token(token):
                 return False
-            self._history.append((*before, True))
+            self._history.append(self._grammar_entry)
             return True
+        before = (self.phase, self._matched)
         if self.phase is Phase.FORCING:
             if token != self._trigger[self._matched]:
                 return False
@@ -144,18 +147,21 @@ class GrammarState:
         """
         for i, token in enumerate(tokens):
             if not self.accept_token(token):
+                step = self.num_tokens + 1
                 self.rollback(i)
-                raise StructuredOutputError("schema", f"token {token} at output step "
-                                            f"{self.num_tokens + 1} violates the constraint")
+                raise StructuredOutputError("schema", f"token {token} at output step {step} "
+                                            "violates the constraint")
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens exactly."""
         if not 0 <= num_tokens <= len(self._history):
             raise ValueError(f"num_tokens: must be in [0, {len(self._history)}], got {num_tokens}")
-        fed = 0
-        for _ in range(num_tokens):
-            self.phase, self._matched, consumed = self._history.pop()
-            fed += consumed
+        if num_tokens == 0:
+            return
+        undone = self._history[-num_tokens:]
+        del self._history[-num_tokens:]
+        self.phase, self._matched, _ = undone[0]  # the state before the earliest undone token
+        fed = sum(entry[2] for entry in undone)
         if fed:
             self.matcher.rollback(fed)
 
