@@ -58,6 +58,10 @@ def test_forward_finite_deterministic_and_causal(model, tokens, out):
     assert not torch.allclose(other.logits[60:], out.logits[60:])
     prefix = model.forward(tokens[:50])  # a prefix forward gives the same rows
     torch.testing.assert_close(prefix.logits, out.logits[:50], rtol=1e-6, atol=1e-6)
+    last = model.forward(tokens, logit_rows=[-1], num_draft_tokens=4)  # prefill: sampled row only
+    assert torch.equal(last.logits, out.logits[-1:]) and torch.equal(last.draft.tokens, out.draft.tokens)
+    with pytest.raises(ValueError, match="logit_rows"):
+        model.forward(tokens[:5], logit_rows=[5])
 
 
 def test_engine_numerics_bf16_and_quantised_kv(model, tokens, out):

@@ -78,6 +78,7 @@ class DeepseekV41ForCausalLM:
         return_trace: bool = False,
         yoco_keep_tokens: int | None = None,
         backtracking_tokens: int = 6,
+        logit_rows: torch.Tensor | list[int] | None = None,
     ) -> V41Output:
         """Logits for every position of one sequence; with `num_draft_tokens > 0` also draft that many
         tokens after `next_token` (default: the greedy next token of the last position).
@@ -85,6 +86,9 @@ class DeepseekV41ForCausalLM:
         `yoco_keep_tokens` = KEEP applies YOCO bounded replay in `mask` mode (§8): consumer-half layers see
         no SWA key before `len - KEEP` (explicitly approximate; needs KEEP >= sliding_window +
         `backtracking_tokens`). Producer layers, the shared hidden and consumer compressed KV are unchanged.
+
+        `logit_rows` computes logits only for those positions (e.g. `[-1]` for a prefill that samples the
+        last token; `out.logits` is then `[len(logit_rows), V]`); the draft always uses the last position.
         """
         cfg, w, act = self.config, self.weights, self.act_dtype
         ids = torch.as_tensor(token_ids, dtype=torch.long)
@@ -130,7 +134,8 @@ class DeepseekV41ForCausalLM:
                 act,
             )
         hidden = rms_norm(hc.final(act), w.norm, cfg.rms_norm_eps, act)
-        logits = (hidden @ w.head.double().t()).float()  # FP32 logits (§2.1)
+        rows = hidden if logit_rows is None else hidden[self._rows(logit_rows, hidden.shape[0])]
+        logits = (rows @ w.head.double().t()).float()  # FP32 logits (§2.1)
         out = V41Output(logits=logits, hidden=hidden, trace=traces if return_trace else None)
         if w.drafter is not None:
             out.features = torch.cat([feats[t] for t in targets], dim=1)
@@ -138,7 +143,12 @@ class DeepseekV41ForCausalLM:
             if num_draft_tokens:
                 if not 1 <= num_draft_tokens <= 32:
                     raise ValueError(f"num_draft_tokens = {num_draft_tokens} must lie in [1, 32]")
-                g = int(out.logits[-1].argmax()) if next_token is None else int(next_token)
+                if next_token is None:
+                    last = (
+                        out.logits[-1] if logit_rows is None else (hidden[-1] @ w.head.double().t()).float()
+                    )
+                    next_token = int(last.argmax())
+                g = int(next_token)
                 if not 0 <= g < cfg.vocab_size:
                     raise ValueError(f"next_token = {g} must lie in [0, vocab_size={cfg.vocab_size})")
                 out.draft = draft_block(
@@ -160,6 +170,13 @@ class DeepseekV41ForCausalLM:
                 "num_draft_tokens > 0 needs a checkpoint with draft blocks (num_nextn_predict_layers > 0)"
             )
         return out
+
+    @staticmethod
+    def _rows(logit_rows, n: int) -> torch.Tensor:
+        idx = torch.as_tensor(logit_rows, dtype=torch.long)
+        if idx.dim() != 1 or (idx.numel() and (int(idx.min()) < -n or int(idx.max()) >= n)):
+            raise ValueError(f"logit_rows must be a 1-D list of positions in [-{n}, {n}), got {logit_rows!r}")
+        return idx
 
     def _yoco_rect_lo(self, n: int, keep: int | None, backtracking: int) -> int:
         if keep is None:
