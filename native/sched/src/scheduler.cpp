@@ -447,6 +447,8 @@ void Scheduler::fill_arrays(StepOutput& out, const std::vector<const int32_t*>& 
   out.input_ids.resize(total);
   out.slot_mapping.resize(total);
   out.block_tables.assign(static_cast<size_t>(n) * width, -1);
+  out.logits_indices.clear();
+  out.logits_indices.reserve(total);
   out.query_start_loc[0] = 0;
   for (int32_t i = 0; i < n; ++i) {
     StepEntry& e = out.entries[i];
@@ -474,6 +476,9 @@ void Scheduler::fill_arrays(StepOutput& out, const std::vector<const int32_t*>& 
       out.slot_mapping[t] = static_cast<int64_t>(table[p / bs]) * bs + (p % bs);
     }
     std::copy(table, table + cdiv(e.start + e.q, bs), out.block_tables.begin() + static_cast<size_t>(i) * width);
+    if (e.emit > 0) {
+      for (int32_t j = e.prefill ? e.q - 1 : 0; j < e.q; ++j) out.logits_indices.push_back(e.token_offset + j);
+    }
   }
 }
 

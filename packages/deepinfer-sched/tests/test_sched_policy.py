@@ -51,7 +51,7 @@ def test_output_arrays_are_flat_typed_readonly_views():
     tables = out.block_tables
     assert tables.shape == (2, 2) and tables.dtype == np.int32 and tables[1, 1] == -1
     assert out.num_batched_tokens == 9 and out.any_prefill and out.is_prefill.tolist() == [True, True]
-    assert out.emits_tokens.tolist() == [True, True]
+    assert out.emits_tokens.tolist() == [True, True] and out.logits_indices.tolist() == [5, 8]
     with pytest.raises(ValueError):
         out.positions[0] = 3
     positions = out.positions
@@ -71,6 +71,7 @@ def test_chunked_prefill_splits_long_prompts_and_shares_steps():
     out, _ = step(sched, model)
     assert out.seq_ids.tolist() == [a] and out.query_lens.tolist() == [16]
     assert out.emits_tokens.tolist() == [False] and sched.output_token_ids(a).size == 0
+    assert out.logits_indices.size == 0
     out, _ = step(sched, model)
     assert out.seq_ids.tolist() == [a, b] and out.query_lens.tolist() == [4, 6]
     assert out.start_positions.tolist() == [16, 0]
@@ -121,6 +122,7 @@ def test_drafts_are_verified_and_capped_by_limits():
     # One output exists and max_tokens is 3: at most 1 draft can be verified (2 tokens emitted).
     assert out.query_lens.tolist() == [2] and out.num_draft_tokens.tolist() == [1]
     assert out.input_ids.tolist()[1] == 4 and sched.draft_token_ids(a).size == 0  # consumed
+    assert out.logits_indices.tolist() == [0, 1]  # every verification row is sampled
     fin = sched.update_from_output(out, [[4, 9]])
     assert fin == [(a, "length")] and sched.output_token_ids(a).tolist()[1:] == [4, 9]
 

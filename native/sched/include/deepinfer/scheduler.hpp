@@ -68,6 +68,9 @@ struct StepOutput {
   std::vector<int32_t> input_ids;        // [T], -1 where produced by the unprocessed previous step
   std::vector<int64_t> slot_mapping;     // [T] block_id * block_size + offset
   std::vector<int32_t> block_tables;     // [n, table_width], padded with -1
+  // Token rows whose logits are sampled: every row of a decode / verification, the last row of a
+  // chunk that ends its prompt, none for other chunks.
+  std::vector<int32_t> logits_indices;
   int32_t table_width = 0;
   int32_t num_batched_tokens = 0;
   bool any_prefill = false;
