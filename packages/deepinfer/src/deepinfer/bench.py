@@ -19,12 +19,21 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-output-len", type=int, default=32)
     g.add_argument("--workload-seed", type=int, default=0)
     g.add_argument("--loops", default="sync,async", help="comma list of sync / async (default: both)")
+    g.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="timed runs per loop, interleaved; the median is reported (default: 2)",
+    )
     g.add_argument("--output-json", type=Path, default=None, help="write the result records here")
 
 
 def make_workload(args, vocab_size: int):
     from .sampling_params import SamplingParams
 
+    for lo, hi in (("min_input_len", "max_input_len"), ("min_output_len", "max_output_len")):
+        if not 1 <= getattr(args, lo) <= getattr(args, hi):
+            raise SystemExit(f"need 1 <= --{lo.replace('_', '-')} <= --{hi.replace('_', '-')}")
     rng = random.Random(args.workload_seed)
     prompts, params = [], []
     for i in range(args.num_requests):
@@ -42,51 +51,69 @@ def run_bench(args) -> int:
     from .engine_args import EngineArgs
     from .llm import LLM
 
-    console = Console()
-    records = []
-    tokens_by_loop = {}
-    for loop in [m.strip() for m in args.loops.split(",") if m.strip()]:
+    console = Console(width=160)
+    loops = [m.strip() for m in args.loops.split(",") if m.strip()]
+    for loop in loops:
         if loop not in ("sync", "async"):
             raise SystemExit(f"--loops entries must be sync or async, got {loop!r}")
+    engines = {}
+    for loop in loops:
         engine_args = EngineArgs.from_cli_args(args)
         engine_args.async_scheduling = loop == "async"
         llm = LLM(**vars(engine_args))
-        engine = llm.engine
-        if engine.use_async != (loop == "async"):
+        if llm.engine.use_async != (loop == "async"):
             raise SystemExit(
                 "DEEPINFER_ZERO_OVERHEAD_SCHEDULING overrides --loops; unset it to compare loops"
             )
-        prompts, params = make_workload(args, engine.vocab_size)
-        # warm-up: one short request so one-time costs (allocations, first forward) are not timed
+        engines[loop] = llm
+    prompts, params = make_workload(args, next(iter(engines.values())).engine.vocab_size)
+    for llm in engines.values():  # warm-up: one-time costs (allocations, first forward) are not timed
         llm.generate(prompt_token_ids=[prompts[0][:8]], sampling_params=params[0], use_tqdm=False)
-        engine.stats.__init__()
-        t0 = time.perf_counter()
-        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=True)
-        elapsed = time.perf_counter() - t0
+
+    runs: dict[str, list[dict]] = {loop: [] for loop in loops}
+    tokens_by_loop = {}
+    for rep in range(args.repeats):
+        order = loops if rep % 2 == 0 else loops[::-1]  # interleave so machine noise hits both loops
+        for loop in order:
+            llm = engines[loop]
+            engine = llm.engine
+            engine.stats.__init__()
+            t0 = time.perf_counter()
+            outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=True)
+            elapsed = time.perf_counter() - t0
+            gen = sum(len(c.token_ids) for o in outs for c in o.outputs)
+            tokens_by_loop[loop] = [c.token_ids for o in outs for c in o.outputs]
+            st = engine.stats
+            runs[loop].append(
+                {
+                    "loop": loop,
+                    "model": str(engine.model_path),
+                    "num_requests": len(prompts),
+                    "prompt_tokens": sum(map(len, prompts)),
+                    "output_tokens": gen,
+                    "elapsed_s": elapsed,
+                    "output_tok_per_s": gen / elapsed,
+                    "total_tok_per_s": (gen + sum(map(len, prompts))) / elapsed,
+                    "steps": st.steps,
+                    "schedule_ms": st.schedule_s * 1e3,
+                    "hidden_schedule_ms": st.hidden_schedule_s * 1e3,
+                    "prepare_ms": st.prepare_s * 1e3,
+                    "process_ms": st.process_s * 1e3,
+                    "hidden_process_ms": st.hidden_process_s * 1e3,
+                    "forward_ms": st.forward_s * 1e3,
+                    "sample_ms": st.sample_s * 1e3,
+                }
+            )
+    for llm in engines.values():
         llm.close()
-        gen = sum(len(c.token_ids) for o in outs for c in o.outputs)
-        tokens_by_loop[loop] = [c.token_ids for o in outs for c in o.outputs]
-        st = engine.stats
-        records.append(
-            {
-                "loop": loop,
-                "num_requests": len(prompts),
-                "prompt_tokens": sum(map(len, prompts)),
-                "output_tokens": gen,
-                "elapsed_s": elapsed,
-                "output_tok_per_s": gen / elapsed,
-                "total_tok_per_s": (gen + sum(map(len, prompts))) / elapsed,
-                "steps": st.steps,
-                "model": str(engine.model_path),
-                "schedule_ms": st.schedule_s * 1e3,
-                "prepare_ms": st.prepare_s * 1e3,
-                "hidden_schedule_ms": st.hidden_schedule_s * 1e3,
-                "process_ms": st.process_s * 1e3,
-                "hidden_process_ms": st.hidden_process_s * 1e3,
-                "forward_ms": st.forward_s * 1e3,
-                "sample_ms": st.sample_s * 1e3,
-            }
-        )
+    records = []
+    for loop in loops:
+        ordered = sorted(runs[loop], key=lambda r: r["output_tok_per_s"])
+        median = dict(ordered[len(ordered) // 2])
+        median["repeats"] = len(ordered)
+        median["output_tok_per_s_min"] = ordered[0]["output_tok_per_s"]
+        median["output_tok_per_s_max"] = ordered[-1]["output_tok_per_s"]
+        records.append(median)
     base = next((r for r in records if r["loop"] == "sync"), None)
     for r in records:
         r["speedup_vs_sync"] = r["output_tok_per_s"] / base["output_tok_per_s"] if base else None
@@ -103,8 +130,10 @@ def run_bench(args) -> int:
         "tok/s",
         "vs sync",
         "steps",
-        "sched ms (hidden)",
-        "detok ms (hidden)",
+        "schedule ms (hidden)",
+        "prepare ms",
+        "out-proc ms (hidden)",
+        "forward ms",
     ):
         table.add_column(col, justify="right")
     for r in records:
