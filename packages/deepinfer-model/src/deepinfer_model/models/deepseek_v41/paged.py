@@ -1,0 +1,177 @@
+"""DeepSeek-V4.1 run incrementally over a packed batch with paged caches (spec v41-model §4.9-4.11).
+
+Per-token blocks (Engram injection, shifted mHC, projections, MoE) run once over the packed tokens of
+all sequences; attention is the only place that needs the past, and reads it from paged pools:
+
+- `swa.L`      every layer: the token's sliding-window latent (FP8-rounded with `quantize_kv`).
+- `comp.L`     KV-source layers (C2 ratio 2, C1 ratio 1): one compressed key per entry; consumer
+               layers read their source's pool (`topology.kv_source`), never a copy.
+- `hidden.L`   KV sources with ratio > 1: the compressor input of every token (the producer half's own
+               attention input, the consumer half's YOCO shared hidden S), i.e. the state of blocks not
+               complete yet.
+- `index_k.L`  index-K source layers: one index key per entry; index sources read their index-K
+               source's pool.
+- `token_ids`  with Engram: raw token ids, for the n-gram context of the first tokens of a step.
+
+Selections and candidate blocks are per query, so they are passed between layers within the step
+(per sequence), exactly as the stateless forward's `CrossLayerState`. The drafter is not run here
+(the runner contract returns logits only, like the recompute runner).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...layers.attention import project_latent, project_output, project_query, sink_attention
+from ...layers.embedding import embed
+from ...layers.indexer import index_queries, index_scores, select_topk, selection_mask
+from ...layers.norm import rms_norm
+from ...layers.rope import cos_sin
+from ...numerics import linear, round_to
+from ...runtime.incremental import compressed_entries, new_entries, swa_keys
+from ...runtime.metadata import StepMetadata, entries_per_block
+from ...runtime.pools import TOKEN_IDS, PagedKVCache, PoolSpec
+from .blocks import ShiftedHC, moe_ffn
+from .engram import engram_inject
+from .model import DeepseekV41ForCausalLM
+from .sparse import candidate_blocks, candidate_mask, index_keys
+
+
+def v41_cache_specs(model: DeepseekV41ForCausalLM, block_size: int) -> list[PoolSpec]:
+    cfg, topo = model.config, model.config.topology
+    specs = []
+    if model.engram is not None:
+        specs.append(PoolSpec(TOKEN_IDS, block_size, 1, torch.int64))
+    for layer, ratio in enumerate(cfg.compress_ratios[: topo.num_layers]):
+        specs.append(PoolSpec(f"swa.{layer}", block_size, cfg.head_dim))
+        if not ratio:
+            continue
+        per = entries_per_block(block_size, ratio)
+        if topo.is_kv_source(layer):
+            specs.append(PoolSpec(f"comp.{layer}", per, cfg.head_dim))
+            if ratio > 1:
+                specs.append(PoolSpec(f"hidden.{layer}", block_size, cfg.hidden_size))
+        if topo.is_index_k_source(layer):
+            specs.append(PoolSpec(f"index_k.{layer}", per, cfg.index_head_dim))
+    return specs
+
+
+class _StepState:
+    """Cross-layer values of this step, per sequence (the paged counterpart of `CrossLayerState`)."""
+
+    def __init__(self, num_seqs: int) -> None:
+        self.fresh: dict[int, list] = {}  # kv source -> per sequence (first entry, new Compressed) | None
+        self.selection: dict[int, list] = {}  # index source -> per sequence top-k [q, k]
+        self.candidates: list = [None] * num_seqs
+        self.shared_hidden: torch.Tensor | None = None
+
+
+def _attention(
+    model: DeepseekV41ForCausalLM,
+    layer: int,
+    y: torch.Tensor,
+    meta: StepMetadata,
+    cache: PagedKVCache,
+    st: _StepState,
+) -> torch.Tensor:
+    cfg, topo, act, kvq = model.config, model.config.topology, model.act_dtype, model.kvq
+    w = model.weights.layers[layer]
+    ratio = cfg.compress_ratios[layer]
+    eps = cfg.rms_norm_eps
+    rope = cfg.compress_rope() if ratio else cfg.main_rope()
+    cos, sin = cos_sin(rope, meta.positions)
+    q, q_lat = project_query(y, w.attn, cfg.num_attention_heads, cos, sin, eps, False, act)
+    cache.write(f"swa.{layer}", meta.write_slots, kvq.swa(project_latent(y, w.attn, cos, sin, eps, act)))
+    b = meta.num_seqs
+    if ratio and topo.is_kv_source(layer):
+        x = st.shared_hidden if topo.is_consumer_half(layer) else y
+        hidden = f"hidden.{layer}" if ratio > 1 else None
+        if hidden:
+            cache.write(hidden, meta.write_slots, x)
+        fresh = []
+        for i in range(b):
+            new = new_entries(
+                cache, meta, i, hidden, x[meta.rows(i)], w.compressor, ratio, False, rope, eps, act
+            )
+            if new is not None:
+                first, comp = new
+                comp.keys = kvq.main(comp.keys)
+                cache.write(
+                    f"comp.{layer}", meta.entry_slots(i, first, first + len(comp.keys), ratio), comp.keys
+                )
+            fresh.append(new)
+        st.fresh[layer] = fresh
+    if ratio and topo.is_index_k_source(layer):
+        for i, new in enumerate(st.fresh[topo.kv_source[layer]]):
+            if new is None:
+                continue
+            first, comp = new
+            k = index_keys(comp.pre_rope, comp.positions, w.indexer.wk, w.indexer.k_norm, rope, eps, act)
+            slots = meta.entry_slots(i, first, first + len(comp.keys), ratio)
+            cache.write(f"index_k.{layer}", slots, kvq.index(k))
+    if ratio and topo.is_index_source(layer):
+        qi = kvq.index(index_queries(q_lat, w.indexer, cfg.index_n_heads, cos, sin, act))
+        head_w = linear(y, w.indexer.weights_proj, act)
+        st.selection[layer] = [None] * b
+    outs = []
+    for i in range(b):
+        rows = meta.rows(i)
+        keys, visible = swa_keys(cache, meta, i, f"swa.{layer}", cfg.sliding_window)
+        if ratio:
+            entries, valid = compressed_entries(cache, meta, i, f"comp.{topo.kv_source[layer]}", ratio)
+            n = entries.shape[0]
+            if topo.is_index_source(layer):
+                ik = compressed_entries(cache, meta, i, f"index_k.{topo.index_k_source[layer]}", ratio)[0]
+                scores = round_to(index_scores(qi[rows], ik, head_w[rows], scaled=False), act)
+                allowed = valid
+                if topo.restricted_to_candidates(layer):
+                    allowed = valid & candidate_mask(st.candidates[i], n, topo.candidate_block_size)
+                st.selection[layer][i] = select_topk(scores, allowed, cfg.index_topk)
+                if layer == topo.candidate_source:
+                    st.candidates[i] = candidate_blocks(
+                        scores, valid, topo.candidate_block_size, topo.candidate_topk_blocks
+                    )
+            selected = st.selection[topo.index_source[layer]][i]
+            keys = torch.cat((keys, entries))
+            visible = torch.cat((visible, selection_mask(selected, n)), dim=1)
+        outs.append(sink_attention(q[rows], keys, visible, w.attn.sinks, cfg.head_dim**-0.5))
+    return project_output(round_to(torch.cat(outs), act), w.attn, cfg.o_groups, cos, sin, act)
+
+
+def _engram_rows(model: DeepseekV41ForCausalLM, meta: StepMetadata, cache: PagedKVCache) -> dict:
+    """Engram table rows of the packed tokens: each sequence's n-gram context comes from `token_ids`."""
+    back = model.config.engram.max_ngram_size - 1
+    per_seq = []
+    for i in range(meta.num_seqs):
+        lo = max(0, int(meta.starts[i]) - back)
+        ctx = cache.read(TOKEN_IDS, meta.token_slots(i, lo, int(meta.ends[i]))).reshape(-1)
+        rows = model.engram.rows(ctx)
+        per_seq.append({k: v[-int(meta.query_lens[i]) :] for k, v in rows.items()})
+    return {k: torch.cat([r[k] for r in per_seq]) for k in per_seq[0]}
+
+
+@torch.no_grad()
+def v41_paged_forward(model: DeepseekV41ForCausalLM, meta: StepMetadata, cache: PagedKVCache) -> torch.Tensor:
+    """FP32 logits [len(meta.logits_rows), vocab] of one packed step, updating `cache`."""
+    cfg, w, act = model.config, model.weights, model.act_dtype
+    rows = _engram_rows(model, meta, cache) if model.engram else {}
+    st = _StepState(meta.num_seqs)
+    hc = ShiftedHC(embed(meta.input_ids, w.embed), cfg)
+    for layer, blk in enumerate(w.layers):
+        if blk.engram is not None:
+            hc.trunk = engram_inject(hc.trunk, rows[layer], blk.engram, cfg.rms_norm_eps, act)
+
+        def attention(y, layer=layer):
+            if layer == cfg.n_prefill_layer:
+                st.shared_hidden = y  # YOCO: consumer-half compressed KV is projected from S
+            return _attention(model, layer, y, meta, cache, st)
+
+        hc.sublayer(blk.hc_attn, blk.attn_norm, attention, act)
+        hc.sublayer(
+            blk.hc_ffn,
+            blk.ffn_norm,
+            lambda y, blk=blk: moe_ffn(cfg, blk, y, cfg.num_experts_per_tok, act),
+            act,
+        )
+    hidden = rms_norm(hc.final(act)[meta.logits_rows], w.norm, cfg.rms_norm_eps, act)
+    return (hidden @ w.head.double().t()).float()  # FP32 logits (§2.1)

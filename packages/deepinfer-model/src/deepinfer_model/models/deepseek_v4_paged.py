@@ -1,0 +1,119 @@
+"""The public DeepSeek-V4 run incrementally over a packed batch with paged caches.
+
+Everything except attention is per token, so those blocks run once over the packed tokens of all
+sequences. Attention writes each token's sliding-window latent and compressor input to the paged
+pools, extends the compressed (and index) entries of blocks that complete in this step, and lets
+every query attend to the keys the stateless forward would make visible to it: its window, plus all
+compressed entries (HCA) or the indexer's top-k of them (CSA).
+
+Cache per layer (spec v41-model §4.9 for the public model): `swa.L` one latent per token; for
+compressed layers `hidden.L` (compressor input of every token: the state of incomplete blocks),
+`comp.L` one key per entry; for CSA `index_k.L` one index key per entry.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import SLIDING, AttentionSpec, ModelConfig
+from ..layers import attention as attn
+from ..layers import mhc
+from ..layers.embedding import embed
+from ..layers.indexer import index_queries, index_scores, select_topk, selection_mask
+from ..layers.moe import moe_block
+from ..layers.norm import rms_norm
+from ..layers.rope import cos_sin
+from ..numerics import linear, round_to
+from ..runtime.incremental import compressed_entries, new_entries, swa_keys
+from ..runtime.metadata import StepMetadata, entries_per_block
+from ..runtime.pools import PagedKVCache, PoolSpec
+from .deepseek_v4 import DeepseekV4Model, LayerWeights
+
+
+def v4_cache_specs(cfg: ModelConfig, block_size: int) -> list[PoolSpec]:
+    specs = []
+    for layer, spec in enumerate(cfg.attention):
+        specs.append(PoolSpec(f"swa.{layer}", block_size, cfg.head_dim))
+        if spec.kind == SLIDING:
+            continue
+        per = entries_per_block(block_size, spec.compress_ratio)
+        specs.append(PoolSpec(f"hidden.{layer}", block_size, cfg.hidden_size))
+        specs.append(PoolSpec(f"comp.{layer}", per, cfg.head_dim))
+        if spec.has_indexer:
+            specs.append(PoolSpec(f"index_k.{layer}", per, cfg.index_head_dim))
+    return specs
+
+
+def _attention(
+    layer: int,
+    y: torch.Tensor,
+    meta: StepMetadata,
+    cache: PagedKVCache,
+    w: LayerWeights,
+    spec: AttentionSpec,
+    cfg: ModelConfig,
+    act: torch.dtype,
+) -> torch.Tensor:
+    eps = cfg.rms_norm_eps
+    cos, sin = cos_sin(spec.rope, meta.positions)
+    q, q_lat = attn.project_query(y, w.attn, cfg.num_attention_heads, cos, sin, eps, cfg.q_head_norm, act)
+    cache.write(f"swa.{layer}", meta.write_slots, attn.project_latent(y, w.attn, cos, sin, eps, act))
+    compressed = w.compressor is not None
+    if compressed:
+        r = spec.compress_ratio
+        cache.write(f"hidden.{layer}", meta.write_slots, y)
+        for i in range(meta.num_seqs):
+            x = y[meta.rows(i)]
+            args = (spec.compress_ratio, spec.overlap, spec.rope, eps, act)
+            new = new_entries(cache, meta, i, f"hidden.{layer}", x, w.compressor, *args)
+            if new is None:
+                continue
+            first, entries = new
+            slots = meta.entry_slots(i, first, first + entries.keys.shape[0], r)
+            cache.write(f"comp.{layer}", slots, entries.keys)
+            if w.indexer is not None:
+                idx = new_entries(cache, meta, i, f"hidden.{layer}", x, w.indexer.compressor, *args)[1]
+                cache.write(f"index_k.{layer}", slots, idx.keys)
+        if w.indexer is not None:
+            qi = index_queries(q_lat, w.indexer, cfg.index_n_heads, cos, sin, act)
+            head_w = linear(y, w.indexer.weights_proj, act)
+    outs = []
+    for i in range(meta.num_seqs):
+        rows = meta.rows(i)
+        keys, visible = swa_keys(cache, meta, i, f"swa.{layer}", cfg.sliding_window)
+        if compressed:
+            entries, comp_visible = compressed_entries(cache, meta, i, f"comp.{layer}", r)
+            if w.indexer is not None:
+                index_k = compressed_entries(cache, meta, i, f"index_k.{layer}", r)[0]
+                scores = index_scores(qi[rows], index_k, head_w[rows], cfg.index_score_scale)
+                selected = select_topk(scores, comp_visible, cfg.index_topk)
+                comp_visible = selection_mask(selected, entries.shape[0])
+            keys = torch.cat((keys, entries))
+            visible = torch.cat((visible, comp_visible), dim=1)
+        outs.append(attn.sink_attention(q[rows], keys, visible, w.attn.sinks, cfg.head_dim**-0.5))
+    o = round_to(torch.cat(outs), act)
+    return attn.project_output(o, w.attn, cfg.o_groups, cos, sin, act)
+
+
+@torch.inference_mode()
+def v4_paged_forward(model: DeepseekV4Model, meta: StepMetadata, cache: PagedKVCache) -> torch.Tensor:
+    """FP32 logits [len(meta.logits_rows), vocab] of one packed step, updating `cache`."""
+    cfg, act = model.config, model.dtype
+    ids = meta.input_ids
+    trunk = mhc.expand(round_to(embed(ids, model.embed), act), cfg.hc_mult)
+    hc_args = (cfg.hc_eps, cfg.rms_norm_eps, cfg.hc_sinkhorn_iters)
+    for layer, (spec, w) in enumerate(zip(cfg.attention, model.layers)):
+        pre, post, comb = mhc.mixes(trunk, w.attn_hc, *hc_args)
+        y = rms_norm(mhc.read(trunk, pre, act), w.attn_norm, cfg.rms_norm_eps, act)
+        a = _attention(layer, y, meta, cache, w, spec, cfg, act)
+        trunk = mhc.write(a, trunk, post, comb, act)
+        pre, post, comb = mhc.mixes(trunk, w.ffn_hc, *hc_args)
+        y = rms_norm(mhc.read(trunk, pre, act), w.ffn_norm, cfg.rms_norm_eps, act)
+        h = moe_block(
+            y, ids, w.moe, cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.swiglu_limit, act
+        )
+        trunk = mhc.write(h, trunk, post, comb, act)
+    trunk = trunk[meta.logits_rows]  # the head only runs where logits are returned
+    weights = mhc.head_weights(trunk, model.hc_head, cfg.hc_eps, cfg.rms_norm_eps)
+    hidden = rms_norm(mhc.read(trunk, weights, act), model.norm, cfg.rms_norm_eps, act)
+    return linear(hidden, model.head, torch.float32).float()

@@ -1,0 +1,110 @@
+"""Step metadata: everything the cached forward needs about one packed batch, built once, vectorised.
+
+From a `RunnerBatch` (flat numpy arrays of the scheduler's step) it derives the packed token positions,
+the sequence of every token, the padded block-table matrix and the flat cache slot of every query
+token. Per-sequence context ranges are read through `token_slots` / `entry_slots`, which are numpy
+gathers (no per-token Python loop anywhere).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..runner.batch import RunnerBatch
+
+
+@dataclass
+class StepMetadata:
+    block_size: int
+    starts: np.ndarray  # int64 [B] tokens already cached before this step
+    query_lens: np.ndarray  # int64 [B]
+    ends: np.ndarray  # int64 [B] = starts + query_lens (the context length after this step)
+    offsets: np.ndarray  # int64 [B + 1] start of each sequence's rows in the packed tokens
+    tables: np.ndarray  # int64 [B, max_blocks] physical block ids, -1 padded
+    input_ids: torch.Tensor  # long [N]
+    positions: torch.Tensor  # long [N] absolute position of every packed token
+    write_slots: torch.Tensor  # long [N] flat token slot (block * block_size + offset) of every packed token
+    logits_rows: torch.Tensor  # long [R] packed rows whose logits are returned, in batch order
+
+    @classmethod
+    def build(cls, batch: RunnerBatch, block_size: int, num_blocks: int) -> StepMetadata:
+        starts = np.asarray(batch.start_positions, dtype=np.int64)
+        qlens = np.asarray(batch.query_lens, dtype=np.int64)
+        if np.any(starts < 0) or np.any(qlens < 1):
+            raise ValueError("start_positions must be >= 0 and query_lens >= 1 for every sequence")
+        ends = starts + qlens
+        offsets = np.zeros(len(qlens) + 1, dtype=np.int64)
+        np.cumsum(qlens, out=offsets[1:])
+        n = int(offsets[-1])
+        width = max((len(t) for t in batch.block_tables), default=0)
+        tables = np.full((len(qlens), max(width, 1)), -1, dtype=np.int64)
+        for i, t in enumerate(batch.block_tables):  # per sequence, not per token
+            tables[i, : len(t)] = t
+        need = -(-ends // block_size)
+        have = (tables >= 0).sum(axis=1)
+        if np.any(need > have):
+            i = int(np.argmax(need > have))
+            raise ValueError(
+                f"sequence {int(batch.seq_ids[i])}: block table of {int(have[i])} blocks does not cover "
+                f"position {int(ends[i]) - 1} (block_size {block_size})"
+            )
+        if np.any(tables >= num_blocks):
+            raise ValueError(f"block ids must be in [0, {num_blocks}), got {int(tables.max())}")
+        seq_of = np.repeat(np.arange(len(qlens)), qlens)
+        positions = np.arange(n, dtype=np.int64) - offsets[:-1][seq_of] + starts[seq_of]
+        slots = tables[seq_of, positions // block_size] * block_size + positions % block_size
+        llens = np.asarray(batch.logits_lens, dtype=np.int64)
+        # the last llens[i] packed rows of sequence i: offsets[i+1] - llens[i] + k, k < llens[i]
+        k = np.arange(int(llens.sum())) - np.repeat(np.cumsum(llens) - llens, llens)
+        logits_rows = np.repeat(offsets[1:] - llens, llens) + k
+        return cls(
+            block_size=block_size,
+            starts=starts,
+            query_lens=qlens,
+            ends=ends,
+            offsets=offsets,
+            tables=tables,
+            input_ids=torch.from_numpy(np.asarray(batch.input_ids, dtype=np.int64)),
+            positions=torch.from_numpy(positions),
+            write_slots=torch.from_numpy(slots),
+            logits_rows=torch.from_numpy(logits_rows),
+        )
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.starts)
+
+    def rows(self, i: int) -> slice:
+        """Packed rows of sequence `i`."""
+        return slice(int(self.offsets[i]), int(self.offsets[i + 1]))
+
+    def token_slots(self, i: int, lo: int, hi: int) -> torch.Tensor:
+        """Flat token slots of sequence `i`'s positions lo .. hi-1."""
+        pos = np.arange(lo, hi, dtype=np.int64)
+        return torch.from_numpy(
+            self.tables[i, pos // self.block_size] * self.block_size + pos % self.block_size
+        )
+
+    def entry_slots(self, i: int, lo: int, hi: int, ratio: int) -> torch.Tensor:
+        """Flat slots of sequence `i`'s compressed entries lo .. hi-1 in a pool of ratio `ratio`.
+
+        Entry j (tokens j*r .. j*r+r-1) lives in the block holding token j*r, so freeing, sharing and
+        reusing blocks moves compressed entries together with the tokens they summarise.
+        """
+        per_block = entries_per_block(self.block_size, ratio)
+        first = np.arange(lo, hi, dtype=np.int64) * ratio
+        return torch.from_numpy(
+            self.tables[i, first // self.block_size] * per_block + (first % self.block_size) // ratio
+        )
+
+
+def entries_per_block(block_size: int, ratio: int) -> int:
+    if block_size % ratio and ratio % block_size:
+        raise ValueError(
+            f"block_size {block_size} and compress ratio {ratio} must divide one another "
+            "(a compressed entry must map to exactly one block)"
+        )
+    return max(1, block_size // ratio)

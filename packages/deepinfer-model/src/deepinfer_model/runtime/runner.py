@@ -1,0 +1,89 @@
+"""`PagedRunner`: the cached model runner, a drop-in for `runner.RecomputeRunner`.
+
+Same construction (`model, num_blocks, block_size`) and the same `execute(batch) -> logits` contract
+(a `RunnerBatch` or a `deepinfer_sched.SchedulerOutput`; for each sequence in batch order its last
+`logits_lens[i]` query positions, FP32). Each step costs only the new tokens' compute plus reading
+their visible keys, instead of re-running the whole prefix.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..runner.batch import RunnerBatch
+from .metadata import StepMetadata
+from .pools import TOKEN_IDS, PagedKVCache, PoolSpec, blocks_for_budget
+
+
+def cache_specs(model, block_size: int) -> list[PoolSpec]:
+    """The pools `model` needs (by its model type), for a given block size."""
+    model_type = getattr(model.config, "model_type", None) or type(model).__name__
+    if hasattr(model, "weights"):  # DeepseekV41ForCausalLM
+        from ..models.deepseek_v41.paged import v41_cache_specs
+
+        return v41_cache_specs(model, block_size)
+    if hasattr(model, "layers"):  # DeepseekV4Model
+        from ..models.deepseek_v4_paged import v4_cache_specs
+
+        return v4_cache_specs(model.config, block_size)
+    raise ValueError(f"no paged forward for model {model_type!r}")
+
+
+def _forward(model):
+    if hasattr(model, "weights"):
+        from ..models.deepseek_v41.paged import v41_paged_forward
+
+        return v41_paged_forward
+    from ..models.deepseek_v4_paged import v4_paged_forward
+
+    return v4_paged_forward
+
+
+class PagedRunner:
+    def __init__(self, model, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
+        self.model = model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.vocab_size = int(model.config.vocab_size)
+        self.cache = PagedKVCache(cache_specs(model, block_size), num_blocks)
+        self._forward = _forward(model)
+        self.metadata_s = 0.0  # cumulative time building step metadata (benchmarks read it)
+
+    @classmethod
+    def from_memory(
+        cls,
+        model,
+        block_size: int,
+        kv_cache_memory_bytes: int | None = None,
+        memory_fraction: float = 0.1,
+    ) -> PagedRunner:
+        """Size the pools from a byte budget, or from a fraction of the available host memory."""
+        specs = cache_specs(model, block_size)
+        return cls(model, blocks_for_budget(specs, kv_cache_memory_bytes, memory_fraction), block_size)
+
+    @staticmethod
+    def bytes_per_block(model, block_size: int) -> int:
+        return sum(s.bytes_per_block() for s in cache_specs(model, block_size))
+
+    def execute(self, batch) -> torch.Tensor:
+        """float32 logits [batch.num_logits_rows, vocab] (see the module docstring)."""
+        import time
+
+        t0 = time.perf_counter()
+        if not isinstance(batch, RunnerBatch):
+            batch = RunnerBatch.from_scheduler_output(batch)
+        ids = np.asarray(batch.input_ids)
+        if np.any(ids < 0) or np.any(ids >= self.vocab_size):
+            bad = int(np.flatnonzero((ids < 0) | (ids >= self.vocab_size))[0])
+            seq = int(batch.seq_ids[np.searchsorted(np.cumsum(batch.query_lens), bad, side="right")])
+            raise ValueError(f"sequence {seq}: token ids must be in [0, {self.vocab_size})")
+        if len(batch.seq_ids) == 0:
+            return torch.empty(0, self.vocab_size)
+        meta = StepMetadata.build(batch, self.block_size, self.num_blocks)
+        if TOKEN_IDS in self.cache.pools:
+            self.cache.write(TOKEN_IDS, meta.write_slots, meta.input_ids)
+        self.metadata_s += time.perf_counter() - t0
+        return self._forward(self.model, meta, self.cache)
