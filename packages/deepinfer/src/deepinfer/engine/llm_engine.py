@@ -92,7 +92,13 @@ class LLMEngine:
         self.worker = ModelWorker(self.runner)
         self.use_async = args.use_async
         self._pool = (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-model")
+            ThreadPoolExecutor(
+                max_workers=1,
+                thread_name_prefix="deepinfer-model",
+                # OpenMP thread counts are per thread: give the worker the caller's setting.
+                initializer=torch.set_num_threads,
+                initargs=(torch.get_num_threads(),),
+            )
             if self.use_async
             else None
         )
