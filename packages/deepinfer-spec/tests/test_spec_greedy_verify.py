@@ -81,3 +81,35 @@ def test_padding_draft_is_rejected():
     rows = torch.tensor([[0.0, 5.0, 0.0], [0.0, 0.0, 5.0]])
     result = DraftVerifier().verify(rows, [-1], [1], seeds=[0], base_positions=[0], greedy=[True])
     assert result.num_accepted == [0] and result.emitted == [[1]]
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_golden_tokens_force_rows_and_decide_acceptance(greedy):
+    gen = torch.Generator().manual_seed(4)
+    vocab = 6
+    target = torch.softmax(torch.randn(4 + 3, vocab, generator=gen), -1)  # req0: 3 drafts, req1: 2
+    q = torch.softmax(torch.randn(5, vocab, generator=gen), -1)
+    drafts = [2, 3, 4, 1, 1]
+    golden = [[2, 3, 0, 5], [-1, 1, 4]]  # req0: d1, d2 match, d3 != 0 -> emits 0; req1 row 0 free
+    result = DraftVerifier().verify(
+        target,
+        drafts,
+        [3, 2],
+        seeds=[1, 2],
+        base_positions=[4, 4],
+        greedy=[greedy] * 2,
+        draft_probs=q,
+        golden=golden,
+    )
+    assert result.num_accepted[0] == 2 and result.emitted[0] == [2, 3, 0]
+    free = DraftVerifier().verify(
+        target[4:], drafts[3:], [2], seeds=[2], base_positions=[4], greedy=[greedy], draft_probs=q[3:]
+    )
+    if free.num_accepted[0] == 0:  # row 0 is not forced: same outcome as without golden tokens
+        assert result.emitted[1] == free.emitted[0]
+    else:  # d2 = 1 matches golden row 1; the fresh row 2 is forced to 4
+        assert result.emitted[1] == [1, 1, 4]
+    with pytest.raises(ValueError, match="golden"):
+        DraftVerifier().verify(
+            target[4:], drafts[3:], [2], seeds=[2], base_positions=[4], greedy=[True], golden=[[9]]
+        )

@@ -174,10 +174,14 @@ class SpecDecodeState:
             tokens.extend(req.drafts[:k])
             confs.extend(req.confidences[:k])
             if k:
-                probs.append(req.draft_probs[:k] if req.draft_probs is not None else None)
+                probs.append((k, req.draft_probs[:k] if req.draft_probs is not None else None))
         draft_probs = None
-        if probs and all(p is not None for p in probs):
-            draft_probs = torch.cat(probs, dim=0)
+        stored = [p for _, p in probs if p is not None]
+        if stored:
+            # Requests that kept no distribution (greedy ones need none) get zero rows; the verifier
+            # refuses a zero row for a sampled request.
+            zeros = stored[0].new_zeros
+            draft_probs = torch.cat([p if p is not None else zeros(k, stored[0].shape[1]) for k, p in probs])
         return torch.tensor(tokens, dtype=torch.int64), draft_probs, confs
 
     # -- after verification ----------------------------------------------------------------------

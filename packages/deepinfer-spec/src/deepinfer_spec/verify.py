@@ -88,6 +88,7 @@ class DraftVerifier:
         base_positions: Sequence[int],
         greedy: Sequence[bool],
         draft_probs: torch.Tensor | None = None,
+        golden: Sequence[Sequence[int] | None] | None = None,
     ) -> VerifyResult:
         """Verify the packed drafts of a batch.
 
@@ -95,6 +96,8 @@ class DraftVerifier:
         draft_tokens: [Σ k_i] draft ids; a negative id (padding) is always rejected.
         draft_probs:  [Σ k_i, V] draft distributions q; needed when a sampled request verifies drafts.
         seeds, base_positions, greedy: per request; base_position is the request's plain decode position.
+        golden: per request, forced tokens for its rows 0, 1, ... (-1 or missing: none; spec §5.6). A
+            forced row emits its forced token, and its draft counts as accepted iff it equals it.
         """
         num_requests = len(num_drafts)
         for name, values in (("seeds", seeds), ("base_positions", base_positions), ("greedy", greedy)):
@@ -175,6 +178,12 @@ class DraftVerifier:
             overlap = torch.minimum(p_rows, q_rows * self.draft_scale).sum(-1).clamp(0.0, 1.0)
             accept_probs = torch.where(greedy_of_draft, accept_probs, overlap)
 
+        forced = self._forced_rows(golden, ks, vocab)
+        if forced:
+            for (i, j), tok in forced.items():
+                if j < ks[i]:
+                    row_accepted[draft_offsets[i] + j] = bool(tok == int(drafts[draft_offsets[i] + j]))
+
         accepted_list = row_accepted.tolist()
         num_accepted = []
         for i, k in enumerate(ks):
@@ -197,6 +206,8 @@ class DraftVerifier:
             p_rows,
             q_rows,
         )
+        for i in range(num_requests):
+            final_tokens[i] = forced.get((i, num_accepted[i]), final_tokens[i])
         draft_list = drafts.tolist()
         emitted = [
             draft_list[draft_offsets[i] : draft_offsets[i] + num_accepted[i]] + [final_tokens[i]]
@@ -255,6 +266,23 @@ class DraftVerifier:
             for i, tok in zip(residual, tokens.tolist()):
                 final[i] = tok
         return final
+
+    @staticmethod
+    def _forced_rows(golden, ks, vocab) -> dict[tuple[int, int], int]:
+        """{(request, row): forced token} for rows 0..k_i of each request."""
+        if golden is None:
+            return {}
+        _validate_counts("golden", golden, len(ks))
+        forced = {}
+        for i, window in enumerate(golden):
+            for j, tok in enumerate(list(window or [])[: ks[i] + 1]):
+                if int(tok) >= vocab:
+                    raise ValueError(
+                        f"golden[{i}] tokens must be < vocab ({vocab}) or -1 (none), got {int(tok)}"
+                    )
+                if int(tok) >= 0:
+                    forced[(i, j)] = int(tok)
+        return forced
 
     @staticmethod
     def _uniforms(requests, rows, seeds, base_positions, purpose, device) -> torch.Tensor:
