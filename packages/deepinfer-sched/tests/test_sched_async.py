@@ -88,3 +88,31 @@ def test_async_loop_gives_the_same_tokens_as_the_sync_loop(num_drafts):
         for spec in specs:
             assert streams[asynchronous][spec.seq_id] == expected_stream(spec, 48, V)[0]
     assert streams[False] == streams[True]
+
+
+def test_device_side_fill_without_reconcile_gives_the_same_tokens():
+    """Without drafts, a step scheduled ahead is exact except for the tokens sampled by the step
+    before it; a device fills them in through prev_rows, and update_from_output drops the rows of
+    sequences that finished meanwhile."""
+    sched, model = make(num_blocks=14)
+    specs = [RequestSpec(i, [(i * 3 + j) % V for j in range(2 + 3 * i)], 6 + 2 * i, eos_token_id=0) for i in range(8)]
+    for spec in specs:
+        sched.add_request(spec.prompt, seq_id=spec.seq_id, max_tokens=spec.max_tokens, eos_token_id=0)
+    pending, pending_ids = sched.schedule(), None
+    for _ in range(300):
+        if not sched.has_unfinished():
+            break
+        ahead = sched.schedule()
+        sampled = model.run(sched, pending, pending_ids)
+        sched.update_from_output(pending, sampled)
+        sched.check_invariants()
+        ids = ahead.input_ids.copy()
+        for row, prev in enumerate(ahead.prev_rows.tolist()):
+            start = ahead.query_start_loc[row]
+            if prev >= 0 and ids[start] < 0:
+                ids[start] = sampled[prev][-1]
+        pending, pending_ids = ahead, ids
+    assert not sched.has_unfinished()
+    for spec in specs:
+        assert sched.output_token_ids(spec.seq_id).tolist() == expected_stream(spec, 48, V)[0]
+    assert sched.stats()["num_preemptions"] > 0

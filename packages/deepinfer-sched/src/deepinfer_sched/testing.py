@@ -64,17 +64,25 @@ class FakeModel:
         self.check_kv = check_kv
         self.kv = np.full(num_blocks * block_size, -1, dtype=np.int64)
 
-    def run(self, sched: Scheduler, out) -> list[list[int]]:
+    def run(self, sched: Scheduler, out, input_ids: np.ndarray | None = None) -> list[list[int]]:
         """Per scheduled sequence: the accepted drafts plus the next token (greedy verification),
-        or ``[]`` for a prompt chunk that does not end its prompt."""
-        if out.has_unknown_input_ids:
+        or ``[]`` for a prompt chunk that does not end its prompt.
+
+        ``input_ids`` replaces ``out.input_ids`` (a device that fills in the tokens of a step scheduled
+        ahead). Rows of sequences that finished meanwhile get a dummy token, as on a device that
+        does not know yet; the scheduler must drop it."""
+        ids = out.input_ids if input_ids is None else input_ids
+        if np.any(ids < 0):
             raise AssertionError("the fake model needs exact inputs (reconcile the step first)")
-        qsl, ids, pos, slots = out.query_start_loc, out.input_ids, out.positions, out.slot_mapping
+        qsl, pos, slots = out.query_start_loc, out.positions, out.slot_mapping
         tables, seq_lens, emits = out.block_tables, out.seq_lens, out.emits_tokens
         bs = self.block_size
         result: list[list[int]] = []
         for i, seq_id in enumerate(out.seq_ids.tolist()):
             lo, hi = int(qsl[i]), int(qsl[i + 1])
+            if sched.finish_reason(seq_id) is not None:
+                result.append([0] if emits[i] else [])
+                continue
             committed = sched.token_ids(seq_id)
             p = pos[lo:hi]
             expect_slots = tables[i][p // bs].astype(np.int64) * bs + p % bs
