@@ -95,7 +95,10 @@ def test_device_side_fill_without_reconcile_gives_the_same_tokens():
     before it; a device fills them in through prev_rows, and update_from_output drops the rows of
     sequences that finished meanwhile."""
     sched, model = make(num_blocks=14)
-    specs = [RequestSpec(i, [(i * 3 + j) % V for j in range(2 + 3 * i)], 6 + 2 * i, eos_token_id=0) for i in range(8)]
+    specs = [
+        RequestSpec(i, [(i * 3 + j) % V for j in range(2 + 3 * i)], 6 + 2 * i, eos_token_id=0)
+        for i in range(8)
+    ]
     for spec in specs:
         sched.add_request(spec.prompt, seq_id=spec.seq_id, max_tokens=spec.max_tokens, eos_token_id=0)
     pending, pending_ids = sched.schedule(), None
