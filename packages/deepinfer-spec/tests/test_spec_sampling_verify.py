@@ -5,7 +5,14 @@ import math
 
 import pytest
 import torch
-from deepinfer_spec import DraftVerifier, Purpose, stream_bits, stream_uniform
+from deepinfer_spec import (
+    ConfidenceScheduler,
+    DraftVerifier,
+    Purpose,
+    StepTimeCurve,
+    stream_bits,
+    stream_uniform,
+)
 from deepinfer_spec.toy import Drafter, NGramModel, run_toy_decode
 
 Z_1E4 = 3.719  # standard normal upper quantile for p = 1e-4
@@ -46,14 +53,30 @@ def chi_square(counts, probs, n):
 
 
 @pytest.mark.slow
-def test_sampled_outputs_with_drafts_follow_the_target_distribution():
+@pytest.mark.parametrize("varlen", [False, True])
+def test_sampled_outputs_with_drafts_follow_the_target_distribution(varlen):
     vocab, length, n, temperature = 5, 3, 3000, 0.9
     target = NGramModel(vocab=vocab, order=2, seed=21, scale=1.0)
     drafter = Drafter(target, alpha=0.3, seed=8)  # q differs from p: rejections and residuals happen
     prompt = [1, 2]
+    # Varlen: a curve on which verifying costs little per token, so lengths differ between steps.
+    curve = StepTimeCurve([n, 2 * n, 3 * n], [10.0, 12.0, 30.0], mode="linear") if varlen else None
     run = run_toy_decode(
-        target, drafter, [prompt] * n, max_new_tokens=length, nextn=2, temperature=temperature, seeds=range(n)
+        target,
+        drafter,
+        [prompt] * n,
+        max_new_tokens=length,
+        nextn=2,
+        temperature=temperature,
+        seeds=range(n),
+        scheduler=ConfidenceScheduler(2, curve),
     )
+    if varlen:
+        assert (
+            0
+            < sum(sum(p.num_verify) for p in run.plans[1:])
+            < 2 * sum(len(p.num_verify) for p in run.plans[1:])
+        )
     stats = run.stats
     assert 0 < stats.total_accepted < stats.total_verified  # both accept and reject paths were used
     counts = {}
@@ -78,10 +101,17 @@ def test_sampled_outputs_with_drafts_follow_the_target_distribution():
     assert stat_q > 3 * chi2_critical(dof_q)
 
 
-def test_single_step_first_token_distribution_with_residual():
+@pytest.mark.parametrize(
+    "p, q",
+    [
+        ([0.5, 0.2, 0.2, 0.1], [0.1, 0.1, 0.1, 0.7]),
+        ([0.6, 0.4, 0.0, 0.0], [0.1, 0.2, 0.3, 0.4]),  # top-k-filtered target: drafts 2, 3 never pass
+    ],
+)
+def test_single_step_first_token_distribution_with_residual(p, q):
     """One verification step, many seeds: the first emitted token ~ p even though q is far from p."""
-    p = torch.tensor([0.5, 0.2, 0.2, 0.1], dtype=torch.float64)
-    q = torch.tensor([0.1, 0.1, 0.1, 0.7], dtype=torch.float64)
+    p = torch.tensor(p, dtype=torch.float64)
+    q = torch.tensor(q, dtype=torch.float64)
     n = 4000
     target = p.repeat(2 * n, 1)  # rows [x, d1] per request
     drafts = []
@@ -101,15 +131,17 @@ def test_single_step_first_token_distribution_with_residual():
     )
     first = torch.tensor([e[0] for e in result.emitted])
     counts = torch.bincount(first, minlength=4).double()
-    stat = float(((counts - n * p) ** 2 / (n * p)).sum())
-    assert stat < chi2_critical(3)
+    support = p > 0
+    assert counts[~support].sum() == 0
+    stat = float(((counts[support] - n * p[support]) ** 2 / (n * p[support])).sum())
+    assert stat < chi2_critical(int(support.sum()) - 1)
     # The estimated acceptance probability is the overlap Σ min(p, q).
     assert torch.allclose(
         result.accept_probs, torch.full((n,), float(torch.minimum(p, q).sum()), dtype=torch.float64)
     )
     # The empirical acceptance rate matches it.
-    rate = sum(result.num_accepted) / n
-    assert abs(rate - 0.4) < 4 * math.sqrt(0.4 * 0.6 / n)
+    rate, overlap = sum(result.num_accepted) / n, float(torch.minimum(p, q).sum())
+    assert abs(rate - overlap) < 4 * math.sqrt(overlap * (1 - overlap) / n)
 
 
 def test_seeded_runs_are_reproducible_and_seed_dependent():
