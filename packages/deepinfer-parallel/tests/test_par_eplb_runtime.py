@@ -108,13 +108,16 @@ def _eplb_worker(rank, world):
     layers = make_weights(LAYERS, seed=3, hot=HOT)
     layout = RedundantExpertLayout(E, REDUNDANT, world, num_layers=LAYERS)
     local_weights = _load_local(layers, layout, rank)
-    state = EplbState(layout, EplbConfig(interval=8, window=2), expert_weights=local_weights)
+    state = EplbState(
+        layout, EplbConfig(interval=8, window=2), expert_weights=local_weights, lb_stat_interval=2
+    )
     x = torch.randn(BATCH, H, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
     expected = model_reference(x, layers)
     old_map = layout.phys_to_logical.clone()
-    outputs, reports = [], []
+    outputs, reports, rows = [], [], []
     for _ in range(4):  # the first rebalance fires at step 2
         outputs.append(_forward(x, layers, local_weights, layout, rank, state))
+        rows.append(state.expert_count.sum(1).double())  # rows this rank's experts ran, per layer
         reports.append(state.step(is_prompt=False))
     assert [r is not None for r in reports] == [False, True, False, False]
     for out in outputs:
@@ -139,6 +142,13 @@ def _eplb_worker(rank, world):
     for i, layer in enumerate(layers):
         local = layout.local_logical(i, rank)
         assert torch.equal(local_weights[i][0], layer["w1"][local])
+    # moe_lb = sum over (step, layer) of the max over ranks / the same sum of the mean.
+    mine = torch.stack(rows)  # [steps, layers]
+    everyone = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine)
+    everyone = torch.stack(everyone)
+    expected_lb = float(everyone.amax(0).sum() / everyone.mean(0).sum())
+    assert abs(state.load_stats.moe_lb - expected_lb) < 1e-12 and expected_lb > 1.0
     sent = torch.tensor([report.shuffle.bytes_sent])
     dist.all_reduce(sent)
     assert int(sent) == report.bytes_moved_total

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ..layout import RedundantExpertLayout
 from .policy import rank_loads, rebalance
 from .shuffle import ShuffleStats, shuffle_layer
+from .stats import MoeLoadStats
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ class EplbState:
         config: EplbConfig,
         expert_weights: list[list[torch.Tensor]] | None = None,
         group: dist.ProcessGroup | None = None,
+        lb_stat_interval: int | None = None,
     ):
         self.layout, self.config, self.group = layout, config, group
         self.expert_weights = expert_weights  # per layer: tensors [slots_per_rank, ...]
@@ -121,6 +123,8 @@ class EplbState:
         self.pending_after_prefill = False
         self.steps = 0
         self.reports: list[RebalanceReport] = []
+        # moe_lb: sum of per-(step, layer) peak over mean rank load, all-gathered every N steps.
+        self.load_stats = MoeLoadStats(layout.num_layers, lb_stat_interval, group, device)
 
     def _push(self) -> None:
         slots = self.layout.local_slots(self.ep_rank)
@@ -136,6 +140,7 @@ class EplbState:
         self.steps += 1
         cfg = self.config
         report = None
+        self.load_stats.record(self.expert_count.sum(dim=1))
         try:
             if cfg.interval == 0:
                 return None
