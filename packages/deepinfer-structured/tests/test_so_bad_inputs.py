@@ -242,3 +242,12 @@ def test_cache_byte_limit_drops_least_recently_used(tokenizer_info):
     svc.compile({"schema_type": "regex", "schema": "b+"})
     assert svc.stats.hits == 1
     svc.shutdown()
+
+
+def test_special_and_out_of_range_drafts_are_rejected_quietly(service, capfd):
+    """Drafts often propose special tokens; xgrammar would log a warning line for each."""
+    state = service.new_state({"schema_type": "regex", "schema": "a+"})
+    for token in (0, 2, VOCAB_SIZE - 1, VOCAB_SIZE, -1):
+        assert not state.accept_token(token)
+    assert state.num_tokens == 0
+    assert "Warning" not in capfd.readouterr().err

@@ -33,8 +33,12 @@ class GrammarState:
 
     def __init__(self, compiled: xg.CompiledGrammar, request: StructuredOutputRequest):
         self.request = request
-        self.vocab_size = compiled.tokenizer_info.vocab_size
+        info = compiled.tokenizer_info
+        self.vocab_size = info.vocab_size
         self.matcher = xg.GrammarMatcher(compiled)
+        # Tokens no grammar can accept. Checked here because xgrammar logs a warning line for each
+        # one it is offered, and drafts offer them often.
+        self._never = frozenset(info.special_token_ids)
         self._trigger = request.trigger_token_ids
         self._bound = request.bound_token_id
         # In the grammar phase all trigger tokens are matched, so these entries never vary.
@@ -113,7 +117,7 @@ class GrammarState:
             if self.matcher.is_terminated():
                 self._history.append(self._after_end_entry)
                 return True
-            if not self.matcher.accept_token(token):
+            if token in self._never or not 0 <= token < self.vocab_size or not self.matcher.accept_token(token):
                 return False
             self._history.append(self._grammar_entry)
             return True
