@@ -254,7 +254,7 @@ void Scheduler::preempt(Sequence* s, StepOutput& out) {
   out.preempted_seq_ids.push_back(s->seq_id);
   if (cfg_.engine_type == EngineType::kCompletion) {
     // Recompute would need a prefill, which a decode-only engine cannot run.
-    finish(s, FinishReason::kPreempted, nullptr);
+    finish(s, FinishReason::kPreempted, &finished_in_schedule_);
     return;
   }
   erase_running(s);
@@ -550,6 +550,7 @@ std::vector<FinishedSeq> Scheduler::update_from_output(const StepOutput& out, co
   inflight_.pop_front();
 
   std::vector<FinishedSeq> finished;
+  finished.swap(finished_in_schedule_);
   double now = -1.0;
   int64_t off = 0;
   for (int32_t i = 0; i < n; ++i) {

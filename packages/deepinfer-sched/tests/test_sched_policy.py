@@ -283,7 +283,8 @@ def test_completion_engine_decodes_from_given_blocks():
     for b in ([0, 1, 2], [3, 4, 8]):
         for p, t in enumerate(prompt):
             model.kv[b[p // 4] * 4 + p % 4] = t
-    Driver(sched, model).drain(100)
-    assert sched.finish_reason(other[1]) == "preempted"
+    drv = Driver(sched, model)
+    drv.drain(100)
+    assert sched.finish_reason(other[1]) == "preempted" and drv.finished[other[1]] == "preempted"
     spec = RequestSpec(sid, prompt, max_tokens=30, ignore_eos=True)
     assert sched.output_token_ids(sid).tolist() == expected_stream(spec, 48, V)[0]

@@ -156,6 +156,8 @@ class Scheduler {
   std::map<Key, Sequence*> waiting_;
   std::vector<Sequence*> running_;  // sorted by Key
   std::deque<std::shared_ptr<StepOutput>> inflight_;
+  // Finished while scheduling (a COMPLETION engine's preemption); reported by the next update.
+  std::vector<FinishedSeq> finished_in_schedule_;
   int64_t next_step_id_ = 0, next_arrival_ = 0, next_auto_id_ = 0;
   int32_t num_unfinished_ = 0;
   SchedulerStats st_;

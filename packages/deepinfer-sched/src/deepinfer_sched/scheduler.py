@@ -106,7 +106,8 @@ class Scheduler(_NativeScheduler):
         sched_output: SchedulerOutput,
         sampled_token_ids: np.ndarray | tuple[np.ndarray, np.ndarray] | Sequence[Sequence[int] | int],
     ) -> list[FinishedSequence]:
-        """Commit one step's sampled tokens; returns the sequences that finished.
+        """Commit one step's sampled tokens; returns the sequences that finished (including those a
+        COMPLETION engine had to drop while scheduling this step: reason "preempted").
 
         ``sampled_token_ids`` is, per scheduled sequence in ``sched_output`` order, either
         - a 1-D int array with exactly one token each (plain decoding; the token of a prompt chunk that
@@ -116,6 +117,8 @@ class Scheduler(_NativeScheduler):
           after them (``len = accepted + 1``); empty for a prompt chunk that does not end its prompt.
         """
         s = sampled_token_ids
+        if not isinstance(s, np.ndarray | tuple | list) and hasattr(s, "__array__"):
+            s = np.asarray(s)  # e.g. a CPU torch tensor: zero-copy
         if isinstance(s, np.ndarray) and s.ndim == 1:
             raw = self._update(sched_output, s, None)
         elif isinstance(s, tuple) and len(s) == 2 and isinstance(s[0], np.ndarray):
