@@ -9,9 +9,9 @@ round trip is exact.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
-import psutil
 import torch
 
 log = logging.getLogger("deepinfer_model.runtime")
@@ -72,6 +72,15 @@ class PagedKVCache:
         return sum(p.numel() * p.element_size() for p in self.pools.values())
 
 
+def available_memory_bytes() -> int:
+    """Host memory available now (psutil when installed, else the POSIX page counters)."""
+    try:
+        import psutil
+    except ImportError:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(psutil.virtual_memory().available)
+
+
 def blocks_for_budget(
     specs: list[PoolSpec],
     kv_cache_memory_bytes: int | None = None,
@@ -83,7 +92,7 @@ def blocks_for_budget(
     if kv_cache_memory_bytes is None:
         if not 0 < memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
-        budget = int(psutil.virtual_memory().available * memory_fraction)
+        budget = int(available_memory_bytes() * memory_fraction)
         source = f"{memory_fraction:.0%} of available memory"
     else:
         if kv_cache_memory_bytes < 1:
