@@ -89,7 +89,7 @@ def _load_local(layers, layout, rank):
     return out
 
 
-def _forward(x, layers, local_weights, layout, rank, state):
+def _forward(x, layers, local_weights, layout, rank, state, group=None):
     for i, layer in enumerate(layers):
         w1, w3, w2 = local_weights[i]
 
@@ -98,7 +98,7 @@ def _forward(x, layers, local_weights, layout, rank, state):
 
         ids, weights = route(x, layer)
         routed = dispatch_combine(
-            x, ids, weights, local_expert_fn, layout.layer(i), None, state.expert_count[i]
+            x, ids, weights, local_expert_fn, layout.layer(i), group, state.expert_count[i]
         )
         x = x + swiglu(x, layer["s1"], layer["s3"], layer["s2"]) + routed
     return x
@@ -157,6 +157,32 @@ def _eplb_worker(rank, world):
 @pytest.mark.distributed
 def test_rebalance_and_shuffle_mid_run_keep_outputs():
     run_distributed(_eplb_worker, 4)
+
+
+def _subgroup_worker(rank, world):
+    """Two EP groups of 2 ranks each in a world of 4 (dp=4, ep=2): collectives and P2P stay inside."""
+    from deepinfer_parallel import init_parallel
+
+    par = init_parallel(dp=4, cp=1, ep=2)
+    ep_rank, group = par.ep.rank_in_group, par.ep.group
+    layers = make_weights(LAYERS, seed=4, hot=HOT)
+    layout = RedundantExpertLayout(E, 2, 2, num_layers=LAYERS)
+    local_weights = _load_local(layers, layout, ep_rank)
+    state = EplbState(layout, EplbConfig(interval=4, window=1), expert_weights=local_weights, group=group)
+    x = torch.randn(6 + rank, H, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+    expected = model_reference(x, layers)
+    reports = []
+    for _ in range(2):  # rebalance at step 1
+        assert_close(_forward(x, layers, local_weights, layout, ep_rank, state, group), expected)
+        reports.append(state.step())
+    assert reports[0] is not None and reports[0].bytes_moved_total > 0
+    for i, layer in enumerate(layers):
+        assert torch.equal(local_weights[i][0], layer["w1"][layout.local_logical(i, ep_rank)])
+
+
+@pytest.mark.distributed
+def test_eplb_in_ep_subgroups():
+    run_distributed(_subgroup_worker, 4)
 
 
 def test_config_from_env(monkeypatch):
