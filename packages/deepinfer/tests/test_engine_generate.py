@@ -242,3 +242,24 @@ def test_stats_logged_every_interval(micro_checkpoint, monkeypatch, caplog):
             )
     lines = [r.getMessage() for r in caplog.records if r.name == "deepinfer"]
     assert lines and all("KV usage" in line for line in lines)
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_preemption_by_recompute_gives_the_same_tokens(micro_checkpoint, use_async):
+    params = [
+        SamplingParams(temperature=0.7, max_tokens=24, seq_seed=11 + i, ignore_eos=True) for i in range(3)
+    ]
+    results = []
+    for num_kv_blocks in (64, 5):  # 5 blocks of 16 cannot hold three 30-token sequences at once
+        with LLM(
+            model=str(micro_checkpoint),
+            block_size=16,
+            max_model_len=64,
+            num_kv_blocks=num_kv_blocks,
+            async_scheduling=use_async,
+        ) as llm:
+            outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)
+            results.append([o.outputs[0].token_ids for o in outs])
+            preemptions = llm.engine.scheduler_stats()["num_preemptions"]
+    assert preemptions > 0
+    assert results[0] == results[1]

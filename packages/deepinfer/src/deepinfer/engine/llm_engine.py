@@ -173,11 +173,19 @@ class LLMEngine:
         for seq, grammar in zip(state.seqs, grammars):
             seq.grammar = grammar
         max_tokens = min(params.max_tokens, self.max_model_len - len(prompt_token_ids))
-        for seq in state.seqs:
-            scheduling.add_sequence(
-                self.scheduler, seq.seq_id, prompt_token_ids, params, self.eos_token_id, max_tokens
-            )
         self._next_seq_id += params.n
+        added: list[int] = []
+        try:
+            for seq in state.seqs:
+                scheduling.add_sequence(
+                    self.scheduler, seq.seq_id, prompt_token_ids, params, self.eos_token_id, max_tokens
+                )
+                added.append(seq.seq_id)
+        except ValueError:  # leave nothing of this request behind in the scheduler
+            for seq_id in added:
+                scheduling.abort(self.scheduler, seq_id)
+                self._pending_release.append(seq_id)
+            raise
         self.requests[request_id] = state
         for seq in state.seqs:
             self.seqs[seq.seq_id] = seq
@@ -284,10 +292,13 @@ class LLMEngine:
         self.stats.schedule_s += dt
         if not future.done():
             self.stats.hidden_schedule_s += dt
+        # A sequence preempted by this schedule while step N was in flight gets N's token dropped
+        # by the scheduler (it will recompute it); the engine must drop it too.
+        preempted = set(scheduling.preempted(nxt))
         result: StepResult = future.result()
         self._inflight = None
         t0 = time.perf_counter()
-        finished = self._commit(out, result)
+        finished = self._commit(out, result, preempted)
         t1 = time.perf_counter()
         if not scheduling.is_empty(nxt):
             nxt = scheduling.reconcile(self.scheduler, nxt)
@@ -299,7 +310,7 @@ class LLMEngine:
         self.stats.prepare_s += time.perf_counter() - t1
         # Detokenize N's tokens while N+1 runs.
         t0 = time.perf_counter()
-        self._emit(out, result, finished)
+        self._emit(out, result, finished, preempted)
         dt = time.perf_counter() - t0
         self.stats.process_s += dt
         if self._inflight is not None and not self._inflight[2].done():
@@ -354,38 +365,52 @@ class LLMEngine:
             banned.extend(p.stop_token_ids)
         return tuple(banned)
 
-    def _commit(self, out, result: StepResult) -> dict[int, str]:
-        """Tell the scheduler what the step produced; returns {seq_id: scheduler finish reason}."""
+    def _commit(self, out, result: StepResult, preempted: set[int] = frozenset()) -> dict[int, str]:
+        """Tell the scheduler what the step produced; returns {seq_id: scheduler finish reason}.
+
+        Grammar states advance here (not in `_emit`) because the next step's masks are built from
+        them before `_emit` runs under asynchronous scheduling.
+        """
         for i in result.errors:
             seq_id = int(scheduling.seq_ids(out)[i])
             seq = self.seqs.get(seq_id)
             if seq is not None and seq.request.request_id in self.requests:
                 self.fail_request(seq.request.request_id, result.errors[i])
-        if self._structured is not None:
-            for i, seq_id in enumerate(scheduling.seq_ids(out).tolist()):
-                seq = self.seqs.get(seq_id)
-                token = int(result.tokens[i])
-                if seq is None or seq.grammar is None or seq.finished or token < 0 or i in result.errors:
-                    continue
-                try:
-                    self._structured.accept(seq.grammar, token)
-                except ValueError as e:
-                    result.errors[i] = f"structured output: {e}"
-                    self.fail_request(seq.request.request_id, result.errors[i])
         tokens = result.tokens.copy()
         tokens[list(result.errors)] = -1
         releasable, self._pending_release = self._pending_release, []
         finished = scheduling.update_from_output(self.scheduler, out, tokens)
         for seq_id in releasable:
             scheduling.release(self.scheduler, seq_id)
+        if self._structured is not None:
+            for i, seq_id in enumerate(scheduling.seq_ids(out).tolist()):
+                seq = self.seqs.get(seq_id)
+                token = int(tokens[i])
+                if seq is None or seq.grammar is None or seq.finished or token < 0:
+                    continue
+                if seq_id in preempted and seq.grammar.num_tokens >= scheduling.num_output_tokens(
+                    self.scheduler, seq_id
+                ):
+                    continue  # dropped by the scheduler; the recompute produces it again
+                try:
+                    self._structured.accept(seq.grammar, token)
+                except ValueError as e:
+                    result.errors[i] = f"structured output: {e}"
+                    self.fail_request(seq.request.request_id, result.errors[i])
         return finished
 
-    def _emit(self, out, result: StepResult, finished: dict[int, str]) -> None:
+    def _emit(
+        self, out, result: StepResult, finished: dict[int, str], preempted: set[int] = frozenset()
+    ) -> None:
         for i, seq_id in enumerate(scheduling.seq_ids(out).tolist()):
             token = int(result.tokens[i])
             seq = self.seqs.get(seq_id)
             if seq is None or seq.finished or token < 0 or i in result.errors:
                 continue
+            if seq_id in preempted and seq.num_generated >= scheduling.num_output_tokens(
+                self.scheduler, seq_id
+            ):
+                continue  # the scheduler dropped this token; recompute will produce it again
             seq.append(token, self.eos_token_id, self.max_model_len, result.logprobs[i], result.top[i])
             self.stats.generated_tokens += 1
             if seq.finished:

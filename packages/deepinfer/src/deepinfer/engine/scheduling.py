@@ -82,6 +82,16 @@ def update_from_output(sched: Scheduler, out, tokens: np.ndarray) -> dict[int, s
     return {int(f.seq_id): str(f.finish_reason) for f in finished}
 
 
+def preempted(out) -> list[int]:
+    """Sequences this schedule preempted (their KV is dropped; they recompute later)."""
+    return [] if out is None else np.asarray(out.preempted_seq_ids).tolist()
+
+
+def num_output_tokens(sched: Scheduler, seq_id: int) -> int:
+    """Output tokens the scheduler has committed for a sequence."""
+    return len(sched.output_token_ids(seq_id))
+
+
 def retire(sched: Scheduler, out) -> None:
     """Close a step that will not run (empty): the scheduler counts every scheduled step until updated."""
     sched.update_from_output(out, (np.empty(0, dtype=np.int32), np.empty(0, dtype=np.int32)))
