@@ -97,42 +97,44 @@ class BatchMasker:
         bitmask = slot.buffer[:num_rows]
         rows: set[int] = set()
         accepted = [0] * len(requests)
-        alive = list(range(len(requests)))
-        depth = 0
-        while alive:
-            # One batched xgrammar call for every live grammar at this draft depth.
-            in_grammar = [i for i in alive if requests[i].state.phase is Phase.GRAMMAR
-                          and not requests[i].state.matcher.is_terminated()]
-            if in_grammar:
-                indices = [requests[i].first_row + depth for i in in_grammar]
-                self._batch.batch_fill_next_token_bitmask(
-                    [requests[i].state.matcher for i in in_grammar], bitmask, indices)
-                rows.update(indices)
-            grammar_set = set(in_grammar)
-            for i in alive:
-                if i not in grammar_set:
-                    row = requests[i].first_row + depth
-                    if requests[i].state.fill_next_token_bitmask(bitmask, row):
-                        rows.add(row)
-            still_alive = []
-            for i in alive:
-                req = requests[i]
-                if depth == len(req.drafts):
-                    continue
-                if req.state.accept_token(req.drafts[depth]):
-                    accepted[i] += 1
-                    still_alive.append(i)
-                    continue
-                # Rejected draft: verification stops here; later rows repeat this row's mask.
-                row = req.first_row + depth
-                for later in range(row + 1, req.first_row + len(req.drafts) + 1):
-                    bitmask[later].copy_(bitmask[row])
-                    if row in rows:
-                        rows.add(later)
-            alive = still_alive
-            depth += 1
-        for req, count in zip(requests, accepted):
-            req.state.rollback(count)
+        try:
+            alive = list(range(len(requests)))
+            depth = 0
+            while alive:
+                # One batched xgrammar call for every live grammar at this draft depth.
+                in_grammar = [i for i in alive if requests[i].state.phase is Phase.GRAMMAR
+                              and not requests[i].state.matcher.is_terminated()]
+                if in_grammar:
+                    indices = [requests[i].first_row + depth for i in in_grammar]
+                    self._batch.batch_fill_next_token_bitmask(
+                        [requests[i].state.matcher for i in in_grammar], bitmask, indices)
+                    rows.update(indices)
+                grammar_set = set(in_grammar)
+                for i in alive:
+                    if i not in grammar_set:
+                        row = requests[i].first_row + depth
+                        if requests[i].state.fill_next_token_bitmask(bitmask, row):
+                            rows.add(row)
+                still_alive = []
+                for i in alive:
+                    req = requests[i]
+                    if depth == len(req.drafts):
+                        continue
+                    if req.state.accept_token(req.drafts[depth]):
+                        accepted[i] += 1
+                        still_alive.append(i)
+                        continue
+                    # Rejected draft: verification stops here; later rows repeat this row's mask.
+                    row = req.first_row + depth
+                    for later in range(row + 1, req.first_row + len(req.drafts) + 1):
+                        bitmask[later].copy_(bitmask[row])
+                        if row in rows:
+                            rows.add(later)
+                alive = still_alive
+                depth += 1
+        finally:  # even if xgrammar raises, no tentative draft stays accepted
+            for req, count in zip(requests, accepted):
+                req.state.rollback(count)
         return StepMasks(bitmask, sorted(rows), accepted, slot)
 
 
