@@ -52,8 +52,10 @@ def run_distributed(
     ``fn`` must be a module-level function; the processes are killed after ``timeout_s``.
     ``fork`` (default) reuses the parent's imported torch: a spawned child re-imports it, which takes
     seconds per process on a busy machine. The child drops to one intra-op thread before any torch work,
-    so OpenMP state inherited through fork is never used. Use ``spawn`` for CUDA.
+    so OpenMP state inherited through fork is never used. Use ``spawn`` for CUDA. The default can be
+    changed with ``DEEPINFER_DIST_START_METHOD`` (e.g. ``spawn`` if a parent's threads make fork unsafe).
     """
+    start_method = start_method or os.environ.get("DEEPINFER_DIST_START_METHOD", "fork")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     path, name = fn.__code__.co_filename, fn.__name__
