@@ -19,6 +19,7 @@ model package's sampler computes; they need not be normalised.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -64,6 +65,39 @@ def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.minimum(picked, last_nonzero)
 
 
+@dataclass
+class _Packed:
+    """Where each request's rows are in the packed batch, and its random-stream key."""
+
+    ks: list[int]
+    seeds: Sequence[int]
+    base_positions: Sequence[int]
+    greedy: Sequence[bool]
+    device: torch.device
+
+    def __post_init__(self) -> None:
+        self.draft_offsets = [0]
+        for k in self.ks:
+            self.draft_offsets.append(self.draft_offsets[-1] + k)
+        self.req_of_draft = [i for i, k in enumerate(self.ks) for _ in range(k)]
+        self.local_of_draft = [j for k in self.ks for j in range(k)]
+        # Flat draft d of request i is verified by target row d + i; request i's fresh row follows its
+        # last verify row.
+        self.verify_rows = torch.tensor(
+            [d + i for d, i in enumerate(self.req_of_draft)], dtype=torch.int64, device=self.device
+        )
+        self.fresh_rows = [self.draft_offsets[i] + k + i for i, k in enumerate(self.ks)]
+        self.greedy_of_draft = torch.tensor(
+            [bool(self.greedy[i]) for i in self.req_of_draft], dtype=torch.bool, device=self.device
+        )
+
+    def uniforms(self, requests: Sequence[int], rows: Sequence[int], purpose: Purpose) -> torch.Tensor:
+        """Uniforms for request `requests[n]` at its verification row `rows[n]`."""
+        positions = [int(self.base_positions[i]) + r * VERIFY_ROW_STRIDE for i, r in zip(requests, rows)]
+        u = stream_uniforms([self.seeds[i] for i in requests], positions, purpose)
+        return torch.from_numpy(u).to(self.device)
+
+
 class DraftVerifier:
     """Greedy match and distribution-preserving rejection sampling over packed varlen rows.
 
@@ -76,7 +110,7 @@ class DraftVerifier:
     def __init__(self, draft_prob_penalty: float = 0.0) -> None:
         if not isinstance(draft_prob_penalty, int | float) or not (0.0 <= draft_prob_penalty < 1.0):
             raise ValueError(f"draft_prob_penalty must be in [0, 1), got {draft_prob_penalty!r}")
-        self.draft_scale = float(torch.exp(torch.tensor(-float(draft_prob_penalty), dtype=torch.float64)))
+        self.draft_scale = math.exp(-float(draft_prob_penalty))
 
     def verify(
         self,
@@ -99,6 +133,68 @@ class DraftVerifier:
         golden: per request, forced tokens for its rows 0, 1, ... (-1 or missing: none; spec §5.6). A
             forced row emits its forced token, and its draft counts as accepted iff it equals it.
         """
+        drafts, batch = self._validate(
+            target_probs, draft_tokens, num_drafts, seeds, base_positions, greedy, draft_probs
+        )
+        ks, vocab = batch.ks, target_probs.shape[1]
+        target = target_probs.double()
+        argmax = torch.argmax(target, dim=-1)  # first maximum = lowest id
+        valid = drafts >= 0
+        safe_drafts = drafts.clamp(min=0)
+        is_greedy = batch.greedy_of_draft
+
+        # Greedy rows: accept iff the draft is the target's argmax (accept_prob is then 1 or 0).
+        greedy_ok = valid & (argmax[batch.verify_rows] == drafts)
+        row_accepted = greedy_ok.clone()
+        accept_probs = greedy_ok.double()
+        p_rows = q_rows = None
+        if bool((~is_greedy).any()):
+            # Only sampled rows are normalised: greedy rows may carry logits and need only an argmax.
+            sampled = (~is_greedy).nonzero().squeeze(1)
+            p_rows = target[batch.verify_rows].clone()
+            p_rows[sampled] = self._normalise(p_rows[sampled], "target_probs")
+            q_rows = draft_probs.to(target.device).double().clone()
+            q_rows[sampled] = self._normalise(q_rows[sampled], "draft_probs")
+            p_t = p_rows.gather(1, safe_drafts[:, None]).squeeze(1)
+            q_t = q_rows.gather(1, safe_drafts[:, None]).squeeze(1)
+            u = batch.uniforms(batch.req_of_draft, batch.local_of_draft, Purpose.ACCEPT)
+            # Division-free form of U < min(1, p/q); q(t) = 0 accepts iff p(t) > 0.
+            sampled_ok = valid & (u * q_t < p_t)
+            row_accepted = torch.where(is_greedy, row_accepted, sampled_ok)
+            overlap = torch.minimum(p_rows, q_rows * self.draft_scale).sum(-1).clamp(0.0, 1.0)
+            accept_probs = torch.where(is_greedy, accept_probs, overlap)
+
+        forced = self._forced_rows(golden, ks, vocab)
+        draft_list = drafts.tolist()
+        accepted_list = row_accepted.tolist()
+        for (i, j), tok in forced.items():
+            if j < ks[i]:
+                accepted_list[batch.draft_offsets[i] + j] = tok == draft_list[batch.draft_offsets[i] + j]
+        num_accepted = []
+        for i, k in enumerate(ks):  # prefix rule
+            a = 0
+            while a < k and accepted_list[batch.draft_offsets[i] + a]:
+                a += 1
+            num_accepted.append(a)
+
+        final_tokens = self._final_tokens(target, argmax, batch, num_accepted, p_rows, q_rows)
+        for i in range(len(ks)):
+            final_tokens[i] = forced.get((i, num_accepted[i]), final_tokens[i])
+        emitted = [
+            draft_list[batch.draft_offsets[i] : batch.draft_offsets[i] + num_accepted[i]] + [final_tokens[i]]
+            for i in range(len(ks))
+        ]
+        return VerifyResult(
+            ks,
+            num_accepted,
+            final_tokens,
+            emitted,
+            torch.tensor(accepted_list, dtype=torch.bool),
+            accept_probs.cpu(),
+        )
+
+    @staticmethod
+    def _validate(target_probs, draft_tokens, num_drafts, seeds, base_positions, greedy, draft_probs):
         num_requests = len(num_drafts)
         for name, values in (("seeds", seeds), ("base_positions", base_positions), ("greedy", greedy)):
             _validate_counts(name, values, num_requests)
@@ -112,8 +208,7 @@ class DraftVerifier:
             raise ValueError(
                 f"target_probs must be [sum(1 + num_drafts)={total_rows}, vocab], got {tuple(target_probs.shape)}"
             )
-        vocab = target_probs.shape[1]
-        device = target_probs.device
+        vocab, device = target_probs.shape[1], target_probs.device
         drafts = torch.as_tensor(draft_tokens, dtype=torch.int64, device=device).reshape(-1)
         if drafts.numel() != total_drafts:
             raise ValueError(
@@ -123,120 +218,28 @@ class DraftVerifier:
             raise ValueError(
                 f"draft_tokens must be < vocab ({vocab}) (negative = padding), got {int(drafts.max())}"
             )
-        sampled_with_drafts = any(not g and k > 0 for g, k in zip(greedy, ks))
         if draft_probs is not None and tuple(draft_probs.shape) != (total_drafts, vocab):
             raise ValueError(
                 f"draft_probs must be [sum(num_drafts)={total_drafts}, vocab={vocab}], got {tuple(draft_probs.shape)}"
             )
-        if sampled_with_drafts and draft_probs is None:
+        if draft_probs is None and any(not g and k > 0 for g, k in zip(greedy, ks)):
             raise ValueError(
                 "draft_probs is required when a sampled (temperature > 0) request verifies drafts"
             )
+        return drafts, _Packed(ks, seeds, base_positions, greedy, device)
 
-        # Flat draft d (request i, local j) is verified by target row d + i; request i's fresh row is
-        # offset_i + k_i + i.
-        req_of_draft = torch.repeat_interleave(
-            torch.arange(num_requests, device=device), torch.tensor(ks, device=device)
-        )
-        local_of_draft = [j for k in ks for j in range(k)]
-        verify_rows = torch.arange(total_drafts, device=device) + req_of_draft
-        draft_offsets = [0]
-        for k in ks:
-            draft_offsets.append(draft_offsets[-1] + k)
-        fresh_rows = [draft_offsets[i] + ks[i] + i for i in range(num_requests)]
-        greedy_of_draft = torch.tensor(
-            [bool(greedy[i]) for i in req_of_draft.tolist()], dtype=torch.bool, device=device
-        )
-
-        target = target_probs.double()
-        argmax = torch.argmax(target, dim=-1)  # first maximum = lowest id
-        valid = drafts >= 0
-        safe_drafts = drafts.clamp(min=0)
-
-        row_accepted = torch.zeros(total_drafts, dtype=torch.bool, device=device)
-        accept_probs = torch.zeros(total_drafts, dtype=torch.float64, device=device)
-        p_rows = q_rows = None
-        if total_drafts:
-            greedy_ok = valid & (argmax[verify_rows] == drafts)
-            row_accepted = torch.where(greedy_of_draft, greedy_ok, row_accepted)
-            accept_probs = torch.where(greedy_of_draft, greedy_ok.double(), accept_probs)
-        if sampled_with_drafts:
-            # Only sampled rows are normalised: greedy rows may carry logits and need only an argmax.
-            sampled_idx = (~greedy_of_draft).nonzero().squeeze(1)
-            p_rows = target[verify_rows].clone()
-            p_rows[sampled_idx] = self._normalise(p_rows[sampled_idx], "target_probs")
-            q_rows = draft_probs.to(device).double().clone()
-            q_rows[sampled_idx] = self._normalise(q_rows[sampled_idx], "draft_probs")
-            p_t = p_rows.gather(1, safe_drafts[:, None]).squeeze(1)
-            q_t = q_rows.gather(1, safe_drafts[:, None]).squeeze(1)
-            u = self._uniforms(
-                req_of_draft.tolist(), local_of_draft, seeds, base_positions, Purpose.ACCEPT, device
-            )
-            # Division-free form of U < min(1, p/q); q(t) = 0 accepts iff p(t) > 0.
-            sampled_ok = valid & (u * q_t < p_t)
-            row_accepted = torch.where(greedy_of_draft, row_accepted, sampled_ok)
-            overlap = torch.minimum(p_rows, q_rows * self.draft_scale).sum(-1).clamp(0.0, 1.0)
-            accept_probs = torch.where(greedy_of_draft, accept_probs, overlap)
-
-        forced = self._forced_rows(golden, ks, vocab)
-        if forced:
-            for (i, j), tok in forced.items():
-                if j < ks[i]:
-                    row_accepted[draft_offsets[i] + j] = bool(tok == int(drafts[draft_offsets[i] + j]))
-
-        accepted_list = row_accepted.tolist()
-        num_accepted = []
-        for i, k in enumerate(ks):
-            a = 0
-            while a < k and accepted_list[draft_offsets[i] + a]:
-                a += 1
-            num_accepted.append(a)
-
-        final_tokens = self._final_tokens(
-            target,
-            argmax,
-            ks,
-            num_accepted,
-            draft_offsets,
-            fresh_rows,
-            seeds,
-            base_positions,
-            greedy,
-            verify_rows,
-            p_rows,
-            q_rows,
-        )
-        for i in range(num_requests):
-            final_tokens[i] = forced.get((i, num_accepted[i]), final_tokens[i])
-        draft_list = drafts.tolist()
-        emitted = [
-            draft_list[draft_offsets[i] : draft_offsets[i] + num_accepted[i]] + [final_tokens[i]]
-            for i in range(num_requests)
-        ]
-        return VerifyResult(ks, num_accepted, final_tokens, emitted, row_accepted.cpu(), accept_probs.cpu())
-
-    def _final_tokens(
-        self,
-        target,
-        argmax,
-        ks,
-        num_accepted,
-        draft_offsets,
-        fresh_rows,
-        seeds,
-        base_positions,
-        greedy,
-        verify_rows,
-        p_rows,
-        q_rows,
-    ) -> list[int]:
-        num_requests = len(ks)
-        final = [0] * num_requests
+    def _final_tokens(self, target, argmax, batch: _Packed, num_accepted, p_rows, q_rows) -> list[int]:
+        """The token of each request's final row: its first rejected row, else its fresh row."""
+        final = [0] * len(batch.ks)
         fresh_sampled, residual = [], []
-        for i in range(num_requests):
-            rejected = num_accepted[i] < ks[i]
-            if greedy[i]:
-                row = verify_rows[draft_offsets[i] + num_accepted[i]] if rejected else fresh_rows[i]
+        for i, k in enumerate(batch.ks):
+            rejected = num_accepted[i] < k
+            if batch.greedy[i]:
+                row = (
+                    batch.verify_rows[batch.draft_offsets[i] + num_accepted[i]]
+                    if rejected
+                    else batch.fresh_rows[i]
+                )
                 final[i] = int(argmax[row])
             elif rejected:
                 residual.append(i)
@@ -244,25 +247,19 @@ class DraftVerifier:
                 fresh_sampled.append(i)
 
         if fresh_sampled:
-            # Identical to a plain decode sample of this row (same weights, same key at row k).
-            rows = [fresh_rows[i] for i in fresh_sampled]
-            weights = target[rows]
+            # Exactly a plain decode sample of this row: same weights, same rule, key at row k.
+            weights = target[[batch.fresh_rows[i] for i in fresh_sampled]]
             self._check_mass(weights, "target_probs")
-            fresh_row_index = [ks[i] for i in fresh_sampled]
-            u = self._uniforms(
-                fresh_sampled, fresh_row_index, seeds, base_positions, Purpose.SAMPLE, target.device
-            )
+            u = batch.uniforms(fresh_sampled, [batch.ks[i] for i in fresh_sampled], Purpose.SAMPLE)
             for i, tok in zip(fresh_sampled, inverse_cdf(weights, u).tolist()):
                 final[i] = tok
         if residual:
-            flat = [draft_offsets[i] + num_accepted[i] for i in residual]
+            flat = [batch.draft_offsets[i] + num_accepted[i] for i in residual]
             weights = (p_rows[flat] - q_rows[flat] * self.draft_scale).clamp(min=0.0)
-            rejected_at = [num_accepted[i] for i in residual]
-            u = self._uniforms(residual, rejected_at, seeds, base_positions, Purpose.RESIDUAL, target.device)
+            u = batch.uniforms(residual, [num_accepted[i] for i in residual], Purpose.RESIDUAL)
             tokens = inverse_cdf(weights, u)
             empty = weights.sum(-1) <= 0  # only through rounding: fall back to the target's argmax
-            fallback = argmax[verify_rows[flat]]
-            tokens = torch.where(empty, fallback, tokens)
+            tokens = torch.where(empty, argmax[batch.verify_rows[flat]], tokens)
             for i, tok in zip(residual, tokens.tolist()):
                 final[i] = tok
         return final
@@ -283,13 +280,6 @@ class DraftVerifier:
                 if int(tok) >= 0:
                     forced[(i, j)] = int(tok)
         return forced
-
-    @staticmethod
-    def _uniforms(requests, rows, seeds, base_positions, purpose, device) -> torch.Tensor:
-        """Uniforms for request `requests[n]` at its verification row `rows[n]`."""
-        positions = [int(base_positions[i]) + r * VERIFY_ROW_STRIDE for i, r in zip(requests, rows)]
-        u = stream_uniforms([seeds[i] for i in requests], positions, purpose)
-        return torch.from_numpy(u).to(device)
 
     @staticmethod
     def _check_mass(rows: torch.Tensor, name: str) -> torch.Tensor:
