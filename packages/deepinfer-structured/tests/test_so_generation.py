@@ -12,7 +12,7 @@ import deepinfer_structured as ds
 import jsonschema
 import pytest
 import torch
-from conftest import EOS_ID, VOCAB_SIZE
+from so_common import EOS_ID, VOCAB_SIZE
 from so_ebnf_parsers import ARITH_EBNF, CALLS_EBNF, recognises
 from so_random_model import RandomModel, closing_ids
 

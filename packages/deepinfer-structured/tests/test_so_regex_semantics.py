@@ -8,7 +8,7 @@ import re
 
 import deepinfer_structured as ds
 import pytest
-from conftest import EOS_ID
+from so_common import EOS_ID
 
 CASES = [  # (regex, text, accepted by our constraint)
     (r"a.c", "a\nc", True),

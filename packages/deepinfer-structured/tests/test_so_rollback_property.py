@@ -8,9 +8,9 @@ import random
 import deepinfer_structured as ds
 import pytest
 import torch
-from conftest import EOS_ID, VOCAB_SIZE
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from so_common import EOS_ID, VOCAB_SIZE
 
 WORDS = ds.bitmask_words(VOCAB_SIZE)
 
