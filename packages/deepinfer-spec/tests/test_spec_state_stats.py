@@ -55,6 +55,18 @@ def test_state_one_step_lifecycle():
     assert nxt.accept_rates == pytest.approx([0.5, 0.25, 0.125])
     assert state.draft_seed("a") == 1 + 1_000_000_007
 
+    # Preempted: drafts and history are dropped; the seed stays.
+    state.mark_scheduled(["a"])
+    state.discard("a")
+    fresh = state.varlen_inputs(["a"])[0]
+    assert (fresh.num_drafts, fresh.has_draft_info, fresh.schedule_cnt, fresh.prev_accept_rates) == (
+        0,
+        False,
+        0,
+        [],
+    )
+    assert state.draft_seed("a") == 1 + 1_000_000_007
+
 
 def test_stats_against_hand_computed_values():
     stats = SpecStats(nextn=3)

@@ -84,6 +84,12 @@ class SpecDecodeState:
     def remove(self, seq_id: Hashable) -> None:
         self._requests.pop(seq_id, None)
 
+    def discard(self, seq_id: Hashable) -> None:
+        """Forget a request's drafts and history, e.g. when it is preempted and will be recomputed:
+        it restarts like a fresh request (no drafts until the drafter proposes again)."""
+        seed = self._get(seq_id).seed
+        self._requests[seq_id] = _Request(seed=seed)
+
     def __contains__(self, seq_id: Hashable) -> bool:
         return seq_id in self._requests
 
