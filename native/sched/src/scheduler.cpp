@@ -418,7 +418,12 @@ std::shared_ptr<StepOutput> Scheduler::schedule() {
   for (const StepEntry& e : out->entries) {
     if (e.prefill) st_.last_num_prefill_tokens += e.q;
   }
-  inflight_.push_back(out);
+  // An empty step carries nothing to process: it is not counted as unprocessed (updating it is
+  // optional and only collects finishes reported outside update_from_output).
+  if (!out->entries.empty()) {
+    out->tracked = true;
+    inflight_.push_back(out);
+  }
   return out;
 }
 
@@ -512,6 +517,12 @@ std::vector<FinishedSeq> Scheduler::update_from_output(const StepOutput& out, co
                                                        const int32_t* counts, int32_t num_counts,
                                                        int64_t num_sampled) {
   if (out.superseded) bad("update_from_output: this step output was replaced by reconcile(); pass that one");
+  if (!out.tracked && out.entries.empty()) {
+    if (num_counts != 0 || num_sampled != 0) bad("update_from_output: the step is empty; no tokens expected");
+    std::vector<FinishedSeq> finished;
+    finished.swap(finished_in_schedule_);
+    return finished;
+  }
   if (inflight_.empty() || inflight_.front().get() != &out) {
     bad("update_from_output: step outputs must be processed once each, in the order schedule() returned them");
   }
@@ -548,6 +559,7 @@ std::vector<FinishedSeq> Scheduler::update_from_output(const StepOutput& out, co
   }
   auto keep = inflight_.front();  // `out` stays valid while we work
   inflight_.pop_front();
+  keep->tracked = false;
 
   std::vector<FinishedSeq> finished;
   finished.swap(finished_in_schedule_);
@@ -604,8 +616,11 @@ std::vector<FinishedSeq> Scheduler::update_from_output(const StepOutput& out, co
   return finished;
 }
 
-std::shared_ptr<StepOutput> Scheduler::reconcile(const StepOutput& out) {
+std::shared_ptr<StepOutput> Scheduler::reconcile(const std::shared_ptr<StepOutput>& ptr) {
+  if (!ptr) bad("reconcile: sched_output must be a SchedulerOutput, got None");
+  const StepOutput& out = *ptr;
   if (out.superseded) bad("reconcile: this step output was already replaced by reconcile()");
+  if (!out.tracked && out.entries.empty()) return ptr;  // nothing to fix in an empty step
   if (inflight_.size() != 1 || inflight_.front().get() != &out) {
     bad("reconcile: only the single unprocessed step can be reconciled, after update_from_output of the "
         "step before it");
@@ -651,7 +666,10 @@ std::shared_ptr<StepOutput> Scheduler::reconcile(const StepOutput& out) {
   inflight_.pop_front();
   fill_arrays(*fresh, drafts);
   for (Sequence* s : consumed) s->draft_tokens.clear();
-  const_cast<StepOutput&>(out).superseded = true;
+  ptr->superseded = true;
+  ptr->tracked = false;
+  if (fresh->entries.empty()) return fresh;  // everything finished meanwhile: nothing to process
+  fresh->tracked = true;
   inflight_.push_back(fresh);
   return fresh;
 }

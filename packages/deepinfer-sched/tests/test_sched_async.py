@@ -119,3 +119,16 @@ def test_device_side_fill_without_reconcile_gives_the_same_tokens():
     for spec in specs:
         assert sched.output_token_ids(spec.seq_id).tolist() == expected_stream(spec, 48, V)[0]
     assert sched.stats()["num_preemptions"] > 0
+
+
+def test_empty_steps_need_no_update():
+    sched, model = make()
+    empty = sched.schedule()
+    assert empty.is_empty and sched.num_inflight_steps == 0
+    assert sched.update_from_output(empty, np.zeros(0, dtype=np.int32)) == []  # allowed, a no-op
+    assert sched.reconcile(empty) is empty
+    sid = sched.add_request([1, 2], max_tokens=1)
+    out = sched.schedule()
+    assert sched.num_inflight_steps == 1
+    assert sched.update_from_output(out, model.run(sched, out)) == [(sid, "length")]
+    assert sched.num_inflight_steps == 0

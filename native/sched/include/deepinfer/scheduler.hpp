@@ -53,6 +53,7 @@ struct StepEntry {
 struct StepOutput {
   int64_t step_id = 0;
   bool superseded = false;  // replaced by Scheduler::reconcile
+  bool tracked = false;     // counted as unprocessed (empty steps are not)
   std::vector<StepEntry> entries;
 
   std::vector<int64_t> seq_ids;
@@ -117,7 +118,7 @@ class Scheduler {
                                               const int32_t* counts, int32_t num_counts, int64_t num_sampled);
   // Rebuilds the one unprocessed step (scheduled ahead) with exact inputs after the step before it
   // was processed: drops sequences that finished, fixes positions and token ids.
-  std::shared_ptr<StepOutput> reconcile(const StepOutput& out);
+  std::shared_ptr<StepOutput> reconcile(const std::shared_ptr<StepOutput>& out);
 
   const Sequence& get(int64_t seq_id) const;
   bool has_unfinished() const { return num_unfinished_ > 0; }
