@@ -6,7 +6,10 @@ import pytest
 from deepinfer.cli import main
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["bench", "--help"]])
+@pytest.mark.parametrize(
+    "argv",
+    [["--help"], ["generate", "--help"], ["bench", "--help"], ["launch", "--help"], ["eval", "--help"]],
+)
 def test_help(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)

@@ -80,3 +80,18 @@ def test_token_blacklist_syntax():
     assert envs.parse_token_ranges("1..3,7, 9..9") == [1, 2, 3, 7, 9]
     with pytest.raises(ValueError, match="BLACKLIST"):
         envs.parse_token_ranges("5,3")
+
+
+def test_reference_engine_knobs_accepted_or_rejected_by_name():
+    args = EngineArgs(
+        served_model_name="x", trust_remote_code=True, gpu_memory_utilization=0.5, data_parallel_size=1
+    )
+    assert args.gpu_memory_utilization == 0.5
+    for field, value in [
+        ("expert_parallel_size", 8),
+        ("context_parallel_size", 2),
+        ("engine_type", "prompt"),
+        ("gpu_memory_utilization", 1.5),
+    ]:
+        with pytest.raises(ValueError, match=field):
+            EngineArgs(**{field: value})

@@ -57,6 +57,18 @@ class EngineArgs:
         default=None, metadata={"help": "torch intra-op threads (default: torch's)"}
     )
     disable_log_stats: bool = field(default=True, metadata={"help": "no periodic stats log lines"})
+    # Reference knobs accepted for compatibility; values this engine cannot honour are rejected.
+    served_model_name: str = field(default="deepinfer-model", metadata={"help": "name reported in outputs"})
+    trust_remote_code: bool = field(default=False, metadata={"help": "accepted; no remote code is ever run"})
+    gpu_memory_utilization: float = field(default=0.9, metadata={"help": "accepted; unused on the CPU path"})
+    data_parallel_size: int = field(
+        default=0, metadata={"help": "0/1 only in this engine (DP: several engines)"}
+    )
+    context_parallel_size: int = field(default=1, metadata={"help": "1 only in this engine"})
+    expert_parallel_size: int = field(default=1, metadata={"help": "1 only in this engine"})
+    engine_type: str = field(
+        default="normal", metadata={"help": "normal only (prompt / completion: PD split)"}
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size"):
@@ -71,6 +83,25 @@ class EngineArgs:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.dtype not in ("float32", "bfloat16", "float64"):
             raise ValueError(f"dtype must be float32, bfloat16 or float64, got {self.dtype!r}")
+        if (
+            not isinstance(self.gpu_memory_utilization, int | float)
+            or not 0 < self.gpu_memory_utilization <= 1
+        ):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        for name, allowed in (
+            ("data_parallel_size", (0, 1)),
+            ("context_parallel_size", (1,)),
+            ("expert_parallel_size", (1,)),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"{name} must be one of {allowed} in this engine (multi-process parallelism is not wired in yet), "
+                    f"got {getattr(self, name)!r}"
+                )
+        if str(self.engine_type).lower() != "normal":
+            raise ValueError(
+                f"engine_type must be 'normal' (prompt / completion engines are not wired in), got {self.engine_type!r}"
+            )
         if self.model is None:
             self.model = envs.DEEPINFER_HF_MODEL_DIR
 
@@ -90,7 +121,7 @@ class EngineArgs:
                     flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
                 )
             else:
-                kind = int if "int" in str(f.type) else str
+                kind = int if "int" in str(f.type) else float if "float" in str(f.type) else str
                 group.add_argument(flag, type=kind, default=f.default, help=help_text)
         return parser
 
