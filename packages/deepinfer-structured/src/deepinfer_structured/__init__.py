@@ -6,6 +6,7 @@ Public API (see README.md for the engine-loop recipe):
     GrammarCompileService, PendingGrammar
     GrammarState, Phase
     BatchMasker, MaskRequest, StepMasks, apply_bitmask_inplace
+    StructuredOutputManager (all of the above keyed by request id, for the engine loop)
 """
 
 from .batch import (
@@ -20,6 +21,7 @@ from .batch import (
 from .compiler import GrammarCompileService, PendingGrammar
 from .errors import StructuredOutputError
 from .grammar_state import GrammarState, Phase
+from .manager import StructuredOutputManager
 from .regex_audit import audit_regex
 from .schema_audit import ENFORCED_FORMATS, audit_json_schema
 from .so_args import SCHEMA_TYPES, StructuredOutputRequest, parse_so_args
@@ -38,6 +40,7 @@ __all__ = [
     "Phase",
     "StepMasks",
     "StructuredOutputError",
+    "StructuredOutputManager",
     "StructuredOutputRequest",
     "apply_bitmask_inplace",
     "apply_bitmask_torch",
