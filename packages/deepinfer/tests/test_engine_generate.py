@@ -263,3 +263,22 @@ def test_preemption_by_recompute_gives_the_same_tokens(micro_checkpoint, use_asy
             preemptions = llm.engine.scheduler_stats()["num_preemptions"]
     assert preemptions > 0
     assert results[0] == results[1]
+
+
+def test_golden_tokens_are_emitted_then_sampling_continues(llm_sync):
+    golden = [11, 22, 33]
+    out = llm_sync.generate(
+        prompt_token_ids=PROMPTS[0],
+        sampling_params=SamplingParams(
+            temperature=0.0, max_tokens=5, ignore_eos=True, golden_token_ids=golden, logprobs=0
+        ),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert out.token_ids[:3] == golden
+    # after the forced prefix, greedy decoding continues from it
+    ref = _greedy_reference(llm_sync.engine.model, PROMPTS[0] + golden, 2)
+    assert out.token_ids[3:] == ref
+    forced_lp = torch.log_softmax(llm_sync.engine.model.forward(torch.tensor(PROMPTS[0]))[-1].double(), -1)[
+        11
+    ]
+    assert out.logprobs[0] == pytest.approx(float(forced_lp), abs=1e-5)
