@@ -8,7 +8,9 @@ the last position. It is the reference a paged / cached runtime must reproduce.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -22,7 +24,23 @@ from .drafter_heads import confidence_temperatures, target_features
 from .engram import EngramHasher, engram_inject
 from .engram_vocab import CompressedVocabulary
 from .kv_quant import KVQuant
-from .weights import V41Weights
+from .weights import BlockWeights, V41Weights
+
+# moe_fn(layer, block_weights, y [T, H]) -> [T, H]: the backbone MoE of one layer (default: `moe_ffn`
+# on all experts; deepinfer_model.parallel.ExpertParallelMoE runs it expert-parallel).
+MoEFn = Callable[[int, BlockWeights, torch.Tensor], torch.Tensor]
+
+
+class RowSplit(Protocol):
+    """Context-parallel prefill: this rank keeps some rows of the sequence between attention layers.
+
+    `local(full [T, ...])` -> this rank's rows; `gather(local)` -> all rows in sequence order (collective).
+    deepinfer_model.parallel.MirrorRows implements it with the balanced mirror split.
+    """
+
+    def local(self, full: torch.Tensor) -> torch.Tensor: ...
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass
@@ -48,9 +66,11 @@ class DeepseekV41ForCausalLM:
         vocab: CompressedVocabulary | None = None,
         act_dtype: torch.dtype = torch.float32,
         quantize_kv: bool = False,
+        moe_fn: MoEFn | None = None,
     ):
         """`act_dtype` sets the activation rounding points (FP32: none; BF16: the engine's); `quantize_kv`
-        also rounds every cached KV value to its cache format (FP8 SWA, FP4 main KV, FP4 index Q/K)."""
+        also rounds every cached KV value to its cache format (FP8 SWA, FP4 main KV, FP4 index Q/K);
+        `moe_fn` replaces the backbone MoE (e.g. expert parallel), default: all experts in-process."""
         if config.engram is not None and vocab is None:
             raise ValueError(
                 "this config has Engram layers: pass the compressed vocabulary of its tokenizer.json"
@@ -60,6 +80,11 @@ class DeepseekV41ForCausalLM:
         self.act_dtype = act_dtype
         self.kvq = KVQuant(enabled=quantize_kv, fp4_main_kv=config.use_fp4_sparse_kv)
         self.engram = EngramHasher(config.engram, vocab) if config.engram else None
+        self.moe_fn: MoEFn = moe_fn or self.local_moe
+
+    def local_moe(self, layer: int, blk: BlockWeights, y: torch.Tensor) -> torch.Tensor:
+        """The backbone MoE of `layer` with every routed expert in this process."""
+        return moe_ffn(self.config, blk, y, self.config.num_experts_per_tok, self.act_dtype)
 
     @classmethod
     def from_pretrained(cls, path, act_dtype: torch.dtype = torch.float32) -> DeepseekV41ForCausalLM:
@@ -79,6 +104,7 @@ class DeepseekV41ForCausalLM:
         yoco_keep_tokens: int | None = None,
         backtracking_tokens: int = 6,
         logit_rows: torch.Tensor | list[int] | None = None,
+        row_split: RowSplit | None = None,
     ) -> V41Output:
         """Logits for every position of one sequence; with `num_draft_tokens > 0` also draft that many
         tokens after `next_token` (default: the greedy next token of the last position).
@@ -89,12 +115,18 @@ class DeepseekV41ForCausalLM:
 
         `logit_rows` computes logits only for those positions (e.g. `[-1]` for a prefill that samples the
         last token; `out.logits` is then `[len(logit_rows), V]`); the draft always uses the last position.
+
+        `row_split` (context parallel): per-token work (mHC, Engram, MoE) runs on this rank's rows only;
+        each attention layer gathers its input rows, attends over the whole sequence and keeps its rows;
+        the final hidden state is gathered, so every rank returns the full output.
         """
         cfg, w, act = self.config, self.weights, self.act_dtype
         ids = torch.as_tensor(token_ids, dtype=torch.long)
         x0 = embed(ids, w.embed)
         if x0.shape[0] == 0:
             raise ValueError("token_ids must hold at least one token")
+        split = row_split or _NO_SPLIT
+        x0 = split.local(x0)
         positions = torch.arange(ids.shape[0])
         rect_lo = self._yoco_rect_lo(ids.shape[0], yoco_keep_tokens, backtracking_tokens)
         rows = self.engram.rows(ids) if self.engram else {}
@@ -105,11 +137,14 @@ class DeepseekV41ForCausalLM:
         hc = ShiftedHC(x0, cfg)
         for layer, blk in enumerate(w.layers):
             if blk.engram is not None:
-                hc.trunk = engram_inject(hc.trunk, rows[layer], blk.engram, cfg.rms_norm_eps, act)
+                hc.trunk = engram_inject(
+                    hc.trunk, split.local(rows[layer]), blk.engram, cfg.rms_norm_eps, act
+                )
             if layer in targets:
                 feats[layer] = target_features(hc.trunk, act)
 
             def attention(y, layer=layer, blk=blk):
+                y = split.gather(y)
                 if layer == cfg.n_prefill_layer:
                     state.shared_hidden = y  # YOCO: consumer-half compressed KV is projected from S
                 out, tr = layer_attention(
@@ -124,21 +159,21 @@ class DeepseekV41ForCausalLM:
                     rect_lo if cfg.topology.is_consumer_half(layer) else 0,
                 )
                 traces.append(tr)
-                return out
+                return split.local(out)
 
             hc.sublayer(blk.hc_attn, blk.attn_norm, attention, act)
             hc.sublayer(
                 blk.hc_ffn,
                 blk.ffn_norm,
-                lambda y, blk=blk: moe_ffn(cfg, blk, y, cfg.num_experts_per_tok, act),
+                lambda y, layer=layer, blk=blk: self.moe_fn(layer, blk, y),
                 act,
             )
-        hidden = rms_norm(hc.final(act), w.norm, cfg.rms_norm_eps, act)
+        hidden = rms_norm(split.gather(hc.final(act)), w.norm, cfg.rms_norm_eps, act)
         rows = hidden if logit_rows is None else hidden[self._rows(logit_rows, hidden.shape[0])]
         logits = (rows @ w.head.double().t()).float()  # FP32 logits (§2.1)
         out = V41Output(logits=logits, hidden=hidden, trace=traces if return_trace else None)
         if w.drafter is not None:
-            out.features = torch.cat([feats[t] for t in targets], dim=1)
+            out.features = split.gather(torch.cat([feats[t] for t in targets], dim=1))
             out.main_keys = main_keys(cfg, w.drafter, out.features, positions, act, self.kvq)
             if num_draft_tokens:
                 if not 1 <= num_draft_tokens <= 32:
@@ -192,3 +227,16 @@ class DeepseekV41ForCausalLM:
         return max(0, n - keep)
 
     __call__ = forward
+
+
+class _WholeSequence:
+    """The default `RowSplit`: one process holds every row."""
+
+    def local(self, full: torch.Tensor) -> torch.Tensor:
+        return full
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        return local
+
+
+_NO_SPLIT = _WholeSequence()
