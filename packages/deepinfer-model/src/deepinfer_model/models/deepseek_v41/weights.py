@@ -58,9 +58,14 @@ class V41Weights:
     drafter: DrafterWeights | None
 
     @classmethod
-    def from_tensors(cls, cfg: DeepseekV41Config, get: Getter) -> V41Weights:
+    def from_tensors(
+        cls, cfg: DeepseekV41Config, get: Getter, local_experts: Callable[[int], list[int]] | None = None
+    ) -> V41Weights:
+        """`local_experts(layer)` (expert parallel): the logical expert of each local physical slot; the
+        backbone's routed expert stacks then hold only those, in slot order (default: all experts)."""
         layers = [
-            _block(cfg, get, f"layers.{i}.", i, cfg.n_routed_experts) for i in range(cfg.num_hidden_layers)
+            _block(cfg, get, f"layers.{i}.", i, cfg.n_routed_experts, local_experts and local_experts(i))
+            for i in range(cfg.num_hidden_layers)
         ]
         drafter = None
         if cfg.dspark:
@@ -87,7 +92,14 @@ def _hc(get: Getter, p: str, side: str) -> HCParams:
     )
 
 
-def _block(cfg: DeepseekV41Config, get: Getter, p: str, layer: int | None, n_experts: int) -> BlockWeights:
+def _block(
+    cfg: DeepseekV41Config,
+    get: Getter,
+    p: str,
+    layer: int | None,
+    n_experts: int,
+    expert_ids: list[int] | None = None,
+) -> BlockWeights:
     a, f = p + "attn.", p + "ffn."
     attn = AttentionWeights(
         wq_a=get(a + "wq_a.weight"),
@@ -99,7 +111,8 @@ def _block(cfg: DeepseekV41Config, get: Getter, p: str, layer: int | None, n_exp
         wo_b=get(a + "wo_b.weight"),
         sinks=get(a + "attn_sink"),
     )
-    experts = [[get(f"{f}experts.{e}.{n}.weight") for e in range(n_experts)] for n in ("w1", "w3", "w2")]
+    ids = range(n_experts) if expert_ids is None else expert_ids
+    experts = [[get(f"{f}experts.{e}.{n}.weight") for e in ids] for n in ("w1", "w3", "w2")]
     blk = BlockWeights(
         attn_norm=get(p + "attn_norm.weight"),
         ffn_norm=get(p + "ffn_norm.weight"),
