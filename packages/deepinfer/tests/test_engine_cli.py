@@ -53,3 +53,45 @@ def test_generate_jsonl_round_trip(real_vocab_checkpoint, tmp_path, capsys):
     assert records[3]["error"] and "top_k" in records[3]["error"] and records[3]["outputs"] == []
     assert records[0]["metrics"]["ttft_s"] >= 0
     assert "output tokens/s" in capsys.readouterr().err
+
+
+def test_ctrl_c_during_generate_exits_cleanly(micro_checkpoint, tmp_path):
+    """A real SIGINT while the model runs: exit status 130, a one-line message, no traceback."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    src = tmp_path / "many.jsonl"
+    src.write_text("".join(json.dumps({"prompt_token_ids": [0, 5, 6, 7, 8, 9 + i]}) + "\n" for i in range(8)))
+    cmd = [
+        sys.executable,
+        "-m",
+        "deepinfer.cli",
+        "generate",
+        "--input",
+        str(src),
+        "--model",
+        str(micro_checkpoint),
+        "--max-tokens",
+        "200",
+        "--ignore-eos",
+        "--block-size",
+        "16",
+        "--max-model-len",
+        "256",
+        "--num-threads",
+        "1",
+    ]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.time() + 60
+    seen = ""
+    while "loaded" not in seen and time.time() < deadline:  # the model is loaded: generation starts
+        seen += proc.stderr.readline()
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err
