@@ -544,6 +544,12 @@ std::vector<FinishedSeq> Scheduler::update_from_output(const StepOutput& out, co
         bad("update_from_output: seq " + S(e.seq->seq_id) + " must receive between " + S(min_c) + " and " + S(max_c) +
             " sampled tokens (accepted drafts + 1), got " + S(c));
       }
+      for (int32_t j = 0; j < (e.prefill ? std::min(c, 1) : c); ++j) {
+        if (sampled[total + j] < 0) {
+          bad("update_from_output: seq " + S(e.seq->seq_id) + " got a negative token id (" +
+              S(sampled[total + j]) + ")");
+        }
+      }
       for (int32_t j = 0; j + 1 < c; ++j) {  // accepted drafts must be the drafts that were fed
         const int32_t fed = out.input_ids[e.token_offset + 1 + j];
         if (fed >= 0 && fed != sampled[total + j]) {

@@ -112,6 +112,8 @@ def test_malformed_sampled_tokens_leave_no_trace():
         sched.update_from_output(out, np.array([1], dtype=np.int32))
     with pytest.raises(ValueError, match="must receive between 1 and 1"):
         sched.update_from_output(out, [[1, 2], [3]])
+    with pytest.raises(ValueError, match=r"negative token id \(-1\)"):
+        sched.update_from_output(out, np.array([9, -1], dtype=np.int32))
     sched.update_from_output(out, [[9], [8]])  # the step is still pending and can be processed
     sched.set_draft_tokens(a, [10, 11])
     with pytest.raises(ValueError, match="at most num_speculative_tokens = 2"):
