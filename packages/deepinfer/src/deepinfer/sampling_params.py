@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from deepinfer_model.sampling import normalize_seed, validate_sampling_fields
@@ -39,7 +39,6 @@ class SamplingParams:
     seq_seed: int | None = None
     so_args: dict[str, Any] | None = None
     golden_token_ids: list[int] | None = None  # teacher forcing: emitted instead of sampled tokens
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
