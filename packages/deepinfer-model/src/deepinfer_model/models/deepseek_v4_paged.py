@@ -13,18 +13,27 @@ compressed layers `hidden.L` (compressor input of every token: the state of inco
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..config import SLIDING, AttentionSpec, ModelConfig
 from ..layers import attention as attn
 from ..layers import mhc
 from ..layers.embedding import embed
-from ..layers.indexer import index_queries, index_scores, select_topk, selection_mask
+from ..layers.indexer import index_queries, select_topk, selection_mask
 from ..layers.moe import moe_block
 from ..layers.norm import rms_norm
 from ..layers.rope import cos_sin
 from ..numerics import linear, round_to
-from ..runtime.incremental import compressed_entries, new_entries, swa_keys
+from ..runtime.groups import (
+    attend,
+    compress_new,
+    compressed_entries,
+    grouped_index_scores,
+    make_groups,
+    swa_keys,
+)
+from ..runtime.incremental import new_entries
 from ..runtime.metadata import StepMetadata, entries_per_block
 from ..runtime.pools import PagedKVCache, PoolSpec
 from .deepseek_v4 import DeepseekV4Model, LayerWeights
@@ -44,11 +53,28 @@ def v4_cache_specs(cfg: ModelConfig, block_size: int) -> list[PoolSpec]:
     return specs
 
 
+def _write_overlapping_entries(layer, y, meta, cache, w: LayerWeights, spec: AttentionSpec, eps, act) -> None:
+    """CSA's overlapping compressor pools two blocks per entry: continue it per sequence (only those
+    whose block completes in this step)."""
+    r = spec.compress_ratio
+    done = np.flatnonzero(meta.ends // r > meta.starts // r)
+    for i in done.tolist():
+        x = y[meta.rows(i)]
+        args = (r, True, spec.rope, eps, act)
+        first, entries = new_entries(cache, meta, i, f"hidden.{layer}", x, w.compressor, *args)
+        slots = meta.entry_slots(i, first, first + entries.keys.shape[0], r)
+        cache.write(f"comp.{layer}", slots, entries.keys)
+        if w.indexer is not None:
+            idx = new_entries(cache, meta, i, f"hidden.{layer}", x, w.indexer.compressor, *args)[1]
+            cache.write(f"index_k.{layer}", slots, idx.keys)
+
+
 def _attention(
     layer: int,
     y: torch.Tensor,
     meta: StepMetadata,
     cache: PagedKVCache,
+    groups: list,
     w: LayerWeights,
     spec: AttentionSpec,
     cfg: ModelConfig,
@@ -62,37 +88,29 @@ def _attention(
     if compressed:
         r = spec.compress_ratio
         cache.write(f"hidden.{layer}", meta.write_slots, y)
-        for i in range(meta.num_seqs):
-            x = y[meta.rows(i)]
-            args = (spec.compress_ratio, spec.overlap, spec.rope, eps, act)
-            new = new_entries(cache, meta, i, f"hidden.{layer}", x, w.compressor, *args)
-            if new is None:
-                continue
-            first, entries = new
-            slots = meta.entry_slots(i, first, first + entries.keys.shape[0], r)
-            cache.write(f"comp.{layer}", slots, entries.keys)
-            if w.indexer is not None:
-                idx = new_entries(cache, meta, i, f"hidden.{layer}", x, w.indexer.compressor, *args)[1]
-                cache.write(f"index_k.{layer}", slots, idx.keys)
+        if spec.overlap:
+            _write_overlapping_entries(layer, y, meta, cache, w, spec, eps, act)
+        else:
+            new = compress_new(cache, meta, f"hidden.{layer}", y, w.compressor, r, spec.rope, eps, act)
+            if new is not None:
+                cache.write(f"comp.{layer}", new.slots, new.keys)
         if w.indexer is not None:
             qi = index_queries(q_lat, w.indexer, cfg.index_n_heads, cos, sin, act)
             head_w = linear(y, w.indexer.weights_proj, act)
-    outs = []
-    for i in range(meta.num_seqs):
-        rows = meta.rows(i)
-        keys, visible = swa_keys(cache, meta, i, f"swa.{layer}", cfg.sliding_window)
+    out = torch.empty(y.shape[0], cfg.num_attention_heads, cfg.head_dim, dtype=torch.float64)
+    for g in groups:
+        keys, visible = swa_keys(cache, meta, g, f"swa.{layer}", cfg.sliding_window)
         if compressed:
-            entries, comp_visible = compressed_entries(cache, meta, i, f"comp.{layer}", r)
+            entries, comp_visible = compressed_entries(cache, meta, g, f"comp.{layer}", r)
             if w.indexer is not None:
-                index_k = compressed_entries(cache, meta, i, f"index_k.{layer}", r)[0]
-                scores = index_scores(qi[rows], index_k, head_w[rows], cfg.index_score_scale)
+                index_k = compressed_entries(cache, meta, g, f"index_k.{layer}", r)[0]
+                scores = grouped_index_scores(qi, index_k, head_w, g, cfg.index_score_scale)
                 selected = select_topk(scores, comp_visible, cfg.index_topk)
-                comp_visible = selection_mask(selected, entries.shape[0])
-            keys = torch.cat((keys, entries))
+                comp_visible = selection_mask(selected, entries.shape[1])
+            keys = torch.cat((keys, entries), dim=1)
             visible = torch.cat((visible, comp_visible), dim=1)
-        outs.append(attn.sink_attention(q[rows], keys, visible, w.attn.sinks, cfg.head_dim**-0.5))
-    o = round_to(torch.cat(outs), act)
-    return attn.project_output(o, w.attn, cfg.o_groups, cos, sin, act)
+        out[g.packed_rows] = attend(q, keys, visible, g, w.attn.sinks, cfg.head_dim**-0.5)
+    return attn.project_output(round_to(out, act), w.attn, cfg.o_groups, cos, sin, act)
 
 
 @torch.inference_mode()
@@ -102,10 +120,11 @@ def v4_paged_forward(model: DeepseekV4Model, meta: StepMetadata, cache: PagedKVC
     ids = meta.input_ids
     trunk = mhc.expand(round_to(embed(ids, model.embed), act), cfg.hc_mult)
     hc_args = (cfg.hc_eps, cfg.rms_norm_eps, cfg.hc_sinkhorn_iters)
+    groups = make_groups(meta)
     for layer, (spec, w) in enumerate(zip(cfg.attention, model.layers)):
         pre, post, comb = mhc.mixes(trunk, w.attn_hc, *hc_args)
         y = rms_norm(mhc.read(trunk, pre, act), w.attn_norm, cfg.rms_norm_eps, act)
-        a = _attention(layer, y, meta, cache, w, spec, cfg, act)
+        a = _attention(layer, y, meta, cache, groups, w, spec, cfg, act)
         trunk = mhc.write(a, trunk, post, comb, act)
         pre, post, comb = mhc.mixes(trunk, w.ffn_hc, *hc_args)
         y = rms_norm(mhc.read(trunk, pre, act), w.ffn_norm, cfg.rms_norm_eps, act)

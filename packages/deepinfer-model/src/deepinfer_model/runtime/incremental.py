@@ -1,7 +1,7 @@
-"""The cached pieces every model shares: continue a compressor across steps, gather a query's keys.
+"""Continue an overlapping compressor (public V4 CSA) for one sequence across steps.
 
-Each function works on one sequence `i` of the packed step (a per-sequence loop in the model, never a
-per-token one) and reproduces exactly what the stateless forward computes for those positions.
+Non-overlapping compressors are continued for all sequences at once (`groups.compress_new`); CSA's
+entries also pool the previous block, so they are continued per sequence whose block completes.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from ..config import RopeSpec
-from ..layers.attention import compressed_visible, sliding_window_visible
 from ..layers.compressor import Compressed, CompressorWeights, compress
 from .metadata import StepMetadata
 from .pools import PagedKVCache
@@ -48,19 +47,3 @@ def new_entries(
     if overlap and b0:
         prev, x = x[:ratio], x[ratio:]
     return first, compress(x, w, ratio, overlap, rope, eps, b0, act_dtype, prev_block=prev)
-
-
-def swa_keys(cache: PagedKVCache, meta: StepMetadata, i: int, pool: str, window: int):
-    """(keys [S, D], visible [q, S]) of the sliding window of sequence `i`'s queries."""
-    start, end = int(meta.starts[i]), int(meta.ends[i])
-    lo = max(0, start - window + 1)
-    q_pos = meta.positions[meta.rows(i)]
-    keys = cache.read(pool, meta.token_slots(i, lo, end))
-    return keys, sliding_window_visible(q_pos, torch.arange(lo, end), window)
-
-
-def compressed_entries(cache: PagedKVCache, meta: StepMetadata, i: int, pool: str, ratio: int):
-    """(entries [n, d], visible [q, n]) of every compressed entry sequence `i` has after this step."""
-    n = int(meta.ends[i]) // ratio
-    entries = cache.read(pool, meta.entry_slots(i, 0, n, ratio))
-    return entries, compressed_visible(meta.positions[meta.rows(i)], n, ratio)

@@ -81,6 +81,20 @@ class StepMetadata:
         """Packed rows of sequence `i`."""
         return slice(int(self.offsets[i]), int(self.offsets[i + 1]))
 
+    def token_slots_of(self, seq: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """Flat token slots of positions `pos` of sequences `seq` (broadcast together)."""
+        return self.tables[seq, pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def entry_slots_of(self, seq: np.ndarray, j: np.ndarray, ratio: int) -> np.ndarray:
+        """Flat entry-pool slots of compressed entries `j` of sequences `seq` (broadcast together).
+
+        Entry j (tokens j*r .. j*r+r-1) lives in the block holding token j*r, so freeing, sharing and
+        reusing blocks moves compressed entries together with the tokens they summarise.
+        """
+        first = j * ratio
+        per_block = entries_per_block(self.block_size, ratio)
+        return self.tables[seq, first // self.block_size] * per_block + (first % self.block_size) // ratio
+
     def token_slots(self, i: int, lo: int, hi: int) -> torch.Tensor:
         """Flat token slots of sequence `i`'s positions lo .. hi-1."""
         pos = np.arange(lo, hi, dtype=np.int64)
@@ -89,16 +103,8 @@ class StepMetadata:
         )
 
     def entry_slots(self, i: int, lo: int, hi: int, ratio: int) -> torch.Tensor:
-        """Flat slots of sequence `i`'s compressed entries lo .. hi-1 in a pool of ratio `ratio`.
-
-        Entry j (tokens j*r .. j*r+r-1) lives in the block holding token j*r, so freeing, sharing and
-        reusing blocks moves compressed entries together with the tokens they summarise.
-        """
-        per_block = entries_per_block(self.block_size, ratio)
-        first = np.arange(lo, hi, dtype=np.int64) * ratio
-        return torch.from_numpy(
-            self.tables[i, first // self.block_size] * per_block + (first % self.block_size) // ratio
-        )
+        """Flat slots of sequence `i`'s compressed entries lo .. hi-1 in a pool of ratio `ratio`."""
+        return torch.from_numpy(self.entry_slots_of(i, np.arange(lo, hi, dtype=np.int64), ratio))
 
 
 def entries_per_block(block_size: int, ratio: int) -> int:

@@ -22,13 +22,21 @@ from __future__ import annotations
 
 import torch
 
-from ...layers.attention import project_latent, project_output, project_query, sink_attention
+from ...layers.attention import project_latent, project_output, project_query
 from ...layers.embedding import embed
-from ...layers.indexer import index_queries, index_scores, select_topk, selection_mask
+from ...layers.indexer import index_queries, select_topk, selection_mask
 from ...layers.norm import rms_norm
 from ...layers.rope import cos_sin
 from ...numerics import linear, round_to
-from ...runtime.incremental import compressed_entries, new_entries, swa_keys
+from ...runtime.groups import (
+    NewEntries,
+    attend,
+    compress_new,
+    compressed_entries,
+    grouped_index_scores,
+    make_groups,
+    swa_keys,
+)
 from ...runtime.metadata import StepMetadata, entries_per_block
 from ...runtime.pools import TOKEN_IDS, PagedKVCache, PoolSpec
 from .blocks import ShiftedHC, moe_ffn
@@ -57,12 +65,13 @@ def v41_cache_specs(model: DeepseekV41ForCausalLM, block_size: int) -> list[Pool
 
 
 class _StepState:
-    """Cross-layer values of this step, per sequence (the paged counterpart of `CrossLayerState`)."""
+    """Cross-layer values of this step (the paged counterpart of `CrossLayerState`), packed per token."""
 
-    def __init__(self, num_seqs: int) -> None:
-        self.fresh: dict[int, list] = {}  # kv source -> per sequence (first entry, new Compressed) | None
-        self.selection: dict[int, list] = {}  # index source -> per sequence top-k [q, k]
-        self.candidates: list = [None] * num_seqs
+    def __init__(self, meta: StepMetadata) -> None:
+        self.groups = make_groups(meta)
+        self.fresh: dict[int, NewEntries | None] = {}  # kv source -> entries completed in this step
+        self.selection: dict[int, torch.Tensor] = {}  # index source -> top-k [N, index_topk]
+        self.candidates: torch.Tensor | None = None  # [N, candidate_topk_blocks]
         self.shared_hidden: torch.Tensor | None = None
 
 
@@ -82,60 +91,52 @@ def _attention(
     cos, sin = cos_sin(rope, meta.positions)
     q, q_lat = project_query(y, w.attn, cfg.num_attention_heads, cos, sin, eps, False, act)
     cache.write(f"swa.{layer}", meta.write_slots, kvq.swa(project_latent(y, w.attn, cos, sin, eps, act)))
-    b = meta.num_seqs
+    n_tok = y.shape[0]
     if ratio and topo.is_kv_source(layer):
         x = st.shared_hidden if topo.is_consumer_half(layer) else y
         hidden = f"hidden.{layer}" if ratio > 1 else None
         if hidden:
             cache.write(hidden, meta.write_slots, x)
-        fresh = []
-        for i in range(b):
-            new = new_entries(
-                cache, meta, i, hidden, x[meta.rows(i)], w.compressor, ratio, False, rope, eps, act
-            )
-            if new is not None:
-                first, comp = new
-                comp.keys = kvq.main(comp.keys)
-                cache.write(
-                    f"comp.{layer}", meta.entry_slots(i, first, first + len(comp.keys), ratio), comp.keys
-                )
-            fresh.append(new)
-        st.fresh[layer] = fresh
+        new = compress_new(cache, meta, hidden, x, w.compressor, ratio, rope, eps, act)
+        if new is not None:
+            new.keys = kvq.main(new.keys)  # attention reads the cached (quantised) keys
+            cache.write(f"comp.{layer}", new.slots, new.keys)
+        st.fresh[layer] = new
     if ratio and topo.is_index_k_source(layer):
-        for i, new in enumerate(st.fresh[topo.kv_source[layer]]):
-            if new is None:
-                continue
-            first, comp = new
-            k = index_keys(comp.pre_rope, comp.positions, w.indexer.wk, w.indexer.k_norm, rope, eps, act)
-            slots = meta.entry_slots(i, first, first + len(comp.keys), ratio)
-            cache.write(f"index_k.{layer}", slots, kvq.index(k))
-    if ratio and topo.is_index_source(layer):
+        new = st.fresh[topo.kv_source[layer]]
+        if new is not None:
+            k = index_keys(new.pre_rope, new.positions, w.indexer.wk, w.indexer.k_norm, rope, eps, act)
+            cache.write(f"index_k.{layer}", new.slots, kvq.index(k))
+    index_source = ratio and topo.is_index_source(layer)
+    if index_source:
         qi = kvq.index(index_queries(q_lat, w.indexer, cfg.index_n_heads, cos, sin, act))
         head_w = linear(y, w.indexer.weights_proj, act)
-        st.selection[layer] = [None] * b
-    outs = []
-    for i in range(b):
-        rows = meta.rows(i)
-        keys, visible = swa_keys(cache, meta, i, f"swa.{layer}", cfg.sliding_window)
+        st.selection[layer] = torch.full((n_tok, cfg.index_topk), -1, dtype=torch.long)
+        if layer == topo.candidate_source:
+            st.candidates = torch.full((n_tok, topo.candidate_topk_blocks), -1, dtype=torch.long)
+    out = torch.empty(n_tok, cfg.num_attention_heads, cfg.head_dim, dtype=torch.float64)
+    for g in st.groups:
+        rows = g.packed_rows
+        keys, visible = swa_keys(cache, meta, g, f"swa.{layer}", cfg.sliding_window)
         if ratio:
-            entries, valid = compressed_entries(cache, meta, i, f"comp.{topo.kv_source[layer]}", ratio)
-            n = entries.shape[0]
-            if topo.is_index_source(layer):
-                ik = compressed_entries(cache, meta, i, f"index_k.{topo.index_k_source[layer]}", ratio)[0]
-                scores = round_to(index_scores(qi[rows], ik, head_w[rows], scaled=False), act)
+            entries, valid = compressed_entries(cache, meta, g, f"comp.{topo.kv_source[layer]}", ratio)
+            n = entries.shape[1]
+            if index_source:
+                ik = compressed_entries(cache, meta, g, f"index_k.{topo.index_k_source[layer]}", ratio)[0]
+                scores = round_to(grouped_index_scores(qi, ik, head_w, g, scaled=False), act)
                 allowed = valid
                 if topo.restricted_to_candidates(layer):
-                    allowed = valid & candidate_mask(st.candidates[i], n, topo.candidate_block_size)
-                st.selection[layer][i] = select_topk(scores, allowed, cfg.index_topk)
+                    allowed = valid & candidate_mask(st.candidates[rows], n, topo.candidate_block_size)
+                st.selection[layer][rows] = select_topk(scores, allowed, cfg.index_topk)
                 if layer == topo.candidate_source:
-                    st.candidates[i] = candidate_blocks(
+                    st.candidates[rows] = candidate_blocks(
                         scores, valid, topo.candidate_block_size, topo.candidate_topk_blocks
                     )
-            selected = st.selection[topo.index_source[layer]][i]
-            keys = torch.cat((keys, entries))
+            selected = st.selection[topo.index_source[layer]][rows]
+            keys = torch.cat((keys, entries), dim=1)
             visible = torch.cat((visible, selection_mask(selected, n)), dim=1)
-        outs.append(sink_attention(q[rows], keys, visible, w.attn.sinks, cfg.head_dim**-0.5))
-    return project_output(round_to(torch.cat(outs), act), w.attn, cfg.o_groups, cos, sin, act)
+        out[rows] = attend(q, keys, visible, g, w.attn.sinks, cfg.head_dim**-0.5)
+    return project_output(round_to(out, act), w.attn, cfg.o_groups, cos, sin, act)
 
 
 def _engram_rows(model: DeepseekV41ForCausalLM, meta: StepMetadata, cache: PagedKVCache) -> dict:
@@ -155,7 +156,7 @@ def v41_paged_forward(model: DeepseekV41ForCausalLM, meta: StepMetadata, cache: 
     """FP32 logits [len(meta.logits_rows), vocab] of one packed step, updating `cache`."""
     cfg, w, act = model.config, model.weights, model.act_dtype
     rows = _engram_rows(model, meta, cache) if model.engram else {}
-    st = _StepState(meta.num_seqs)
+    st = _StepState(meta)
     hc = ShiftedHC(embed(meta.input_ids, w.embed), cfg)
     for layer, blk in enumerate(w.layers):
         if blk.engram is not None:
