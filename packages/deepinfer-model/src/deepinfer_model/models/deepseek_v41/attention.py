@@ -68,21 +68,28 @@ def layer_attention(
     act_dtype: torch.dtype = torch.float32,
     kvq: KVQuant = EXACT_KV,
     swa_lower_bound: int = 0,
+    query_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, AttentionTrace]:
     """Attention output [T, H] of backbone layer `layer` for one sequence (`y` = its normed HC read).
 
     `swa_lower_bound` hides SWA keys at positions below it (YOCO bounded replay, §8 item 5).
+    `query_rows` (context parallel): compute queries, index scores, selections and outputs only for
+    these rows of `y` (keys always come from every row); the output is then `[len(query_rows), H]`,
+    and `state.selection` / `state.candidates` hold those rows for the consumer layers.
     """
     ratio = cfg.compress_ratios[layer]
     topo = cfg.topology
     eps = cfg.rms_norm_eps
     rope = cfg.compress_rope() if ratio else cfg.main_rope()
     cos, sin = cos_sin(rope, positions)
-    q, q_lat = project_query(y, w.attn, cfg.num_attention_heads, cos, sin, eps, False, act_dtype)
+    # Query side: every row, or only `query_rows` (all math is per row, so the rows are bitwise equal).
+    yq, pos_q, cos_q, sin_q = y, positions, cos, sin
+    if query_rows is not None:
+        yq, pos_q, cos_q, sin_q = y[query_rows], positions[query_rows], cos[query_rows], sin[query_rows]
+    q, q_lat = project_query(yq, w.attn, cfg.num_attention_heads, cos_q, sin_q, eps, False, act_dtype)
     swa = kvq.swa(project_latent(y, w.attn, cos, sin, eps, act_dtype))
     visible = (
-        sliding_window_visible(positions, positions, cfg.sliding_window)
-        & (positions >= swa_lower_bound)[None, :]
+        sliding_window_visible(pos_q, positions, cfg.sliding_window) & (positions >= swa_lower_bound)[None, :]
     )
     keys = swa
     trace = AttentionTrace(layer, y, swa)
@@ -95,7 +102,7 @@ def layer_attention(
             state.kv_layer = layer
         comp = state.kv
         n = comp.keys.shape[0]
-        valid = compressed_visible(positions, n, ratio)
+        valid = compressed_visible(pos_q, n, ratio)
         if topo.is_index_source(layer):
             if topo.is_index_k_source(layer):
                 state.index_keys = kvq.index(
@@ -104,8 +111,8 @@ def layer_attention(
                     )
                 )
                 state.index_k_layer = layer
-            qi = kvq.index(index_queries(q_lat, w.indexer, cfg.index_n_heads, cos, sin, act_dtype))
-            head_w = linear(y, w.indexer.weights_proj, act_dtype)
+            qi = kvq.index(index_queries(q_lat, w.indexer, cfg.index_n_heads, cos_q, sin_q, act_dtype))
+            head_w = linear(yq, w.indexer.weights_proj, act_dtype)
             # No scale in V4.1; the logits are stored in the activation dtype (BF16 in the engine).
             scores = round_to(index_scores(qi, state.index_keys, head_w, scaled=False), act_dtype)
             allowed = valid
@@ -123,4 +130,4 @@ def layer_attention(
         trace.compressed, trace.index_keys = comp, state.index_keys
         trace.selection, trace.candidates = state.selection, state.candidates
     o = sink_attention(q, keys, visible, w.attn.sinks, cfg.head_dim**-0.5)
-    return project_output(round_to(o, act_dtype), w.attn, cfg.o_groups, cos, sin, act_dtype), trace
+    return project_output(round_to(o, act_dtype), w.attn, cfg.o_groups, cos_q, sin_q, act_dtype), trace
