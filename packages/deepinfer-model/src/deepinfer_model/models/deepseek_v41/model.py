@@ -34,9 +34,12 @@ MoEFn = Callable[[int, BlockWeights, torch.Tensor], torch.Tensor]
 class RowSplit(Protocol):
     """Context-parallel prefill: this rank keeps some rows of the sequence between attention layers.
 
-    `local(full [T, ...])` -> this rank's rows; `gather(local)` -> all rows in sequence order (collective).
+    `local(full [T, ...])` -> this rank's rows; `gather(local)` -> all rows in sequence order (collective);
+    `query_rows` -> the sequence row of each local row (attention computes queries only for those).
     deepinfer_model.parallel.MirrorRows implements it with the balanced mirror split.
     """
+
+    query_rows: torch.Tensor | None
 
     def local(self, full: torch.Tensor) -> torch.Tensor: ...
 
@@ -117,8 +120,9 @@ class DeepseekV41ForCausalLM:
         last token; `out.logits` is then `[len(logit_rows), V]`); the draft always uses the last position.
 
         `row_split` (context parallel): per-token work (mHC, Engram, MoE) runs on this rank's rows only;
-        each attention layer gathers its input rows, attends over the whole sequence and keeps its rows;
-        the final hidden state is gathered, so every rank returns the full output.
+        each attention layer gathers its input rows (the keys need every row) and computes queries and
+        outputs for this rank's rows only; the final hidden state is gathered, so every rank returns the
+        full output.
         """
         cfg, w, act = self.config, self.weights, self.act_dtype
         ids = torch.as_tensor(token_ids, dtype=torch.long)
@@ -157,9 +161,10 @@ class DeepseekV41ForCausalLM:
                     act,
                     self.kvq,
                     rect_lo if cfg.topology.is_consumer_half(layer) else 0,
+                    split.query_rows,
                 )
                 traces.append(tr)
-                return split.local(out)
+                return out
 
             hc.sublayer(blk.hc_attn, blk.attn_norm, attention, act)
             hc.sublayer(
@@ -231,6 +236,8 @@ class DeepseekV41ForCausalLM:
 
 class _WholeSequence:
     """The default `RowSplit`: one process holds every row."""
+
+    query_rows = None
 
     def local(self, full: torch.Tensor) -> torch.Tensor:
         return full
