@@ -2,7 +2,9 @@
 
 Rank `r` of the CP group keeps pieces `r` and `2·cp−1−r` of the sequence between attention layers, so
 the per-token work (mHC, Engram, MoE) is split evenly; each attention layer all-gathers its input
-rows in sequence order and attends over the whole sequence, then keeps its own rows.
+rows in sequence order (every row's keys) and computes queries, sparse selections and outputs for its
+own rows only. Every computation is per row in FP64 with one rounding, so the result is bitwise equal
+to the single-process forward.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ class MirrorRows:
     def __init__(self, seq_len: int, group: dist.ProcessGroup | None = None):
         self.group = group
         self.plan = mirror_split_plan([seq_len], dist.get_world_size(group), dist.get_rank(group))
+        # Attention queries of this rank's rows; a padding row repeats row 0 (gather drops its output).
+        self.query_rows = self.plan.index.clamp(min=0)
 
     def local(self, full: torch.Tensor) -> torch.Tensor:
         out = full[self.plan.index.clamp(min=0)].clone()
