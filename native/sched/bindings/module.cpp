@@ -189,6 +189,11 @@ per sequence (n = num_seqs) and per query token (T = num_batched_tokens).)doc")
                                auto& o = self.cast<const StepOutput&>();
                                return view(o.logits_indices, self, static_cast<py::ssize_t>(o.logits_indices.size()));
                              })
+      .def_property_readonly("logits_lens",
+                             [](py::object self) {
+                               auto& o = self.cast<const StepOutput&>();
+                               return view(o.logits_lens, self, o.num_seqs());
+                             })
       .def_property_readonly("preempted_seq_ids", [](const StepOutput& o) { return copy_of(o.preempted_seq_ids); })
       .def_property_readonly("scheduled_seqs", [](const StepOutput& o) {
         py::list out(o.entries.size());

@@ -195,6 +195,7 @@ void Scheduler::fill_arrays(StepOutput& out, const std::vector<const int32_t*>& 
   out.slot_mapping.resize(total);
   out.block_tables.assign(static_cast<size_t>(n) * width, -1);
   out.logits_indices.clear();
+  out.logits_lens.assign(n, 0);
   out.logits_indices.reserve(total);
   out.query_start_loc[0] = 0;
   for (int32_t i = 0; i < n; ++i) {
@@ -224,6 +225,7 @@ void Scheduler::fill_arrays(StepOutput& out, const std::vector<const int32_t*>& 
     }
     std::copy(table, table + cdiv(e.start + e.q, bs), out.block_tables.begin() + static_cast<size_t>(i) * width);
     if (e.emit > 0) {
+      out.logits_lens[i] = e.prefill ? 1 : e.q;
       for (int32_t j = e.prefill ? e.q - 1 : 0; j < e.q; ++j) out.logits_indices.push_back(e.token_offset + j);
     }
   }

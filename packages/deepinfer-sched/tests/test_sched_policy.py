@@ -71,7 +71,7 @@ def test_chunked_prefill_splits_long_prompts_and_shares_steps():
     out, _ = step(sched, model)
     assert out.seq_ids.tolist() == [a] and out.query_lens.tolist() == [16]
     assert out.emits_tokens.tolist() == [False] and sched.output_token_ids(a).size == 0
-    assert out.logits_indices.size == 0
+    assert out.logits_indices.size == 0 and out.logits_lens.tolist() == [0]
     out, _ = step(sched, model)
     assert out.seq_ids.tolist() == [a, b] and out.query_lens.tolist() == [4, 6]
     assert out.start_positions.tolist() == [16, 0]
@@ -123,6 +123,7 @@ def test_drafts_are_verified_and_capped_by_limits():
     assert out.query_lens.tolist() == [2] and out.num_draft_tokens.tolist() == [1]
     assert out.input_ids.tolist()[1] == 4 and sched.draft_token_ids(a).size == 0  # consumed
     assert out.logits_indices.tolist() == [0, 1]  # every verification row is sampled
+    assert out.logits_lens.tolist() == [2]
     fin = sched.update_from_output(out, [[4, 9]])
     assert fin == [(a, "length")] and sched.output_token_ids(a).tolist()[1:] == [4, 9]
 

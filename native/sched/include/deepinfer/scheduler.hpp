@@ -72,6 +72,7 @@ struct StepOutput {
   // Token rows whose logits are sampled: every row of a decode / verification, the last row of a
   // chunk that ends its prompt, none for other chunks.
   std::vector<int32_t> logits_indices;
+  std::vector<int32_t> logits_lens;  // [n] rows sampled per sequence (0, 1 or query_len)
   int32_t table_width = 0;
   int32_t num_batched_tokens = 0;
   bool any_prefill = false;
