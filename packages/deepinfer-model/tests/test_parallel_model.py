@@ -169,3 +169,26 @@ def _eplb_worker(rank, world, ckpt, ref_path):
 def test_eplb_rebalance_and_shuffle_keep_logits_and_move_expected_bytes(setup):
     ckpt, ref = setup
     run_distributed(_eplb_worker, 4, ckpt, ref)
+
+
+def _idle_worker(rank, world, ckpt, ref_path):
+    os.environ["DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS"] = "2"
+    ref = torch.load(ref_path)
+    state, layout, model = _ep_model(ckpt, {"dp": 2, "ep": 2})
+    if rank == 0:
+        _assert_bitwise(model.forward(ref["prompts"][2]), ref["out"][2], "busy DP rank next to an idle one")
+    else:
+        model.moe_fn.idle_step(model.weights.layers)
+    # Misuse is a clear error, not a hang or a wrong result (checked before any collective).
+    cfg = model.config
+    wrong = par.RedundantExpertLayout(cfg.n_routed_experts + 2, 0, 2, cfg.num_hidden_layers)
+    with pytest.raises(ValueError, match="n_routed_experts"):
+        type(model.moe_fn)(cfg, wrong, state.ep.group)
+    full = load_v41(ckpt).weights.layers[0]
+    with pytest.raises(ValueError, match="slots"):
+        model.moe_fn(0, full, torch.zeros(1, cfg.hidden_size, dtype=torch.float64))
+
+
+def test_idle_dp_rank_joins_the_expert_all_to_all(setup):
+    ckpt, ref = setup
+    run_distributed(_idle_worker, 2, ckpt, ref)

@@ -86,6 +86,13 @@ class ExpertParallelMoE:
             routed = routed + mlp(y, m.shared, cfg.swiglu_limit, act)
         return round_to(routed, act)
 
+    def idle_step(self, blocks: list[BlockWeights]) -> None:
+        """Join every layer's dispatch / combine with no tokens: what an EP rank without work this step
+        (e.g. an idle DP rank) must call so the other ranks' all-to-alls complete."""
+        empty = torch.zeros(0, self.config.hidden_size, dtype=torch.float64)
+        for layer, blk in enumerate(blocks):
+            self(layer, blk, empty)
+
     def expert_tensors(self, blocks: list[BlockWeights]) -> list[list[torch.Tensor]]:
         """Per layer `[w1, w3, w2]` (each `[S, ...]`): what `EplbState` shuffles in place."""
         return [[b.moe.experts.w1, b.moe.experts.w3, b.moe.experts.w2] for b in blocks]
