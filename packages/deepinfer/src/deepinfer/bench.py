@@ -98,6 +98,7 @@ def run_bench(args) -> int:
                     "schedule_ms": st.schedule_s * 1e3,
                     "hidden_schedule_ms": st.hidden_schedule_s * 1e3,
                     "prepare_ms": st.prepare_s * 1e3,
+                    "hidden_prepare_ms": st.hidden_prepare_s * 1e3,
                     "process_ms": st.process_s * 1e3,
                     "hidden_process_ms": st.hidden_process_s * 1e3,
                     "forward_ms": st.forward_s * 1e3,
@@ -131,7 +132,7 @@ def run_bench(args) -> int:
         "vs sync",
         "steps",
         "schedule ms (hidden)",
-        "prepare ms",
+        "prepare ms (hidden)",
         "out-proc ms (hidden)",
         "forward ms",
     ):
@@ -145,7 +146,7 @@ def run_bench(args) -> int:
             "-" if r["speedup_vs_sync"] is None else f"{r['speedup_vs_sync']:.3f}x",
             str(r["steps"]),
             f"{r['schedule_ms']:.1f} ({r['hidden_schedule_ms']:.1f})",
-            f"{r['prepare_ms']:.1f}",
+            f"{r['prepare_ms']:.1f} ({r['hidden_prepare_ms']:.1f})",
             f"{r['process_ms']:.1f} ({r['hidden_process_ms']:.1f})",
             f"{r['forward_ms']:.0f}",
         )

@@ -39,11 +39,12 @@ class RunnerBatch:
             raise ValueError("logits_lens must be in [0, query_lens] for every sequence")
 
     @classmethod
-    def from_scheduler_output(cls, out) -> RunnerBatch:
-        """From a `deepinfer_sched.SchedulerOutput` whose input ids are all known (a synchronous step,
-        or an asynchronous one after `Scheduler.reconcile`). One row of logits per sequence that
-        emits a token (non-final prefill chunks emit none)."""
-        if getattr(out, "has_unknown_input_ids", False):
+    def from_scheduler_output(cls, out, allow_unknown: bool = False) -> RunnerBatch:
+        """From a `deepinfer_sched.SchedulerOutput`. One row of logits per sequence that emits a token
+        (non-final prefill chunks emit none). Input ids must all be known (a synchronous step, or an
+        asynchronous one after `Scheduler.reconcile`) unless `allow_unknown`: then the caller fills
+        the -1 entries (from the previous step's tokens, via `prev_rows`) before `execute`."""
+        if not allow_unknown and getattr(out, "has_unknown_input_ids", False):
             raise ValueError(
                 "the step still has unknown input ids: reconcile it with the previous step first"
             )

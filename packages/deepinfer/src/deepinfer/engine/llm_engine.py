@@ -16,6 +16,7 @@ import json
 import logging
 import random
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +48,8 @@ class EngineStats:
     steps: int = 0
     schedule_s: float = 0.0  # main-thread time in Scheduler.schedule()
     hidden_schedule_s: float = 0.0  # of which ran while the worker was busy with the previous step
-    prepare_s: float = 0.0  # reconcile + runner batch + sampler rows + grammar masks (not hidden)
+    prepare_s: float = 0.0  # reconcile + runner batch + sampler rows + grammar masks
+    hidden_prepare_s: float = 0.0  # of which ran while the worker was busy
     forward_s: float = 0.0
     sample_s: float = 0.0
     process_s: float = 0.0  # update_from_output + detokenization + stop handling
@@ -102,7 +104,9 @@ class LLMEngine:
             if self.use_async
             else None
         )
-        self._inflight: tuple[object, list, Future] | None = None
+        # Steps launched on the worker and not yet committed, oldest first (at most two: the one
+        # running and the one queued behind it).
+        self._inflight: deque[tuple[object, Future]] = deque()
         self._seed_rng = random.Random(args.seed)
         self._blacklist = tuple(envs.parse_token_ranges(envs.DEEPINFER_DECODE_TOKEN_BLACKLIST))
         self._next_seq_id = 0
@@ -207,9 +211,8 @@ class LLMEngine:
         """Abort every request and settle the step in flight (Ctrl-C path); returns their outputs."""
         for request_id in list(self.requests):
             self.abort_request(request_id)
-        if self._inflight is not None:
-            out, _, future = self._inflight
-            self._inflight = None
+        while self._inflight:
+            out, future = self._inflight.popleft()
             self._commit(out, future.result())
         self._release_idle()
         done, self._done = self._done, []
@@ -225,7 +228,7 @@ class LLMEngine:
         self._collect(state)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or self._inflight is not None or bool(self._done)
+        return bool(self.requests) or bool(self._inflight) or bool(self._done)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -278,7 +281,8 @@ class LLMEngine:
         self._process(out, result)
 
     def _step_async(self) -> None:
-        if self._inflight is None:
+        """One step of the asynchronous loop (see the module docstring)."""
+        if not self._inflight:
             out, dt = self._schedule()
             self.stats.schedule_s += dt
             if scheduling.is_empty(out):
@@ -286,7 +290,7 @@ class LLMEngine:
                 self._release_idle()
                 return
             self._launch(out)
-        out, rows, future = self._inflight
+        out, future = self._inflight[0]
         # Step N runs on the worker; schedule N+1 meanwhile.
         nxt, dt = self._schedule()
         self.stats.schedule_s += dt
@@ -295,34 +299,58 @@ class LLMEngine:
         # A sequence preempted by this schedule while step N was in flight gets N's token dropped
         # by the scheduler (it will recompute it); the engine must drop it too.
         preempted = set(scheduling.preempted(nxt))
+        if scheduling.is_empty(nxt):
+            scheduling.retire(self.scheduler, nxt)
+            nxt = None
+        elif not self._needs_reconcile(nxt):
+            # Queue N+1 behind N now: the worker fills its unknown input ids from N's tokens
+            # (prev_rows), so the model never waits for the host.
+            t0 = time.perf_counter()
+            self._launch(nxt, fill_from_previous=True)
+            dt = time.perf_counter() - t0
+            self.stats.prepare_s += dt
+            if not future.done():
+                self.stats.hidden_prepare_s += dt
+            nxt = None
         result: StepResult = future.result()
-        self._inflight = None
+        self._inflight.popleft()
         t0 = time.perf_counter()
         finished = self._commit(out, result, preempted)
         t1 = time.perf_counter()
-        if not scheduling.is_empty(nxt):
-            nxt = scheduling.reconcile(self.scheduler, nxt)
-        if scheduling.is_empty(nxt):  # nothing to run (or all of it finished): retire it unrun
-            scheduling.retire(self.scheduler, nxt)
-        else:
-            self._launch(nxt)
         self.stats.process_s += t1 - t0
-        self.stats.prepare_s += time.perf_counter() - t1
+        if self._inflight and not self._inflight[0][1].done():
+            self.stats.hidden_process_s += t1 - t0
+        if nxt is not None:  # structured rows: their masks need N's tokens, so reconcile on the host
+            nxt = scheduling.reconcile(self.scheduler, nxt)
+            if scheduling.is_empty(nxt):
+                scheduling.retire(self.scheduler, nxt)
+            else:
+                self._launch(nxt)
+            self.stats.prepare_s += time.perf_counter() - t1
         # Detokenize N's tokens while N+1 runs.
         t0 = time.perf_counter()
         self._emit(out, result, finished, preempted)
         dt = time.perf_counter() - t0
         self.stats.process_s += dt
-        if self._inflight is not None and not self._inflight[2].done():
+        if self._inflight and not self._inflight[0][1].done():
             self.stats.hidden_process_s += dt
         self._collect_all()
 
-    def _launch(self, out) -> None:
-        batch, rows, golden, allowed = self._prepare(out)
-        self._inflight = (out, rows, self._pool.submit(self.worker.run, batch, rows, golden, allowed))
+    def _needs_reconcile(self, out) -> bool:
+        """Grammar masks are built from the state after the previous step: such steps wait for it."""
+        return any(
+            (seq := self.seqs.get(seq_id)) is not None and seq.grammar is not None
+            for seq_id in scheduling.seq_ids(out).tolist()
+        )
 
-    def _prepare(self, out):
-        batch = scheduling.to_runner_batch(out)
+    def _launch(self, out, fill_from_previous: bool = False) -> None:
+        batch, rows, golden, allowed = self._prepare(out, allow_unknown=fill_from_previous)
+        prev_rows = scheduling.prev_rows(out) if fill_from_previous else None
+        future = self._pool.submit(self.worker.run, batch, rows, golden, allowed, prev_rows)
+        self._inflight.append((out, future))
+
+    def _prepare(self, out, allow_unknown: bool = False):
+        batch = scheduling.to_runner_batch(out, allow_unknown)
         emits = scheduling.emits_tokens(out)
         rows: list[RowParams | None] = []
         golden: list[int | None] = []
@@ -439,7 +467,7 @@ class LLMEngine:
 
     def _release_idle(self) -> None:
         self._collect_all()
-        if self._inflight is None:
+        if not self._inflight:
             for seq_id in self._pending_release:
                 scheduling.release(self.scheduler, seq_id)
             self._pending_release = []
@@ -449,12 +477,12 @@ class LLMEngine:
             self._collect(state)
 
     def close(self) -> None:
-        if self._inflight is not None:
+        while self._inflight:
+            _, future = self._inflight.popleft()
             try:
-                self._inflight[2].result()
+                future.result()
             except Exception:  # noqa: BLE001 - shutting down anyway
                 pass
-            self._inflight = None
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

@@ -71,8 +71,13 @@ def emits_tokens(out) -> np.ndarray:
     return np.asarray(out.emits_tokens, dtype=bool)
 
 
-def to_runner_batch(out) -> RunnerBatch:
-    return RunnerBatch.from_scheduler_output(out)
+def to_runner_batch(out, allow_unknown: bool = False) -> RunnerBatch:
+    return RunnerBatch.from_scheduler_output(out, allow_unknown=allow_unknown)
+
+
+def prev_rows(out) -> np.ndarray:
+    """Per sequence, its row in the unprocessed previous step (-1: none)."""
+    return np.asarray(out.prev_rows, dtype=np.int64).copy()
 
 
 def update_from_output(sched: Scheduler, out, tokens: np.ndarray) -> dict[int, str]:

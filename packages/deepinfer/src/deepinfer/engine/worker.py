@@ -31,6 +31,7 @@ class ModelWorker:
     def __init__(self, runner, sampler: Sampler | None = None) -> None:
         self.runner = runner
         self.sampler = sampler or Sampler()
+        self._last_tokens: np.ndarray | None = None  # tokens of the step run last (per batch row)
 
     def run(
         self,
@@ -38,9 +39,15 @@ class ModelWorker:
         rows: list[RowParams | None],
         golden: list[int | None],
         allowed: dict[int, torch.Tensor] | None = None,
+        prev_rows: np.ndarray | None = None,
     ) -> StepResult:
         """rows[i]: how sequence i samples (None: it emits nothing this step, e.g. a prefill chunk);
-        allowed[i]: bool [vocab] tokens sequence i may produce (structured output)."""
+        allowed[i]: bool [vocab] tokens sequence i may produce (structured output);
+        prev_rows[i]: sequence i's row in the step this worker ran last, whose sampled token fills
+        its unknown (-1) input id — the asynchronous loop's correction of a step scheduled ahead."""
+        if prev_rows is not None:
+            self._fill_unknown_inputs(batch, prev_rows)
+        self._last_tokens = None  # never let a later step read tokens of a step before this one
         n = len(rows)
         result = StepResult(tokens=np.full(n, -1, dtype=np.int64), logprobs=[None] * n, top=[None] * n)
         t0 = time.perf_counter()
@@ -80,7 +87,21 @@ class ModelWorker:
                         vals = out.top_logprobs[k, : rows[i].logprobs].tolist()
                         result.top[i] = dict(zip(top, vals))
         result.forward_s, result.sample_s = t1 - t0, time.perf_counter() - t1
+        self._last_tokens = result.tokens
         return result
+
+    def _fill_unknown_inputs(self, batch: RunnerBatch, prev_rows: np.ndarray) -> None:
+        unknown = np.flatnonzero(batch.input_ids < 0)
+        if len(unknown) == 0:
+            return
+        # the sequence owning each unknown token: the last one whose query starts at or before it
+        owner = np.searchsorted(batch.query_offsets, unknown, side="right") - 1
+        rows = prev_rows[owner]
+        last = self._last_tokens
+        ok = rows >= 0
+        batch.input_ids[unknown[ok]] = last[rows[ok]] if last is not None else -1
+        # anything still unknown (its sequence failed last step) stays -1: the runner rejects that
+        # sequence alone, and its request has already been failed by the engine
 
     def _execute_one_by_one(self, batch: RunnerBatch, result: StepResult) -> tuple[torch.Tensor, list[int]]:
         rows, ok = [], []
