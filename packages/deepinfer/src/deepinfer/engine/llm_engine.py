@@ -1,13 +1,14 @@
 """`LLMEngine`: requests in, `RequestOutput`s out; owns the scheduler, the model worker and the loop.
 
 One step (ARCHITECTURE.md): schedule -> runner forward -> sample -> scheduler.update_from_output ->
-detokenize / stop strings -> outputs. Asynchronous ("zero-overhead") mode keeps one step in flight
-on a worker thread: while step N runs, the main thread schedules step N+1 (the scheduler assumes
-every running sequence emits its token); when N's tokens arrive, `update_from_output(N)` commits
-them and `reconcile(N+1)` drops sequences that finished and fills in the token ids N produced; N+1
-is launched and N's outputs are detokenized while it runs. The sampler's draw depends only on
-(seed, position), and the recompute runner's logits only on the sequence, so both loops emit the
-same tokens.
+detokenize / stop strings -> outputs. Asynchronous ("zero-overhead") mode runs the model on a
+worker thread: while step N runs, the main thread schedules step N+1 (the scheduler assumes every
+running sequence emits its token and marks the ids it cannot know as -1) and queues it behind N;
+the worker fills those ids from the tokens it sampled in N (`prev_rows`). The host then commits N
+(`update_from_output`) and detokenizes it while N+1 runs. Steps with structured-output rows instead
+wait for N, `reconcile`, and launch (their grammar masks need N's tokens). The sampler's draw
+depends only on (seed, position), and the recompute runner's logits only on the sequence, so both
+loops emit the same tokens.
 """
 
 from __future__ import annotations
