@@ -149,6 +149,15 @@ class DeepseekV4Model:
             tensors["hc_head_fn"], tensors["hc_head_base"], tensors["hc_head_scale"]
         )
         self.layers = [layer_weights(cfg, tensors, i) for i in range(cfg.num_hidden_layers)]
+        # moe_fn(layer, layer_weights, y, token_ids) -> [T, H]; e.g. deepinfer_model.parallel's
+        # ExpertParallelMoE (experts sharded over EP ranks). Default: every expert in this process.
+        self.moe_fn = self.local_moe
+
+    def local_moe(self, layer: int, w: LayerWeights, y: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        return moe_block(
+            y, ids, w.moe, cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.swiglu_limit, self.dtype
+        )
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor | list[int]) -> torch.Tensor:
@@ -158,15 +167,13 @@ class DeepseekV4Model:
         positions = torch.arange(ids.shape[0])
         trunk = mhc.expand(x, cfg.hc_mult)
         hc_args = (cfg.hc_eps, cfg.rms_norm_eps, cfg.hc_sinkhorn_iters)
-        for spec, w in zip(cfg.attention, self.layers):
+        for layer, (spec, w) in enumerate(zip(cfg.attention, self.layers)):
             pre, post, comb = mhc.mixes(trunk, w.attn_hc, *hc_args)
             y = rms_norm(mhc.read(trunk, pre, act), w.attn_norm, cfg.rms_norm_eps, act)
             trunk = mhc.write(v4_attention(y, positions, w, spec, cfg, act), trunk, post, comb, act)
             pre, post, comb = mhc.mixes(trunk, w.ffn_hc, *hc_args)
             y = rms_norm(mhc.read(trunk, pre, act), w.ffn_norm, cfg.rms_norm_eps, act)
-            h = moe_block(
-                y, ids, w.moe, cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.swiglu_limit, act
-            )
+            h = self.moe_fn(layer, w, y, ids)
             trunk = mhc.write(h, trunk, post, comb, act)
         weights = mhc.head_weights(trunk, self.hc_head, cfg.hc_eps, cfg.rms_norm_eps)
         hidden = rms_norm(mhc.read(trunk, weights, act), self.norm, cfg.rms_norm_eps, act)
