@@ -1,0 +1,499 @@
+"""NVIDIA backend suite: machine ceilings, per-op achieved rate against them, GPU tests, DeepGEMM probe.
+
+Run on the CUDA machine through `benchmarks/gpu/run_gpu_suite.sh` (which unpacks the offline kernel
+bundle and builds DeepGEMM in the background). In one call it
+
+1. measures the ceilings: device-to-device copy (TB/s, bytes read + written), bf16 and fp8 GEMM (TFLOP/s);
+2. times every registered NVIDIA op (and the plain-torch baseline where there is a kernel) and reports
+   achieved TB/s or TFLOP/s and the fraction of the matching ceiling;
+3. runs the `gpu` tests (NVIDIA ops against the CPU reference) with pytest;
+4. probes DeepGEMM in a child process (its first call segfaulted in an earlier session), checks
+   `fp8_gemm_nt` against the CPU reference and times it;
+5. writes `run_gpu_suite.json` (flat records) and `run_gpu_suite.png` into --out.
+
+Timing: CUDA events, warm-up first, median of the timed calls; inputs are random, never zeros.
+"""
+
+# ruff: noqa: B023  (every timed lambda is called inside its own loop iteration)
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+RECORDS: list[dict] = []
+T_START = time.monotonic()
+CEIL_FILE = Path("/tmp/deepinfer_gpu_ceilings.json")  # hands the ceilings to the DeepGEMM child
+
+
+def log(msg: str) -> None:
+    print(f"[{time.monotonic() - T_START:6.1f}s] {msg}", flush=True)
+
+
+def time_us(fn, warmup: int = 3, iters: int = 20) -> float:
+    """Median microseconds per call, CUDA events around each call."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def record(**kw) -> dict:
+    RECORDS.append(kw)
+    return kw
+
+
+# ---------------------------------------------------------------- ceilings
+def measure_ceilings() -> dict[str, float]:
+    dev = "cuda"
+    ceil: dict[str, float] = {}
+    src = torch.randn(512 << 20, device=dev, dtype=torch.bfloat16)  # 1 GiB
+    dst = torch.empty_like(src)
+    us = time_us(lambda: dst.copy_(src), iters=10)
+    ceil["copy_tb_per_s"] = 2 * src.numel() * 2 / us / 1e6
+    record(kind="ceiling", op="d2d_copy", shape="1GiB", us_per_call=us, tb_per_s=ceil["copy_tb_per_s"])
+    src = dst = None  # free 2 GiB before the GEMMs
+    n = 8192
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    us = time_us(lambda: a @ b.t(), iters=10)
+    ceil["bf16_tflop_per_s"] = 2 * n**3 / us / 1e6
+    record(
+        kind="ceiling", op="bf16_gemm", shape=f"{n}^3", us_per_call=us, tflop_per_s=ceil["bf16_tflop_per_s"]
+    )
+    try:
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+        one = torch.ones((), device=dev)
+        us = time_us(lambda: torch._scaled_mm(a8, b8.t(), one, one, out_dtype=torch.bfloat16), iters=10)
+        ceil["fp8_tflop_per_s"] = 2 * n**3 / us / 1e6
+        record(
+            kind="ceiling",
+            op="fp8_gemm_torch_scaled_mm",
+            shape=f"{n}^3",
+            us_per_call=us,
+            tflop_per_s=ceil["fp8_tflop_per_s"],
+        )
+    except Exception as e:  # noqa: BLE001
+        record(kind="ceiling", op="fp8_gemm_torch_scaled_mm", status=f"error: {e!r}"[:300])
+    return ceil
+
+
+# ---------------------------------------------------------------- per-op
+def bench_op(name: str, impl: str, shape: str, fn, ceil: dict, bytes_moved: float = 0.0, flops: float = 0.0):
+    try:
+        us = time_us(fn)
+    except Exception as e:  # noqa: BLE001
+        log(f"{name}/{impl} {shape}: ERROR {e!r}")
+        return record(kind="op", op=name, impl=impl, shape=shape, status=f"error: {e!r}"[:300])
+    rec = dict(kind="op", op=name, impl=impl, shape=shape, us_per_call=us, status="ok")
+    if bytes_moved:
+        rec["tb_per_s"] = bytes_moved / us / 1e6
+        rec["frac_of_copy"] = rec["tb_per_s"] / ceil["copy_tb_per_s"]
+    if flops:
+        rec["tflop_per_s"] = flops / us / 1e6
+        rec["frac_of_bf16_gemm"] = rec["tflop_per_s"] / ceil["bf16_tflop_per_s"]
+        if "fp8_tflop_per_s" in ceil:
+            rec["frac_of_fp8_gemm"] = rec["tflop_per_s"] / ceil["fp8_tflop_per_s"]
+    log(
+        f"{name}/{impl} {shape}: {us:.1f} us "
+        + " ".join(f"{k}={v:.3g}" for k, v in rec.items() if k.startswith(("tb", "tfl", "frac")))
+    )
+    return record(**rec)
+
+
+def bench_ops(ceil: dict) -> None:
+    from deepinfer_model.backends.nvidia import gemm, torch_cuda
+    from deepinfer_model.ops import get_ops, store_fp8_tokens
+    from deepinfer_model.quant import quant_fp8_block
+
+    ops = get_ops("nvidia")
+    record(kind="registry", backend=ops.backend, **{f"src_{k}": v for k, v in ops.sources.items()})
+    dev = "cuda"
+    bf = torch.bfloat16
+
+    for t, h in [(4096, 7168), (32768, 7168), (65536, 512)]:
+        x, w = torch.randn(t, h, device=dev, dtype=bf), torch.randn(h, device=dev)
+        nbytes = 2 * t * h * 2 + h * 4
+        bench_op(
+            "rms_norm",
+            ops.sources["rms_norm"],
+            f"T={t},H={h}",
+            lambda: ops.rms_norm(x, w, 1e-6),
+            ceil,
+            nbytes,
+        )
+        bench_op(
+            "rms_norm", "torch_eager", f"T={t},H={h}", lambda: torch_cuda.rms_norm(x, w, 1e-6), ceil, nbytes
+        )
+
+    for t in (256, 4096):
+        q = torch.randn(t, 64, 512, device=dev, dtype=bf)
+        ang = torch.rand(t, 32, device=dev) * 100
+        c, s = ang.cos(), ang.sin()
+        bench_op(
+            "apply_rope",
+            ops.sources["apply_rope"],
+            f"T={t},nh=64,D=512,r=64",
+            lambda: ops.apply_rope(q, c, s),
+            ceil,
+            2 * q.numel() * 2,
+        )
+
+    for t in (64, 4096):
+        m, h = 4, 7168
+        trunk = torch.randn(t, m, h, device=dev, dtype=bf)
+        fn = torch.randn((2 + m) * m, m * h, device=dev) * (m * h) ** -0.5
+        base, sc = torch.randn((2 + m) * m, device=dev) * 0.1, torch.rand(3, device=dev) + 0.5
+        shape = f"T={t},m=4,H=7168"
+        bench_op(
+            "hc_mixes",
+            ops.sources["hc_mixes"],
+            shape,
+            lambda: ops.hc_mixes(trunk, fn, base, sc, 1e-6, 1e-6, 20),
+            ceil,
+            trunk.numel() * 2 + fn.numel() * 4,
+            2 * t * fn.shape[0] * fn.shape[1],
+        )
+        pre, post, comb = ops.hc_mixes(trunk, fn, base, sc, 1e-6, 1e-6, 20)
+        y = torch.randn(t, h, device=dev, dtype=bf)
+        bench_op(
+            "hc_read",
+            ops.sources["hc_read"],
+            shape,
+            lambda: ops.hc_read(trunk, pre),
+            ceil,
+            trunk.numel() * 2 + t * h * 2,
+        )
+        bench_op(
+            "hc_write",
+            ops.sources["hc_write"],
+            shape,
+            lambda: ops.hc_write(y, trunk, post, comb),
+            ceil,
+            2 * trunk.numel() * 2 + t * h * 2,
+        )
+
+    t = 4096
+    lat = torch.randn(t, 512, device=dev, dtype=bf)
+    cache = torch.zeros(256, 64, 1, 528, device=dev, dtype=torch.uint8)
+    slots = torch.randperm(256 * 64, device=dev)[:t]
+    bench_op(
+        "kv_store_fp8",
+        ops.sources["kv_store_fp8"],
+        f"T={t}",
+        lambda: store_fp8_tokens(lat, cache, slots),
+        ceil,
+        t * 512 * 2 + t * 528,
+    )
+
+    blocks, page = 2048, 64  # 131072 cached tokens, 69 MB of cache (above the 60 MB L2)
+    cache = torch.empty(blocks, page, 1, 528, device=dev, dtype=torch.uint8)
+    for i in range(0, blocks * page, 16384):
+        store_fp8_tokens(torch.randn(16384, 512, device=dev), cache, torch.arange(i, i + 16384, device=dev))
+    for b, h, topk in [(1, 64, 512), (8, 64, 512), (64, 64, 512), (128, 128, 512), (64, 64, 2048)]:
+        idx = torch.randint(0, blocks * page, (b, topk), device=dev, dtype=torch.int32)
+        q = torch.randn(b, h, 512, device=dev, dtype=bf)
+        sinks = torch.randn(h, device=dev)
+        nbytes = b * topk * 528 + 2 * q.numel() * 2 + idx.numel() * 4
+        bench_op(
+            "sparse_decode_attention",
+            ops.sources["sparse_decode_attention"],
+            f"B={b},h={h},topk={topk}",
+            lambda: ops.sparse_decode_attention(q, cache, idx, sinks, 512**-0.5),
+            ceil,
+            nbytes,
+            4 * b * h * topk * 512,
+        )
+
+    for m, n, k in GEMM_SHAPES:
+        x = torch.randn(m, k, device=dev, dtype=bf)
+        w, s = quant_fp8_block(torch.randn(n, k) * k**-0.5, (128, 128))
+        w, s = w.to(dev), s.float().to(dev)
+        bench_op(
+            "fp8_block_linear",
+            "dequant_bf16",
+            f"M={m},N={n},K={k}",
+            lambda: gemm.fp8_block_linear_dequant(x, w, s),
+            ceil,
+            n * k + m * k * 2 + m * n * 2,
+            2 * m * n * k,
+        )
+        xq, xs = gemm.quant_act_fp8(x)
+        bench_op(
+            "fp8_act_quant",
+            "torch",
+            f"M={m},K={k}",
+            lambda: gemm.quant_act_fp8(x),
+            ceil,
+            m * k * 3 + m * k // 32,
+        )
+
+
+GEMM_SHAPES = [(64, 7168, 4096), (4096, 7168, 4096), (4096, 2048, 7168), (16384, 7168, 2048)]
+
+
+# ---------------------------------------------------------------- DeepGEMM (child process)
+def deep_gemm_probe(out: Path, ceil: dict) -> None:
+    """Runs in a child process: a segfault here must not take the suite down."""
+    import faulthandler
+
+    faulthandler.enable()
+    t0 = time.monotonic()
+    import deep_gemm
+
+    print(
+        f"deep_gemm {getattr(deep_gemm, '__version__', '?')} imported in {time.monotonic() - t0:.1f}s "
+        f"CUDA_HOME={os.environ.get('CUDA_HOME')} DG_JIT_CACHE_DIR={os.environ.get('DG_JIT_CACHE_DIR')}",
+        flush=True,
+    )
+    from deepinfer_model.backends.nvidia import gemm
+    from deepinfer_model.ops import get_ops
+    from deepinfer_model.quant import quant_fp8_block
+
+    cpu = get_ops("cpu")
+    recs = []
+    for m, n, k in [(128, 256, 512)] + GEMM_SHAPES + [(16, 1536, 512)]:
+        x = torch.randn(m, k, dtype=torch.bfloat16)
+        w, s = quant_fp8_block(torch.randn(n, k) * k**-0.5, (128, 128))
+        s = s.float()
+        print(f"fp8_gemm_nt M={m} N={n} K={k} ...", flush=True)
+        xd, wd, sd = x.cuda(), w.cuda(), s.cuda()
+        out_ = gemm.fp8_block_linear_deep_gemm(xd, wd, sd)
+        torch.cuda.synchronize()
+        rec = dict(
+            kind="op", op="fp8_block_linear", impl="deep_gemm", shape=f"M={m},N={n},K={k}", status="ok"
+        )
+        if m * n * k <= 4096 * 7168 * 4096:
+            ref = cpu.fp8_block_linear(x, w, s).double()
+            o = out_.double().cpu()
+            rec["rel_err_vs_cpu"] = float((o - ref).norm() / ref.norm())
+            rec["finite"] = bool(torch.isfinite(o).all())
+        if (m, n, k) in GEMM_SHAPES:
+            us = time_us(lambda: gemm.fp8_block_linear_deep_gemm(xd, wd, sd))
+            rec.update(
+                us_per_call=us,
+                tflop_per_s=2 * m * n * k / us / 1e6,
+                tb_per_s=(n * k + m * k * 2 + m * n * 2) / us / 1e6,
+            )
+            rec["frac_of_bf16_gemm"] = rec["tflop_per_s"] / ceil["bf16_tflop_per_s"]
+            if "fp8_tflop_per_s" in ceil:
+                rec["frac_of_fp8_gemm"] = rec["tflop_per_s"] / ceil["fp8_tflop_per_s"]
+        print(rec, flush=True)
+        recs.append(rec)
+        (out / "deep_gemm_probe.json").write_text(json.dumps(recs, indent=1))
+
+
+def run_deep_gemm(out: Path, ceil: dict, build_pid: int | None, deadline: float) -> bool:
+    if build_pid:
+        log("waiting for the DeepGEMM build ...")
+        while time.monotonic() < deadline - 60:
+            try:
+                os.kill(build_pid, 0)
+            except OSError:
+                break
+            time.sleep(2)
+    env = dict(
+        os.environ,
+        DG_JIT_CACHE_DIR="/tmp/dg-jit-cache",
+        DG_JIT_PRINT_COMPILER_COMMAND="1",
+        DG_PRINT_CONFIGS="1",
+        PYTHONFAULTHANDLER="1",
+    )
+    env.setdefault("HOME", "/root")
+    CEIL_FILE.write_text(json.dumps(ceil))
+    left = max(30, int(deadline - time.monotonic()) - 20)
+    log(f"DeepGEMM probe (timeout {left}s)")
+    try:
+        p = subprocess.run(
+            [sys.executable, "-X", "faulthandler", __file__, "--deep-gemm-probe", "--out", str(out)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=left,
+        )
+        rc, text = p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, text = (
+            "timeout",
+            (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace"),
+        )
+    (out / "deep_gemm_probe.log").write_text(text)
+    print(text[-3000:], flush=True)
+    probe = out / "deep_gemm_probe.json"
+    recs = json.loads(probe.read_text()) if probe.exists() else []
+    RECORDS.extend(recs)
+    ok = rc == 0 and all(r.get("rel_err_vs_cpu", 0) < 1e-2 and r.get("finite", True) for r in recs)
+    record(kind="deep_gemm_probe", returncode=str(rc), ok=ok, n_shapes=len(recs))
+    return ok
+
+
+# ---------------------------------------------------------------- tests
+def run_tests(out: Path, deadline: float) -> None:
+    tests = [
+        "packages/deepinfer-model/tests/test_ops_nvidia.py",
+        "packages/deepinfer-model/tests/test_ops_registry.py",
+    ]
+    left = max(30, int(deadline - time.monotonic()) - 150)
+    log(f"pytest (timeout {left}s)")
+    env = dict(os.environ, DEEPINFER_DEEP_GEMM="0")  # DeepGEMM is checked in its own process (probe)
+    try:
+        p = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                *tests,
+                "-q",
+                "-rfE",
+                "-p",
+                "no:cacheprovider",
+                f"--junitxml={out / 'gpu_tests.xml'}",
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=left,
+        )
+        text, rc = p.stdout + p.stderr, p.returncode
+    except subprocess.TimeoutExpired as e:
+        text, rc = (e.stdout or b"").decode(errors="replace"), "timeout"
+    (out / "gpu_tests.log").write_text(text)
+    print(text[-4000:], flush=True)
+    summary = [ln for ln in text.splitlines() if " passed" in ln or " failed" in ln or " error" in ln]
+    record(kind="tests", returncode=str(rc), summary=summary[-1] if summary else text[-200:])
+
+
+# ---------------------------------------------------------------- report
+def write_report(out: Path) -> None:
+    (out / "run_gpu_suite.json").write_text(json.dumps(RECORDS, indent=1))
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title="NVIDIA ops vs measured ceilings")
+        for col in ("op", "impl", "shape", "us", "TB/s", "TFLOP/s", "frac"):
+            table.add_column(col)
+        for r in RECORDS:
+            if r.get("kind") not in ("op", "ceiling"):
+                continue
+            frac = (
+                r.get("frac_of_copy")
+                if "frac_of_copy" in r and "tflop_per_s" not in r
+                else r.get("frac_of_bf16_gemm")
+            )
+            if r.get("op") == "sparse_decode_attention":
+                frac = r.get("frac_of_copy")
+            table.add_row(
+                r.get("op", ""),
+                r.get("impl", r.get("kind", "")),
+                r.get("shape", ""),
+                f"{r['us_per_call']:.1f}" if "us_per_call" in r else r.get("status", "")[:40],
+                f"{r['tb_per_s']:.3f}" if "tb_per_s" in r else "",
+                f"{r['tflop_per_s']:.1f}" if "tflop_per_s" in r else "",
+                f"{frac:.2f}" if frac is not None else "",
+            )
+        Console(width=160).print(table)
+    except Exception as e:  # noqa: BLE001
+        print("table failed:", e)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        rows = [
+            r for r in RECORDS if r.get("kind") == "op" and r.get("status") == "ok" and "us_per_call" in r
+        ]
+        labels, fracs, colors = [], [], []
+        for r in rows:
+            mem = r["op"] not in ("fp8_block_linear",) or r["shape"].startswith("M=64,")
+            f = r.get("frac_of_copy") if mem else r.get("frac_of_fp8_gemm", r.get("frac_of_bf16_gemm"))
+            if f is None:
+                continue
+            labels.append(f"{r['op']} [{r['impl']}] {r['shape']}")
+            fracs.append(f)
+            colors.append("tab:blue" if mem else "tab:orange")
+        fig, ax = plt.subplots(figsize=(10, 0.3 * len(labels) + 1.5))
+        ax.barh(range(len(labels)), fracs, color=colors)
+        ax.set_yticks(range(len(labels)), labels, fontsize=7)
+        ax.invert_yaxis()
+        ax.axvline(1.0, color="k", lw=0.8)
+        ax.set_xlabel("fraction of measured ceiling (blue: copy TB/s, orange: GEMM TFLOP/s)")
+        ax.set_title("deepinfer-model NVIDIA ops on H200")
+        fig.tight_layout()
+        fig.savefig(out / "run_gpu_suite.png", dpi=110)
+    except Exception as e:  # noqa: BLE001
+        print("plot failed:", e)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="output folder")
+    ap.add_argument("--budget-s", type=float, default=300, help="wall-clock budget of the whole suite")
+    ap.add_argument("--deep-gemm-build-pid", type=int, default=0, help="pid of the background DeepGEMM build")
+    ap.add_argument("--skip-tests", action="store_true", help="do not run pytest")
+    ap.add_argument("--deep-gemm-probe", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.deep_gemm_probe:
+        deep_gemm_probe(args.out, json.loads(CEIL_FILE.read_text()))
+        return
+    deadline = T_START + args.budget_s
+    props = torch.cuda.get_device_properties(0)
+    env = dict(
+        kind="env",
+        torch=torch.__version__,
+        python=platform.python_version(),
+        gpu=props.name,
+        sms=props.multi_processor_count,
+        cuda=torch.version.cuda,
+    )
+    for mod in ("tilelang", "flash_mla", "deep_gemm"):
+        try:
+            t0 = time.monotonic()
+            m = __import__(mod)
+            env[f"{mod}_version"] = str(getattr(m, "__version__", "?"))
+            env[f"{mod}_import_s"] = round(time.monotonic() - t0, 2)
+        except Exception as e:  # noqa: BLE001
+            env[f"{mod}_version"] = f"unavailable: {e!r}"[:200]
+    record(**env)
+    log(str(env))
+    ceil = measure_ceilings()
+    log(f"ceilings {ceil}")
+    write_report(args.out)
+    try:
+        bench_ops(ceil)
+    except Exception as e:  # noqa: BLE001
+        import traceback
+
+        traceback.print_exc()
+        record(kind="error", where="bench_ops", error=repr(e)[:300])
+    write_report(args.out)
+    if not args.skip_tests:
+        run_tests(args.out, deadline)
+        write_report(args.out)
+    run_deep_gemm(args.out, ceil, args.deep_gemm_build_pid, deadline)
+    write_report(args.out)
+    log("done")
+
+
+if __name__ == "__main__":
+    main()

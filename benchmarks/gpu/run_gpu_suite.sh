@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One call on the CUDA machine, from the repository root, with the offline kernel bundle in .gpu/
+# (built here by ../shared/gpu/make-bundle.sh; carried with `carry: [".gpu"]`):
+#     bash benchmarks/gpu/run_gpu_suite.sh [run_gpu_suite.py options]
+# Unpacks the bundle, builds DeepGEMM in the background, then run_gpu_suite.py checks and times everything.
+# Results go to $OUT (the device tool's folder) or benchmarks/results.
+set -uo pipefail
+out=${OUT:-benchmarks/results}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+t0=$(date +%s)
+source .gpu/setup.sh || { echo "bundle setup failed" >&2; exit 1; }
+echo "bundle unpacked in $(( $(date +%s) - t0 )) s"
+( DEEPINFER_BUILD_DEEP_GEMM=1 source .gpu/setup.sh ) > "$out/deep_gemm_build.log" 2>&1 &
+build_pid=$!
+export PYTHONPATH="$PWD/packages/deepinfer-model/src${PYTHONPATH:+:$PYTHONPATH}"
+nvcc_path=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$nvcc_path")")}
+export HOME=${HOME:-/root}
+python3 benchmarks/gpu/run_gpu_suite.py --out "$out" --deep-gemm-build-pid "$build_pid" "$@"

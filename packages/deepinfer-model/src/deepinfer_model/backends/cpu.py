@@ -1,0 +1,83 @@
+"""CPU reference ops: the registry's `cpu` entries delegate to `deepinfer_model.layers`.
+
+Each wrapper only adapts the calling convention (tensors in the engine's dtypes in, the same dtype
+out); the math and its rounding points are the reference blocks'. These functions are plain torch and
+also run on CUDA tensors (slowly, in FP64), which is how ops without an NVIDIA kernel are served.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..layers import attention, mhc, norm, rope
+from ..numerics import linear
+from ..ops.kv_format import store_fp8_tokens, unpack_fp8_tokens
+from ..ops.registry import register
+from ..quant import dequant_fp8_block, fake_quant_fp8
+
+FP8_BLOCK = 128  # DeepGEMM's SM90 granularity: 1x128 activation groups, 128x128 weight blocks
+
+
+def _act(dtype: torch.dtype) -> torch.dtype:
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"activation dtype must be float32 or bfloat16, got {dtype}")
+    return dtype
+
+
+@register("cpu", "rms_norm")
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return norm.rms_norm(x, weight, eps, _act(x.dtype)).to(x.dtype)
+
+
+@register("cpu", "apply_rope")
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    return rope.apply_rope(x, cos, sin, inverse).to(_act(x.dtype))
+
+
+@register("cpu", "hc_mixes")
+def hc_mixes(
+    trunk: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    hc_eps: float,
+    rms_eps: float,
+    iters: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    pre, post, comb = mhc.mixes(trunk, mhc.HCParams(fn, base, scale), hc_eps, rms_eps, iters)
+    return pre.float(), post.float(), comb.float()
+
+
+@register("cpu", "hc_read")
+def hc_read(trunk: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    return mhc.read(trunk, weights, _act(trunk.dtype)).to(trunk.dtype)
+
+
+@register("cpu", "hc_write")
+def hc_write(y: torch.Tensor, trunk: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    return mhc.write(y, trunk, post, comb, _act(trunk.dtype)).to(trunk.dtype)
+
+
+@register("cpu", "fp8_block_linear")
+def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    if x.shape[-1] % FP8_BLOCK:
+        raise ValueError(f"fp8_block_linear needs K % {FP8_BLOCK} == 0, got K={x.shape[-1]}")
+    xq = fake_quant_fp8(x, FP8_BLOCK)
+    wd = dequant_fp8_block(w, w_scale.float(), (FP8_BLOCK, FP8_BLOCK))
+    return linear(xq, wd, torch.bfloat16).to(torch.bfloat16)
+
+
+@register("cpu", "kv_store_fp8")
+def kv_store_fp8(latent: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    store_fp8_tokens(latent, kv_cache, slots)
+
+
+@register("cpu", "sparse_decode_attention")
+def sparse_decode_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float
+) -> torch.Tensor:
+    flat = unpack_fp8_tokens(kv_cache.reshape(-1, kv_cache.shape[-1]))
+    keys = flat[indices.long().clamp(min=0)]  # [B, k, 512]; invalid slots masked below
+    visible = indices >= 0
+    out = attention.sink_attention(q, keys, visible, sinks, scale)
+    return out.to(torch.bfloat16)

@@ -1,0 +1,66 @@
+"""NVIDIA ops written in torch (FP32 on the GPU), for ops that have no library or TileLang kernel yet.
+
+Each is the reference math in FP32 with the reference's single rounding at the end, so it matches the
+FP64 CPU reference to FP32 rounding. They are correct baselines to replace with fused kernels
+(the mHC ones by DeepGEMM's `tf32_hc_prenorm_gemm` / TileKernels' `mhc.*`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    return y.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    half = cos.shape[-1]
+    view = (x.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    c, s = cos.float().reshape(view), sin.float().reshape(view)
+    if inverse:
+        s = -s
+    out = x.clone()
+    tail = x[..., -2 * half :].float()
+    even, odd = tail[..., 0::2], tail[..., 1::2]
+    out[..., -2 * half :] = (
+        torch.stack((even * c - odd * s, even * s + odd * c), dim=-1).flatten(-2).to(x.dtype)
+    )
+    return out
+
+
+def hc_mixes(
+    trunk: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    hc_eps: float,
+    rms_eps: float,
+    iters: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    m = trunk.shape[1]
+    flat = trunk.float().flatten(1)
+    rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True) + rms_eps)
+    z = (flat @ fn.float().t()) * rstd  # FP32 GEMM (TF32 off by default in torch)
+    scale, base = scale.float(), base.float()
+    pre = torch.sigmoid(z[:, :m] * scale[0] + base[:m]) + hc_eps
+    post = 2.0 * torch.sigmoid(z[:, m : 2 * m] * scale[1] + base[m : 2 * m])
+    comb = torch.softmax((z[:, 2 * m :] * scale[2] + base[2 * m :]).view(-1, m, m), dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    return pre, post, comb
+
+
+def hc_read(trunk: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    return torch.einsum("tm,tmh->th", weights.float(), trunk.float()).to(trunk.dtype)
+
+
+def hc_write(y: torch.Tensor, trunk: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    mixed = torch.einsum("tij,tih->tjh", comb.float(), trunk.float())
+    return (post.float().unsqueeze(-1) * y.float().unsqueeze(1) + mixed).to(trunk.dtype)

@@ -1,0 +1,139 @@
+"""The op registry: op name -> implementation of the selected backend.
+
+Backends register functions under the names of `OP_SPECS` (the contract every implementation
+follows). `get_ops()` returns an `OpTable` for the backend chosen by `resolve_backend()`; an op the
+backend does not implement is served by the `cpu` reference (logged once), so a partial backend
+is usable while it grows. `OpTable.sources` says which backend serves each op.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from collections.abc import Callable
+
+logger = logging.getLogger("deepinfer_model.ops")
+
+BACKENDS = ("cpu", "nvidia")
+RESERVED_BACKENDS = ("ascend",)
+
+# name -> contract. Tensors are on the backend's device; activations keep the input dtype
+# (FP32 or BF16) and every op rounds its output once, as the CPU reference does.
+OP_SPECS: dict[str, str] = {
+    "rms_norm": "rms_norm(x [..., H], weight [H] | None, eps) -> x.dtype; FP32 statistics, one rounding",
+    "apply_rope": "apply_rope(x [T, ..., C], cos [T, r/2], sin [T, r/2], inverse=False) -> x.dtype; "
+    "interleaved pairs of the last r channels",
+    "hc_mixes": "hc_mixes(trunk [T, m, H], fn [(2+m)m, mH], base, scale [3], hc_eps, rms_eps, iters) "
+    "-> (pre [T, m], post [T, m], comb [T, m, m]) FP32",
+    "hc_read": "hc_read(trunk [T, m, H], weights [T, m]) -> [T, H] trunk.dtype",
+    "hc_write": "hc_write(y [T, H], trunk [T, m, H], post [T, m], comb [T, m, m]) -> [T, m, H] trunk.dtype",
+    "fp8_block_linear": "fp8_block_linear(x [T, K] bf16, w [N, K] e4m3, w_scale [ceil(N/128), ceil(K/128)]) "
+    "-> [T, N] bf16; x quantised per token in 1x128 groups (power-of-two scales), FP32 accumulation",
+    "kv_store_fp8": "kv_store_fp8(latent [T, 512], kv_cache uint8 [blocks, page, 1, 528], slots [T]) -> None; "
+    "V4.1 FP8 cache format (spec v41-model 4.9), slot = block * page + offset",
+    "sparse_decode_attention": "sparse_decode_attention(q [B, h, 512] bf16, kv_cache uint8 [blocks, page, 1, 528], "
+    "indices [B, k] int32 (-1 = none), sinks [h] FP32, scale) -> [B, h, 512] bf16",
+}
+
+_IMPLS: dict[str, dict[str, Callable]] = {b: {} for b in BACKENDS}
+_TABLES: dict[str, OpTable] = {}
+
+
+def register(backend: str, name: str) -> Callable[[Callable], Callable]:
+    """Decorator: `fn` implements op `name` on `backend`."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if name not in OP_SPECS:
+        raise ValueError(f"unknown op {name!r}; ops are {sorted(OP_SPECS)}")
+
+    def deco(fn: Callable) -> Callable:
+        _IMPLS[backend][name] = fn
+        _TABLES.pop(backend, None)
+        return fn
+
+    return deco
+
+
+def _build_accelerator() -> str | None:
+    """What the build was configured for (`deepinfer_sched.build_info()`), None where unknown."""
+    try:
+        import deepinfer_sched
+
+        return str(deepinfer_sched.build_info().get("accelerator"))
+    except Exception:  # noqa: BLE001 - the native core is optional for the model package
+        return None
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def resolve_backend(requested: str | None = None) -> str:
+    """The backend ops run on.
+
+    `requested` (or `$DEEPINFER_ACCELERATOR`) asks explicitly: `nvidia` without CUDA is an error.
+    Otherwise the build's accelerator decides; a build for `nvidia` on a machine without CUDA falls
+    back to `cpu` with a warning (the same install is usable for CPU tests).
+    """
+    explicit = requested if requested is not None else os.environ.get("DEEPINFER_ACCELERATOR")
+    name = (explicit or _build_accelerator() or "cpu").strip().lower()
+    if name in RESERVED_BACKENDS:
+        raise ValueError(
+            f"DEEPINFER_ACCELERATOR={name!r} is reserved and not implemented; use one of {BACKENDS}"
+        )
+    if name not in BACKENDS:
+        raise ValueError(f"DEEPINFER_ACCELERATOR must be one of {BACKENDS}, got {name!r}")
+    if name == "nvidia" and not _cuda_available():
+        if explicit:
+            raise RuntimeError("DEEPINFER_ACCELERATOR=nvidia but torch sees no CUDA device")
+        logger.warning("build targets nvidia but no CUDA device is visible: using the cpu reference ops")
+        return "cpu"
+    return name
+
+
+def _load(backend: str) -> None:
+    importlib.import_module(f"deepinfer_model.backends.{backend}")
+
+
+class OpTable:
+    """The resolved ops of one backend: `table.rms_norm(...)`, `table["rms_norm"]`, `table.sources`."""
+
+    def __init__(self, backend: str):
+        _load("cpu")
+        if backend != "cpu":
+            _load(backend)
+        self.backend = backend
+        self.sources: dict[str, str] = {}
+        self._fns: dict[str, Callable] = {}
+        for name in OP_SPECS:
+            if name in _IMPLS[backend]:
+                self._fns[name], self.sources[name] = _IMPLS[backend][name], backend
+            elif name in _IMPLS["cpu"]:
+                self._fns[name], self.sources[name] = _IMPLS["cpu"][name], "cpu"
+                if backend != "cpu":
+                    logger.info("op %s has no %s implementation: served by the cpu reference", name, backend)
+
+    def __getitem__(self, name: str) -> Callable:
+        if name not in self._fns:
+            raise KeyError(f"op {name!r} is not implemented; ops are {sorted(self._fns)}")
+        return self._fns[name]
+
+    def __getattr__(self, name: str) -> Callable:
+        try:
+            return self.__dict__["_fns"][name]
+        except KeyError:
+            raise AttributeError(f"op {name!r} is not implemented; ops are {sorted(OP_SPECS)}") from None
+
+    def __repr__(self) -> str:
+        return f"OpTable(backend={self.backend!r}, sources={self.sources})"
+
+
+def get_ops(backend: str | None = None) -> OpTable:
+    """The op table of `backend` (default: `resolve_backend()`), built once per backend."""
+    name = resolve_backend(backend)
+    if name not in _TABLES:
+        _TABLES[name] = OpTable(name)
+    return _TABLES[name]

@@ -1,0 +1,135 @@
+"""NVIDIA ops against the CPU reference: fresh random inputs of several shapes, poisoned outputs.
+
+Every check: relative error ||gpu - ref|| / ||ref|| (FP64) under the op's tolerance, no NaN/Inf
+(the caching allocator is filled with 0xFF - NaN in every float dtype - before each GPU call, so an
+unwritten output element shows up as NaN).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from deepinfer_model.ops import get_ops, store_fp8_tokens  # noqa: E402
+from deepinfer_model.quant import quant_fp8_block  # noqa: E402
+
+DEV = torch.device("cuda")
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    return get_ops("nvidia")
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    return get_ops("cpu")
+
+
+def poison() -> None:
+    """Fill the allocator's free blocks (large and small pools) with 0xFF bytes, then release them."""
+    big = [torch.full((256 << 20,), 0xFF, dtype=torch.uint8, device=DEV) for _ in range(4)]
+    small = [torch.full((1 << 20,), 0xFF, dtype=torch.uint8, device=DEV) for _ in range(32)]
+    del big, small
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out = out.detach().double().cpu()
+    assert bool(torch.isfinite(out).all()), "NaN/Inf in output (unwritten elements or overflow)"
+    ref = ref.double().cpu()
+    return float((out - ref).norm() / ref.norm().clamp(min=1e-300))
+
+
+def tol(dtype: torch.dtype) -> float:
+    return 1e-5 if dtype == torch.float32 else 8e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 512), (7, 1536), (257, 4096), (64, 7168), (3, 5, 512)])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_rms_norm(gpu, cpu, dtype, shape, weighted):
+    x = (torch.randn(shape) * 3).to(dtype)
+    w = torch.randn(shape[-1]) if weighted else None
+    ref = cpu.rms_norm(x, w, 1e-6)
+    poison()
+    out = gpu.rms_norm(x.to(DEV), None if w is None else w.to(DEV), 1e-6)
+    assert out.shape == x.shape and out.dtype == dtype
+    assert rel_err(out, ref) < tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape,rope", [((5, 512), 64), ((33, 64, 512), 64), ((8, 16, 128), 64)])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_apply_rope(gpu, cpu, dtype, shape, rope, inverse):
+    x = torch.randn(shape).to(dtype)
+    ang = torch.rand(shape[0], rope // 2) * 100
+    cos, sin = ang.cos(), ang.sin()
+    ref = cpu.apply_rope(x, cos, sin, inverse)
+    poison()
+    out = gpu.apply_rope(x.to(DEV), cos.to(DEV), sin.to(DEV), inverse)
+    assert rel_err(out, ref) < tol(dtype)
+
+
+@pytest.mark.parametrize("t,m,h", [(1, 4, 512), (19, 4, 4096), (128, 4, 7168), (5, 2, 256)])
+def test_hc_mixes_read_write(gpu, cpu, t, m, h):
+    trunk = torch.randn(t, m, h).to(torch.bfloat16)
+    fn = torch.randn((2 + m) * m, m * h) * (m * h) ** -0.5
+    base, scale = torch.randn((2 + m) * m) * 0.1, torch.rand(3) + 0.5
+    refs = cpu.hc_mixes(trunk, fn, base, scale, 1e-6, 1e-6, 20)
+    poison()
+    outs = gpu.hc_mixes(trunk.to(DEV), fn.to(DEV), base.to(DEV), scale.to(DEV), 1e-6, 1e-6, 20)
+    for o, r in zip(outs, refs, strict=True):
+        assert o.dtype == torch.float32 and o.shape == r.shape
+        assert rel_err(o, r) < 1e-5
+    pre, post, comb = refs
+    y = torch.randn(t, h).to(torch.bfloat16)
+    ref_read = cpu.hc_read(trunk, pre)
+    ref_write = cpu.hc_write(y, trunk, post, comb)
+    poison()
+    assert rel_err(gpu.hc_read(trunk.to(DEV), pre.to(DEV)), ref_read) < tol(torch.bfloat16)
+    poison()
+    got = gpu.hc_write(y.to(DEV), trunk.to(DEV), post.to(DEV), comb.to(DEV))
+    assert rel_err(got, ref_write) < tol(torch.bfloat16)
+
+
+@pytest.mark.parametrize("t,n,k", [(1, 512, 7168), (16, 1536, 512), (129, 4096, 1024), (512, 7168, 2048)])
+def test_fp8_block_linear(gpu, cpu, t, n, k):
+    x = torch.randn(t, k).to(torch.bfloat16)
+    w, s = quant_fp8_block(torch.randn(n, k) * k**-0.5, (128, 128))
+    s = s.float()
+    ref = cpu.fp8_block_linear(x, w, s)
+    poison()
+    out = gpu.fp8_block_linear(x.to(DEV), w.to(DEV), s.to(DEV))
+    assert out.shape == (t, n) and out.dtype == torch.bfloat16
+    assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("b,h,topk,blocks", [(1, 64, 64, 4), (5, 128, 512, 40), (33, 64, 1024, 64)])
+def test_sparse_decode_attention(gpu, cpu, b, h, topk, blocks):
+    page = 64
+    n = blocks * page
+    cache = torch.zeros(blocks, page, 1, 528, dtype=torch.uint8)
+    store_fp8_tokens(torch.randn(n, 512), cache, torch.arange(n))
+    idx = torch.stack([torch.randperm(n)[:topk] for _ in range(b)]).to(torch.int32)
+    idx[0, topk // 2 :] = -1  # a partly filled selection
+    q = torch.randn(b, h, 512).to(torch.bfloat16)
+    sinks = torch.randn(h)
+    ref = cpu.sparse_decode_attention(q, cache, idx, sinks, 512**-0.5)
+    poison()
+    out = gpu.sparse_decode_attention(q.to(DEV), cache.to(DEV), idx.to(DEV), sinks.to(DEV), 512**-0.5)
+    assert out.shape == (b, h, 512)
+    assert rel_err(out, ref) < 1e-2
+
+
+def test_kv_store_on_gpu_matches_cpu(gpu, cpu):
+    lat = torch.randn(100, 512) * 5
+    slots = torch.randperm(4 * 64)[:100]
+    c_ref = torch.zeros(4, 64, 1, 528, dtype=torch.uint8)
+    cpu.kv_store_fp8(lat, c_ref, slots)
+    c_gpu = torch.zeros(4, 64, 1, 528, dtype=torch.uint8, device=DEV)
+    gpu.kv_store_fp8(lat.to(DEV), c_gpu, slots.to(DEV))
+    assert torch.equal(c_gpu.cpu(), c_ref)
