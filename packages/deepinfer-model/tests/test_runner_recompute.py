@@ -80,7 +80,7 @@ def test_random_chunkings_and_interleavings_match_forward(model):
 
 
 def test_shared_prefix_blocks_and_reuse_after_free(model):
-    runner = RecomputeRunner(model, num_blocks=8, block_size=BLOCK)  # sequences >= 8 tokens: see README
+    runner = RecomputeRunner(model, num_blocks=8, block_size=BLOCK)
     prefix = [5, 6, 7, 8, 1, 2, 3, 4]
     a, b = prefix + [9, 10], prefix + [11]
     runner.execute(_batch([(0, 0, a, [0, 4, 1], 1)]))
