@@ -1,8 +1,10 @@
 """Batched (padded) views of a step's sequences, so attention runs per group of sequences, not per sequence.
 
-Sequences with short queries (decodes, verification blocks, small chunks) form one group padded to the
-longest of them; each longer prefill chunk is a group of its own (no padding waste, and its compute
-dwarfs the Python overhead). Every gather below is one vectorised numpy / torch indexing operation.
+Sequences are bucketed by query length (decodes with decodes, verification blocks with each other,
+similar prefill chunks together); a group's queries are padded to its longest, its key sets to its
+longest context, and attention is one batched computation per group. Every gather below is one
+vectorised numpy / torch indexing operation: the Python work per layer is per group, never per token
+or per sequence.
 """
 
 from __future__ import annotations
@@ -13,15 +15,11 @@ import numpy as np
 import torch
 
 from ..config import RopeSpec
-from ..layers.attention import sink_attention
 from ..layers.compressor import CompressorWeights, compress
-from ..layers.indexer import index_scores
 from ..layers.rope import apply_rope, cos_sin
 from ..numerics import round_to
 from .metadata import StepMetadata
 from .pools import PagedKVCache
-
-SHORT_QUERY = 16  # queries up to this many tokens share one padded group
 
 
 def ranges(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -34,10 +32,21 @@ def ranges(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 @dataclass
 class Group:
+    """Sequences attended together, queries padded to the longest: row-major [G, Q] query slots.
+
+    A padding slot repeats its sequence's last real query (same row, same position), so everything
+    computed for it is a finite duplicate that is simply never written back.
+    """
+
     seqs: np.ndarray  # sequence indices in the step
-    rows: torch.Tensor  # long [G, Q] packed row of each (sequence, query slot); padding repeats a real row
+    rows: torch.Tensor  # long [G, Q] packed row of each query slot
     qmask: torch.Tensor  # bool [G, Q] real query slots
-    q_pos: torch.Tensor  # long [G, Q] absolute positions (padding: a real row's position)
+    q_pos: torch.Tensor  # long [G, Q] absolute positions
+
+    @property
+    def slot_rows(self) -> torch.Tensor:
+        """Packed row of every query slot, padding included: long [G*Q]."""
+        return self.rows.reshape(-1)
 
     @property
     def packed_rows(self) -> torch.Tensor:
@@ -46,24 +55,21 @@ class Group:
 
 
 def make_groups(meta: StepMetadata) -> list[Group]:
-    short = np.flatnonzero(meta.query_lens <= SHORT_QUERY)
-    parts = ([short] if len(short) else []) + [
-        np.array([i]) for i in np.flatnonzero(meta.query_lens > SHORT_QUERY)
-    ]
+    """Bucket sequences by query length (lengths in (2^(k-1), 2^k] share a bucket), so padding at most
+    doubles a group's query slots: decodes batch with decodes, equal prefill chunks with each other."""
+    bucket = np.ceil(np.log2(meta.query_lens)).astype(np.int64)
     groups = []
-    for seqs in parts:
+    for k in np.unique(bucket):
+        seqs = np.flatnonzero(bucket == k)
         qlen = meta.query_lens[seqs]
-        width = int(qlen.max())
-        slot = np.arange(width)[None, :]
-        mask = slot < qlen[:, None]
-        rows = meta.offsets[seqs][:, None] + np.minimum(slot, qlen[:, None] - 1)
-        rows_t = torch.from_numpy(rows)
-        groups.append(Group(seqs, rows_t, torch.from_numpy(mask), meta.positions[rows_t]))
+        slot = np.arange(int(qlen.max()))[None, :]
+        rows = torch.from_numpy(meta.offsets[seqs][:, None] + np.minimum(slot, qlen[:, None] - 1))
+        groups.append(Group(seqs, rows, torch.from_numpy(slot < qlen[:, None]), meta.positions[rows]))
     return groups
 
 
 def swa_keys(cache: PagedKVCache, meta: StepMetadata, g: Group, pool: str, window: int):
-    """(keys [G, S, D], visible [rows, S]): each query's sliding window, read from `pool`."""
+    """(keys [G, S, D], visible [G*Q, S]): each query's sliding window, read from `pool`."""
     lo = np.maximum(meta.starts[g.seqs] - window + 1, 0)
     hi = meta.ends[g.seqs]
     width = int((hi - lo).max())
@@ -72,57 +78,53 @@ def swa_keys(cache: PagedKVCache, meta: StepMetadata, g: Group, pool: str, windo
     k_pos = torch.from_numpy(lo[:, None] + np.arange(width)[None, :])[:, None, :]
     q_pos = g.q_pos[:, :, None]
     visible = (k_pos <= q_pos) & (k_pos > q_pos - window)  # k_pos <= q_pos < hi also drops padding
-    return keys, visible[g.qmask]
+    return keys, visible.reshape(-1, width)
 
 
 def compressed_entries(cache: PagedKVCache, meta: StepMetadata, g: Group, pool: str, ratio: int):
-    """(entries [G, n, d], valid [rows, n]): every entry each sequence has after this step; entry j is
+    """(entries [G, n, d], valid [G*Q, n]): every entry each sequence has after this step; entry j is
     valid for a query at p iff j < (p + 1) // ratio (its block is complete). Padding entries are zero
     (a masked key must still be finite: attention multiplies it by a zero probability)."""
     n = meta.ends[g.seqs] // ratio
     width = max(int(n.max()), 1)
     j = np.arange(width)[None, :]
-    entries = cache.read(
-        pool,
-        torch.from_numpy(
-            meta.entry_slots_of(g.seqs[:, None], np.minimum(j, np.maximum(n[:, None] - 1, 0)), ratio)
-        ),
-    )
+    safe_j = np.minimum(j, np.maximum(n[:, None] - 1, 0))
+    entries = cache.read(pool, torch.from_numpy(meta.entry_slots_of(g.seqs[:, None], safe_j, ratio)))
     entries = entries.masked_fill(torch.from_numpy(j >= n[:, None])[..., None], 0.0)
     valid = torch.arange(width)[None, None, :] < torch.div(
         g.q_pos[:, :, None] + 1, ratio, rounding_mode="floor"
     )
-    return entries, valid[g.qmask]
-
-
-def per_row(t: torch.Tensor, g: Group) -> torch.Tensor:
-    """A per-sequence tensor [G, ...] repeated for each real query row -> [rows, ...]."""
-    return t[:, None].expand(-1, g.rows.shape[1], *t.shape[1:])[g.qmask]
+    return entries, valid.reshape(-1, width)
 
 
 def attend(
     q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, g: Group, sinks, scale
 ) -> torch.Tensor:
-    """Sink attention of the group's real queries (`q` packed [N, nh, D], `visible` [rows, S])
-    -> FP64 [rows, nh, D] in `g.packed_rows` order."""
-    if len(g.seqs) == 1:  # one sequence: its keys are shared by all its queries
-        return sink_attention(q[g.packed_rows], keys[0], visible, sinks, scale)
-    return sink_attention(q[g.packed_rows], per_row(keys, g), visible, sinks, scale)
+    """Sink attention (as `layers.attention.sink_attention`, batched over the group's sequences, each
+    with its own shared key set): packed `q` [N, nh, D], `keys` [G, S, D], `visible` [G*Q, S]
+    -> FP64 [rows, nh, D] for `g.packed_rows`."""
+    gq = g.rows.shape
+    qs = q[g.rows].double()  # [G, Q, nh, D]
+    keys = keys.double()
+    scores = torch.einsum("gqhd,gsd->gqhs", qs, keys) * scale
+    scores = scores.masked_fill(~visible.view(*gq, 1, -1), float("-inf"))
+    sink = sinks.double()[None, None, :, None].expand(*gq, -1, 1)
+    logits = torch.cat((scores, sink), dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    return torch.einsum("gqhs,gsd->gqhd", probs, keys)[g.qmask]
 
 
 def grouped_index_scores(qi: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, g: Group, scaled: bool):
-    """Index scores [rows, n] of the group's queries (packed `qi` [N, n_i, d_i], `head_w` [N, n_i])
-    against each sequence's index keys [G, n, d_i]; same formula as `layers.indexer.index_scores`."""
-    rows = g.packed_rows
-    if len(g.seqs) == 1:
-        return index_scores(qi[rows], keys[0], head_w[rows], scaled)
+    """Index scores [G*Q, n] (as `layers.indexer.index_scores`, batched over the group's sequences):
+    packed `qi` [N, n_i, d_i] and `head_w` [N, n_i] against each sequence's index keys [G, n, d_i]."""
     n_heads, head_dim = qi.shape[1], qi.shape[2]
-    s = torch.relu(torch.einsum("thd,tnd->thn", qi[rows].double(), per_row(keys, g).double()))
-    w = head_w[rows].double()
+    s = torch.relu(torch.einsum("gqhd,gnd->gqhn", qi[g.rows].double(), keys.double()))
+    w = head_w[g.rows].double()
     if scaled:
         s = s * head_dim**-0.5
         w = w * n_heads**-0.5
-    return (s * w.unsqueeze(-1)).sum(dim=1)
+    return (s * w.unsqueeze(-1)).sum(dim=2).reshape(-1, keys.shape[1])
 
 
 @dataclass

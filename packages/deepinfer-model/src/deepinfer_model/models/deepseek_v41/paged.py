@@ -116,7 +116,7 @@ def _attention(
             st.candidates = torch.full((n_tok, topo.candidate_topk_blocks), -1, dtype=torch.long)
     out = torch.empty(n_tok, cfg.num_attention_heads, cfg.head_dim, dtype=torch.float64)
     for g in st.groups:
-        rows = g.packed_rows
+        slots = g.slot_rows  # every (padded) query slot; padding duplicates its sequence's last query
         keys, visible = swa_keys(cache, meta, g, f"swa.{layer}", cfg.sliding_window)
         if ratio:
             entries, valid = compressed_entries(cache, meta, g, f"comp.{topo.kv_source[layer]}", ratio)
@@ -126,16 +126,16 @@ def _attention(
                 scores = round_to(grouped_index_scores(qi, ik, head_w, g, scaled=False), act)
                 allowed = valid
                 if topo.restricted_to_candidates(layer):
-                    allowed = valid & candidate_mask(st.candidates[rows], n, topo.candidate_block_size)
-                st.selection[layer][rows] = select_topk(scores, allowed, cfg.index_topk)
+                    allowed = valid & candidate_mask(st.candidates[slots], n, topo.candidate_block_size)
+                st.selection[layer][slots] = select_topk(scores, allowed, cfg.index_topk)
                 if layer == topo.candidate_source:
-                    st.candidates[rows] = candidate_blocks(
+                    st.candidates[slots] = candidate_blocks(
                         scores, valid, topo.candidate_block_size, topo.candidate_topk_blocks
                     )
-            selected = st.selection[topo.index_source[layer]][rows]
+            selected = st.selection[topo.index_source[layer]][slots]
             keys = torch.cat((keys, entries), dim=1)
             visible = torch.cat((visible, selection_mask(selected, n)), dim=1)
-        out[rows] = attend(q, keys, visible, g, w.attn.sinks, cfg.head_dim**-0.5)
+        out[g.packed_rows] = attend(q, keys, visible, g, w.attn.sinks, cfg.head_dim**-0.5)
     return project_output(round_to(out, act), w.attn, cfg.o_groups, cos, sin, act)
 
 
