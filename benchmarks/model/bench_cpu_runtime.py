@@ -106,6 +106,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         make_v41_checkpoint(tmp, seed=0)
         model = load_v41(tmp)
+    for kind in args.runners:  # warm-up (first-call allocations, lazy imports), not recorded
+        _run(model, kind, 1, 4, 1, args.block_size)
     records = []
     jobs = [(k, b) for b in args.batches for k in args.runners]
     for kind, batch in tqdm(jobs, desc="bench_cpu_runtime"):

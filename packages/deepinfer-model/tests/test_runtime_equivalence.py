@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from deepinfer_model import load_model
-from deepinfer_model.models.deepseek_v41 import load_v41, make_v41_checkpoint
+from deepinfer_model.models.deepseek_v41 import DeepseekV41ForCausalLM, load_v41, make_v41_checkpoint
 from deepinfer_model.runner import RunnerBatch
 from deepinfer_model.runtime import PagedRunner
 from deepinfer_model.testing import make_checkpoint, tiny_config
@@ -37,6 +37,14 @@ def v4(tmp_path_factory):
 @pytest.fixture(scope="module")
 def v41(tmp_path_factory):
     return load_v41(make_v41_checkpoint(tmp_path_factory.mktemp("v41"), seed=0))
+
+
+@pytest.fixture(scope="module")
+def v41_engine_numerics(v41):
+    """BF16 activations and cache-format KV (FP8 SWA, FP4 main KV, FP4 index keys): the engine's numerics."""
+    return DeepseekV41ForCausalLM(
+        v41.config, v41.weights, v41.engram.vocab, act_dtype=torch.bfloat16, quantize_kv=True
+    )
 
 
 def _logits(model, tokens) -> torch.Tensor:
@@ -115,9 +123,10 @@ def test_v41_any_chunking_and_batch_mix_matches_forward(v41, seed, block_size, n
     _assert_close(run_random_schedule(v41, np.random.default_rng(seed), block_size, n_seqs, max_len=30))
 
 
-@pytest.mark.parametrize("which", ["v4", "v41"])
+@pytest.mark.parametrize("which", ["v4", "v41", "v41_engine_numerics"])
 def test_bitwise_equal_to_forward(which, request):
-    """The design's claim, asserted exactly on one fixed mixed schedule per model."""
+    """The design's claim, asserted exactly on one fixed mixed schedule per model (also with BF16
+    activations and quantised KV: every cached value is stored after its rounding)."""
     model = request.getfixturevalue(which)
     pairs = run_random_schedule(model, np.random.default_rng(7), 8, 3, max_len=34)
     assert sum(len(p[0]) for p in pairs) > 10
