@@ -192,3 +192,33 @@ def _idle_worker(rank, world, ckpt, ref_path):
 def test_idle_dp_rank_joins_the_expert_all_to_all(setup):
     ckpt, ref = setup
     run_distributed(_idle_worker, 2, ckpt, ref)
+
+
+def _v4_worker(rank, world, ckpt, ref_path):
+    from deepinfer_model import load_model
+    from deepinfer_model.parallel import ExpertParallelMoE, shard_experts
+
+    ref = torch.load(ref_path)
+    state = par.init_parallel(dp=2, ep=2)
+    model = load_model(ckpt)
+    cfg = model.config
+    extra = par.num_redundant_experts(cfg.n_routed_experts, 2, minimum=1)  # rounded up to 2
+    layout = par.RedundantExpertLayout(cfg.n_routed_experts, extra, 2, cfg.num_hidden_layers)
+    shard_experts(model.layers, layout, state.ep.rank_in_group)
+    model.moe_fn = ExpertParallelMoE(cfg, layout, state.ep.group)
+    which = rank
+    logits = model.forward(ref["prompts"][which])
+    assert torch.equal(logits, ref["logits"][which]), f"V4 EP rank {rank}: logits differ"
+
+
+def test_public_v4_ep2_with_hash_layer_equals_single_process(tmp_path):
+    # The public V4 weights after w2 (the combine applies the weight) and hash-routes layer 0.
+    from deepinfer_model import load_model
+    from deepinfer_model.testing import make_checkpoint, tiny_config
+
+    ckpt = make_checkpoint(tmp_path / "v4", tiny_config(), seed=2, tokenizer=False)
+    model = load_model(ckpt)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen) for n in (40, 23)]
+    torch.save({"prompts": prompts, "logits": [model.forward(p) for p in prompts]}, tmp_path / "ref.pt")
+    run_distributed(_v4_worker, 2, str(ckpt), str(tmp_path / "ref.pt"))

@@ -1,13 +1,14 @@
-"""Expert-parallel MoE for the V4.1 backbone (spec v41-model §6.5, engine §7.3).
+"""Expert-parallel MoE for the V4.1 and public V4 backbones (spec v41-model §6.5, engine §7.3).
 
 Each EP rank holds `S = (E + X) / ep` physical expert slots (`RedundantExpertLayout.local_logical`);
 the router runs locally on this rank's tokens, `deepinfer_parallel.dispatch_combine` sends each
 (token, choice) row to the rank owning its replica, and the shared expert is added locally.
 
 V4.1 scales the SwiGLU output by the routing weight *before* `w2` (§6.2), so the owning rank needs
-each row's weight. The dispatched row therefore carries `[y | weights(k) | logical ids(k)]` in FP64
-and the combine multiplies by 1.0: the expert picks the weight of the choice that names its logical
-expert (top-k ids are distinct) and computes exactly what the single-process block computes.
+each row's weight. The dispatched row then carries `[y | weights(k) | logical ids(k)]` in FP64 and the
+combine multiplies by 1.0: the expert picks the weight of the choice naming its logical expert (score
+top-k ids are distinct). The public V4 scales after `w2`: the combine applies the weight itself (an
+FP32 x FP32 product, exact in FP64). Either way each routed term is exactly the single-process one.
 """
 
 from __future__ import annotations
@@ -17,22 +18,24 @@ import torch.distributed as dist
 from deepinfer_parallel import EplbState, RedundantExpertLayout, dispatch_combine
 
 from ..layers.experts import ExpertWeights, clamped_swiglu, mlp
-from ..layers.router import route_topk
+from ..layers.moe import MoEWeights
+from ..layers.router import route_hash, route_topk
 from ..models.deepseek_v41.config import DeepseekV41Config
-from ..models.deepseek_v41.weights import BlockWeights
 from ..numerics import linear, round_to
 
 
 class ExpertParallelMoE:
-    """`moe_fn` for `DeepseekV41ForCausalLM`: the backbone MoE with routed experts sharded over EP.
+    """`moe_fn` of `DeepseekV41ForCausalLM` (`(layer, block, y)`) and of the public `DeepseekV4Model`
+    (`(layer, layer_weights, y, token_ids)`): the routed experts sharded over the EP `group`.
 
-    `blk.moe.experts` of every layer must hold this rank's slots only (`[S, ...]`, slot order), as
+    `block.moe.experts` of every layer must hold this rank's slots only (`[S, ...]`, slot order), as
     `load_v41_ep` builds them or `shard_experts` cuts them; EPLB shuffles those tensors in place.
+    Collective: every EP rank calls it for every MoE layer of a step (`idle_step` when it has no tokens).
     """
 
     def __init__(
         self,
-        config: DeepseekV41Config,
+        config,
         layout: RedundantExpertLayout,
         group: dist.ProcessGroup | None = None,
         act_dtype: torch.dtype = torch.float32,
@@ -46,54 +49,75 @@ class ExpertParallelMoE:
             raise ValueError(
                 f"layout has {layout.num_layers} layers, the config num_hidden_layers = {config.num_hidden_layers}"
             )
-        self.config, self.layout, self.group, self.act_dtype = config, layout, group, act_dtype
-        self.ep_rank = dist.get_rank(group)
         if dist.get_world_size(group) != layout.ep_size:
             raise ValueError(f"layout ep_size={layout.ep_size} != EP group size {dist.get_world_size(group)}")
+        self.config, self.layout, self.group, self.act_dtype = config, layout, group, act_dtype
+        self.weight_before_down = isinstance(config, DeepseekV41Config)  # V4.1 §6.2; public V4: after
+        self.ep_rank = dist.get_rank(group)
         self.eplb: EplbState | None = None  # set by attach_eplb: dispatch adds its per-slot counts
 
-    def __call__(self, layer: int, blk: BlockWeights, y: torch.Tensor) -> torch.Tensor:
-        cfg, act, k = self.config, self.act_dtype, self.config.num_experts_per_tok
-        m = blk.moe
+    def __call__(
+        self, layer: int, blk, y: torch.Tensor, token_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        cfg, m = self.config, blk.moe
         if m.experts.w1.shape[0] != self.layout.slots_per_rank:
             raise ValueError(
                 f"layer {layer} holds {m.experts.w1.shape[0]} experts; EP rank needs its "
                 f"{self.layout.slots_per_rank} slots (load with load_v41_ep or shard_experts)"
             )
-        weights, ids = route_topk(linear(y, m.gate, torch.float32), m.bias, k, cfg.routed_scaling_factor)
-        h = y.shape[1]
+        logits = linear(y, m.gate, torch.float32)  # router logits stay FP32
+        if m.tid2eid is not None:
+            weights, ids = route_hash(logits, token_ids, m.tid2eid, cfg.routed_scaling_factor)
+        else:
+            weights, ids = route_topk(logits, m.bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor)
+        count = self.eplb.expert_count[layer] if self.eplb is not None else None
+        routed = (self._weighted_in_expert if self.weight_before_down else self._weighted_in_combine)(
+            layer, m, y, weights, ids, count
+        )
+        if m.shared is not None:
+            routed = routed + mlp(y, m.shared, cfg.swiglu_limit, self.act_dtype)
+        return round_to(routed, self.act_dtype)
+
+    def _swiglu(self, ex: ExpertWeights, slot: int, x: torch.Tensor) -> torch.Tensor:
+        act, limit = self.act_dtype, self.config.swiglu_limit
+        return clamped_swiglu(linear(x, ex.w1[slot], act), linear(x, ex.w3[slot], act), limit)
+
+    def _weighted_in_combine(self, layer, m: MoEWeights, y, weights, ids, count) -> torch.Tensor:
+        def local_expert(slot: int, x: torch.Tensor) -> torch.Tensor:
+            return linear(self._swiglu(m.experts, slot, x), m.experts.w2[slot], self.act_dtype)
+
+        return dispatch_combine(
+            y.double(), ids, weights.double(), local_expert, self.layout.layer(layer), self.group, count
+        )
+
+    def _weighted_in_expert(self, layer, m: MoEWeights, y, weights, ids, count) -> torch.Tensor:
+        h, k = y.shape[1], ids.shape[1]
         rows = torch.cat((y.double(), weights.double(), ids.double()), dim=1)
         slot_base = self.ep_rank * self.layout.slots_per_rank
         p2l = self.layout.phys_to_logical[layer]
 
         def local_expert(slot: int, x: torch.Tensor) -> torch.Tensor:
-            e = int(p2l[slot_base + slot])
-            pick = x[:, h + k :] == e  # exactly one choice per row names this expert
+            pick = x[:, h + k :] == int(p2l[slot_base + slot])  # the one choice naming this expert
             w = x[:, h : h + k][pick].unsqueeze(1)
-            xs = x[:, :h]
-            ex: ExpertWeights = m.experts
-            g = clamped_swiglu(linear(xs, ex.w1[slot], act), linear(xs, ex.w3[slot], act), cfg.swiglu_limit)
             out = torch.zeros_like(x)
-            out[:, :h] = linear(g * w, ex.w2[slot], act)
+            out[:, :h] = linear(
+                self._swiglu(m.experts, slot, x[:, :h]) * w, m.experts.w2[slot], self.act_dtype
+            )
             return out
 
-        count = self.eplb.expert_count[layer] if self.eplb is not None else None
         ones = torch.ones_like(weights, dtype=torch.float64)
-        routed = dispatch_combine(rows, ids, ones, local_expert, self.layout.layer(layer), self.group, count)[
+        return dispatch_combine(rows, ids, ones, local_expert, self.layout.layer(layer), self.group, count)[
             :, :h
         ]
-        if m.shared is not None:
-            routed = routed + mlp(y, m.shared, cfg.swiglu_limit, act)
-        return round_to(routed, act)
 
-    def idle_step(self, blocks: list[BlockWeights]) -> None:
+    def idle_step(self, blocks: list) -> None:
         """Join every layer's dispatch / combine with no tokens: what an EP rank without work this step
         (e.g. an idle DP rank) must call so the other ranks' all-to-alls complete."""
         empty = torch.zeros(0, self.config.hidden_size, dtype=torch.float64)
         for layer, blk in enumerate(blocks):
-            self(layer, blk, empty)
+            self(layer, blk, empty, torch.zeros(0, dtype=torch.long))
 
-    def expert_tensors(self, blocks: list[BlockWeights]) -> list[list[torch.Tensor]]:
+    def expert_tensors(self, blocks: list) -> list[list[torch.Tensor]]:
         """Per layer `[w1, w3, w2]` (each `[S, ...]`): what `EplbState` shuffles in place."""
         return [[b.moe.experts.w1, b.moe.experts.w3, b.moe.experts.w2] for b in blocks]
 
@@ -103,8 +127,9 @@ class ExpertParallelMoE:
         self.eplb = eplb
 
 
-def shard_experts(blocks: list[BlockWeights], layout: RedundantExpertLayout, ep_rank: int) -> None:
-    """Replace every layer's full expert stacks by this rank's slots (tests, or a model loaded whole)."""
+def shard_experts(blocks: list, layout: RedundantExpertLayout, ep_rank: int) -> None:
+    """Replace every layer's full expert stacks by this rank's slots (a model that was loaded whole,
+    e.g. the public V4; `load_v41_ep` reads only the local experts in the first place)."""
     for layer, b in enumerate(blocks):
         ids = torch.tensor(layout.local_logical(layer, ep_rank))
         ex = b.moe.experts
