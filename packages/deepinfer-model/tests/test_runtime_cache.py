@@ -173,3 +173,30 @@ def test_bad_inputs_are_rejected(model):
         PagedRunner(model, num_blocks=0, block_size=BLOCK)
     with pytest.raises(ValueError, match="divide"):
         PagedRunner(model, num_blocks=2, block_size=3)  # C2 entries would straddle blocks
+
+
+def test_rejected_verification_tokens_are_rolled_back(model):
+    """A verification step writes 5 draft positions (crossing C2 block boundaries); the scheduler then
+    keeps only the first and the next step restarts right after it with other tokens: the cached
+    entries of the rejected positions are recomputed, never read."""
+    runner = PagedRunner(model, num_blocks=6, block_size=BLOCK)
+    table = [4, 1, 5, 0]
+    prompt = list(range(40, 49))
+    runner.execute(_batch([(0, 0, prompt, table, 1)]))
+    draft = [60, 61, 62, 63, 64]
+    got = runner.execute(_batch([(0, 9, draft, table, 5)]))
+    assert torch.equal(got, _ref(model, prompt + draft)[-5:])
+    accepted = prompt + draft[:1]
+    fixed = [70, 71, 72]
+    got = runner.execute(_batch([(0, 10, fixed, table, 3)]))
+    assert torch.equal(got, _ref(model, accepted + fixed)[-3:])
+
+
+def test_make_runner_switch(model):
+    from deepinfer_model.runner import RecomputeRunner
+    from deepinfer_model.runtime import make_runner
+
+    assert isinstance(make_runner("paged", model, 4, BLOCK), PagedRunner)
+    assert isinstance(make_runner("recompute", model, 4, BLOCK), RecomputeRunner)
+    with pytest.raises(ValueError, match="runner must be one of"):
+        make_runner("fast", model, 4, BLOCK)

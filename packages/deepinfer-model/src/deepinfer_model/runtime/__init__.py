@@ -7,6 +7,15 @@ logits = runner.execute(scheduler_output)                          # same contra
 
 from .metadata import StepMetadata
 from .pools import PagedKVCache, PoolSpec, blocks_for_budget
-from .runner import PagedRunner, cache_specs
+from .runner import RUNNERS, PagedRunner, cache_specs, make_runner
 
-__all__ = ["PagedKVCache", "PagedRunner", "PoolSpec", "StepMetadata", "blocks_for_budget", "cache_specs"]
+__all__ = [
+    "RUNNERS",
+    "PagedKVCache",
+    "PagedRunner",
+    "PoolSpec",
+    "StepMetadata",
+    "blocks_for_budget",
+    "cache_specs",
+    "make_runner",
+]

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from ..runner.batch import RunnerBatch
+from ..runner.recompute import RecomputeRunner
 from .metadata import StepMetadata
 from .pools import TOKEN_IDS, PagedKVCache, PoolSpec, blocks_for_budget
 
@@ -87,3 +88,13 @@ class PagedRunner:
             self.cache.write(TOKEN_IDS, meta.write_slots, meta.input_ids)
         self.metadata_s += time.perf_counter() - t0
         return self._forward(self.model, meta, self.cache)
+
+
+RUNNERS = {"paged": PagedRunner, "recompute": RecomputeRunner}
+
+
+def make_runner(kind: str, model, num_blocks: int, block_size: int):
+    """The engine's one switch: `kind` = "paged" (cached, this package) or "recompute" (reference)."""
+    if kind not in RUNNERS:
+        raise ValueError(f"runner must be one of {sorted(RUNNERS)}, got {kind!r}")
+    return RUNNERS[kind](model, num_blocks=num_blocks, block_size=block_size)
