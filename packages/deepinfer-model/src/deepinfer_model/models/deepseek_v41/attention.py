@@ -72,7 +72,10 @@ def layer_attention(
 ) -> tuple[torch.Tensor, AttentionTrace]:
     """Attention output [T, H] of backbone layer `layer` for one sequence (`y` = its normed HC read).
 
-    `swa_lower_bound` hides SWA keys at positions below it (YOCO bounded replay, §8 item 5).
+    `swa_lower_bound` hides SWA keys at positions below it (YOCO bounded replay, §8 item 5); the trace's
+    `swa_keys` then hold only the keys at positions >= the bound. `y` may hold any increasing subset of
+    the sequence's rows (`positions` says which; YOCO compact passes the kept rows): SWA keys come from
+    those rows, compressed KV of a consumer-half KV source from `state.shared_hidden` (every row).
     `query_rows` (context parallel): compute queries, index scores, selections and outputs only for
     these rows of `y` (keys always come from every row); the output is then `[len(query_rows), H]`,
     and `state.selection` / `state.candidates` hold those rows for the consumer layers.
@@ -88,9 +91,12 @@ def layer_attention(
         yq, pos_q, cos_q, sin_q = y[query_rows], positions[query_rows], cos[query_rows], sin[query_rows]
     q, q_lat = project_query(yq, w.attn, cfg.num_attention_heads, cos_q, sin_q, eps, False, act_dtype)
     swa = kvq.swa(project_latent(y, w.attn, cos, sin, eps, act_dtype))
-    visible = (
-        sliding_window_visible(pos_q, positions, cfg.sliding_window) & (positions >= swa_lower_bound)[None, :]
-    )
+    swa_pos = positions
+    if swa_lower_bound > 0:
+        # Keys below the bound are invisible to every query: drop them, so YOCO `mask` (all rows) and
+        # `compact` (kept rows only) attend over the very same key tensor and agree bit for bit.
+        swa, swa_pos = swa[positions >= swa_lower_bound], positions[positions >= swa_lower_bound]
+    visible = sliding_window_visible(pos_q, swa_pos, cfg.sliding_window)
     keys = swa
     trace = AttentionTrace(layer, y, swa)
     if ratio:
