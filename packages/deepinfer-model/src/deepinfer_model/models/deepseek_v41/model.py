@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from ...layers.embedding import embed
+from ...layers.mhc import read
 from ...layers.norm import rms_norm
 from .attention import AttentionTrace, CrossLayerState, layer_attention
 from .blocks import ShiftedHC, moe_ffn
@@ -25,6 +26,7 @@ from .engram import EngramHasher, engram_inject
 from .engram_vocab import CompressedVocabulary
 from .kv_quant import KVQuant
 from .weights import BlockWeights, V41Weights
+from .yoco import YocoMode, check_keep, chunk_plan
 
 # moe_fn(layer, block_weights, y [T, H]) -> [T, H]: the backbone MoE of one layer (default: `moe_ffn`
 # on all experts; deepinfer_model.parallel.ExpertParallelMoE runs it expert-parallel).
@@ -49,7 +51,11 @@ class RowSplit(Protocol):
 @dataclass
 class V41Output:
     """`logits` [T, V] FP32; `features` [T, n_t·H] drafter inputs; `main_keys` [Ld, T, D] drafter KV;
-    `draft` = one drafted block after the last position (if asked); `trace` per-layer attention views."""
+    `draft` = one drafted block after the last position (if asked); `trace` per-layer attention views.
+
+    Under YOCO `compact` the consumer layers run only the kept rows: `hidden` / `logits` (and `features` /
+    `main_keys` when the drafter targets are consumer layers) then cover the positions `kept_positions`
+    (None = every position)."""
 
     logits: torch.Tensor
     hidden: torch.Tensor
@@ -57,6 +63,7 @@ class V41Output:
     main_keys: torch.Tensor | None = None
     draft: DraftOutput | None = None
     trace: list[AttentionTrace] | None = None
+    kept_positions: torch.Tensor | None = None
 
 
 class DeepseekV41ForCausalLM:
@@ -106,6 +113,8 @@ class DeepseekV41ForCausalLM:
         return_trace: bool = False,
         yoco_keep_tokens: int | None = None,
         backtracking_tokens: int = 6,
+        yoco_mode: YocoMode | str = YocoMode.MASK,
+        yoco_prompt_len: int | None = None,
         logit_rows: torch.Tensor | list[int] | None = None,
         row_split: RowSplit | None = None,
     ) -> V41Output:
@@ -115,6 +124,10 @@ class DeepseekV41ForCausalLM:
         `yoco_keep_tokens` = KEEP applies YOCO bounded replay in `mask` mode (§8): consumer-half layers see
         no SWA key before `len - KEEP` (explicitly approximate; needs KEEP >= sliding_window +
         `backtracking_tokens`). Producer layers, the shared hidden and consumer compressed KV are unchanged.
+        `yoco_mode = "compact"` runs the consumer layers on the kept rows `[len - KEEP, len)` only (bitwise
+        equal to `mask` there; see `V41Output.kept_positions`). `yoco_prompt_len` = the prompt length the
+        plan was made for (default: every token is prompt): tokens after it are a decode continuation,
+        so `rect_lo = yoco_prompt_len - KEEP` stays where the truncated prefill put it.
 
         `logit_rows` computes logits only for those positions (e.g. `[-1]` for a prefill that samples the
         last token; `out.logits` is then `[len(logit_rows), V]`); the draft always uses the last position.
@@ -132,7 +145,13 @@ class DeepseekV41ForCausalLM:
         split = row_split or _NO_SPLIT
         x0 = split.local(x0)
         positions = torch.arange(ids.shape[0])
-        rect_lo = self._yoco_rect_lo(ids.shape[0], yoco_keep_tokens, backtracking_tokens)
+        kept = self._yoco_kept(
+            ids.shape[0], yoco_keep_tokens, backtracking_tokens, yoco_mode, yoco_prompt_len
+        )
+        if kept is not None and row_split is not None:
+            raise ValueError("yoco_mode = compact cannot be combined with row_split (context parallel)")
+        prompt_len = ids.shape[0] if yoco_prompt_len is None else yoco_prompt_len
+        rect_lo = 0 if yoco_keep_tokens is None else max(0, prompt_len - yoco_keep_tokens)
         rows = self.engram.rows(ids) if self.engram else {}
         targets = cfg.dspark.target_layer_ids if cfg.dspark else ()
         feats: dict[int, torch.Tensor] = {}
@@ -140,6 +159,17 @@ class DeepseekV41ForCausalLM:
         state = CrossLayerState()
         hc = ShiftedHC(x0, cfg)
         for layer, blk in enumerate(w.layers):
+            if kept is not None and layer == cfg.n_prefill_layer:
+                # Compact boundary: S for every row (consumer compressed KV / index keys need all of them),
+                # then only the kept rows of the trunk, pending pre mix and producer selections go on.
+                state.shared_hidden = rms_norm(
+                    read(hc.trunk, hc.prev_pre, act), blk.attn_norm, cfg.rms_norm_eps, act
+                )
+                hc.trunk, hc.prev_pre, positions = hc.trunk[kept], hc.prev_pre[kept], positions[kept]
+                if state.selection is not None:
+                    state.selection = state.selection[kept]
+                if state.candidates is not None:
+                    state.candidates = state.candidates[kept]
             if blk.engram is not None:
                 hc.trunk = engram_inject(
                     hc.trunk, split.local(rows[layer]), blk.engram, cfg.rms_norm_eps, act
@@ -147,9 +177,9 @@ class DeepseekV41ForCausalLM:
             if layer in targets:
                 feats[layer] = target_features(hc.trunk, act)
 
-            def attention(y, layer=layer, blk=blk):
+            def attention(y, layer=layer, blk=blk, positions=positions):
                 y = split.gather(y)
-                if layer == cfg.n_prefill_layer:
+                if layer == cfg.n_prefill_layer and kept is None:
                     state.shared_hidden = y  # YOCO: consumer-half compressed KV is projected from S
                 out, tr = layer_attention(
                     cfg,
@@ -177,9 +207,13 @@ class DeepseekV41ForCausalLM:
         rows = hidden if logit_rows is None else hidden[self._rows(logit_rows, hidden.shape[0])]
         logits = (rows @ w.head.double().t()).float()  # FP32 logits (§2.1)
         out = V41Output(logits=logits, hidden=hidden, trace=traces if return_trace else None)
+        out.kept_positions = None if kept is None else positions
         if w.drafter is not None:
             out.features = split.gather(torch.cat([feats[t] for t in targets], dim=1))
-            out.main_keys = main_keys(cfg, w.drafter, out.features, positions, act, self.kvq)
+            feat_pos = (
+                positions if out.features.shape[0] == positions.shape[0] else torch.arange(ids.shape[0])
+            )
+            out.main_keys = main_keys(cfg, w.drafter, out.features, feat_pos, act, self.kvq)
             if num_draft_tokens:
                 if not 1 <= num_draft_tokens <= 32:
                     raise ValueError(f"num_draft_tokens = {num_draft_tokens} must lie in [1, 32]")
@@ -191,12 +225,18 @@ class DeepseekV41ForCausalLM:
                 g = int(next_token)
                 if not 0 <= g < cfg.vocab_size:
                     raise ValueError(f"next_token = {g} must lie in [0, vocab_size={cfg.vocab_size})")
+                keys_by_pos = out.main_keys
+                if feat_pos.shape[0] != ids.shape[0]:  # compact, consumer-side targets: NaN where skipped
+                    keys_by_pos = out.main_keys.new_full(
+                        (out.main_keys.shape[0], ids.shape[0], out.main_keys.shape[2]), float("nan")
+                    )
+                    keys_by_pos[:, feat_pos] = out.main_keys
                 out.draft = draft_block(
                     cfg,
                     w.drafter,
                     w.embed,
                     w.head,
-                    out.main_keys,
+                    keys_by_pos,
                     g,
                     int(positions[-1]),
                     num_draft_tokens,
@@ -218,18 +258,30 @@ class DeepseekV41ForCausalLM:
             raise ValueError(f"logit_rows must be a 1-D list of positions in [-{n}, {n}), got {logit_rows!r}")
         return idx
 
-    def _yoco_rect_lo(self, n: int, keep: int | None, backtracking: int) -> int:
+    def _yoco_kept(
+        self, n: int, keep: int | None, backtracking: int, mode: YocoMode | str, prompt_len: int | None
+    ) -> torch.Tensor | None:
+        """Validate the truncation arguments; the kept positions in compact mode, else None."""
+        mode = YocoMode.parse(mode, "yoco_mode")
         if keep is None:
-            return 0
+            if prompt_len is not None:
+                raise ValueError("yoco_prompt_len needs yoco_keep_tokens")
+            return None
+        if mode is YocoMode.OFF:
+            raise ValueError(
+                "yoco_keep_tokens was given with yoco_mode = off: pass mask or compact, or no KEEP"
+            )
         cfg = self.config
         if not (cfg.topology.yoco_enabled and cfg.n_prefill_layer > 0):
             raise ValueError("yoco_keep_tokens needs a YOCO config (0 < n_prefill_layer < num_hidden_layers)")
-        if keep < cfg.sliding_window + backtracking:
-            raise ValueError(
-                f"yoco_keep_tokens = {keep} must be >= sliding_window + backtracking_tokens = "
-                f"{cfg.sliding_window + backtracking} (replayed suffix must cover every SWA key a resume needs)"
-            )
-        return max(0, n - keep)
+        try:
+            check_keep(keep, cfg.sliding_window, backtracking)
+        except ValueError as e:
+            raise ValueError(f"yoco_keep_tokens: {e}") from None
+        if prompt_len is not None and not 1 <= prompt_len <= n:
+            raise ValueError(f"yoco_prompt_len = {prompt_len} must lie in [1, len(token_ids) = {n}]")
+        plan = chunk_plan(n if prompt_len is None else prompt_len, 0, n, keep, mode)
+        return plan.kept_positions if mode is YocoMode.COMPACT else None
 
     __call__ = forward
 
