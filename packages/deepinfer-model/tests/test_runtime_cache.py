@@ -200,3 +200,11 @@ def test_make_runner_switch(model):
     assert isinstance(make_runner("recompute", model, 4, BLOCK), RecomputeRunner)
     with pytest.raises(ValueError, match="runner must be one of"):
         make_runner("fast", model, 4, BLOCK)
+
+
+def test_sequences_without_query_tokens_are_skipped(model):
+    runner = PagedRunner(model, num_blocks=4, block_size=BLOCK)
+    toks = [9, 8, 7, 6, 5]
+    got = runner.execute(_batch([(0, 0, toks, [0, 1], 1), (1, 3, [], [2], 0)]))
+    assert torch.equal(got, _ref(model, toks)[-1:])
+    assert runner.execute(_batch([(1, 3, [], [2], 0)])).shape == (0, model.config.vocab_size)

@@ -57,10 +57,11 @@ class Group:
 def make_groups(meta: StepMetadata) -> list[Group]:
     """Bucket sequences by query length (lengths in (2^(k-1), 2^k] share a bucket), so padding at most
     doubles a group's query slots: decodes batch with decodes, equal prefill chunks with each other."""
-    bucket = np.ceil(np.log2(meta.query_lens)).astype(np.int64)
+    active = np.flatnonzero(meta.query_lens > 0)  # a sequence with no query tokens attends to nothing
+    bucket = np.ceil(np.log2(meta.query_lens[active])).astype(np.int64)
     groups = []
     for k in np.unique(bucket):
-        seqs = np.flatnonzero(bucket == k)
+        seqs = active[bucket == k]
         qlen = meta.query_lens[seqs]
         slot = np.arange(int(qlen.max()))[None, :]
         rows = torch.from_numpy(meta.offsets[seqs][:, None] + np.minimum(slot, qlen[:, None] - 1))

@@ -33,8 +33,8 @@ class StepMetadata:
     def build(cls, batch: RunnerBatch, block_size: int, num_blocks: int) -> StepMetadata:
         starts = np.asarray(batch.start_positions, dtype=np.int64)
         qlens = np.asarray(batch.query_lens, dtype=np.int64)
-        if np.any(starts < 0) or np.any(qlens < 1):
-            raise ValueError("start_positions must be >= 0 and query_lens >= 1 for every sequence")
+        if np.any(starts < 0) or np.any(qlens < 0):
+            raise ValueError("start_positions and query_lens must be >= 0 for every sequence")
         ends = starts + qlens
         offsets = np.zeros(len(qlens) + 1, dtype=np.int64)
         np.cumsum(qlens, out=offsets[1:])

@@ -81,7 +81,7 @@ class PagedRunner:
             bad = int(np.flatnonzero((ids < 0) | (ids >= self.vocab_size))[0])
             seq = int(batch.seq_ids[np.searchsorted(np.cumsum(batch.query_lens), bad, side="right")])
             raise ValueError(f"sequence {seq}: token ids must be in [0, {self.vocab_size})")
-        if len(batch.seq_ids) == 0:
+        if len(ids) == 0:  # nothing to compute (logits_lens are 0 too)
             return torch.empty(0, self.vocab_size)
         meta = StepMetadata.build(batch, self.block_size, self.num_blocks)
         if TOKEN_IDS in self.cache.pools:

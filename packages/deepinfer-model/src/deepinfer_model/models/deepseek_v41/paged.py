@@ -20,6 +20,7 @@ Selections and candidate blocks are per query, so they are passed between layers
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ...layers.attention import project_latent, project_output, project_query
@@ -143,7 +144,7 @@ def _engram_rows(model: DeepseekV41ForCausalLM, meta: StepMetadata, cache: Paged
     """Engram table rows of the packed tokens: each sequence's n-gram context comes from `token_ids`."""
     back = model.config.engram.max_ngram_size - 1
     per_seq = []
-    for i in range(meta.num_seqs):
+    for i in np.flatnonzero(meta.query_lens > 0).tolist():
         lo = max(0, int(meta.starts[i]) - back)
         ctx = cache.read(TOKEN_IDS, meta.token_slots(i, lo, int(meta.ends[i]))).reshape(-1)
         rows = model.engram.rows(ctx)
