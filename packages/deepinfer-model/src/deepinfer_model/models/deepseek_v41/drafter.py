@@ -22,7 +22,7 @@ from .blocks import ShiftedHC, moe_ffn
 from .config import DeepseekV41Config
 from .drafter_heads import confidence, markov_correction
 from .kv_quant import EXACT_KV, KVQuant
-from .weights import DrafterWeights
+from .weights import BlockWeights, DrafterWeights
 
 Sampler = Callable[[torch.Tensor, int], int]  # (fp32 logits [V], draft step) -> token id
 
@@ -71,8 +71,11 @@ def draft_block(
     temperatures: torch.Tensor | float = 1.0,
     act_dtype: torch.dtype = torch.float32,
     kvq: KVQuant = EXACT_KV,
+    moe_fn: Callable[[int, BlockWeights, torch.Tensor], torch.Tensor] | None = None,
 ) -> DraftOutput:
     """Draft `num_draft_tokens` tokens after `next_token` (at `last_position + 1`).
+
+    `moe_fn(block_index, block, y)` replaces the draft blocks' MoE (e.g. expert parallel).
 
     `keys_main` [Ld, >= last_position + 1, D] are the main keys of positions 0..last_position (§7.2);
     each block attends to the last `W` of them plus the block's own draft keys.
@@ -99,7 +102,9 @@ def draft_block(
         hc.sublayer(
             blk.hc_ffn,
             blk.ffn_norm,
-            lambda y, blk=blk: moe_ffn(cfg, blk, y, ds.num_experts_per_tok, act_dtype),
+            (lambda y, blk=blk: moe_ffn(cfg, blk, y, ds.num_experts_per_tok, act_dtype))
+            if moe_fn is None
+            else (lambda y, blk=blk, i=i: moe_fn(i, blk, y)),
             act_dtype,
         )
     hidden = hc.final(act_dtype)
