@@ -77,10 +77,12 @@ class DeepseekV41ForCausalLM:
         act_dtype: torch.dtype = torch.float32,
         quantize_kv: bool = False,
         moe_fn: MoEFn | None = None,
+        draft_moe_fn: MoEFn | None = None,
     ):
         """`act_dtype` sets the activation rounding points (FP32: none; BF16: the engine's); `quantize_kv`
         also rounds every cached KV value to its cache format (FP8 SWA, FP4 main KV, FP4 index Q/K);
-        `moe_fn` replaces the backbone MoE (e.g. expert parallel), default: all experts in-process."""
+        `moe_fn` / `draft_moe_fn` replace the backbone / draft-block MoE (e.g. expert parallel; called with
+        the layer / draft-block index), default: all experts in-process."""
         if config.engram is not None and vocab is None:
             raise ValueError(
                 "this config has Engram layers: pass the compressed vocabulary of its tokenizer.json"
@@ -91,6 +93,7 @@ class DeepseekV41ForCausalLM:
         self.kvq = KVQuant(enabled=quantize_kv, fp4_main_kv=config.use_fp4_sparse_kv)
         self.engram = EngramHasher(config.engram, vocab) if config.engram else None
         self.moe_fn: MoEFn = moe_fn or self.local_moe
+        self.draft_moe_fn: MoEFn | None = draft_moe_fn
 
     def local_moe(self, layer: int, blk: BlockWeights, y: torch.Tensor) -> torch.Tensor:
         """The backbone MoE of `layer` with every routed expert in this process."""
@@ -127,7 +130,8 @@ class DeepseekV41ForCausalLM:
         `yoco_mode = "compact"` runs the consumer layers on the kept rows `[len - KEEP, len)` only (bitwise
         equal to `mask` there; see `V41Output.kept_positions`). `yoco_prompt_len` = the prompt length the
         plan was made for (default: every token is prompt): tokens after it are a decode continuation,
-        so `rect_lo = yoco_prompt_len - KEEP` stays where the truncated prefill put it.
+        so `rect_lo = yoco_prompt_len - KEEP` stays where the truncated prefill put it (a resume after a
+        rollback may be shorter than `yoco_prompt_len`).
 
         `logit_rows` computes logits only for those positions (e.g. `[-1]` for a prefill that samples the
         last token; `out.logits` is then `[len(logit_rows), V]`); the draft always uses the last position.
@@ -244,6 +248,7 @@ class DeepseekV41ForCausalLM:
                     confidence_temperatures(num_draft_tokens),
                     act,
                     self.kvq,
+                    self.draft_moe_fn,
                 )
         elif num_draft_tokens:
             raise ValueError(
@@ -278,8 +283,8 @@ class DeepseekV41ForCausalLM:
             check_keep(keep, cfg.sliding_window, backtracking)
         except ValueError as e:
             raise ValueError(f"yoco_keep_tokens: {e}") from None
-        if prompt_len is not None and not 1 <= prompt_len <= n:
-            raise ValueError(f"yoco_prompt_len = {prompt_len} must lie in [1, len(token_ids) = {n}]")
+        if prompt_len is not None and prompt_len < 1:
+            raise ValueError(f"yoco_prompt_len = {prompt_len} must be >= 1")
         plan = chunk_plan(n if prompt_len is None else prompt_len, 0, n, keep, mode)
         return plan.kept_positions if mode is YocoMode.COMPACT else None
 
