@@ -59,10 +59,15 @@ class V41Weights:
 
     @classmethod
     def from_tensors(
-        cls, cfg: DeepseekV41Config, get: Getter, local_experts: Callable[[int], list[int]] | None = None
+        cls,
+        cfg: DeepseekV41Config,
+        get: Getter,
+        local_experts: Callable[[int], list[int]] | None = None,
+        local_draft_experts: Callable[[int], list[int]] | None = None,
     ) -> V41Weights:
-        """`local_experts(layer)` (expert parallel): the logical expert of each local physical slot; the
-        backbone's routed expert stacks then hold only those, in slot order (default: all experts)."""
+        """`local_experts(layer)` / `local_draft_experts(block)` (expert parallel): the logical expert of
+        each local physical slot; the backbone's / draft blocks' routed expert stacks then hold only those,
+        in slot order (default: all experts)."""
         layers = [
             _block(cfg, get, f"layers.{i}.", i, cfg.n_routed_experts, local_experts and local_experts(i))
             for i in range(cfg.num_hidden_layers)
@@ -75,7 +80,15 @@ class V41Weights:
                 main_proj=get("mtp.0.main_proj.weight"),
                 main_norm=get("mtp.0.main_norm.weight"),
                 blocks=[
-                    _block(cfg, get, f"mtp.{i}.", None, ds.n_routed_experts) for i in range(ds.num_blocks)
+                    _block(
+                        cfg,
+                        get,
+                        f"mtp.{i}.",
+                        None,
+                        ds.n_routed_experts,
+                        local_draft_experts and local_draft_experts(i),
+                    )
+                    for i in range(ds.num_blocks)
                 ],
                 norm=get(last + "norm.weight"),
                 markov=MarkovHead(
