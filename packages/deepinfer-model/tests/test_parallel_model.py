@@ -19,6 +19,7 @@ pytestmark = pytest.mark.distributed
 
 LENGTHS = (64, 45, 30, 53)  # 45 and 53 leave padding rows in the CP mirror split
 FP32_BYTES = 4
+DRAFT = 4  # every forward also drafts a block, through the draft blocks' own (expert-parallel) MoE
 
 
 @pytest.fixture(scope="module")
@@ -32,11 +33,19 @@ def setup(tmp_path_factory):
         model = load_v41(ckpt)
         gen = torch.Generator().manual_seed(11)
         prompts = [torch.randint(3, model.config.vocab_size, (n_tok,), generator=gen) for n_tok in LENGTHS]
-        outs = [model.forward(p) for p in prompts]
+        outs = [model.forward(p, num_draft_tokens=DRAFT) for p in prompts]
+        keys = ("logits", "hidden", "features", "main_keys")
+        drafts = ("tokens", "logits", "confidence", "hidden")
         ref = {
             "prompts": prompts,
-            "out": [{k: getattr(o, k) for k in ("logits", "hidden", "features", "main_keys")} for o in outs],
+            "out": [
+                {**{k: getattr(o, k) for k in keys}, **{f"draft.{k}": getattr(o.draft, k) for k in drafts}}
+                for o in outs
+            ],
             "experts": [(b.moe.experts.w1, b.moe.experts.w3, b.moe.experts.w2) for b in model.weights.layers],
+            "draft_experts": [
+                (b.moe.experts.w1, b.moe.experts.w3, b.moe.experts.w2) for b in model.weights.drafter.blocks
+            ],
         }
         torch.save(ref, root / "ref.pt")
         yield str(ckpt), str(root / "ref.pt")
@@ -47,25 +56,27 @@ def setup(tmp_path_factory):
 def _ep_model(ckpt, sizes):
     state = par.init_parallel(**sizes)
     cfg = DeepseekV41Config.from_file(ckpt)
-    extra = par.num_redundant_experts(cfg.n_routed_experts, state.ep.size)
-    layout = par.RedundantExpertLayout(cfg.n_routed_experts, extra, state.ep.size, cfg.num_hidden_layers)
-    return state, layout, load_v41_ep(ckpt, layout, state.ep.group)
+    ep, ds = state.ep.size, cfg.dspark
+    extra = par.resolve_redundant_experts(cfg.n_routed_experts, ep, drafter_routed=ds.n_routed_experts)
+    layout = par.RedundantExpertLayout(cfg.n_routed_experts, extra["backbone"], ep, cfg.num_hidden_layers)
+    draft_layout = par.RedundantExpertLayout(ds.n_routed_experts, extra["drafter"], ep, ds.num_blocks)
+    return state, layout, load_v41_ep(ckpt, layout, state.ep.group, draft_layout=draft_layout)
 
 
 def _assert_bitwise(out, want, what):
     for key, ref in want.items():
-        got = getattr(out, key)
+        got = getattr(out.draft, key[6:]) if key.startswith("draft.") else getattr(out, key)
         assert got.shape == ref.shape, f"{what}: {key} shape {tuple(got.shape)} != {tuple(ref.shape)}"
         diff = (got.double() - ref.double()).abs().max().item()
         assert torch.equal(got, ref), f"{what}: {key} differs from the single-process forward by {diff:.3g}"
 
 
-def _assert_local_experts(model, layout, ep_rank, ref):
+def _assert_local_experts(blocks, layout, ep_rank, full_experts):
     """Each local slot holds exactly the HF weights of the logical expert the layout gives it."""
-    for layer, blk in enumerate(model.weights.layers):
+    for layer, blk in enumerate(blocks):
         ids = torch.tensor(layout.local_logical(layer, ep_rank))
         got = (blk.moe.experts.w1, blk.moe.experts.w3, blk.moe.experts.w2)
-        for g, full in zip(got, ref["experts"][layer], strict=True):
+        for g, full in zip(got, full_experts[layer], strict=True):
             assert g.shape[0] == layout.slots_per_rank
             assert torch.equal(g, full[ids]), (
                 f"layer {layer}: slot weights do not match experts {ids.tolist()}"
@@ -76,9 +87,11 @@ def _forward_worker(rank, world, ckpt, ref_path, sizes, extra, prompt_of_rank):
     os.environ["DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS"] = str(extra)
     ref = torch.load(ref_path)
     state, layout, model = _ep_model(ckpt, sizes)
-    _assert_local_experts(model, layout, state.ep.rank_in_group, ref)
+    _assert_local_experts(model.weights.layers, layout, state.ep.rank_in_group, ref["experts"])
+    draft = model.weights.drafter.blocks
+    _assert_local_experts(draft, model.draft_moe_fn.layout, state.ep.rank_in_group, ref["draft_experts"])
     which = prompt_of_rank[rank]
-    out = model.forward(ref["prompts"][which])
+    out = model.forward(ref["prompts"][which], num_draft_tokens=DRAFT)
     _assert_bitwise(
         out, ref["out"][which], f"rank {rank} (dp={sizes.get('dp')}, ep={sizes['ep']}, X={extra})"
     )
@@ -95,7 +108,8 @@ def test_ep4_forward_equals_single_process(setup):
 
 
 def test_ep4_redundant_experts_forward_equals_single_process(setup):
-    # 3 requested -> rounded up to 4 (8 routed + 4 = 12 slots, 3 per rank); replicas of experts 0-3.
+    # 3 requested -> backbone 4 (8 routed + 4 = 12 slots, 3 per rank; replicas of experts 0-3),
+    # drafter 4 (4 routed + 4 = 8 slots, 2 per rank): rounded separately.
     ckpt, ref = setup
     run_distributed(_forward_worker, 4, ckpt, ref, {"dp": 4, "ep": 4}, 3, [0, 1, 2, 3])
 
@@ -112,7 +126,7 @@ def _cp_worker(rank, world, ckpt, ref_path, sizes):
     ref = torch.load(ref_path)
     state, layout, model = _ep_model(ckpt, sizes)
     for which in (0, 1):  # 64 tokens (no padding) and 45 tokens (padding rows in the last pieces)
-        out = cp_prefill(model, ref["prompts"][which], state.cp.group)
+        out = cp_prefill(model, ref["prompts"][which], state.cp.group, num_draft_tokens=DRAFT)
         _assert_bitwise(out, ref["out"][which], f"CP rank {state.cp.rank_in_group}, prompt {which}")
 
 
@@ -134,7 +148,7 @@ def _eplb_worker(rank, world, ckpt, ref_path):
     eplb = make_eplb(model, par.EplbConfig(interval=1, window=1))
     which = rank % 2
     prompt, want = ref["prompts"][which], ref["out"][which]
-    _assert_bitwise(model.forward(prompt), want, f"rank {rank} before rebalance")
+    _assert_bitwise(model.forward(prompt, num_draft_tokens=DRAFT), want, f"rank {rank} before rebalance")
 
     # Every (token, choice) row was counted once by the slot that computed it.
     k = model.config.num_experts_per_tok
@@ -162,8 +176,8 @@ def _eplb_worker(rank, world, ckpt, ref_path):
     assert needed > 0
     assert report.bytes_moved_total == needed * per_expert, (report.bytes_moved_total, needed, per_expert)
 
-    _assert_local_experts(model, layout, state.ep.rank_in_group, ref)
-    _assert_bitwise(model.forward(prompt), want, f"rank {rank} after rebalance")
+    _assert_local_experts(model.weights.layers, layout, state.ep.rank_in_group, ref["experts"])
+    _assert_bitwise(model.forward(prompt, num_draft_tokens=DRAFT), want, f"rank {rank} after rebalance")
 
 
 def test_eplb_rebalance_and_shuffle_keep_logits_and_move_expected_bytes(setup):
@@ -176,9 +190,11 @@ def _idle_worker(rank, world, ckpt, ref_path):
     ref = torch.load(ref_path)
     state, layout, model = _ep_model(ckpt, {"dp": 2, "ep": 2})
     if rank == 0:
-        _assert_bitwise(model.forward(ref["prompts"][2]), ref["out"][2], "busy DP rank next to an idle one")
+        out = model.forward(ref["prompts"][2], num_draft_tokens=DRAFT)
+        _assert_bitwise(out, ref["out"][2], "busy DP rank next to an idle one")
     else:
         model.moe_fn.idle_step(model.weights.layers)
+        model.draft_moe_fn.idle_step(model.weights.drafter.blocks)
     # Misuse is a clear error, not a hang or a wrong result (checked before any collective).
     cfg = model.config
     wrong = par.RedundantExpertLayout(cfg.n_routed_experts + 2, 0, 2, cfg.num_hidden_layers)

@@ -31,6 +31,7 @@ class ExpertParallelMoE:
     `block.moe.experts` of every layer must hold this rank's slots only (`[S, ...]`, slot order), as
     `load_v41_ep` builds them or `shard_experts` cuts them; EPLB shuffles those tensors in place.
     Collective: every EP rank calls it for every MoE layer of a step (`idle_step` when it has no tokens).
+    `part="drafter"` is the V4.1 draft blocks' MoE (`draft_moe_fn`; its own layout, one layer per block).
     """
 
     def __init__(
@@ -39,16 +40,27 @@ class ExpertParallelMoE:
         layout: RedundantExpertLayout,
         group: dist.ProcessGroup | None = None,
         act_dtype: torch.dtype = torch.float32,
+        part: str = "backbone",
     ):
-        if layout.num_logical != config.n_routed_experts:
-            raise ValueError(
-                f"layout has {layout.num_logical} logical experts, the config n_routed_experts = "
-                f"{config.n_routed_experts}"
+        if part == "backbone":
+            n_routed, self.top_k, n_layers = (
+                config.n_routed_experts,
+                config.num_experts_per_tok,
+                config.num_hidden_layers,
             )
-        if layout.num_layers != config.num_hidden_layers:
+        elif part == "drafter" and getattr(config, "dspark", None) is not None:
+            ds = config.dspark
+            n_routed, self.top_k, n_layers = ds.n_routed_experts, ds.num_experts_per_tok, ds.num_blocks
+        else:
             raise ValueError(
-                f"layout has {layout.num_layers} layers, the config num_hidden_layers = {config.num_hidden_layers}"
+                f"part must be 'backbone' or (for a V4.1 config with draft blocks) 'drafter', got {part!r}"
             )
+        if layout.num_logical != n_routed:
+            raise ValueError(
+                f"layout has {layout.num_logical} logical experts, the {part} n_routed_experts = {n_routed}"
+            )
+        if layout.num_layers != n_layers:
+            raise ValueError(f"layout has {layout.num_layers} layers, the {part} has {n_layers} MoE layers")
         if dist.get_world_size(group) != layout.ep_size:
             raise ValueError(f"layout ep_size={layout.ep_size} != EP group size {dist.get_world_size(group)}")
         self.config, self.layout, self.group, self.act_dtype = config, layout, group, act_dtype
@@ -69,7 +81,7 @@ class ExpertParallelMoE:
         if m.tid2eid is not None:
             weights, ids = route_hash(logits, token_ids, m.tid2eid, cfg.routed_scaling_factor)
         else:
-            weights, ids = route_topk(logits, m.bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor)
+            weights, ids = route_topk(logits, m.bias, self.top_k, cfg.routed_scaling_factor)
         count = self.eplb.expert_count[layer] if self.eplb is not None else None
         routed = (self._weighted_in_expert if self.weight_before_down else self._weighted_in_combine)(
             layer, m, y, weights, ids, count
