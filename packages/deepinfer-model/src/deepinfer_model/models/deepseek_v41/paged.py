@@ -40,7 +40,7 @@ from ...runtime.groups import (
 )
 from ...runtime.metadata import StepMetadata, entries_per_block
 from ...runtime.pools import TOKEN_IDS, PagedKVCache, PoolSpec
-from .blocks import ShiftedHC, moe_ffn
+from .blocks import ShiftedHC
 from .engram import engram_inject
 from .model import DeepseekV41ForCausalLM
 from .sparse import candidate_blocks, candidate_mask, index_keys
@@ -169,11 +169,9 @@ def v41_paged_forward(model: DeepseekV41ForCausalLM, meta: StepMetadata, cache: 
             return _attention(model, layer, y, meta, cache, st)
 
         hc.sublayer(blk.hc_attn, blk.attn_norm, attention, act)
+        # the model's MoE hook: all experts in-process, or expert parallel (deepinfer_model.parallel)
         hc.sublayer(
-            blk.hc_ffn,
-            blk.ffn_norm,
-            lambda y, blk=blk: moe_ffn(cfg, blk, y, cfg.num_experts_per_tok, act),
-            act,
+            blk.hc_ffn, blk.ffn_norm, lambda y, layer=layer, blk=blk: model.moe_fn(layer, blk, y), act
         )
     hidden = rms_norm(hc.final(act)[meta.logits_rows], w.norm, cfg.rms_norm_eps, act)
     return (hidden @ w.head.double().t()).float()  # FP32 logits (§2.1)
