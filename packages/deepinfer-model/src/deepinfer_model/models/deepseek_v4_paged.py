@@ -21,7 +21,6 @@ from ..layers import attention as attn
 from ..layers import mhc
 from ..layers.embedding import embed
 from ..layers.indexer import index_queries, select_topk, selection_mask
-from ..layers.moe import moe_block
 from ..layers.norm import rms_norm
 from ..layers.rope import cos_sin
 from ..numerics import linear, round_to
@@ -128,9 +127,7 @@ def v4_paged_forward(model: DeepseekV4Model, meta: StepMetadata, cache: PagedKVC
         trunk = mhc.write(a, trunk, post, comb, act)
         pre, post, comb = mhc.mixes(trunk, w.ffn_hc, *hc_args)
         y = rms_norm(mhc.read(trunk, pre, act), w.ffn_norm, cfg.rms_norm_eps, act)
-        h = moe_block(
-            y, ids, w.moe, cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.swiglu_limit, act
-        )
+        h = model.moe_fn(layer, w, y, ids)  # all experts in-process, or expert parallel
         trunk = mhc.write(h, trunk, post, comb, act)
     trunk = trunk[meta.logits_rows]  # the head only runs where logits are returned
     weights = mhc.head_weights(trunk, model.hc_head, cfg.hc_eps, cfg.rms_norm_eps)
