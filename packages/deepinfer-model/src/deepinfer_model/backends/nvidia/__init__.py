@@ -5,7 +5,7 @@
 | rms_norm | TileLang kernel (`tilelang_norm.py`); torch FP32 if TileLang is missing |
 | apply_rope, hc_mixes, hc_read, hc_write | torch FP32 on the GPU (`torch_cuda.py`) |
 | fp8_block_linear | DeepGEMM `fp8_gemm_nt` if `deep_gemm` imports and `DEEPINFER_DEEP_GEMM` != 0, else dequantise + BF16 GEMM |
-| sparse_decode_attention | FlashMLA legacy SM90 sparse decode, V41 FP8 cache, attention sink |
+| sparse_decode_attention | torch FP32 gather + softmax with sink (FlashMLA's SM90 kernel rejects the V41 format) |
 | kv_store_fp8 | not registered: the device-agnostic torch reference serves it |
 
 A missing optional library is logged once and its op falls back as listed.
@@ -49,9 +49,7 @@ else:
     logger.warning("deep_gemm unavailable or disabled: fp8_block_linear dequantises to a BF16 GEMM")
     register("nvidia", "fp8_block_linear")(gemm.fp8_block_linear_dequant)
 
-if _has("flash_mla"):
-    from . import attention
-
-    register("nvidia", "sparse_decode_attention")(attention.sparse_decode_attention)
-else:
-    logger.warning("flash_mla is not installed: sparse_decode_attention runs the FP64 reference")
+# FlashMLA's SM90 (legacy) sparse decode supports the V3.2 and V4 cache formats but not V41's 528-byte
+# one (measured on an H200, 2026-11-29: "required but not supported: V41_KVCACHE_FORMAT"), so
+# `attention.py` is kept for a V4-format cache and the torch path serves the op for now.
+register("nvidia", "sparse_decode_attention")(torch_cuda.sparse_decode_attention)

@@ -64,3 +64,23 @@ def hc_read(trunk: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 def hc_write(y: torch.Tensor, trunk: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     mixed = torch.einsum("tij,tih->tjh", comb.float(), trunk.float())
     return (post.float().unsqueeze(-1) * y.float().unsqueeze(1) + mixed).to(trunk.dtype)
+
+
+def sparse_decode_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Gather the selected tokens of the V41 FP8 cache, dequantise, FP32 softmax with the sink logit.
+
+    Stands in on SM90 because FlashMLA's legacy sparse decode does not take the V41 format there.
+    """
+    from ...ops.kv_format import unpack_fp8_tokens
+
+    flat = kv_cache.view(-1, kv_cache.shape[-1])
+    keys = unpack_fp8_tokens(flat[indices.long().clamp(min=0)])  # [B, k, 512] FP32
+    scores = torch.einsum("bhd,bkd->bhk", q.float(), keys) * scale
+    scores = scores.masked_fill((indices < 0)[:, None, :], float("-inf"))
+    sink = sinks.float()[None, :, None]
+    top = torch.maximum(scores.amax(-1, keepdim=True), sink)
+    p = torch.exp(scores - top)
+    denom = p.sum(-1, keepdim=True) + torch.exp(sink - top)
+    return (torch.einsum("bhk,bkd->bhd", p, keys) / denom).to(torch.bfloat16)
