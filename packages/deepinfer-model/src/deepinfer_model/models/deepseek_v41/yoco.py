@@ -164,10 +164,6 @@ def chunk_plan(
             f"chunk (data_len = {data_len}, q_start = {q_start}, q_len = {q_len}) needs data_len >= 1, "
             "q_start >= 0, q_len >= 1"
         )
-    if q_start >= data_len:
-        raise ValueError(
-            f"q_start = {q_start} must be < data_len = {data_len} (truncation is for prompt steps)"
-        )
     if mode is not YocoMode.OFF and (keep is None or keep < 1):
         raise ValueError(f"keep = {keep} must be >= 1 when the truncation mode is {mode.value}")
     return ChunkPlan(data_len, q_start, q_len, keep if mode is not YocoMode.OFF else None, mode)
