@@ -87,7 +87,32 @@ class PagedRunner:
         if TOKEN_IDS in self.cache.pools:
             self.cache.write(TOKEN_IDS, meta.write_slots, meta.input_ids)
         self.metadata_s += time.perf_counter() - t0
-        return self._forward(self.model, meta, self.cache)
+        logits = self._forward(self.model, meta, self.cache)
+        self._last_meta = meta
+        return logits
+
+    def draft(self, next_tokens, num_draft_tokens: int, seq_indices=None, sampler=None) -> list:
+        """V4.1 drafter outputs after the last `execute`: for each sequence of that step (or the batch
+        indices `seq_indices`), one `DraftOutput` of `num_draft_tokens` tokens drafted after
+        `next_tokens[k]`, the token the target produced at its last position. Equal to
+        `model.forward(tokens, num_draft_tokens=n, next_token=g).draft`."""
+        from ..models.deepseek_v41.drafter import greedy
+        from ..models.deepseek_v41.paged import v41_paged_draft
+
+        if not hasattr(self.model, "weights"):
+            raise ValueError("drafting needs a DeepSeek-V4.1 model with draft blocks")
+        meta = getattr(self, "_last_meta", None)
+        if meta is None:
+            raise ValueError("draft() needs a step executed first")
+        seqs = list(range(meta.num_seqs)) if seq_indices is None else [int(i) for i in seq_indices]
+        tokens = [int(t) for t in np.asarray(next_tokens).reshape(-1)]
+        if len(tokens) != len(seqs):
+            raise ValueError(
+                f"next_tokens must hold one token per drafted sequence ({len(seqs)}), got {len(tokens)}"
+            )
+        return v41_paged_draft(
+            self.model, meta, self.cache, seqs, tokens, num_draft_tokens, sampler or greedy
+        )
 
 
 RUNNERS = {"paged": PagedRunner, "recompute": RecomputeRunner}

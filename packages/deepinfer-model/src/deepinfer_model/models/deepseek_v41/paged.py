@@ -41,6 +41,8 @@ from ...runtime.groups import (
 from ...runtime.metadata import StepMetadata, entries_per_block
 from ...runtime.pools import TOKEN_IDS, PagedKVCache, PoolSpec
 from .blocks import ShiftedHC
+from .drafter import DraftOutput, Sampler, draft_block, greedy, main_keys
+from .drafter_heads import confidence_temperatures, target_features
 from .engram import engram_inject
 from .model import DeepseekV41ForCausalLM
 from .sparse import candidate_blocks, candidate_mask, index_keys
@@ -62,6 +64,9 @@ def v41_cache_specs(model: DeepseekV41ForCausalLM, block_size: int) -> list[Pool
                 specs.append(PoolSpec(f"hidden.{layer}", block_size, cfg.hidden_size))
         if topo.is_index_k_source(layer):
             specs.append(PoolSpec(f"index_k.{layer}", per, cfg.index_head_dim))
+    if model.weights.drafter is not None:  # each draft block's main key of every processed token (§7.2)
+        for i in range(len(model.weights.drafter.blocks)):
+            specs.append(PoolSpec(f"draft_main.{i}", block_size, cfg.head_dim))
     return specs
 
 
@@ -158,10 +163,14 @@ def v41_paged_forward(model: DeepseekV41ForCausalLM, meta: StepMetadata, cache: 
     cfg, w, act = model.config, model.weights, model.act_dtype
     rows = _engram_rows(model, meta, cache) if model.engram else {}
     st = _StepState(meta)
+    targets = cfg.dspark.target_layer_ids if (cfg.dspark and w.drafter is not None) else ()
+    feats = {}
     hc = ShiftedHC(embed(meta.input_ids, w.embed), cfg)
     for layer, blk in enumerate(w.layers):
         if blk.engram is not None:
             hc.trunk = engram_inject(hc.trunk, rows[layer], blk.engram, cfg.rms_norm_eps, act)
+        if layer in targets:
+            feats[layer] = target_features(hc.trunk, act)
 
         def attention(y, layer=layer):
             if layer == cfg.n_prefill_layer:
@@ -173,5 +182,61 @@ def v41_paged_forward(model: DeepseekV41ForCausalLM, meta: StepMetadata, cache: 
         hc.sublayer(
             blk.hc_ffn, blk.ffn_norm, lambda y, layer=layer, blk=blk: model.moe_fn(layer, blk, y), act
         )
+    if targets:
+        features = torch.cat([feats[t] for t in targets], dim=1)
+        keys = main_keys(cfg, w.drafter, features, meta.positions, act, model.kvq)
+        for i in range(keys.shape[0]):
+            cache.write(f"draft_main.{i}", meta.write_slots, keys[i])
     hidden = rms_norm(hc.final(act)[meta.logits_rows], w.norm, cfg.rms_norm_eps, act)
     return (hidden @ w.head.double().t()).float()  # FP32 logits (§2.1)
+
+
+def v41_paged_draft(
+    model: DeepseekV41ForCausalLM,
+    meta: StepMetadata,
+    cache: PagedKVCache,
+    seqs: list[int],
+    next_tokens: list[int],
+    num_draft_tokens: int,
+    sampler: Sampler = greedy,
+) -> list[DraftOutput]:
+    """One drafted block after the last position of each listed sequence of the step `meta` describes
+    (which must have run), starting from the token the target produced there; the drafter's main keys
+    come from the `draft_main.*` pools (the last `sliding_window` positions)."""
+    cfg, w = model.config, model.weights
+    if w.drafter is None:
+        raise ValueError(
+            "num_draft_tokens > 0 needs a checkpoint with draft blocks (num_nextn_predict_layers > 0)"
+        )
+    if not 1 <= num_draft_tokens <= 32:
+        raise ValueError(f"num_draft_tokens = {num_draft_tokens} must lie in [1, 32]")
+    n_blocks = len(w.drafter.blocks)
+    out = []
+    for i, g in zip(seqs, next_tokens):
+        if not 0 <= g < cfg.vocab_size:
+            raise ValueError(f"next_token = {g} must lie in [0, vocab_size={cfg.vocab_size})")
+        last = int(meta.ends[i]) - 1
+        lo = max(0, last - cfg.sliding_window + 1)
+        slots = meta.token_slots(i, lo, last + 1)
+        # draft_block indexes main keys by absolute position and reads only [lo, last]
+        keys = torch.zeros(n_blocks, last + 1, cfg.head_dim, dtype=torch.float64)
+        for b in range(n_blocks):
+            keys[b, lo:] = cache.read(f"draft_main.{b}", slots)
+        out.append(
+            draft_block(
+                cfg,
+                w.drafter,
+                w.embed,
+                w.head,
+                keys,
+                int(g),
+                last,
+                num_draft_tokens,
+                sampler,
+                confidence_temperatures(num_draft_tokens),
+                model.act_dtype,
+                model.kvq,
+                getattr(model, "draft_moe_fn", None),
+            )
+        )
+    return out
