@@ -8,6 +8,7 @@ consumers reuse their source's compressed KV / index keys / selection from `Cros
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +70,7 @@ def layer_attention(
     kvq: KVQuant = EXACT_KV,
     swa_lower_bound: int = 0,
     query_rows: torch.Tensor | None = None,
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, AttentionTrace]:
     """Attention output [T, H] of backbone layer `layer` for one sequence (`y` = its normed HC read).
 
@@ -79,6 +81,10 @@ def layer_attention(
     `query_rows` (context parallel): compute queries, index scores, selections and outputs only for
     these rows of `y` (keys always come from every row); the output is then `[len(query_rows), H]`,
     and `state.selection` / `state.candidates` hold those rows for the consumer layers.
+    With `gather` (collective, local rows -> every row in order) `y` holds only the `query_rows` rows:
+    keys are projected from them and all-gathered - the SWA latent (head_dim per token) on every layer,
+    the layer input (hidden per token) only on producer-half KV sources; `state.shared_hidden` must
+    already hold every row.
     """
     ratio = cfg.compress_ratios[layer]
     topo = cfg.topology
@@ -88,9 +94,13 @@ def layer_attention(
     # Query side: every row, or only `query_rows` (all math is per row, so the rows are bitwise equal).
     yq, pos_q, cos_q, sin_q = y, positions, cos, sin
     if query_rows is not None:
-        yq, pos_q, cos_q, sin_q = y[query_rows], positions[query_rows], cos[query_rows], sin[query_rows]
+        pos_q, cos_q, sin_q = positions[query_rows], cos[query_rows], sin[query_rows]
+        yq = y if gather is not None else y[query_rows]
     q, q_lat = project_query(yq, w.attn, cfg.num_attention_heads, cos_q, sin_q, eps, False, act_dtype)
-    swa = kvq.swa(project_latent(y, w.attn, cos, sin, eps, act_dtype))
+    if gather is None:
+        swa = kvq.swa(project_latent(y, w.attn, cos, sin, eps, act_dtype))
+    else:  # per-row projection, so gathering the local latents equals projecting every row
+        swa = kvq.swa(gather(project_latent(yq, w.attn, cos_q, sin_q, eps, act_dtype)))
     swa_pos = positions
     if swa_lower_bound > 0:
         # Keys below the bound are invisible to every query: drop them, so YOCO `mask` (all rows) and
@@ -101,7 +111,7 @@ def layer_attention(
     trace = AttentionTrace(layer, y, swa)
     if ratio:
         if topo.is_kv_source(layer):
-            x = state.shared_hidden if topo.is_consumer_half(layer) else y
+            x = state.shared_hidden if topo.is_consumer_half(layer) else (y if gather is None else gather(y))
             comp = compress(x, w.compressor, ratio, False, rope, eps, 0, act_dtype)
             comp.keys = kvq.main(comp.keys)  # attention reads the cached (quantised) keys
             state.kv = comp
