@@ -137,9 +137,9 @@ class DeepseekV41ForCausalLM:
         last token; `out.logits` is then `[len(logit_rows), V]`); the draft always uses the last position.
 
         `row_split` (context parallel): per-token work (mHC, Engram, MoE) runs on this rank's rows only;
-        each attention layer gathers its input rows (the keys need every row) and computes queries and
-        outputs for this rank's rows only; the final hidden state is gathered, so every rank returns the
-        full output.
+        each attention layer computes queries and outputs for this rank's rows only and all-gathers the
+        keys (SWA latents; the layer input on KV sources, S once); the final hidden state is gathered,
+        so every rank returns the full output.
         """
         cfg, w, act = self.config, self.weights, self.act_dtype
         ids = torch.as_tensor(token_ids, dtype=torch.long)
@@ -182,9 +182,9 @@ class DeepseekV41ForCausalLM:
                 feats[layer] = target_features(hc.trunk, act)
 
             def attention(y, layer=layer, blk=blk, positions=positions):
-                y = split.gather(y)
                 if layer == cfg.n_prefill_layer and kept is None:
-                    state.shared_hidden = y  # YOCO: consumer-half compressed KV is projected from S
+                    # YOCO: consumer-half compressed KV is projected from S (every row; CP gathers it once)
+                    state.shared_hidden = split.gather(y)
                 out, tr = layer_attention(
                     cfg,
                     layer,
@@ -196,6 +196,7 @@ class DeepseekV41ForCausalLM:
                     self.kvq,
                     rect_lo if cfg.topology.is_consumer_half(layer) else 0,
                     split.query_rows,
+                    None if split.query_rows is None else split.gather,
                 )
                 traces.append(tr)
                 return out
