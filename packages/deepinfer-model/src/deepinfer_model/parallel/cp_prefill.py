@@ -1,9 +1,10 @@
 """Context-parallel prefill of one sequence with the balanced mirror split (engine spec §7.2).
 
 Rank `r` of the CP group keeps pieces `r` and `2·cp−1−r` of the sequence between attention layers, so
-the per-token work (mHC, Engram, MoE) is split evenly; each attention layer all-gathers its input
-rows in sequence order (every row's keys) and computes queries, sparse selections and outputs for its
-own rows only. Every computation is per row in FP64 with one rounding, so the result is bitwise equal
+the per-token work (mHC, Engram, MoE) is split evenly; each attention layer computes queries, sparse
+selections and outputs for its own rows only, and all-gathers (in sequence order) the keys every query
+needs: the SWA latents it projected from its rows on every layer, the layer input on producer-half KV
+sources (a compression window may straddle two ranks' pieces), and the YOCO shared hidden once. Every computation is per row in FP64 with one rounding, so the result is bitwise equal
 to the single-process forward.
 """
 
