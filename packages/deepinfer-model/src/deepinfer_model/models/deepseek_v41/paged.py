@@ -36,6 +36,7 @@ from ...runtime.groups import (
     compressed_entries,
     grouped_index_scores,
     make_groups,
+    ranges,
     swa_keys,
 )
 from ...runtime.metadata import StepMetadata, entries_per_block
@@ -44,6 +45,7 @@ from .blocks import ShiftedHC
 from .drafter import DraftOutput, Sampler, draft_block, greedy, main_keys
 from .drafter_heads import confidence_temperatures, target_features
 from .engram import engram_inject
+from .engram_hash import engram_hash
 from .model import DeepseekV41ForCausalLM
 from .sparse import candidate_blocks, candidate_mask, index_keys
 
@@ -146,15 +148,29 @@ def _attention(
 
 
 def _engram_rows(model: DeepseekV41ForCausalLM, meta: StepMetadata, cache: PagedKVCache) -> dict:
-    """Engram table rows of the packed tokens: each sequence's n-gram context comes from `token_ids`."""
-    back = model.config.engram.max_ngram_size - 1
-    per_seq = []
-    for i in np.flatnonzero(meta.query_lens > 0).tolist():
-        lo = max(0, int(meta.starts[i]) - back)
-        ctx = cache.read(TOKEN_IDS, meta.token_slots(i, lo, int(meta.ends[i]))).reshape(-1)
-        rows = model.engram.rows(ctx)
-        per_seq.append({k: v[-int(meta.query_lens[i]) :] for k, v in rows.items()})
-    return {k: torch.cat([r[k] for r in per_seq]) for k in per_seq[0]}
+    """Engram table rows of the packed tokens, all sequences in one hash per layer.
+
+    Each sequence contributes a window: `N-1` context slots (earlier tokens from `token_ids`, or the
+    compressed pad where the sequence has none, which is what the n-gram context holds before a
+    sequence start) followed by its query tokens. Windows are concatenated; an n-gram never reaches
+    back more than `N-1` slots, so none crosses into another sequence's window.
+    """
+    eng = model.engram
+    back = eng.cfg.max_ngram_size - 1
+    starts, ends, qlens = meta.starts, meta.ends, meta.query_lens
+    lo = np.maximum(starts - back, 0)
+    seq, pos = ranges(lo, ends)
+    ids = cache.read(TOKEN_IDS, torch.from_numpy(meta.token_slots_of(seq, pos))).reshape(-1)
+    window = back + qlens
+    base = np.concatenate(([0], np.cumsum(window)[:-1]))  # window start of each sequence
+    flat = torch.full((int(window.sum()),), eng.vocab.pad_id, dtype=torch.long)
+    flat[torch.from_numpy(base[seq] + back + pos - starts[seq])] = eng.vocab.compress(ids)
+    _, query = ranges(base + back, base + window)
+    query = torch.from_numpy(query)
+    return {
+        layer: engram_hash(flat, eng.layout, layer, eng.multipliers[layer], eng.vocab.pad_id)[query]
+        for layer in eng.cfg.layer_ids
+    }
 
 
 @torch.no_grad()
