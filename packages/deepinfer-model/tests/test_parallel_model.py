@@ -238,3 +238,59 @@ def test_public_v4_ep2_with_hash_layer_equals_single_process(tmp_path):
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen) for n in (40, 23)]
     torch.save({"prompts": prompts, "logits": [model.forward(p) for p in prompts]}, tmp_path / "ref.pt")
     run_distributed(_v4_worker, 2, str(ckpt), str(tmp_path / "ref.pt"))
+
+
+def _paged_worker(rank, world, ckpt, ref_path):
+    import numpy as np
+    from deepinfer_model.runner import RunnerBatch
+    from deepinfer_model.runtime import PagedRunner
+
+    os.environ["DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS"] = "2"
+    ref = torch.load(ref_path)
+    state, layout, model = _ep_model(ckpt, {"dp": 2, "ep": 2})
+    block, chunk = 8, 24
+    mine = [rank, rank + 2]  # rank 0: 64 and 30 tokens, rank 1: 45 and 53 tokens: different step counts
+    runner = PagedRunner(model, num_blocks=2 * (max(LENGTHS) // block + 1), block_size=block)
+    tables = [
+        np.arange(i * (max(LENGTHS) // block + 1), (i + 1) * (max(LENGTHS) // block + 1)) for i in (0, 1)
+    ]
+    done = [0, 0]
+    checked = 0
+    while True:
+        entries = []
+        for i, which in enumerate(mine):
+            left = LENGTHS[which] - done[i]
+            if left:
+                q = chunk if done[i] == 0 else min(left, 1 + done[i] % 3)  # a prefill chunk, then 1-3 tokens
+                entries.append((i, which, done[i], min(q, left)))
+        busy = torch.tensor([len(entries)])
+        dist.all_reduce(busy, group=state.ep.group)  # DP ranks agree whether anyone still runs a step
+        if int(busy) == 0:
+            break
+        if not entries:  # this DP rank is finished but the other still dispatches into the EP all-to-all
+            model.moe_fn.idle_step(model.weights.layers)
+            continue
+        batch = RunnerBatch(
+            seq_ids=np.array([e[0] for e in entries]),
+            start_positions=np.array([e[2] for e in entries]),
+            query_lens=np.array([e[3] for e in entries]),
+            block_tables=[tables[e[0]].astype(np.int32) for e in entries],
+            input_ids=np.concatenate([ref["prompts"][e[1]][e[2] : e[2] + e[3]].numpy() for e in entries]),
+            logits_lens=np.array([e[3] for e in entries]),
+        )
+        got = runner.execute(batch)
+        row = 0
+        for i, which, start, q in entries:
+            want = ref["out"][which]["logits"][start : start + q]
+            assert torch.equal(got[row : row + q], want), f"rank {rank}, prompt {which}, rows {start}+{q}"
+            row += q
+            checked += q
+            done[i] += q
+    assert checked == sum(LENGTHS[w] for w in mine)
+
+
+def test_paged_runtime_dp2_ep2_equals_single_process(setup):
+    # The paged runner calls the model's moe_fn, so the same expert-parallel model serves it; DP ranks
+    # run different sequences with different step counts (the finished one joins with idle_step).
+    ckpt, ref = setup
+    run_distributed(_paged_worker, 2, ckpt, ref)
