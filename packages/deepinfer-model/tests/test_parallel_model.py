@@ -2,7 +2,8 @@
 redundant-expert, data-parallel and context-parallel forwards equal the single-process forward bitwise
 (FP32; each expert output and attention row is computed in FP64 and rounded once, and the combine's
 FP64 sum of FP32 terms does not depend on the order), and an EPLB rebalance + weight shuffle between two
-forwards keeps the logits and moves exactly one copy per (expert, receiving rank)."""
+forwards keeps the logits and moves exactly one copy per (expert, receiving rank); the paged runner
+serves the same expert-parallel model."""
 
 import os
 

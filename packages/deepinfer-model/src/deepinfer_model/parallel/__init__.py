@@ -3,7 +3,7 @@ experts and EPLB), per-rank loading of local experts, and context-parallel prefi
 
     state = deepinfer_parallel.init_parallel(dp=2, ep=2)
     layout = RedundantExpertLayout(cfg.n_routed_experts, extra, ep_size=2, num_layers=cfg.num_hidden_layers)
-    model = load_v41_ep(path, layout, state.ep.group)      # this rank's experts only; moe_fn = EP
+    model = load_v41_ep(path, layout, state.ep.group, draft_layout=draft_layout)  # local experts only
     eplb = make_eplb(model, EplbConfig.from_env())         # optional: counts + rebalance + shuffle
     out = model.forward(token_ids)                         # collective over the EP group
     out = cp_prefill(model, token_ids, state.cp.group)     # CP prefill: same output on every CP rank
