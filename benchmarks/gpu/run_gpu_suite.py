@@ -124,6 +124,7 @@ def bench_ops(ceil: dict) -> None:
     from deepinfer_model.quant import quant_fp8_block
 
     ops = get_ops("nvidia")
+    impl = {name: f"{src}:{ops[name].__module__.rsplit('.', 1)[-1]}" for name, src in ops.sources.items()}
     record(kind="registry", backend=ops.backend, **{f"src_{k}": v for k, v in ops.sources.items()})
     dev = "cuda"
     bf = torch.bfloat16
@@ -133,7 +134,7 @@ def bench_ops(ceil: dict) -> None:
         nbytes = 2 * t * h * 2 + h * 4
         bench_op(
             "rms_norm",
-            ops.sources["rms_norm"],
+            impl["rms_norm"],
             f"T={t},H={h}",
             lambda: ops.rms_norm(x, w, 1e-6),
             ceil,
@@ -149,7 +150,7 @@ def bench_ops(ceil: dict) -> None:
         c, s = ang.cos(), ang.sin()
         bench_op(
             "apply_rope",
-            ops.sources["apply_rope"],
+            impl["apply_rope"],
             f"T={t},nh=64,D=512,r=64",
             lambda: ops.apply_rope(q, c, s),
             ceil,
@@ -164,7 +165,7 @@ def bench_ops(ceil: dict) -> None:
         shape = f"T={t},m=4,H=7168"
         bench_op(
             "hc_mixes",
-            ops.sources["hc_mixes"],
+            impl["hc_mixes"],
             shape,
             lambda: ops.hc_mixes(trunk, fn, base, sc, 1e-6, 1e-6, 20),
             ceil,
@@ -175,7 +176,7 @@ def bench_ops(ceil: dict) -> None:
         y = torch.randn(t, h, device=dev, dtype=bf)
         bench_op(
             "hc_read",
-            ops.sources["hc_read"],
+            impl["hc_read"],
             shape,
             lambda: ops.hc_read(trunk, pre),
             ceil,
@@ -183,7 +184,7 @@ def bench_ops(ceil: dict) -> None:
         )
         bench_op(
             "hc_write",
-            ops.sources["hc_write"],
+            impl["hc_write"],
             shape,
             lambda: ops.hc_write(y, trunk, post, comb),
             ceil,
@@ -196,7 +197,7 @@ def bench_ops(ceil: dict) -> None:
     slots = torch.randperm(256 * 64, device=dev)[:t]
     bench_op(
         "kv_store_fp8",
-        ops.sources["kv_store_fp8"],
+        impl["kv_store_fp8"],
         f"T={t}",
         lambda: store_fp8_tokens(lat, cache, slots),
         ceil,
@@ -214,7 +215,7 @@ def bench_ops(ceil: dict) -> None:
         nbytes = b * topk * 528 + 2 * q.numel() * 2 + idx.numel() * 4
         bench_op(
             "sparse_decode_attention",
-            ops.sources["sparse_decode_attention"],
+            impl["sparse_decode_attention"],
             f"B={b},h={h},topk={topk}",
             lambda: ops.sparse_decode_attention(q, cache, idx, sinks, 512**-0.5),
             ceil,
@@ -348,7 +349,6 @@ def run_deep_gemm(out: Path, ceil: dict, deadline: float) -> bool:
         os.environ,
         DG_JIT_CACHE_DIR="/tmp/dg-jit-cache",
         DG_JIT_PRINT_COMPILER_COMMAND="1",
-        DG_PRINT_CONFIGS="1",
         PYTHONFAULTHANDLER="1",
     )
     env.setdefault("HOME", "/root")
@@ -460,7 +460,8 @@ def write_report(out: Path) -> None:
         labels, fracs, colors = [], [], []
         for r in rows:
             mem = r["op"] not in ("fp8_block_linear",) or r["shape"].startswith("M=64,")
-            f = r.get("frac_of_copy") if mem else r.get("frac_of_fp8_gemm", r.get("frac_of_bf16_gemm"))
+            gemm_frac = r.get("frac_of_fp8_gemm") if r["impl"] == "deep_gemm" else r.get("frac_of_bf16_gemm")
+            f = r.get("frac_of_copy") if mem else gemm_frac
             if f is None:
                 continue
             labels.append(f"{r['op']} [{r['impl']}] {r['shape']}")
