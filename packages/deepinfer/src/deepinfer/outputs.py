@@ -12,6 +12,9 @@ class RequestMetrics:
     finish_time: float | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    # Speculative decoding (0 when off): drafts verified for / accepted by this request's sequences.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
     @property
     def ttft(self) -> float | None:
