@@ -9,6 +9,11 @@ the worker fills those ids from the tokens it sampled in N (`prev_rows`). The ho
 wait for N, `reconcile`, and launch (their grammar masks need N's tokens). The sampler's draw
 depends only on (seed, position), and the recompute runner's logits only on the sequence, so both
 loops emit the same tokens.
+
+Speculative decoding (DSpark drafts; `spec_decode.py`) runs the synchronous loop: a step's drafts
+come from the drafter after the previous step's verification on the host, so with the recompute
+runner there is nothing to overlap; with `async_scheduling` and drafts on, `step()` runs the
+synchronous step (same tokens by construction).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 from deepinfer_model import load_model
 from deepinfer_model.runner import RecomputeRunner
 from deepinfer_model.sampling import RowParams
+from deepinfer_spec import MAX_NEXTN, StepTimeCurve
 
 from .. import envs
 from ..default_model import resolve_model
@@ -35,9 +41,11 @@ from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from ..tokenizer import load_tokenizer, load_tokenizer_config
 from . import scheduling
+from .drafting import Drafter, DraftRequest, ModelDrafter
 from .request import RequestState, SeqState
+from .spec_decode import SpecDecoder, VerifyInput
 from .structured import StructuredOutputs
-from .worker import ModelWorker, StepResult
+from .worker import ModelWorker, StepResult, VerifyStepResult
 
 logger = logging.getLogger("deepinfer")
 
@@ -57,10 +65,21 @@ class EngineStats:
     hidden_process_s: float = 0.0
     generated_tokens: int = 0
     prompt_tokens: int = 0
+    draft_s: float = 0.0  # drafter time (speculative decoding)
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(
+        self,
+        args: EngineArgs,
+        *,
+        num_speculative_tokens: int | None = None,
+        drafter: Drafter | None = None,
+        step_time_curve: StepTimeCurve | str | Path | None = None,
+    ) -> None:
+        """num_speculative_tokens: drafts per step (None: DEEPINFER_USE_NEXTN_DECODE, unset = 0 = off);
+        drafter: who proposes them (default: the checkpoint's DSpark draft blocks); step_time_curve:
+        for DEEPINFER_ENABLE_MTP_VARLEN=1, a StepTimeCurve or its JSON file (default: measured now)."""
         envs.warn_unknown()
         self.args = args
         if args.num_threads:
@@ -81,6 +100,7 @@ class LLMEngine:
         if args.max_model_len and args.max_model_len > model_limit:
             raise ValueError(f"max_model_len must be <= the model's max_position_embeddings ({model_limit})")
         self.max_num_batched_tokens = args.max_num_batched_tokens or max(self.max_model_len, 4096)
+        nextn = self._resolve_nextn(num_speculative_tokens, drafter)
         blocks_per_seq = -(-self.max_model_len // args.block_size)
         num_blocks = args.num_kv_blocks or blocks_per_seq * min(args.max_num_seqs, 64) + 1
         self.scheduler = scheduling.make_scheduler(
@@ -90,6 +110,7 @@ class LLMEngine:
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             chunked_prefill=args.chunked_prefill,
+            num_speculative_tokens=nextn,
         )
         self.runner = RecomputeRunner(self.model, num_blocks=num_blocks, block_size=args.block_size)
         self.worker = ModelWorker(self.runner)
@@ -120,6 +141,41 @@ class LLMEngine:
         self.stats = EngineStats()
         self._tokenizer_dir = tok_path
         self._structured: StructuredOutputs | None = None  # built on the first so_args request
+        self._spec: SpecDecoder | None = None
+        if nextn:
+            curve = self._step_time_curve(step_time_curve, nextn)
+            self._spec = SpecDecoder(nextn, drafter or ModelDrafter(self.model), curve)
+
+    def _resolve_nextn(self, requested: int | None, drafter: Drafter | None) -> int:
+        nextn = int(envs.DEEPINFER_USE_NEXTN_DECODE) if requested is None else requested
+        if isinstance(nextn, bool) or not 0 <= nextn <= MAX_NEXTN:
+            raise ValueError(f"num_speculative_tokens must be in [0, {MAX_NEXTN}], got {nextn!r}")
+        if (
+            nextn
+            and drafter is None
+            and getattr(getattr(self.model, "weights", None), "drafter", None) is None
+        ):
+            logger.warning("speculative decoding off: the checkpoint has no DSpark draft blocks")
+            return 0
+        return nextn
+
+    def _step_time_curve(self, given, nextn: int) -> StepTimeCurve | None:
+        """The varlen rule's step-time curve: given / loaded from a file / measured on the model now."""
+        if not envs.DEEPINFER_ENABLE_MTP_VARLEN:
+            return None
+        if isinstance(given, StepTimeCurve):
+            return given
+        if given is not None:
+            return StepTimeCurve.load(given)
+        max_tokens = min(self.args.max_num_seqs * (1 + nextn), 64)
+        sizes = sorted({1, 2, 4, 8, 16, 32, 64, max_tokens} & set(range(1, max_tokens + 1)))
+        ids = torch.arange(max_tokens) % self.vocab_size
+
+        def step(n: int) -> None:  # one forward over n query tokens (the recompute runner's cost model)
+            self.model.forward(ids[:n])
+
+        logger.info("measuring the decode step-time curve for MTP varlen (%d sizes)", len(sizes))
+        return StepTimeCurve.measure(step, sizes, repeats=3, mode="linear")
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -177,6 +233,8 @@ class LLMEngine:
         )
         for seq, grammar in zip(state.seqs, grammars):
             seq.grammar = grammar
+            if self._spec is not None:
+                self._spec.add(seq.seq_id, seq.seed)
         max_tokens = min(params.max_tokens, self.max_model_len - len(prompt_token_ids))
         self._next_seq_id += params.n
         added: list[int] = []
@@ -190,6 +248,9 @@ class LLMEngine:
             for seq_id in added:
                 scheduling.abort(self.scheduler, seq_id)
                 self._pending_release.append(seq_id)
+            if self._spec is not None:
+                for seq in state.seqs:
+                    self._spec.remove(seq.seq_id)
             raise
         self.requests[request_id] = state
         for seq in state.seqs:
@@ -237,7 +298,9 @@ class LLMEngine:
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
         """Advance by one model step; returns the requests that finished in it."""
-        if self.use_async:
+        if self._spec is not None:
+            self._step_spec()
+        elif self.use_async:
             self._step_async()
         else:
             self._step_sync()
@@ -464,6 +527,8 @@ class LLMEngine:
             for seq in state.seqs:
                 self.seqs.pop(seq.seq_id, None)
                 self._pending_release.append(seq.seq_id)
+                if self._spec is not None:
+                    self._spec.remove(seq.seq_id)
             self._done.append(state.to_output())
 
     def _release_idle(self) -> None:
@@ -493,6 +558,192 @@ class LLMEngine:
 
     def scheduler_stats(self) -> dict:
         return scheduling.stats(self.scheduler)
+
+    def spec_stats(self) -> dict | None:
+        """Speculative-decoding accounting (SpecStats.summary() + nextn, varlen, drafter seconds);
+        None when drafting is off. Throughput keys use the decode steps' forward + sample + draft time."""
+        return None if self._spec is None else self._spec.summary()
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return 0 if self._spec is None else self._spec.nextn
+
+    # ------------------------------------------------------------------ speculative decoding
+    def _step_spec(self) -> None:
+        out, dt = self._schedule()
+        self.stats.schedule_s += dt
+        for seq_id in scheduling.preempted(out):
+            self._spec.discard(seq_id)
+        if scheduling.is_empty(out):
+            scheduling.retire(self.scheduler, out)
+            self._release_idle()
+            return
+        t0 = time.perf_counter()
+        batch, inputs, allowed, confs = self._prepare_verify(out)
+        self.stats.prepare_s += time.perf_counter() - t0
+        result = self.worker.run_verify(batch, inputs, allowed, self._spec.verifier)
+        t0 = time.perf_counter()
+        self._process_verify(out, batch, inputs, confs, result)
+        self.stats.process_s += time.perf_counter() - t0
+        self._collect_all()
+
+    def _row_params(self, seq: SeqState, position: int) -> RowParams:
+        p = seq.request.params
+        return RowParams(
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            min_p=p.min_p,
+            seed=seq.seed,
+            position=position,
+            logprobs=p.logprobs,
+            banned_token_ids=self._banned(seq, position - len(seq.request.prompt_token_ids)),
+        )
+
+    def _prepare_verify(self, out):
+        """Runner batch with 1 + k logits rows per verifying sequence, a VerifyInput per emitting
+        sequence (None otherwise), grammar masks per packed row, confidences of the fed drafts."""
+        batch = scheduling.to_verify_batch(out)
+        ks = scheduling.num_draft_tokens(out)
+        inputs: list[VerifyInput | None] = []
+        grammar_reqs, confs, packed = [], [], 0
+        for i, seq_id in enumerate(batch.seq_ids.tolist()):
+            n, k = int(batch.logits_lens[i]), int(ks[i])
+            seq = self.seqs.get(seq_id)
+            if n == 0 or seq is None:
+                inputs.append(None)
+                continue
+            if n != 1 + k:
+                raise RuntimeError(f"sequence {seq_id}: {n} logits rows for {k} drafts")
+            drafts, probs, c = self._spec.pending(seq_id, k) if k else ([], None, [])
+            base = int(batch.start_positions[i] + batch.query_lens[i]) - k  # row 0's token position
+            prompt_len = len(seq.request.prompt_token_ids)
+            g = seq.request.params.golden_token_ids
+            golden = [
+                g[base + j - prompt_len] if g is not None and base + j - prompt_len < len(g) else -1
+                for j in range(1 + k)
+            ]
+            rows = [self._row_params(seq, base + j) for j in range(1 + k)]
+            inputs.append(VerifyInput(rows, drafts, probs, golden))
+            confs.extend(c)
+            if seq.grammar is not None:
+                grammar_reqs.append((seq.grammar, packed, drafts))
+            packed += n
+        allowed = self._structured.allowed_rows_with_drafts(grammar_reqs, packed) if grammar_reqs else {}
+        return batch, inputs, allowed, confs
+
+    def _stop_cut(self, seq: SeqState, tokens: list[int]) -> list[int]:
+        """Tokens after a stop token are never emitted (the scheduler would drop them too)."""
+        p = seq.request.params
+        for j, t in enumerate(tokens):
+            if (t == self.eos_token_id and not p.ignore_eos) or t in p.stop_token_ids:
+                return tokens[: j + 1]
+        return tokens
+
+    def _process_verify(self, out, batch, inputs, confs, result: VerifyStepResult) -> None:
+        ids = batch.seq_ids.tolist()
+        for i, message in result.errors.items():
+            seq = self.seqs.get(ids[i])
+            if seq is not None and seq.request.request_id in self.requests:
+                self.fail_request(seq.request.request_id, message)
+        emitted: list[list[int]] = [[] for _ in ids]
+        outcome = result.outcome
+        if outcome is not None:
+            for idx, i in enumerate(result.verified):
+                seq = self.seqs.get(ids[i])
+                if seq is not None and not seq.finished:
+                    emitted[i] = self._stop_cut(seq, outcome.result.emitted[idx])
+        releasable, self._pending_release = self._pending_release, []
+        finished = scheduling.update_from_lists(self.scheduler, out, emitted)
+        for seq_id in releasable:
+            scheduling.release(self.scheduler, seq_id)
+        accepted_after: dict[int, int] = {}
+        if outcome is not None:
+            prefill = scheduling.is_prefill(out)
+            vids = [ids[i] for i in result.verified]
+            decode = [not bool(prefill[i]) for i in result.verified]
+            rollbacks = self._spec.commit(vids, outcome.result, decode, confs)
+            # The runner forgets the rejected rows; the scheduler already did (num_computed_tokens).
+            self.worker.rollback([(rb.seq_id, rb.num_discarded) for rb in rollbacks])
+            for rb, i in zip(rollbacks, result.verified):
+                accepted_after[i] = rb.num_accepted
+                seq = self.seqs.get(ids[i])
+                if seq is not None:
+                    seq.request.metrics.num_draft_tokens += rb.num_verified
+                    seq.request.metrics.num_accepted_draft_tokens += rb.num_accepted
+        self._emit_verified(out, ids, emitted, outcome, result, finished)
+        decode_seqs = sum(1 for x in inputs if x is not None)
+        self._spec.update_runtime(int(batch.query_lens.sum()), result.forward_s, decode_seqs, result.sample_s)
+        self._propose_drafts(ids, inputs, accepted_after, finished)
+
+    def _emit_verified(self, out, ids, emitted, outcome, result: VerifyStepResult, finished) -> None:
+        where = {i: idx for idx, i in enumerate(result.verified)}
+        for i, seq_id in enumerate(ids):
+            seq = self.seqs.get(seq_id)
+            tokens = emitted[i]
+            if seq is None or seq.finished or not tokens:
+                continue
+            if seq.grammar is not None and self._structured is not None:
+                try:
+                    self._structured.accept_many(seq.grammar, tokens)
+                except ValueError as e:
+                    self.fail_request(seq.request.request_id, f"structured output: {e}")
+                    continue
+            idx = where[i]
+            lps, tops = outcome.logprobs[idx], outcome.top[idx]
+            for j, token in enumerate(tokens):
+                seq.append(
+                    token,
+                    self.eos_token_id,
+                    self.max_model_len,
+                    None if lps is None else lps[j],
+                    None if tops is None else tops[j],
+                )
+                self.stats.generated_tokens += 1
+                if seq.finished:
+                    break
+            if seq.finished:
+                if seq_id not in finished:  # ended here by a stop string: the scheduler may not know yet
+                    scheduling.abort(self.scheduler, seq_id)
+            elif seq_id in finished:
+                seq.finish(_REASONS.get(finished[seq_id], finished[seq_id]))
+        self.stats.steps += 1
+        self.stats.forward_s += result.forward_s
+        self.stats.sample_s += result.sample_s
+
+    def _propose_drafts(self, ids, inputs, accepted_after: dict[int, int], finished) -> None:
+        """The drafter proposes after every sequence that emitted and goes on; the varlen rule (or
+        all of them) decides how many the scheduler feeds next step."""
+        requests = []
+        for i, seq_id in enumerate(ids):
+            seq = self.seqs.get(seq_id)
+            if i not in accepted_after or seq is None or seq.finished or seq_id in finished:
+                continue
+            p = seq.request.params
+            room = min(
+                p.max_tokens - seq.num_generated,
+                self.max_model_len - len(seq.token_ids),
+            )
+            k = min(self._spec.nextn, room - 1)  # the step emits one token beyond its drafts
+            if k < 1:
+                continue
+            base = inputs[i].base_position
+            requests.append(
+                DraftRequest(
+                    seq_id=seq_id,
+                    context=seq.token_ids[:-1],
+                    next_token=seq.token_ids[-1],
+                    num_drafts=k,
+                    params=self._row_params(seq, len(seq.token_ids)),
+                    base_position=base,
+                    num_accepted=accepted_after[i],
+                )
+            )
+        t0 = time.perf_counter()
+        for seq_id, drafts in self._spec.propose(requests).items():
+            if drafts:
+                scheduling.set_draft_tokens(self.scheduler, seq_id, drafts)
+        self.stats.draft_s += time.perf_counter() - t0
 
 
 _REASONS = {"stop": "stop", "length": "length", "max_model_len": "length", "abort": "abort"}

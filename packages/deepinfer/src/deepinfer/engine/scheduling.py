@@ -19,6 +19,7 @@ def make_scheduler(
     max_num_batched_tokens: int,
     max_model_len: int,
     chunked_prefill: bool,
+    num_speculative_tokens: int = 0,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -28,6 +29,7 @@ def make_scheduler(
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             enable_chunked_prefill=chunked_prefill,
+            num_speculative_tokens=num_speculative_tokens,
         )
     )
 
@@ -73,6 +75,33 @@ def emits_tokens(out) -> np.ndarray:
 
 def to_runner_batch(out, allow_unknown: bool = False) -> RunnerBatch:
     return RunnerBatch.from_scheduler_output(out, allow_unknown=allow_unknown)
+
+
+def num_draft_tokens(out) -> np.ndarray:
+    """Drafts fed (to verify) per scheduled sequence: its query is [last token, d1..dk]."""
+    return np.asarray(out.num_draft_tokens, dtype=np.int64)
+
+
+def is_prefill(out) -> np.ndarray:
+    return np.asarray(out.is_prefill, dtype=bool)
+
+
+def to_verify_batch(out) -> RunnerBatch:
+    """A runner batch whose decode rows ask logits for every query token (1 + drafts each)."""
+    batch = RunnerBatch.from_scheduler_output(out)
+    batch.logits_lens = np.asarray(out.logits_lens, dtype=np.int64).copy()
+    return batch
+
+
+def set_draft_tokens(sched: Scheduler, seq_id: int, drafts: list[int]) -> None:
+    sched.set_draft_tokens(seq_id, np.asarray(drafts, dtype=np.int32))
+
+
+def update_from_lists(sched: Scheduler, out, emitted: list[list[int]]) -> dict[int, str]:
+    """emitted: per scheduled sequence, its accepted drafts then the token sampled after them
+    ([] where it emits none). Returns {seq_id: finish reason}."""
+    finished = sched.update_from_output(out, emitted)
+    return {int(f.seq_id): str(f.finish_reason) for f in finished}
 
 
 def prev_rows(out) -> np.ndarray:

@@ -44,8 +44,28 @@ class StructuredOutputs:
         dense = self._ds.unpack_bitmask(masks.bitmask[masks.rows], self.vocab_size)
         return {row: dense[k].clone() for k, row in enumerate(masks.rows)}
 
+    def allowed_rows_with_drafts(
+        self, requests: list[tuple[object, int, list[int]]], num_rows: int
+    ) -> dict[int, torch.Tensor]:
+        """requests: (state, first row, drafts) — masks for the next token and for the token after
+        each draft prefix (rows first_row .. first_row + len(drafts)); states are left unchanged."""
+        if not requests:
+            return {}
+        masks = self.masker.fill(
+            [self._ds.MaskRequest(state, row, list(drafts)) for state, row, drafts in requests],
+            num_rows=num_rows,
+        )
+        if not masks.rows:
+            return {}
+        dense = self._ds.unpack_bitmask(masks.bitmask[masks.rows], self.vocab_size)
+        return {row: dense[k].clone() for k, row in enumerate(masks.rows)}
+
     def accept(self, state, token: int) -> None:
         state.accept_verified([token])
+
+    def accept_many(self, state, tokens: list[int]) -> None:
+        """The verified drafts + the final token of a step (all or nothing)."""
+        state.accept_verified(list(tokens))
 
     def close(self) -> None:
         self.compiler.shutdown()

@@ -14,6 +14,9 @@ import numpy as np
 import torch
 from deepinfer_model.runner import RunnerBatch
 from deepinfer_model.sampling import RowParams, Sampler
+from deepinfer_spec import DraftVerifier
+
+from .spec_decode import VerifyInput, VerifyOutcome, verify_logits
 
 
 @dataclass
@@ -23,6 +26,17 @@ class StepResult:
     logprobs: list[float | None]
     top: list[dict[int, float] | None]
     errors: dict[int, str] = field(default_factory=dict)  # batch index -> message (request failed alone)
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+
+
+@dataclass
+class VerifyStepResult:
+    """A step with drafts: `outcome` covers the batch indices `verified` (in that order)."""
+
+    verified: list[int]
+    outcome: VerifyOutcome | None
+    errors: dict[int, str] = field(default_factory=dict)
     forward_s: float = 0.0
     sample_s: float = 0.0
 
@@ -89,6 +103,57 @@ class ModelWorker:
         result.forward_s, result.sample_s = t1 - t0, time.perf_counter() - t1
         self._last_tokens = result.tokens
         return result
+
+    def run_verify(
+        self,
+        batch: RunnerBatch,
+        inputs: list[VerifyInput | None],
+        allowed: dict[int, torch.Tensor],
+        verifier: DraftVerifier,
+    ) -> VerifyStepResult:
+        """A step whose decode rows may verify drafts (batch.logits_lens = 1 + k for them).
+        inputs[i]: None when sequence i emits nothing; allowed: {row of the packed emitting rows: mask}."""
+        result = VerifyStepResult(verified=[], outcome=None)
+        t0 = time.perf_counter()
+        try:
+            logits = self.runner.execute(batch)
+            ok = list(range(len(inputs)))
+        except Exception:  # noqa: BLE001 - find the sequence(s) at fault; the others go on
+            logits, ok = self._execute_one_by_one(batch, result)
+        t1 = time.perf_counter()
+        okset = set(ok)
+        picked, mask = [], {}
+        offset = packed = kept = 0  # row in logits / in all emitting inputs / in the verified ones
+        for i, inp in enumerate(inputs):
+            n = int(batch.logits_lens[i])
+            if inp is not None and i in okset:
+                picked.append(logits[offset : offset + n])
+                result.verified.append(i)
+                mask.update({kept + j: allowed[packed + j] for j in range(n) if packed + j in allowed})
+                kept += n
+            packed += n if inp is not None else 0
+            offset += n if i in okset else 0
+        if result.verified:
+            try:
+                result.outcome = verify_logits(
+                    verifier, torch.cat(picked), [inputs[i] for i in result.verified], mask
+                )
+            except ValueError as e:
+                for i in result.verified:
+                    result.errors[i] = f"sampling failed: {e}"
+                result.verified, result.outcome = [], None
+        result.forward_s, result.sample_s = t1 - t0, time.perf_counter() - t1
+        return result
+
+    def rollback(self, rejected: list[tuple[int, int]]) -> None:
+        """Tell the runner which sequences had (seq_id, n) trailing draft rows rejected (see
+        spec_decode.py for the contract); runners without state to undo have no `rollback`."""
+        fn = getattr(self.runner, "rollback", None)
+        if fn is None:
+            return
+        for seq_id, n in rejected:
+            if n > 0:
+                fn(seq_id, n)
 
     def _fill_unknown_inputs(self, batch: RunnerBatch, prev_rows: np.ndarray) -> None:
         unknown = np.flatnonzero(batch.input_ids < 0)

@@ -1,0 +1,217 @@
+"""Speculative decoding in the engine loop (DSpark drafts, spec engine.md §6), through `deepinfer_spec`.
+
+One step with drafts (synchronous loop):
+
+1. The scheduler feeds `[g, d1..dk]` for a sequence whose drafts were set with `set_draft_tokens`
+   (`k` = `num_draft_tokens`, possibly capped by max_tokens / max_model_len); the runner returns
+   logits for all `1 + k` rows (`to_verify_batch`).
+2. `verify_logits` turns the rows into the processed target distributions (banned tokens, grammar
+   masks of every draft row, temperature / top-p / top-k / min-p) and `DraftVerifier.verify` accepts a
+   prefix: greedy match, or rejection sampling with the request's seeded streams. A sequence with
+   k = 0 (prefill end, first decode) is exactly the plain sampler's draw.
+3. The engine commits the accepted drafts + the final token to the scheduler (its num_computed_tokens
+   becomes start + 1 + accepted, so the rejected rows' slots are rewritten by the next step), tells the
+   runner `rollback(seq_id, num_rejected)` when it has that method, and advances grammar matchers by
+   exactly the emitted tokens (drafts were only accepted tentatively while masks were filled).
+4. The drafter proposes up to nextn drafts after the new token; `ConfidenceScheduler.choose` picks
+   how many each sequence verifies (all of them unless MTP varlen is on), `set_draft_tokens` passes
+   that prefix to the scheduler.
+
+Runner contract for rejected drafts (for a paged runner): after `execute` of a step in which sequence
+`s` verified k drafts and accepted a, the engine calls `runner.rollback(s, k - a)` (only when k - a >
+0 and the runner defines it) before the next `execute`. The runner must then forget the KV / state of
+the last k - a query tokens of `s` from that step (window, compressed, per-token KV, index-K,
+incomplete-block state); the next step of `s` starts at start_position = old start + 1 + a, i.e. the
+scheduler's `num_computed_tokens`. The recompute runner needs nothing: it recomputes from the tokens
+the scheduler's positions say are valid, and the next step overwrites the rejected slots.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from deepinfer_model.sampling import RowParams, filtered_probs
+from deepinfer_spec import (
+    ConfidenceScheduler,
+    DraftVerifier,
+    SpecDecodeState,
+    SpecStats,
+    StepTimeCurve,
+    VerifyPlan,
+    VerifyResult,
+)
+
+from .drafting import Drafter, DraftRequest
+
+
+@dataclass
+class VerifyInput:
+    """One sequence that emits tokens this step: its rows' sampling params and its drafts."""
+
+    rows: list[RowParams]  # 1 + k: row j produces the token at position base + j
+    drafts: list[int]  # k
+    draft_probs: torch.Tensor | None  # [k, V] q (sampled requests with drafts), else None
+    golden: list[int]  # forced token per row (-1: none)
+
+    @property
+    def base_position(self) -> int:
+        return self.rows[0].position
+
+
+@dataclass
+class VerifyOutcome:
+    """Per VerifyInput (same order): the emitted tokens and their logprobs; plus the raw result."""
+
+    result: VerifyResult
+    logprobs: list[list[float] | None] = field(default_factory=list)
+    top: list[list[dict[int, float]] | None] = field(default_factory=list)
+
+
+def _masked(raw: torch.Tensor, rows: list[RowParams], allowed: torch.Tensor | None) -> torch.Tensor:
+    masked = raw.clone()
+    for i, r in enumerate(rows):
+        banned = [t for t in r.banned_token_ids if 0 <= t < raw.shape[-1]]
+        if banned:
+            masked[i, banned] = float("-inf")
+    if allowed is not None:
+        masked = masked.masked_fill(~allowed, float("-inf"))
+    return masked
+
+
+def verify_logits(
+    verifier: DraftVerifier,
+    logits: torch.Tensor,
+    inputs: list[VerifyInput],
+    allowed: dict[int, torch.Tensor] | None = None,
+) -> VerifyOutcome:
+    """logits: [Σ (1 + k_i), V], the rows of `inputs` packed in order; allowed: {packed row: bool [V]}.
+
+    Greedy rows keep their (masked) logits — the verifier only takes their argmax, as the plain
+    sampler does; sampled rows become the sampler's filtered distribution."""
+    rows = [r for inp in inputs for r in inp.rows]
+    if logits.shape[0] != len(rows):
+        raise ValueError(f"logits must have one row per verify row ({len(rows)}), got {logits.shape[0]}")
+    raw = logits.float()
+    mask = None
+    if allowed:
+        mask = torch.ones(raw.shape, dtype=torch.bool)
+        for r, m in allowed.items():
+            mask[r] = m
+    masked = _masked(raw, rows, mask)
+    target = masked.double()
+    sampled = [i for i, r in enumerate(rows) if not r.greedy]
+    if sampled:
+        target[sampled] = filtered_probs(masked[sampled], [rows[i] for i in sampled]).double()
+    ks = [len(inp.drafts) for inp in inputs]
+    draft_probs = None
+    if any(inp.draft_probs is not None for inp in inputs):
+        vocab = raw.shape[-1]
+        draft_probs = torch.cat(
+            [
+                inp.draft_probs.double() if inp.draft_probs is not None else torch.zeros(k, vocab)
+                for inp, k in zip(inputs, ks)
+            ]
+        )
+    result = verifier.verify(
+        target,
+        torch.tensor([t for inp in inputs for t in inp.drafts], dtype=torch.int64),
+        ks,
+        seeds=[inp.rows[0].seed for inp in inputs],
+        base_positions=[inp.base_position for inp in inputs],
+        greedy=[inp.rows[0].greedy for inp in inputs],
+        draft_probs=draft_probs,
+        golden=[inp.golden for inp in inputs],
+    )
+    out = VerifyOutcome(result)
+    offset = 0
+    for inp, emitted in zip(inputs, result.emitted):
+        n = inp.rows[0].logprobs
+        if n is None:
+            out.logprobs.append(None)
+            out.top.append(None)
+        else:  # raw model log-probabilities, like the plain sampler reports
+            lp = torch.log_softmax(raw[offset : offset + len(emitted)], dim=-1)
+            out.logprobs.append([float(lp[j, t]) for j, t in enumerate(emitted)])
+            if n > 0:
+                vals, ids = torch.topk(lp, min(n, lp.shape[-1]), dim=-1)
+                out.top.append([dict(zip(ids[j].tolist(), vals[j].tolist())) for j in range(len(emitted))])
+            else:
+                out.top.append([{} for _ in emitted])
+        offset += len(inp.rows)
+    return out
+
+
+class SpecDecoder:
+    """The engine's speculative-decoding state: drafts per sequence, the varlen rule, statistics."""
+
+    def __init__(self, nextn: int, drafter: Drafter, curve: StepTimeCurve | None = None) -> None:
+        if nextn < 1:
+            raise ValueError(f"nextn must be >= 1 when speculative decoding is on, got {nextn}")
+        self.nextn = nextn
+        self.drafter = drafter
+        self.state = SpecDecodeState(nextn)
+        self.rule = ConfidenceScheduler(nextn, curve)
+        self.verifier = DraftVerifier()
+        self.stats = SpecStats(nextn)
+        self.draft_s = 0.0
+
+    @property
+    def varlen(self) -> bool:
+        return self.rule.enabled
+
+    def add(self, seq_id: int, seed: int) -> None:
+        self.state.add(seq_id, seed)
+
+    def remove(self, seq_id: int) -> None:
+        self.state.remove(seq_id)
+
+    def discard(self, seq_id: int) -> None:
+        """Preempted: its drafts and acceptance history are void (it recomputes from its tokens)."""
+        if seq_id in self.state:
+            self.state.discard(seq_id)
+
+    def pending(self, seq_id: int, k: int) -> tuple[list[int], torch.Tensor | None, list[float]]:
+        """The k drafts the scheduler fed for seq_id, their q rows and confidences."""
+        plan = VerifyPlan(num_verify=[k], expected_tokens=0.0, predicted_ms=None)
+        tokens, probs, confs = self.state.pack([seq_id], plan)
+        return tokens.tolist(), probs, confs
+
+    def commit(self, seq_ids: list[int], result: VerifyResult, decode: list[bool], confs: list[float]):
+        """Consume the verified drafts; record statistics over decode sequences. Returns Rollbacks."""
+        self.state.mark_scheduled(seq_ids)  # synchronous loop: scheduled and processed together
+        rollbacks = self.state.commit(seq_ids, result)
+        ks = [k for k, d in zip(result.num_drafts, decode) if d]
+        accepted = [a for a, d in zip(result.num_accepted, decode) if d]
+        if ks:
+            self.stats.record_step(ks, accepted, confs, result.accept_probs.tolist())
+        return rollbacks
+
+    def propose(self, requests: list[DraftRequest]) -> dict[int, list[int]]:
+        """Run the drafter, store its drafts, choose how many each sequence verifies next step.
+        Returns {seq_id: drafts to feed} (possibly empty lists)."""
+        if not requests:
+            return {}
+        t0 = time.perf_counter()
+        drafts = self.drafter.propose(requests)
+        self.draft_s += time.perf_counter() - t0
+        ids = [r.seq_id for r in requests]
+        for seq_id, d in zip(ids, drafts):
+            self.state.propose(seq_id, d.tokens, d.confidences, d.probs)
+        plan = self.rule.choose(self.state.varlen_inputs(ids))
+        out = {}
+        for seq_id, d, k in zip(ids, drafts, plan.num_verify):
+            out[seq_id] = list(d.tokens[:k])
+        return out
+
+    def update_runtime(self, num_tokens: int, forward_s: float, num_seqs: int, sample_s: float) -> None:
+        if self.varlen and num_seqs:
+            self.rule.update_runtime(num_tokens, forward_s * 1e3, num_seqs, sample_s * 1e3)
+
+    def summary(self) -> dict:
+        out = self.stats.summary()
+        out["nextn"] = self.nextn
+        out["varlen"] = self.varlen
+        out["draft_s"] = self.draft_s
+        return out
