@@ -18,7 +18,7 @@ _DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
 def _norm_program(hidden: int, dtype: str, eps: float, threads: int):
-    rows = T.symbolic("rows")
+    rows = T.dynamic("rows")
 
     @T.prim_func
     def rms_norm_rows(
