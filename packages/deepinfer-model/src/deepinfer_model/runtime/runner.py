@@ -14,7 +14,7 @@ import torch
 from ..runner.batch import RunnerBatch
 from ..runner.recompute import RecomputeRunner
 from .metadata import StepMetadata
-from .pools import TOKEN_IDS, PagedKVCache, PoolSpec, blocks_for_budget
+from .pools import TOKEN_IDS, PagedKVCache, PoolSpec, blocks_for_budget, log
 
 
 def cache_specs(model, block_size: int) -> list[PoolSpec]:
@@ -50,6 +50,14 @@ class PagedRunner:
         self.num_blocks = num_blocks
         self.vocab_size = int(model.config.vocab_size)
         self.cache = PagedKVCache(cache_specs(model, block_size), num_blocks)
+        log.info(
+            "paged KV cache: %d blocks of %d tokens, %d B per block, %.1f MiB in %d pools",
+            num_blocks,
+            block_size,
+            self.cache.bytes_per_block,
+            self.cache.nbytes / 2**20,
+            len(self.cache.pools),
+        )
         self._forward = _forward(model)
         self.metadata_s = 0.0  # cumulative time building step metadata (benchmarks read it)
 
