@@ -1,0 +1,70 @@
+"""Decode-perplexity workloads: fixed prompts, fixed lengths, greedy decoding with a fixed seq_seed.
+
+Prompts are token ids drawn from a seeded generator (the tiny model has random weights, so natural
+text would measure nothing more, and ids need no tokenizer round trip). The same workload names exist
+on every platform; CPU sizes are scaled down so the tiny model finishes in CI.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+# Token ids below this are avoided: special and byte-level tokens of the DeepSeek vocabulary.
+_FIRST_ID = 1000
+_LAST_ID = 100_000
+
+
+@dataclass(frozen=True)
+class PplWorkload:
+    name: str
+    num_prompts: int
+    input_len: int
+    output_len: int
+    nextn: int = 0  # draft tokens per decode step (DEEPINFER_USE_NEXTN_DECODE) while it runs
+    long_context: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for field in ("num_prompts", "input_len", "output_len"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
+        if self.nextn < 0:
+            raise ValueError(f"nextn must be >= 0, got {self.nextn}")
+
+    def prompts(self, vocab_size: int) -> list[list[int]]:
+        rng = np.random.default_rng(self.seed)
+        high = min(_LAST_ID, vocab_size)
+        low = min(_FIRST_ID, high - 1)
+        return [rng.integers(low, high, self.input_len).tolist() for _ in range(self.num_prompts)]
+
+    def seq_seed(self, index: int) -> int:
+        return self.seed * 1_000_003 + index
+
+    def describe(self) -> dict:
+        return asdict(self)
+
+
+# Full sizes: the reference's long-context check (16,389 prompt tokens, 4,096 output tokens, nextn 5).
+GPU_WORKLOADS = (
+    PplWorkload("short", num_prompts=16, input_len=512, output_len=512, nextn=5),
+    PplWorkload("long_context", num_prompts=1, input_len=16_389, output_len=4_096, nextn=5, long_context=True),
+)
+# CPU: the same names scaled to the tiny model on a small host (long_context keeps its 4:1 in:out shape
+# and an odd length that crosses block and compression boundaries).
+CPU_WORKLOADS = (
+    PplWorkload("short", num_prompts=3, input_len=21, output_len=8),
+    PplWorkload("long_context", num_prompts=1, input_len=1_029, output_len=16, long_context=True),
+)
+
+
+def workloads_for(platform: str) -> tuple[PplWorkload, ...]:
+    return CPU_WORKLOADS if platform == "cpu" else GPU_WORKLOADS
+
+
+def workload(platform: str, name: str) -> PplWorkload:
+    for w in workloads_for(platform):
+        if w.name == name:
+            return w
+    raise ValueError(f"no workload {name!r} for platform {platform!r}; known: {[w.name for w in workloads_for(platform)]}")
