@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from . import batch_invariant
+
 
 def round_to(x: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor:
     """`x` rounded (round-to-nearest-even) to `act_dtype` (FP32 or BF16), returned as FP64 for further math."""
@@ -19,4 +21,5 @@ def round_to(x: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, act_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`x @ weight.T` accumulated in FP64, output rounded once to `act_dtype`."""
-    return round_to(x.double() @ weight.double().t(), act_dtype)
+    # batch_invariant.matmul: plain `@`, or fixed row tiles under DEEPINFER_BATCH_INVARIANT=1
+    return round_to(batch_invariant.matmul(x.double(), weight.double().t()), act_dtype)
