@@ -313,28 +313,68 @@ def wait_for_build(build_pid: int, deadline: float) -> None:
     record(kind="deep_gemm_build_wait", waited_s=round(time.monotonic() - t0, 1))
 
 
+def _v4_layout_candidates(lat: torch.Tensor, page: int) -> dict[str, torch.Tensor]:
+    """Candidate byte layouts of FlashMLA's 584-B "V4" token (hypotheses, to be told apart on the GPU).
+
+    Content assumed in every candidate: 448 no-RoPE values as E4M3 with 7 UE8M0 scales (one per 64),
+    64 RoPE values as BF16, one pad byte: 448 + 128 + 7 + 1 = 584. Returns {name: uint8 [blocks, page, 1, 584]}
+    and, under "ref", the FP32 values every candidate encodes.
+    """
+    n = lat.shape[0]
+    g = lat[:, :448].float().view(n, 7, 64)
+    mant, exp = torch.frexp(g.abs().amax(-1).clamp(min=1e-4) / 448.0)
+    e = torch.where(mant == 0.5, exp - 1, exp)
+    scale = torch.ldexp(torch.ones_like(g[..., 0]), e)
+    q = (g / scale.unsqueeze(-1)).clamp(-448, 448).to(torch.float8_e4m3fn)
+    rope = lat[:, 448:].to(torch.bfloat16)
+    sc = torch.cat(((e + 127).to(torch.uint8), torch.zeros(n, 1, dtype=torch.uint8, device=lat.device)), 1)
+    data = torch.cat((q.view(n, 448).view(torch.uint8), rope.view(torch.uint8).view(n, 128)), 1)  # [n, 576]
+    blocks = n // page
+    paged = torch.cat((data.view(blocks, page * 576), sc.view(blocks, page * 8)), 1)
+    return {
+        "ref": torch.cat(((q.float() * scale.unsqueeze(-1)).view(n, 448), rope.float()), 1),
+        "token[fp8|bf16|scales]": torch.cat((data, sc), 1).view(blocks, page, 1, 584),
+        "token[fp8|scales|bf16]": torch.cat((data[:, :448], sc, data[:, 448:]), 1).view(blocks, page, 1, 584),
+        "page[all data|all scales]": paged.view(blocks, page, 1, 584),
+    }
+
+
 def flash_mla_format_probe() -> None:
-    """Which KV-cache byte layouts FlashMLA's SM90 sparse decode accepts (its error names the sizes)."""
+    """FlashMLA's SM90 sparse decode: which cache sizes it accepts (its error names them) and which
+    layout hypothesis of the 584-B V4 token reproduces the reference attention."""
+    from deepinfer_model.backends.nvidia.torch_cuda import sink_decode_from_keys
     from flash_mla import flash_mla_with_kvcache, get_mla_metadata
 
-    for bpt, fmt in [(528, "V41"), (600, "V4"), (600, None)]:
-        cache = torch.randint(0, 0x38, (16, 64, 1, bpt), dtype=torch.uint8, device="cuda")
-        q = torch.randn(2, 1, 64, 512, dtype=torch.bfloat16, device="cuda")
-        idx = torch.randint(0, 16 * 64, (2, 1, 64), dtype=torch.int32, device="cuda")
+    def call(cache, q, idx, sinks, fmt):
+        meta, _ = get_mla_metadata()
+        out, _ = flash_mla_with_kvcache(
+            q.unsqueeze(1),
+            cache,
+            None,
+            None,
+            head_dim_v=512,
+            tile_scheduler_metadata=meta,
+            softmax_scale=512**-0.5,
+            is_fp8_kvcache=True,
+            indices=idx.unsqueeze(1),
+            attn_sink=sinks,
+            use_legacy=True,
+            kv_format=fmt,
+        )
+        return out.squeeze(1)
+
+    blocks, page, b, h, topk = 16, 64, 4, 64, 128
+    q = torch.randn(b, h, 512, dtype=torch.bfloat16, device="cuda")
+    idx = torch.stack([torch.randperm(blocks * page, device="cuda")[:topk] for _ in range(b)]).to(torch.int32)
+    sinks = torch.randn(h, device="cuda")
+    for bpt, fmt in [(528, "V41"), (600, "V4")]:
         try:
-            meta, _ = get_mla_metadata()
-            flash_mla_with_kvcache(
+            call(
+                torch.randint(0, 0x38, (blocks, page, 1, bpt), dtype=torch.uint8, device="cuda"),
                 q,
-                cache,
-                None,
-                None,
-                head_dim_v=512,
-                tile_scheduler_metadata=meta,
-                is_fp8_kvcache=True,
-                indices=idx,
-                attn_sink=torch.zeros(64, device="cuda"),
-                use_legacy=True,
-                kv_format=fmt,
+                idx,
+                sinks,
+                fmt,
             )
             torch.cuda.synchronize()
             status = "accepted"
@@ -342,6 +382,18 @@ def flash_mla_format_probe() -> None:
             status = f"rejected: {e}"[:600]
         log(f"flash_mla sparse decode bytes_per_token={bpt} kv_format={fmt}: {status}")
         record(kind="flash_mla_format_probe", bytes_per_token=bpt, kv_format=str(fmt), status=status)
+    cands = _v4_layout_candidates(torch.randn(blocks * page, 512, device="cuda"), page)
+    keys = cands.pop("ref")[idx.long()]  # [b, topk, 512]
+    ref = sink_decode_from_keys(q, keys, idx, sinks, 512**-0.5).double()
+    for name, cache in cands.items():
+        try:
+            out = call(cache, q, idx, sinks, "V4").double()
+            rel = float((out - ref).norm() / ref.norm())
+            status = f"rel_err={rel:.3g} finite={bool(torch.isfinite(out).all())}"
+        except Exception as e:  # noqa: BLE001
+            status = f"error: {e}"[:300]
+        log(f"flash_mla V4 layout hypothesis {name}: {status}")
+        record(kind="flash_mla_v4_layout_probe", layout=name, status=status)
 
 
 def run_deep_gemm(out: Path, ceil: dict, deadline: float) -> bool:

@@ -77,10 +77,17 @@ def sparse_decode_attention(
 
     flat = kv_cache.view(-1, kv_cache.shape[-1])
     keys = unpack_fp8_tokens(flat[indices.long().clamp(min=0)])  # [B, k, 512] FP32
-    scores = torch.einsum("bhd,bkd->bhk", q.float(), keys) * scale
+    return sink_decode_from_keys(q, keys, indices, sinks, scale)
+
+
+def sink_decode_from_keys(
+    q: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One query row per sequence over its gathered keys [B, k, D] (K = V); `indices < 0` are masked."""
+    scores = torch.einsum("bhd,bkd->bhk", q.float(), keys.float()) * scale
     scores = scores.masked_fill((indices < 0)[:, None, :], float("-inf"))
     sink = sinks.float()[None, :, None]
     top = torch.maximum(scores.amax(-1, keepdim=True), sink)
     p = torch.exp(scores - top)
     denom = p.sum(-1, keepdim=True) + torch.exp(sink - top)
-    return (torch.einsum("bhk,bkd->bhd", p, keys) / denom).to(torch.bfloat16)
+    return (torch.einsum("bhk,bkd->bhd", p, keys.float()) / denom).to(torch.bfloat16)
