@@ -29,7 +29,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
 
 
 def make_workload(args, vocab_size: int):
-    from .sampling_params import SamplingParams
+    from ..sampling_params import SamplingParams
 
     for lo, hi in (("min_input_len", "max_input_len"), ("min_output_len", "max_output_len")):
         if not 1 <= getattr(args, lo) <= getattr(args, hi):
@@ -48,8 +48,8 @@ def run_bench(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .engine_args import EngineArgs
-    from .llm import LLM
+    from ..engine_args import EngineArgs
+    from ..llm import LLM
 
     console = Console(width=160)
     loops = [m.strip() for m in args.loops.split(",") if m.strip()]

@@ -1,0 +1,254 @@
+"""`deepinfer bench prefill|decode|sweep`: Pareto sweeps with the reference's methodology.
+
+One run measures prefill and decode in separate sections (each with its own engine sized for it),
+writes the rows as JSON to `<results-dir>/<name>.json` and one Pareto PNG per phase next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+CPU_CHUNKS, GPU_CHUNKS = "16,32,64,128", "4096,8192,16384,32768,65536"
+CPU_BATCHES, GPU_BATCHES = "1,2,4,8", "8,16,32,64,128,256"
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..engine_args import EngineArgs
+
+    parser = argparse.ArgumentParser(
+        prog="deepinfer bench",
+        description="Prefill / decode Pareto benchmark. Modes: prefill, decode, sweep (both, one run). "
+        "The offline throughput benchmark is `deepinfer bench [throughput] --num-requests N`.",
+    )
+    parser.add_argument("mode", choices=("prefill", "decode", "sweep"))
+    g = parser.add_argument_group("prefill")
+    g.add_argument(
+        "--chunks", type=_int_list, default=None, help=f"chunk sizes (CPU {CPU_CHUNKS}; GPU {GPU_CHUNKS})"
+    )
+    g.add_argument(
+        "--prefill-context", type=int, default=0, help="cached context before each chunk (default 0)"
+    )
+    g.add_argument("--prefill-warmup", type=int, default=1, help="untimed chunks per size (default 1)")
+    g.add_argument("--prefill-repeats", type=int, default=3, help="timed chunks per size (default 3)")
+    g = parser.add_argument_group("decode")
+    g.add_argument(
+        "--batches", type=_int_list, default=None, help=f"batch sizes (CPU {CPU_BATCHES}; GPU {GPU_BATCHES})"
+    )
+    g.add_argument("--decode-context", type=int, default=32, help="prompt tokens per request (default 32)")
+    g.add_argument(
+        "--nextn", type=int, default=None, help="draft tokens per step (default $DEEPINFER_USE_NEXTN_DECODE)"
+    )
+    g.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps per batch (default 2)")
+    g.add_argument("--measure-steps", type=int, default=8, help="timed decode steps per batch (default 8)")
+    g.add_argument(
+        "--accounting",
+        choices=("full", "measured"),
+        default="full",
+        help="decode accounting on the plot's main series (both are in the JSON; default full)",
+    )
+    g = parser.add_argument_group("output, roofline, profiler")
+    g.add_argument("--results-dir", type=Path, default=Path("benchmarks/results"))
+    g.add_argument("--name", default=None, help="file stem of the JSON / PNGs (default bench_<mode>)")
+    g.add_argument("--no-plot", action="store_true")
+    g.add_argument(
+        "--measure-ceilings",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure copy bandwidth / matmul rate in-run (required on CPUs: no table row)",
+    )
+    g.add_argument(
+        "--profile-prefill-chunk", type=int, default=None, help="profile one extra chunk of this size"
+    )
+    g.add_argument(
+        "--profile-decode-batch", type=int, default=None, help="profile steps after this batch's window"
+    )
+    g.add_argument("--profile-steps", type=int, default=2, help="decode steps under the profiler (default 2)")
+    g.add_argument(
+        "--profile-dir", type=Path, default=None, help="traces go here (default <results-dir>/profiles)"
+    )
+    g.add_argument("--no-progress", action="store_true")
+    EngineArgs.add_cli_args(parser)
+    return parser
+
+
+def _on_gpu() -> bool:
+    import torch
+
+    from .. import envs
+
+    return envs.DEEPINFER_ACCELERATOR == "nvidia" and torch.cuda.is_available()
+
+
+def _engine(args, **overrides):
+    from ..engine.llm_engine import LLMEngine
+    from ..engine_args import EngineArgs
+
+    base = EngineArgs.from_cli_args(args)
+    return LLMEngine(dataclasses.replace(base, **overrides))
+
+
+def run(args) -> int:
+    import os
+
+    import torch
+    from rich.console import Console
+    from tqdm import tqdm
+
+    from .engine_driver import Driver
+    from .intervals import FlagCounter
+    from .phases import DecodeConfig, PrefillConfig, run_decode, run_prefill
+    from .plot import plot_decode, plot_prefill
+    from .roofline import decode_roof, machine_ceilings, model_costs, prefill_roof
+    from .table import print_table
+
+    console = Console(width=170)
+    gpu = _on_gpu()
+    if args.nextn is not None:
+        if args.nextn < 0:
+            raise SystemExit("--nextn must be >= 0")
+        os.environ["DEEPINFER_USE_NEXTN_DECODE"] = str(args.nextn)  # the engine reads it when built
+    from .. import envs
+
+    nextn = int(envs.DEEPINFER_USE_NEXTN_DECODE)
+    dp, cp = max(1, args.data_parallel_size), args.context_parallel_size
+    chunks = args.chunks or _int_list(GPU_CHUNKS if gpu else CPU_CHUNKS)
+    batches = args.batches or _int_list(GPU_BATCHES if gpu else CPU_BATCHES)
+    name = args.name or f"bench_{args.mode}"
+    profile_dir = args.profile_dir or args.results_dir / "profiles"
+    device = torch.device("cuda") if gpu else torch.device("cpu")
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}[args.dtype]
+    ceil = machine_ceilings(device, torch.bfloat16 if gpu else dtype, measure=args.measure_ceilings)
+    console.print(f"ceilings: {ceil.device}: {ceil.tflops:.3g} TFLOP/s, {ceil.tbps:.3g} TB/s ({ceil.source})")
+
+    common = {
+        "device": ceil.device,
+        "ceiling_tflops": ceil.tflops,
+        "ceiling_tbps": ceil.tbps,
+        "ceiling_source": ceil.source,
+    }
+    rows: list[dict] = []
+    pngs = []
+    n_configs = (len(chunks) if args.mode != "decode" else 0) + (
+        len(batches) if args.mode != "prefill" else 0
+    )
+    progress = tqdm(total=n_configs, desc="bench", disable=args.no_progress)
+    t_start = time.perf_counter()
+    if args.mode in ("prefill", "sweep"):
+        engine = _engine(
+            args,
+            max_num_seqs=1,  # one chunk per step: the step is the chunk
+            max_num_batched_tokens=max(chunks),
+            max_model_len=args.prefill_context + max(chunks) + 1,
+        )
+        flags = FlagCounter()
+        watched = flags.watch_all(engine)
+        costs = model_costs(engine.model)
+        cfg = PrefillConfig(
+            chunks=chunks,
+            context=args.prefill_context,
+            warmup=args.prefill_warmup,
+            repeats=args.prefill_repeats,
+            dp=dp,
+            cp=cp,
+            profile_chunk=args.profile_prefill_chunk,
+            profile_dir=profile_dir,
+        )
+        try:
+            prows = run_prefill(Driver(engine, args.seed), cfg, flags, progress)
+        finally:
+            engine.close()
+        for r in prows:
+            _, roof = prefill_roof(costs, ceil, r["chunk_tokens"])
+            r.update(common, model=str(engine.model_path), runner=type(engine.runner).__name__)
+            r.update(loop="async" if engine.use_async else "sync", eplb_objects_watched=watched)
+            r["roofline_tok_per_s_per_gpu"] = roof
+            r["fraction_of_roofline"] = r["non_cached_tok_per_s_per_gpu"] / roof
+        rows += prows
+        if not args.no_plot:
+            pngs.append(
+                plot_prefill(
+                    prows, args.results_dir / f"{name}_prefill.png", ceil, costs, _title("prefill", engine)
+                )
+            )
+    if args.mode in ("decode", "sweep"):
+        cfg = DecodeConfig(
+            batches=batches,
+            context=args.decode_context,
+            nextn=nextn,
+            warmup_steps=args.warmup_steps,
+            measure_steps=args.measure_steps,
+            dp=dp,
+            cp=cp,
+            profile_batch=args.profile_decode_batch,
+            profile_steps=args.profile_steps,
+            profile_dir=profile_dir,
+        )
+        max_len = cfg.context + cfg.max_tokens() + 1
+        blocks = -(-max_len // args.block_size) * max(batches) + 1
+        engine = _engine(
+            args,
+            max_num_seqs=max(batches),
+            max_model_len=max_len,
+            num_kv_blocks=args.num_kv_blocks or blocks,
+        )
+        flags = FlagCounter()
+        watched = flags.watch_all(engine)
+        costs = model_costs(engine.model)
+        try:
+            drows = run_decode(Driver(engine, args.seed), cfg, flags, progress)
+        finally:
+            engine.close()
+        for r in drows:
+            _, roof = decode_roof(costs, ceil, r["batch"], nextn)
+            r.update(common, model=str(engine.model_path), runner=type(engine.runner).__name__)
+            r.update(loop="async" if engine.use_async else "sync", eplb_objects_watched=watched)
+            r["roofline_tok_per_s_per_gpu"] = roof
+            r["fraction_of_roofline"] = r["full_acceptance_tok_per_s_per_gpu"] / roof
+        rows += drows
+        if not args.no_plot:
+            pngs.append(
+                plot_decode(
+                    drows,
+                    args.results_dir / f"{name}_decode.png",
+                    ceil,
+                    costs,
+                    _title("decode", engine),
+                    args.accounting,
+                )
+            )
+    progress.close()
+    print_table(console, rows)
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    out = args.results_dir / f"{name}.json"
+    out.write_text(json.dumps(rows, indent=2) + "\n")
+    console.print(
+        f"wrote {out}" + "".join(f", {p}" for p in pngs) + f" ({time.perf_counter() - t_start:.1f}s)"
+    )
+    return 0
+
+
+def _title(phase: str, engine) -> str:
+    loop = "async" if engine.use_async else "sync"
+    return (
+        f"deepinfer {phase}: {Path(str(engine.model_path)).name}, {type(engine.runner).__name__}, {loop} loop"
+    )
+
+
+def main(argv: list[str]) -> int:
+    return run(build_parser().parse_args(argv))

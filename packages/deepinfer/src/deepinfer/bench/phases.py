@@ -1,0 +1,182 @@
+"""The two measured phases. Each runs warm-up, then a measurement window of timed intervals, then
+(optionally) a profiler window: the profiler is attached only after measuring, because leaving it
+costs a residual slowdown (the reference saw 7-11% at decode batch 1) that would bias the numbers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import accounting
+from .engine_driver import Driver, profiled
+from .intervals import FlagCounter, Interval, summarize, timed
+
+
+@dataclass
+class PrefillConfig:
+    chunks: list[int]
+    context: int = 0  # prompt tokens already in the prefix cache before the timed chunk
+    warmup: int = 1  # untimed chunks per size
+    repeats: int = 3  # timed chunks per size (each one interval)
+    dp: int = 1
+    cp: int = 1
+    profile_chunk: int | None = None
+    profile_dir: Path | None = None
+
+
+@dataclass
+class DecodeConfig:
+    batches: list[int]
+    context: int = 32  # prompt length of each request
+    nextn: int = 0
+    warmup_steps: int = 2
+    measure_steps: int = 8
+    dp: int = 1
+    cp: int = 1
+    profile_batch: int | None = None
+    profile_steps: int = 2
+    profile_dir: Path | None = None
+
+    def max_tokens(self) -> int:
+        steps = self.warmup_steps + self.measure_steps + self.profile_steps + 2
+        return steps * (1 + self.nextn)
+
+
+def _check_positive(name: str, values) -> None:
+    for v in values:
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be integers >= 1, got {v!r}")
+
+
+def run_prefill(driver: Driver, cfg: PrefillConfig, flags: FlagCounter | None, progress=None) -> list[dict]:
+    _check_positive("chunks", cfg.chunks)
+    if cfg.repeats < 1 or cfg.warmup < 0 or cfg.context < 0:
+        raise ValueError("prefill: need repeats >= 1, warmup >= 0, context >= 0")
+    rows = []
+    for chunk in cfg.chunks:
+        for _ in range(cfg.warmup):
+            _one_chunk(driver, chunk, cfg.context, flags, timed_run=False)
+        intervals = [
+            _one_chunk(driver, chunk, cfg.context, flags, timed_run=True) for _ in range(cfg.repeats)
+        ]
+        w = summarize(intervals)
+        row = {
+            "phase": "prefill",
+            "chunk_tokens": chunk,
+            "context_tokens": cfg.context,
+            "intervals": w.intervals,
+            "dropped_flagged_intervals": w.dropped,
+            "chunk_latency_ms": w.seconds / w.intervals * 1e3,
+            "non_cached_tok_per_s_per_gpu": accounting.prefill_tok_per_s_per_gpu(
+                w.tokens, w.seconds, cfg.dp, cfg.cp
+            ),
+            "dp": cfg.dp,
+            "cp": cfg.cp,
+        }
+        if cfg.context:
+            row["prefix_cache_hit_rate"] = float(
+                driver.engine.scheduler_stats().get("prefix_cache_hit_rate", 0.0)
+            )
+        if cfg.profile_chunk == chunk and cfg.profile_dir is not None:
+            path = cfg.profile_dir / f"prefill_chunk{chunk}.json"
+            with profiled(path):
+                _one_chunk(driver, chunk, cfg.context, flags, timed_run=False)
+            row["profile_trace"] = str(path)
+        rows.append(row)
+        if progress:
+            progress.update(1)
+    return rows
+
+
+def _one_chunk(driver: Driver, chunk: int, context: int, flags, timed_run: bool) -> Interval | None:
+    """One prefill chunk of `chunk` fresh tokens after `context` tokens put in the prefix cache (untimed)."""
+    prefix = driver.random_prompt(context)
+    if prefix:
+        driver.run_until_done({driver.add(prefix, 1)})
+    prompt = prefix + driver.random_prompt(chunk)
+    if not timed_run:
+        driver.run_until_done({driver.add(prompt, 1)})
+        return None
+    interval, _ = timed(lambda: driver.run_until_done({driver.add(prompt, 1)}), flags, lambda _: chunk)
+    return interval
+
+
+def run_decode(driver: Driver, cfg: DecodeConfig, flags: FlagCounter | None, progress=None) -> list[dict]:
+    _check_positive("batches", cfg.batches)
+    if cfg.measure_steps < 1 or cfg.warmup_steps < 0 or cfg.context < 1 or cfg.nextn < 0:
+        raise ValueError("decode: need measure_steps >= 1, warmup_steps >= 0, context >= 1, nextn >= 0")
+    engine = driver.engine
+    rows = []
+    for batch in cfg.batches:
+        ids = {driver.add(driver.random_prompt(cfg.context), cfg.max_tokens()) for _ in range(batch)}
+        # Fill: step until every request is past its prefill, so each timed step is a pure decode step.
+        for _ in range(10_000):
+            if driver.waiting() == 0 and engine.stats.generated_tokens and _all_decoding(engine, ids):
+                break
+            engine.step()
+        for _ in range(cfg.warmup_steps):
+            engine.step()
+
+        def one_step():
+            before = engine.stats.generated_tokens
+            done = engine.step()
+            if done:
+                raise RuntimeError(
+                    "a decode request finished inside the measurement window; raise max_tokens"
+                )
+            return engine.stats.generated_tokens - before
+
+        intervals = []
+        for _ in range(cfg.measure_steps):
+            running = driver.running()
+            iv, _ = timed(one_step, flags, lambda emitted: emitted, batch=running)
+            intervals.append(iv)
+        short = [iv.batch for iv in intervals if iv.batch != batch]
+        if short:
+            raise RuntimeError(
+                f"decode batch {batch}: steps ran with {short[0]} sequences; raise max_num_seqs / KV"
+            )
+        w = summarize(intervals)
+        sps = w.steps_per_s
+        row = {
+            "phase": "decode",
+            "batch": batch,
+            "context_tokens": cfg.context,
+            "nextn": cfg.nextn,
+            "intervals": w.intervals,
+            "dropped_flagged_intervals": w.dropped,
+            "steps_per_s": sps,
+            "ms_per_step": w.seconds_per_step * 1e3,
+            "full_acceptance_tok_per_s_per_gpu": accounting.decode_full_acceptance_per_gpu(
+                sps, batch, cfg.nextn, cfg.dp, cfg.cp
+            ),
+            "full_acceptance_tok_per_s_per_user": accounting.decode_full_acceptance_per_user(sps, cfg.nextn),
+            "measured_tok_per_s_per_gpu": accounting.decode_measured_per_gpu(
+                w.tokens, w.seconds, cfg.dp, cfg.cp
+            ),
+            "measured_tok_per_s_per_user": accounting.decode_measured_per_user(w.tokens, w.seconds, batch),
+            "measured_tokens_per_request_step": w.tokens / (w.steps * batch),
+            "measured_accept_rate": (w.tokens / (w.steps * batch) - 1) / cfg.nextn if cfg.nextn else None,
+            "dp": cfg.dp,
+            "cp": cfg.cp,
+        }
+        if cfg.profile_batch == batch and cfg.profile_dir is not None:
+            path = cfg.profile_dir / f"decode_batch{batch}.json"
+            with profiled(path):  # attached only now, after the window was measured
+                for _ in range(cfg.profile_steps):
+                    engine.step()
+            row["profile_trace"] = str(path)
+        driver.drain()
+        rows.append(row)
+        if progress:
+            progress.update(1)
+    return rows
+
+
+def _all_decoding(engine, ids: set[str]) -> bool:
+    """Every request of the batch has emitted its first token (its prefill is over)."""
+    for rid in ids:
+        state = engine.requests.get(rid)
+        if state is None or any(seq.num_generated == 0 for seq in state.seqs):
+            return False
+    return True
