@@ -49,7 +49,10 @@ def _build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(gen)
 
     bench = sub.add_parser(
-        "bench", help="offline throughput benchmark", description="Offline throughput: sync vs async loop."
+        "bench",
+        help="benchmarks: [throughput] | prefill | decode | sweep",
+        description="Offline throughput (sync vs async loop). `deepinfer bench prefill|decode|sweep --help`: "
+        "Pareto sweeps (deepinfer.bench.harness).",
     )
     from .bench import add_bench_args
 
@@ -160,6 +163,12 @@ def main(argv: list[str] | None = None) -> int:
         from deepinfer_eval.cli import main as eval_main
 
         return eval_main(argv[1:])
+    if argv[:1] == ["bench"] and argv[1:2] and argv[1] in ("prefill", "decode", "sweep"):
+        from .bench.harness import main as harness_main
+
+        return harness_main(argv[1:])
+    if argv[:2] == ["bench", "throughput"]:
+        argv = ["bench"] + argv[2:]
     args = _build_parser().parse_args(argv)
     if args.command == "generate":
         return cmd_generate(args)
