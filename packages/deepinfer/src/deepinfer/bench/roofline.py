@@ -6,7 +6,7 @@ the compute dtype for the math rate): the CPU has no table row, and on a GPU the
 the one the engine can really reach.
 
 Costs come from the model's weight tensors: matmul FLOPs per token = 2 × (dense matrix elements +
-routed-expert matrix elements × top-k / experts); embedding-style lookups are left out. Attention
+routed-expert matrix elements × top-k / experts); embedding-style lookups and the drafter are left out. Attention
 over the context is not counted, so the roof is an upper bound. A decode step reads every dense
 weight once plus the routed experts its tokens touch (expected fraction 1 - (1 - k/E)^tokens).
 """
@@ -99,6 +99,8 @@ class ModelCosts:
 
 
 _LOOKUPS = (".embed", "engram.table")
+# The MTP / DSpark drafter runs only with nextn > 0; the roof is the target model's (an upper bound then).
+_DRAFTER = "weights.drafter"
 
 
 def model_costs(model) -> ModelCosts:
@@ -114,7 +116,7 @@ def model_costs(model) -> ModelCosts:
             if o.data_ptr() in seen or not o.is_floating_point() and o.dtype != torch.uint8:
                 return
             seen.add(o.data_ptr())
-            if any(k in path for k in _LOOKUPS):
+            if any(k in path for k in _LOOKUPS) or path.startswith(_DRAFTER):
                 return
             nbytes = o.numel() * o.element_size()
             if ".experts." in path and "shared" not in path:
@@ -122,7 +124,7 @@ def model_costs(model) -> ModelCosts:
                 totals["routed_bytes"] += nbytes
             else:
                 totals["dense_params"] += o.numel() if o.dim() >= 2 else 0
-                if path.endswith(".head"):
+                if path == "weights.head":
                     totals["head_params"] += o.numel()
                 totals["dense_bytes"] += nbytes
         elif isinstance(o, list | tuple):
