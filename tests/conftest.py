@@ -33,7 +33,6 @@ def make_llm(**kwargs):
     from deepinfer import LLM
     from deepinfer_model.runtime import make_runner
 
-    kwargs.setdefault("max_model_len", 2048)
     kwargs.setdefault("num_threads", 1)
     llm = LLM(**kwargs)
     engine = llm.engine
