@@ -112,7 +112,7 @@ def run(args) -> int:
     from .intervals import FlagCounter
     from .phases import DecodeConfig, PrefillConfig, run_decode, run_prefill
     from .plot import plot_decode, plot_prefill
-    from .roofline import decode_roof, machine_ceilings, model_costs, prefill_roof
+    from .roofline import decode_roof, machine_ceilings, model_costs, model_device, prefill_roof
     from .table import print_table
 
     console = Console(width=170)
@@ -129,19 +129,30 @@ def run(args) -> int:
     batches = args.batches or _int_list(GPU_BATCHES if gpu else CPU_BATCHES)
     name = args.name or f"bench_{args.mode}"
     profile_dir = args.profile_dir or args.results_dir / "profiles"
-    device = torch.device("cuda") if gpu else torch.device("cpu")
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}[args.dtype]
-    ceil = machine_ceilings(device, torch.bfloat16 if gpu else dtype, measure=args.measure_ceilings)
-    console.print(f"ceilings: {ceil.device}: {ceil.tflops:.3g} TFLOP/s, {ceil.tbps:.3g} TB/s ({ceil.source})")
+    ceil_cache: dict = {}
 
-    common = {
-        "device": ceil.device,
-        "ceiling_tflops": ceil.tflops,
-        "ceiling_tbps": ceil.tbps,
-        "ceiling_source": ceil.source,
-    }
+    def ceilings_for(engine):
+        """Ceilings of the device the engine's model runs on, measured once per run."""
+        device = model_device(engine.model)
+        if device.type not in ceil_cache:
+            dtype = torch.bfloat16 if device.type == "cuda" else getattr(torch, args.dtype)
+            ceil = machine_ceilings(device, dtype, measure=args.measure_ceilings)
+            console.print(
+                f"ceilings: {ceil.device}: {ceil.tflops:.3g} TFLOP/s, {ceil.tbps:.3g} TB/s ({ceil.source})"
+            )
+            ceil_cache[device.type] = ceil
+        return ceil_cache[device.type]
+
+    def common(ceil) -> dict:
+        return {
+            "device": ceil.device,
+            "ceiling_tflops": ceil.tflops,
+            "ceiling_tbps": ceil.tbps,
+            "ceiling_source": ceil.source,
+        }
+
     rows: list[dict] = []
     pngs = []
     n_configs = (len(chunks) if args.mode != "decode" else 0) + (
@@ -158,7 +169,7 @@ def run(args) -> int:
         )
         flags = FlagCounter()
         watched = flags.watch_all(engine)
-        costs = model_costs(engine.model)
+        costs, ceil = model_costs(engine.model), ceilings_for(engine)
         cfg = PrefillConfig(
             chunks=chunks,
             context=args.prefill_context,
@@ -175,7 +186,7 @@ def run(args) -> int:
             engine.close()
         for r in prows:
             _, roof = prefill_roof(costs, ceil, r["chunk_tokens"])
-            r.update(common, model=str(engine.model_path), runner=type(engine.runner).__name__)
+            r.update(common(ceil), model=str(engine.model_path), runner=type(engine.runner).__name__)
             r.update(loop="async" if engine.use_async else "sync", eplb_objects_watched=watched)
             r["roofline_tok_per_s_per_gpu"] = roof
             r["fraction_of_roofline"] = r["non_cached_tok_per_s_per_gpu"] / roof
@@ -209,14 +220,14 @@ def run(args) -> int:
         )
         flags = FlagCounter()
         watched = flags.watch_all(engine)
-        costs = model_costs(engine.model)
+        costs, ceil = model_costs(engine.model), ceilings_for(engine)
         try:
             drows = run_decode(Driver(engine, args.seed), cfg, flags, progress)
         finally:
             engine.close()
         for r in drows:
             _, roof = decode_roof(costs, ceil, r["batch"], nextn)
-            r.update(common, model=str(engine.model_path), runner=type(engine.runner).__name__)
+            r.update(common(ceil), model=str(engine.model_path), runner=type(engine.runner).__name__)
             r.update(loop="async" if engine.use_async else "sync", eplb_objects_watched=watched)
             r["roofline_tok_per_s_per_gpu"] = roof
             r["fraction_of_roofline"] = r["full_acceptance_tok_per_s_per_gpu"] / roof

@@ -74,7 +74,7 @@ def run_prefill(driver: Driver, cfg: PrefillConfig, flags: FlagCounter | None, p
             "cp": cfg.cp,
         }
         if cfg.context:
-            row["prefix_cache_hit_rate"] = float(
+            row["prefix_cache_hit_rate_cumulative"] = float(
                 driver.engine.scheduler_stats().get("prefix_cache_hit_rate", 0.0)
             )
         if cfg.profile_chunk == chunk and cfg.profile_dir is not None:

@@ -28,6 +28,29 @@ class Ceilings:
     source: str  # "datasheet" or "measured"
 
 
+def model_device(model) -> torch.device:
+    """Where the model's weights live (the device its forward runs on)."""
+    for t in _tensors(getattr(model, "weights", model)):
+        return t.device
+    return torch.device("cpu")
+
+
+def _tensors(o, depth: int = 0):
+    if depth > 10 or o is None:
+        return
+    if isinstance(o, torch.Tensor):
+        yield o
+    elif isinstance(o, list | tuple):
+        for x in o:
+            yield from _tensors(x, depth + 1)
+    elif isinstance(o, dict):
+        for x in o.values():
+            yield from _tensors(x, depth + 1)
+    elif hasattr(o, "__dict__") and type(o).__module__.startswith("deepinfer"):
+        for x in vars(o).values():
+            yield from _tensors(x, depth + 1)
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
