@@ -218,6 +218,12 @@ def run(args) -> int:
             max_model_len=max_len,
             num_kv_blocks=args.num_kv_blocks or blocks,
         )
+        effective = int(getattr(engine, "num_speculative_tokens", nextn))
+        if effective != nextn:  # e.g. a checkpoint without draft blocks: account for what really runs
+            console.print(
+                f"[yellow]engine runs nextn={effective} (asked {nextn}); accounting uses {effective}[/]"
+            )
+            cfg.nextn = effective
         flags = FlagCounter()
         watched = flags.watch_all(engine)
         costs, ceil = model_costs(engine.model), ceilings_for(engine)
@@ -226,7 +232,8 @@ def run(args) -> int:
         finally:
             engine.close()
         for r in drows:
-            _, roof = decode_roof(costs, ceil, r["batch"], nextn)
+            _, roof = decode_roof(costs, ceil, r["batch"], cfg.nextn)
+            r["nextn_requested"] = nextn
             r.update(common(ceil), model=str(engine.model_path), runner=type(engine.runner).__name__)
             r.update(loop="async" if engine.use_async else "sync", eplb_objects_watched=watched)
             r["roofline_tok_per_s_per_gpu"] = roof

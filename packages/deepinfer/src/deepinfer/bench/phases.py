@@ -126,11 +126,13 @@ def run_decode(driver: Driver, cfg: DecodeConfig, flags: FlagCounter | None, pro
                 )
             return engine.stats.generated_tokens - before
 
+        spec_before = _spec_counts(engine)
         intervals = []
         for _ in range(cfg.measure_steps):
             running = driver.running()
             iv, _ = timed(one_step, flags, lambda emitted: emitted, batch=running)
             intervals.append(iv)
+        spec_after = _spec_counts(engine)
         short = [iv.batch for iv in intervals if iv.batch != batch]
         if short:
             raise RuntimeError(
@@ -160,6 +162,11 @@ def run_decode(driver: Driver, cfg: DecodeConfig, flags: FlagCounter | None, pro
             "dp": cfg.dp,
             "cp": cfg.cp,
         }
+        if spec_before is not None and spec_after is not None:
+            # the engine's own verification counts over the whole window (flagged steps included)
+            accepted, verified = (a - b for a, b in zip(spec_after, spec_before))
+            row.update(window_drafts_verified=verified, window_drafts_accepted=accepted)
+            row["window_draft_accept_rate"] = accepted / verified if verified else None
         if cfg.profile_batch == batch and cfg.profile_dir is not None:
             path = cfg.profile_dir / f"decode_batch{batch}.json"
             with profiled(path):  # attached only now, after the window was measured
@@ -171,6 +178,14 @@ def run_decode(driver: Driver, cfg: DecodeConfig, flags: FlagCounter | None, pro
         if progress:
             progress.update(1)
     return rows
+
+
+def _spec_counts(engine) -> tuple[int, int] | None:
+    """(accepted, verified) drafts so far from the engine's speculative-decoding stats, if it has them."""
+    stats = engine.spec_stats() if hasattr(engine, "spec_stats") else None
+    if not stats:
+        return None
+    return int(stats.get("accepted", 0)), int(stats.get("verified", 0))
 
 
 def _all_decoding(engine, ids: set[str]) -> bool:
