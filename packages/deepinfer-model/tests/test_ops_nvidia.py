@@ -133,3 +133,89 @@ def test_kv_store_on_gpu_matches_cpu(gpu, cpu):
     c_gpu = torch.zeros(4, 64, 1, 528, dtype=torch.uint8, device=DEV)
     gpu.kv_store_fp8(lat.to(DEV), c_gpu, slots.to(DEV))
     assert torch.equal(c_gpu.cpu(), c_ref)
+
+
+# --- the TileLang kernels themselves (the registry wraps them with a torch fallback, which must not
+# hide a failing kernel), in both activation dtypes and with the model's FP64 carrier + out_dtype ---
+
+try:
+    from deepinfer_model.backends.nvidia import tilelang_mhc, tilelang_norm, tilelang_rope
+except ImportError:  # TileLang not installed: the registry serves these ops from torch_cuda.py
+    tilelang_mhc = tilelang_norm = tilelang_rope = None
+from deepinfer_model.backends.nvidia import TILELANG_FALLBACKS  # noqa: E402
+
+needs_tilelang = pytest.mark.skipif(tilelang_rope is None, reason="needs tilelang")
+
+
+@needs_tilelang
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "shape,rope",
+    [((5, 512), 64), ((33, 64, 512), 64), ((8, 16, 128), 64), ((3, 4, 128), 128), ((1, 2, 64), 32)],
+)
+@pytest.mark.parametrize("inverse", [False, True])
+def test_tilelang_rope_kernel(cpu, dtype, shape, rope, inverse):
+    x = torch.randn(shape).to(dtype)
+    ang = torch.rand(shape[0], rope // 2) * 100
+    cos, sin = ang.cos(), ang.sin()
+    ref = cpu.apply_rope(x, cos, sin, inverse)
+    poison()
+    out = tilelang_rope.apply_rope(x.to(DEV), cos.to(DEV), sin.to(DEV), inverse)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert rel_err(out, ref) < tol(dtype)
+    poison()  # the reference model's FP64 carrier, rounded to out_dtype
+    out64 = tilelang_rope.apply_rope(x.double().to(DEV), cos.to(DEV), sin.to(DEV), inverse, out_dtype=dtype)
+    assert out64.dtype == dtype and rel_err(out64, ref) < tol(dtype)
+
+
+@needs_tilelang
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("t,m,h", [(1, 4, 128), (19, 4, 4096), (128, 4, 7168), (5, 2, 256), (3, 4, 96)])
+def test_tilelang_mhc_kernels(cpu, dtype, t, m, h):
+    trunk = (torch.randn(t, m, h) * 2).to(dtype)
+    fn = torch.randn((2 + m) * m, m * h) * (m * h) ** -0.5
+    base, scale = torch.randn((2 + m) * m) * 0.1, torch.rand(3) + 0.5
+    refs = cpu.hc_mixes(trunk, fn, base, scale, 1e-6, 1e-6, 20)
+    poison()
+    outs = tilelang_mhc.hc_mixes(trunk.to(DEV), fn.to(DEV), base.to(DEV), scale.to(DEV), 1e-6, 1e-6, 20)
+    for o, r in zip(outs, refs, strict=True):
+        assert o.dtype == torch.float32 and o.shape == r.shape
+        assert rel_err(o, r) < 1e-5
+    pre, post, comb = refs
+    y = torch.randn(t, h).to(dtype)
+    ref_read, ref_write = cpu.hc_read(trunk, pre), cpu.hc_write(y, trunk, post, comb)
+    poison()
+    got = tilelang_mhc.hc_read(trunk.to(DEV), pre.to(DEV))
+    assert got.dtype == dtype and rel_err(got, ref_read) < tol(dtype)
+    poison()
+    got = tilelang_mhc.hc_write(y.to(DEV), trunk.to(DEV), post.to(DEV), comb.to(DEV))
+    assert got.dtype == dtype and rel_err(got, ref_write) < tol(dtype)
+    poison()
+    got = tilelang_mhc.hc_write(
+        y.double().to(DEV), trunk.double().to(DEV), post.to(DEV), comb.to(DEV), out_dtype=dtype
+    )
+    assert got.dtype == dtype and rel_err(got, ref_write) < tol(dtype)
+
+
+@needs_tilelang
+def test_hc_mixes_single_sinkhorn_iteration(cpu):
+    trunk = torch.randn(7, 4, 256)
+    fn, base, scale = torch.randn(24, 1024) * 0.03, torch.randn(24) * 0.1, torch.rand(3) + 0.5
+    refs = cpu.hc_mixes(trunk, fn, base, scale, 1e-6, 1e-6, 1)
+    outs = tilelang_mhc.hc_mixes(trunk.to(DEV), fn.to(DEV), base.to(DEV), scale.to(DEV), 1e-6, 1e-6, 1)
+    for o, r in zip(outs, refs, strict=True):
+        assert rel_err(o, r) < 1e-5
+
+
+@needs_tilelang
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tilelang_rms_norm_fp64_carrier_with_out_dtype(cpu, dtype):
+    x = (torch.randn(9, 1536) * 3).to(dtype)
+    w = torch.randn(1536)
+    out = tilelang_norm.rms_norm(x.double().to(DEV), w.to(DEV), 1e-6, out_dtype=dtype)
+    assert out.dtype == dtype and rel_err(out, cpu.rms_norm(x, w, 1e-6)) < tol(dtype)
+
+
+def test_no_tilelang_kernel_fell_back_to_torch(gpu):
+    """Runs last in this file: every registry call above went to the TileLang kernels."""
+    assert TILELANG_FALLBACKS == {}, TILELANG_FALLBACKS

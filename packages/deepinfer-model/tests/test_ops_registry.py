@@ -139,3 +139,54 @@ def test_cpu_sparse_decode_matches_naive_loop():
     ref = _naive_sink_decode(q, rows, sinks, 512**-0.5)
     torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2)
     assert int(out[2].count_nonzero()) == 0
+
+
+def test_models_route_hot_ops_through_the_cpu_registry(monkeypatch, tmp_path):
+    """The V4.1 and V4 forwards call rms_norm / RoPE / mHC through `get_ops("cpu")` on CPU tensors, and
+    the registry path is the reference: swapping one entry for a perturbed one changes the logits."""
+    from deepinfer_model import load_model
+    from deepinfer_model.models.deepseek_v41 import load_v41, make_v41_checkpoint
+    from deepinfer_model.testing import make_checkpoint, tiny_config
+
+    table = get_ops("cpu")
+    calls: dict[str, int] = {}
+    for name in ("rms_norm", "apply_rope", "hc_mixes", "hc_read", "hc_write"):
+        fn = table._fns[name]
+
+        def counted(*a, _fn=fn, _name=name, **k):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _fn(*a, **k)
+
+        monkeypatch.setitem(table._fns, name, counted)
+    ids = torch.randint(4, 128, (12,), generator=torch.Generator().manual_seed(0))
+    v41 = load_v41(make_v41_checkpoint(tmp_path / "v41", seed=0))
+    ref41 = v41.forward(ids).logits
+    v4 = load_model(make_checkpoint(tmp_path / "v4", tiny_config(), seed=3, tokenizer=False))
+    ref4 = v4.forward(ids)
+    layers41, layers4 = v41.config.num_hidden_layers, v4.config.num_hidden_layers
+    assert calls["hc_mixes"] >= 2 * (layers41 + layers4)
+    assert calls["hc_write"] >= 2 * (layers41 + layers4)
+    assert calls["rms_norm"] > 0 and calls["apply_rope"] > 0 and calls["hc_read"] > 0
+    # a perturbed registry entry reaches the logits: the models really compute through the table
+    monkeypatch.setitem(
+        table._fns, "rms_norm", lambda x, w, eps, out_dtype=None: torch.zeros_like(x, dtype=out_dtype)
+    )
+    assert not torch.equal(v41.forward(ids).logits, ref41)
+    assert not torch.equal(v4.forward(ids), ref4)
+
+
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+def test_cpu_entries_take_the_fp64_carrier_with_out_dtype(act):
+    """FP64 inputs holding act-dtype values with `out_dtype=act` equal the act-dtype inputs' results."""
+    from deepinfer_model.config import RopeSpec
+    from deepinfer_model.layers.rope import cos_sin
+
+    ops = get_ops("cpu")
+    x = (torch.randn(5, 3, 64) * 3).to(act)
+    w = torch.rand(64) + 0.5
+    assert torch.equal(ops.rms_norm(x.double(), w, 1e-6, out_dtype=act), ops.rms_norm(x, w, 1e-6))
+    cos, sin = cos_sin(RopeSpec(dim=16, theta=10000.0), torch.arange(5))
+    got = ops.apply_rope(x.double(), cos, sin, True, out_dtype=act)
+    assert got.dtype == act and torch.equal(got, ops.apply_rope(x, cos, sin, True))
+    with pytest.raises(ValueError, match="output\\) dtype must be float32 or bfloat16"):
+        ops.rms_norm(x.double(), w, 1e-6)

@@ -20,18 +20,32 @@ FP8_BLOCK = 128  # DeepGEMM's SM90 granularity: 1x128 activation groups, 128x128
 
 def _act(dtype: torch.dtype) -> torch.dtype:
     if dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"activation dtype must be float32 or bfloat16, got {dtype}")
+        raise ValueError(f"activation (output) dtype must be float32 or bfloat16, got {dtype}")
     return dtype
 
 
+def _out(x: torch.Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
+    """The output dtype: `out_dtype`, else `x`'s (FP64 inputs, the model's carrier, need `out_dtype`)."""
+    return _act(out_dtype if out_dtype is not None else x.dtype)
+
+
 @register("cpu", "rms_norm")
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    return norm.rms_norm(x, weight, eps, _act(x.dtype)).to(x.dtype)
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    out = _out(x, out_dtype)
+    return norm.rms_norm(x, weight, eps, out).to(out)
 
 
 @register("cpu", "apply_rope")
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    return rope.apply_rope(x, cos, sin, inverse).to(_act(x.dtype))
+def apply_rope(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    inverse: bool = False,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    return rope.apply_rope(x, cos, sin, inverse).to(_out(x, out_dtype))
 
 
 @register("cpu", "hc_mixes")
@@ -49,13 +63,21 @@ def hc_mixes(
 
 
 @register("cpu", "hc_read")
-def hc_read(trunk: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    return mhc.read(trunk, weights, _act(trunk.dtype)).to(trunk.dtype)
+def hc_read(trunk: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    out = _out(trunk, out_dtype)
+    return mhc.read(trunk, weights, out).to(out)
 
 
 @register("cpu", "hc_write")
-def hc_write(y: torch.Tensor, trunk: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    return mhc.write(y, trunk, post, comb, _act(trunk.dtype)).to(trunk.dtype)
+def hc_write(
+    y: torch.Tensor,
+    trunk: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    out = _out(trunk, out_dtype)
+    return mhc.write(y, trunk, post, comb, out).to(out)
 
 
 @register("cpu", "fp8_block_linear")

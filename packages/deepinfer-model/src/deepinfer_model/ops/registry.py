@@ -18,16 +18,19 @@ logger = logging.getLogger("deepinfer_model.ops")
 BACKENDS = ("cpu", "nvidia")
 RESERVED_BACKENDS = ("ascend",)
 
-# name -> contract. Tensors are on the backend's device; activations keep the input dtype
-# (FP32 or BF16) and every op rounds its output once, as the CPU reference does.
+# name -> contract. Tensors are on the backend's device; activations are FP32 or BF16, or FP64 holding
+# values already rounded to the activation dtype (the reference model's carrier; then `out_dtype`
+# names the activation dtype). Every op rounds its output once, as the CPU reference does.
 OP_SPECS: dict[str, str] = {
-    "rms_norm": "rms_norm(x [..., H], weight [H] | None, eps) -> x.dtype; FP32 statistics, one rounding",
-    "apply_rope": "apply_rope(x [T, ..., C], cos [T, r/2], sin [T, r/2], inverse=False) -> x.dtype; "
-    "interleaved pairs of the last r channels",
+    "rms_norm": "rms_norm(x [..., H], weight [H] | None, eps, out_dtype=None) -> out_dtype or x.dtype; "
+    "FP32 statistics, one rounding",
+    "apply_rope": "apply_rope(x [T, ..., C], cos [T, r/2], sin [T, r/2], inverse=False, out_dtype=None) "
+    "-> out_dtype or x.dtype; interleaved pairs of the last r channels",
     "hc_mixes": "hc_mixes(trunk [T, m, H], fn [(2+m)m, mH], base, scale [3], hc_eps, rms_eps, iters) "
     "-> (pre [T, m], post [T, m], comb [T, m, m]) FP32",
-    "hc_read": "hc_read(trunk [T, m, H], weights [T, m]) -> [T, H] trunk.dtype",
-    "hc_write": "hc_write(y [T, H], trunk [T, m, H], post [T, m], comb [T, m, m]) -> [T, m, H] trunk.dtype",
+    "hc_read": "hc_read(trunk [T, m, H], weights [T, m], out_dtype=None) -> [T, H] out_dtype or trunk.dtype",
+    "hc_write": "hc_write(y [T, H], trunk [T, m, H], post [T, m], comb [T, m, m], out_dtype=None) "
+    "-> [T, m, H] out_dtype or trunk.dtype",
     "fp8_block_linear": "fp8_block_linear(x [T, K] bf16, w [N, K] e4m3, w_scale [ceil(N/128), ceil(K/128)]) "
     "-> [T, N] bf16; x quantised per token in 1x128 groups (power-of-two scales), FP32 accumulation",
     "kv_store_fp8": "kv_store_fp8(latent [T, 512], kv_cache uint8 [blocks, page, 1, 528], slots [T]) -> None; "

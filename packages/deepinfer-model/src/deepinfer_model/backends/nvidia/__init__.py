@@ -2,13 +2,18 @@
 
 | op | implementation |
 | --- | --- |
-| rms_norm | TileLang kernel (`tilelang_norm.py`); torch FP32 if TileLang is missing |
-| apply_rope, hc_mixes, hc_read, hc_write | torch FP32 on the GPU (`torch_cuda.py`) |
+| rms_norm | TileLang kernel (`tilelang_norm.py`) |
+| apply_rope | TileLang kernel (`tilelang_rope.py`) |
+| hc_mixes | cuBLAS FP32 projection + TileLang epilogue (sigmoids, softmax, Sinkhorn; `tilelang_mhc.py`) |
+| hc_read, hc_write | TileLang kernels (`tilelang_mhc.py`) |
 | fp8_block_linear | DeepGEMM `fp8_gemm_nt` if `deep_gemm` imports and `DEEPINFER_DEEP_GEMM` != 0, else dequantise + BF16 GEMM |
 | sparse_decode_attention | torch FP32 gather + softmax with sink (FlashMLA's SM90 kernel rejects the V41 format) |
 | kv_store_fp8 | not registered: the device-agnostic torch reference serves it |
 
-A missing optional library is logged once and its op falls back as listed.
+Without TileLang (or with `DEEPINFER_TILELANG=0`) the TileLang ops use the torch FP32 versions in
+`torch_cuda.py`. A TileLang kernel that fails to compile or launch (anything but a ValueError about
+its inputs) is logged once at WARNING and replaced by its torch version for the rest of the process;
+`TILELANG_FALLBACKS` records which and why.
 """
 
 from __future__ import annotations
@@ -16,11 +21,14 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+from collections.abc import Callable
 
 from ...ops.registry import register
 from . import gemm, torch_cuda
 
 logger = logging.getLogger("deepinfer_model.ops")
+
+TILELANG_FALLBACKS: dict[str, str] = {}
 
 
 def _has(module: str) -> bool:
@@ -30,18 +38,53 @@ def _has(module: str) -> bool:
         return False
 
 
-if _has("tilelang"):
-    from . import tilelang_norm
+def _kernel_or_torch(name: str, kernel: Callable, fallback: Callable) -> Callable:
+    """`kernel`, replaced by `fallback` for good after its first failure other than a ValueError."""
+    current = [kernel]
 
-    register("nvidia", "rms_norm")(tilelang_norm.rms_norm)
+    def call(*args, **kwargs):
+        try:
+            return current[0](*args, **kwargs)
+        except ValueError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a JIT/compile failure must not take the model down
+            if current[0] is fallback:
+                raise
+            logger.warning(
+                "%s: TileLang kernel failed (%s: %s); using the torch version", name, type(exc).__name__, exc
+            )
+            TILELANG_FALLBACKS[name] = f"{type(exc).__name__}: {exc}"[:500]
+            current[0] = fallback
+            return fallback(*args, **kwargs)
+
+    call.__name__ = f"{name}_tilelang_or_torch"
+    return call
+
+
+_TORCH = {
+    "rms_norm": torch_cuda.rms_norm,
+    "apply_rope": torch_cuda.apply_rope,
+    "hc_mixes": torch_cuda.hc_mixes,
+    "hc_read": torch_cuda.hc_read,
+    "hc_write": torch_cuda.hc_write,
+}
+
+if _has("tilelang") and os.environ.get("DEEPINFER_TILELANG", "1") != "0":
+    from . import tilelang_mhc, tilelang_norm, tilelang_rope
+
+    _KERNELS = {
+        "rms_norm": tilelang_norm.rms_norm,
+        "apply_rope": tilelang_rope.apply_rope,
+        "hc_mixes": tilelang_mhc.hc_mixes,
+        "hc_read": tilelang_mhc.hc_read,
+        "hc_write": tilelang_mhc.hc_write,
+    }
+    for _name, _fn in _KERNELS.items():
+        register("nvidia", _name)(_kernel_or_torch(_name, _fn, _TORCH[_name]))
 else:
-    logger.warning("tilelang is not installed: rms_norm uses the torch FP32 implementation")
-    register("nvidia", "rms_norm")(torch_cuda.rms_norm)
-
-register("nvidia", "apply_rope")(torch_cuda.apply_rope)
-register("nvidia", "hc_mixes")(torch_cuda.hc_mixes)
-register("nvidia", "hc_read")(torch_cuda.hc_read)
-register("nvidia", "hc_write")(torch_cuda.hc_write)
+    logger.warning("tilelang unavailable or DEEPINFER_TILELANG=0: norm, RoPE and mHC use torch FP32 versions")
+    for _name, _fn in _TORCH.items():
+        register("nvidia", _name)(_fn)
 
 if _has("deep_gemm") and os.environ.get("DEEPINFER_DEEP_GEMM", "1") != "0":
     register("nvidia", "fp8_block_linear")(gemm.fp8_block_linear_deep_gemm)

@@ -17,14 +17,14 @@ import torch
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
-def _norm_program(hidden: int, dtype: str, eps: float, threads: int):
+def _norm_program(hidden: int, dtype: str, out_dtype: str, eps: float, threads: int):
     rows = T.dynamic("rows")
 
     @T.prim_func
     def rms_norm_rows(
         x: T.Tensor((rows, hidden), dtype),
         w: T.Tensor((hidden,), "float32"),
-        y: T.Tensor((rows, hidden), dtype),
+        y: T.Tensor((rows, hidden), out_dtype),
     ):
         with T.Kernel(rows, threads=threads) as row:
             vals = T.alloc_fragment((1, hidden), "float32")
@@ -38,25 +38,35 @@ def _norm_program(hidden: int, dtype: str, eps: float, threads: int):
             for i in T.Parallel(1):
                 total[i] = T.rsqrt(total[i] / hidden + eps)
             for i, j in T.Parallel(1, hidden):
-                y[row, j] = T.cast(vals[i, j] * total[i] * w[j], dtype)
+                y[row, j] = T.cast(vals[i, j] * total[i] * w[j], out_dtype)
 
     return rms_norm_rows
 
 
 @functools.cache
-def _compiled(hidden: int, dtype: str, eps: float):
+def _compiled(hidden: int, dtype: str, out_dtype: str, eps: float):
     threads = 128 if hidden <= 2048 else 256
-    return tilelang.compile(_norm_program(hidden, dtype, eps, threads), target="cuda")
+    return tilelang.compile(_norm_program(hidden, dtype, out_dtype, eps, threads), target="cuda")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """TileLang RMSNorm over the last dimension; `weight=None` is the unweighted norm."""
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """TileLang RMSNorm over the last dimension; `weight=None` is the unweighted norm.
+
+    `x` BF16 or FP32, or FP64 holding such values (the reference model's carrier; read as FP32).
+    """
+    out_dtype = out_dtype or x.dtype
+    if out_dtype not in _DTYPES:
+        raise ValueError(f"rms_norm: output dtype must be bfloat16 or float32, got {out_dtype}")
+    if x.dtype == torch.float64:
+        x = x.float()
     if x.dtype not in _DTYPES:
-        raise ValueError(f"rms_norm: x must be bfloat16 or float32, got {x.dtype}")
+        raise ValueError(f"rms_norm: x must be bfloat16, float32 or float64, got {x.dtype}")
     hidden = x.shape[-1]
     flat = x.reshape(-1, hidden).contiguous()
     w = torch.ones(hidden, device=x.device) if weight is None else weight.float().contiguous()
-    out = torch.empty_like(flat)
+    out = torch.empty(flat.shape, dtype=out_dtype, device=x.device)
     if flat.shape[0]:
-        _compiled(hidden, _DTYPES[x.dtype], float(eps))(flat, w, out)
+        _compiled(hidden, _DTYPES[x.dtype], _DTYPES[out_dtype], float(eps))(flat, w, out)
     return out.view(x.shape)

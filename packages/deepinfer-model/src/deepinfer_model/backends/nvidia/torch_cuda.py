@@ -10,25 +10,42 @@ from __future__ import annotations
 import torch
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+def _out(x: torch.Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
+    """Output dtype: `out_dtype`, else `x`'s; FP64 inputs (the model's carrier) are read as FP32."""
+    out = out_dtype or x.dtype
+    if out not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"activation (output) dtype must be float32 or bfloat16, got {out}")
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    out = _out(x, out_dtype)
     xf = x.float()
     y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
     if weight is not None:
         y = y * weight.float()
-    return y.to(x.dtype)
+    return y.to(out)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    inverse: bool = False,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     half = cos.shape[-1]
     view = (x.shape[0],) + (1,) * (x.dim() - 2) + (half,)
     c, s = cos.float().reshape(view), sin.float().reshape(view)
     if inverse:
         s = -s
-    out = x.clone()
+    out = x.to(_out(x, out_dtype), copy=True)
     tail = x[..., -2 * half :].float()
     even, odd = tail[..., 0::2], tail[..., 1::2]
     out[..., -2 * half :] = (
-        torch.stack((even * c - odd * s, even * s + odd * c), dim=-1).flatten(-2).to(x.dtype)
+        torch.stack((even * c - odd * s, even * s + odd * c), dim=-1).flatten(-2).to(out.dtype)
     )
     return out
 
@@ -57,13 +74,19 @@ def hc_mixes(
     return pre, post, comb
 
 
-def hc_read(trunk: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    return torch.einsum("tm,tmh->th", weights.float(), trunk.float()).to(trunk.dtype)
+def hc_read(trunk: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return torch.einsum("tm,tmh->th", weights.float(), trunk.float()).to(_out(trunk, out_dtype))
 
 
-def hc_write(y: torch.Tensor, trunk: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+def hc_write(
+    y: torch.Tensor,
+    trunk: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     mixed = torch.einsum("tij,tih->tjh", comb.float(), trunk.float())
-    return (post.float().unsqueeze(-1) * y.float().unsqueeze(1) + mixed).to(trunk.dtype)
+    return (post.float().unsqueeze(-1) * y.float().unsqueeze(1) + mixed).to(_out(trunk, out_dtype))
 
 
 def sparse_decode_attention(

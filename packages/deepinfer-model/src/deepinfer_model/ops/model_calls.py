@@ -1,0 +1,52 @@
+"""Registry ops in the reference blocks' calling convention, for the model's call sites.
+
+The model computes in FP64 tensors whose values are already rounded to the activation dtype (see
+`numerics.round_to`). These wrappers pass such a tensor unchanged to the op of the backend that owns
+its device (CPU tensors: the `cpu` table, always; CUDA tensors: `get_ops()`), ask for the output
+rounded once to `act_dtype`, and hand back FP64 again. The `cpu` entries are the reference blocks
+themselves, so a CPU forward is bitwise what it was before the registry existed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .registry import OpTable, get_ops
+
+
+def ops_for(x: torch.Tensor) -> OpTable:
+    """The op table that serves tensors on `x`'s device."""
+    return get_ops("cpu") if x.device.type == "cpu" else get_ops()
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, act_dtype: torch.dtype
+) -> torch.Tensor:
+    return ops_for(x).rms_norm(x, weight, eps, out_dtype=act_dtype).double()
+
+
+def rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, act_dtype: torch.dtype, inverse: bool = False
+) -> torch.Tensor:
+    """`round_to(apply_rope(x, cos, sin, inverse), act_dtype)` through the registry."""
+    return ops_for(x).apply_rope(x, cos, sin, inverse, out_dtype=act_dtype).double()
+
+
+def hc_mixes(
+    trunk: torch.Tensor, params, hc_eps: float, rms_eps: float, iters: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`layers.mhc.mixes(trunk, params, ...)` through the registry (FP32 values, returned as FP64)."""
+    pre, post, comb = ops_for(trunk).hc_mixes(
+        trunk, params.fn, params.base, params.scale, hc_eps, rms_eps, iters
+    )
+    return pre.double(), post.double(), comb.double()
+
+
+def hc_read(trunk: torch.Tensor, weights: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor:
+    return ops_for(trunk).hc_read(trunk, weights, out_dtype=act_dtype).double()
+
+
+def hc_write(
+    y: torch.Tensor, trunk: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, act_dtype: torch.dtype
+) -> torch.Tensor:
+    return ops_for(trunk).hc_write(y, trunk, post, comb, out_dtype=act_dtype).double()
