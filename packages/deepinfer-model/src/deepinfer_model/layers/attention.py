@@ -12,8 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..numerics import linear, round_to
-from .norm import rms_norm
-from .rope import apply_rope
+from ..ops.model_calls import rms_norm, rope
 
 
 @dataclass
@@ -81,7 +80,7 @@ def project_query(
     q = linear(q_lat, w.wq_b, act_dtype).view(y.shape[0], num_heads, -1)
     if head_norm:  # public V4 only: unweighted RMSNorm of every head
         q = rms_norm(q, None, eps, act_dtype)
-    return round_to(apply_rope(q, cos, sin), act_dtype), q_lat
+    return rope(q, cos, sin, act_dtype), q_lat
 
 
 def project_latent(
@@ -94,7 +93,7 @@ def project_latent(
 ) -> torch.Tensor:
     """The token's own (sliding-window) latent [T, D]: wkv -> kv_norm -> RoPE on the tail."""
     kv = rms_norm(linear(y, w.wkv, act_dtype), w.kv_norm, eps, act_dtype)
-    return round_to(apply_rope(kv, cos, sin), act_dtype)
+    return rope(kv, cos, sin, act_dtype)
 
 
 def project_output(
@@ -107,7 +106,7 @@ def project_output(
 ) -> torch.Tensor:
     """Attention output [T, nh, D] -> [T, H]: conjugate RoPE on the tail, grouped wo_a, then wo_b."""
     t = o.shape[0]
-    o = round_to(apply_rope(o, cos, sin, inverse=True), act_dtype)
+    o = rope(o, cos, sin, act_dtype, inverse=True)
     grouped = o.reshape(t, o_groups, -1)  # group g = heads g*nh/G .. (g+1)*nh/G - 1
     wo_a = w.wo_a.double().view(o_groups, -1, grouped.shape[-1])  # [G, Ro, nh*D/G]
     z = round_to(torch.einsum("tgi,gri->tgr", grouped, wo_a), act_dtype).reshape(t, -1)

@@ -21,11 +21,11 @@ from ..layers.embedding import embed
 from ..layers.experts import ExpertWeights, MLPWeights
 from ..layers.indexer import IndexerWeights, index_queries, index_scores, select_topk, selection_mask
 from ..layers.moe import MoEWeights, moe_block
-from ..layers.norm import rms_norm
 from ..layers.rope import cos_sin
 from ..layout import model_tensors
 from ..loader import load_tensors
 from ..numerics import linear, round_to
+from ..ops.model_calls import hc_mixes, hc_read, hc_write, rms_norm
 
 
 @dataclass
@@ -168,15 +168,15 @@ class DeepseekV4Model:
         trunk = mhc.expand(x, cfg.hc_mult)
         hc_args = (cfg.hc_eps, cfg.rms_norm_eps, cfg.hc_sinkhorn_iters)
         for layer, (spec, w) in enumerate(zip(cfg.attention, self.layers)):
-            pre, post, comb = mhc.mixes(trunk, w.attn_hc, *hc_args)
-            y = rms_norm(mhc.read(trunk, pre, act), w.attn_norm, cfg.rms_norm_eps, act)
-            trunk = mhc.write(v4_attention(y, positions, w, spec, cfg, act), trunk, post, comb, act)
-            pre, post, comb = mhc.mixes(trunk, w.ffn_hc, *hc_args)
-            y = rms_norm(mhc.read(trunk, pre, act), w.ffn_norm, cfg.rms_norm_eps, act)
+            pre, post, comb = hc_mixes(trunk, w.attn_hc, *hc_args)
+            y = rms_norm(hc_read(trunk, pre, act), w.attn_norm, cfg.rms_norm_eps, act)
+            trunk = hc_write(v4_attention(y, positions, w, spec, cfg, act), trunk, post, comb, act)
+            pre, post, comb = hc_mixes(trunk, w.ffn_hc, *hc_args)
+            y = rms_norm(hc_read(trunk, pre, act), w.ffn_norm, cfg.rms_norm_eps, act)
             h = self.moe_fn(layer, w, y, ids)
-            trunk = mhc.write(h, trunk, post, comb, act)
+            trunk = hc_write(h, trunk, post, comb, act)
         weights = mhc.head_weights(trunk, self.hc_head, cfg.hc_eps, cfg.rms_norm_eps)
-        hidden = rms_norm(mhc.read(trunk, weights, act), self.norm, cfg.rms_norm_eps, act)
+        hidden = rms_norm(hc_read(trunk, weights, act), self.norm, cfg.rms_norm_eps, act)
         return linear(hidden, self.head, torch.float32).float()
 
     __call__ = forward

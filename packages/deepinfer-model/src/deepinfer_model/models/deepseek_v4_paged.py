@@ -21,9 +21,9 @@ from ..layers import attention as attn
 from ..layers import mhc
 from ..layers.embedding import embed
 from ..layers.indexer import index_queries, select_topk, selection_mask
-from ..layers.norm import rms_norm
 from ..layers.rope import cos_sin
 from ..numerics import linear, round_to
+from ..ops.model_calls import hc_mixes, hc_read, hc_write, rms_norm
 from ..runtime.groups import (
     attend,
     compress_new,
@@ -121,15 +121,15 @@ def v4_paged_forward(model: DeepseekV4Model, meta: StepMetadata, cache: PagedKVC
     hc_args = (cfg.hc_eps, cfg.rms_norm_eps, cfg.hc_sinkhorn_iters)
     groups = make_groups(meta)
     for layer, (spec, w) in enumerate(zip(cfg.attention, model.layers)):
-        pre, post, comb = mhc.mixes(trunk, w.attn_hc, *hc_args)
-        y = rms_norm(mhc.read(trunk, pre, act), w.attn_norm, cfg.rms_norm_eps, act)
+        pre, post, comb = hc_mixes(trunk, w.attn_hc, *hc_args)
+        y = rms_norm(hc_read(trunk, pre, act), w.attn_norm, cfg.rms_norm_eps, act)
         a = _attention(layer, y, meta, cache, groups, w, spec, cfg, act)
-        trunk = mhc.write(a, trunk, post, comb, act)
-        pre, post, comb = mhc.mixes(trunk, w.ffn_hc, *hc_args)
-        y = rms_norm(mhc.read(trunk, pre, act), w.ffn_norm, cfg.rms_norm_eps, act)
+        trunk = hc_write(a, trunk, post, comb, act)
+        pre, post, comb = hc_mixes(trunk, w.ffn_hc, *hc_args)
+        y = rms_norm(hc_read(trunk, pre, act), w.ffn_norm, cfg.rms_norm_eps, act)
         h = model.moe_fn(layer, w, y, ids)  # all experts in-process, or expert parallel
-        trunk = mhc.write(h, trunk, post, comb, act)
+        trunk = hc_write(h, trunk, post, comb, act)
     trunk = trunk[meta.logits_rows]  # the head only runs where logits are returned
     weights = mhc.head_weights(trunk, model.hc_head, cfg.hc_eps, cfg.rms_norm_eps)
-    hidden = rms_norm(mhc.read(trunk, weights, act), model.norm, cfg.rms_norm_eps, act)
+    hidden = rms_norm(hc_read(trunk, weights, act), model.norm, cfg.rms_norm_eps, act)
     return linear(hidden, model.head, torch.float32).float()

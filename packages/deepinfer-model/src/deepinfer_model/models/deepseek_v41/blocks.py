@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import torch
 
-from ...layers.mhc import HCParams, expand, mixes, read, write
+from ...layers.mhc import HCParams, expand
 from ...layers.moe import moe_block
-from ...layers.norm import rms_norm
+from ...ops.model_calls import hc_mixes, hc_read, hc_write, rms_norm
 from .config import DeepseekV41Config
 from .weights import BlockWeights
 
@@ -35,13 +35,14 @@ class ShiftedHC:
         act_dtype: torch.dtype,
     ) -> None:
         c = self.cfg
-        pre, post, comb = mixes(self.trunk, params, c.hc_eps, c.rms_norm_eps, c.hc_sinkhorn_iters)
-        y_in = rms_norm(read(self.trunk, self.prev_pre, act_dtype), norm, c.rms_norm_eps, act_dtype)
+        # hot ops through the registry (ops.model_calls): the reference on CPU, kernels on CUDA
+        pre, post, comb = hc_mixes(self.trunk, params, c.hc_eps, c.rms_norm_eps, c.hc_sinkhorn_iters)
+        y_in = rms_norm(hc_read(self.trunk, self.prev_pre, act_dtype), norm, c.rms_norm_eps, act_dtype)
         self.prev_pre = pre
-        self.trunk = write(fn(y_in), self.trunk, post, comb, act_dtype)
+        self.trunk = hc_write(fn(y_in), self.trunk, post, comb, act_dtype)
 
     def final(self, act_dtype: torch.dtype) -> torch.Tensor:
-        return read(self.trunk, self.prev_pre, act_dtype)
+        return hc_read(self.trunk, self.prev_pre, act_dtype)
 
 
 def moe_ffn(

@@ -15,8 +15,7 @@ from typing import Protocol
 import torch
 
 from ...layers.embedding import embed
-from ...layers.mhc import read
-from ...layers.norm import rms_norm
+from ...ops.model_calls import hc_read, rms_norm
 from .attention import AttentionTrace, CrossLayerState, layer_attention
 from .blocks import ShiftedHC, moe_ffn
 from .config import DeepseekV41Config
@@ -167,7 +166,7 @@ class DeepseekV41ForCausalLM:
                 # Compact boundary: S for every row (consumer compressed KV / index keys need all of them),
                 # then only the kept rows of the trunk, pending pre mix and producer selections go on.
                 state.shared_hidden = rms_norm(
-                    read(hc.trunk, hc.prev_pre, act), blk.attn_norm, cfg.rms_norm_eps, act
+                    hc_read(hc.trunk, hc.prev_pre, act), blk.attn_norm, cfg.rms_norm_eps, act
                 )
                 hc.trunk, hc.prev_pre, positions = hc.trunk[kept], hc.prev_pre[kept], positions[kept]
                 if state.selection is not None:

@@ -26,9 +26,9 @@ import torch
 from ...layers.attention import project_latent, project_output, project_query
 from ...layers.embedding import embed
 from ...layers.indexer import index_queries, select_topk, selection_mask
-from ...layers.norm import rms_norm
 from ...layers.rope import cos_sin
 from ...numerics import linear, round_to
+from ...ops.model_calls import rms_norm
 from ...runtime.groups import (
     NewEntries,
     attend,

@@ -11,9 +11,10 @@ import torch
 
 from ...config import RopeSpec
 from ...layers.indexer import select_topk
-from ...layers.norm import rms_norm
-from ...layers.rope import apply_rope, cos_sin
-from ...numerics import linear, round_to
+from ...layers.rope import cos_sin
+from ...numerics import linear
+from ...ops import model_calls
+from ...ops.model_calls import rms_norm
 
 _BF16_MAX = torch.finfo(torch.bfloat16).max
 
@@ -30,7 +31,7 @@ def index_keys(
     """[n, d_i] = RoPE(RMSNorm_{k_norm}(wk · pre_rope_kv_j)) at the block position j·r of each entry."""
     k = rms_norm(linear(pre_rope, wk, act_dtype), k_norm, eps, act_dtype)
     cos, sin = cos_sin(rope, positions)
-    return round_to(apply_rope(k, cos, sin), act_dtype)
+    return model_calls.rope(k, cos, sin, act_dtype)
 
 
 def candidate_blocks(
