@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 import torch
 from deepinfer import SamplingParams
+from deepinfer.engine import llm_engine
 from deepinfer.engine.drafting import OracleDrafter
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine_args import EngineArgs
@@ -20,7 +21,21 @@ PROMPTS = [[0, 17, 99, 4, 250, 61, 8, 130], [5, 6, 7, 8], [100, 3, 42]]
 
 @pytest.fixture(scope="module")
 def v41(tmp_path_factory):
-    return make_v41_checkpoint(tmp_path_factory.mktemp("v41-spec"), seed=0)
+    path = make_v41_checkpoint(tmp_path_factory.mktemp("v41-spec"), seed=0)
+    # Loading builds the Engram vocabulary from the 129k-token tokenizer (seconds): load the (read-only)
+    # model once and let every engine of this module share it.
+    loaded = {}
+    real = llm_engine.load_model
+
+    def load_once(p, dtype):
+        key = (str(p), dtype)
+        if key not in loaded:
+            loaded[key] = real(p, dtype)
+        return loaded[key]
+
+    llm_engine.load_model = load_once
+    yield path
+    llm_engine.load_model = real
 
 
 def run(path, params, nextn=0, drafter=None, prompts=PROMPTS, **kw):
