@@ -161,12 +161,12 @@ def test_sampled_with_drafts_follows_the_plain_distribution(v41, drafter):
     """Chi-square goodness of fit of 3-token continuations (top-k 2: 8 outcomes) against the exact
     distribution; drafts are verified by rejection sampling (model drafter: mostly rejected, so the
     residual path; oracle: a one-hot q, accepted with probability p(draft))."""
-    prompt, n, steps = [0, 17, 99, 4], 240, 3
+    prompt, n, steps = [0, 17, 99, 4], 160, 3
     params = [
         SamplingParams(temperature=1.0, top_k=2, max_tokens=steps, ignore_eos=True, seq_seed=1000 + i)
         for i in range(n)
     ]
-    outs, engine = run(v41, params, nextn=2, drafter=drafter, prompts=[prompt] * n, max_num_seqs=256)
+    outs, engine = run(v41, params, nextn=2, drafter=drafter, prompts=[prompt] * n, max_num_seqs=160)
     counts = Counter(tuple(o.outputs[0].token_ids) for o in outs)
     exact = _exact_distribution(engine.model, prompt, steps, 2)
     assert set(counts) <= set(exact)
