@@ -33,8 +33,12 @@ class BaselineFile:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         self.path = Path(path)
-        lock_cls = FileLock if lock == "flock" else SoftFileLock
-        self._lock = lock_cls(str(self.path) + ".lock", timeout=timeout_s)
+        # Distinct lock paths: an flock lock file may stay on disk, which a soft lock would read as held.
+        # All writers of one file must use the same kind.
+        if lock == "flock":
+            self._lock = FileLock(str(self.path) + ".lock", timeout=timeout_s)
+        else:
+            self._lock = SoftFileLock(str(self.path) + ".softlock", timeout=timeout_s)
 
     def read(self) -> dict[str, dict[str, Any]]:
         """All platforms' entries ({} when the file does not exist yet)."""
