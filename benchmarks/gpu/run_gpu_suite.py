@@ -336,6 +336,57 @@ def deep_gemm_probe(out: Path, ceil: dict) -> None:
         print(rec, flush=True)
         recs.append(rec)
         (out / "deep_gemm_probe.json").write_text(json.dumps(recs, indent=1))
+    recs.append(_grouped_probe(deep_gemm, gemm, cpu, ceil))
+    (out / "deep_gemm_probe.json").write_text(json.dumps(recs, indent=1))
+
+
+def _grouped_probe(deep_gemm, gemm, cpu, ceil: dict) -> dict:
+    """M-grouped contiguous FP8 GEMM (the MoE experts): rows of group g use expert g's weight; `m_indices`
+    gives each row's group (segments aligned to DeepGEMM's M alignment)."""
+    from deepinfer_model.quant import quant_fp8_block
+
+    groups, rows, n, k = 8, 256, 2048, 7168
+    rec = dict(
+        kind="op",
+        op="m_grouped_fp8_gemm",
+        impl="deep_gemm",
+        shape=f"G={groups},M={rows}x{groups},N={n},K={k}",
+    )
+    try:
+        align = int(deep_gemm.get_mk_alignment_for_contiguous_layout())
+        assert rows % align == 0, f"rows {rows} not a multiple of the alignment {align}"
+        x = torch.randn(groups * rows, k, dtype=torch.bfloat16)
+        ws, ss = zip(*(quant_fp8_block(torch.randn(n, k) * k**-0.5, (128, 128)) for _ in range(groups)))
+        w, s = torch.stack(ws).cuda(), torch.stack([t.float() for t in ss]).cuda()
+        m_idx = torch.arange(groups, dtype=torch.int32).repeat_interleave(rows).cuda()
+        xq, xs = gemm.quant_act_fp8(x.cuda())
+        d = torch.empty(groups * rows, n, dtype=torch.bfloat16, device="cuda")
+
+        def run():
+            deep_gemm.m_grouped_fp8_gemm_nt_contiguous((xq, xs), (w, s), d, m_idx)
+
+        run()
+        torch.cuda.synchronize()
+        errs = []
+        for g in (0, groups - 1):
+            ref = cpu.fp8_block_linear(x[g * rows : (g + 1) * rows], ws[g], ss[g].float()).double()
+            got = d[g * rows : (g + 1) * rows].double().cpu()
+            errs.append(float((got - ref).norm() / ref.norm()))
+        us = time_us(run)
+        flops = 2 * groups * rows * n * k
+        rec.update(
+            status="ok", rel_err_vs_cpu=max(errs), finite=bool(torch.isfinite(d).all()), us_per_call=us
+        )
+        rec.update(
+            tflop_per_s=flops / us / 1e6, tb_per_s=(groups * n * k + groups * rows * (k + 2 * n)) / us / 1e6
+        )
+        rec["frac_of_bf16_gemm"] = rec["tflop_per_s"] / ceil["bf16_tflop_per_s"]
+        if "fp8_tflop_per_s" in ceil:
+            rec["frac_of_fp8_gemm"] = rec["tflop_per_s"] / ceil["fp8_tflop_per_s"]
+    except Exception as e:  # noqa: BLE001
+        rec["status"] = f"error: {e!r}"[:400]
+    print(rec, flush=True)
+    return rec
 
 
 def wait_for_build(build_pid: int, deadline: float) -> None:
@@ -373,7 +424,39 @@ def _v4_layout_candidates(lat: torch.Tensor, page: int) -> dict[str, torch.Tenso
         "token[fp8|bf16|scales]": torch.cat((data, sc), 1).view(blocks, page, 1, 584),
         "token[fp8|scales|bf16]": torch.cat((data[:, :448], sc, data[:, 448:]), 1).view(blocks, page, 1, 584),
         "page[all data|all scales]": paged.view(blocks, page, 1, 584),
+        "token[bf16|fp8|scales]": torch.cat((data[:, 448:], data[:, :448], sc), 1).view(blocks, page, 1, 584),
     }
+
+
+def _v32_no_rope_probe(call, blocks: int, page: int, q, idx, sinks) -> None:
+    """FlashMLA's SM90 kernels also name a 528-B "V3.2-no-RoPE" format (kv_format="V32_NO_ROPE").
+    Hypothesis: 512 E4M3 values then 4 FP32 scales, one per 128 channels (the V3.2 token minus its BF16
+    RoPE part). With power-of-two scales that is V4.1's Q8 rule at 128-channel groups, so if it matches,
+    Hopper can run FlashMLA on an SWA cache stored this way. Tried with the sink and without it (the sink
+    can then be folded in afterwards from the returned LSE)."""
+    from deepinfer_model.backends.nvidia.torch_cuda import sink_decode_from_keys
+
+    n = blocks * page
+    lat = torch.randn(n, 512, device="cuda")
+    g = lat.view(n, 4, 128)
+    mant, exp = torch.frexp(g.abs().amax(-1).clamp(min=1e-4) / 448.0)
+    scale = torch.ldexp(torch.ones_like(mant), torch.where(mant == 0.5, exp - 1, exp))  # [n, 4]
+    qv = (g / scale.unsqueeze(-1)).clamp(-448, 448).to(torch.float8_e4m3fn)
+    cache = torch.cat((qv.view(n, 512).view(torch.uint8), scale.contiguous().view(torch.uint8)), 1)
+    cache = cache.view(blocks, page, 1, 528)
+    keys = (qv.float() * scale.unsqueeze(-1)).view(n, 512)[idx.long()]
+    for with_sink in (True, False):
+        ref = sink_decode_from_keys(
+            q, keys, idx, sinks if with_sink else torch.full_like(sinks, -1e30), 512**-0.5
+        )
+        try:
+            out = call(cache, q, idx, sinks if with_sink else None, "V32_NO_ROPE").double()
+            rel = float((out - ref.double()).norm() / ref.double().norm())
+            status = f"rel_err={rel:.3g} finite={bool(torch.isfinite(out).all())}"
+        except Exception as e:  # noqa: BLE001
+            status = f"error: {e}"[:400]
+        log(f"flash_mla V32_NO_ROPE (528 B, fp8 + 4 fp32 scales) sink={with_sink}: {status}")
+        record(kind="flash_mla_v32_no_rope_probe", with_sink=with_sink, status=status)
 
 
 def flash_mla_format_probe() -> None:
@@ -419,6 +502,7 @@ def flash_mla_format_probe() -> None:
             status = f"rejected: {e}"[:600]
         log(f"flash_mla sparse decode bytes_per_token={bpt} kv_format={fmt}: {status}")
         record(kind="flash_mla_format_probe", bytes_per_token=bpt, kv_format=str(fmt), status=status)
+    _v32_no_rope_probe(call, blocks, page, q, idx, sinks)
     cands = _v4_layout_candidates(torch.randn(blocks * page, 512, device="cuda"), page)
     keys = cands.pop("ref")[idx.long()]  # [b, topk, 512]
     ref = sink_decode_from_keys(q, keys, idx, sinks, 512**-0.5).double()

@@ -190,3 +190,30 @@ def test_cpu_entries_take_the_fp64_carrier_with_out_dtype(act):
     assert got.dtype == act and torch.equal(got, ops.apply_rope(x, cos, sin, True))
     with pytest.raises(ValueError, match="output\\) dtype must be float32 or bfloat16"):
         ops.rms_norm(x.double(), w, 1e-6)
+
+
+def test_failing_kernel_falls_back_to_torch_once_and_is_recorded(caplog):
+    """A TileLang kernel that fails (compile/launch) is replaced by its torch version for good, logged and
+    recorded; a ValueError about the inputs is the caller's error and propagates."""
+    from deepinfer_model.backends import nvidia
+
+    calls = {"kernel": 0, "torch": 0}
+
+    def kernel(x):
+        calls["kernel"] += 1
+        if x < 0:
+            raise ValueError("x must be >= 0")
+        raise RuntimeError("nvcc failed")
+
+    def torch_version(x):
+        calls["torch"] += 1
+        return x + 1
+
+    fn = nvidia._kernel_or_torch("test_op", kernel, torch_version)
+    with pytest.raises(ValueError, match="x must be"):
+        fn(-1)
+    assert "test_op" not in nvidia.TILELANG_FALLBACKS
+    with caplog.at_level(logging.WARNING, logger="deepinfer_model.ops"):
+        assert fn(1) == 2
+    assert fn(2) == 3 and calls == {"kernel": 2, "torch": 2}
+    assert "nvcc failed" in nvidia.TILELANG_FALLBACKS.pop("test_op") and "nvcc failed" in caplog.text
