@@ -1,0 +1,133 @@
+"""Cost of batch-invariant mode (DEEPINFER_BATCH_INVARIANT=1) against the default mode, on the CPU.
+
+The default deepinfer-tiny model on the paged runner: for each batch size, one prefill step of
+`--prompt-len` tokens per sequence, then `--decode-steps` decode steps of one token per sequence.
+Modes alternate repeat by repeat (same process, same inputs) so machine load hits both alike; the
+minimum over repeats is reported. `cost_pct` = (invariant / default - 1) * 100 for the same phase and
+batch size (goal < 15). Also checks that both modes gave the same greedy tokens.
+Prints a table and writes benchmarks/results/bench_batch_invariant.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from deepinfer.default_model import resolve_model
+from deepinfer_model import load_model
+from deepinfer_model.runner import RunnerBatch
+from deepinfer_model.runtime import PagedRunner
+from rich.console import Console
+from rich.table import Table
+from tqdm import tqdm
+
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "bench_batch_invariant.json"
+MODES = {"default": "0", "batch_invariant": "1"}
+
+
+def _once(model, batch: int, prompt_len: int, decode_steps: int, block_size: int) -> tuple[dict, list]:
+    per_seq = -(-(prompt_len + decode_steps) // block_size)
+    runner = PagedRunner(model, num_blocks=batch * per_seq, block_size=block_size)
+    tables = [np.arange(i * per_seq, (i + 1) * per_seq, dtype=np.int32) for i in range(batch)]
+    ids = np.random.default_rng(0).integers(1000, 90_000, (batch, prompt_len))
+    times, tokens, ctx = {}, [], 0
+    for phase, q, steps in (("prefill", prompt_len, 1), ("decode", 1, decode_steps)):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step_ids = ids[:, ctx : ctx + q] if phase == "prefill" else np.array(tokens[-1])[:, None]
+            logits = runner.execute(
+                RunnerBatch(
+                    seq_ids=np.arange(batch, dtype=np.int64),
+                    start_positions=np.full(batch, ctx, dtype=np.int64),
+                    query_lens=np.full(batch, q, dtype=np.int64),
+                    block_tables=tables,
+                    input_ids=np.ascontiguousarray(step_ids).reshape(-1).astype(np.int64),
+                    logits_lens=np.ones(batch, dtype=np.int64),
+                )
+            )
+            tokens.append(torch.argmax(logits, dim=-1).tolist())
+            ctx += q
+        times[phase] = (time.perf_counter() - t0, steps * batch * q)
+    return times, tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--decode-steps", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model = load_model(resolve_model(None)[0], torch.float32)
+    before = os.environ.get("DEEPINFER_BATCH_INVARIANT")
+    best: dict[tuple, float] = {}
+    count: dict[tuple, int] = {}
+    same_tokens = {}
+    work = [(b, r, m) for b in args.batch_sizes for r in range(args.repeats) for m in MODES]
+    try:
+        outs = {}
+        for b, _r, mode in tqdm(work, desc="bench", unit="run"):
+            os.environ["DEEPINFER_BATCH_INVARIANT"] = MODES[mode]
+            times, tokens = _once(model, b, args.prompt_len, args.decode_steps, args.block_size)
+            outs[(b, mode)] = tokens
+            for phase, (sec, n) in times.items():
+                key = (b, mode, phase)
+                best[key] = min(best.get(key, float("inf")), sec)
+                count[key] = n
+        for b in args.batch_sizes:
+            same_tokens[b] = outs[(b, "default")] == outs[(b, "batch_invariant")]
+    finally:
+        if before is None:
+            os.environ.pop("DEEPINFER_BATCH_INVARIANT", None)
+        else:
+            os.environ["DEEPINFER_BATCH_INVARIANT"] = before
+
+    records = []
+    for b in args.batch_sizes:
+        for phase in ("prefill", "decode"):
+            base = best[(b, "default", phase)]
+            for mode in MODES:
+                sec = best[(b, mode, phase)]
+                records.append(
+                    {
+                        "mode": mode,
+                        "phase": phase,
+                        "batch": b,
+                        "prompt_len": args.prompt_len,
+                        "threads": args.threads,
+                        "tokens": count[(b, mode, phase)],
+                        "tok_per_s": count[(b, mode, phase)] / sec,
+                        "ms_per_step": 1e3 * sec / (1 if phase == "prefill" else args.decode_steps),
+                        "cost_pct": 100.0 * (sec / base - 1.0),
+                        "same_greedy_tokens": same_tokens[b],
+                    }
+                )
+    table = Table(title="batch-invariant mode vs default (paged runner, deepinfer-tiny, CPU)")
+    for col in ("phase", "batch", "mode", "tok/s", "ms/step", "cost %", "same tokens"):
+        table.add_column(col, justify="right")
+    for r in records:
+        table.add_row(
+            r["phase"],
+            str(r["batch"]),
+            r["mode"],
+            f"{r['tok_per_s']:.1f}",
+            f"{r['ms_per_step']:.1f}",
+            f"{r['cost_pct']:+.1f}",
+            str(r["same_greedy_tokens"]),
+        )
+    Console().print(table)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(records, indent=1) + "\n")
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
