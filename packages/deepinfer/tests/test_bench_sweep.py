@@ -13,12 +13,15 @@ def sweep(tmp_path_factory):
     from deepinfer.cli import main
 
     out = tmp_path_factory.mktemp("bench")
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()
     argv = ["bench", "sweep", "--chunks", "8,16", "--prefill-context", "16", "--prefill-warmup", "1"]
     argv += ["--prefill-repeats", "2", "--batches", "1,2", "--decode-context", "8", "--warmup-steps", "1"]
     argv += ["--measure-steps", "2", "--num-threads", "1", "--no-progress", "--results-dir", str(out)]
     argv += ["--profile-decode-batch", "2", "--profile-steps", "1", "--name", "t", "--nextn", "1"]
-    assert main(argv) == 0
+    try:
+        assert main(argv) == 0  # --num-threads 1 sets torch's thread count; put it back for other tests
+    finally:
+        torch.set_num_threads(threads)
     return out
 
 
