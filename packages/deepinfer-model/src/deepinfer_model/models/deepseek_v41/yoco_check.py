@@ -18,62 +18,92 @@ from .yoco import YocoMode, chunk_plan, chunk_plans, compressed_ranges, swa_meta
 RATIOS = (1, 2, 4, 128)
 
 
-def _naive_kept_rows(data_len: int, q_start: int, q_len: int, keep: int, mode: YocoMode) -> list[int]:
+def _naive_kept_rows(data_len: int, q_start: int, q_len: int, keep: int, mode: YocoMode) -> torch.Tensor:
+    rows = torch.arange(q_len)
     if mode is not YocoMode.COMPACT:
-        return list(range(q_len))
-    rows = [j for j in range(q_len) if q_start + j >= data_len - keep]
-    return rows or [q_len - 1]  # a chunk before rect_lo keeps its last row as a placeholder
+        return rows
+    rows = rows[q_start + rows >= data_len - keep]
+    return rows if rows.numel() else torch.tensor([q_len - 1])  # placeholder: the chunk's last row
+
+
+def _rebuilt(md) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(first, last, count, contiguous) of each row's visible SWA keys, rebuilt from its ring part and
+    its buffer part (buffer index -> position through the first computed row)."""
+    first_row = md.positions[0]
+    n_ring = (md.ring_hi - md.ring_lo + 1).clamp(min=0)
+    n_buf = (md.buf_hi - md.buf_lo + 1).clamp(min=0)
+    b_lo, b_hi = first_row + md.buf_lo, first_row + md.buf_hi
+    first = torch.where(n_ring > 0, md.ring_lo, b_lo)
+    last = torch.where(n_buf > 0, b_hi, md.ring_hi)
+    contiguous = (n_ring == 0) | (n_buf == 0) | (md.ring_hi + 1 == b_lo)
+    return first, last, n_ring + n_buf, contiguous
 
 
 def l1_check(
     data_len: int, chunk_lens: list[int], keep: int, window: int, backtracking: int, valid_start: int = 0
 ) -> list[str]:
     """Problems found (empty = pass) for one prompt; the ring holds `window + backtracking` slots."""
-    ring_size = window + backtracking
+    R = window + backtracking
     problems: list[str] = []
     rect_lo = data_len - keep
     rings = {}
+    steps = torch.arange(window)
     for mode in (YocoMode.MASK, YocoMode.COMPACT):
-        ring = [-1] * ring_size
+        ring = torch.full((R,), -1)
         for plan in chunk_plans(data_len, chunk_lens, keep, mode):
             where = f"{mode.value} chunk [{plan.q_start}, {plan.q_start + plan.q_len})"
             naive = _naive_kept_rows(data_len, plan.q_start, plan.q_len, keep, mode)
-            if plan.kept_rows.tolist() != naive:
-                problems.append(f"{where}: kept rows {plan.kept_rows.tolist()} != rule {naive}")
-            md = swa_metadata(plan, window, ring_size, valid_start)
-            computed = set(md.positions.tolist())
-            for i, pos in enumerate(md.positions.tolist()):
-                want = [k for k in range(pos - window + 1, pos + 1) if k >= max(rect_lo, valid_start, 0)]
-                got = md.visible_positions(i)
-                if got != want:
-                    problems.append(f"{where} pos {pos}: visible SWA keys {got} != {want}")
-                for k in got:
-                    if k < plan.q_start and ring[k % ring_size] != k:
-                        problems.append(
-                            f"{where} pos {pos}: key {k} not in the ring (slot holds {ring[k % ring_size]})"
-                        )
-                    if k >= plan.q_start and k not in computed:
-                        problems.append(f"{where} pos {pos}: key {k} comes from a row that was not computed")
-            for pos, slot in zip(md.positions.tolist(), md.store_slot.tolist(), strict=True):
-                if slot >= 0:
-                    ring[slot] = pos
+            if not torch.equal(plan.kept_rows, naive):
+                problems.append(
+                    f"{where}: kept rows differ from the rule's suffix (from row {int(naive[0])})"
+                )
+            md = swa_metadata(plan, window, R, valid_start)
+            pos = md.positions
+            # Brute force: keys k with pos - W < k <= pos, k >= rect_lo, k >= valid_start, k >= 0.
+            lo = torch.maximum(pos - window + 1, torch.full_like(pos, max(rect_lo, valid_start, 0)))
+            want = (pos - lo + 1).clamp(min=0)
+            first, last, count, contiguous = _rebuilt(md)
+            nonempty = want > 0
+            bad = (count != want) | ~contiguous | (nonempty & ((first != lo) | (last != pos)))
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0])
+                problems.append(
+                    f"{where} pos {int(pos[i])}: visible SWA keys are not [{int(lo[i])}, {int(pos[i])}]"
+                )
+            # Buffer keys must be rows this chunk computed; ring keys must be in the ring right now.
+            n_buf = (md.buf_hi - md.buf_lo + 1).clamp(min=0)
+            outside = (n_buf > 0) & ((md.buf_lo < 0) | (md.buf_hi >= pos.numel()))
+            if bool(outside.any()):
+                problems.append(
+                    f"{where} pos {int(pos[int(outside.nonzero()[0])])}: key from a row not computed"
+                )
+            has_ring = md.ring_hi >= md.ring_lo
+            if bool(has_ring.any()):
+                ks = md.ring_lo[has_ring, None] + steps[None, :]
+                used = ks <= md.ring_hi[has_ring, None]
+                missing = used & (ring[ks % R] != ks)
+                if bool(missing.any()):
+                    r, c = (int(x) for x in missing.nonzero()[0])
+                    problems.append(
+                        f"{where}: key {int(ks[r, c])} not in the ring (slot holds {int(ring[ks[r, c] % R])})"
+                    )
+            stored = md.store_slot >= 0
+            ring[md.store_slot[stored]] = pos[stored]
             if mode is YocoMode.COMPACT:
-                _compare_on_kept(plan, window, ring_size, valid_start, md, where, problems)
+                _compare_on_kept(plan, window, R, valid_start, md, where, problems)
         rings[mode] = ring
         for b in range(backtracking + 1):  # resume after rolling back b tokens: keys below it from the ring
             r = data_len - b
             if r < 1:
                 break
-            for k in range(max(r - window + 1, 0), r):
-                if ring[k % ring_size] != k:
-                    problems.append(
-                        f"{mode.value}: resume at data_len - {b} = {r} needs SWA key {k}, not in the ring"
-                    )
-                    break
-    if rings[YocoMode.MASK] != rings[YocoMode.COMPACT]:
-        problems.append(
-            f"final SWA rings differ: mask {rings[YocoMode.MASK]} compact {rings[YocoMode.COMPACT]}"
-        )
+            ks = torch.arange(max(r - window + 1, 0), r)
+            if bool((ring[ks % R] != ks).any()):
+                k = int(ks[ring[ks % R] != ks][0])
+                problems.append(
+                    f"{mode.value}: resume at data_len - {b} = {r} needs SWA key {k}, not in the ring"
+                )
+    if not torch.equal(rings[YocoMode.MASK], rings[YocoMode.COMPACT]):
+        problems.append("the final SWA rings of mask and compact differ")
     return problems
 
 
@@ -85,12 +115,13 @@ def _compare_on_kept(plan, window, ring_size, valid_start, md_c, where, problems
     for name in ("positions", "pivot", "ring_lo", "ring_hi", "store_slot"):
         if not torch.equal(getattr(md_c, name), getattr(md_m, name)[rows]):
             problems.append(f"{where}: compact {name} differs from mask on the kept rows")
-    for i, row in enumerate(rows.tolist()):
-        if md_c.visible_positions(i) != md_m.visible_positions(row):
-            problems.append(f"{where} row {row}: compact visible keys differ from mask")
+    # Visible key sets, rebuilt from each mode's own buffer indexing (compact's buffer starts at the clip).
+    for a, b in zip(_rebuilt(md_c), _rebuilt(md_m), strict=True):
+        if not torch.equal(a, b[rows]):
+            problems.append(f"{where}: compact visible SWA keys differ from mask on the kept rows")
+            break
     # Rows mask computes but compact skips must never be stored (compact has no key for them).
-    skipped = md_m.store_slot[: plan.clip]
-    if bool((skipped >= 0).any()):
+    if bool((md_m.store_slot[: plan.clip] >= 0).any()):
         problems.append(f"{where}: mask stores a key of a row compact skips")
     for r in RATIOS:
         vis_c, stored_c = compressed_ranges(plan, r)
