@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import batch_invariant
 from ..numerics import linear, round_to
 from ..ops.model_calls import rms_norm, rope
 
@@ -109,5 +110,9 @@ def project_output(
     o = rope(o, cos, sin, act_dtype, inverse=True)
     grouped = o.reshape(t, o_groups, -1)  # group g = heads g*nh/G .. (g+1)*nh/G - 1
     wo_a = w.wo_a.double().view(o_groups, -1, grouped.shape[-1])  # [G, Ro, nh*D/G]
-    z = round_to(torch.einsum("tgi,gri->tgr", grouped, wo_a), act_dtype).reshape(t, -1)
+    if batch_invariant.enabled():  # one fixed-tile GEMM per group instead of a batched einsum over T
+        z = torch.stack([batch_invariant.matmul(grouped[:, g], wo_a[g].t()) for g in range(o_groups)], 1)
+    else:
+        z = torch.einsum("tgi,gri->tgr", grouped, wo_a)
+    z = round_to(z, act_dtype).reshape(t, -1)
     return linear(z, w.wo_b, act_dtype)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import batch_invariant
 from ..numerics import round_to
 
 
@@ -40,7 +41,7 @@ def expand(x: torch.Tensor, m: int) -> torch.Tensor:
 def _normed_projection(trunk: torch.Tensor, fn: torch.Tensor, rms_eps: float) -> torch.Tensor:
     flat = trunk.double().flatten(1)
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + rms_eps)
-    return flat @ fn.double().t()
+    return batch_invariant.matmul(flat, fn.double().t())
 
 
 def sinkhorn(logits: torch.Tensor, eps: float, iters: int) -> torch.Tensor:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ... import batch_invariant
 from ...layers.attention import project_latent, project_output, project_query
 from ...layers.embedding import embed
 from ...layers.indexer import index_queries, select_topk, selection_mask
@@ -204,7 +205,7 @@ def v41_paged_forward(model: DeepseekV41ForCausalLM, meta: StepMetadata, cache: 
         for i in range(keys.shape[0]):
             cache.write(f"draft_main.{i}", meta.write_slots, keys[i])
     hidden = rms_norm(hc.final(act)[meta.logits_rows], w.norm, cfg.rms_norm_eps, act)
-    return (hidden @ w.head.double().t()).float()  # FP32 logits (§2.1)
+    return batch_invariant.matmul(hidden, w.head.double().t()).float()  # FP32 logits (§2.1)
 
 
 def v41_paged_draft(
