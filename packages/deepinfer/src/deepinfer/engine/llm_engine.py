@@ -155,7 +155,9 @@ class LLMEngine:
             and drafter is None
             and getattr(getattr(self.model, "weights", None), "drafter", None) is None
         ):
-            logger.warning("speculative decoding off: the checkpoint has no DSpark draft blocks")
+            # The env var is a process-wide default: models without draft blocks just decode plainly.
+            log = logger.debug if requested is None else logger.warning
+            log("speculative decoding off: the checkpoint has no DSpark draft blocks")
             return 0
         return nextn
 
