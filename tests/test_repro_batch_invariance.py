@@ -135,3 +135,18 @@ def test_logits_identical_across_batch_chunking_and_prefix_cache(model):
     seq = target + [int(torch.argmax(r)) for r in alone]
     ref = model.forward(torch.tensor(seq[:-1])).logits[-tokens:].float()
     assert torch.equal(torch.stack(alone), ref)
+
+
+def test_logits_do_not_depend_on_the_thread_count(model):
+    """The mode fixes shapes, not threads: MKL splits a fixed-shape GEMM over threads along the output,
+    never along K, so 1 and 2 intra-op threads give the same bits (no thread pinning needed)."""
+    seq = torch.arange(1000, 1030)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = model.forward(seq).logits
+        torch.set_num_threads(2)
+        two = model.forward(seq).logits
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
