@@ -173,3 +173,21 @@ def test_sampled_with_drafts_follows_the_plain_distribution(v41, drafter):
     chi2 = sum((counts.get(c, 0) - n * p) ** 2 / (n * p) for c, p in exact.items())
     assert chi2 < 24.3, (chi2, counts)  # df = 7, p = 0.001
     assert engine.spec_stats()["verified"] > 0
+
+
+def test_async_scheduling_with_drafts_runs_the_synchronous_step(v41, plain):
+    """Drafts for step N+1 come from the drafter after step N on the host, so the engine runs draft
+    steps synchronously even with async_scheduling (documented); the tokens are the same."""
+    spec, engine = run(v41, GREEDY, nextn=2, async_scheduling=True)
+    assert engine.use_async and engine.num_speculative_tokens == 2
+    assert tokens(spec) == plain
+
+
+def test_varlen_measures_the_step_time_curve_at_start(v41, monkeypatch):
+    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
+    args = EngineArgs(model=str(v41), block_size=16, max_model_len=48, max_num_seqs=2)
+    engine = LLMEngine(args, num_speculative_tokens=3)
+    curve = engine._spec.rule.curve
+    assert engine.spec_stats()["varlen"] and curve.max_tokens == 2 * (1 + 3)
+    assert all(ms > 0 for ms in curve.forward_ms)
+    engine.close()
