@@ -19,6 +19,7 @@ from .random_weights import random_v41_tensors
 from .tiny import tiny_v41_config_dict
 from .topology import Topology, build_topology
 from .weights import V41Weights
+from .yoco import YocoMode, YocoSettings, prefill_flops
 
 __all__ = [
     "CompressedVocabulary",
@@ -31,11 +32,14 @@ __all__ = [
     "Topology",
     "V41Output",
     "V41Weights",
+    "YocoMode",
+    "YocoSettings",
     "build_topology",
     "checkpoint_layout",
     "load_model",
     "load_v41",
     "make_v41_checkpoint",
+    "prefill_flops",
     "quantised_v41_tensors",
     "random_v41_tensors",
     "tiny_v41_config_dict",
