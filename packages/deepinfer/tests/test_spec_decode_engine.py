@@ -191,3 +191,17 @@ def test_varlen_measures_the_step_time_curve_at_start(v41, monkeypatch):
     assert engine.spec_stats()["varlen"] and curve.max_tokens == 2 * (1 + 3)
     assert all(ms > 0 for ms in curve.forward_ms)
     engine.close()
+
+
+def test_stop_tokens_min_tokens_and_logprobs_with_accepted_drafts(v41, plain):
+    """Oracle drafts are all accepted, so a stop token falls inside an accepted run of drafts: the
+    output must end there exactly as without drafts (tokens after it are dropped), with the same
+    logprobs (raw model log-probabilities of each verify row)."""
+    stop = plain[0][0][4]
+    p = SamplingParams(temperature=0, max_tokens=9, stop_token_ids=[stop], logprobs=2, min_tokens=2)
+    ref, _ = run(v41, p, prompts=PROMPTS[:1])
+    spec, _ = run(v41, p, nextn=4, drafter=OracleDrafter, prompts=PROMPTS[:1])
+    a, b = ref[0].outputs[0], spec[0].outputs[0]
+    assert b.token_ids == a.token_ids and b.token_ids[-1] == stop and b.finish_reason == "stop"
+    assert b.logprobs == pytest.approx(a.logprobs, abs=1e-4)
+    assert [list(t) for t in b.top_logprobs] == [list(t) for t in a.top_logprobs]
