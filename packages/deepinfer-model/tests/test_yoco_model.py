@@ -111,3 +111,18 @@ def test_truncation_argument_errors(model):
         model.forward(ids, yoco_keep_tokens=KEEP, yoco_mode="fast")
     with pytest.raises(ValueError, match="yoco_prompt_len needs yoco_keep_tokens"):
         model.forward(ids, yoco_prompt_len=P)
+
+
+def test_compact_with_producer_side_drafter_targets(tmp_path):
+    """Drafter targets before the YOCO boundary: features / main keys exist for every row in compact too."""
+    from deepinfer_model.models.deepseek_v41 import tiny_v41_config_dict
+
+    cfg = tiny_v41_config_dict()
+    cfg["text_config"]["dspark_target_layer_ids"] = [1, 2]
+    m = load_v41(make_v41_checkpoint(tmp_path, cfg, seed=2))
+    ids = _ids(40, 6)
+    mask = m.forward(ids, yoco_keep_tokens=KEEP, yoco_mode="mask", num_draft_tokens=4)
+    comp = m.forward(ids, yoco_keep_tokens=KEEP, yoco_mode="compact", num_draft_tokens=4)
+    assert comp.features.shape[0] == 40 and torch.equal(comp.main_keys, mask.main_keys)
+    assert torch.equal(comp.logits, mask.logits[40 - KEEP :])
+    assert torch.equal(comp.draft.confidence, mask.draft.confidence)
