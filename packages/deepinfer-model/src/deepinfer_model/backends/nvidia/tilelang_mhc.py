@@ -8,7 +8,9 @@
 Compiled per (m, H or iters, dtypes); the token count is dynamic. Plain `.py` (TileLang reads the source).
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: TileLang evaluates the kernel's string annotations
+# with only the names its body uses in scope, so a shape or dtype named only in an annotation
+# (e.g. the input dtype) raised NameError on the H200 (2026-11-29). Eager annotations avoid that.
 
 import functools
 
