@@ -107,8 +107,11 @@ def test_rejected_drafts_leave_no_trace_under_preemption(v41, plain):
     prompts = [list(range(40, 54)), list(range(90, 104))]  # 14 + 9 tokens: two blocks each, 3 exist
     ref, _ = run(v41, GREEDY, prompts=prompts)
     spec, engine = run(v41, GREEDY, nextn=4, num_kv_blocks=3, prompts=prompts)
-    assert engine.scheduler_stats()["num_preemptions"] > 0
+    stats = engine.scheduler_stats()
+    assert stats["num_preemptions"] > 0
     assert tokens(spec) == tokens(ref)
+    engine.scheduler.check_invariants()
+    assert stats["num_free_blocks"] == stats["num_blocks"]  # no block left behind by rejected drafts
 
 
 def test_varlen_with_a_curve_keeps_greedy_exact(v41, plain, tmp_path, monkeypatch):

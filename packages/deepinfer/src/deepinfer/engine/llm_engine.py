@@ -618,6 +618,9 @@ class LLMEngine:
             if n != 1 + k:
                 raise RuntimeError(f"sequence {seq_id}: {n} logits rows for {k} drafts")
             drafts, probs, c = self._spec.pending(seq_id, k) if k else ([], None, [])
+            first = int(batch.query_offsets[i]) + 1
+            if drafts != batch.input_ids[first : first + k].tolist():
+                raise RuntimeError(f"sequence {seq_id}: the scheduler fed other drafts than were proposed")
             base = int(batch.start_positions[i] + batch.query_lens[i]) - k  # row 0's token position
             prompt_len = len(seq.request.prompt_token_ids)
             g = seq.request.params.golden_token_ids
