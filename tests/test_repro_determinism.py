@@ -47,7 +47,9 @@ def _generate_mixed(llm, copies: int, fillers: list[list[int]], params: Sampling
         sampling_params=[items[i][1] for i in order],
         use_tqdm=False,
     )
-    return [_completion(outs[k]) for k, i in enumerate(order) if i < copies]
+    targets = [_completion(outs[k]) for k, i in enumerate(order) if i < copies]
+    assert all(len(tokens) == params.max_tokens for tokens, _ in targets)  # no vacuous (empty) agreement
+    return targets
 
 
 @pytest.fixture(scope="module")

@@ -72,7 +72,13 @@ def _study(llm, args, temperature: float, distinct_seeds: bool) -> dict:
             sampling_params=[items[i][1] for i in order],
             use_tqdm=False,
         )
-        completions += [tuple(outs[k].outputs[0].token_ids) for k, i in enumerate(order) if items[i][2]]
+        for k, i in enumerate(order):
+            if not items[i][2]:
+                continue
+            out = outs[k]
+            if out.error is not None or len(out.outputs[0].token_ids) != args.max_tokens:
+                raise RuntimeError(f"request {out.request_id} did not complete: {out.error or out.outputs[0]}")
+            completions.append(tuple(out.outputs[0].token_ids))
         done += copies
         rounds += 1
         bar.update(copies)
