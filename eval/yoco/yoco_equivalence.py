@@ -4,8 +4,9 @@
   l1  no weights, seconds: for many prompt lengths, chunkings and KEEP values, the consumer-layer
       metadata of `compact` equals that of `mask` on the kept rows (SWA pivots, visible key ranges,
       ring store slots, compressed key ranges), the kept rows are exactly the rule's suffix, every
-      visible key is in the simulated W + B slot ring or computed in the chunk, and a resume up to B
-      tokens back finds all its keys.
+      visible key is in the simulated W + B slot ring or computed in the chunk, a resume up to B
+      tokens back finds all its keys, and a prompt at least as long resuming from a truncated state
+      up to B tokens before its end (prefix-cache hit) reads no missing or stale key.
   l2  with weights (your checkpoint directory, or --make-tiny for the spec §11 tiny model): teacher-forced
       logprobs of a continuation after a truncated prefill, `mask` vs `compact` element by element (must
       be bit-identical on the kept rows) and vs `off` (reported: truncation is approximate by design,
@@ -45,7 +46,7 @@ def _chunkings(n: int, rng: random.Random) -> list[tuple[str, list[int]]]:
 
 
 def run_l1(args) -> int:
-    from deepinfer_model.models.deepseek_v41.yoco_check import l1_check
+    from deepinfer_model.models.deepseek_v41.yoco_check import l1_check, l1_prefix_hit_check
 
     W, B = args.window, args.backtracking
     keeps = sorted({W + B, *args.keep})
@@ -58,7 +59,23 @@ def run_l1(args) -> int:
         problems = l1_check(n, chunks, keep, W, B)
         failures += bool(problems)
         records.append({"prompt_len": n, "chunking": name, "keep": keep, "problems": problems[:5]})
-    table = Table(title=f"L1 (W = {W}, B = {B}): compact vs mask metadata")
+    # Prefix-cache hits / rollbacks: prompt B (len_b >= len_a) resumes from prompt A's truncated state.
+    hits = [
+        (n, h, nb, k)
+        for n in lengths
+        if 1 < n <= 5000
+        for h in sorted({max(1, n - B), n - 1, n})  # a W + B slot ring serves resumes <= B back
+        for nb in sorted({n, n + 1, n + W, 2 * n})
+        if nb > h
+        for k in keeps
+    ]
+    for n, h, nb, keep in tqdm(hits, desc="L1 prefix hits", file=sys.stderr):
+        problems = l1_prefix_hit_check(n, [n], h, nb, [nb - h], keep, W, B)
+        failures += bool(problems)
+        records.append(
+            {"prompt_len": nb, "chunking": f"hit {h} of {n}", "keep": keep, "problems": problems[:5]}
+        )
+    table = Table(title=f"L1 (W = {W}, B = {B}): compact vs mask metadata, chunked prefills and prefix hits")
     for c in ("KEEP", "cases", "failed"):
         table.add_column(c, justify="right")
     for keep in keeps:

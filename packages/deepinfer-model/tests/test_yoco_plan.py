@@ -20,7 +20,7 @@ from deepinfer_model.models.deepseek_v41.yoco import (
     prefill_flops,
     swa_metadata,
 )
-from deepinfer_model.models.deepseek_v41.yoco_check import l1_check
+from deepinfer_model.models.deepseek_v41.yoco_check import l1_check, l1_prefix_hit_check
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -152,3 +152,45 @@ def test_compact_flops_skip_consumer_rows():
     # The consumer compressors still run over every row.
     assert comp.consumer > 14 / 4096 * off.consumer
     assert torch.tensor(comp.attention) < off.attention
+
+
+@st.composite
+def prefix_hits(draw):
+    window, backtracking = draw(st.integers(1, 16)), draw(st.integers(1, 6))
+    keep = window + backtracking + draw(st.integers(0, 10))
+    len_a = draw(st.integers(2, 120))
+    hit = draw(st.integers(max(1, len_a - backtracking), len_a))
+    len_b = draw(st.integers(max(len_a, hit + 1), len_a + 80))
+    cuts = lambda n: draw(st.lists(st.integers(1, 40), min_size=1).map(lambda xs: _fit(xs, n)))  # noqa: E731
+    return len_a, cuts(len_a), hit, len_b, cuts(len_b - hit), keep, window, backtracking
+
+
+def _fit(xs: list[int], n: int) -> list[int]:
+    """Chunk lengths from `xs`, cut / extended to sum to n."""
+    out = []
+    for x in xs:
+        if sum(out) + x >= n:
+            break
+        out.append(x)
+    return out + [n - sum(out)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(prefix_hits())
+def test_l1_prefix_hit_resume_at_least_as_long(case):
+    """A prompt B (len_b >= len_a) sharing a truncated prefill's first `hit >= len_a - B` tokens (prefix-cache
+    hit or rollback) continues from that state's W + B slot SWA ring: every key it reads is there, none is
+    stale, and B's own state again supports resumes up to B tokens back."""
+    assert l1_prefix_hit_check(*case) == []
+
+
+def test_l1_prefix_hit_into_a_shorter_prompt_is_detected():
+    """B shorter than A: its rect_lo lies below A's, so it may need consumer SWA keys A never replayed."""
+    deep = l1_prefix_hit_check(300, [300], 250, 260, [10], 134, 128, 6)  # query at 250 needs key 126 < 166
+    assert any("key 126 not in the ring" in p for p in deep)
+    # Deeper than B into a longer prompt: fine while the ring covers every replayed key (KEEP = W + B) ...
+    assert l1_prefix_hit_check(300, [300], 250, 400, [150], 134, 128, 6) == []
+    # ... but KEEP > W + B replays keys the ring cannot hold: such a hit needs a saved state at that point.
+    assert any("not in the ring" in p for p in l1_prefix_hit_check(300, [300], 200, 300, [100], 140, 128, 6))
+    shallow = l1_prefix_hit_check(300, [300], 296, 297, [1], 134, 128, 6)  # B's own later back-off breaks
+    assert any("prompt B: resume at data_len - 5" in p for p in shallow)

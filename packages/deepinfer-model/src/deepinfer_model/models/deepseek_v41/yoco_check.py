@@ -39,71 +39,113 @@ def _rebuilt(md) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
     return first, last, n_ring + n_buf, contiguous
 
 
+class _Ring:
+    """A simulated consumer SWA ring: the position and the writer (prompt tag) of each slot."""
+
+    def __init__(self, size: int):
+        self.pos = torch.full((size,), -1)
+        self.owner = torch.full((size,), -1)
+
+    def missing(self, ks: torch.Tensor, tag: int, fresh_from: int) -> torch.Tensor:
+        """Keys not in the ring, or (at positions >= fresh_from) written by another prompt."""
+        slot = ks % self.pos.numel()
+        return (self.pos[slot] != ks) | ((ks >= fresh_from) & (self.owner[slot] != tag))
+
+
+def _walk(plans, ring: _Ring, tag: int, fresh_from: int, window: int, valid_start: int, problems: list[str]):
+    """Check every chunk of one prompt against the brute-force rule and the ring, then store its keys."""
+    R = ring.pos.numel()
+    steps = torch.arange(window)
+    for plan in plans:
+        mode, keep, data_len = plan.mode, plan.keep, plan.data_len
+        where = f"{mode.value} chunk [{plan.q_start}, {plan.q_start + plan.q_len}) of {data_len}"
+        naive = _naive_kept_rows(data_len, plan.q_start, plan.q_len, keep, mode)
+        if not torch.equal(plan.kept_rows, naive):
+            problems.append(f"{where}: kept rows differ from the rule's suffix (from row {int(naive[0])})")
+        md = swa_metadata(plan, window, R, valid_start)
+        pos = md.positions
+        # Brute force: keys k with pos - W < k <= pos, k >= rect_lo, k >= valid_start, k >= 0.
+        lo = torch.maximum(pos - window + 1, torch.full_like(pos, max(plan.rect_lo, valid_start, 0)))
+        want = (pos - lo + 1).clamp(min=0)
+        first, last, count, contiguous = _rebuilt(md)
+        bad = (count != want) | ~contiguous | ((want > 0) & ((first != lo) | (last != pos)))
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            problems.append(
+                f"{where} pos {int(pos[i])}: visible SWA keys are not [{int(lo[i])}, {int(pos[i])}]"
+            )
+        # Buffer keys must be rows this chunk computed; ring keys must be in the ring right now.
+        n_buf = (md.buf_hi - md.buf_lo + 1).clamp(min=0)
+        outside = (n_buf > 0) & ((md.buf_lo < 0) | (md.buf_hi >= pos.numel()))
+        if bool(outside.any()):
+            problems.append(f"{where} pos {int(pos[int(outside.nonzero()[0])])}: key from a row not computed")
+        has_ring = md.ring_hi >= md.ring_lo
+        if bool(has_ring.any()):
+            ks = md.ring_lo[has_ring, None] + steps[None, :]
+            missing = (ks <= md.ring_hi[has_ring, None]) & ring.missing(ks, tag, fresh_from)
+            if bool(missing.any()):
+                r, c = (int(x) for x in missing.nonzero()[0])
+                problems.append(f"{where}: key {int(ks[r, c])} not in the ring (or stale)")
+        stored = md.store_slot >= 0
+        ring.pos[md.store_slot[stored]] = pos[stored]
+        ring.owner[md.store_slot[stored]] = tag
+        if mode is YocoMode.COMPACT:
+            _compare_on_kept(plan, window, R, valid_start, md, where, problems)
+
+
+def _check_resumes(
+    ring: _Ring, tag: int, data_len: int, window: int, backtracking: int, label: str, problems
+):
+    """After a prefill, a resume b <= B tokens back finds every SWA key below it in the ring."""
+    for b in range(min(backtracking, data_len - 1) + 1):
+        r = data_len - b
+        ks = torch.arange(max(r - window + 1, 0), r)
+        miss = ring.missing(ks, tag, 0) if tag == 0 else (ring.pos[ks % ring.pos.numel()] != ks)
+        if bool(miss.any()):
+            problems.append(
+                f"{label}: resume at data_len - {b} = {r} needs SWA key {int(ks[miss][0])}, not in the ring"
+            )
+
+
 def l1_check(
     data_len: int, chunk_lens: list[int], keep: int, window: int, backtracking: int, valid_start: int = 0
 ) -> list[str]:
     """Problems found (empty = pass) for one prompt; the ring holds `window + backtracking` slots."""
-    R = window + backtracking
     problems: list[str] = []
-    rect_lo = data_len - keep
     rings = {}
-    steps = torch.arange(window)
     for mode in (YocoMode.MASK, YocoMode.COMPACT):
-        ring = torch.full((R,), -1)
-        for plan in chunk_plans(data_len, chunk_lens, keep, mode):
-            where = f"{mode.value} chunk [{plan.q_start}, {plan.q_start + plan.q_len})"
-            naive = _naive_kept_rows(data_len, plan.q_start, plan.q_len, keep, mode)
-            if not torch.equal(plan.kept_rows, naive):
-                problems.append(
-                    f"{where}: kept rows differ from the rule's suffix (from row {int(naive[0])})"
-                )
-            md = swa_metadata(plan, window, R, valid_start)
-            pos = md.positions
-            # Brute force: keys k with pos - W < k <= pos, k >= rect_lo, k >= valid_start, k >= 0.
-            lo = torch.maximum(pos - window + 1, torch.full_like(pos, max(rect_lo, valid_start, 0)))
-            want = (pos - lo + 1).clamp(min=0)
-            first, last, count, contiguous = _rebuilt(md)
-            nonempty = want > 0
-            bad = (count != want) | ~contiguous | (nonempty & ((first != lo) | (last != pos)))
-            if bool(bad.any()):
-                i = int(bad.nonzero()[0])
-                problems.append(
-                    f"{where} pos {int(pos[i])}: visible SWA keys are not [{int(lo[i])}, {int(pos[i])}]"
-                )
-            # Buffer keys must be rows this chunk computed; ring keys must be in the ring right now.
-            n_buf = (md.buf_hi - md.buf_lo + 1).clamp(min=0)
-            outside = (n_buf > 0) & ((md.buf_lo < 0) | (md.buf_hi >= pos.numel()))
-            if bool(outside.any()):
-                problems.append(
-                    f"{where} pos {int(pos[int(outside.nonzero()[0])])}: key from a row not computed"
-                )
-            has_ring = md.ring_hi >= md.ring_lo
-            if bool(has_ring.any()):
-                ks = md.ring_lo[has_ring, None] + steps[None, :]
-                used = ks <= md.ring_hi[has_ring, None]
-                missing = used & (ring[ks % R] != ks)
-                if bool(missing.any()):
-                    r, c = (int(x) for x in missing.nonzero()[0])
-                    problems.append(
-                        f"{where}: key {int(ks[r, c])} not in the ring (slot holds {int(ring[ks[r, c] % R])})"
-                    )
-            stored = md.store_slot >= 0
-            ring[md.store_slot[stored]] = pos[stored]
-            if mode is YocoMode.COMPACT:
-                _compare_on_kept(plan, window, R, valid_start, md, where, problems)
-        rings[mode] = ring
-        for b in range(backtracking + 1):  # resume after rolling back b tokens: keys below it from the ring
-            r = data_len - b
-            if r < 1:
-                break
-            ks = torch.arange(max(r - window + 1, 0), r)
-            if bool((ring[ks % R] != ks).any()):
-                k = int(ks[ring[ks % R] != ks][0])
-                problems.append(
-                    f"{mode.value}: resume at data_len - {b} = {r} needs SWA key {k}, not in the ring"
-                )
+        ring = _Ring(window + backtracking)
+        _walk(chunk_plans(data_len, chunk_lens, keep, mode), ring, 0, 0, window, valid_start, problems)
+        _check_resumes(ring, 0, data_len, window, backtracking, mode.value, problems)
+        rings[mode] = ring.pos
     if not torch.equal(rings[YocoMode.MASK], rings[YocoMode.COMPACT]):
         problems.append("the final SWA rings of mask and compact differ")
+    return problems
+
+
+def l1_prefix_hit_check(
+    len_a: int,
+    chunks_a: list[int],
+    hit: int,
+    len_b: int,
+    chunks_b: list[int],
+    keep: int,
+    window: int,
+    backtracking: int,
+) -> list[str]:
+    """Prompt A is prefilled (truncated), then prompt B, sharing A's first `hit` tokens, resumes from A's
+    saved state at `hit` (a prefix-cache hit, or a rollback) and prefills `[hit, len_b)` in `chunks_b`.
+    Every consumer SWA key B reads must be in the ring, and keys at positions >= hit must be B's own."""
+    if not 0 < hit <= len_a or sum(chunks_b) != len_b - hit:
+        raise ValueError(f"need 0 < hit = {hit} <= len_a = {len_a} and chunks_b summing to len_b - hit")
+    problems: list[str] = []
+    for mode in (YocoMode.MASK, YocoMode.COMPACT):
+        ring = _Ring(window + backtracking)
+        _walk(chunk_plans(len_a, chunks_a, keep, mode), ring, 0, 0, window, 0, problems)
+        starts = [hit + sum(chunks_b[:i]) for i in range(len(chunks_b))]
+        plans_b = [chunk_plan(len_b, s, n, keep, mode) for s, n in zip(starts, chunks_b, strict=True)]
+        _walk(plans_b, ring, 1, hit, window, 0, problems)
+        _check_resumes(ring, 1, len_b, window, backtracking, f"{mode.value} prompt B", problems)
     return problems
 
 
