@@ -282,6 +282,14 @@ def bench_ops(ceil: dict) -> None:
             ceil,
             m * k * 3 + m * k // 32,
         )
+        bench_op(
+            "fp8_act_quant",
+            "tile_kernels",
+            f"M={m},K={k}",
+            lambda: gemm.quant_act_fp8_tile_kernels(x),
+            ceil,
+            m * k * 3 + m * k // 32,
+        )
 
 
 GEMM_SHAPES = [(64, 7168, 4096), (4096, 7168, 4096), (4096, 2048, 7168), (16384, 7168, 2048)]

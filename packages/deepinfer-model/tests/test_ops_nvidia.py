@@ -7,6 +7,8 @@ unwritten output element shows up as NaN).
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -219,3 +221,19 @@ def test_tilelang_rms_norm_fp64_carrier_with_out_dtype(cpu, dtype):
 def test_no_tilelang_kernel_fell_back_to_torch(gpu):
     """Runs last in this file: every registry call above went to the TileLang kernels."""
     assert TILELANG_FALLBACKS == {}, TILELANG_FALLBACKS
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("tile_kernels") is None, reason="needs tile_kernels (TileKernels)"
+)
+@pytest.mark.parametrize("t,k", [(1, 512), (64, 4096), (257, 7168)])
+def test_tile_kernels_activation_quant_equals_torch(t, k):
+    """TileKernels' per_token_cast with power-of-two scales is the same quantisation as ours, bit for bit."""
+    from deepinfer_model.backends.nvidia import gemm
+
+    x = (torch.randn(t, k) * torch.logspace(-2, 2, t)[:, None]).to(torch.bfloat16).to(DEV)
+    q_ref, s_ref = gemm.quant_act_fp8(x)
+    poison()
+    q, s = gemm.quant_act_fp8_tile_kernels(x)
+    assert s.shape == s_ref.shape and torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
