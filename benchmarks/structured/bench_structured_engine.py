@@ -13,7 +13,7 @@ Both configurations run the same prompts with the same max_tokens; unconstrained
 (they always produce max_tokens), constrained ones stop when the document is complete. Columns:
 tok_per_s = generated tokens / engine wall time (prefill included, same prompts in both);
 ms_per_step = wall time / engine steps; prepare_ms_per_step = host time building the step (grammar
-masks for the constrained rows live here); ratio_* = constrained / unconstrained in the same run.
+masks for the constrained rows live here); ratio_* = constrained / unconstrained in the same run (fastest of --repeats alternating runs each).
 The recompute runner re-runs each sequence per step, so the forward dominates far more than on a GPU
 decode step: prepare_ms_per_step is the number to compare with a real step time.
 """
@@ -108,12 +108,20 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=2, help="runs per configuration (fastest kept)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         path = make_model(args.model, Path(tmp))
-        records = [run_config(path, c, args) for c in tqdm([False, True], desc="configs")]
+        # Alternate the configurations and keep each one's fastest run: on a shared machine the
+        # noise between runs is larger than the masking cost.
+        best: dict[bool, dict] = {}
+        for c in tqdm([False, True] * args.repeats, desc="runs"):
+            r = run_config(path, c, args)
+            if c not in best or r["wall_s"] < best[c]["wall_s"]:
+                best[c] = r
+    records = [best[False], best[True]]
     free, constrained = records
     constrained["ratio_tok_per_s"] = constrained["tok_per_s"] / free["tok_per_s"]
     constrained["ratio_ms_per_step"] = constrained["ms_per_step"] / free["ms_per_step"]
