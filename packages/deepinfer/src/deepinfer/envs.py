@@ -51,7 +51,7 @@ _VARS = [
     EnvVar("DEEPINFER_LOGGING_INTERVAL_STEP", int, 100, "steps between stats log lines (<= 0 disables)"),
     EnvVar("DEEPINFER_GC_INTERVAL_STEP", int, 1000, "Python GC period in engine steps (GC is otherwise off)"),
     EnvVar(
-        "DEEPINFER_BATCH_INVARIANT", _bool, False, "batch-invariant numerics (CPU path is invariant already)"
+        "DEEPINFER_BATCH_INVARIANT", _bool, False, "batch-invariant numerics: fixed-tile GEMMs so a row never depends on its batch (CPU); NVIDIA kernels not yet"
     ),
     EnvVar(
         "DEEPINFER_USE_NEXTN_DECODE", int, 0, "draft tokens per decode step (speculative decoding)", False
