@@ -69,8 +69,14 @@ def make_groups(meta: StepMetadata) -> list[Group]:
     return groups
 
 
-def swa_keys(cache: PagedKVCache, meta: StepMetadata, g: Group, pool: str, window: int):
-    """(keys [G, S, D], visible [G*Q, S]): each query's sliding window, read from `pool`."""
+def swa_keys(
+    cache: PagedKVCache, meta: StepMetadata, g: Group, pool: str, window: int, floor: np.ndarray | None = None
+):
+    """(keys [G, S, D], visible [G*Q, S]): each query's sliding window, read from `pool`.
+
+    `floor` [G] (YOCO truncation): no key below it is visible; those keys may never have been stored, so
+    they are zeroed (a masked key must still be finite: attention multiplies it by a zero probability).
+    """
     lo = np.maximum(meta.starts[g.seqs] - window + 1, 0)
     hi = meta.ends[g.seqs]
     width = int((hi - lo).max())
@@ -79,6 +85,10 @@ def swa_keys(cache: PagedKVCache, meta: StepMetadata, g: Group, pool: str, windo
     k_pos = torch.from_numpy(lo[:, None] + np.arange(width)[None, :])[:, None, :]
     q_pos = g.q_pos[:, :, None]
     visible = (k_pos <= q_pos) & (k_pos > q_pos - window)  # k_pos <= q_pos < hi also drops padding
+    if floor is not None:
+        below = k_pos < torch.from_numpy(np.asarray(floor, dtype=np.int64))[:, None, None]  # [G, 1, S]
+        visible = visible & ~below
+        keys = keys.masked_fill(below[:, 0, :, None], 0.0)
     return keys, visible.reshape(-1, width)
 
 

@@ -48,6 +48,8 @@ class PagedKVCache:
 
     def write(self, name: str, slots: torch.Tensor, values: torch.Tensor) -> None:
         pool = self.pools[name]
+        if len(slots) == 0:  # e.g. a YOCO chunk wholly before rect_lo stores no consumer SWA key
+            return
         pool[slots] = values.to(pool.dtype).reshape(len(slots), -1)
 
     def read(self, name: str, slots: torch.Tensor) -> torch.Tensor:

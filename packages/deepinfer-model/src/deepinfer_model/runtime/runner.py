@@ -15,6 +15,7 @@ from ..runner.batch import RunnerBatch
 from ..runner.recompute import RecomputeRunner
 from .metadata import StepMetadata
 from .pools import TOKEN_IDS, PagedKVCache, PoolSpec, blocks_for_budget, log
+from .yoco_step import YOCO_TAG, YocoStep, resume_problem, tag_spec
 
 
 def cache_specs(model, block_size: int) -> list[PoolSpec]:
@@ -41,15 +42,34 @@ def _forward(model):
     return v4_paged_forward
 
 
+def _yoco_settings(model, yoco, backtracking: int):
+    """Validated truncation settings (None: off). Checked at start-up: YOCO model, KEEP >= W + B."""
+    if yoco is None or not yoco.enabled:
+        return None
+    if not hasattr(model, "weights"):
+        raise ValueError("yoco truncation needs a DeepSeek-V4.1 model with a YOCO split")
+    from ..models.deepseek_v41.yoco import check_settings
+
+    check_settings(yoco, model.config, backtracking)
+    return yoco
+
+
 class PagedRunner:
-    def __init__(self, model, num_blocks: int, block_size: int) -> None:
+    """`yoco` (`YocoSettings`, default off): YOCO prefill truncation (spec v41-model §8); `execute` then
+    needs each sequence's prompt length. `backtracking` = B of the start-up check KEEP >= W + B."""
+
+    def __init__(self, model, num_blocks: int, block_size: int, yoco=None, backtracking: int = 6) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.vocab_size = int(model.config.vocab_size)
-        self.cache = PagedKVCache(cache_specs(model, block_size), num_blocks)
+        self.yoco = _yoco_settings(model, yoco, backtracking)
+        specs = cache_specs(model, block_size)
+        if self.yoco is not None:
+            specs.append(tag_spec(block_size))
+        self.cache = PagedKVCache(specs, num_blocks)
         log.info(
             "paged KV cache: %d blocks of %d tokens, %d B per block, %.1f MiB in %d pools",
             num_blocks,
@@ -68,17 +88,29 @@ class PagedRunner:
         block_size: int,
         kv_cache_memory_bytes: int | None = None,
         memory_fraction: float = 0.1,
+        yoco=None,
+        backtracking: int = 6,
     ) -> PagedRunner:
         """Size the pools from a byte budget, or from a fraction of the available host memory."""
         specs = cache_specs(model, block_size)
-        return cls(model, blocks_for_budget(specs, kv_cache_memory_bytes, memory_fraction), block_size)
+        if yoco is not None and yoco.enabled:
+            specs.append(tag_spec(block_size))
+        num_blocks = blocks_for_budget(specs, kv_cache_memory_bytes, memory_fraction)
+        return cls(model, num_blocks, block_size, yoco=yoco, backtracking=backtracking)
 
     @staticmethod
     def bytes_per_block(model, block_size: int) -> int:
         return sum(s.bytes_per_block() for s in cache_specs(model, block_size))
 
-    def execute(self, batch) -> torch.Tensor:
-        """float32 logits [batch.num_logits_rows, vocab] (see the module docstring)."""
+    def execute(self, batch, prompt_lens=None) -> torch.Tensor:
+        """float32 logits [batch.num_logits_rows, vocab] (see the module docstring).
+
+        With YOCO truncation, `prompt_lens` [B] (batch order) is each sequence's ORIGINAL prompt length:
+        rect_lo = prompt_len - KEEP stays put through decode, rollback and preemption + recompute, so the
+        logits equal `model.forward(tokens, yoco_keep_tokens=KEEP, yoco_mode=mode, yoco_prompt_len=prompt_len)`.
+        A step that would read consumer SWA keys cached under another rect_lo (see `yoco_resume_problem`)
+        raises ValueError before touching the cache.
+        """
         import time
 
         t0 = time.perf_counter()
@@ -92,12 +124,46 @@ class PagedRunner:
         if len(ids) == 0:  # nothing to compute (logits_lens are 0 too)
             return torch.empty(0, self.vocab_size)
         meta = StepMetadata.build(batch, self.block_size, self.num_blocks)
+        if self.yoco is None:
+            if prompt_lens is not None:
+                raise ValueError("prompt_lens is only used with YOCO truncation (PagedRunner(..., yoco=...))")
+            forward_args = ()
+        else:
+            forward_args = (self._yoco_step(meta, batch.seq_ids, prompt_lens),)
         if TOKEN_IDS in self.cache.pools:
             self.cache.write(TOKEN_IDS, meta.write_slots, meta.input_ids)
         self.metadata_s += time.perf_counter() - t0
-        logits = self._forward(self.model, meta, self.cache)
+        logits = self._forward(self.model, meta, self.cache, *forward_args)
         self._last_meta = meta
         return logits
+
+    def _yoco_step(self, meta: StepMetadata, seq_ids, prompt_lens) -> YocoStep:
+        if prompt_lens is None:
+            raise ValueError("prompt_lens (one per sequence, batch order) is required with YOCO truncation")
+        step = YocoStep.build(meta, self.yoco, prompt_lens)
+        problem = resume_problem(self.cache, meta, step, self.model.config.sliding_window, seq_ids)
+        if problem:
+            raise ValueError(problem)
+        self.cache.write(YOCO_TAG, meta.write_slots, step.tags)
+        return step
+
+    def yoco_resume_problem(self, block_table, start: int, query_len: int, prompt_len: int) -> str | None:
+        """Would a step of one sequence (its block table, first position `start`, `query_len` tokens, its
+        prompt length) read consumer SWA keys cached under another rect_lo? The reason, or None (safe).
+        An engine calls it on a prefix-cache hit and recomputes from 0 instead when it is not None."""
+        if self.yoco is None:
+            return None
+        batch = RunnerBatch(
+            seq_ids=np.zeros(1, dtype=np.int64),
+            start_positions=np.array([start], dtype=np.int64),
+            query_lens=np.array([query_len], dtype=np.int64),
+            block_tables=[np.asarray(block_table, dtype=np.int64)],
+            input_ids=np.zeros(query_len, dtype=np.int64),
+            logits_lens=np.zeros(1, dtype=np.int64),
+        )
+        meta = StepMetadata.build(batch, self.block_size, self.num_blocks)
+        step = YocoStep.build(meta, self.yoco, [prompt_len])
+        return resume_problem(self.cache, meta, step, self.model.config.sliding_window)
 
     def draft(self, next_tokens, num_draft_tokens: int, seq_indices=None, sampler=None) -> list:
         """V4.1 drafter outputs after the last `execute`: for each sequence of that step (or the batch

@@ -29,7 +29,7 @@ from ...layers.embedding import embed
 from ...layers.indexer import index_queries, select_topk, selection_mask
 from ...layers.rope import cos_sin
 from ...numerics import linear, round_to
-from ...ops.model_calls import rms_norm
+from ...ops.model_calls import hc_read, rms_norm
 from ...runtime.groups import (
     NewEntries,
     attend,
@@ -42,6 +42,7 @@ from ...runtime.groups import (
 )
 from ...runtime.metadata import StepMetadata, entries_per_block
 from ...runtime.pools import TOKEN_IDS, PagedKVCache, PoolSpec
+from ...runtime.yoco_step import YocoStep
 from .blocks import ShiftedHC
 from .drafter import DraftOutput, Sampler, draft_block, greedy, main_keys
 from .drafter_heads import confidence_temperatures, target_features
@@ -76,8 +77,11 @@ def v41_cache_specs(model: DeepseekV41ForCausalLM, block_size: int) -> list[Pool
 class _StepState:
     """Cross-layer values of this step (the paged counterpart of `CrossLayerState`), packed per token."""
 
-    def __init__(self, meta: StepMetadata) -> None:
+    def __init__(self, meta: StepMetadata, yoco: YocoStep | None = None) -> None:
         self.groups = make_groups(meta)
+        self.yoco = yoco
+        # consumer-half queries (YOCO compact: the kept rows only)
+        self.consumer_groups = make_groups(yoco.qmeta) if yoco and yoco.drops_rows else self.groups
         self.fresh: dict[int, NewEntries | None] = {}  # kv source -> entries completed in this step
         self.selection: dict[int, torch.Tensor] = {}  # index source -> top-k [N, index_topk]
         self.candidates: torch.Tensor | None = None  # [N, candidate_topk_blocks]
@@ -97,9 +101,18 @@ def _attention(
     ratio = cfg.compress_ratios[layer]
     eps = cfg.rms_norm_eps
     rope = cfg.compress_rope() if ratio else cfg.main_rope()
-    cos, sin = cos_sin(rope, meta.positions)
+    # YOCO truncation: consumer queries are `qmeta`'s rows and see no SWA key below their rect_lo;
+    # compressed KV / index keys (from S) stay built over every row of `meta`.
+    yoco = st.yoco if topo.is_consumer_half(layer) else None
+    qmeta, groups = (yoco.qmeta, st.consumer_groups) if yoco else (meta, st.groups)
+    cos, sin = cos_sin(rope, qmeta.positions)
     q, q_lat = project_query(y, w.attn, cfg.num_attention_heads, cos, sin, eps, False, act)
-    cache.write(f"swa.{layer}", meta.write_slots, kvq.swa(project_latent(y, w.attn, cos, sin, eps, act)))
+    latent = kvq.swa(project_latent(y, w.attn, cos, sin, eps, act))
+    if yoco is None:
+        cache.write(f"swa.{layer}", meta.write_slots, latent)
+    else:  # keys below rect_lo are never visible: not stored (the tag pool says so)
+        stored = qmeta.positions >= yoco.row_floor
+        cache.write(f"swa.{layer}", qmeta.write_slots[stored], latent[stored])
     n_tok = y.shape[0]
     if ratio and topo.is_kv_source(layer):
         x = st.shared_hidden if topo.is_consumer_half(layer) else y
@@ -124,14 +137,15 @@ def _attention(
         if layer == topo.candidate_source:
             st.candidates = torch.full((n_tok, topo.candidate_topk_blocks), -1, dtype=torch.long)
     out = torch.empty(n_tok, cfg.num_attention_heads, cfg.head_dim, dtype=torch.float64)
-    for g in st.groups:
+    for g in groups:
         slots = g.slot_rows  # every (padded) query slot; padding duplicates its sequence's last query
-        keys, visible = swa_keys(cache, meta, g, f"swa.{layer}", cfg.sliding_window)
+        floor = None if yoco is None else yoco.rect_lo[g.seqs]
+        keys, visible = swa_keys(cache, qmeta, g, f"swa.{layer}", cfg.sliding_window, floor)
         if ratio:
-            entries, valid = compressed_entries(cache, meta, g, f"comp.{topo.kv_source[layer]}", ratio)
+            entries, valid = compressed_entries(cache, qmeta, g, f"comp.{topo.kv_source[layer]}", ratio)
             n = entries.shape[1]
             if index_source:
-                ik = compressed_entries(cache, meta, g, f"index_k.{topo.index_k_source[layer]}", ratio)[0]
+                ik = compressed_entries(cache, qmeta, g, f"index_k.{topo.index_k_source[layer]}", ratio)[0]
                 scores = round_to(grouped_index_scores(qi, ik, head_w, g, scaled=False), act)
                 allowed = valid
                 if topo.restricted_to_candidates(layer):
@@ -175,22 +189,41 @@ def _engram_rows(model: DeepseekV41ForCausalLM, meta: StepMetadata, cache: Paged
 
 
 @torch.no_grad()
-def v41_paged_forward(model: DeepseekV41ForCausalLM, meta: StepMetadata, cache: PagedKVCache) -> torch.Tensor:
-    """FP32 logits [len(meta.logits_rows), vocab] of one packed step, updating `cache`."""
+def v41_paged_forward(
+    model: DeepseekV41ForCausalLM, meta: StepMetadata, cache: PagedKVCache, yoco: YocoStep | None = None
+) -> torch.Tensor:
+    """FP32 logits [len(meta.logits_rows), vocab] of one packed step, updating `cache`.
+
+    `yoco` (the step's truncation plan, `runtime.yoco_step`): consumer layers clip SWA visibility at each
+    sequence's rect_lo and, in compact mode, run only the kept rows (the stateless forward's
+    `yoco_keep_tokens` / `yoco_mode` / `yoco_prompt_len`, bitwise).
+    """
     cfg, w, act = model.config, model.weights, model.act_dtype
     rows = _engram_rows(model, meta, cache) if model.engram else {}
-    st = _StepState(meta)
+    st = _StepState(meta, yoco)
+    compact = yoco is not None and yoco.drops_rows
     targets = cfg.dspark.target_layer_ids if (cfg.dspark and w.drafter is not None) else ()
     feats = {}
     hc = ShiftedHC(embed(meta.input_ids, w.embed), cfg)
     for layer, blk in enumerate(w.layers):
+        if compact and layer == cfg.n_prefill_layer:
+            # Compact boundary (§8 item 2): S for every row (consumer compressed KV / index keys need all
+            # of them), then only the kept rows of the trunk, pending pre mix and selections go on.
+            st.shared_hidden = rms_norm(
+                hc_read(hc.trunk, hc.prev_pre, act), blk.attn_norm, cfg.rms_norm_eps, act
+            )
+            hc.trunk, hc.prev_pre = hc.trunk[yoco.kept], hc.prev_pre[yoco.kept]
+            st.selection = {k: v[yoco.kept] for k, v in st.selection.items()}
+            if st.candidates is not None:
+                st.candidates = st.candidates[yoco.kept]
         if blk.engram is not None:
-            hc.trunk = engram_inject(hc.trunk, rows[layer], blk.engram, cfg.rms_norm_eps, act)
+            r = rows[layer][yoco.kept] if compact and layer >= cfg.n_prefill_layer else rows[layer]
+            hc.trunk = engram_inject(hc.trunk, r, blk.engram, cfg.rms_norm_eps, act)
         if layer in targets:
             feats[layer] = target_features(hc.trunk, act)
 
         def attention(y, layer=layer):
-            if layer == cfg.n_prefill_layer:
+            if layer == cfg.n_prefill_layer and not compact:
                 st.shared_hidden = y  # YOCO: consumer-half compressed KV is projected from S
             return _attention(model, layer, y, meta, cache, st)
 
@@ -201,10 +234,13 @@ def v41_paged_forward(model: DeepseekV41ForCausalLM, meta: StepMetadata, cache: 
         )
     if targets:
         features = torch.cat([feats[t] for t in targets], dim=1)
-        keys = main_keys(cfg, w.drafter, features, meta.positions, act, model.kvq)
+        # compact with consumer-side targets: features exist for the kept rows only (§8 item 6)
+        fmeta = yoco.qmeta if compact and features.shape[0] != meta.positions.shape[0] else meta
+        keys = main_keys(cfg, w.drafter, features, fmeta.positions, act, model.kvq)
         for i in range(keys.shape[0]):
-            cache.write(f"draft_main.{i}", meta.write_slots, keys[i])
-    hidden = rms_norm(hc.final(act)[meta.logits_rows], w.norm, cfg.rms_norm_eps, act)
+            cache.write(f"draft_main.{i}", fmeta.write_slots, keys[i])
+    logits_rows = yoco.qmeta.logits_rows if compact else meta.logits_rows
+    hidden = rms_norm(hc.final(act)[logits_rows], w.norm, cfg.rms_norm_eps, act)
     return batch_invariant.matmul(hidden, w.head.double().t()).float()  # FP32 logits (§2.1)
 
 
