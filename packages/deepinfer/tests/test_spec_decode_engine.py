@@ -143,15 +143,15 @@ def test_sampled_with_drafts_is_seeded_and_batch_independent(v41):
     assert tokens(a)[1] == tokens(alone)[0]
 
 
-def _exact_distribution(model, prompt, steps, top_k):
-    """P(continuation) of plain top-k sampling at temperature 1, float64, by enumeration."""
+def _exact_distribution(model, prompt, steps, top_k, temperature):
+    """P(continuation) of plain top-k sampling, float64, by enumeration."""
     frontier = {(): 1.0}
     for _ in range(steps):
         nxt = {}
         for cont, prob in frontier.items():
             logits = model.forward(torch.tensor(prompt + list(cont))).logits[-1].double()
             top = torch.topk(logits, top_k)
-            p = torch.softmax(top.values, dim=-1)
+            p = torch.softmax(top.values / temperature, dim=-1)
             for t, q in zip(top.indices.tolist(), p.tolist()):
                 nxt[cont + (t,)] = prob * q
         frontier = nxt
@@ -166,15 +166,17 @@ def test_sampled_with_drafts_follows_the_plain_distribution(v41, drafter):
     residual path; oracle: a one-hot q, accepted with probability p(draft))."""
     prompt, n, steps = [0, 17, 99, 4], 160, 3
     params = [
-        SamplingParams(temperature=1.0, top_k=2, max_tokens=steps, ignore_eos=True, seq_seed=1000 + i)
+        SamplingParams(temperature=2.0, top_k=2, max_tokens=steps, ignore_eos=True, seq_seed=1000 + i)
         for i in range(n)
     ]
     outs, engine = run(v41, params, nextn=2, drafter=drafter, prompts=[prompt] * n, max_num_seqs=160)
     counts = Counter(tuple(o.outputs[0].token_ids) for o in outs)
-    exact = _exact_distribution(engine.model, prompt, steps, 2)
+    exact = _exact_distribution(engine.model, prompt, steps, 2, 2.0)
     assert set(counts) <= set(exact)
     chi2 = sum((counts.get(c, 0) - n * p) ** 2 / (n * p) for c, p in exact.items())
-    assert chi2 < 24.3, (chi2, counts)  # df = 7, p = 0.001
+    # df = 7, p = 0.01. Seeded, so deterministic; temperature 2 flattens the top-2 rows so that many
+    # drafts are rejected (a residual bug, e.g. a 0.9 draft-prob penalty, gives chi2 ~ 22 here).
+    assert chi2 < 18.48, (chi2, counts)
     assert engine.spec_stats()["verified"] > 0
 
 
