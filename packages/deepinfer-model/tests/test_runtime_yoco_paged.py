@@ -285,3 +285,56 @@ def test_compact_refuses_logits_of_a_skipped_prompt_row(model):
     )
     with pytest.raises(ValueError, match="prompt logprobs"):
         runner.execute(batch, prompt_lens=[30])
+
+
+def _truncated_draft(model, mode, tokens, prompt_len, n, g):
+    return model.forward(
+        torch.tensor(tokens),
+        yoco_keep_tokens=KEEP,
+        yoco_mode=mode,
+        yoco_prompt_len=prompt_len,
+        backtracking_tokens=B,
+        num_draft_tokens=n,
+        next_token=g,
+    ).draft
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_drafts_after_truncated_chunked_prefill_equal_stateless(model, mode):
+    """DSpark targets (layers 3, 5) are consumer layers: compact builds their features / main keys from the
+    kept rows only. Drafts after a batched, chunked truncated prefill (and after a decode) equal the
+    stateless truncated forward's drafts bit for bit (tokens, logits, confidences)."""
+    rng = np.random.default_rng(9)
+    drv = Driver(model, mode, rng)
+    V = model.config.vocab_size
+    seqs = [
+        dict(id=i, tokens=rng.integers(4, V, n).tolist(), prompt_len=n, table=[])
+        for i, n in enumerate((33, 20))
+    ]
+    starts = [0, 0]
+    for qs in ((12, 7), (13, 6), (8, 7)):  # both prompts end in the third step
+        entries = [(s, a, q, int(a + q == s["prompt_len"])) for s, a, q in zip(seqs, starts, qs, strict=True)]
+        logits = drv.step(entries)
+        starts = [a + q for a, q in zip(starts, qs, strict=True)]
+    nxt = [int(row[0].argmax()) for row in logits]
+    drafts = drv.runner.draft(nxt, 4)
+    for s, g, d in zip(seqs, nxt, drafts, strict=True):
+        ref = _truncated_draft(model, mode, s["tokens"], s["prompt_len"], 4, g)
+        assert torch.equal(d.tokens, ref.tokens) and torch.equal(d.logits, ref.logits)
+        assert torch.equal(d.confidence, ref.confidence)
+    s = seqs[0]
+    s["tokens"] = s["tokens"] + [nxt[0]]
+    drv.step([(s, 33, 1, 1)])  # a decode, then draft again
+    d = drv.runner.draft([7], 3)[0]
+    ref = _truncated_draft(model, mode, s["tokens"], 33, 3, 7)
+    assert torch.equal(d.logits, ref.logits) and torch.equal(d.confidence, ref.confidence)
+
+
+def test_make_runner_passes_yoco_and_recompute_refuses_it(model):
+    from deepinfer_model.runtime import make_runner
+
+    yoco = YocoSettings(YocoMode.MASK, KEEP)
+    assert make_runner("paged", model, 8, 4, yoco=yoco, backtracking=B).yoco == yoco
+    assert make_runner("paged", model, 8, 4).yoco is None
+    with pytest.raises(ValueError, match="needs runner = 'paged'"):
+        make_runner("recompute", model, 8, 4, yoco=yoco)

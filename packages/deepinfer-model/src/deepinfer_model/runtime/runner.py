@@ -192,8 +192,15 @@ class PagedRunner:
 RUNNERS = {"paged": PagedRunner, "recompute": RecomputeRunner}
 
 
-def make_runner(kind: str, model, num_blocks: int, block_size: int):
-    """The engine's one switch: `kind` = "paged" (cached, this package) or "recompute" (reference)."""
+def make_runner(kind: str, model, num_blocks: int, block_size: int, yoco=None, backtracking: int = 6):
+    """The engine's one switch: `kind` = "paged" (cached, this package) or "recompute" (reference).
+    `yoco` (`YocoSettings`) turns on YOCO prefill truncation, which only the paged runner implements."""
     if kind not in RUNNERS:
         raise ValueError(f"runner must be one of {sorted(RUNNERS)}, got {kind!r}")
+    if kind == "paged":
+        return PagedRunner(model, num_blocks, block_size, yoco=yoco, backtracking=backtracking)
+    if yoco is not None and yoco.enabled:
+        raise ValueError(
+            f"YOCO truncation (mode {yoco.mode.value}) needs runner = 'paged'; the recompute runner has none"
+        )
     return RUNNERS[kind](model, num_blocks=num_blocks, block_size=block_size)
