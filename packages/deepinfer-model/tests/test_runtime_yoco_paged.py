@@ -216,6 +216,8 @@ def test_deep_prefix_hit_from_another_prompt_length_is_refused_then_recompute_eq
         drv.step([(b, 32, 8, 1)])
     assert torch.equal(swa_before.nan_to_num(7.0), drv.runner.cache.pools["swa.4"].nan_to_num(7.0))
     ref = reference(model, b_toks, 40, mode)
+    # why refuse: B's truncated result depends on its own rect_lo, which A's cached keys do not reflect
+    assert not torch.equal(ref[39], reference(model, b_toks, 34, mode)[39])
     fresh = dict(id=2, tokens=b_toks, prompt_len=40, table=[])
     got = drv.step([(fresh, 0, 40, 1)])[0]
     check_rows(fresh, 0, 40, got, ref)
@@ -338,3 +340,26 @@ def test_make_runner_passes_yoco_and_recompute_refuses_it(model):
     assert make_runner("paged", model, 8, 4).yoco is None
     with pytest.raises(ValueError, match="needs runner = 'paged'"):
         make_runner("recompute", model, 8, 4, yoco=yoco)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_preempted_sequence_resumes_from_its_own_cached_blocks(model, mode):
+    """Preempted after 3 decodes; the prefix cache kept its first 7 blocks (28 tokens, past rect_lo 19), the
+    rest were freed and poisoned: resuming at 28 with the same prompt length reads its own keys and equals
+    the stateless forward."""
+    rng = np.random.default_rng(10)
+    drv = Driver(model, mode, rng)
+    P, V = 33, model.config.vocab_size
+    toks = rng.integers(4, V, P + 6).tolist()
+    seq = dict(id=0, tokens=toks, prompt_len=P, table=[])
+    ref = reference(model, toks, P, mode)
+    start = _prefill(drv, seq, [20, 13])
+    for _ in range(3):
+        drv.step([(seq, start, 1, 1)])
+        start += 1
+    drv.runner.cache.poison(seq["table"][7:])
+    seq["table"] = seq["table"][:7]
+    assert drv.runner.yoco_resume_problem(seq["table"] + [drv.free[-1], drv.free[-2]], 28, 8, P) is None
+    got = drv.step([(seq, 28, 8, 8)])[0]
+    check_rows(seq, 28, 8, got, ref)
+    check_rows(seq, 36, 1, drv.step([(seq, 36, 1, 1)])[0], ref)
