@@ -39,6 +39,13 @@ class EngineArgs:
         default=None,
         metadata={"help": "KV blocks in the pool (default: enough for max_num_seqs full sequences)"},
     )
+    runner: str = field(
+        default="paged",
+        metadata={
+            "help": "model runner: paged (per-layer-kind paged KV caches, incremental) or recompute "
+            "(re-runs the whole prefix every step: exact, O(n^2), a debugging baseline)"
+        },
+    )
     chunked_prefill: bool = field(default=True, metadata={"help": "split long prompts across steps"})
     async_scheduling: bool = field(
         default=True,
@@ -79,6 +86,8 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
+        if self.runner not in ("paged", "recompute"):
+            raise ValueError(f"runner must be 'paged' or 'recompute', got {self.runner!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.dtype not in ("float32", "bfloat16", "float64"):

@@ -98,11 +98,11 @@ def _engine(args, **overrides):
     from ..engine_args import EngineArgs
 
     base = EngineArgs.from_cli_args(args)
-    return LLMEngine(dataclasses.replace(base, **overrides))
+    # --nextn goes to this engine only: setting the env var would leak into everything after us.
+    return LLMEngine(dataclasses.replace(base, **overrides), num_speculative_tokens=args.nextn)
 
 
 def run(args) -> int:
-    import os
 
     import torch
     from rich.console import Console
@@ -117,13 +117,11 @@ def run(args) -> int:
 
     console = Console(width=170)
     gpu = _on_gpu()
-    if args.nextn is not None:
-        if args.nextn < 0:
-            raise SystemExit("--nextn must be >= 0")
-        os.environ["DEEPINFER_USE_NEXTN_DECODE"] = str(args.nextn)  # the engine reads it when built
+    if args.nextn is not None and args.nextn < 0:
+        raise SystemExit("--nextn must be >= 0")
     from .. import envs
 
-    nextn = int(envs.DEEPINFER_USE_NEXTN_DECODE)
+    nextn = args.nextn if args.nextn is not None else int(envs.DEEPINFER_USE_NEXTN_DECODE)
     dp, cp = max(1, args.data_parallel_size), args.context_parallel_size
     chunks = args.chunks or _int_list(GPU_CHUNKS if gpu else CPU_CHUNKS)
     batches = args.batches or _int_list(GPU_BATCHES if gpu else CPU_BATCHES)

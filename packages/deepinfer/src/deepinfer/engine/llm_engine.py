@@ -7,12 +7,12 @@ running sequence emits its token and marks the ids it cannot know as -1) and que
 the worker fills those ids from the tokens it sampled in N (`prev_rows`). The host then commits N
 (`update_from_output`) and detokenizes it while N+1 runs. Steps with structured-output rows instead
 wait for N, `reconcile`, and launch (their grammar masks need N's tokens). The sampler's draw
-depends only on (seed, position), and the recompute runner's logits only on the sequence, so both
-loops emit the same tokens.
+depends only on (seed, position), and a runner's logits only on the sequence (the paged runner is
+bitwise equal to the stateless forward), so both loops emit the same tokens.
 
 Speculative decoding (DSpark drafts; `spec_decode.py`) runs the synchronous loop: a step's drafts
-come from the drafter after the previous step's verification on the host, so with the recompute
-runner there is nothing to overlap; with `async_scheduling` and drafts on, `step()` runs the
+come from the drafter after the previous step's verification on the host, so there is nothing
+to overlap yet (a device-side draft path would change that); with `async_scheduling` and drafts on, `step()` runs the
 synchronous step (same tokens by construction).
 """
 
@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from deepinfer_model import load_model
-from deepinfer_model.runner import RecomputeRunner
+from deepinfer_model.runtime import make_runner
 from deepinfer_model.sampling import RowParams
 from deepinfer_spec import MAX_NEXTN, StepTimeCurve
 
@@ -112,7 +112,7 @@ class LLMEngine:
             chunked_prefill=args.chunked_prefill,
             num_speculative_tokens=nextn,
         )
-        self.runner = RecomputeRunner(self.model, num_blocks=num_blocks, block_size=args.block_size)
+        self.runner = make_runner(args.runner, self.model, num_blocks=num_blocks, block_size=args.block_size)
         self.worker = ModelWorker(self.runner)
         self.use_async = args.use_async
         self._pool = (
@@ -173,7 +173,7 @@ class LLMEngine:
         sizes = sorted({1, 2, 4, 8, 16, 32, 64, max_tokens} & set(range(1, max_tokens + 1)))
         ids = torch.arange(max_tokens) % self.vocab_size
 
-        def step(n: int) -> None:  # one forward over n query tokens (the recompute runner's cost model)
+        def step(n: int) -> None:  # one forward over n query tokens: the step's cost grows with them
             self.model.forward(ids[:n])
 
         logger.info("measuring the decode step-time curve for MTP varlen (%d sizes)", len(sizes))
