@@ -363,3 +363,20 @@ def test_preempted_sequence_resumes_from_its_own_cached_blocks(model, mode):
     got = drv.step([(seq, 28, 8, 8)])[0]
     check_rows(seq, 28, 8, got, ref)
     check_rows(seq, 36, 1, drv.step([(seq, 36, 1, 1)])[0], ref)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_chunk_before_rect_lo_batched_with_a_wider_window(model, mode):
+    """Regression: a chunk wholly below its rect_lo (no consumer SWA key stored) attends in one group with a
+    sequence whose window is wider; its padding columns re-read a never-stored slot (NaN in a fresh pool)
+    and must be zeroed, not just masked."""
+    rng = np.random.default_rng(12)
+    drv = Driver(model, mode, rng)
+    V = model.config.vocab_size
+    a = dict(id=0, tokens=rng.integers(4, V, 21).tolist(), prompt_len=21, table=[])  # rect_lo 7
+    b = dict(id=1, tokens=rng.integers(4, V, 40).tolist(), prompt_len=40, table=[])
+    drv.step([(a, 0, 4, 0), (b, 0, 29, 0)])
+    n = comparable(mode, 21, 4, 3)
+    got_a, got_b = drv.step([(a, 4, 3, n), (b, 29, 3, 3)])
+    check_rows(a, 4, 3, got_a, reference(model, a["tokens"], 21, mode))
+    check_rows(b, 29, 3, got_b, reference(model, b["tokens"], 40, mode))

@@ -86,9 +86,11 @@ def swa_keys(
     q_pos = g.q_pos[:, :, None]
     visible = (k_pos <= q_pos) & (k_pos > q_pos - window)  # k_pos <= q_pos < hi also drops padding
     if floor is not None:
-        below = k_pos < torch.from_numpy(np.asarray(floor, dtype=np.int64))[:, None, None]  # [G, 1, S]
-        visible = visible & ~below
-        keys = keys.masked_fill(below[:, 0, :, None], 0.0)
+        f = np.asarray(floor, dtype=np.int64)[:, None]
+        visible = visible & (k_pos >= torch.from_numpy(f)[:, :, None])
+        # zero by the position actually read: padding columns re-read position hi - 1, which may lie
+        # below the floor (never stored) even where the column's nominal position does not
+        keys = keys.masked_fill(torch.from_numpy(pos < f)[..., None], 0.0)
     return keys, visible.reshape(-1, width)
 
 

@@ -28,7 +28,7 @@ from ...layers.attention import project_latent, project_output, project_query
 from ...layers.embedding import embed
 from ...layers.indexer import index_queries, select_topk, selection_mask
 from ...layers.rope import cos_sin
-from ...numerics import linear, round_to
+from ...numerics import linear, round_to, weight_fp64
 from ...ops.model_calls import hc_read, rms_norm
 from ...runtime.groups import (
     NewEntries,
@@ -241,7 +241,7 @@ def v41_paged_forward(
             cache.write(f"draft_main.{i}", fmeta.write_slots, keys[i])
     logits_rows = yoco.qmeta.logits_rows if compact else meta.logits_rows
     hidden = rms_norm(hc.final(act)[logits_rows], w.norm, cfg.rms_norm_eps, act)
-    return batch_invariant.matmul(hidden, w.head.double().t()).float()  # FP32 logits (§2.1)
+    return batch_invariant.matmul(hidden, weight_fp64(w.head).t()).float()  # FP32 logits (§2.1)
 
 
 def v41_paged_draft(
