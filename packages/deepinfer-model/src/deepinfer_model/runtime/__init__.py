@@ -3,11 +3,14 @@
 from deepinfer_model.runtime import PagedRunner
 runner = PagedRunner(model, num_blocks=256, block_size=16)        # or PagedRunner.from_memory(...)
 logits = runner.execute(scheduler_output)                          # same contract as RecomputeRunner
+runner = PagedRunner(model, 256, 16, yoco=YocoSettings.from_env(), backtracking=6)  # YOCO truncation:
+logits = runner.execute(scheduler_output, prompt_lens=[...])       # original prompt length per sequence
 """
 
 from .metadata import StepMetadata
 from .pools import PagedKVCache, PoolSpec, blocks_for_budget
 from .runner import RUNNERS, PagedRunner, cache_specs, make_runner
+from .yoco_step import YocoStep, resume_problem
 
 __all__ = [
     "RUNNERS",
@@ -15,7 +18,9 @@ __all__ = [
     "PagedRunner",
     "PoolSpec",
     "StepMetadata",
+    "YocoStep",
     "blocks_for_budget",
     "cache_specs",
     "make_runner",
+    "resume_problem",
 ]
