@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import batch_invariant
-from ..numerics import round_to
+from ..numerics import round_to, weight_fp64
 
 
 @dataclass
@@ -41,7 +41,7 @@ def expand(x: torch.Tensor, m: int) -> torch.Tensor:
 def _normed_projection(trunk: torch.Tensor, fn: torch.Tensor, rms_eps: float) -> torch.Tensor:
     flat = trunk.double().flatten(1)
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + rms_eps)
-    return batch_invariant.matmul(flat, fn.double().t())
+    return batch_invariant.matmul(flat, weight_fp64(fn).t())
 
 
 def sinkhorn(logits: torch.Tensor, eps: float, iters: int) -> torch.Tensor:

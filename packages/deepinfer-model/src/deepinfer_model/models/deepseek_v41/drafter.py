@@ -18,7 +18,7 @@ from ... import batch_invariant
 from ...layers.attention import project_latent, project_output, project_query, sink_attention
 from ...layers.norm import rms_norm
 from ...layers.rope import cos_sin
-from ...numerics import linear, round_to
+from ...numerics import linear, round_to, weight_fp64
 from .blocks import ShiftedHC, moe_ffn
 from .config import DeepseekV41Config
 from .drafter_heads import confidence, markov_correction
@@ -110,7 +110,7 @@ def draft_block(
         )
     hidden = hc.final(act_dtype)
     base = round_to(
-        batch_invariant.matmul(rms_norm(hidden, w.norm, eps, act_dtype), head.double().t()), torch.float32
+        batch_invariant.matmul(rms_norm(hidden, w.norm, eps, act_dtype), weight_fp64(head).t()), torch.float32
     )  # shared LM head
     temps = torch.as_tensor(temperatures, dtype=torch.float32).expand(bd)
     out_tokens, out_logits, out_conf = [], [], []

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...numerics import round_to
+from ...numerics import round_to, weight_fp64
 
 _CONF_CLAMP = 60.0
 _MIN_TEMPERATURE = 1e-5
@@ -40,7 +40,7 @@ def markov_correction(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits + head · embed[prev] in FP32 [S, V], the embeddings e [S, rank] in act_dtype)."""
     e = round_to(markov.embed[prev_tokens.long()], act_dtype)
-    return round_to(logits.double() + e @ markov.head.double().t(), torch.float32), e
+    return round_to(logits.double() + e @ weight_fp64(markov.head).t(), torch.float32), e
 
 
 def confidence(

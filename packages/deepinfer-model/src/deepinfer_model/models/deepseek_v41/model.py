@@ -16,6 +16,7 @@ import torch
 
 from ... import batch_invariant
 from ...layers.embedding import embed
+from ...numerics import weight_fp64
 from ...ops.model_calls import hc_read, rms_norm
 from .attention import AttentionTrace, CrossLayerState, layer_attention
 from .blocks import ShiftedHC, moe_ffn
@@ -210,7 +211,7 @@ class DeepseekV41ForCausalLM:
             )
         hidden = rms_norm(split.gather(hc.final(act)), w.norm, cfg.rms_norm_eps, act)
         rows = hidden if logit_rows is None else hidden[self._rows(logit_rows, hidden.shape[0])]
-        logits = batch_invariant.matmul(rows, w.head.double().t()).float()  # FP32 logits (§2.1)
+        logits = batch_invariant.matmul(rows, weight_fp64(w.head).t()).float()  # FP32 logits (§2.1)
         out = V41Output(logits=logits, hidden=hidden, trace=traces if return_trace else None)
         out.kept_positions = None if kept is None else positions
         if w.drafter is not None:
@@ -224,7 +225,7 @@ class DeepseekV41ForCausalLM:
                     raise ValueError(f"num_draft_tokens = {num_draft_tokens} must lie in [1, 32]")
                 if next_token is None:
                     last = (
-                        out.logits[-1] if logit_rows is None else batch_invariant.matmul(hidden[-1], w.head.double().t()).float()
+                        out.logits[-1] if logit_rows is None else batch_invariant.matmul(hidden[-1], weight_fp64(w.head).t()).float()
                     )
                     next_token = int(last.argmax())
                 g = int(next_token)
