@@ -51,14 +51,34 @@ _VARS = [
     EnvVar("DEEPINFER_LOGGING_INTERVAL_STEP", int, 100, "steps between stats log lines (<= 0 disables)"),
     EnvVar("DEEPINFER_GC_INTERVAL_STEP", int, 1000, "Python GC period in engine steps (GC is otherwise off)"),
     EnvVar(
-        "DEEPINFER_BATCH_INVARIANT", _bool, False, "batch-invariant numerics: fixed-tile GEMMs so a row never depends on its batch (CPU); NVIDIA kernels not yet"
+        "DEEPINFER_BATCH_INVARIANT",
+        _bool,
+        False,
+        "batch-invariant numerics: fixed-tile GEMMs so a row never depends on its batch (CPU); NVIDIA kernels not yet",
     ),
     EnvVar(
         "DEEPINFER_USE_NEXTN_DECODE", int, 0, "draft tokens per decode step (speculative decoding)", False
     ),
     EnvVar("DEEPINFER_ENABLE_MTP_VARLEN", _bool, False, "confidence-scheduled verification length", False),
-    EnvVar("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", str, "off", "off / mask / compact", False),
-    EnvVar("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", int, 0, "tokens kept for YOCO consumer layers", False),
+    EnvVar(
+        "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE",
+        str,
+        "off",
+        "YoCo prefill truncation: off / mask / compact (V4.1 models with a YoCo split; compact + KEEP 140 is "
+        "the reference's recommended V4.1 setting)",
+    ),
+    EnvVar(
+        "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS",
+        int,
+        0,
+        "prompt tokens the YoCo consumer layers replay; must be >= sliding_window + max backtracking",
+    ),
+    EnvVar(
+        "DEEPINFER_MAX_BACKTRACKING_TOKENS",
+        int,
+        0,
+        "max backtracking B = max(value, drafts + 1): the YoCo check KEEP >= W + B uses it",
+    ),
     EnvVar(
         "DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS", int, 0, "minimum number of redundant experts (EPLB)", False
     ),
@@ -71,7 +91,7 @@ _VARS = [
 _RECOGNISED_ONLY = """JIT_CACHE_DIR NCCL_NUM_SMS USERBUFFER_COMM_SMS GLOO_TIMEOUT REARRANGE_P2P_GROUPS
 EXPERT_COUNT_WINDOW_SIZE EXPERT_REARRANGEMENT_STEP_INTERVAL REARRANGE_AFTER_PREFILL_IN_NORMAL_ENGINE
 MOE_LB_STAT_INTERVAL FORCE_IMBALANCE_RATIO FORCE_LOAD_BALANCE SHOW_EPLB_DETAIL PREFILL_MAX_SUM_SEQLEN_K
-INDEX_ATTN_MEMORY_LIMIT MAX_BACKTRACKING_TOKENS DFLASH_CONFIDENCE_HEAD_TEMPERATURE ENGRAM_PAD_TOKEN
+INDEX_ATTN_MEMORY_LIMIT DFLASH_CONFIDENCE_HEAD_TEMPERATURE ENGRAM_PAD_TOKEN
 ENGRAM_FORCE_GPU_STORAGE CUDAGRAPH_BATCH_SIZE_INTERVAL DFLASH_ENFORCE_EAGER DFLASH_CUDAGRAPH_BATCH_SIZE_INTERVAL
 DECODE_PERF_CACHE_DIR DECODE_PERF_CACHE_TTL_SEC NUM_STATE_SLOTS_RATIO PREFILL_STORE_EXTRA_STATE
 PREFILL_STORE_EXTRA_SIZE XGRAMMAR_DEBUG XGRAMMAR_DISABLE_CACHE XGRAMMAR_CACHE_LIMIT_BYTES SO_BUILDER_CPUS

@@ -45,6 +45,7 @@ from .drafting import Drafter, DraftRequest, ModelDrafter
 from .request import RequestState, SeqState
 from .spec_decode import SpecDecoder, VerifyInput
 from .structured import StructuredOutputs
+from .truncation import Truncation, settings_from_env
 from .worker import ModelWorker, StepResult, VerifyStepResult
 
 logger = logging.getLogger("deepinfer")
@@ -66,6 +67,8 @@ class EngineStats:
     generated_tokens: int = 0
     prompt_tokens: int = 0
     draft_s: float = 0.0  # drafter time (speculative decoding)
+    # Estimated FP8-equivalent FLOPs of all prefill chunks run (V4.1 models; YoCo-skipped rows excluded).
+    prefill_flops: float = 0.0
 
 
 class LLMEngine:
@@ -101,6 +104,8 @@ class LLMEngine:
             raise ValueError(f"max_model_len must be <= the model's max_position_embeddings ({model_limit})")
         self.max_num_batched_tokens = args.max_num_batched_tokens or max(self.max_model_len, 4096)
         nextn = self._resolve_nextn(num_speculative_tokens, drafter)
+        # YoCo truncation: checked here (V4.1 split, KEEP >= W + B) before anything is allocated.
+        self.truncation = Truncation(settings_from_env(), self.model, nextn)
         blocks_per_seq = -(-self.max_model_len // args.block_size)
         num_blocks = args.num_kv_blocks or blocks_per_seq * min(args.max_num_seqs, 64) + 1
         self.scheduler = scheduling.make_scheduler(
@@ -111,8 +116,21 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             chunked_prefill=args.chunked_prefill,
             num_speculative_tokens=nextn,
+            # A prefix hit from another prompt length reads consumer SWA keys computed under another
+            # rect_lo (the runner would refuse the step) and the scheduler cannot fall back to a recompute
+            # by itself, so truncation turns prefix caching off; preemption then recomputes from 0.
+            enable_prefix_caching=not self.truncation.enabled,
         )
-        self.runner = make_runner(args.runner, self.model, num_blocks=num_blocks, block_size=args.block_size)
+        yoco = self.truncation.settings if self.truncation.enabled else None
+        self.runner = make_runner(
+            args.runner,
+            self.model,
+            num_blocks=num_blocks,
+            block_size=args.block_size,
+            yoco=yoco,
+            backtracking=self.truncation.backtracking,
+        )
+        self._prompt_len_of: dict[int, int] = {}  # seq_id -> ORIGINAL prompt length, until released
         self.worker = ModelWorker(self.runner)
         self.use_async = args.use_async
         self._pool = (
@@ -212,6 +230,7 @@ class LLMEngine:
         """Queue one request; raises ValueError (naming the problem) without touching other requests."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        self.truncation.check_request(params.prompt_logprobs)
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("either prompt or prompt_token_ids must be given")
@@ -246,6 +265,7 @@ class LLMEngine:
                     self.scheduler, seq.seq_id, prompt_token_ids, params, self.eos_token_id, max_tokens
                 )
                 added.append(seq.seq_id)
+                self._prompt_len_of[seq.seq_id] = len(prompt_token_ids)
         except ValueError:  # leave nothing of this request behind in the scheduler
             for seq_id in added:
                 scheduling.abort(self.scheduler, seq_id)
@@ -341,9 +361,9 @@ class LLMEngine:
             self._release_idle()
             return
         t0 = time.perf_counter()
-        batch, rows, golden, allowed = self._prepare(out)
+        batch, rows, golden, allowed, prompt_lens = self._prepare(out)
         self.stats.prepare_s += time.perf_counter() - t0
-        result = self.worker.run(batch, rows, golden, allowed)
+        result = self.worker.run(batch, rows, golden, allowed, prompt_lens=prompt_lens)
         self._process(out, result)
 
     def _step_async(self) -> None:
@@ -410,9 +430,9 @@ class LLMEngine:
         )
 
     def _launch(self, out, fill_from_previous: bool = False) -> None:
-        batch, rows, golden, allowed = self._prepare(out, allow_unknown=fill_from_previous)
+        batch, rows, golden, allowed, prompt_lens = self._prepare(out, allow_unknown=fill_from_previous)
         prev_rows = scheduling.prev_rows(out) if fill_from_previous else None
-        future = self._pool.submit(self.worker.run, batch, rows, golden, allowed, prev_rows)
+        future = self._pool.submit(self.worker.run, batch, rows, golden, allowed, prev_rows, prompt_lens)
         self._inflight.append((out, future))
 
     def _prepare(self, out, allow_unknown: bool = False):
@@ -447,7 +467,14 @@ class LLMEngine:
             if seq.grammar is not None:
                 grammar_rows[i] = seq.grammar
         allowed = self._structured.allowed_rows(grammar_rows, len(rows)) if grammar_rows else {}
-        return batch, rows, golden, allowed
+        return batch, rows, golden, allowed, self._step_prompt_lens(out, batch)
+
+    def _step_prompt_lens(self, out, batch) -> list[int] | None:
+        """The step's prompt lengths for the runner (None unless truncating); adds its prefill FLOPs."""
+        self.stats.prefill_flops += self.truncation.step_flops(
+            batch, scheduling.is_prefill(out), self._prompt_len_of
+        )
+        return self.truncation.prompt_lens(batch.seq_ids, self._prompt_len_of)
 
     def _banned(self, seq: SeqState, generated_before: int) -> tuple[int, ...]:
         p = seq.request.params
@@ -475,7 +502,7 @@ class LLMEngine:
         releasable, self._pending_release = self._pending_release, []
         finished = scheduling.update_from_output(self.scheduler, out, tokens)
         for seq_id in releasable:
-            scheduling.release(self.scheduler, seq_id)
+            self._release(seq_id)
         if self._structured is not None:
             for i, seq_id in enumerate(scheduling.seq_ids(out).tolist()):
                 seq = self.seqs.get(seq_id)
@@ -537,8 +564,12 @@ class LLMEngine:
         self._collect_all()
         if not self._inflight:
             for seq_id in self._pending_release:
-                scheduling.release(self.scheduler, seq_id)
+                self._release(seq_id)
             self._pending_release = []
+
+    def _release(self, seq_id: int) -> None:
+        scheduling.release(self.scheduler, seq_id)
+        self._prompt_len_of.pop(seq_id, None)
 
     def _collect_all(self) -> None:
         for state in [s for s in self.requests.values() if s.finished]:
@@ -582,8 +613,9 @@ class LLMEngine:
             return
         t0 = time.perf_counter()
         batch, inputs, allowed, confs = self._prepare_verify(out)
+        prompt_lens = self._step_prompt_lens(out, batch)
         self.stats.prepare_s += time.perf_counter() - t0
-        result = self.worker.run_verify(batch, inputs, allowed, self._spec.verifier)
+        result = self.worker.run_verify(batch, inputs, allowed, self._spec.verifier, prompt_lens)
         t0 = time.perf_counter()
         self._process_verify(out, batch, inputs, confs, result)
         self.stats.process_s += time.perf_counter() - t0
@@ -661,7 +693,7 @@ class LLMEngine:
         releasable, self._pending_release = self._pending_release, []
         finished = scheduling.update_from_lists(self.scheduler, out, emitted)
         for seq_id in releasable:
-            scheduling.release(self.scheduler, seq_id)
+            self._release(seq_id)
         accepted_after: dict[int, int] = {}
         if outcome is not None:
             prefill = scheduling.is_prefill(out)

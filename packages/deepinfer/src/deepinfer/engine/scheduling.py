@@ -20,6 +20,7 @@ def make_scheduler(
     max_model_len: int,
     chunked_prefill: bool,
     num_speculative_tokens: int = 0,
+    enable_prefix_caching: bool = True,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -30,6 +31,7 @@ def make_scheduler(
             max_model_len=max_model_len,
             enable_chunked_prefill=chunked_prefill,
             num_speculative_tokens=num_speculative_tokens,
+            enable_prefix_caching=enable_prefix_caching,
         )
     )
 

@@ -54,11 +54,13 @@ class ModelWorker:
         golden: list[int | None],
         allowed: dict[int, torch.Tensor] | None = None,
         prev_rows: np.ndarray | None = None,
+        prompt_lens: list[int] | None = None,
     ) -> StepResult:
         """rows[i]: how sequence i samples (None: it emits nothing this step, e.g. a prefill chunk);
         allowed[i]: bool [vocab] tokens sequence i may produce (structured output);
         prev_rows[i]: sequence i's row in the step this worker ran last, whose sampled token fills
-        its unknown (-1) input id — the asynchronous loop's correction of a step scheduled ahead."""
+        its unknown (-1) input id — the asynchronous loop's correction of a step scheduled ahead;
+        prompt_lens[i]: sequence i's original prompt length (YoCo truncation only, else None)."""
         if prev_rows is not None:
             self._fill_unknown_inputs(batch, prev_rows)
         self._last_tokens = None  # never let a later step read tokens of a step before this one
@@ -66,10 +68,10 @@ class ModelWorker:
         result = StepResult(tokens=np.full(n, -1, dtype=np.int64), logprobs=[None] * n, top=[None] * n)
         t0 = time.perf_counter()
         try:
-            logits = self.runner.execute(batch)
+            logits = self._execute(batch, prompt_lens)
             ok = list(range(n))
         except Exception:  # noqa: BLE001 - find the sequence(s) at fault; the others go on
-            logits, ok = self._execute_one_by_one(batch, result)
+            logits, ok = self._execute_one_by_one(batch, result, prompt_lens)
         t1 = time.perf_counter()
         emitting = [i for i in ok if rows[i] is not None]
         if emitting:
@@ -110,16 +112,17 @@ class ModelWorker:
         inputs: list[VerifyInput | None],
         allowed: dict[int, torch.Tensor],
         verifier: DraftVerifier,
+        prompt_lens: list[int] | None = None,
     ) -> VerifyStepResult:
         """A step whose decode rows may verify drafts (batch.logits_lens = 1 + k for them).
         inputs[i]: None when sequence i emits nothing; allowed: {row of the packed emitting rows: mask}."""
         result = VerifyStepResult(verified=[], outcome=None)
         t0 = time.perf_counter()
         try:
-            logits = self.runner.execute(batch)
+            logits = self._execute(batch, prompt_lens)
             ok = list(range(len(inputs)))
         except Exception:  # noqa: BLE001 - find the sequence(s) at fault; the others go on
-            logits, ok = self._execute_one_by_one(batch, result)
+            logits, ok = self._execute_one_by_one(batch, result, prompt_lens)
         t1 = time.perf_counter()
         okset = set(ok)
         picked, mask = [], {}
@@ -168,7 +171,15 @@ class ModelWorker:
         # anything still unknown (its sequence failed last step) stays -1: the runner rejects that
         # sequence alone, and its request has already been failed by the engine
 
-    def _execute_one_by_one(self, batch: RunnerBatch, result: StepResult) -> tuple[torch.Tensor, list[int]]:
+    def _execute(self, batch: RunnerBatch, prompt_lens: list[int] | None) -> torch.Tensor:
+        # Runners without truncation take no prompt lengths (the paged runner refuses them when off).
+        if prompt_lens is None:
+            return self.runner.execute(batch)
+        return self.runner.execute(batch, prompt_lens=prompt_lens)
+
+    def _execute_one_by_one(
+        self, batch: RunnerBatch, result: StepResult, prompt_lens: list[int] | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
         rows, ok = [], []
         offsets = batch.query_offsets
         for i in range(len(batch.seq_ids)):
@@ -181,7 +192,7 @@ class ModelWorker:
                 logits_lens=batch.logits_lens[i : i + 1],
             )
             try:
-                rows.append(self.runner.execute(one))
+                rows.append(self._execute(one, None if prompt_lens is None else prompt_lens[i : i + 1]))
                 ok.append(i)
             except Exception as e:  # noqa: BLE001
                 result.errors[i] = f"model forward failed: {type(e).__name__}: {e}"

@@ -1,0 +1,81 @@
+"""YoCo prefill truncation (spec v41-model §8) as the engine sees it: settings, start-up check, the
+per-step prompt lengths the paged runner needs, and the prefill FLOP estimate.
+
+The model package does the work (`deepinfer_model.models.deepseek_v41.yoco`, the paged runner); the
+engine only has to (1) read and check the settings once, (2) tell the runner every sequence's ORIGINAL
+prompt length on every step — `rect_lo = prompt_len - KEEP` must stay put through chunked prefill,
+decode, draft rollback and the recompute after a preemption (whose "prompt" is prompt + outputs) —
+and (3) keep the scheduler from handing out prefix-cache hits whose consumer SWA keys were computed
+under another `rect_lo` (see `LLMEngine`: prefix caching is off while truncation is on).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from deepinfer_model.models.deepseek_v41.yoco import (
+    YocoSettings,
+    check_prompt_logprobs,
+    check_settings,
+    max_backtracking,
+    prefill_flops,
+)
+
+from .. import envs
+
+
+def settings_from_env() -> YocoSettings:
+    """The env pair, validated (invalid mode / non-integer or missing KEEP raise ValueError)."""
+    return YocoSettings.from_env(
+        {
+            "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": str(envs.get("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE")),
+            "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": str(envs.get("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS")),
+        }
+    )
+
+
+class Truncation:
+    """Engine-wide truncation state; `enabled` False makes every method a no-op."""
+
+    def __init__(self, settings: YocoSettings, model, num_speculative_tokens: int) -> None:
+        self.settings = settings
+        self.backtracking = max_backtracking(
+            int(envs.DEEPINFER_MAX_BACKTRACKING_TOKENS), num_speculative_tokens
+        )
+        cfg = model.config
+        # Only V4.1 configs (YoCo topology) have a FLOP model; other models report 0.
+        self._flops_cfg = cfg if hasattr(cfg, "topology") and hasattr(cfg, "n_prefill_layer") else None
+        if settings.enabled:
+            if self._flops_cfg is None:
+                raise ValueError(
+                    f"DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE = {settings.mode.value} needs a DeepSeek-V4.1 "
+                    "model with a YoCo split; this model has none (set it to 'off')"
+                )
+            check_settings(settings, cfg, self.backtracking)  # KEEP >= W + B, the error names both sides
+
+    @property
+    def enabled(self) -> bool:
+        return self.settings.enabled
+
+    def check_request(self, prompt_logprobs: bool) -> None:
+        check_prompt_logprobs(self.settings, prompt_logprobs)
+
+    def prompt_lens(self, seq_ids, prompt_len_of: dict[int, int]) -> list[int] | None:
+        """Per sequence of a batch (batch order) its original prompt length; None when truncation is off
+        (the runner then takes no prompt lengths)."""
+        if not self.enabled:
+            return None
+        return [prompt_len_of[int(s)] for s in seq_ids]
+
+    def step_flops(self, batch, is_prefill: np.ndarray, prompt_len_of: dict[int, int]) -> float:
+        """Estimated FP8-equivalent FLOPs of the step's prefill chunks (skipped consumer rows excluded)."""
+        if self._flops_cfg is None:
+            return 0.0
+        keep, mode = self.settings.keep_tokens or None, self.settings.mode
+        total = 0.0
+        for i in np.flatnonzero(is_prefill):
+            q_len = int(batch.query_lens[i])
+            if q_len > 0:
+                start = int(batch.start_positions[i])
+                data_len = prompt_len_of[int(batch.seq_ids[i])]
+                total += prefill_flops(self._flops_cfg, start, q_len, data_len, keep, mode).total
+        return total
