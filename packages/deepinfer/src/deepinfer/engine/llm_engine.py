@@ -338,7 +338,7 @@ class LLMEngine:
         s = scheduling.stats(self.scheduler)
         logger.info(
             "step %d: running %d waiting %d, KV usage %.1f%%, prefix-cache hit rate %.1f%%, preemptions %d, "
-            "generated %d tokens",
+            "generated %d tokens, prefill %.3g FLOP (est.)",
             self.stats.steps,
             s["num_running"],
             s["num_waiting"],
@@ -346,6 +346,7 @@ class LLMEngine:
             100 * s["prefix_cache_hit_rate"],
             s["num_preemptions"],
             self.stats.generated_tokens,
+            self.stats.prefill_flops,
         )
 
     def _schedule(self):
