@@ -130,6 +130,9 @@ def test_keep_check_at_engine_start_names_both_sides(v41, yoco_env):
     yoco_env("compact", 10)
     with pytest.raises(ValueError, match=r"= 10 must be >= .* = 8 \+ 5 = 13"):
         LLMEngine(EngineArgs(model=str(v41), block_size=16, max_model_len=48), num_speculative_tokens=4)
+    yoco_env("compact", 10)
+    with pytest.raises(ValueError, match="needs runner = 'paged'"):
+        LLMEngine(EngineArgs(model=str(v41), block_size=16, max_model_len=48, runner="recompute"))
     yoco_env("sideways", 10)
     with pytest.raises(ValueError, match="TRUNCATION_MODE"):
         LLMEngine(EngineArgs(model=str(v41), block_size=16, max_model_len=48))
