@@ -214,7 +214,7 @@ per sequence (n = num_seqs) and per query token (T = num_batched_tokens).)doc")
       .def("_add_request",
            [](Scheduler& s, IntArray prompt, int64_t seq_id, int32_t max_tokens, int32_t min_tokens,
               const std::vector<int32_t>& stop_token_ids, int32_t eos_token_id, bool ignore_eos, int32_t priority,
-              double arrival_time, std::optional<IntArray> cached_block_ids) {
+              double arrival_time, std::optional<IntArray> cached_block_ids, uint64_t cache_salt) {
              if (prompt.ndim() != 1) throw std::invalid_argument("prompt_token_ids must be one-dimensional");
              RequestLimits l;
              l.max_tokens = max_tokens;
@@ -229,11 +229,11 @@ per sequence (n = num_seqs) and per query token (T = num_batched_tokens).)doc")
                nb = static_cast<int32_t>(cached_block_ids->size());
              }
              return s.add_request(seq_id, prompt.data(), static_cast<int32_t>(prompt.size()), l, priority,
-                                  arrival_time, blocks, nb);
+                                  arrival_time, blocks, nb, cache_salt);
            },
            py::arg("prompt_token_ids"), py::arg("seq_id"), py::arg("max_tokens"), py::arg("min_tokens"),
            py::arg("stop_token_ids"), py::arg("eos_token_id"), py::arg("ignore_eos"), py::arg("priority"),
-           py::arg("arrival_time"), py::arg("cached_block_ids"))
+           py::arg("arrival_time"), py::arg("cached_block_ids"), py::arg("cache_salt") = 0)
       .def("abort", &Scheduler::abort, py::arg("seq_id"),
            "Abort a request at any time; frees its blocks. Returns False if it had already finished.")
       .def("release", &Scheduler::release, py::arg("seq_id"),

@@ -8,7 +8,6 @@
 namespace deepinfer {
 
 namespace {
-constexpr uint64_t kRootHash = 0x9E3779B97F4A7C15ull;
 
 // splitmix64 finaliser: cheap and well mixed; collisions are harmless (hits are confirmed).
 inline uint64_t mix(uint64_t x) {
@@ -21,7 +20,13 @@ inline uint64_t mix(uint64_t x) {
 }
 }  // namespace
 
-uint64_t PrefixChain::last_hash() const { return hashes.empty() ? kRootHash : hashes.back(); }
+uint64_t PrefixChain::last_hash() const { return hashes.empty() ? root_hash : hashes.back(); }
+
+void PrefixChain::set_salt(uint64_t salt) {
+  if (salt >> 63) throw std::invalid_argument("cache_salt must be < 2^63, got " + std::to_string(salt));
+  root_uid = salt == 0 ? 0 : ((1ull << 63) | salt);
+  root_hash = salt == 0 ? kPrefixRootHash : mix(kPrefixRootHash ^ mix(salt));
+}
 
 BlockManager::BlockManager(int32_t num_blocks, int32_t block_size, bool enable_prefix_caching, int32_t hash_bits)
     : block_size_(block_size),
@@ -61,7 +66,7 @@ int32_t BlockManager::match_prefix(const int32_t* tokens, int32_t max_blocks, st
   chain.clear();
   if (!prefix_caching_) return 0;
   int32_t num_free_hits = 0;
-  uint64_t h = kRootHash, parent = 0;
+  uint64_t h = chain.root_hash, parent = chain.root_uid;
   for (int32_t i = 0; i < max_blocks; ++i) {
     const int32_t* t = tokens + static_cast<size_t>(i) * block_size_;
     h = hash_block(h, t);

@@ -58,6 +58,7 @@ bool Scheduler::admit_waiting(Sequence* s, int32_t budget, StepEntry& e) {
   }
   const int32_t len = s->len();
   int32_t max_hit_blocks = (len - 1) / cfg_.block_size;  // at least one token must be computed
+  hit_chain_.copy_root(s->chain);  // the request's salt
   int32_t free_hits = bm_.match_prefix(s->tokens.data(), max_hit_blocks, hit_blocks_, hit_chain_);
   int32_t start = static_cast<int32_t>(hit_blocks_.size()) * cfg_.block_size;
   int32_t rest = len - start;

@@ -87,7 +87,7 @@ const Sequence& Scheduler::get(int64_t seq_id) const { return *lookup(seq_id, "g
 
 int64_t Scheduler::add_request(int64_t seq_id, const int32_t* prompt, int32_t prompt_len,
                                const RequestLimits& limits, int32_t priority, double arrival_time,
-                               const int32_t* cached_blocks, int32_t num_cached_blocks) {
+                               const int32_t* cached_blocks, int32_t num_cached_blocks, uint64_t cache_salt) {
   // Validate everything before touching any state, so a bad request leaves no trace.
   if (prompt_len < 1) bad("prompt_token_ids must not be empty");
   if (prompt_len >= cfg_.max_model_len) {
@@ -107,6 +107,7 @@ int64_t Scheduler::add_request(int64_t seq_id, const int32_t* prompt, int32_t pr
   if (limits.eos_token_id < -1) bad("eos_token_id must be >= 0 (or -1 for none), got " + S(limits.eos_token_id));
   if (seq_id >= 0 && seqs_.count(seq_id)) bad("seq_id " + S(seq_id) + " is already in use");
   if (seq_id < -1) bad("seq_id must be >= 0 (or None for automatic), got " + S(seq_id));
+  if (cache_salt >> 63) bad("cache_salt must be in [0, 2^63), got " + std::to_string(cache_salt));
   bool completion = cfg_.engine_type == EngineType::kCompletion;
   if (completion) {
     int32_t need = cdiv(prompt_len, cfg_.block_size);
@@ -142,6 +143,7 @@ int64_t Scheduler::add_request(int64_t seq_id, const int32_t* prompt, int32_t pr
   s->tokens.assign(prompt, prompt + prompt_len);
   s->num_prompt_tokens = prompt_len;
   s->limits = limits;
+  s->chain.set_salt(cache_salt);
   s->arrival_time = arrival_time >= 0 ? arrival_time : monotonic_seconds();
   if (completion) {
     for (int32_t i = 0; i < num_cached_blocks; ++i) {

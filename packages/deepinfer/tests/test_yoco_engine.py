@@ -168,10 +168,21 @@ def test_off_mode_is_the_untruncated_model_with_prefix_caching(v41, yoco_env):
         stateless_greedy_matches(engine.model, prompt, gen, None, None)
     assert engine.scheduler_stats()["prefix_cache_hit_tokens"] > 0
     assert engine.stats.prefill_flops > 0
-    # Under truncation the same pair gets no hit (prefix caching is off: a hit from another prompt
-    # length would read consumer SWA keys computed under another rect_lo) and still decodes exactly.
+    # Under truncation the same pair gets no hit (a hit from another prompt length would read consumer
+    # SWA keys computed under another rect_lo: the prompt length salts the prefix cache) and still
+    # decodes exactly.
     yoco_env("compact", 10)
     tokens, engine = run(v41, prompts=prompts, max_num_seqs=1)
     assert engine.scheduler_stats()["prefix_cache_hit_tokens"] == 0
+    for prompt, gen in zip(prompts, tokens):
+        stateless_greedy_matches(engine.model, prompt, gen, 10, "compact")
+
+
+def test_truncation_keeps_prefix_hits_between_prompts_of_one_length(v41, yoco_env):
+    yoco_env("compact", 10)
+    shared = PROMPTS[0][:20]
+    prompts = [shared + [9, 9, 9], shared + [8, 8, 8]]  # same length: same rect_lo, a safe hit
+    tokens, engine = run(v41, prompts=prompts, max_num_seqs=1)
+    assert engine.scheduler_stats()["prefix_cache_hit_tokens"] > 0
     for prompt, gen in zip(prompts, tokens):
         stateless_greedy_matches(engine.model, prompt, gen, 10, "compact")

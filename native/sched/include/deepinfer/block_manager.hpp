@@ -21,18 +21,33 @@
 
 namespace deepinfer {
 
+inline constexpr uint64_t kPrefixRootHash = 0x9E3779B97F4A7C15ull;
+
 // The identity of a run of full blocks: the chained hash (for lookups) and the uid of the block
-// registered with that exact content (for exact confirmation). uid 0 = the empty prefix.
+// registered with that exact content (for exact confirmation). The chain starts at a root: the
+// empty prefix (uid 0), or a request's cache salt. Two requests share cached blocks only when their
+// salts are equal (e.g. an engine whose KV depends on more than the tokens, such as YoCo
+// truncation keyed by prompt length). Salted roots use uids with the top bit set, which
+// registration uids (a counter from 1) never reach, so exact confirmation keeps working.
 struct PrefixChain {
   std::vector<uint64_t> hashes;
   std::vector<uint64_t> uids;
+  uint64_t root_hash = kPrefixRootHash;
+  uint64_t root_uid = 0;
   size_t size() const { return uids.size(); }
+  // Forgets the blocks, keeps the root (the salt belongs to the request).
   void clear() {
     hashes.clear();
     uids.clear();
   }
+  // salt 0 = unsalted; otherwise salt must be < 2^63.
+  void set_salt(uint64_t salt);
+  void copy_root(const PrefixChain& other) {
+    root_hash = other.root_hash;
+    root_uid = other.root_uid;
+  }
   uint64_t last_hash() const;
-  uint64_t last_uid() const { return uids.empty() ? 0 : uids.back(); }
+  uint64_t last_uid() const { return uids.empty() ? root_uid : uids.back(); }
 };
 
 class BlockManager {

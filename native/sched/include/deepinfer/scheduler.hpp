@@ -103,10 +103,11 @@ class Scheduler {
   const SchedulerConfig& config() const { return cfg_; }
 
   // Validates and queues a request. seq_id < 0 picks the next free id. cached_blocks: COMPLETION
-  // engines only, the blocks that already hold the prompt's KV. Returns the seq id.
+  // engines only, the blocks that already hold the prompt's KV. cache_salt: prefix-cache namespace
+  // (0 = shared by all; otherwise < 2^63). Returns the seq id.
   int64_t add_request(int64_t seq_id, const int32_t* prompt, int32_t prompt_len, const RequestLimits& limits,
                       int32_t priority, double arrival_time, const int32_t* cached_blocks,
-                      int32_t num_cached_blocks);
+                      int32_t num_cached_blocks, uint64_t cache_salt = 0);
   // Marks a request aborted and frees its blocks. False if it had already finished.
   bool abort(int64_t seq_id);
   // Forgets a finished request (and frees the blocks a PROMPT engine handed back).

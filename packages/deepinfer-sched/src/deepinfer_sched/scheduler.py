@@ -69,12 +69,15 @@ class Scheduler(_NativeScheduler):
         priority: int = 0,
         arrival_time: float | None = None,
         cached_block_ids: Sequence[int] | np.ndarray | None = None,
+        cache_salt: int = 0,
     ) -> int:
         """Queue a request; returns its seq id (``seq_id=None`` picks the next free one).
 
         ``priority``: smaller runs first; equal priorities are served in arrival order.
         ``arrival_time``: seconds on ``time.monotonic()``'s clock (now by default).
         ``cached_block_ids``: COMPLETION engines only; the blocks already holding the prompt's KV.
+        ``cache_salt``: prefix-cache namespace in [0, 2**63): requests share cached blocks only when
+        their salts are equal (0, the default, is shared by all).
         """
         for name, value in (("max_tokens", max_tokens), ("min_tokens", min_tokens), ("priority", priority)):
             if (
@@ -87,6 +90,8 @@ class Scheduler(_NativeScheduler):
             raise ValueError(f"seq_id must be a non-negative integer or None, got {seq_id!r}")
         if eos_token_id is not None and eos_token_id < 0:
             raise ValueError(f"eos_token_id must be >= 0 or None, got {eos_token_id}")
+        if isinstance(cache_salt, bool) or not isinstance(cache_salt, int | np.integer) or not 0 <= cache_salt < 2**63:
+            raise ValueError(f"cache_salt must be an integer in [0, 2**63), got {cache_salt!r}")
         blocks = None if cached_block_ids is None else _int32_array(cached_block_ids, "cached_block_ids")
         return self._add_request(
             _int32_array(prompt_token_ids, "prompt_token_ids"),
@@ -99,6 +104,7 @@ class Scheduler(_NativeScheduler):
             int(priority),
             -1.0 if arrival_time is None else float(arrival_time),
             blocks,
+            int(cache_salt),
         )
 
     def update_from_output(

@@ -116,10 +116,6 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             chunked_prefill=args.chunked_prefill,
             num_speculative_tokens=nextn,
-            # A prefix hit from another prompt length reads consumer SWA keys computed under another
-            # rect_lo (the runner would refuse the step) and the scheduler cannot fall back to a recompute
-            # by itself, so truncation turns prefix caching off; preemption then recomputes from 0.
-            enable_prefix_caching=not self.truncation.enabled,
         )
         yoco = self.truncation.settings if self.truncation.enabled else None
         self.runner = make_runner(
@@ -262,7 +258,13 @@ class LLMEngine:
         try:
             for seq in state.seqs:
                 scheduling.add_sequence(
-                    self.scheduler, seq.seq_id, prompt_token_ids, params, self.eos_token_id, max_tokens
+                    self.scheduler,
+                    seq.seq_id,
+                    prompt_token_ids,
+                    params,
+                    self.eos_token_id,
+                    max_tokens,
+                    cache_salt=self.truncation.cache_salt(len(prompt_token_ids)),
                 )
                 added.append(seq.seq_id)
                 self._prompt_len_of[seq.seq_id] = len(prompt_token_ids)

@@ -43,6 +43,7 @@ def add_sequence(
     params: SamplingParams,
     eos_token_id: int | None,
     max_tokens: int,
+    cache_salt: int = 0,
 ) -> None:
     sched.add_request(
         np.asarray(prompt, dtype=np.int32),
@@ -52,6 +53,7 @@ def add_sequence(
         stop_token_ids=list(params.stop_token_ids),
         eos_token_id=eos_token_id,
         ignore_eos=params.ignore_eos,
+        cache_salt=cache_salt,
     )
 
 

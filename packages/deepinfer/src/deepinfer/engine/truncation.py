@@ -6,7 +6,9 @@ engine only has to (1) read and check the settings once, (2) tell the runner eve
 prompt length on every step — `rect_lo = prompt_len - KEEP` must stay put through chunked prefill,
 decode, draft rollback and the recompute after a preemption (whose "prompt" is prompt + outputs) —
 and (3) keep the scheduler from handing out prefix-cache hits whose consumer SWA keys were computed
-under another `rect_lo` (see `LLMEngine`: prefix caching is off while truncation is on).
+under another `rect_lo`: under truncation every request's prefix-cache namespace (`cache_salt`) is
+its prompt length, so hits only come from prompts of the same length (same `rect_lo`, which the
+paged runner accepts), including a preempted sequence's own blocks.
 """
 
 from __future__ import annotations
@@ -58,6 +60,12 @@ class Truncation:
 
     def check_request(self, prompt_logprobs: bool) -> None:
         check_prompt_logprobs(self.settings, prompt_logprobs)
+
+    def cache_salt(self, prompt_len: int) -> int:
+        """The scheduler's prefix-cache namespace for a request: its prompt length under truncation
+        (a hit from another length would read consumer SWA keys clipped at another `rect_lo`), the
+        shared namespace 0 otherwise."""
+        return prompt_len if self.enabled else 0
 
     def prompt_lens(self, seq_ids, prompt_len_of: dict[int, int]) -> list[int] | None:
         """Per sequence of a batch (batch order) its original prompt length; None when truncation is off
