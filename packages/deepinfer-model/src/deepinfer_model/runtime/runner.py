@@ -135,7 +135,16 @@ class PagedRunner:
         self.metadata_s += time.perf_counter() - t0
         logits = self._forward(self.model, meta, self.cache, *forward_args)
         self._last_meta = meta
+        self._last_seq_ids = np.asarray(batch.seq_ids, dtype=np.int64)
         return logits
+
+    def last_step_index(self, seq_id: int) -> int | None:
+        """The batch index of `seq_id` in the last executed step (None if it was not in it)."""
+        ids = getattr(self, "_last_seq_ids", None)
+        if ids is None:
+            return None
+        hits = np.flatnonzero(ids == seq_id)
+        return int(hits[0]) if len(hits) else None
 
     def _yoco_step(self, meta: StepMetadata, seq_ids, prompt_lens) -> YocoStep:
         if prompt_lens is None:
@@ -165,11 +174,13 @@ class PagedRunner:
         step = YocoStep.build(meta, self.yoco, [prompt_len])
         return resume_problem(self.cache, meta, step, self.model.config.sliding_window)
 
-    def draft(self, next_tokens, num_draft_tokens: int, seq_indices=None, sampler=None) -> list:
+    def draft(self, next_tokens, num_draft_tokens: int, seq_indices=None, sampler=None, last_positions=None) -> list:
         """V4.1 drafter outputs after the last `execute`: for each sequence of that step (or the batch
         indices `seq_indices`), one `DraftOutput` of `num_draft_tokens` tokens drafted after
-        `next_tokens[k]`, the token the target produced at its last position. Equal to
-        `model.forward(tokens, num_draft_tokens=n, next_token=g).draft`."""
+        `next_tokens[k]`, the token the target produced at its last position — or at
+        `last_positions[k]` (absolute), the last ACCEPTED position of a verification step, so that
+        rejected draft rows are never read. Equal to
+        `model.forward(tokens[: last + 1], num_draft_tokens=n, next_token=g).draft`."""
         from ..models.deepseek_v41.drafter import greedy
         from ..models.deepseek_v41.paged import v41_paged_draft
 
@@ -184,8 +195,15 @@ class PagedRunner:
             raise ValueError(
                 f"next_tokens must hold one token per drafted sequence ({len(seqs)}), got {len(tokens)}"
             )
+        if last_positions is not None:
+            last_positions = [int(p) for p in np.asarray(last_positions).reshape(-1)]
+            if len(last_positions) != len(seqs):
+                raise ValueError(
+                    f"last_positions must hold one position per drafted sequence ({len(seqs)}), "
+                    f"got {len(last_positions)}"
+                )
         return v41_paged_draft(
-            self.model, meta, self.cache, seqs, tokens, num_draft_tokens, sampler or greedy
+            self.model, meta, self.cache, seqs, tokens, num_draft_tokens, sampler or greedy, last_positions
         )
 
 

@@ -9,8 +9,9 @@ from (rejection sampling needs it to stay exact).
 * `ModelDrafter` — the checkpoint's own DSpark draft blocks (`model.forward(..., num_draft_tokens=k)`).
   Sampled requests draw draft i from the request's filtered distribution of the drafter logits with
   the request's draft stream (seed + DRAFT_SEED_OFFSET, `draft_position`), so runs are reproducible.
-  On the recompute runner this is one extra stateless forward per sequence and step (a paged runner
-  should draft from its cached main keys instead).
+  On the recompute runner this is one extra stateless forward per sequence and step.
+* `PagedDrafter` — the same drafts read from the paged runner's cached drafter keys (the default with
+  the paged runner): no extra forward.
 * `OracleDrafter` — NOT for serving: proposes the target's own greedy continuation, computed with
   the stateless model (k extra forwards per sequence). Under greedy decoding every draft is accepted,
   which shows the mechanism's ceiling and overhead in tests and benchmarks.
@@ -90,6 +91,36 @@ class ModelDrafter:
             probs = torch.stack(sampler.probs) if sampler.probs else None
             conf = d.confidence.clamp(0.0, 1.0).tolist()
             out.append(Drafts(d.tokens.tolist(), conf, probs))
+        return out
+
+
+class PagedDrafter:
+    """The checkpoint's DSpark draft blocks read from the paged runner's cached drafter keys: no extra
+    forward of the target. Drafts after each sequence's last accepted position of the step just run
+    (equal to `ModelDrafter`'s stateless drafts, tested); a sequence that was not in that step falls
+    back to `ModelDrafter`."""
+
+    def __init__(self, runner, model) -> None:
+        self.runner = runner
+        self.fallback = ModelDrafter(model)
+
+    def propose(self, requests: list[DraftRequest]) -> list[Drafts]:
+        out = []
+        for req in requests:
+            index = self.runner.last_step_index(req.seq_id)
+            if index is None:
+                out.extend(self.fallback.propose([req]))
+                continue
+            sampler = _DraftSampler(req)
+            (d,) = self.runner.draft(
+                [req.next_token],
+                req.num_drafts,
+                seq_indices=[index],
+                sampler=sampler,
+                last_positions=[len(req.context) - 1],
+            )
+            probs = torch.stack(sampler.probs) if sampler.probs else None
+            out.append(Drafts(d.tokens.tolist(), d.confidence.clamp(0.0, 1.0).tolist(), probs))
         return out
 
 

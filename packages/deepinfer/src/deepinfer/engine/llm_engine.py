@@ -41,7 +41,7 @@ from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from ..tokenizer import load_tokenizer, load_tokenizer_config
 from . import scheduling
-from .drafting import Drafter, DraftRequest, ModelDrafter
+from .drafting import Drafter, DraftRequest, ModelDrafter, PagedDrafter
 from .request import RequestState, SeqState
 from .spec_decode import SpecDecoder, VerifyInput
 from .structured import StructuredOutputs
@@ -158,7 +158,10 @@ class LLMEngine:
         self._spec: SpecDecoder | None = None
         if nextn:
             curve = self._step_time_curve(step_time_curve, nextn)
-            self._spec = SpecDecoder(nextn, drafter or ModelDrafter(self.model), curve)
+            if drafter is None:
+                paged = hasattr(self.runner, "last_step_index")
+                drafter = PagedDrafter(self.runner, self.model) if paged else ModelDrafter(self.model)
+            self._spec = SpecDecoder(nextn, drafter, curve)
 
     def _resolve_nextn(self, requested: int | None, drafter: Drafter | None) -> int:
         nextn = int(envs.DEEPINFER_USE_NEXTN_DECODE) if requested is None else requested

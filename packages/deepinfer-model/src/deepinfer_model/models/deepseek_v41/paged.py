@@ -252,10 +252,12 @@ def v41_paged_draft(
     next_tokens: list[int],
     num_draft_tokens: int,
     sampler: Sampler = greedy,
+    last_positions: list[int] | None = None,
 ) -> list[DraftOutput]:
     """One drafted block after the last position of each listed sequence of the step `meta` describes
-    (which must have run), starting from the token the target produced there; the drafter's main keys
-    come from the `draft_main.*` pools (the last `sliding_window` positions)."""
+    (which must have run), or after `last_positions[k]` (a position of that step or before it: the last
+    accepted one of a verification step), starting from the token the target produced there; the
+    drafter's main keys come from the `draft_main.*` pools (the last `sliding_window` positions)."""
     cfg, w = model.config, model.weights
     if w.drafter is None:
         raise ValueError(
@@ -265,10 +267,14 @@ def v41_paged_draft(
         raise ValueError(f"num_draft_tokens = {num_draft_tokens} must lie in [1, 32]")
     n_blocks = len(w.drafter.blocks)
     out = []
-    for i, g in zip(seqs, next_tokens):
+    for k, (i, g) in enumerate(zip(seqs, next_tokens)):
         if not 0 <= g < cfg.vocab_size:
             raise ValueError(f"next_token = {g} must lie in [0, vocab_size={cfg.vocab_size})")
         last = int(meta.ends[i]) - 1
+        if last_positions is not None:
+            if not 0 <= last_positions[k] <= last:
+                raise ValueError(f"last_positions[{k}] = {last_positions[k]} must lie in [0, {last}]")
+            last = last_positions[k]
         lo = max(0, last - cfg.sliding_window + 1)
         slots = meta.token_slots(i, lo, last + 1)
         # draft_block indexes main keys by absolute position and reads only [lo, last]
