@@ -1,5 +1,12 @@
 """Repository-wide pytest options."""
 
+import os
+
+# Tests decode without drafts unless they ask for them (num_speculative_tokens / their own env), so
+# step counts and timings do not depend on the reference's default of 5 drafts per step; the default
+# itself is tested with the variable removed (packages/deepinfer/tests/test_engine_nextn_default.py).
+os.environ.setdefault("DEEPINFER_USE_NEXTN_DECODE", "0")
+
 
 def pytest_addoption(parser):
     parser.addoption(

@@ -57,7 +57,12 @@ _VARS = [
         "batch-invariant numerics: fixed-tile GEMMs so a row never depends on its batch (CPU); NVIDIA kernels not yet",
     ),
     EnvVar(
-        "DEEPINFER_USE_NEXTN_DECODE", int, 0, "draft tokens per decode step (speculative decoding)", False
+        "DEEPINFER_USE_NEXTN_DECODE",
+        int,
+        5,
+        "draft tokens per decode step (0 = no speculative decoding); unset, the built-in random-weight "
+        "deepinfer-tiny decodes without drafts (its drafter cannot be accepted)",
+        False,
     ),
     EnvVar("DEEPINFER_ENABLE_MTP_VARLEN", _bool, False, "confidence-scheduled verification length", False),
     EnvVar(

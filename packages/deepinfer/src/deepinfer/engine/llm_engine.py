@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import time
 from collections import deque
@@ -80,7 +81,7 @@ class LLMEngine:
         drafter: Drafter | None = None,
         step_time_curve: StepTimeCurve | str | Path | None = None,
     ) -> None:
-        """num_speculative_tokens: drafts per step (None: DEEPINFER_USE_NEXTN_DECODE, unset = 0 = off);
+        """num_speculative_tokens: drafts per step (None: DEEPINFER_USE_NEXTN_DECODE, default 5; 0 = off);
         drafter: who proposes them (default: the checkpoint's DSpark draft blocks); step_time_curve:
         for DEEPINFER_ENABLE_MTP_VARLEN=1, a StepTimeCurve or its JSON file (default: measured now)."""
         envs.warn_unknown()
@@ -164,6 +165,11 @@ class LLMEngine:
             self._spec = SpecDecoder(nextn, drafter, curve)
 
     def _resolve_nextn(self, requested: int | None, drafter: Drafter | None) -> int:
+        if requested is None and self.is_default_model and "DEEPINFER_USE_NEXTN_DECODE" not in os.environ:
+            # deepinfer-tiny's weights are random: its drafts are (almost) never accepted, so drafting
+            # would only slow the demo down (measured 2.5x). Real checkpoints get the reference's 5.
+            logger.info("deepinfer-tiny has random weights: speculative decoding off unless asked for")
+            return 0
         nextn = int(envs.DEEPINFER_USE_NEXTN_DECODE) if requested is None else requested
         if isinstance(nextn, bool) or not 0 <= nextn <= MAX_NEXTN:
             raise ValueError(f"num_speculative_tokens must be in [0, {MAX_NEXTN}], got {nextn!r}")
