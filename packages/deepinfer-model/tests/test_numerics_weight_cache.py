@@ -1,7 +1,6 @@
 """The FP64 weight cache must never serve a stale copy: linear() results track in-place updates."""
 
 import torch
-
 from deepinfer_model.numerics import linear, weight_fp64
 
 

@@ -3,7 +3,6 @@ prompt length, because its KV depends on more than the tokens)."""
 
 import numpy as np
 import pytest
-
 from deepinfer_sched import Scheduler, SchedulerConfig
 
 
