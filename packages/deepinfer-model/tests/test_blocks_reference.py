@@ -26,16 +26,6 @@ from deepinfer_model.layers import (
 )
 from deepinfer_model.numerics import linear
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices gain nothing from threads; on a shared 2-core runner they only add sync stalls."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 GEN = torch.Generator().manual_seed(0)
 
 

@@ -10,16 +10,6 @@ from deepinfer_model import CheckpointError, ConfigError, load_model
 from deepinfer_model.testing import make_checkpoint, tiny_config
 from safetensors.torch import load_file, save_file
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices gain nothing from threads; on a shared 2-core runner they only add sync stalls."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 SMALL = dict(
     num_hidden_layers=2,
     layer_types=["sliding_attention", "compressed_sparse_attention"],

@@ -11,15 +11,6 @@ from deepinfer_model.testing.checkpoint import tiny_config
 BLOCK = 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices gain nothing from threads; on a shared 2-core runner they only add sync stalls."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     # two layers (sliding window + compressed sparse attention): every attention kind the runner must

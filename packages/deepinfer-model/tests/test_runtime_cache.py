@@ -15,14 +15,6 @@ from deepinfer_sched import Scheduler, SchedulerConfig
 BLOCK = 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return load_v41(make_v41_checkpoint(tmp_path_factory.mktemp("v41"), seed=1))

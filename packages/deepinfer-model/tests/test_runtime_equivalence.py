@@ -20,15 +20,6 @@ from hypothesis import strategies as st
 RTOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices gain nothing from threads; on a shared 2-core runner they only add sync stalls."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def v4(tmp_path_factory):
     return load_model(make_checkpoint(tmp_path_factory.mktemp("v4"), tiny_config(), seed=3, tokenizer=False))

@@ -14,14 +14,6 @@ transformers = pytest.importorskip("transformers")
 RTOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _step(runner, start, tokens, table):
     return runner.execute(
         RunnerBatch(

@@ -22,14 +22,6 @@ W, B, KEEP = 8, 6, 14  # tiny sliding window, default backtracking, minimal KEEP
 MODES = ["mask", "compact"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return load_v41(make_v41_checkpoint(tmp_path_factory.mktemp("v41yoco_paged"), seed=0))

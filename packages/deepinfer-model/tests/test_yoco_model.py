@@ -15,14 +15,6 @@ W, B, KEEP, P = 8, 6, 14, 48  # tiny sliding window, default backtracking, minim
 CONSUMERS = (3, 4, 5)  # n_prefill_layer = 3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return load_v41(make_v41_checkpoint(tmp_path_factory.mktemp("v41yoco"), seed=1))
