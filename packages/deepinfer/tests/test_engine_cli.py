@@ -11,6 +11,8 @@ from deepinfer.cli import main
     [["--help"], ["generate", "--help"], ["bench", "--help"], ["launch", "--help"], ["eval", "--help"]],
 )
 def test_help(argv, capsys):
+    if argv[0] == "eval":
+        pytest.importorskip("deepinfer_eval", reason="deepinfer eval needs the deepinfer-eval package")
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 0
@@ -95,3 +97,12 @@ def test_ctrl_c_during_generate_exits_cleanly(micro_checkpoint, tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert "interrupted" in err and "Traceback" not in err
+
+
+def test_eval_without_the_eval_package_says_what_to_install(monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "deepinfer_eval", None)  # as if it were not installed
+    monkeypatch.setitem(sys.modules, "deepinfer_eval.cli", None)
+    assert main(["eval", "--help"]) == 2
+    assert "needs the deepinfer-eval package" in capsys.readouterr().err

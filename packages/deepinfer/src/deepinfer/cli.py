@@ -160,8 +160,18 @@ def main(argv: list[str] | None = None) -> int:
 
         return launch_main(argv[1:])
     if argv and argv[0] == "eval":
-        from deepinfer_eval.cli import main as eval_main
-
+        # deepinfer-eval sits beside the engine (it depends on us through its `generate` extra), so
+        # `deepinfer eval` works only where it is installed.
+        try:
+            from deepinfer_eval.cli import main as eval_main
+        except ModuleNotFoundError as exc:
+            if not (exc.name or "").startswith("deepinfer_eval"):
+                raise
+            print(
+                "deepinfer eval needs the deepinfer-eval package: pip install 'deepinfer-eval[generate]'",
+                file=sys.stderr,
+            )
+            return 2
         return eval_main(argv[1:])
     if argv[:1] == ["bench"] and argv[1:2] and argv[1] in ("prefill", "decode", "sweep"):
         from .bench.harness import main as harness_main
