@@ -1,5 +1,5 @@
 """Decode throughput of a batch of JSON-schema-constrained requests vs unconstrained ones, end to end
-through `LLMEngine` on the same random-weight model (CPU, recompute runner).
+through `LLMEngine` on the same random-weight model (CPU, the engine's default paged runner).
 
     uv run --no-sync python benchmarks/structured/bench_structured_engine.py             # 64 requests
     uv run --no-sync python benchmarks/structured/bench_structured_engine.py --model v4-micro-real-vocab
@@ -14,8 +14,8 @@ Both configurations run the same prompts with the same max_tokens; unconstrained
 tok_per_s = generated tokens / engine wall time (prefill included, same prompts in both);
 ms_per_step = wall time / engine steps; prepare_ms_per_step = host time building the step (grammar
 masks for the constrained rows live here); ratio_* = constrained / unconstrained in the same run (fastest of --repeats alternating runs each).
-The recompute runner re-runs each sequence per step, so the forward dominates far more than on a GPU
-decode step: prepare_ms_per_step is the number to compare with a real step time.
+On the CPU the forward dominates far more than on a GPU decode step: prepare_ms_per_step is the number
+to compare with a real step time.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
         constrained["prepare_ms_per_step"] - free["prepare_ms_per_step"]
     )
     table = Table(
-        title=f"{args.batch} requests, {args.model}, CPU {args.threads} thread(s), recompute runner"
+        title=f"{args.batch} requests, {args.model}, CPU {args.threads} thread(s), paged runner"
     )
     cols = list(constrained)
     for c in cols:
