@@ -1,4 +1,4 @@
-"""Speculative decoding through the real engine loop on a random-weight V4.1 (CPU, recompute runner).
+"""Speculative decoding through the real engine loop on a random-weight V4.1 (CPU, paged runner).
 
     uv run --no-sync python benchmarks/spec/bench_spec_engine.py                 # 4 requests x 24 tokens
     uv run --no-sync python benchmarks/spec/bench_spec_engine.py --nextn 3 --batch 8
@@ -8,15 +8,16 @@ Configurations (greedy decoding, same prompts, same engine settings, measured in
   oracle  OracleDrafter: proposes the target's own greedy continuation (computed with k extra stateless
           forwards per sequence, a test tool): every draft is accepted, so it shows the mechanism's
           ceiling in steps and its verification overhead;
-  model   the checkpoint's own DSpark draft blocks. RANDOM WEIGHTS: the drafter is untrained, so its
+  model   the checkpoint's own DSpark draft blocks (PagedDrafter: from the runner's cached drafter
+          keys). RANDOM WEIGHTS: the drafter is untrained, so its
           acceptance is ~0 and says nothing about a trained checkpoint.
 
 Columns: tokens_per_request_step = emitted tokens per sequence per decode step (1 + accepted);
 tok_per_s = generated tokens / engine wall time; tok_per_s_excl_draft leaves out the drafter's time
 (the oracle's stateless forwards are not what a real drafter costs); speedup_* = ratio to `none`.
 Each configuration runs --repeats times, alternating, after one warm-up run; the fastest run is kept.
-The recompute runner re-runs the whole sequence per step, so verifying 1 + k rows costs about one
-decode step: the step count is what drafting saves here.
+On the CPU, verifying 1 + k rows costs more than one decode row, unlike a memory-bound GPU decode
+step: the step count and tokens per step are the portable numbers here.
 """
 
 from __future__ import annotations
