@@ -156,6 +156,9 @@ class LLMEngine:
         self.stats = EngineStats()
         self._tokenizer_dir = tok_path
         self._structured: StructuredOutputs | None = None  # built on the first so_args request
+        # Grammar masks are filled here while the forward runs (xgrammar releases the GIL; the masks
+        # are needed only at sampling), so their cost leaves the step's critical path.
+        self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-masks")
         self._spec: SpecDecoder | None = None
         if nextn:
             curve = self._step_time_curve(step_time_curve, nextn)
@@ -478,7 +481,9 @@ class LLMEngine:
             golden.append(g[generated_before] if g is not None and generated_before < len(g) else None)
             if seq.grammar is not None:
                 grammar_rows[i] = seq.grammar
-        allowed = self._structured.allowed_rows(grammar_rows, len(rows)) if grammar_rows else {}
+        allowed = {}
+        if grammar_rows:  # a callable the worker resolves after the forward (filled meanwhile)
+            allowed = self._mask_pool.submit(self._structured.allowed_rows, grammar_rows, len(rows)).result
         return batch, rows, golden, allowed, self._step_prompt_lens(out, batch)
 
     def _step_prompt_lens(self, out, batch) -> list[int] | None:
@@ -597,6 +602,7 @@ class LLMEngine:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        self._mask_pool.shutdown(wait=True)
         if self._structured is not None:
             self._structured.close()
             self._structured = None

@@ -8,6 +8,7 @@ two threads share nothing but the immutable step description.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,12 +53,13 @@ class ModelWorker:
         batch: RunnerBatch,
         rows: list[RowParams | None],
         golden: list[int | None],
-        allowed: dict[int, torch.Tensor] | None = None,
+        allowed: dict[int, torch.Tensor] | Callable[[], dict[int, torch.Tensor]] | None = None,
         prev_rows: np.ndarray | None = None,
         prompt_lens: list[int] | None = None,
     ) -> StepResult:
         """rows[i]: how sequence i samples (None: it emits nothing this step, e.g. a prefill chunk);
-        allowed[i]: bool [vocab] tokens sequence i may produce (structured output);
+        allowed[i]: bool [vocab] tokens sequence i may produce (structured output); `allowed` may be a
+        callable returning that dict (a mask fill running beside the forward), called after it;
         prev_rows[i]: sequence i's row in the step this worker ran last, whose sampled token fills
         its unknown (-1) input id — the asynchronous loop's correction of a step scheduled ahead;
         prompt_lens[i]: sequence i's original prompt length (YoCo truncation only, else None)."""
@@ -73,6 +75,8 @@ class ModelWorker:
         except Exception:  # noqa: BLE001 - find the sequence(s) at fault; the others go on
             logits, ok = self._execute_one_by_one(batch, result, prompt_lens)
         t1 = time.perf_counter()
+        if callable(allowed):
+            allowed = allowed()
         emitting = [i for i in ok if rows[i] is not None]
         if emitting:
             # logits rows follow the batch order of sequences with logits_lens > 0
