@@ -121,6 +121,13 @@ def get(name: str) -> Any:
         raise ValueError(f"{name}={raw!r}: {e}") from None
 
 
+def is_set(name: str) -> bool:
+    """Whether the user gave `name` (as opposed to its default applying)."""
+    if name not in VARS:
+        raise KeyError(f"{name} is not a DeepInfer environment variable")
+    return name in os.environ
+
+
 def __getattr__(name: str) -> Any:
     if name in VARS:
         return get(name)

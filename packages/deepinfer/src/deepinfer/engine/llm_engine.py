@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import time
 from collections import deque
@@ -168,7 +167,7 @@ class LLMEngine:
             self._spec = SpecDecoder(nextn, drafter, curve)
 
     def _resolve_nextn(self, requested: int | None, drafter: Drafter | None) -> int:
-        if requested is None and self.is_default_model and "DEEPINFER_USE_NEXTN_DECODE" not in os.environ:
+        if requested is None and self.is_default_model and not envs.is_set("DEEPINFER_USE_NEXTN_DECODE"):
             # deepinfer-tiny's weights are random: its drafts are (almost) never accepted, so drafting
             # would only slow the demo down (measured 2.5x). Real checkpoints get the reference's 5.
             logger.info("deepinfer-tiny has random weights: speculative decoding off unless asked for")
