@@ -203,10 +203,12 @@ def load_tensors(
     dtype: torch.dtype = torch.float32,
     progress: Callable[[Iterable], Iterable] | None = None,
     ignored_prefixes: tuple[str, ...] = IGNORED_PREFIXES,
+    device: torch.device | str = "cpu",
 ) -> dict[str, torch.Tensor]:
     """Validate, then read and dequantise every tensor of `layout`.
 
-    Float tensors become `dtype`; `f32` tensors stay FP32; index tables become int64.
+    Float tensors become `dtype`; `f32` tensors stay FP32; index tables become int64. Each stored tensor
+    is moved to `device` in its checkpoint format (FP8 / packed FP4 + scales) and dequantised there.
     Raises `CheckpointError` listing all problems before reading any data.
     """
     files = CheckpointFiles(path)
@@ -214,7 +216,7 @@ def load_tensors(
     if problems:
         raise CheckpointError(path, problems)
     try:
-        return _read_all(files, cfg, layout, dtype, progress, path)
+        return _read_all(files, cfg, layout, dtype, progress, path, torch.device(device))
     finally:
         files.close()
 
@@ -226,14 +228,15 @@ def _read_all(
     dtype: torch.dtype,
     progress: Callable[[Iterable], Iterable] | None,
     path: str | Path,
+    device: torch.device,
 ) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     specs = list(layout.values())
     for spec in progress(specs) if progress else specs:
         stored = _expected_storage(spec, cfg)
-        tensor = files.read(stored[0][0])
-        if len(stored) == 2:  # quantised: weight + scale
-            scale = files.read(stored[1][0])
+        tensor = files.read(stored[0][0]).to(device)
+        if len(stored) == 2:  # quantised: weight + scale, dequantised on the device
+            scale = files.read(stored[1][0]).to(device)
             if tensor.dtype in (torch.int8, torch.uint8):
                 tensor = dequant_mxfp4(tensor, scale)
             else:

@@ -8,20 +8,28 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
-E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device="cpu")
 MXFP4_BLOCK = 32
 # round-to-nearest boundaries between consecutive E2M1 magnitudes
-_E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+_E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device="cpu")
+
+
+@functools.lru_cache(maxsize=16)
+def _on(table: str, device: torch.device) -> torch.Tensor:
+    """A constant table on `device`, copied there once (quantisation runs where its input lives)."""
+    return {"values": E2M1_VALUES, "midpoints": _E2M1_MIDPOINTS}[table].to(device)
 
 
 def ue8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
     """UE8M0 bytes (`float8_e8m0fnu` or uint8) -> FP32 powers of two (byte 255 -> NaN)."""
     e = scale.view(torch.uint8) if scale.dtype != torch.uint8 else scale
-    out = torch.ldexp(torch.ones(e.shape), e.to(torch.int32) - 127)
+    out = torch.ldexp(torch.ones(e.shape, device=e.device), e.to(torch.int32) - 127)
     return torch.where(e == 255, torch.full_like(out, float("nan")), out)
 
 
@@ -61,7 +69,7 @@ def quant_fp8_block(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch
     r, c = weight.shape
     b0, b1 = block
     nr, nc = -(-r // b0), -(-c // b1)
-    padded = torch.zeros(nr * b0, nc * b1)
+    padded = torch.zeros(nr * b0, nc * b1, device=weight.device)
     padded[:r, :c] = weight.float()
     amax = padded.abs().view(nr, b0, nc, b1).amax(dim=(1, 3)).clamp(min=1e-4)
     scale = pow2_ceil(amax / E4M3_MAX)
@@ -72,8 +80,9 @@ def quant_fp8_block(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     """FP32 values (already scaled into [-6, 6]) -> 4-bit E2M1 codes (uint8), round-to-nearest-even."""
     a = x.float().abs().clamp(max=E2M1_MAX)
-    code = torch.searchsorted(_E2M1_MIDPOINTS, a, right=True)
-    tie = (a.unsqueeze(-1) == _E2M1_MIDPOINTS).any(-1)
+    midpoints = _on("midpoints", a.device)
+    code = torch.searchsorted(midpoints, a, right=True)
+    tie = (a.unsqueeze(-1) == midpoints).any(-1)
     code = torch.where(tie & (code % 2 == 1), code - 1, code)  # ties go to the even code
     sign = (x < 0) & (code > 0)
     return (code + 8 * sign.long()).to(torch.uint8)
@@ -82,7 +91,7 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     """4-bit E2M1 codes -> FP32 values."""
     codes = codes.long()
-    mag = E2M1_VALUES[codes & 7]
+    mag = _on("values", codes.device)[codes & 7]
     return torch.where(codes & 8 != 0, -mag, mag)
 
 

@@ -63,7 +63,7 @@ def compress(
                 f"an overlapping compressor continuing at {start_position} needs prev_block [{ratio}, H]"
             )
         full = compress(torch.cat((prev_block, x)), w, ratio, overlap, rope, eps, 0, act_dtype)
-        shift = torch.arange(full.keys.shape[0] - 1) * ratio + start_position
+        shift = torch.arange(full.keys.shape[0] - 1, device=x.device) * ratio + start_position
         cos, sin = cos_sin(rope, shift)
         keys = round_to(apply_rope(full.pre_rope[1:], cos, sin), act_dtype)
         return Compressed(pre_rope=full.pre_rope[1:], keys=keys, positions=shift)
@@ -88,7 +88,7 @@ def compress(
         gate = torch.cat((prev_gate, gate[..., d:]), dim=1)
     pooled = round_to((kv * torch.softmax(gate, dim=1)).sum(dim=1), act_dtype)
     pre_rope = rms_norm(pooled, w.norm, eps, act_dtype)
-    positions = start_position + torch.arange(n) * ratio
+    positions = start_position + torch.arange(n, device=x.device) * ratio
     cos, sin = cos_sin(rope, positions)
     keys = round_to(apply_rope(pre_rope, cos, sin), act_dtype)
     return Compressed(pre_rope=pre_rope, keys=keys, positions=positions)

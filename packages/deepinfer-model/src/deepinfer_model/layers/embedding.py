@@ -7,7 +7,7 @@ import torch
 
 def embed(token_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Rows of `table` [vocab, H] for `token_ids` [T] -> FP64 [T, H]; ids outside the table raise ValueError."""
-    token_ids = torch.as_tensor(token_ids, dtype=torch.long)
+    token_ids = torch.as_tensor(token_ids, dtype=torch.long, device=table.device)
     if token_ids.dim() != 1:
         raise ValueError(f"token_ids must be 1-D (one sequence), got shape {tuple(token_ids.shape)}")
     if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= table.shape[0]):

@@ -55,7 +55,7 @@ def experts_forward(
     scales the expert output after `w2`. Equal in exact arithmetic.
     """
     t, k = ids.shape
-    out = torch.zeros(t, x.shape[1], dtype=torch.float64)
+    out = torch.zeros(t, x.shape[1], dtype=torch.float64, device=x.device)
     for slot in range(k):
         for e in torch.unique(ids[:, slot]).tolist():
             rows = (ids[:, slot] == e).nonzero(as_tuple=True)[0]

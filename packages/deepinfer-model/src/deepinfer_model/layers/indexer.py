@@ -61,7 +61,7 @@ def select_topk(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tens
     """Indices [T, k] of the k best valid entries per row (ties -> lower index), ascending, -1 padded."""
     t, n = scores.shape
     if n == 0:
-        return torch.full((t, k), -1, dtype=torch.long)
+        return torch.full((t, k), -1, dtype=torch.long, device=scores.device)
     masked = scores.double().masked_fill(~valid, float("-inf"))
     order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :k]
     keep = valid.gather(1, order)
@@ -69,14 +69,14 @@ def select_topk(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tens
     picked = torch.sort(picked, dim=-1).values
     picked = torch.where(picked == n, torch.full_like(picked, -1), picked)
     if picked.shape[1] < k:
-        picked = torch.cat((picked, torch.full((t, k - picked.shape[1]), -1, dtype=torch.long)), dim=1)
+        picked = torch.cat((picked, picked.new_full((t, k - picked.shape[1]), -1)), dim=1)
     return picked
 
 
 def selection_mask(selected: torch.Tensor, n_entries: int) -> torch.Tensor:
     """[T, n] bool mask of the entries listed in `selected` [T, k] (-1 = none)."""
     t = selected.shape[0]
-    mask = torch.zeros(t, n_entries + 1, dtype=torch.bool)
+    mask = torch.zeros(t, n_entries + 1, dtype=torch.bool, device=selected.device)
     idx = torch.where(selected >= 0, selected, torch.full_like(selected, n_entries))
     mask.scatter_(1, idx, True)
     return mask[:, :n_entries]

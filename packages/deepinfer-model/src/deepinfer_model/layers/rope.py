@@ -5,6 +5,7 @@ Pairs are `(x[2i], x[2i+1])` of the last `spec.dim` channels; the leading channe
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -12,10 +13,21 @@ import torch
 from ..config import RopeSpec
 
 
-def inv_freq(spec: RopeSpec) -> torch.Tensor:
-    """FP32 [dim/2] angular frequencies; YaRN blends interpolated and original ones with a linear ramp."""
+def inv_freq(spec: RopeSpec, device: torch.device | str = "cpu") -> torch.Tensor:
+    """FP32 [dim/2] angular frequencies on `device`; YaRN blends interpolated and original ones with a
+    linear ramp. Computed once per (spec, device), always on the host, so every device rotates by the
+    same frequencies bit for bit."""
+    return _inv_freq(spec, torch.device(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _inv_freq(spec: RopeSpec, device: torch.device) -> torch.Tensor:
+    return _host_inv_freq(spec).to(device)
+
+
+def _host_inv_freq(spec: RopeSpec) -> torch.Tensor:
     dim = spec.dim
-    base_freq = 1.0 / (spec.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    base_freq = 1.0 / (spec.theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
     if spec.yarn is None:
         return base_freq
     y = spec.yarn
@@ -31,13 +43,13 @@ def inv_freq(spec: RopeSpec) -> torch.Tensor:
     high = min(math.ceil(correction_dim(y.beta_slow)), dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
     return (base_freq / y.factor) * ramp + base_freq * (1 - ramp)
 
 
 def cos_sin(spec: RopeSpec, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """FP32 cos/sin tables [len(positions), dim/2] (amplitude 1: DeepSeek-V4 applies no YaRN mscale)."""
-    angles = positions.to(torch.float32)[:, None] * inv_freq(spec)[None, :]
+    angles = positions.to(torch.float32)[:, None] * inv_freq(spec, positions.device)[None, :]
     return angles.cos(), angles.sin()
 
 

@@ -10,15 +10,16 @@ import torch
 
 from ..config import ConfigError
 
-# model_type -> module exposing `load_model(path, dtype)`; imported on first use.
+# model_type -> module exposing `load_model(path, dtype, device)`; imported on first use.
 MODEL_MODULES = {
     "deepseek_v4": "deepinfer_model.models.deepseek_v4",
     "deepseek_v41": "deepinfer_model.models.deepseek_v41",
 }
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
-    """Load a checkpoint directory into the CPU reference model named by its `config.json` model_type."""
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    """Load a checkpoint directory into the model named by its `config.json` model_type, with its weights
+    on `device` (`cpu`, `cuda`, `cuda:N` or `auto`; the forward runs where the weights are)."""
     file = Path(path) / "config.json"
     if not file.exists():
         raise FileNotFoundError(f"no config.json in checkpoint directory {path}")
@@ -28,7 +29,9 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
         raise ConfigError(f"{file} is not a valid JSON object: {e}") from e
     if model_type not in MODEL_MODULES:
         raise ConfigError(f"config key 'model_type' = {model_type!r} must be one of {sorted(MODEL_MODULES)}")
-    return importlib.import_module(MODEL_MODULES[model_type]).load_model(path, dtype)
+    from ..runtime.device import resolve_device
+
+    return importlib.import_module(MODEL_MODULES[model_type]).load_model(path, dtype, resolve_device(device))
 
 
 __all__ = ["MODEL_MODULES", "load_model"]

@@ -153,6 +153,11 @@ class DeepseekV4Model:
         # ExpertParallelMoE (experts sharded over EP ranks). Default: every expert in this process.
         self.moe_fn = self.local_moe
 
+    @property
+    def device(self) -> torch.device:
+        """Where the weights are; every tensor of a forward is allocated there."""
+        return self.embed.device
+
     def local_moe(self, layer: int, w: LayerWeights, y: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         cfg = self.config
         return moe_block(
@@ -162,9 +167,9 @@ class DeepseekV4Model:
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor | list[int]) -> torch.Tensor:
         cfg, act = self.config, self.dtype
-        ids = torch.as_tensor(token_ids, dtype=torch.long)
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)
         x = round_to(embed(ids, self.embed), act)
-        positions = torch.arange(ids.shape[0])
+        positions = torch.arange(ids.shape[0], device=ids.device)
         trunk = mhc.expand(x, cfg.hc_mult)
         hc_args = (cfg.hc_eps, cfg.rms_norm_eps, cfg.hc_sinkhorn_iters)
         for layer, (spec, w) in enumerate(zip(cfg.attention, self.layers)):
@@ -182,7 +187,13 @@ class DeepseekV4Model:
     __call__ = forward
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> DeepseekV4Model:
-    """Load a public DeepSeek-V4 checkpoint directory (config.json + safetensors) for the CPU reference."""
+def load_model(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> DeepseekV4Model:
+    """Load a public DeepSeek-V4 checkpoint directory (config.json + safetensors); the weights are
+    dequantised on `device` and the model runs there."""
+    from ..runtime.device import resolve_device
+
     cfg = load_config(path)
-    return DeepseekV4Model(cfg, load_tensors(path, cfg, model_tensors(cfg), dtype), dtype)
+    tensors = load_tensors(path, cfg, model_tensors(cfg), dtype, device=resolve_device(device))
+    return DeepseekV4Model(cfg, tensors, dtype)

@@ -96,7 +96,7 @@ def _attention(
         if w.indexer is not None:
             qi = index_queries(q_lat, w.indexer, cfg.index_n_heads, cos, sin, act)
             head_w = linear(y, w.indexer.weights_proj, act)
-    out = torch.empty(y.shape[0], cfg.num_attention_heads, cfg.head_dim, dtype=torch.float64)
+    out = torch.empty(y.shape[0], cfg.num_attention_heads, cfg.head_dim, dtype=torch.float64, device=y.device)
     for g in groups:
         keys, visible = swa_keys(cache, meta, g, f"swa.{layer}", cfg.sliding_window)
         if compressed:

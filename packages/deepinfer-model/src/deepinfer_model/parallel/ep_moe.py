@@ -125,9 +125,10 @@ class ExpertParallelMoE:
     def idle_step(self, blocks: list) -> None:
         """Join every layer's dispatch / combine with no tokens: what an EP rank without work this step
         (e.g. an idle DP rank) must call so the other ranks' all-to-alls complete."""
-        empty = torch.zeros(0, self.config.hidden_size, dtype=torch.float64)
+        dev = blocks[0].moe.experts.w1.device if blocks else torch.device("cpu")
+        empty = torch.zeros(0, self.config.hidden_size, dtype=torch.float64, device=dev)
         for layer, blk in enumerate(blocks):
-            self(layer, blk, empty, torch.zeros(0, dtype=torch.long))
+            self(layer, blk, empty, torch.zeros(0, dtype=torch.long, device=dev))
 
     def expert_tensors(self, blocks: list) -> list[list[torch.Tensor]]:
         """Per layer `[w1, w3, w2]` (each `[S, ...]`): what `EplbState` shuffles in place."""
@@ -143,6 +144,6 @@ def shard_experts(blocks: list, layout: RedundantExpertLayout, ep_rank: int) -> 
     """Replace every layer's full expert stacks by this rank's slots (a model that was loaded whole,
     e.g. the public V4; `load_v41_ep` reads only the local experts in the first place)."""
     for layer, b in enumerate(blocks):
-        ids = torch.tensor(layout.local_logical(layer, ep_rank))
         ex = b.moe.experts
+        ids = torch.tensor(layout.local_logical(layer, ep_rank), device=ex.w1.device)
         b.moe.experts = ExpertWeights(ex.w1[ids].clone(), ex.w3[ids].clone(), ex.w2[ids].clone())

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..runtime.device import model_device
 from .batch import RunnerBatch
 
 
@@ -60,9 +61,9 @@ class RecomputeRunner:
             context = self.token_pool[self._slots(batch.block_tables[i], np.arange(end))]
             if np.any(context < 0):
                 raise RuntimeError(f"sequence {int(batch.seq_ids[i])}: context reads a block never written")
-            out = self.model.forward(torch.from_numpy(context))
+            out = self.model.forward(context)  # the model moves the ids to its device
             logits = out.logits if hasattr(out, "logits") else out  # V4.1 returns a V41Output
             rows.append(logits[-n:].float())
         if not rows:
-            return torch.empty(0, self.vocab_size)
+            return torch.empty(0, self.vocab_size, device=model_device(self.model))
         return torch.cat(rows)

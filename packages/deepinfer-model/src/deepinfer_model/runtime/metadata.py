@@ -8,12 +8,13 @@ gathers (no per-token Python loop anywhere).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from ..runner.batch import RunnerBatch
+from .device import to_device
 
 
 @dataclass
@@ -28,9 +29,21 @@ class StepMetadata:
     positions: torch.Tensor  # long [N] absolute position of every packed token
     write_slots: torch.Tensor  # long [N] flat token slot (block * block_size + offset) of every packed token
     logits_rows: torch.Tensor  # long [R] packed rows whose logits are returned, in batch order
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where the tensors live
+    # host copies of `positions` / `write_slots` / `logits_rows` (numpy), for host-side planning (YOCO)
+    # without reading back from the device
+    host_positions: np.ndarray | None = None
+    host_write_slots: np.ndarray | None = None
+    host_logits_rows: np.ndarray | None = None
+    # device copies of per-step index arrays (group gathers), built once and reused by every layer
+    _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def build(cls, batch: RunnerBatch, block_size: int, num_blocks: int) -> StepMetadata:
+    def build(
+        cls, batch: RunnerBatch, block_size: int, num_blocks: int, device: torch.device | None = None
+    ) -> StepMetadata:
+        """Numpy on the host; the four tensors are sent to `device` (default CPU) once each."""
+        device = torch.device("cpu") if device is None else torch.device(device)
         starts = np.asarray(batch.start_positions, dtype=np.int64)
         qlens = np.asarray(batch.query_lens, dtype=np.int64)
         if np.any(starts < 0) or np.any(qlens < 0):
@@ -67,11 +80,25 @@ class StepMetadata:
             ends=ends,
             offsets=offsets,
             tables=tables,
-            input_ids=torch.from_numpy(np.asarray(batch.input_ids, dtype=np.int64)),
-            positions=torch.from_numpy(positions),
-            write_slots=torch.from_numpy(slots),
-            logits_rows=torch.from_numpy(logits_rows),
+            input_ids=to_device(np.asarray(batch.input_ids, dtype=np.int64), device),
+            positions=to_device(positions, device),
+            write_slots=to_device(slots, device),
+            logits_rows=to_device(logits_rows, device),
+            device=device,
+            host_positions=positions,
+            host_write_slots=slots,
+            host_logits_rows=logits_rows,
         )
+
+    def dev(self, array) -> torch.Tensor:
+        """A host array of this step on the step's device (one copy per call; see `cached`)."""
+        return to_device(array, self.device)
+
+    def cached(self, key, make):
+        """`make()` once per step for `key` (index tensors shared by every layer of the step)."""
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
 
     @property
     def num_seqs(self) -> int:
@@ -98,13 +125,11 @@ class StepMetadata:
     def token_slots(self, i: int, lo: int, hi: int) -> torch.Tensor:
         """Flat token slots of sequence `i`'s positions lo .. hi-1."""
         pos = np.arange(lo, hi, dtype=np.int64)
-        return torch.from_numpy(
-            self.tables[i, pos // self.block_size] * self.block_size + pos % self.block_size
-        )
+        return self.dev(self.tables[i, pos // self.block_size] * self.block_size + pos % self.block_size)
 
     def entry_slots(self, i: int, lo: int, hi: int, ratio: int) -> torch.Tensor:
         """Flat slots of sequence `i`'s compressed entries lo .. hi-1 in a pool of ratio `ratio`."""
-        return torch.from_numpy(self.entry_slots_of(i, np.arange(lo, hi, dtype=np.int64), ratio))
+        return self.dev(self.entry_slots_of(i, np.arange(lo, hi, dtype=np.int64), ratio))
 
 
 def entries_per_block(block_size: int, ratio: int) -> int:

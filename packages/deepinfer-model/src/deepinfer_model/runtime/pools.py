@@ -25,24 +25,32 @@ class PoolSpec:
     slots_per_block: int
     dim: int
     dtype: torch.dtype = torch.float32
+    host: bool = False  # kept in host memory whatever the cache's device (host-only bookkeeping)
 
     def bytes_per_block(self) -> int:
-        return self.slots_per_block * self.dim * torch.empty(0, dtype=self.dtype).element_size()
+        return self.slots_per_block * self.dim * self.dtype.itemsize
 
 
 class PagedKVCache:
     """All pools of one model; `read`/`write` take flat slot indices from `StepMetadata`."""
 
-    def __init__(self, specs: list[PoolSpec], num_blocks: int) -> None:
+    def __init__(self, specs: list[PoolSpec], num_blocks: int, device: torch.device | str = "cpu") -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.device = torch.device(device)
+        cpu = torch.device("cpu")
         self.specs = {s.name: s for s in specs}
         fill = {torch.float32: float("nan"), torch.int64: -1}
         # NaN / -1 initialisation: a read of a slot never written poisons the logits instead of
         # silently returning zeros.
         self.pools = {
-            s.name: torch.full((num_blocks * s.slots_per_block, s.dim), fill[s.dtype], dtype=s.dtype)
+            s.name: torch.full(
+                (num_blocks * s.slots_per_block, s.dim),
+                fill[s.dtype],
+                dtype=s.dtype,
+                device=cpu if s.host else self.device,
+            )
             for s in specs
         }
 
@@ -59,10 +67,11 @@ class PagedKVCache:
 
     def poison(self, block_ids) -> None:
         """Overwrite blocks (e.g. ones the scheduler freed) with NaN / -1: a test build's stale-KV detector."""
-        ids = torch.as_tensor(list(block_ids), dtype=torch.long)
+        host_ids = torch.as_tensor(list(block_ids), dtype=torch.long, device="cpu")
         for name, pool in self.pools.items():
             per = self.specs[name].slots_per_block
-            rows = (ids[:, None] * per + torch.arange(per)[None, :]).reshape(-1)
+            ids = host_ids.to(pool.device)
+            rows = (ids[:, None] * per + torch.arange(per, device=pool.device)[None, :]).reshape(-1)
             pool[rows] = float("nan") if pool.dtype.is_floating_point else -1
 
     @property
@@ -74,8 +83,11 @@ class PagedKVCache:
         return sum(p.numel() * p.element_size() for p in self.pools.values())
 
 
-def available_memory_bytes() -> int:
-    """Host memory available now (psutil when installed, else the POSIX page counters)."""
+def available_memory_bytes(device: torch.device | None = None) -> int:
+    """Memory available now: free memory of a CUDA `device`, else host memory (psutil when installed,
+    else the POSIX page counters)."""
+    if device is not None and torch.device(device).type == "cuda":
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
     try:
         import psutil
     except ImportError:
@@ -87,14 +99,16 @@ def blocks_for_budget(
     specs: list[PoolSpec],
     kv_cache_memory_bytes: int | None = None,
     memory_fraction: float = 0.1,
+    device: torch.device | None = None,
 ) -> int:
     """How many blocks fit: `kv_cache_memory_bytes`, or `memory_fraction` of the currently available
-    host memory. Logs the result (engine.md §4: the number of blocks is always reported)."""
+    memory of `device` (host memory for the CPU / None). Logs the result (engine.md §4: the number of
+    blocks is always reported)."""
     per_block = sum(s.bytes_per_block() for s in specs)
     if kv_cache_memory_bytes is None:
         if not 0 < memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
-        budget = int(available_memory_bytes() * memory_fraction)
+        budget = int(available_memory_bytes(device) * memory_fraction)
         source = f"{memory_fraction:.0%} of available memory"
     else:
         if kv_cache_memory_bytes < 1:

@@ -13,6 +13,7 @@ import torch
 
 from ..runner.batch import RunnerBatch
 from ..runner.recompute import RecomputeRunner
+from .device import model_device
 from .metadata import StepMetadata
 from .pools import TOKEN_IDS, PagedKVCache, PoolSpec, blocks_for_budget, log
 from .yoco_step import YOCO_TAG, YocoStep, resume_problem, tag_spec
@@ -69,9 +70,12 @@ class PagedRunner:
         specs = cache_specs(model, block_size)
         if self.yoco is not None:
             specs.append(tag_spec(block_size))
-        self.cache = PagedKVCache(specs, num_blocks)
+        # pools live where the weights are: the forward reads and writes them with device index tensors
+        self.device = model_device(model)
+        self.cache = PagedKVCache(specs, num_blocks, self.device)
         log.info(
-            "paged KV cache: %d blocks of %d tokens, %d B per block, %.1f MiB in %d pools",
+            "paged KV cache on %s: %d blocks of %d tokens, %d B per block, %.1f MiB in %d pools",
+            self.device,
             num_blocks,
             block_size,
             self.cache.bytes_per_block,
@@ -91,11 +95,12 @@ class PagedRunner:
         yoco=None,
         backtracking: int = 6,
     ) -> PagedRunner:
-        """Size the pools from a byte budget, or from a fraction of the available host memory."""
+        """Size the pools from a byte budget, or from a fraction of the available memory of the model's
+        device (host memory on the CPU, free device memory on CUDA)."""
         specs = cache_specs(model, block_size)
         if yoco is not None and yoco.enabled:
             specs.append(tag_spec(block_size))
-        num_blocks = blocks_for_budget(specs, kv_cache_memory_bytes, memory_fraction)
+        num_blocks = blocks_for_budget(specs, kv_cache_memory_bytes, memory_fraction, model_device(model))
         return cls(model, num_blocks, block_size, yoco=yoco, backtracking=backtracking)
 
     @staticmethod
@@ -122,8 +127,8 @@ class PagedRunner:
             seq = int(batch.seq_ids[np.searchsorted(np.cumsum(batch.query_lens), bad, side="right")])
             raise ValueError(f"sequence {seq}: token ids must be in [0, {self.vocab_size})")
         if len(ids) == 0:  # nothing to compute (logits_lens are 0 too)
-            return torch.empty(0, self.vocab_size)
-        meta = StepMetadata.build(batch, self.block_size, self.num_blocks)
+            return torch.empty(0, self.vocab_size, device=self.device)
+        meta = StepMetadata.build(batch, self.block_size, self.num_blocks, self.device)
         if self.yoco is None:
             if prompt_lens is not None:
                 raise ValueError("prompt_lens is only used with YOCO truncation (PagedRunner(..., yoco=...))")
@@ -153,7 +158,7 @@ class PagedRunner:
         problem = resume_problem(self.cache, meta, step, self.model.config.sliding_window, seq_ids)
         if problem:
             raise ValueError(problem)
-        self.cache.write(YOCO_TAG, meta.write_slots, step.tags)
+        self.cache.write(YOCO_TAG, torch.as_tensor(meta.host_write_slots, device="cpu"), step.tags)
         return step
 
     def yoco_resume_problem(self, block_table, start: int, query_len: int, prompt_len: int) -> str | None:

@@ -31,7 +31,8 @@ INVALID_TAG = -1
 
 
 def tag_spec(block_size: int) -> PoolSpec:
-    return PoolSpec(YOCO_TAG, block_size, 1, torch.int64)
+    # host pool: written from host plans, read only by `resume_problem` before the step (no device sync)
+    return PoolSpec(YOCO_TAG, block_size, 1, torch.int64, host=True)
 
 
 @dataclass
@@ -65,22 +66,22 @@ class YocoStep:
         seq_of = np.repeat(np.arange(meta.num_seqs), qlens)
         row_in_seq = np.arange(n) - meta.offsets[:-1][seq_of]
         kept = np.flatnonzero(row_in_seq >= clip[seq_of])
-        positions = meta.positions.numpy()
+        positions = meta.host_positions
         tags = np.where(positions >= rect_lo[seq_of], rect_lo[seq_of], INVALID_TAG)
         tags[row_in_seq < clip[seq_of]] = INVALID_TAG  # compact: no key is computed for skipped rows
         qmeta = meta
         if len(kept) < n:
             inv = np.full(n, -1, dtype=np.int64)
             inv[kept] = np.arange(len(kept))
-            logits_rows = inv[meta.logits_rows.numpy()]
+            logits_rows = inv[meta.host_logits_rows]
             if np.any(logits_rows < 0):
-                seq = int(seq_of[meta.logits_rows.numpy()[int(np.argmax(logits_rows < 0))]])
+                seq = int(seq_of[meta.host_logits_rows[int(np.argmax(logits_rows < 0))]])
                 raise ValueError(
                     f"batch entry {seq}: logits were asked for a prompt row that YOCO compact truncation does "
                     f"not compute (rows before rect_lo = {int(rect_lo[seq])}); prompt logprobs need "
                     "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE = off"
                 )
-            k = torch.from_numpy(kept)
+            k = meta.dev(kept)
             new_qlens = qlens - clip
             offsets = np.zeros_like(meta.offsets)
             np.cumsum(new_qlens, out=offsets[1:])
@@ -94,12 +95,15 @@ class YocoStep:
                 input_ids=meta.input_ids[k],
                 positions=meta.positions[k],
                 write_slots=meta.write_slots[k],
-                logits_rows=torch.from_numpy(logits_rows),
+                logits_rows=meta.dev(logits_rows),
+                device=meta.device,
+                host_positions=meta.host_positions[kept],
+                host_write_slots=meta.host_write_slots[kept],
+                host_logits_rows=logits_rows,
             )
-        row_floor = torch.from_numpy(rect_lo[seq_of[kept]])
-        return cls(
-            settings.mode, rect_lo, clip, torch.from_numpy(kept), qmeta, row_floor, torch.from_numpy(tags)
-        )
+        row_floor = meta.dev(rect_lo[seq_of[kept]])
+        # tags stay on the host: the tag pool is host memory (only the host-side resume check reads it)
+        return cls(settings.mode, rect_lo, clip, meta.dev(kept), qmeta, row_floor, torch.as_tensor(tags, device="cpu"))
 
     @property
     def drops_rows(self) -> bool:
@@ -123,7 +127,8 @@ def resume_problem(
     seq, pos = ranges(lo, hi)
     if len(pos) == 0:
         return None
-    tags = cache.read(YOCO_TAG, torch.from_numpy(meta.token_slots_of(seq, pos))).reshape(-1).numpy()
+    slots = torch.as_tensor(meta.token_slots_of(seq, pos), device="cpu")
+    tags = cache.read(YOCO_TAG, slots).reshape(-1).numpy()
     bad = np.flatnonzero(tags != step.rect_lo[seq])
     if len(bad) == 0:
         return None

@@ -24,7 +24,7 @@ class ShiftedHC:
         self.cfg = cfg
         m = cfg.hc_mult
         self.trunk = expand(x0, m)
-        self.prev_pre = torch.zeros(x0.shape[0], m, dtype=self.trunk.dtype)
+        self.prev_pre = torch.zeros(x0.shape[0], m, dtype=self.trunk.dtype, device=x0.device)
         self.prev_pre[:, 0] = 1.0
 
     def sublayer(

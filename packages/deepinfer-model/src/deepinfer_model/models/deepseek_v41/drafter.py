@@ -25,7 +25,9 @@ from .drafter_heads import confidence, markov_correction
 from .kv_quant import EXACT_KV, KVQuant
 from .weights import BlockWeights, DrafterWeights
 
-Sampler = Callable[[torch.Tensor, int], int]  # (fp32 logits [V], draft step) -> token id
+# (fp32 logits [V], draft step) -> token id: an int, or a 0-d long tensor on the logits' device (which
+# keeps the draft loop free of host syncs; `greedy` does that)
+Sampler = Callable[[torch.Tensor, int], "int | torch.Tensor"]
 
 
 @dataclass
@@ -40,8 +42,9 @@ class DraftOutput:
     positions: torch.Tensor
 
 
-def greedy(logits: torch.Tensor, step: int) -> int:
-    return int(torch.argmax(logits))
+def greedy(logits: torch.Tensor, step: int) -> torch.Tensor:
+    """The argmax (lowest id on ties) as a 0-d long tensor on the logits' device (no host sync)."""
+    return torch.argmax(logits)
 
 
 def main_keys(
@@ -83,8 +86,9 @@ def draft_block(
     """
     ds, eps, W = cfg.dspark, cfg.rms_norm_eps, cfg.sliding_window
     a, bd = last_position, num_draft_tokens
-    positions = torch.arange(a + 1, a + 1 + bd)
-    tokens = torch.full((bd,), ds.noise_token_id, dtype=torch.long)
+    dev = embed.device
+    positions = torch.arange(a + 1, a + 1 + bd, device=dev)
+    tokens = torch.full((bd,), ds.noise_token_id, dtype=torch.long, device=dev)
     tokens[0] = next_token
     cos, sin = cos_sin(cfg.main_rope(), positions)
     window = keys_main[:, max(0, a - W + 1) : a + 1]
@@ -95,7 +99,7 @@ def draft_block(
             q, _ = project_query(y, blk.attn, cfg.num_attention_heads, cos, sin, eps, False, act_dtype)
             kd = kvq.swa(project_latent(y, blk.attn, cos, sin, eps, act_dtype))  # FP8 ring, like main keys
             keys = torch.cat((window[i], kd), dim=0)
-            visible = torch.ones(bd, keys.shape[0], dtype=torch.bool)  # bidirectional inside the block
+            visible = torch.ones(bd, keys.shape[0], dtype=torch.bool, device=dev)  # bidirectional in the block
             o = sink_attention(q, keys, visible, blk.attn.sinks, cfg.head_dim**-0.5)
             return project_output(round_to(o, act_dtype), blk.attn, cfg.o_groups, cos, sin, act_dtype)
 
@@ -112,17 +116,20 @@ def draft_block(
     base = round_to(
         batch_invariant.matmul(rms_norm(hidden, w.norm, eps, act_dtype), weight_fp64(head).t()), torch.float32
     )  # shared LM head
-    temps = torch.as_tensor(temperatures, dtype=torch.float32).expand(bd)
+    temps = torch.as_tensor(temperatures, dtype=torch.float32, device=dev).expand(bd)
     out_tokens, out_logits, out_conf = [], [], []
-    prev = next_token
+    prev = tokens[:1]  # next_token, already on the device
     for s in range(bd):  # sequential only through the Markov term: the drafted token feeds the next step
-        logits, e = markov_correction(base[s : s + 1], torch.tensor([prev]), w.markov, act_dtype)
+        logits, e = markov_correction(base[s : s + 1], prev, w.markov, act_dtype)
         out_conf.append(confidence(hidden[s : s + 1], e, w.confidence_proj, temps[s]))
-        prev = sampler(logits[0], s)
+        tok = sampler(logits[0], s)
+        # an int sampler (e.g. the engine's seeded one) costs one host-to-device copy per draft step;
+        # a tensor sampler none
+        prev = torch.as_tensor(tok, dtype=torch.long, device=dev).reshape(1)
         out_tokens.append(prev)
         out_logits.append(logits[0])
     return DraftOutput(
-        tokens=torch.tensor(out_tokens, dtype=torch.long),
+        tokens=torch.cat(out_tokens),
         logits=torch.stack(out_logits).float(),
         confidence=torch.cat(out_conf).float(),
         hidden=hidden,

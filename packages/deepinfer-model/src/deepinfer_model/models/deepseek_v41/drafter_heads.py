@@ -52,7 +52,7 @@ def confidence(
     """Per-draft acceptance confidence [S] = sigmoid(clamp(proj · [h ; e] / T, ±60)); `proj` [1, H + rank]."""
     feats = torch.cat((hidden.double(), markov_embed.double()), dim=-1)
     z = feats @ proj.double().reshape(-1)
-    temp = torch.as_tensor(temperature, dtype=torch.float64).clamp(min=_MIN_TEMPERATURE)
+    temp = torch.as_tensor(temperature, dtype=torch.float64, device=z.device).clamp(min=_MIN_TEMPERATURE)
     return round_to(torch.sigmoid((z / temp).clamp(-_CONF_CLAMP, _CONF_CLAMP)), torch.float32)
 
 
@@ -73,4 +73,4 @@ def confidence_temperatures(num_draft_tokens: int) -> torch.Tensor:
             f"DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE = {raw!r} must hold 1 or exactly "
             f"{num_draft_tokens} values (one per draft step)"
         )
-    return torch.tensor(vals, dtype=torch.float32).clamp(min=_MIN_TEMPERATURE)
+    return torch.tensor(vals, dtype=torch.float32, device="cpu").clamp(min=_MIN_TEMPERATURE)

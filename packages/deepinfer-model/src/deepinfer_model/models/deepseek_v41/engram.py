@@ -8,6 +8,7 @@ and `g_i` is a signed-sqrt sigmoid gate of the normalised dot product of `R[i]` 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -61,12 +62,15 @@ def engram_inject(
 class EngramHasher:
     """Everything Engram needs before the layers run: vocabulary compression, layout and multipliers."""
 
-    def __init__(self, cfg: EngramConfig, vocab: CompressedVocabulary):
+    def __init__(self, cfg: EngramConfig, vocab: CompressedVocabulary, device: torch.device | str = "cpu"):
+        """The lookup tables (vocabulary map, row offsets, multipliers) are kept on `device`, the model's,
+        so hashing runs where the token ids are."""
         self.cfg = cfg
-        self.vocab = vocab
-        self.layout = EngramLayout.from_config(cfg)
+        self.vocab = dataclasses.replace(vocab, table=vocab.table.to(device))
+        layout = EngramLayout.from_config(cfg)
+        self.layout = dataclasses.replace(layout, offsets=tuple(o.to(device) for o in layout.offsets))
         self.multipliers = {
-            layer: hash_multipliers(layer, cfg.max_ngram_size, vocab.size) for layer in cfg.layer_ids
+            layer: hash_multipliers(layer, cfg.max_ngram_size, vocab.size).to(device) for layer in cfg.layer_ids
         }
 
     def rows(self, token_ids: torch.Tensor) -> dict[int, torch.Tensor]:

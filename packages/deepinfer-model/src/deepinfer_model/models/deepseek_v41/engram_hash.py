@@ -83,7 +83,7 @@ def ngram_context(compressed: torch.Tensor, max_ngram_size: int, pad_id: int) ->
     back, that entry and all older ones are `pad_id`.
     """
     t = compressed.shape[0]
-    ctx = torch.full((t, max_ngram_size), pad_id, dtype=torch.long)
+    ctx = torch.full((t, max_ngram_size), pad_id, dtype=torch.long, device=compressed.device)
     for k in range(max_ngram_size):
         if k < t:
             ctx[k:, k] = compressed[: t - k]

@@ -88,6 +88,6 @@ class CompressedVocabulary:
 
     def compress(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Compressed ids of raw `token_ids` (any shape); ids outside the tokenizer map to -1."""
-        ids = torch.as_tensor(token_ids, dtype=torch.long)
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.table.device)
         known = (ids >= 0) & (ids < self.table.shape[0])
         return torch.where(known, self.table[ids.clamp(0, self.table.shape[0] - 1)], IMAGE_SENTINEL)

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from ...loader import load_tensors
+from ...runtime.device import resolve_device
 from .config import DeepseekV41Config
 from .engram_vocab import CompressedVocabulary
 from .layout import checkpoint_layout
@@ -24,21 +25,32 @@ def ignored_prefixes(cfg: DeepseekV41Config) -> tuple[str, ...]:
 
 
 def load_v41(
-    path: str | Path, act_dtype: torch.dtype = torch.float32, quantize_kv: bool = False
+    path: str | Path,
+    act_dtype: torch.dtype = torch.float32,
+    quantize_kv: bool = False,
+    device: torch.device | str = "cpu",
 ) -> DeepseekV41ForCausalLM:
-    """Validate and load `config.json`, the weights (dequantised to FP32) and, with Engram, `tokenizer.json`.
+    """Validate and load `config.json`, the weights (dequantised to FP32 on `device`) and, with Engram,
+    `tokenizer.json`. The model then runs on `device` (every tensor of its forward follows the weights).
 
     `act_dtype` / `quantize_kv`: see `DeepseekV41ForCausalLM` (FP32 and exact KV by default).
     """
     cfg = DeepseekV41Config.from_file(path)
     tensors = load_tensors(
-        path, cfg, checkpoint_layout(cfg), torch.float32, ignored_prefixes=ignored_prefixes(cfg)
+        path,
+        cfg,
+        checkpoint_layout(cfg),
+        torch.float32,
+        ignored_prefixes=ignored_prefixes(cfg),
+        device=resolve_device(device),
     )
     vocab = CompressedVocabulary.from_file(path) if cfg.engram else None
     weights = V41Weights.from_tensors(cfg, tensors.__getitem__)
     return DeepseekV41ForCausalLM(cfg, weights, vocab, act_dtype, quantize_kv)
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> DeepseekV41ForCausalLM:
+def load_model(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> DeepseekV41ForCausalLM:
     """Entry point of `deepinfer_model.load_model` for `model_type: deepseek_v41`; `dtype` = activation dtype."""
-    return load_v41(path, act_dtype=dtype)
+    return load_v41(path, act_dtype=dtype, device=device)

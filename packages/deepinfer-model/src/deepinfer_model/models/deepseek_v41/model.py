@@ -92,19 +92,26 @@ class DeepseekV41ForCausalLM:
         self.weights = weights
         self.act_dtype = act_dtype
         self.kvq = KVQuant(enabled=quantize_kv, fp4_main_kv=config.use_fp4_sparse_kv)
-        self.engram = EngramHasher(config.engram, vocab) if config.engram else None
+        self.engram = EngramHasher(config.engram, vocab, self.device) if config.engram else None
         self.moe_fn: MoEFn = moe_fn or self.local_moe
         self.draft_moe_fn: MoEFn | None = draft_moe_fn
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights are; every tensor of a forward is allocated there."""
+        return self.weights.embed.device
 
     def local_moe(self, layer: int, blk: BlockWeights, y: torch.Tensor) -> torch.Tensor:
         """The backbone MoE of `layer` with every routed expert in this process."""
         return moe_ffn(self.config, blk, y, self.config.num_experts_per_tok, self.act_dtype)
 
     @classmethod
-    def from_pretrained(cls, path, act_dtype: torch.dtype = torch.float32) -> DeepseekV41ForCausalLM:
+    def from_pretrained(
+        cls, path, act_dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    ) -> DeepseekV41ForCausalLM:
         from .loader import load_v41
 
-        return load_v41(path, act_dtype=act_dtype)
+        return load_v41(path, act_dtype=act_dtype, device=device)
 
     @torch.no_grad()
     def forward(
@@ -143,13 +150,13 @@ class DeepseekV41ForCausalLM:
         so every rank returns the full output.
         """
         cfg, w, act = self.config, self.weights, self.act_dtype
-        ids = torch.as_tensor(token_ids, dtype=torch.long)
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)
         x0 = embed(ids, w.embed)
         if x0.shape[0] == 0:
             raise ValueError("token_ids must hold at least one token")
         split = row_split or _NO_SPLIT
         x0 = split.local(x0)
-        positions = torch.arange(ids.shape[0])
+        positions = torch.arange(ids.shape[0], device=ids.device)
         kept = self._yoco_kept(
             ids.shape[0], yoco_keep_tokens, backtracking_tokens, yoco_mode, yoco_prompt_len
         )
@@ -210,14 +217,16 @@ class DeepseekV41ForCausalLM:
                 act,
             )
         hidden = rms_norm(split.gather(hc.final(act)), w.norm, cfg.rms_norm_eps, act)
-        rows = hidden if logit_rows is None else hidden[self._rows(logit_rows, hidden.shape[0])]
+        rows = hidden if logit_rows is None else hidden[self._rows(logit_rows, hidden.shape[0]).to(hidden.device)]
         logits = batch_invariant.matmul(rows, weight_fp64(w.head).t()).float()  # FP32 logits (§2.1)
         out = V41Output(logits=logits, hidden=hidden, trace=traces if return_trace else None)
         out.kept_positions = None if kept is None else positions
         if w.drafter is not None:
             out.features = split.gather(torch.cat([feats[t] for t in targets], dim=1))
             feat_pos = (
-                positions if out.features.shape[0] == positions.shape[0] else torch.arange(ids.shape[0])
+                positions
+                if out.features.shape[0] == positions.shape[0]
+                else torch.arange(ids.shape[0], device=ids.device)
             )
             out.main_keys = main_keys(cfg, w.drafter, out.features, feat_pos, act, self.kvq)
             if num_draft_tokens:
@@ -260,7 +269,7 @@ class DeepseekV41ForCausalLM:
 
     @staticmethod
     def _rows(logit_rows, n: int) -> torch.Tensor:
-        idx = torch.as_tensor(logit_rows, dtype=torch.long)
+        idx = torch.as_tensor(logit_rows, dtype=torch.long, device="cpu")  # validated on the host
         if idx.dim() != 1 or (idx.numel() and (int(idx.min()) < -n or int(idx.max()) >= n)):
             raise ValueError(f"logit_rows must be a 1-D list of positions in [-{n}, {n}), got {logit_rows!r}")
         return idx
@@ -288,7 +297,7 @@ class DeepseekV41ForCausalLM:
         if prompt_len is not None and prompt_len < 1:
             raise ValueError(f"yoco_prompt_len = {prompt_len} must be >= 1")
         plan = chunk_plan(n if prompt_len is None else prompt_len, 0, n, keep, mode)
-        return plan.kept_positions if mode is YocoMode.COMPACT else None
+        return plan.kept_positions.to(self.device) if mode is YocoMode.COMPACT else None
 
     __call__ = forward
 

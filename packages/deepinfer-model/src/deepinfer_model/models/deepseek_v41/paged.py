@@ -133,10 +133,12 @@ def _attention(
     if index_source:
         qi = kvq.index(index_queries(q_lat, w.indexer, cfg.index_n_heads, cos, sin, act))
         head_w = linear(y, w.indexer.weights_proj, act)
-        st.selection[layer] = torch.full((n_tok, cfg.index_topk), -1, dtype=torch.long)
+        st.selection[layer] = torch.full((n_tok, cfg.index_topk), -1, dtype=torch.long, device=y.device)
         if layer == topo.candidate_source:
-            st.candidates = torch.full((n_tok, topo.candidate_topk_blocks), -1, dtype=torch.long)
-    out = torch.empty(n_tok, cfg.num_attention_heads, cfg.head_dim, dtype=torch.float64)
+            st.candidates = torch.full(
+                (n_tok, topo.candidate_topk_blocks), -1, dtype=torch.long, device=y.device
+            )
+    out = torch.empty(n_tok, cfg.num_attention_heads, cfg.head_dim, dtype=torch.float64, device=y.device)
     for g in groups:
         slots = g.slot_rows  # every (padded) query slot; padding duplicates its sequence's last query
         floor = None if yoco is None else yoco.rect_lo[g.seqs]
@@ -175,13 +177,13 @@ def _engram_rows(model: DeepseekV41ForCausalLM, meta: StepMetadata, cache: Paged
     starts, ends, qlens = meta.starts, meta.ends, meta.query_lens
     lo = np.maximum(starts - back, 0)
     seq, pos = ranges(lo, ends)
-    ids = cache.read(TOKEN_IDS, torch.from_numpy(meta.token_slots_of(seq, pos))).reshape(-1)
+    ids = cache.read(TOKEN_IDS, meta.dev(meta.token_slots_of(seq, pos))).reshape(-1)
     window = back + qlens
     base = np.concatenate(([0], np.cumsum(window)[:-1]))  # window start of each sequence
-    flat = torch.full((int(window.sum()),), eng.vocab.pad_id, dtype=torch.long)
-    flat[torch.from_numpy(base[seq] + back + pos - starts[seq])] = eng.vocab.compress(ids)
+    flat = torch.full((int(window.sum()),), eng.vocab.pad_id, dtype=torch.long, device=meta.device)
+    flat[meta.dev(base[seq] + back + pos - starts[seq])] = eng.vocab.compress(ids)
     _, query = ranges(base + back, base + window)
-    query = torch.from_numpy(query)
+    query = meta.dev(query)
     return {
         layer: engram_hash(flat, eng.layout, layer, eng.multipliers[layer], eng.vocab.pad_id)[query]
         for layer in eng.cfg.layer_ids
@@ -278,7 +280,7 @@ def v41_paged_draft(
         lo = max(0, last - cfg.sliding_window + 1)
         slots = meta.token_slots(i, lo, last + 1)
         # draft_block indexes main keys by absolute position and reads only [lo, last]
-        keys = torch.zeros(n_blocks, last + 1, cfg.head_dim, dtype=torch.float64)
+        keys = torch.zeros(n_blocks, last + 1, cfg.head_dim, dtype=torch.float64, device=meta.device)
         for b in range(n_blocks):
             keys[b, lo:] = cache.read(f"draft_main.{b}", slots)
         out.append(

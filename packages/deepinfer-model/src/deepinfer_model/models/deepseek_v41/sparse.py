@@ -50,7 +50,7 @@ def candidate_blocks(
     block_score = s.max(dim=-1).values.clamp(max=_BF16_MAX)
     klen = valid.sum(dim=1)  # valid entries are a prefix j < (p+1)//r
     n_blocks = -(-klen // block_size)
-    ids = torch.arange(nb)[None, :]
+    ids = torch.arange(nb, device=scores.device)[None, :]
     newest = ids == (n_blocks - 1)[:, None]
     block_score = torch.where(newest, torch.full_like(block_score, float("inf")), block_score)
     return select_topk(block_score, ids < n_blocks[:, None], topk_blocks)
@@ -60,6 +60,6 @@ def candidate_mask(blocks: torch.Tensor, n_entries: int, block_size: int) -> tor
     """[T, n] bool: entry j lies in one of the query's candidate blocks (`blocks` [T, k], -1 = none)."""
     t = blocks.shape[0]
     nb = -(-n_entries // block_size)
-    mask = torch.zeros(t, nb + 1, dtype=torch.bool)
+    mask = torch.zeros(t, nb + 1, dtype=torch.bool, device=blocks.device)
     mask.scatter_(1, torch.where(blocks >= 0, blocks, torch.full_like(blocks, nb)), True)
     return mask[:, :nb].repeat_interleave(block_size, dim=1)[:, :n_entries]

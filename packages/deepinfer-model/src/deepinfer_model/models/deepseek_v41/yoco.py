@@ -144,7 +144,7 @@ class ChunkPlan:
     @property
     def kept_rows(self) -> torch.Tensor:
         """Chunk rows the consumer layers compute (mask / off: all; compact: the suffix from `clip`)."""
-        return torch.arange(self.clip, self.q_len)
+        return torch.arange(self.clip, self.q_len, device="cpu")  # host plan; callers move it
 
     @property
     def kept_positions(self) -> torch.Tensor:
