@@ -35,11 +35,14 @@ def quant_act_fp8_tile_kernels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 
 def _act_quantiser():
-    """TileKernels' cast when `DEEPINFER_TILELANG=all` and it imports (not yet checked on a GPU), else torch."""
+    """TileKernels' cast when it imports and `DEEPINFER_TILELANG` is not 0, else torch.
+
+    Checked on an H200 (2026-11-29): DeepGEMM fed by it gives rel. error 6.9e-4 vs the CPU reference, and
+    the cast takes 35-67 us where the torch version takes 260-480 us."""
     import importlib.util
     import os
 
-    if os.environ.get("DEEPINFER_TILELANG", "1").strip().lower() == "all":
+    if os.environ.get("DEEPINFER_TILELANG", "1").strip().lower() != "0":
         try:
             if importlib.util.find_spec("tile_kernels") is not None:
                 return quant_act_fp8_tile_kernels
