@@ -1,0 +1,195 @@
+"""Device-awareness of the model, the paged runtime and the drafter, proved without a GPU.
+
+Every tensor the forward allocates must take its device from an input or a weight, and host metadata
+must reach the device through `runtime.device.to_device` only. On a CPU-only machine a forgotten
+`device=` is invisible (everything is CPU), so the strict run below executes the same steps under a
+TorchFunctionMode that raises on any factory call (`torch.zeros`, `arange`, `full`, `tensor`,
+`as_tensor`, ...) without an explicit device, with `torch.from_numpy` disabled (it always makes a host
+tensor). The strict run must also give bitwise the outputs of the plain run, so the explicit devices
+change nothing else. The `gpu` test runs the same steps on CUDA and compares with the CPU run.
+"""
+
+import numpy as np
+import pytest
+import torch
+from deepinfer_model import load_model
+from deepinfer_model.models.deepseek_v41 import DeepseekV41ForCausalLM, load_v41, make_v41_checkpoint
+from deepinfer_model.models.deepseek_v41.yoco import YocoMode, YocoSettings
+from deepinfer_model.runner import RunnerBatch
+from deepinfer_model.runtime import PagedRunner
+from deepinfer_model.runtime.device import resolve_device
+from deepinfer_model.testing import make_checkpoint, tiny_config
+from torch.overrides import TorchFunctionMode
+from torch.utils._device import _device_constructors
+
+BLOCK = 8
+_FACTORIES = _device_constructors()
+
+
+class StrictDevice(TorchFunctionMode):
+    """Raise on a tensor factory called without an explicit `device=` (a CUDA run would put its result on
+    the CPU and fail, or silently copy, when it meets the model's tensors)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _FACTORIES and kwargs.get("device") is None:
+            raise AssertionError(f"torch.{func.__name__} called without device=")
+        return func(*args, **kwargs)
+
+
+@pytest.fixture
+def strict(monkeypatch):
+    def no_from_numpy(*_a, **_k):
+        raise AssertionError("torch.from_numpy makes a host tensor: use runtime.device.to_device")
+
+    monkeypatch.setattr(torch, "from_numpy", no_from_numpy)
+    with StrictDevice():
+        yield
+
+
+@pytest.fixture(scope="module")
+def v41_path(tmp_path_factory):
+    return make_v41_checkpoint(tmp_path_factory.mktemp("v41dev"), seed=4)
+
+
+@pytest.fixture(scope="module")
+def v4_path(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("v4dev"), tiny_config(), seed=5, tokenizer=False)
+
+
+SEQS = [np.random.default_rng(7).integers(4, 120, n).tolist() for n in (22, 15, 12)]
+PROMPTS = [21, 13, 8]  # prompt length of each sequence; the rest is fed as decode / verify rows
+
+
+def _steps():
+    """(sequence, start, end, logits_lens) per step: chunked prefill, then one mixed step (a prefill
+    tail, a decode, a 3-token block of verification rows), then a decode of every sequence."""
+    cuts = [[0, 12, 21, 22], [0, 13, 14, 15], [0, 8, 11, 12]]
+    verify = {(2, 1)}  # (sequence, step): verification rows (all logits of the block)
+    steps = []
+    for k in range(max(len(c) - 1 for c in cuts)):
+        step = []
+        for i, c in enumerate(cuts):
+            if k + 1 < len(c):
+                lo, hi = c[k], c[k + 1]
+                step.append((i, lo, hi, hi - lo if (i, k) in verify else 1))
+        steps.append(step)
+    return steps
+
+
+def run_steps(model, yoco=None, draft=True):
+    """Logits of every step and the drafts after the last step (one per sequence), as CPU tensors."""
+    runner = PagedRunner(model, num_blocks=12, block_size=BLOCK, yoco=yoco)
+    tables = [[0, 1, 2], [3, 4], [5, 6]]
+    outs = []
+    for step in _steps():
+        batch = RunnerBatch(
+            seq_ids=np.array([i for i, *_ in step]),
+            start_positions=np.array([lo for _, lo, _, _ in step]),
+            query_lens=np.array([hi - lo for _, lo, hi, _ in step]),
+            block_tables=[np.array(tables[i], dtype=np.int32) for i, *_ in step],
+            input_ids=np.concatenate([SEQS[i][lo:hi] for i, lo, hi, _ in step]),
+            logits_lens=np.array([n for *_, n in step]),
+        )
+        prompt_lens = [PROMPTS[i] for i, *_ in step] if yoco is not None else None
+        logits = runner.execute(batch, prompt_lens)
+        assert logits.device == runner.device
+        outs.append(logits.cpu())
+    if draft:
+        nxt = outs[-1].argmax(dim=-1)
+        for d in runner.draft(nxt, num_draft_tokens=3) + runner.draft(nxt[:1], 2, seq_indices=[0], last_positions=[20]):
+            outs += [d.tokens.cpu(), d.logits.cpu(), d.confidence.cpu()]
+    return outs
+
+
+def _equal(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.dtype == y.dtype and torch.equal(x, y)
+
+
+CASES = {
+    "v41": dict(),
+    "v41_bf16_kvq_yoco_compact": dict(act=torch.bfloat16, kvq=True, yoco=YocoSettings(YocoMode.COMPACT, 14)),
+    "v41_yoco_mask": dict(yoco=YocoSettings(YocoMode.MASK, 14)),
+}
+
+
+def _v41(path, device, act=torch.float32, kvq=False):
+    m = load_v41(path, device=device)
+    if act is torch.float32 and not kvq:
+        return m
+    return DeepseekV41ForCausalLM(m.config, m.weights, m.engram.vocab, act_dtype=act, quantize_kv=kvq)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_v41_strict_device_run_is_bitwise_the_plain_run(v41_path, case, request):
+    c = CASES[case]
+    model = _v41(v41_path, "cpu", c.get("act", torch.float32), c.get("kvq", False))
+    plain = run_steps(model, c.get("yoco"))
+    request.getfixturevalue("strict")
+    _equal(run_steps(model, c.get("yoco")), plain)
+
+
+def test_v4_strict_device_run_is_bitwise_the_plain_run(v4_path, request):
+    model = load_model(v4_path)
+    plain = run_steps(model, draft=False)
+    request.getfixturevalue("strict")
+    _equal(run_steps(model, draft=False), plain)
+
+
+def test_strict_mode_catches_a_forgotten_device(strict):
+    """The detector itself: a factory without a device fails, one with a device passes."""
+    with pytest.raises(AssertionError, match="torch.zeros called without device="):
+        torch.zeros(3)
+    with pytest.raises(AssertionError, match="from_numpy"):
+        torch.from_numpy(np.zeros(3))
+    assert torch.zeros(3, device="cpu").sum() == 0
+
+
+def test_resolve_device_errors_name_the_field():
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValueError, match="device must be one of auto, cpu, cuda or cuda:N, got 'tpu'"):
+        resolve_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device = 'cuda' but CUDA is not available"):
+            resolve_device("cuda")
+    with pytest.raises(ValueError, match="CUDA device"):
+        if torch.cuda.is_available():
+            resolve_device(f"cuda:{torch.cuda.device_count()}")
+        else:
+            raise ValueError("no CUDA device")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_v41_paged_on_cuda_matches_cpu(v41_path, case):
+    """Teacher-forced logits of every step (FP32 activations: rel err <= 1e-5) and greedy tokens
+    (argmax of every logits row, and the drafted tokens) equal the CPU run."""
+    c = CASES[case]
+    act = c.get("act", torch.float32)
+    cpu = run_steps(_v41(v41_path, "cpu", act, c.get("kvq", False)), c.get("yoco"))
+    model = _v41(v41_path, "cuda", act, c.get("kvq", False))
+    assert model.device.type == "cuda"
+    gpu = run_steps(model, c.get("yoco"))
+    n_steps = len(_steps())
+    tol = 1e-5 if act is torch.float32 else 1e-2
+    for x, y in zip(cpu[:n_steps], gpu[:n_steps]):
+        rel = ((x.double() - y.double()).norm() / x.double().norm()).item()
+        assert rel <= tol, rel
+        assert torch.equal(x.argmax(-1), y.argmax(-1))
+    if act is torch.float32:
+        for x, y in zip(cpu[n_steps::3], gpu[n_steps::3]):  # drafted tokens
+            assert torch.equal(x, y)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_v4_paged_on_cuda_matches_cpu(v4_path):
+    cpu = run_steps(load_model(v4_path), draft=False)
+    gpu = run_steps(load_model(v4_path, device="cuda"), draft=False)
+    for x, y in zip(cpu, gpu):
+        assert ((x.double() - y.double()).norm() / x.double().norm()).item() <= 1e-5
+        assert torch.equal(x.argmax(-1), y.argmax(-1))
