@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from ..layers import attention, mhc, norm, rope
-from ..numerics import linear
+from ..layers.experts import clamped_swiglu
+from ..numerics import linear, round_to
 from ..ops.kv_format import store_fp8_tokens, unpack_fp8_tokens
 from ..ops.registry import register
 from ..quant import dequant_fp8_block, fake_quant_fp8
@@ -87,6 +88,44 @@ def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) ->
     xq = fake_quant_fp8(x, FP8_BLOCK)
     wd = dequant_fp8_block(w, w_scale.float(), (FP8_BLOCK, FP8_BLOCK))
     return linear(xq, wd, torch.bfloat16).to(torch.bfloat16)
+
+
+@register("cpu", "grouped_expert_mlp")
+def grouped_expert_mlp(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: torch.Tensor,
+    s13: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+    limit: float,
+    weight_before_down: bool = True,
+) -> torch.Tensor:
+    """`layers.experts.experts_forward`'s routed loop (FP64, slot order) with the FP8 steps of spec 6.2:
+    Q8 (1x128) of x and of the FP32 h, gate/up and down outputs rounded to bf16."""
+    if x.shape[-1] % FP8_BLOCK or w2.shape[-1] % FP8_BLOCK:
+        raise ValueError(
+            f"grouped_expert_mlp needs H and I % {FP8_BLOCK} == 0, got {x.shape[-1]}, {w2.shape[-1]}"
+        )
+    t, k = topk_ids.shape
+    i = w2.shape[-1]
+    xq = fake_quant_fp8(x, FP8_BLOCK)
+    out = torch.zeros(t, x.shape[1], dtype=torch.float64, device=x.device)
+    for slot in range(k):
+        for e in torch.unique(topk_ids[:, slot]).tolist():
+            rows = (topk_ids[:, slot] == e).nonzero(as_tuple=True)[0]
+            gu = linear(
+                xq[rows], dequant_fp8_block(w13[e], s13[e].float(), (FP8_BLOCK, FP8_BLOCK)), torch.bfloat16
+            )
+            h = clamped_swiglu(gu[:, :i], gu[:, i:], limit)
+            wr = topk_weights[rows, slot].double().unsqueeze(-1)
+            if weight_before_down:
+                h = h * wr
+            hq = fake_quant_fp8(round_to(h, torch.float32), FP8_BLOCK)
+            y = linear(hq, dequant_fp8_block(w2[e], s2[e].float(), (FP8_BLOCK, FP8_BLOCK)), torch.bfloat16)
+            out[rows] += y if weight_before_down else round_to(y * wr, torch.float32)
+    return out.float()
 
 
 @register("cpu", "kv_store_fp8")

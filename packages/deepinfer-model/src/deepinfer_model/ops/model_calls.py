@@ -50,3 +50,20 @@ def hc_write(
     y: torch.Tensor, trunk: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, act_dtype: torch.dtype
 ) -> torch.Tensor:
     return ops_for(trunk).hc_write(y, trunk, post, comb, out_dtype=act_dtype).double()
+
+
+def grouped_expert_mlp(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    experts,
+    limit: float,
+    weight_before_down: bool = False,
+) -> torch.Tensor:
+    """The routed part of `layers.experts.experts_forward` for experts in the FP8 block layout
+    (`quant_sm90.Fp8Experts`, converted from MXFP4 at load time): FP64 [T, H], the FP32 sum over slots,
+    not yet rounded (the caller adds the shared expert, then rounds once)."""
+    out = ops_for(x).grouped_expert_mlp(
+        x, weights.float(), ids, experts.w13, experts.s13, experts.w2, experts.s2, limit, weight_before_down
+    )
+    return out.double()

@@ -33,6 +33,12 @@ OP_SPECS: dict[str, str] = {
     "-> [T, m, H] out_dtype or trunk.dtype",
     "fp8_block_linear": "fp8_block_linear(x [T, K] bf16, w [N, K] e4m3, w_scale [ceil(N/128), ceil(K/128)]) "
     "-> [T, N] bf16; x quantised per token in 1x128 groups (power-of-two scales), FP32 accumulation",
+    "grouped_expert_mlp": "grouped_expert_mlp(x [T, H] bf16, topk_weights [T, k] fp32, topk_ids [T, k] int, "
+    "w13 [E, 2I, H] e4m3 (gate rows then up rows), s13 [E, 2I/128, H/128] fp32, w2 [E, H, I] e4m3, "
+    "s2 [E, H/128, I/128] fp32, limit, weight_before_down=True) -> [T, H] fp32; per pair [g|u] = "
+    "bf16(W13_e Q8(x)), h = silu(min(g, L)) clamp(u, -L, L) (* w) in FP32, o = bf16(W2_e Q8(h)) (* w after "
+    "w2 if not weight_before_down), summed over slots in slot order in FP32 (left unrounded so the caller "
+    "adds the shared expert before the one bf16 rounding); Q8 = per-token 1x128 power-of-two FP8",
     "kv_store_fp8": "kv_store_fp8(latent [T, 512], kv_cache uint8 [blocks, page, 1, 528], slots [T]) -> None; "
     "V4.1 FP8 cache format (spec v41-model 4.9), slot = block * page + offset",
     "sparse_decode_attention": "sparse_decode_attention(q [B, h, 512] bf16, kv_cache uint8 [blocks, page, 1, 528], "

@@ -7,6 +7,7 @@
 | hc_mixes | cuBLAS FP32 projection + TileLang epilogue (`tilelang_mhc.py`) |
 | hc_read, hc_write | TileLang kernels (`tilelang_mhc.py`) |
 | fp8_block_linear | DeepGEMM `fp8_gemm_nt` if `deep_gemm` imports and `DEEPINFER_DEEP_GEMM` != 0, else dequantise + BF16 GEMM |
+| grouped_expert_mlp | DeepGEMM `m_grouped_fp8_gemm_nt_contiguous` (same condition), else per-expert dequantised BF16 GEMMs (`moe.py`) |
 | sparse_decode_attention | torch FP32 gather + softmax with sink (FlashMLA's SM90 kernel rejects the V41 format) |
 | kv_store_fp8 | not registered: the device-agnostic torch reference serves it |
 
@@ -25,7 +26,7 @@ import os
 from collections.abc import Callable
 
 from ...ops.registry import register
-from . import gemm, torch_cuda
+from . import gemm, moe, torch_cuda
 
 logger = logging.getLogger("deepinfer_model.ops")
 
@@ -104,6 +105,10 @@ if _has("deep_gemm") and os.environ.get("DEEPINFER_DEEP_GEMM", "1") != "0":
 else:
     logger.warning("deep_gemm unavailable or disabled: fp8_block_linear dequantises to a BF16 GEMM")
     register("nvidia", "fp8_block_linear")(gemm.fp8_block_linear_dequant)
+if _has("deep_gemm") and os.environ.get("DEEPINFER_DEEP_GEMM", "1") != "0":
+    register("nvidia", "grouped_expert_mlp")(moe.grouped_expert_mlp_deep_gemm)
+else:
+    register("nvidia", "grouped_expert_mlp")(moe.grouped_expert_mlp_dequant)
 
 # FlashMLA's SM90 (legacy) sparse decode supports the V3.2 and V4 cache formats but not V41's 528-byte
 # one (measured on an H200, 2026-11-29: "required but not supported: V41_KVCACHE_FORMAT"), so
