@@ -97,7 +97,9 @@ def run_steps(model, yoco=None, draft=True):
         outs.append(logits.cpu())
     if draft:
         nxt = outs[-1].argmax(dim=-1)
-        for d in runner.draft(nxt, num_draft_tokens=3) + runner.draft(nxt[:1], 2, seq_indices=[0], last_positions=[20]):
+        for d in runner.draft(nxt, num_draft_tokens=3) + runner.draft(
+            nxt[:1], 2, seq_indices=[0], last_positions=[20]
+        ):
             outs += [d.tokens.cpu(), d.logits.cpu(), d.confidence.cpu()]
     return outs
 

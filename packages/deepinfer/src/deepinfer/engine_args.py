@@ -60,6 +60,13 @@ class EngineArgs:
         default="auto", metadata={"help": "auto (safetensors) or dummy (random weights)"}
     )
     dtype: str = field(default="float32", metadata={"help": "compute dtype of the CPU reference model"})
+    device: str | None = field(
+        default=None,
+        metadata={
+            "help": "where the model, its KV cache and sampling run: auto (cuda if torch.cuda.is_available() "
+            "else cpu), cpu, cuda or cuda:N (default: $DEEPINFER_DEVICE, else auto)"
+        },
+    )
     num_threads: int | None = field(
         default=None, metadata={"help": "torch intra-op threads (default: torch's)"}
     )
@@ -113,6 +120,16 @@ class EngineArgs:
             )
         if self.model is None:
             self.model = envs.DEEPINFER_HF_MODEL_DIR
+        if self.device is None:
+            self.device = envs.DEEPINFER_DEVICE
+        _ = self.torch_device  # validate now: a clear error naming `device` before anything is loaded
+
+    @property
+    def torch_device(self):
+        """`device` resolved (auto -> cuda if available else cpu) and checked against this machine."""
+        from deepinfer_model.runtime.device import resolve_device
+
+        return resolve_device(self.device, "device")
 
     @property
     def use_async(self) -> bool:

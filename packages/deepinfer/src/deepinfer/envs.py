@@ -43,6 +43,12 @@ _VARS = [
     ),
     EnvVar("DEEPINFER_ACCELERATOR", str, "cpu", "kernel backend: cpu (reference) or nvidia"),
     EnvVar(
+        "DEEPINFER_DEVICE",
+        str,
+        "auto",
+        "default of EngineArgs.device: auto (cuda if torch.cuda.is_available() else cpu), cpu, cuda or cuda:N",
+    ),
+    EnvVar(
         "DEEPINFER_DECODE_TOKEN_BLACKLIST",
         str,
         "",

@@ -25,6 +25,7 @@ class RecomputeRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.vocab_size = int(model.config.vocab_size)
+        self.device = model_device(model)  # logits come back on the model's device
         # -1 marks "never written": reading it back means the scheduler's bookkeeping is wrong.
         self.token_pool = np.full((num_blocks, block_size), -1, dtype=np.int64)
 
@@ -65,5 +66,5 @@ class RecomputeRunner:
             logits = out.logits if hasattr(out, "logits") else out  # V4.1 returns a V41Output
             rows.append(logits[-n:].float())
         if not rows:
-            return torch.empty(0, self.vocab_size, device=model_device(self.model))
+            return torch.empty(0, self.vocab_size, device=self.device)
         return torch.cat(rows)

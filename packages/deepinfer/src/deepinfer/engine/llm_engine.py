@@ -91,7 +91,11 @@ class LLMEngine:
         tok_path = Path(args.tokenizer) if args.tokenizer else self.model_path
         self.tokenizer = load_tokenizer(tok_path)
         self.tokenizer_config = load_tokenizer_config(tok_path)
-        self.model = load_model(self.model_path, _DTYPES[args.dtype])
+        self.device = args.torch_device
+        if self.device.type == "cpu":  # the two-argument call: wrappers of load_model(path, dtype) keep working
+            self.model = load_model(self.model_path, _DTYPES[args.dtype])
+        else:  # weights go to the device in their stored format and are dequantised there
+            self.model = load_model(self.model_path, _DTYPES[args.dtype], device=self.device)
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
         raw_config = json.loads((self.model_path / "config.json").read_text())

@@ -94,8 +94,9 @@ class ModelWorker:
                 for i in emitting:
                     result.errors[i] = f"sampling failed: {e}"
                 emitting, out = [], None
+            sampled = out.token_ids.tolist() if emitting else []  # one device-to-host copy per step
             for k, i in enumerate(emitting):
-                token = int(out.token_ids[k])
+                token = sampled[k]
                 if golden[i] is not None:  # teacher forcing: emit the given token, report its logprob
                     token = golden[i]
                 result.tokens[i] = token
@@ -201,4 +202,4 @@ class ModelWorker:
             except Exception as e:  # noqa: BLE001
                 result.errors[i] = f"model forward failed: {type(e).__name__}: {e}"
         vocab = self.runner.vocab_size
-        return (torch.cat(rows) if rows else torch.empty(0, vocab)), ok
+        return (torch.cat(rows) if rows else torch.empty(0, vocab, device=getattr(self.runner, "device", "cpu"))), ok
