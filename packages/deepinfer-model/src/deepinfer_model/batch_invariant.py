@@ -14,21 +14,36 @@ or its index in the tile (`tests/test_repro_batch_invariance.py`). Costs: decode
 tile (cheap: the weight's FP64 conversion dominates), long prefills lose the big-GEMM blocking
 (`benchmarks/repro/bench_batch_invariant.py` measures it).
 
+Attention (`sink_attention`): the paged runtime attends per padded group of sequences, so the
+default path's FP64 score / softmax / P·V sums see a key count, a column offset and a GEMM shape that
+depend on the group (measured: a decode row's FP64 output changed in 261 of 270 group compositions).
+In the mode, keys are laid out in tiles of `KEY_TILE` columns aligned to a frame that depends only on
+the key itself (absolute position for sliding-window keys, entry index for compressed entries), and
+every product is a fixed-shape GEMM ([TILE_ROWS, D] x [D, KEY_TILE] for scores, [TILE_ROWS, KEY_TILE] x
+[KEY_TILE, D + 1] for the unnormalised P·V and its row sum). Tile partials are added in tile order, one
+tile at a time; a tile a query cannot see contributes exact zeros, so extra padding tiles, in front
+(another chunk start) or behind (a wider neighbour), change nothing. The sink is added last.
+
 Not changed (and why it is still invariant): norms, router top-k, quantisation and sampling reduce
-within one row; the sampler draws from a keyed stream. Attention in the paged runtime batches
-sequences into padded groups: its FP64 softmax / P·V sums see padding that depends on the group, so
-they share the last-bit caveat above (no flip seen in the tests); a strict fix belongs in
-`deepinfer_model.runtime.groups` (reduce over each sequence's own key count).
+within one row; the sampler draws from a keyed stream. Still shape-dependent: the indexer's FP64
+scores (one dot product of `index_head_dim` per entry) before they are rounded to the activation dtype
+and ranked.
+
+Device-agnostic: everything here allocates on the inputs' device and uses only torch ops (bmm, exp,
+max) that exist on every backend; on CUDA, cuBLAS's per-matrix result in a strided batched GEMM of a
+fixed shape does not depend on the batch count either (no split-K is chosen for a fixed shape).
 """
 
 from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 ENV = "DEEPINFER_BATCH_INVARIANT"
 TILE_ROWS = 8
+KEY_TILE = 32  # key columns per attention tile (a multiple of every SIMD width: no scalar tail in exp)
 
 
 def enabled() -> bool:
@@ -55,3 +70,96 @@ def matmul(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
         return x @ w_t
     lead = x.shape[:-1]
     return tiled_matmul(x.reshape(-1, x.shape[-1]), w_t).reshape(*lead, w_t.shape[1])
+
+
+# ------------------------------------------------------------------------------------------ attention
+def key_tiles(n: int) -> int:
+    """Columns of a key segment of `n` keys rounded up to whole tiles (at least one tile)."""
+    return max(-(-int(n) // KEY_TILE), 1) * KEY_TILE
+
+
+def aligned_span(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, int]:
+    """(start [G], width) of key columns for key positions [lo, hi) per sequence: each start aligned
+    down to a multiple of `KEY_TILE` (so column c of tile t always holds the same absolute position),
+    one width, in whole tiles, that covers every sequence."""
+    lo = np.asarray(lo, dtype=np.int64)
+    start = lo - lo % KEY_TILE
+    return start, key_tiles(int((np.asarray(hi) - start).max()))
+
+
+def relayout(keys: torch.Tensor, visible: torch.Tensor, segments) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys [..., S, D] / visible [..., S] re-laid in whole tiles: `segments` lists (first column, end
+    column, frame of the first column), e.g. [(0, T, first_position), (T, S, 0)] for sliding-window keys
+    then compressed entries; each segment starts at column `frame % KEY_TILE` of a fresh tile. Pad
+    columns hold zeros (finite) and are invisible."""
+    idx = []
+    for first, end, frame in segments:
+        front = int(frame) % KEY_TILE
+        n = int(end) - int(first)
+        width = key_tiles(front + n)
+        seg = np.full(width, -1, dtype=np.int64)
+        seg[front : front + n] = np.arange(first, end)
+        idx.append(seg)
+    cols = np.concatenate(idx)
+    src = torch.from_numpy(np.maximum(cols, 0)).to(keys.device)
+    pad = torch.from_numpy(cols < 0).to(keys.device)
+    keys = keys.index_select(-2, src).masked_fill(pad[:, None], 0.0)
+    visible = visible.index_select(-1, src) & ~pad
+    return keys, visible
+
+
+def _row_tiles(x: torch.Tensor) -> torch.Tensor:
+    """[B, R, C] -> [B, ceil(R / TILE_ROWS), TILE_ROWS, C] (zero rows appended)."""
+    b, r, c = x.shape
+    pad = (-r) % TILE_ROWS
+    if pad:
+        x = torch.cat((x, x.new_zeros(b, pad, c)), dim=1)
+    return x.view(b, -1, TILE_ROWS, c)
+
+
+def _fixed_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [B, X, Y, m, k] @ b [B, X, Y, k, n] as one bmm of B*X*Y fixed-shape products. Inputs may be
+    expanded or transposed views: both are made contiguous, because the GEMM kernel (and its rounding)
+    depends on the operands' layout too, and `reshape` copies an expanded view only when it must."""
+    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a = a.expand(*lead, *a.shape[-2:]).reshape(-1, *a.shape[-2:]).contiguous()
+    b = b.expand(*lead, *b.shape[-2:]).reshape(-1, *b.shape[-2:]).contiguous()
+    return torch.bmm(a, b).view(*lead, a.shape[-2], b.shape[-1])
+
+
+def sink_attention(
+    q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Sink attention (K = V) with a batch-independent reduction order; FP64 [B, M, nh, D].
+
+    q [B, M, nh, D] (M queries sharing key set b), keys [B, S, D] with S a multiple of `KEY_TILE` laid
+    out in aligned tiles (`aligned_span` / `relayout`), visible [B, M, S] bool, sinks [nh]. A query's
+    result depends only on its own q, its visible keys and their tile columns.
+    """
+    bsz, m, nh, d = q.shape
+    s = keys.shape[1]
+    if s % KEY_TILE:
+        raise ValueError(f"keys.shape[1] = {s} must be a multiple of KEY_TILE = {KEY_TILE}")
+    n_tiles = s // KEY_TILE
+    keys = keys.double()
+    qt = _row_tiles(q.double().reshape(bsz, m * nh, d))  # [B, Rt, 8, D]
+    kt = keys.view(bsz, n_tiles, KEY_TILE, d)
+    scores = _fixed_bmm(qt[:, :, None], kt.transpose(-1, -2)[:, None])  # [B, Rt, St, 8, KT]
+    scores = scores.permute(0, 1, 3, 2, 4).reshape(bsz, -1, s)[:, : m * nh].view(bsz, m, nh, s) * scale
+    scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
+    # the sink as column 0 of one more tile: every exp below runs on whole tiles (no scalar tail)
+    sink = scores.new_full((bsz, m, nh, KEY_TILE), float("-inf"))
+    sink[..., 0] = sinks.to(sink.device, torch.float64)[None, None, :]
+    logits = torch.cat((scores, sink), dim=-1)
+    e = torch.exp(logits - logits.max(dim=-1, keepdim=True).values)
+    # unnormalised P·[K | 1]: the value sums and the softmax denominator from the same fixed GEMM
+    vals = torch.cat((kt, kt.new_ones(bsz, n_tiles, KEY_TILE, 1)), dim=-1)  # [B, St, KT, D+1]
+    pt = _row_tiles(e[..., :s].reshape(bsz, m * nh, s))  # [B, Rt, 8, S]
+    pt = pt.view(*pt.shape[:3], n_tiles, KEY_TILE).permute(0, 1, 3, 2, 4)  # [B, Rt, St, 8, KT]
+    part = _fixed_bmm(pt, vals[:, None])  # [B, Rt, St, 8, D+1]
+    acc = part[:, :, 0]
+    for t in range(1, n_tiles):  # tile order, one tile at a time: padding tiles add exact zeros
+        acc = acc + part[:, :, t]
+    acc = acc.reshape(bsz, -1, d + 1)[:, : m * nh].view(bsz, m, nh, d + 1)
+    den = acc[..., d] + e[..., s]
+    return acc[..., :d] / den[..., None]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .. import batch_invariant
 from ..config import RopeSpec
 from ..layers.compressor import CompressorWeights, compress
 from ..layers.rope import apply_rope, cos_sin
@@ -79,10 +80,14 @@ def swa_keys(
     """
     lo = np.maximum(meta.starts[g.seqs] - window + 1, 0)
     hi = meta.ends[g.seqs]
-    width = int((hi - lo).max())
-    pos = np.minimum(lo[:, None] + np.arange(width)[None, :], hi[:, None] - 1)
+    if batch_invariant.enabled():  # whole key tiles aligned to absolute positions (a key's column is fixed)
+        start, width = batch_invariant.aligned_span(lo, hi)
+    else:
+        start, width = lo, int((hi - lo).max())
+    # columns below lo (alignment) or from hi (padding) are invisible; they re-read a stored key
+    pos = np.clip(start[:, None] + np.arange(width)[None, :], lo[:, None], hi[:, None] - 1)
     keys = cache.read(pool, torch.from_numpy(meta.token_slots_of(g.seqs[:, None], pos)))
-    k_pos = torch.from_numpy(lo[:, None] + np.arange(width)[None, :])[:, None, :]
+    k_pos = torch.from_numpy(start[:, None] + np.arange(width)[None, :])[:, None, :]
     q_pos = g.q_pos[:, :, None]
     visible = (k_pos <= q_pos) & (k_pos > q_pos - window)  # k_pos <= q_pos < hi also drops padding
     if floor is not None:
@@ -99,7 +104,7 @@ def compressed_entries(cache: PagedKVCache, meta: StepMetadata, g: Group, pool: 
     valid for a query at p iff j < (p + 1) // ratio (its block is complete). Padding entries are zero
     (a masked key must still be finite: attention multiplies it by a zero probability)."""
     n = meta.ends[g.seqs] // ratio
-    width = max(int(n.max()), 1)
+    width = batch_invariant.key_tiles(n.max()) if batch_invariant.enabled() else max(int(n.max()), 1)
     j = np.arange(width)[None, :]
     safe_j = np.minimum(j, np.maximum(n[:, None] - 1, 0))
     entries = cache.read(pool, torch.from_numpy(meta.entry_slots_of(g.seqs[:, None], safe_j, ratio)))
@@ -117,6 +122,9 @@ def attend(
     with its own shared key set): packed `q` [N, nh, D], `keys` [G, S, D], `visible` [G*Q, S]
     -> FP64 [rows, nh, D] for `g.packed_rows`."""
     gq = g.rows.shape
+    if batch_invariant.enabled():  # keys laid out in aligned tiles by swa_keys / compressed_entries
+        out = batch_invariant.sink_attention(q[g.rows], keys, visible.view(*gq, -1), sinks, scale)
+        return out[g.qmask]
     qs = q[g.rows].double()  # [G, Q, nh, D]
     keys = keys.double()
     scores = torch.einsum("gqhd,gsd->gqhs", qs, keys) * scale

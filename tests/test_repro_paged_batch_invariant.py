@@ -1,0 +1,259 @@
+"""Batch-invariant mode through the paged runtime, step by step: a request's logits are bitwise identical
+whatever shares its steps (prefill chunks, decode rows, verification blocks of other lengths and context
+sizes), however its own prompt and continuation are split into steps (chunks, single decodes, verify
+blocks), and whether its prefix blocks were computed by another sequence (a prefix-cache hit).
+
+`tests/test_repro_batch_invariance.py` drives the scheduler (which picks the batching); here the steps
+are built by hand, so every neighbour kind meets the target in a known step. The attention kernel of
+the mode (`batch_invariant.sink_attention`) is checked on its own at FP64, bit for bit, where a
+last-bit change cannot hide behind the rounding to FP32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from deepinfer.default_model import resolve_model
+from deepinfer_model import batch_invariant, load_model
+from deepinfer_model.layers.attention import sink_attention
+from deepinfer_model.models.deepseek_v41 import paged
+from deepinfer_model.runner import RunnerBatch
+from deepinfer_model.runtime import PagedRunner
+
+BLOCK = 16
+KT = batch_invariant.KEY_TILE
+
+
+@pytest.fixture(autouse=True)
+def _invariant_mode(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(resolve_model(None)[0], torch.float32)
+
+
+# ----------------------------------------------------------------------------- the attention kernel
+def _place(q_row, keys, vis, frame, b_count, m_count, target_b, target_m, front_tiles, width_tiles, g):
+    """A batch of `b_count` key sets x `m_count` queries with the target query (q_row, its keys at
+    absolute frame `frame`, its visibility) at [target_b, target_m]; everything else random."""
+    nh, d = q_row.shape
+    s = width_tiles * KT
+    q = torch.randn(b_count, m_count, nh, d, generator=g, dtype=torch.float64)
+    kk = torch.randn(b_count, s, d, generator=g, dtype=torch.float64)
+    vv = torch.rand(b_count, m_count, s, generator=g) < 0.5
+    col = front_tiles * KT + frame % KT
+    q[target_b, target_m] = q_row
+    kk[target_b] = torch.randn(s, d, generator=g, dtype=torch.float64)  # invisible columns: any value
+    kk[target_b, col : col + len(keys)] = keys
+    vv[target_b, target_m] = False
+    vv[target_b, target_m, col : col + len(keys)] = vis
+    return q, kk, vv
+
+
+def test_attention_kernel_row_is_bitwise_batch_invariant_and_exact():
+    g = torch.Generator().manual_seed(0)
+    nh, d, n = 4, 128, 45
+    q_row = torch.randn(nh, d, generator=g, dtype=torch.float64)
+    keys = torch.randn(n, d, generator=g, dtype=torch.float64)
+    vis = torch.rand(n, generator=g) < 0.7
+    sinks = torch.randn(nh, generator=g)
+    frame = 37  # the first key's absolute position: column 5 of its tile
+    results = []
+    for b_count, m_count, tb, tm, front, extra in [
+        (1, 1, 0, 0, 0, 0),
+        (1, 9, 0, 4, 0, 1),
+        (3, 1, 2, 0, 2, 0),
+        (5, 7, 1, 6, 1, 3),
+        (2, 64, 1, 33, 0, 2),
+    ]:
+        width = front + batch_invariant.key_tiles(frame % KT + n) // KT + extra
+        q, kk, vv = _place(q_row, keys, vis, frame, b_count, m_count, tb, tm, front, width, g)
+        results.append(batch_invariant.sink_attention(q, kk, vv, sinks, 0.088)[tb, tm])
+    for k, r in enumerate(results[1:], 1):
+        assert torch.equal(r, results[0]), f"composition {k} changed the FP64 attention output"
+    # and it is sink attention: a float64 computation one head at a time
+    for h in range(nh):
+        s = (keys[vis] @ q_row[h]) * 0.088
+        e = torch.exp(torch.cat((s, sinks[h : h + 1].double())) - max(s.max(), sinks[h].double()))
+        ref = (e[:-1, None] * keys[vis]).sum(0) / e.sum()
+        torch.testing.assert_close(results[0][h], ref, rtol=1e-12, atol=1e-14)
+
+
+def test_default_attention_row_depends_on_padding(monkeypatch):
+    """Why the kernel exists: the default path's FP64 row changes with the key padding around it."""
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "0")
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, 128, generator=g, dtype=torch.float64)
+    keys = torch.randn(40, 128, generator=g, dtype=torch.float64)
+    sinks = torch.randn(4, generator=g)
+    base = sink_attention(q, keys[:9], torch.ones(1, 9, dtype=torch.bool), sinks, 0.088)
+    padded = [
+        sink_attention(q, keys[: 9 + p], torch.arange(9 + p)[None] < 9, sinks, 0.088) for p in range(1, 31)
+    ]
+    assert any(not torch.equal(base, x) for x in padded)
+
+
+def test_attention_kernel_rejects_untiled_keys():
+    with pytest.raises(ValueError, match="multiple of KEY_TILE"):
+        batch_invariant.sink_attention(
+            torch.zeros(1, 1, 2, 8),
+            torch.zeros(1, KT + 1, 8),
+            torch.ones(1, 1, KT + 1, dtype=torch.bool),
+            torch.zeros(2),
+            1.0,
+        )
+
+
+# -------------------------------------------------------------------------- through the paged runner
+class _Sim:
+    """Sequences on one PagedRunner with hand-built steps. Each sequence owns a token stream (its ids
+    at every position, fixed in advance: teacher forcing, so every scenario feeds the same tokens).
+
+    `attention[p]` records the target's (sid 0) FP64 attention output at position p, layer after layer,
+    as the runner's grouped attention returns it (observed, not replaced): logits are FP32, and an FP64
+    last-bit difference would rarely survive the rounding, so invariance is also checked before it."""
+
+    def __init__(self, model, monkeypatch, num_blocks=64):
+        self.runner = PagedRunner(model, num_blocks=num_blocks, block_size=BLOCK)
+        self.free = list(range(num_blocks))
+        self.seqs = {}  # id -> [tokens, computed, block table]
+        self.attention: dict[int, list[torch.Tensor]] = {}
+        self._ids: list[int] = []
+        real = getattr(paged.attend, "real", paged.attend)  # not an earlier _Sim's observer
+
+        def observed(q, keys, visible, g, sinks, scale):
+            out = real(q, keys, visible, g, sinks, scale)
+            owner = np.repeat(np.asarray(g.seqs), g.qmask.sum(dim=1).cpu().numpy())
+            for r, (i, p) in enumerate(zip(owner, g.q_pos[g.qmask].tolist())):
+                if self._ids[i] == 0:
+                    self.attention.setdefault(p, []).append(out[r].clone())
+            return out
+
+        observed.real = real
+        monkeypatch.setattr(paged, "attend", observed)
+
+    def add(self, sid, tokens, shared_blocks=(), computed=0):
+        need = -(-len(tokens) // BLOCK) - len(shared_blocks)
+        table = list(shared_blocks) + [self.free.pop(0) for _ in range(need)]
+        self.seqs[sid] = [list(tokens), computed, np.array(table, dtype=np.int32)]
+
+    def step(self, plan):
+        """plan: [(sid, n_tokens, logits_rows)]; returns {sid: logits [logits_rows, V]}."""
+        ids, starts, qlens, tables, inputs, nlog = [], [], [], [], [], []
+        for sid, n, rows in plan:
+            toks, done, table = self.seqs[sid]
+            ids.append(sid)
+            starts.append(done)
+            qlens.append(n)
+            tables.append(table)
+            inputs += toks[done : done + n]
+            nlog.append(rows)
+            self.seqs[sid][1] = done + n
+        self._ids = ids
+        logits = self.runner.execute(
+            RunnerBatch(
+                seq_ids=np.array(ids, dtype=np.int64),
+                start_positions=np.array(starts, dtype=np.int64),
+                query_lens=np.array(qlens, dtype=np.int64),
+                block_tables=tables,
+                input_ids=np.array(inputs, dtype=np.int64),
+                logits_lens=np.array(nlog, dtype=np.int64),
+            )
+        )
+        out, row = {}, 0
+        for sid, _n, rows in plan:
+            out[sid] = logits[row : row + rows].clone()
+            row += rows
+        return out
+
+
+def _stream(rng, n):
+    return rng.integers(1000, 90_000, n).tolist()
+
+
+TARGET_PROMPT = 37  # crosses two block boundaries and many compression blocks (ratio 2)
+TARGET_LEN = 52  # prompt + 15 continuation tokens, fed as decodes / verify blocks
+
+
+def _target_logits(sim, plans):
+    """Run `plans` (lists of steps); collect the target's (sid 0) logits by absolute position."""
+    by_pos = {}
+    for plan in plans:
+        before = {sid: sim.seqs[sid][1] for sid, _, _ in plan}
+        out = sim.step(plan)
+        for sid, n, rows in plan:
+            if sid == 0:
+                end = before[0] + n
+                for k in range(rows):
+                    by_pos[end - rows + k] = out[0][k]
+    return by_pos
+
+
+def test_target_logits_identical_across_neighbours_splits_and_prefix_hits(model, monkeypatch):
+    rng = np.random.default_rng(5)
+    target = _stream(rng, TARGET_LEN)
+    neigh = {sid: _stream(rng, 120) for sid in (1, 2, 3, 4)}
+
+    sims = []
+    # A: alone; the prompt in one step (logits at every position), then one decode per step
+    sim = _Sim(model, monkeypatch)
+    sim.add(0, target)
+    sims.append(sim)
+    alone = _target_logits(
+        sim, [[(0, TARGET_PROMPT, TARGET_PROMPT)]] + [[(0, 1, 1)]] * (TARGET_LEN - TARGET_PROMPT)
+    )
+
+    # B: chunked 5 / 16 / 9 / 7, continuation as verify blocks 4 / 1 / 6 / 4; every step shares the batch
+    # with neighbours of another kind and context: long prefill chunks, decodes, verify blocks
+    sim = _Sim(model, monkeypatch)
+    sim.add(0, target)
+    for sid, toks in neigh.items():
+        sim.add(sid, toks)
+    sims.append(sim)
+    sim.step([(1, 60, 1), (2, 3, 1), (3, 33, 0), (4, 8, 8)])  # give the neighbours some history
+    mixed = _target_logits(
+        sim,
+        [
+            [(1, 1, 1), (0, 5, 5), (3, 20, 0)],  # decode + target chunk + prefill chunk
+            [(2, 4, 4), (0, 16, 16), (4, 1, 1), (1, 1, 1)],  # verify block + decodes
+            [(0, 9, 9), (3, 30, 1)],
+            [(4, 7, 7), (2, 1, 1), (0, 7, 7), (1, 5, 5)],
+            [(0, 4, 4), (1, 4, 4), (2, 2, 2), (3, 1, 1), (4, 1, 1)],  # target verify block of 4
+            [(3, 12, 1), (0, 1, 1)],
+            [(0, 6, 6), (2, 1, 1)],
+            [(1, 1, 1), (0, 4, 4), (4, 30, 1)],
+        ],
+    )
+
+    # C: a prefix-cache hit: another sequence computed the first two blocks, the target reuses them
+    sim = _Sim(model, monkeypatch)
+    sim.add(9, target[: 2 * BLOCK] + _stream(rng, 3))
+    sim.step([(9, 2 * BLOCK + 3, 1)])
+    sim.add(0, target, shared_blocks=sim.seqs[9][2][:2], computed=2 * BLOCK)
+    sim.add(2, neigh[2])
+    sims.append(sim)
+    sim.step([(2, 40, 1)])
+    cached = _target_logits(
+        sim, [[(2, 1, 1), (0, TARGET_PROMPT - 2 * BLOCK, 5)], [(0, 3, 3), (2, 2, 2)]] + [[(0, 3, 3)]] * 4
+    )
+
+    att = [x.attention for x in sims]
+    layers = model.config.num_hidden_layers
+    assert all(len(a[p]) == layers for a in att for p in a)
+    for p in sorted(att[0]):
+        for name, other in (("neighbours / splitting", att[1]), ("the prefix-cache hit", att[2])):
+            if p in other:
+                same = [torch.equal(x, y) for x, y in zip(att[0][p], other[p])]
+                assert all(same), f"position {p}: {name} changed the FP64 attention output (layers {same})"
+    assert len(alone) == TARGET_LEN and len(mixed) == TARGET_LEN and len(cached) == TARGET_LEN - 2 * BLOCK
+    for p in sorted(alone):
+        assert torch.equal(alone[p], mixed[p]), f"position {p}: neighbours / splitting changed the logits"
+        if p in cached:
+            assert torch.equal(alone[p], cached[p]), f"position {p}: the prefix-cache hit changed the logits"
+    # the reference: the stateless forward over the whole stream, every position
+    ref = model.forward(torch.tensor(target)).logits.float()
+    diff = [p for p in sorted(alone) if not torch.equal(alone[p], ref[p])]
+    assert not diff, f"paged runner differs from the stateless forward at positions {diff}"
