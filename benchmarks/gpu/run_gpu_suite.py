@@ -291,6 +291,24 @@ def bench_ops(ceil: dict) -> None:
             m * k * 3 + m * k // 32,
         )
 
+    from deepinfer_model.backends.nvidia import moe
+
+    for t, e, k, h, i in GROUPED_EXPERT_SHAPES[:2]:  # the dequantised BF16 fallback (no DeepGEMM)
+        w13, s13, w2, s2 = _random_fp8_experts(e, h, i)
+        x = torch.randn(t, h, device=dev, dtype=bf)
+        w, ids = _grouped_expert_routing(t, e, k)
+        flops, nbytes = _grouped_expert_flops_bytes(t, e, k, h, i)
+        bench_op(
+            "grouped_expert_mlp",
+            "dequant_bf16",
+            f"T={t},E={e},k={k},H={h},I={i}",
+            lambda: moe.grouped_expert_mlp_dequant(x, w, ids, w13, s13, w2, s2, 10.0, True),
+            ceil,
+            nbytes,
+            flops,
+        )
+        w13 = w2 = None
+
 
 GEMM_SHAPES = [(64, 7168, 4096), (4096, 7168, 4096), (4096, 2048, 7168), (16384, 7168, 2048)]
 
@@ -346,6 +364,9 @@ def deep_gemm_probe(out: Path, ceil: dict) -> None:
         (out / "deep_gemm_probe.json").write_text(json.dumps(recs, indent=1))
     recs.append(_grouped_probe(deep_gemm, gemm, cpu, ceil))
     (out / "deep_gemm_probe.json").write_text(json.dumps(recs, indent=1))
+    for rec in _grouped_expert_probe(cpu, ceil):
+        recs.append(rec)
+        (out / "deep_gemm_probe.json").write_text(json.dumps(recs, indent=1))
 
 
 def _grouped_probe(deep_gemm, gemm, cpu, ceil: dict) -> dict:
@@ -395,6 +416,101 @@ def _grouped_probe(deep_gemm, gemm, cpu, ceil: dict) -> dict:
         rec["status"] = f"error: {e!r}"[:400]
     print(rec, flush=True)
     return rec
+
+
+# ---------------------------------------------------------------- grouped expert MLP (routed MoE)
+# (tokens, experts, top-k, hidden, intermediate): decode- and prefill-sized batches of one EP rank's
+# experts at V4.1-like widths (DeepGEMM's test defaults H=7168, I=3072; spec v41-model 12)
+GROUPED_EXPERT_SHAPES = [(128, 32, 6, 7168, 3072), (4096, 32, 6, 7168, 3072), (16384, 32, 6, 7168, 3072)]
+
+
+def _random_fp8_experts(e: int, h: int, i: int, dev: str = "cuda"):
+    """Random FP8 expert weights for timing (values do not change the GEMM time; never zeros), made per
+    expert so the BF16 temporaries stay small."""
+    w13 = torch.empty(e, 2 * i, h, dtype=torch.float8_e4m3fn, device=dev)
+    w2 = torch.empty(e, h, i, dtype=torch.float8_e4m3fn, device=dev)
+    for j in range(e):
+        w13[j] = (torch.randn(2 * i, h, device=dev, dtype=torch.bfloat16) * 64).to(torch.float8_e4m3fn)
+        w2[j] = (torch.randn(h, i, device=dev, dtype=torch.bfloat16) * 64).to(torch.float8_e4m3fn)
+    s13 = torch.full((e, 2 * i // 128, h // 128), 2.0**-6 * h**-0.5, device=dev)
+    s2 = torch.full((e, h // 128, i // 128), 2.0**-6 * i**-0.5, device=dev)
+    return w13, s13, w2, s2
+
+
+def _grouped_expert_flops_bytes(t: int, e: int, k: int, h: int, i: int) -> tuple[float, float]:
+    """FLOPs of the two grouped GEMMs (2*T*k*(2I*H + H*I)) and the bytes they must move: the weights of
+    the experts hit (all of them here) plus the activations in and out."""
+    flops = 2.0 * t * k * (2 * i * h + h * i)
+    nbytes = e * 3 * i * h + t * k * (h + 2 * 2 * i + i + 2 * h) + t * h * (2 + 4)
+    return flops, nbytes
+
+
+def _grouped_expert_routing(t: int, e: int, k: int, dev: str = "cuda"):
+    w, ids = torch.rand(t, e, device=dev).topk(k, dim=1)
+    return (w / w.sum(1, keepdim=True)).float(), ids
+
+
+def _grouped_expert_probe(cpu, ceil: dict) -> list[dict]:
+    """`grouped_expert_mlp` through DeepGEMM (child process): checked against the CPU reference on MXFP4
+    experts converted to the SM90 FP8 layout, then timed at GROUPED_EXPERT_SHAPES (TFLOP/s vs the fp8
+    ceiling; the whole op: routing plan with its host sync, activation quantisation, two grouped GEMMs,
+    SwiGLU, combine)."""
+    from deepinfer_model.backends.nvidia import moe
+    from deepinfer_model.quant import quant_mxfp4
+    from deepinfer_model.quant_sm90 import fp8_experts_from_mxfp4
+
+    recs = []
+    t, e, k, h, i = 300, 32, 6, 1024, 384
+    rec = dict(
+        kind="op", op="grouped_expert_mlp", impl="deep_gemm", shape=f"check T={t},E={e},k={k},H={h},I={i}"
+    )
+    try:
+
+        def stack(n, kk):
+            parts = [quant_mxfp4(torch.randn(n, kk) * kk**-0.5) for _ in range(e)]
+            return torch.stack([p for p, _ in parts]), torch.stack([s for _, s in parts])
+
+        ex = fp8_experts_from_mxfp4(stack(i, h), stack(i, h), stack(h, i))
+        x = (torch.randn(t, h) * 3).to(torch.bfloat16)
+        w, ids = _grouped_expert_routing(t, e, k, "cpu")
+        ref = cpu.grouped_expert_mlp(x, w, ids, ex.w13, ex.s13, ex.w2, ex.s2, 4.0, True).double()
+        args = [a.cuda() for a in (x, w, ids, ex.w13, ex.s13, ex.w2, ex.s2)]
+        got = moe.grouped_expert_mlp_deep_gemm(*args, 4.0, True).double().cpu()
+        rec.update(
+            status="ok",
+            rel_err_vs_cpu=float((got - ref).norm() / ref.norm()),
+            finite=bool(torch.isfinite(got).all()),
+            conversion_inexact_blocks=ex.stats.inexact_blocks,
+        )
+    except Exception as exc:  # noqa: BLE001
+        rec["status"] = f"error: {exc!r}"[:400]
+    print(rec, flush=True)
+    recs.append(rec)
+    for t, e, k, h, i in GROUPED_EXPERT_SHAPES:
+        rec = dict(
+            kind="op", op="grouped_expert_mlp", impl="deep_gemm", shape=f"T={t},E={e},k={k},H={h},I={i}"
+        )
+        try:
+            w13, s13, w2, s2 = _random_fp8_experts(e, h, i)
+            x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+            w, ids = _grouped_expert_routing(t, e, k)
+            out = moe.grouped_expert_mlp_deep_gemm(x, w, ids, w13, s13, w2, s2, 10.0, True)
+            torch.cuda.synchronize()
+            rec["finite"] = bool(torch.isfinite(out).all())
+            us = time_us(lambda: moe.grouped_expert_mlp_deep_gemm(x, w, ids, w13, s13, w2, s2, 10.0, True))
+            flops, nbytes = _grouped_expert_flops_bytes(t, e, k, h, i)
+            rec.update(status="ok", us_per_call=us, tflop_per_s=flops / us / 1e6, tb_per_s=nbytes / us / 1e6)
+            rec["frac_of_bf16_gemm"] = rec["tflop_per_s"] / ceil["bf16_tflop_per_s"]
+            if "fp8_tflop_per_s" in ceil:
+                rec["frac_of_fp8_gemm"] = rec["tflop_per_s"] / ceil["fp8_tflop_per_s"]
+            if "copy_tb_per_s" in ceil:
+                rec["frac_of_copy"] = rec["tb_per_s"] / ceil["copy_tb_per_s"]
+            w13 = w2 = None
+        except Exception as exc:  # noqa: BLE001
+            rec["status"] = f"error: {exc!r}"[:400]
+        print(rec, flush=True)
+        recs.append(rec)
+    return recs
 
 
 def wait_for_build(build_pid: int, deadline: float) -> None:
@@ -570,6 +686,7 @@ TEST_SHARDS = {
     "mhc": [NV_TESTS, "-k", "hc_ or mhc or no_tilelang"],
     "gemm_attn_kv": [NV_TESTS, "-k", "fp8 or sparse or kv_store or no_tilelang"],
     "registry": ["packages/deepinfer-model/tests/test_ops_registry.py"],
+    "grouped_moe": ["packages/deepinfer-model/tests/test_grouped_moe_gpu.py"],
 }
 
 
@@ -650,7 +767,7 @@ def write_report(out: Path) -> None:
         ]
         labels, fracs, colors = [], [], []
         for r in rows:
-            mem = r["op"] not in ("fp8_block_linear",) or r["shape"].startswith("M=64,")
+            mem = r["op"] not in ("fp8_block_linear", "grouped_expert_mlp") or r["shape"].startswith("M=64,")
             gemm_frac = r.get("frac_of_fp8_gemm") if r["impl"] == "deep_gemm" else r.get("frac_of_bf16_gemm")
             f = r.get("frac_of_copy") if mem else gemm_frac
             if f is None:
