@@ -43,6 +43,7 @@ class Group:
     rows: torch.Tensor  # long [G, Q] packed row of each query slot
     qmask: torch.Tensor  # bool [G, Q] real query slots
     q_pos: torch.Tensor  # long [G, Q] absolute positions
+    index: int = 0  # the group's number in its step (keys the step's cached index tensors)
 
     @property
     def slot_rows(self) -> torch.Tensor:
@@ -65,8 +66,9 @@ def make_groups(meta: StepMetadata) -> list[Group]:
         seqs = active[bucket == k]
         qlen = meta.query_lens[seqs]
         slot = np.arange(int(qlen.max()))[None, :]
-        rows = torch.from_numpy(meta.offsets[seqs][:, None] + np.minimum(slot, qlen[:, None] - 1))
-        groups.append(Group(seqs, rows, torch.from_numpy(slot < qlen[:, None]), meta.positions[rows]))
+        host_rows = meta.offsets[seqs][:, None] + np.minimum(slot, qlen[:, None] - 1)
+        rows = meta.dev(host_rows)
+        groups.append(Group(seqs, rows, meta.dev(slot < qlen[:, None]), meta.positions[rows], len(groups)))
     return groups
 
 
@@ -78,6 +80,20 @@ def swa_keys(
     `floor` [G] (YOCO truncation): no key below it is visible; those keys may never have been stored, so
     they are zeroed (a masked key must still be finite: attention multiplies it by a zero probability).
     """
+    # index tensors depend on the group, window and floor only: built and sent once per step, reused by
+    # every layer of that window
+    slots, visible, below = meta.cached(
+        ("swa", g.index, window, floor is not None), lambda: _swa_index(meta, g, window, floor)
+    )
+    keys = cache.read(pool, slots)
+    if below is not None:
+        # zero by the position actually read: padding columns re-read position hi - 1, which may lie
+        # below the floor (never stored) even where the column's nominal position does not
+        keys = keys.masked_fill(below, 0.0)
+    return keys, visible
+
+
+def _swa_index(meta: StepMetadata, g: Group, window: int, floor: np.ndarray | None):
     lo = np.maximum(meta.starts[g.seqs] - window + 1, 0)
     hi = meta.ends[g.seqs]
     if batch_invariant.enabled():  # whole key tiles aligned to absolute positions (a key's column is fixed)
@@ -86,33 +102,37 @@ def swa_keys(
         start, width = lo, int((hi - lo).max())
     # columns below lo (alignment) or from hi (padding) are invisible; they re-read a stored key
     pos = np.clip(start[:, None] + np.arange(width)[None, :], lo[:, None], hi[:, None] - 1)
-    keys = cache.read(pool, torch.from_numpy(meta.token_slots_of(g.seqs[:, None], pos)))
-    k_pos = torch.from_numpy(start[:, None] + np.arange(width)[None, :])[:, None, :]
+    slots = meta.dev(meta.token_slots_of(g.seqs[:, None], pos))
+    k_pos = meta.dev(start[:, None] + np.arange(width)[None, :])[:, None, :]
     q_pos = g.q_pos[:, :, None]
     visible = (k_pos <= q_pos) & (k_pos > q_pos - window)  # k_pos <= q_pos < hi also drops padding
+    below = None
     if floor is not None:
         f = np.asarray(floor, dtype=np.int64)[:, None]
-        visible = visible & (k_pos >= torch.from_numpy(f)[:, :, None])
-        # zero by the position actually read: padding columns re-read position hi - 1, which may lie
-        # below the floor (never stored) even where the column's nominal position does not
-        keys = keys.masked_fill(torch.from_numpy(pos < f)[..., None], 0.0)
-    return keys, visible.reshape(-1, width)
+        visible = visible & (k_pos >= meta.dev(f)[:, :, None])
+        below = meta.dev(pos < f)[..., None]
+    return slots, visible.reshape(-1, width), below
 
 
 def compressed_entries(cache: PagedKVCache, meta: StepMetadata, g: Group, pool: str, ratio: int):
     """(entries [G, n, d], valid [G*Q, n]): every entry each sequence has after this step; entry j is
     valid for a query at p iff j < (p + 1) // ratio (its block is complete). Padding entries are zero
     (a masked key must still be finite: attention multiplies it by a zero probability)."""
+    slots, padding, valid = meta.cached(("comp", g.index, ratio), lambda: _entry_index(meta, g, ratio))
+    return cache.read(pool, slots).masked_fill(padding, 0.0), valid
+
+
+def _entry_index(meta: StepMetadata, g: Group, ratio: int):
     n = meta.ends[g.seqs] // ratio
     width = batch_invariant.key_tiles(n.max()) if batch_invariant.enabled() else max(int(n.max()), 1)
     j = np.arange(width)[None, :]
     safe_j = np.minimum(j, np.maximum(n[:, None] - 1, 0))
-    entries = cache.read(pool, torch.from_numpy(meta.entry_slots_of(g.seqs[:, None], safe_j, ratio)))
-    entries = entries.masked_fill(torch.from_numpy(j >= n[:, None])[..., None], 0.0)
-    valid = torch.arange(width)[None, None, :] < torch.div(
+    slots = meta.dev(meta.entry_slots_of(g.seqs[:, None], safe_j, ratio))
+    padding = meta.dev(j >= n[:, None])[..., None]
+    valid = torch.arange(width, device=meta.device)[None, None, :] < torch.div(
         g.q_pos[:, :, None] + 1, ratio, rounding_mode="floor"
     )
-    return entries, valid.reshape(-1, width)
+    return slots, padding, valid.reshape(-1, width)
 
 
 def attend(
@@ -174,18 +194,27 @@ def compress_new(
     Block j pools tokens j*r .. j*r+r-1; those before this step come from `hidden_pool`, which must
     already hold this step's inputs too (ratio 1 needs no pool: every token is its own block).
     """
+    index = meta.cached(("new", ratio), lambda: _new_entry_index(meta, ratio))
+    if index is None:
+        return None
+    gather, positions, slots = index
+    blocks_x = x[gather] if ratio == 1 else cache.read(hidden_pool, gather)
+    pre_rope = compress(blocks_x, w, ratio, False, rope, eps, 0, act_dtype).pre_rope
+    cos, sin = cos_sin(rope, positions)
+    keys = round_to(apply_rope(pre_rope, cos, sin), act_dtype)  # the compressor's own rotation step
+    return NewEntries(slots, pre_rope, keys, positions)
+
+
+def _new_entry_index(meta: StepMetadata, ratio: int):
+    """(rows of x (ratio 1) or token slots of the pooled blocks, entry positions, entry slots) on the
+    step's device; None when no block completes in this step."""
     first, last = meta.starts // ratio, meta.ends // ratio
     seq, j = ranges(first, last)
     if len(j) == 0:
         return None
     if ratio == 1:
-        blocks_x = x[torch.from_numpy(meta.offsets[seq] + j - meta.starts[seq])]
+        gather = meta.dev(meta.offsets[seq] + j - meta.starts[seq])
     else:
         tok_seq, pos = ranges(first * ratio, last * ratio)
-        blocks_x = cache.read(hidden_pool, torch.from_numpy(meta.token_slots_of(tok_seq, pos)))
-    pre_rope = compress(blocks_x, w, ratio, False, rope, eps, 0, act_dtype).pre_rope
-    positions = torch.from_numpy(j * ratio)
-    cos, sin = cos_sin(rope, positions)
-    keys = round_to(apply_rope(pre_rope, cos, sin), act_dtype)  # the compressor's own rotation step
-    slots = torch.from_numpy(meta.entry_slots_of(seq, j, ratio))
-    return NewEntries(slots, pre_rope, keys, positions)
+        gather = meta.dev(meta.token_slots_of(tok_seq, pos))
+    return gather, meta.dev(j * ratio), meta.dev(meta.entry_slots_of(seq, j, ratio))
