@@ -96,7 +96,7 @@ def run_steps(model, yoco=None, draft=True):
         assert logits.device == runner.device
         outs.append(logits.cpu())
     if draft:
-        nxt = outs[-1].argmax(dim=-1)
+        nxt = logits.argmax(dim=-1)  # on the model's device, as an engine passes it
         for d in runner.draft(nxt, num_draft_tokens=3) + runner.draft(
             nxt[:1], 2, seq_indices=[0], last_positions=[20]
         ):
@@ -181,7 +181,8 @@ def test_v41_paged_on_cuda_matches_cpu(v41_path, case):
     for x, y in zip(cpu[:n_steps], gpu[:n_steps]):
         rel = ((x.double() - y.double()).norm() / x.double().norm()).item()
         assert rel <= tol, rel
-        assert torch.equal(x.argmax(-1), y.argmax(-1))
+        if act is torch.float32:  # BF16 rounding points may flip a last bit between devices
+            assert torch.equal(x.argmax(-1), y.argmax(-1))
     if act is torch.float32:
         for x, y in zip(cpu[n_steps::3], gpu[n_steps::3]):  # drafted tokens
             assert torch.equal(x, y)

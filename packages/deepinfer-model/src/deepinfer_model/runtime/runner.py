@@ -195,13 +195,13 @@ class PagedRunner:
         if meta is None:
             raise ValueError("draft() needs a step executed first")
         seqs = list(range(meta.num_seqs)) if seq_indices is None else [int(i) for i in seq_indices]
-        tokens = [int(t) for t in np.asarray(next_tokens).reshape(-1)]
+        tokens = _host_ints(next_tokens)  # a device tensor costs one copy here, not one per token
         if len(tokens) != len(seqs):
             raise ValueError(
                 f"next_tokens must hold one token per drafted sequence ({len(seqs)}), got {len(tokens)}"
             )
         if last_positions is not None:
-            last_positions = [int(p) for p in np.asarray(last_positions).reshape(-1)]
+            last_positions = _host_ints(last_positions)
             if len(last_positions) != len(seqs):
                 raise ValueError(
                     f"last_positions must hold one position per drafted sequence ({len(seqs)}), "
@@ -210,6 +210,13 @@ class PagedRunner:
         return v41_paged_draft(
             self.model, meta, self.cache, seqs, tokens, num_draft_tokens, sampler or greedy, last_positions
         )
+
+
+def _host_ints(values) -> list[int]:
+    """A list / numpy array / tensor (any device) of integers as Python ints, in one transfer."""
+    if isinstance(values, torch.Tensor):
+        return [int(v) for v in values.reshape(-1).tolist()]
+    return [int(v) for v in np.asarray(values).reshape(-1)]
 
 
 RUNNERS = {"paged": PagedRunner, "recompute": RecomputeRunner}
