@@ -1,8 +1,9 @@
 """Sampling: logits rows -> tokens, with per-row parameters and seeded, batch-independent streams."""
 
+from .bitmask import TokenBitmask, apply_token_bitmask_, disallowed_from_bitmask
 from .params import MAX_LOGPROBS, RowParams, normalize_seed, validate_sampling_fields
 from .random_stream import DRAFT_SEED_OFFSET, Purpose, stream_bits, stream_uniform
-from .sampler import Sampler, SamplerOutput
+from .sampler import Sampler, SamplerOutput, masked_logits
 from .transform import filtered_probs
 
 __all__ = [
@@ -12,7 +13,11 @@ __all__ = [
     "RowParams",
     "Sampler",
     "SamplerOutput",
+    "TokenBitmask",
+    "apply_token_bitmask_",
+    "disallowed_from_bitmask",
     "filtered_probs",
+    "masked_logits",
     "normalize_seed",
     "stream_bits",
     "stream_uniform",

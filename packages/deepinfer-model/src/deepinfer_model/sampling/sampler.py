@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .bitmask import TokenBitmask, apply_token_bitmask_
 from .params import RowParams
 from .random_stream import Purpose, stream_uniform
 from .transform import filtered_probs
@@ -33,13 +34,22 @@ class Sampler:
         self,
         logits: torch.Tensor,
         rows: list[RowParams],
-        allowed: torch.Tensor | None = None,
+        allowed: torch.Tensor | TokenBitmask | None = None,
         purpose: Purpose = Purpose.SAMPLE,
+        overwrite_logits: bool = False,
     ) -> SamplerOutput:
+        """allowed: the tokens each row may produce (structured output): a bool [B, V] tensor, or a
+        packed `TokenBitmask` for some of the rows (the cheap form: no dense mask is built).
+        overwrite_logits: the caller is done with `logits`, so masking may write into them instead
+        of into a copy (a whole [B, V] allocation less); ignored when a row asks for logprobs (they
+        are taken from the unmasked logits)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}")
         raw = logits.float()
-        masked = self._mask(raw, rows, allowed)
+        wants = [r.logprobs for r in rows if r.logprobs is not None]
+        # raw is our own copy when .float() converted; otherwise it is the caller's tensor
+        inplace = not wants and (overwrite_logits or raw.data_ptr() != logits.data_ptr())
+        masked = masked_logits(raw, rows, allowed, inplace=inplace)
         tokens = torch.empty(len(rows), dtype=torch.int64, device=raw.device)
 
         greedy = [i for i, r in enumerate(rows) if r.greedy]
@@ -63,7 +73,6 @@ class Sampler:
             tokens[sampled] = torch.minimum(picked, last_nonzero)
 
         out = SamplerOutput(token_ids=tokens)
-        wants = [r.logprobs for r in rows if r.logprobs is not None]
         if wants:
             logprobs = torch.log_softmax(raw, dim=-1)
             out.logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
@@ -72,15 +81,42 @@ class Sampler:
                 out.top_logprobs, out.top_token_ids = torch.topk(logprobs, min(top_n, raw.shape[-1]), dim=-1)
         return out
 
-    @staticmethod
-    def _mask(raw: torch.Tensor, rows: list[RowParams], allowed: torch.Tensor | None) -> torch.Tensor:
-        banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids if 0 <= t < raw.shape[-1]]
-        if not banned and allowed is None:
-            return raw
+
+def masked_logits(
+    raw: torch.Tensor,
+    rows: list[RowParams],
+    allowed: torch.Tensor | TokenBitmask | None,
+    inplace: bool = False,
+) -> torch.Tensor:
+    """`raw` with each row's banned tokens and disallowed tokens (structured output) set to -inf.
+
+    inplace: write into `raw` and return it. Otherwise a new tensor when anything is masked and
+    `raw` itself (unmodified) when nothing is. A `TokenBitmask` touches only its rows; when it
+    covers every row, the copy is made by the masking pass itself.
+    """
+    banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids if 0 <= t < raw.shape[-1]]
+    if isinstance(allowed, TokenBitmask):
+        allowed.check(raw)
+        if not allowed.rows:
+            allowed = None
+    if not banned and allowed is None:
+        return raw
+    if inplace:
+        masked = raw
+    elif (
+        isinstance(allowed, TokenBitmask)
+        and len(allowed.rows) == raw.shape[0]
+        and allowed.contiguous_start() == 0
+    ):
+        masked = torch.where(allowed.disallowed(raw), float("-inf"), raw)
+        allowed = None
+    else:
         masked = raw.clone()
-        if banned:
-            row_idx, tok_idx = zip(*banned)
-            masked[list(row_idx), list(tok_idx)] = float("-inf")
-        if allowed is not None:
-            masked = masked.masked_fill(~allowed.to(torch.bool), float("-inf"))
-        return masked
+    if banned:
+        row_idx, tok_idx = zip(*banned)
+        masked[list(row_idx), list(tok_idx)] = float("-inf")
+    if isinstance(allowed, TokenBitmask):
+        apply_token_bitmask_(masked, allowed)
+    elif allowed is not None:
+        masked.masked_fill_(~allowed.to(device=masked.device, dtype=torch.bool), float("-inf"))
+    return masked

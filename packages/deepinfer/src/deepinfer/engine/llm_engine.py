@@ -484,7 +484,7 @@ class LLMEngine:
             golden.append(g[generated_before] if g is not None and generated_before < len(g) else None)
             if seq.grammar is not None:
                 grammar_rows[i] = seq.grammar
-        allowed = {}
+        allowed = None
         if grammar_rows:  # a callable the worker resolves after the forward (filled meanwhile)
             allowed = self._mask_pool.submit(self._structured.allowed_rows, grammar_rows, len(rows)).result
         return batch, rows, golden, allowed, self._step_prompt_lens(out, batch)
@@ -687,7 +687,7 @@ class LLMEngine:
             if seq.grammar is not None:
                 grammar_reqs.append((seq.grammar, packed, drafts))
             packed += n
-        allowed = self._structured.allowed_rows_with_drafts(grammar_reqs, packed) if grammar_reqs else {}
+        allowed = self._structured.allowed_rows_with_drafts(grammar_reqs, packed) if grammar_reqs else None
         return batch, inputs, allowed, confs
 
     def _stop_cut(self, seq: SeqState, tokens: list[int]) -> list[int]:

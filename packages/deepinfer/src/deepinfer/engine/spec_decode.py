@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from deepinfer_model.sampling import RowParams, filtered_probs
+from deepinfer_model.sampling import RowParams, TokenBitmask, filtered_probs, masked_logits
 from deepinfer_spec import (
     ConfidenceScheduler,
     DraftVerifier,
@@ -69,24 +69,16 @@ class VerifyOutcome:
     top: list[list[dict[int, float]] | None] = field(default_factory=list)
 
 
-def _masked(raw: torch.Tensor, rows: list[RowParams], allowed: torch.Tensor | None) -> torch.Tensor:
-    masked = raw.clone()
-    for i, r in enumerate(rows):
-        banned = [t for t in r.banned_token_ids if 0 <= t < raw.shape[-1]]
-        if banned:
-            masked[i, banned] = float("-inf")
-    if allowed is not None:
-        masked = masked.masked_fill(~allowed, float("-inf"))
-    return masked
-
-
 def verify_logits(
     verifier: DraftVerifier,
     logits: torch.Tensor,
     inputs: list[VerifyInput],
-    allowed: dict[int, torch.Tensor] | None = None,
+    allowed: TokenBitmask | None = None,
+    overwrite_logits: bool = False,
 ) -> VerifyOutcome:
-    """logits: [Σ (1 + k_i), V], the rows of `inputs` packed in order; allowed: {packed row: bool [V]}.
+    """logits: [Σ (1 + k_i), V], the rows of `inputs` packed in order; allowed: packed grammar masks
+    addressed by packed row; overwrite_logits: the caller is done with `logits`, masking may write
+    into them (ignored when an input asks for logprobs, which come from the unmasked logits).
 
     Greedy rows keep their (masked) logits — the verifier only takes their argmax, as the plain
     sampler does; sampled rows become the sampler's filtered distribution."""
@@ -94,12 +86,9 @@ def verify_logits(
     if logits.shape[0] != len(rows):
         raise ValueError(f"logits must have one row per verify row ({len(rows)}), got {logits.shape[0]}")
     raw = logits.float()
-    mask = None
-    if allowed:
-        mask = torch.ones(raw.shape, dtype=torch.bool)
-        for r, m in allowed.items():
-            mask[r] = m
-    masked = _masked(raw, rows, mask)
+    wants_logprobs = any(inp.rows[0].logprobs is not None for inp in inputs)
+    inplace = not wants_logprobs and (overwrite_logits or raw.data_ptr() != logits.data_ptr())
+    masked = masked_logits(raw, rows, allowed, inplace=inplace)  # as the plain sampler masks
     target = masked.double()
     sampled = [i for i, r in enumerate(rows) if not r.greedy]
     if sampled:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from deepinfer_model.runner import RunnerBatch
-from deepinfer_model.sampling import RowParams, Sampler
+from deepinfer_model.sampling import RowParams, Sampler, TokenBitmask
 from deepinfer_spec import DraftVerifier
 
 from .spec_decode import VerifyInput, VerifyOutcome, verify_logits
@@ -53,13 +53,14 @@ class ModelWorker:
         batch: RunnerBatch,
         rows: list[RowParams | None],
         golden: list[int | None],
-        allowed: dict[int, torch.Tensor] | Callable[[], dict[int, torch.Tensor]] | None = None,
+        allowed: TokenBitmask | Callable[[], TokenBitmask | None] | None = None,
         prev_rows: np.ndarray | None = None,
         prompt_lens: list[int] | None = None,
     ) -> StepResult:
         """rows[i]: how sequence i samples (None: it emits nothing this step, e.g. a prefill chunk);
-        allowed[i]: bool [vocab] tokens sequence i may produce (structured output); `allowed` may be a
-        callable returning that dict (a mask fill running beside the forward), called after it;
+        allowed: packed masks of the tokens the constrained sequences may produce (structured output),
+        addressed by sequence index; it may be a callable returning them (a mask fill running beside
+        the forward), called after it;
         prev_rows[i]: sequence i's row in the step this worker ran last, whose sampled token fills
         its unknown (-1) input id — the asynchronous loop's correction of a step scheduled ahead;
         prompt_lens[i]: sequence i's original prompt length (YoCo truncation only, else None)."""
@@ -82,14 +83,11 @@ class ModelWorker:
             # logits rows follow the batch order of sequences with logits_lens > 0
             row_of = {i: r for r, i in enumerate(j for j in ok if batch.logits_lens[j] > 0)}
             picked = logits[[row_of[i] for i in emitting]]
-            mask = None
-            if allowed:
-                mask = torch.ones(picked.shape, dtype=torch.bool)
-                for k, i in enumerate(emitting):
-                    if i in allowed:
-                        mask[k] = allowed[i]
+            # packed masks by batch row -> by picked row (rows of failed sequences dropped)
+            mask = allowed.remap({i: k for k, i in enumerate(emitting)}) if allowed is not None else None
             try:
-                out = self.sampler(picked, [rows[i] for i in emitting], allowed=mask)
+                # picked is a gathered copy: the sampler may mask it in place (it keeps it when logprobs are asked)
+                out = self.sampler(picked, [rows[i] for i in emitting], allowed=mask, overwrite_logits=True)
             except ValueError as e:
                 for i in emitting:
                     result.errors[i] = f"sampling failed: {e}"
@@ -115,12 +113,13 @@ class ModelWorker:
         self,
         batch: RunnerBatch,
         inputs: list[VerifyInput | None],
-        allowed: dict[int, torch.Tensor],
+        allowed: TokenBitmask | None,
         verifier: DraftVerifier,
         prompt_lens: list[int] | None = None,
     ) -> VerifyStepResult:
         """A step whose decode rows may verify drafts (batch.logits_lens = 1 + k for them).
-        inputs[i]: None when sequence i emits nothing; allowed: {row of the packed emitting rows: mask}."""
+        inputs[i]: None when sequence i emits nothing; allowed: packed masks addressed by row among the
+        emitting sequences' rows (in order, 1 + k each)."""
         result = VerifyStepResult(verified=[], outcome=None)
         t0 = time.perf_counter()
         try:
@@ -130,21 +129,22 @@ class ModelWorker:
             logits, ok = self._execute_one_by_one(batch, result, prompt_lens)
         t1 = time.perf_counter()
         okset = set(ok)
-        picked, mask = [], {}
+        picked, kept_of = [], {}  # kept_of: packed row -> row among the verified sequences' rows
         offset = packed = kept = 0  # row in logits / in all emitting inputs / in the verified ones
         for i, inp in enumerate(inputs):
             n = int(batch.logits_lens[i])
             if inp is not None and i in okset:
                 picked.append(logits[offset : offset + n])
                 result.verified.append(i)
-                mask.update({kept + j: allowed[packed + j] for j in range(n) if packed + j in allowed})
+                kept_of.update((packed + j, kept + j) for j in range(n))
                 kept += n
             packed += n if inp is not None else 0
             offset += n if i in okset else 0
+        mask = allowed.remap(kept_of) if allowed is not None else None
         if result.verified:
             try:
                 result.outcome = verify_logits(
-                    verifier, torch.cat(picked), [inputs[i] for i in result.verified], mask
+                    verifier, torch.cat(picked), [inputs[i] for i in result.verified], mask, overwrite_logits=True
                 )
             except ValueError as e:
                 for i in result.verified:
