@@ -201,7 +201,14 @@ def test_convert_moe_experts_in_a_weight_tree():
         "blocks": [moe, moe],
         "other": (torch.zeros(1), [MoEWeights(torch.randn(2, 256), ExpertWeights(*deq), None)]),
     }
+    odd = MoEWeights(
+        torch.randn(2, 96),
+        ExpertWeights(torch.randn(2, 64, 96), torch.randn(2, 64, 96), torch.randn(2, 96, 64)),
+        None,
+    )
+    tree["odd"] = odd  # H = 96: no 1x128 activation groups, left dequantised
     stats = convert_moe_experts_for_sm90(tree)
     assert isinstance(moe.experts, Fp8Experts) and isinstance(tree["other"][1][0].experts, Fp8Experts)
+    assert isinstance(odd.experts, ExpertWeights)
     assert stats.blocks == 2 * 2 * (2 * 2 + 2 * 1) and stats.inexact_blocks == 0
     assert convert_moe_experts_for_sm90(tree).blocks == 0  # already converted: nothing to do

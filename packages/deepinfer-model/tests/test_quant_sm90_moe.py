@@ -131,3 +131,37 @@ def test_op_bad_shapes():
     with pytest.raises(ValueError, match="multiples of 128"):
         f(x[:, :64], w, ids, ex.w13[:, :, :64], ex.s13[:, :, :1], ex.w2[:, :64], ex.s2[:, :1], 1.0)
     assert f(x[:0], w[:0], ids[:0], ex.w13, ex.s13, ex.w2, ex.s2, 1.0).shape == (0, 256)
+
+
+def test_intermediate_not_a_multiple_of_128_is_zero_padded():
+    """I = 64 (the tiny config): padded to 128 at conversion; the op equals a naive loop on the unpadded
+    weights whose Q8 of h uses the one 64-wide group (zeros do not change a group's amax)."""
+    from deepinfer_model.quant import dequant_mxfp4
+
+    gen = torch.Generator().manual_seed(11)
+    e, i, h, t, k, limit = 4, 64, 128, 9, 2, 4.0
+    mx = [
+        [quant_mxfp4(torch.randn(n, kk, generator=gen) * kk**-0.5) for _ in range(e)]
+        for n, kk in ((i, h), (i, h), (h, i))
+    ]
+    stacked = [(torch.stack([p for p, _ in m]), torch.stack([s for _, s in m])) for m in mx]
+    ex = fp8_experts_from_mxfp4(*stacked)
+    assert ex.w13.shape == (e, 256, h) and ex.w2.shape == (e, h, 128) and ex.stats.inexact_blocks == 0
+    w1, w3, w2 = ([dequant_mxfp4(p, s).double() for p, s in m] for m in mx)
+    x = (torch.randn(t, h, generator=gen) * 3).to(torch.bfloat16)
+    w, ids = random_routing(t, e, k, gen)
+    ref = torch.zeros(t, h, dtype=torch.float64)
+    xq = fake_quant_fp8(x.float(), 128).double()
+    for tt in range(t):
+        for s in range(k):
+            j = int(ids[tt, s])
+            g = (w1[j] @ xq[tt]).to(torch.bfloat16).double()
+            u = (w3[j] @ xq[tt]).to(torch.bfloat16).double()
+            hh = clamped_swiglu(g, u, limit) * float(w[tt, s])
+            ref[tt] += (
+                (w2[j] @ fake_quant_fp8(hh.float().unsqueeze(0), 64).double()[0]).to(torch.bfloat16).double()
+            )
+    out = get_ops("cpu").grouped_expert_mlp(x, w, ids, ex.w13, ex.s13, ex.w2, ex.s2, limit, True)
+    assert rel(out, ref) < 1e-6
+    lay = moe.grouped_expert_mlp_dequant(x, w, ids, ex.w13, ex.s13, ex.w2, ex.s2, limit, True)
+    assert rel(lay, ref) < 1e-3

@@ -28,6 +28,7 @@ per 128 x 128 = 16,384 params = 1.000244 B/param: 1.883x the bytes of the FP4 ex
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,7 @@ E4M3_MAX = 448.0
 MXFP4_GROUP = 32
 # Largest UE8M0 byte whose values (up to 6 * 2^(byte - 127)) still fit FP32 exactly: 6 * 2^125 < 2^128.
 MAX_SCALE_BYTE = 252
+logger = logging.getLogger("deepinfer_model.quant_sm90")
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
@@ -185,8 +187,9 @@ def mxfp4_to_fp8_block(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch
 @dataclass
 class Fp8Experts:
     """Routed experts in DeepGEMM's SM90 layout: `w13` [E, 2I, H] e4m3 (rows < I: w1 = gate, rows >= I:
-    w3 = up), `s13` [E, ceil(2I/128), ceil(H/128)] FP32; `w2` [E, H, I] e4m3, `s2` [E, ceil(H/128),
-    ceil(I/128)] FP32. `stats`: how exactly the conversion kept the source values (None if not checked)."""
+    w3 = up), `s13` [E, 2I/128, ceil(H/128)] FP32; `w2` [E, H, I] e4m3, `s2` [E, ceil(H/128), I/128]
+    FP32. I is the checkpoint's intermediate size rounded up to a multiple of 128 (zero padding).
+    `stats`: how exactly the conversion kept the source values (None if not checked)."""
 
     w13: torch.Tensor
     s13: torch.Tensor
@@ -237,12 +240,22 @@ def fp8_experts_from_mxfp4(
         raise ValueError(
             f"fp8_experts_from_mxfp4: w2 packed must be [E, H, I/2] = {[e, 2 * h2, i // 2]}, got {list(w2[0].shape)}"
         )
-    v13 = mxfp4_dequant_fp32(torch.cat((w1[0], w3[0]), dim=-2), torch.cat((w1[1], w3[1]), dim=-2))
-    v2 = mxfp4_dequant_fp32(*w2)
-    return _from_values(v13, v2, check)
+    return _from_values(mxfp4_dequant_fp32(*w1), mxfp4_dequant_fp32(*w3), mxfp4_dequant_fp32(*w2), check)
 
 
-def _from_values(v13: torch.Tensor, v2: torch.Tensor, check: bool) -> Fp8Experts:
+def _from_values(v1: torch.Tensor, v3: torch.Tensor, v2: torch.Tensor, check: bool) -> Fp8Experts:
+    """Exact FP32 values of w1, w3 [E, I, H] and w2 [E, H, I] -> `Fp8Experts`.
+
+    I is zero-padded to a multiple of 128 (gate/up rows, down columns): the padded channels give
+    h = silu(0) * 0 = 0 and multiply zero weights, so the function is unchanged while every 1x128
+    activation group of h and every weight block stays within one expert's gate or up half.
+    """
+    pad = -v1.shape[-2] % FP8_BLOCK
+    if pad:
+        v1 = torch.nn.functional.pad(v1, (0, 0, 0, pad))
+        v3 = torch.nn.functional.pad(v3, (0, 0, 0, pad))
+        v2 = torch.nn.functional.pad(v2, (0, pad))
+    v13 = torch.cat((v1, v3), dim=-2)
     q13, s13 = fp8_block_quant_pow2(v13)
     q2, s2 = fp8_block_quant_pow2(v2)
     stats = fp8_block_error(v13, q13, s13).merge(fp8_block_error(v2, q2, s2)) if check else None
@@ -268,7 +281,7 @@ def fp8_experts_from_weights(experts, check: bool = True) -> Fp8Experts:
             "fp8_experts_from_weights: expected w1, w3 [E, I, H] and w2 [E, H, I], got "
             f"{tuple(w1.shape)}, {tuple(w3.shape)}, {tuple(w2.shape)}"
         )
-    return _from_values(torch.cat((w1, w3), dim=1).float(), w2.float(), check)
+    return _from_values(w1.float(), w3.float(), w2.float(), check)
 
 
 def convert_moe_experts_for_sm90(weights, check: bool = True) -> Fp8ConversionStats:
@@ -276,7 +289,9 @@ def convert_moe_experts_for_sm90(weights, check: bool = True) -> Fp8ConversionSt
     weight dataclass tree: V41Weights, its blocks and drafter) by `Fp8Experts` on the same device.
 
     Call once after the MXFP4 experts were loaded (dequantised) and moved to the CUDA device; the
-    dequantised copies are released as each layer is converted. Returns the summed conversion stats.
+    dequantised copies are released as each layer is converted (drop other references to them, e.g. the
+    loader's tensor dict, first). Experts whose hidden size is not a multiple of 128 are left as they are
+    (warning). Returns the summed conversion stats.
     """
     from .layers.experts import ExpertWeights
     from .layers.moe import MoEWeights
@@ -290,7 +305,14 @@ def convert_moe_experts_for_sm90(weights, check: bool = True) -> Fp8ConversionSt
             return
         seen.add(id(obj))
         if isinstance(obj, MoEWeights):
-            if isinstance(obj.experts, ExpertWeights):
+            if isinstance(obj.experts, ExpertWeights) and obj.experts.w1.shape[-1] % FP8_BLOCK:
+                # the activation's 1x128 FP8 groups need H % 128 == 0: these experts keep the torch path
+                logger.warning(
+                    "experts with hidden size %d (not a multiple of %d) stay dequantised",
+                    obj.experts.w1.shape[-1],
+                    FP8_BLOCK,
+                )
+            elif isinstance(obj.experts, ExpertWeights):
                 obj.experts = fp8_experts_from_weights(obj.experts, check)
                 if obj.experts.stats is not None:
                     total = total.merge(obj.experts.stats)

@@ -155,7 +155,12 @@ def _grouped_mlp(x, topk_weights, topk_ids, w13, s13, w2, s2, limit, weight_befo
     if t == 0 or topk_ids.shape[1] == 0:
         return torch.zeros(t, h, dtype=torch.float32, device=x.device)
     plan = plan_grouped_rows(topk_ids, w13.shape[0], alignment)
-    xq, xs = gemm.ACT_QUANT(x.to(torch.bfloat16).contiguous())  # per token: quantise T rows, not T*k
+    # Q8 per token (T rows, not T*k), from x's own values: an FP32 (or FP64-carried) activation is not
+    # rounded to bf16 first, so the op matches the reference in the model's FP32 mode too
+    if x.dtype == torch.bfloat16:
+        xq, xs = gemm.ACT_QUANT(x.contiguous())
+    else:
+        xq, xs = gemm.quant_act_fp8(x.float())
     aq, a_s = xq[plan.src_token], xs[plan.src_token].contiguous()
     gu = gemm_fn(aq, a_s, w13, s13, plan)
     row_w = torch.zeros(plan.num_rows, dtype=torch.float32, device=x.device)
