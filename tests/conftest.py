@@ -24,21 +24,14 @@ def deterministic_env(monkeypatch):
 
 
 def make_llm(**kwargs):
-    """`LLM` on the default tiny model, running the paged (KV-cached) runner.
-
-    The engine still builds the recompute runner; the paged one is a drop-in with bitwise equal logits
-    (deepinfer_model.runtime README) and makes the O(n^2) recompute affordable here. It is the runner
-    whose batching could break invariance, so it is the one these tests must exercise.
-    """
+    """`LLM` on the default tiny model, running the paged (KV-cached) runner: the runner whose grouped
+    batching could break invariance, so the one these tests must exercise. It is built by the engine
+    (not swapped in afterwards), so the engine's paged drafter reads this runner's caches."""
     from deepinfer import LLM
-    from deepinfer_model.runtime import make_runner
 
     kwargs.setdefault("num_threads", 1)
-    llm = LLM(**kwargs)
-    engine = llm.engine
-    runner = make_runner("paged", engine.model, engine.runner.num_blocks, engine.runner.block_size)
-    engine.runner = engine.worker.runner = runner
-    return llm
+    kwargs.setdefault("runner", "paged")
+    return LLM(**kwargs)
 
 
 @pytest.fixture(scope="session")
