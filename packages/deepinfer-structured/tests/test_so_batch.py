@@ -10,6 +10,7 @@ import deepinfer_structured as ds
 import numpy as np
 import pytest
 import torch
+import xgrammar as xg
 from so_common import EOS_ID, VOCAB_SIZE, deepseek_tokenizer_json
 from so_random_model import RandomModel, closing_ids
 
@@ -30,15 +31,17 @@ def test_apply_matches_numpy_reference_on_chosen_rows():
     vocab = 300  # small so the per-element reference stays fast; not a multiple of 32
     logits = torch.randn(6, vocab, generator=gen)
     bitmask = torch.randint(-(2**31), 2**31 - 1, (6, ds.bitmask_words(vocab)), generator=gen, dtype=torch.int32)
-    rows = [1, 4, 5]
-    expect = reference_apply(logits.numpy(), bitmask.numpy(), rows)
-    for fn in ("xgrammar", "torch"):
-        got = logits.clone()
-        if fn == "xgrammar":
-            ds.apply_bitmask_inplace(got, ds.StepMasks(bitmask, rows))
-        else:
-            ds.apply_bitmask_torch(got, bitmask, rows)
-        np.testing.assert_array_equal(got.double().numpy(), expect)
+    for rows in ([1, 4, 5], [0, 1, 2], [3]):
+        expect = reference_apply(logits.numpy(), bitmask.numpy(), rows)
+        for fn in ("apply_bitmask_inplace", "torch", "xgrammar-cpu-kernel"):
+            got = logits.clone()
+            if fn == "apply_bitmask_inplace":  # on the CPU: our torch expansion, not xgrammar's kernel
+                ds.apply_bitmask_inplace(got, ds.StepMasks(bitmask, rows))
+            elif fn == "torch":
+                ds.apply_bitmask_torch(got, bitmask, rows)
+            else:
+                xg.apply_token_bitmask_inplace(got, bitmask, vocab_size=vocab, indices=rows, backend="cpu")
+            np.testing.assert_array_equal(got.double().numpy(), expect)
 
 
 def test_apply_rejects_a_mismatched_width():

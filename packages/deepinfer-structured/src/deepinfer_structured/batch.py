@@ -12,6 +12,7 @@ BatchGrammarMatcher call per draft depth (its threads work on several rows at on
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -149,8 +150,8 @@ def apply_bitmask_inplace(logits: torch.Tensor, masks: StepMasks) -> None:
         raise ValueError(f"logits width {vocab_size} does not match the bitmask "
                          f"({masks.bitmask.shape[1]} words); pass the LM-head width as vocab_size")
     if logits.device.type == "cpu":
-        xg.apply_token_bitmask_inplace(logits, masks.bitmask, vocab_size=vocab_size, indices=masks.rows,
-                                       backend="cpu")
+        # The torch path beats xgrammar's CPU kernel ~4x at 64 x 129k (it expands a byte per lookup).
+        apply_bitmask_torch(logits, masks.bitmask, masks.rows)
         return
     bitmask = masks.bitmask.to(logits.device, non_blocking=True)
     if masks.slot is not None and logits.device.type == "cuda":
@@ -175,15 +176,44 @@ def apply_bitmask_inplace(logits: torch.Tensor, masks: StepMasks) -> None:
     apply_bitmask_torch(logits, bitmask, masks.rows)
 
 
+# byte value -> its 8 bits as "disallowed" bools, packed into one int64 (8 bool bytes): one int64
+# lookup per byte expands the mask (the same scheme as deepinfer_model.sampling, which this package
+# may not import). Built per device on first use.
+_LUTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _disallowed(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool [rows, vocab_size]: True where the token is NOT allowed."""
+    n, words = bitmask.shape
+    if sys.byteorder != "little":
+        shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+        return (((bitmask.unsqueeze(-1) >> shifts) & 1) == 0).reshape(n, -1)[:, :vocab_size]
+    lut = _LUTS.get(bitmask.device)
+    if lut is None:
+        bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+        lut = _LUTS[bitmask.device] = (bits == 0).contiguous().view(torch.int64).reshape(256).to(bitmask.device)
+    # little-endian: byte j of word w holds tokens 32 w + 8 j .. 32 w + 8 j + 7, lowest bit first
+    as_bytes = bitmask.contiguous().view(torch.uint8).reshape(-1)
+    return lut.index_select(0, as_bytes.to(torch.int32)).view(torch.bool).view(n, words * 32)[:, :vocab_size]
+
+
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """bool [rows, vocab_size]: True where the token is allowed."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+    return ~_disallowed(bitmask, vocab_size)
 
 
 def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Device-agnostic torch version of the in-place masking (used where no xgrammar kernel fits)."""
-    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    allowed = unpack_bitmask(bitmask.index_select(0, index), logits.shape[1])
-    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill(~allowed, float("-inf")))
+    """Device-agnostic torch version of the in-place masking (used where no xgrammar kernel fits).
+    bitmask rows are the logits' rows (rows not in `rows` are ignored); it may be on another device."""
+    if not rows:
+        return
+    n = len(rows)
+    if rows == list(range(rows[0], rows[0] + n)):  # a slice: no gather / scatter
+        part = bitmask[rows[0] : rows[0] + n].to(logits.device, non_blocking=True)
+        logits[rows[0] : rows[0] + n].masked_fill_(_disallowed(part, logits.shape[1]), float("-inf"))
+        return
+    index = torch.tensor(rows, dtype=torch.long).to(bitmask.device, non_blocking=True)
+    part = bitmask.index_select(0, index).to(logits.device, non_blocking=True)
+    index = index.to(logits.device, non_blocking=True)
+    dis = _disallowed(part, logits.shape[1])
+    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(dis, float("-inf")))
