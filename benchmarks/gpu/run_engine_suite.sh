@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# One call on the CUDA machine: the whole engine on the GPU (issue #13's end-to-end part, #16's NVIDIA part).
+# Carry `.gpu` (bundle.tar.xz, setup.sh, pysite.tar.xz, rpds312.tar.xz; see README.md here):
+#     bash benchmarks/gpu/run_engine_suite.sh [STEP ...]     (default: every step)
+# Steps: check (whole model on the GPU vs the CPU, tiny + medium), gputests (every `gpu`-marked test),
+# engine (the deepinfer package's tests with DEEPINFER_DEVICE=cuda), ppl (refresh the nvidia-sm90 decode PPL
+# baselines), bench (decode / prefill sweeps of the tiny and medium configs against the roofline).
+# Results: $OUT (device tool) or benchmarks/results; logs in engine_logs.tar.gz.
+set -uo pipefail
+final=${OUT:-benchmarks/results}
+out=/tmp/gpu-engine-out
+mkdir -p "$out" "$final"
+collect() {
+  cp "$out"/*.json "$final"/ 2>/dev/null
+  tar -C "$out" -czf "$final/engine_logs.tar.gz" --exclude='*.json' . 2>/dev/null
+}
+trap collect EXIT
+steps=${*:-check gputests engine ppl bench}
+has() { [[ " $steps " == *" $1 "* ]]; }
+export PYTHONUNBUFFERED=1 HOME=${HOME:-/root} OMP_NUM_THREADS=16
+t0=$(date +%s)
+el() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
+source .gpu/setup.sh || { echo "bundle setup failed" >&2; exit 1; }
+for t in .gpu/pysite.tar.xz .gpu/rpds312.tar.xz; do [ -f "$t" ] && tar -C /tmp -xJf "$t"; done
+repo=$PWD
+(  # DeepGEMM (fp8 linears, grouped experts) from its sdist, in the background
+  set -e; mkdir -p "$DEEPINFER_SITE/build" && cd "$DEEPINFER_SITE/build"
+  tar xzf "$DEEPINFER_SITE"/extra/deepinfer_gemm-*.tar.gz && cd deepinfer_gemm-*
+  python3 "$repo/benchmarks/gpu/patch_deep_gemm.py" . && python3 -m pip install -q --no-build-isolation --no-deps --target "$DEEPINFER_SITE/site" .
+) > "$out/deep_gemm_build.log" 2>&1 &
+medium=/tmp/medium-v41
+src=$(ls -d "$repo"/packages/*/src | grep -v deepinfer-sched | tr '\n' ':')
+export PYTHONPATH="/tmp/sched-site:${src}/tmp/pysite:$PYTHONPATH"
+if has check || has bench; then
+  python3 benchmarks/gpu/make_medium_checkpoint.py "$medium" > "$out/medium_checkpoint.log" 2>&1 &
+  medium_pid=$!
+fi
+el "building deepinfer-sched (C++ scheduler)"
+python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/sched-site packages/deepinfer-sched > "$out/sched_build.log" 2>&1 \
+  || { tail -30 "$out/sched_build.log"; exit 1; }
+python3 -c "import deepinfer_sched, deepinfer, torch; print('engine imports; cuda', torch.cuda.is_available(), deepinfer_sched.build_info())" || exit 1
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} LC_ALL=C
+if has check; then
+  el "check: tiny on the GPU vs the CPU"
+  timeout 300 python3 benchmarks/gpu/check_model_on_gpu.py --model tiny --out "$out" 2>&1 | tail -5
+  mv "$out/check_model_on_gpu.json" "$out/check_tiny.json" 2>/dev/null
+fi
+if has gputests; then
+  el "gpu-marked tests"
+  timeout 400 python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 --junitxml "$out/gputests.xml" \
+    packages/deepinfer-model/tests packages/deepinfer/tests packages/deepinfer-structured/tests tests > "$out/gputests.log" 2>&1
+  tail -15 "$out/gputests.log"
+fi
+if has engine; then
+  el "engine tests with DEEPINFER_DEVICE=cuda"
+  DEEPINFER_DEVICE=cuda timeout 600 python3 -m pytest -q -p no:cacheprovider -n 8 -m "not slow and not long_context" \
+    --junitxml "$out/engine_tests.xml" packages/deepinfer/tests > "$out/engine_tests.log" 2>&1
+  tail -25 "$out/engine_tests.log"
+fi
+if has ppl; then
+  el "decode PPL baselines: nvidia-sm90"
+  DEEPINFER_DEVICE=cuda timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_repro_ppl_baseline.py --refresh-ppl-baseline \
+    > "$out/ppl_refresh.log" 2>&1; tail -5 "$out/ppl_refresh.log"
+  DEEPINFER_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_repro_ppl_baseline.py > "$out/ppl_check.log" 2>&1
+  tail -3 "$out/ppl_check.log"; cp tests/models/offline_decode_ppl.json "$out/offline_decode_ppl.json"
+fi
+if has check || has bench; then
+  wait "$medium_pid"; cat "$out/medium_checkpoint.log"
+fi
+if has check; then
+  el "check: medium on the GPU vs the CPU"
+  timeout 500 python3 benchmarks/gpu/check_model_on_gpu.py --model "$medium" --dtypes bfloat16 --out "$out" 2>&1 | tail -3
+  mv "$out/check_model_on_gpu.json" "$out/check_medium.json" 2>/dev/null
+fi
+if has bench; then
+  # tiny: 256 positions at most; medium: real per-layer sizes, chunks of 4k / 16k tokens
+  for m in tiny medium; do
+    if [ $m = medium ]; then margs="--model $medium --max-model-len 20480 --chunks 4096,16384 --decode-context 512"
+    else margs="--max-model-len 256 --chunks 64,128 --decode-context 64"; fi
+    el "bench sweep: $m"
+    timeout 500 python3 -m deepinfer.cli bench sweep $margs --device cuda --dtype bfloat16 \
+      --batches 1,8,64,256 --nextn 0 --measure-steps 6 --no-progress \
+      --results-dir "$out" --name "bench_${m}_gpu" > "$out/bench_$m.log" 2>&1; tail -40 "$out/bench_$m.log"
+  done
+fi
+el "done"
