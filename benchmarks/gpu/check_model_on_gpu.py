@@ -60,7 +60,9 @@ def run(model, ids: np.ndarray, steps: int, block_size: int = 16):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", action="append", default=None, help="'tiny' or a V4.1 checkpoint dir (repeatable)")
+    ap.add_argument(
+        "--model", action="append", default=None, help="'tiny' or a V4.1 checkpoint dir (repeatable)"
+    )
     ap.add_argument("--tokens", type=int, default=64, help="teacher-forced prompt length")
     ap.add_argument("--steps", type=int, default=8, help="greedy decode steps")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="activation dtypes")
@@ -82,7 +84,9 @@ def main() -> None:
             rec = dict(check="v41_whole_model_on_gpu", model=name, hidden=cfg["hidden_size"], act_dtype=dt)
             try:
                 t0 = time.monotonic()
-                ref, ref_greedy, cpu_prefill_s, cpu_step_s = run(load_v41(path, act_dtype=act), ids, args.steps)
+                ref, ref_greedy, cpu_prefill_s, cpu_step_s = run(
+                    load_v41(path, act_dtype=act), ids, args.steps
+                )
                 t1 = time.monotonic()
                 gpu_model = load_v41(path, act_dtype=act, device=args.device)
                 load_s = time.monotonic() - t1

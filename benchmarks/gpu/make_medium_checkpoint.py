@@ -31,7 +31,9 @@ def main() -> None:
     cfg = medium_v41_config_dict(args.hidden, args.experts, args.expert_width)
     make_v41_checkpoint(args.path, cfg, seed=0)
     size = sum(f.stat().st_size for f in args.path.iterdir())
-    print(f"medium checkpoint: {size / 1e9:.2f} GB in {time.monotonic() - t0:.0f} s at {args.path}", flush=True)
+    print(
+        f"medium checkpoint: {size / 1e9:.2f} GB in {time.monotonic() - t0:.0f} s at {args.path}", flush=True
+    )
 
 
 if __name__ == "__main__":
