@@ -40,8 +40,10 @@ def load_v41_ep(
     group: dist.ProcessGroup | None = None,
     act_dtype: torch.dtype = torch.float32,
     draft_layout: RedundantExpertLayout | None = None,
+    device: torch.device | str = "cpu",
 ) -> DeepseekV41ForCausalLM:
-    """The V4.1 model of this EP rank: dense parts whole, backbone experts by slot of `layout`.
+    """The V4.1 model of this EP rank: dense parts whole, backbone experts by slot of `layout`, on
+    `device` (this rank's GPU, e.g. `cuda:{local_rank}`, with an NCCL group).
 
     Returns a model whose `moe_fn` is an `ExpertParallelMoE` over `group` (collective per MoE layer).
     With `draft_layout` the draft blocks' experts are sharded the same way (`draft_moe_fn`, collective
@@ -63,7 +65,9 @@ def load_v41_ep(
             raise ValueError("draft_layout given but the checkpoint has no draft blocks")
         skip += remote_expert_prefixes(draft_layout, ep_rank, "mtp")
     wanted = {name: spec for name, spec in full.items() if not name.startswith(skip)}
-    tensors = load_tensors(path, cfg, wanted, torch.float32, ignored_prefixes=ignored_prefixes(cfg) + skip)
+    tensors = load_tensors(
+        path, cfg, wanted, torch.float32, ignored_prefixes=ignored_prefixes(cfg) + skip, device=device
+    )
     weights = V41Weights.from_tensors(
         cfg,
         tensors.__getitem__,

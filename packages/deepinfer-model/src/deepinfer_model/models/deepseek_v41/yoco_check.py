@@ -206,8 +206,9 @@ def l2_compare(
 ) -> L2Report:
     """Run `prompt + continuation` with the plan of a `len(prompt)`-token truncated prefill in mask,
     compact and off modes and compare the logprobs of the continuation tokens element by element."""
-    prompt = torch.as_tensor(prompt, dtype=torch.long)
-    cont = torch.as_tensor(continuation, dtype=torch.long)
+    dev = model.device  # a measurement tool over the model: its index tensors live where the logits do
+    prompt = torch.as_tensor(prompt, dtype=torch.long, device=dev)
+    cont = torch.as_tensor(continuation, dtype=torch.long, device=dev)
     if cont.numel() < 1:
         raise ValueError("continuation must hold at least one token")
     ids = torch.cat((prompt, cont))
@@ -217,7 +218,7 @@ def l2_compare(
     comp = model.forward(ids, yoco_mode="compact", **kw)
     off = model.forward(ids)
     kept = comp.kept_positions
-    rows = torch.arange(P - 1, ids.numel() - 1)  # positions whose logits predict the continuation
+    rows = torch.arange(P - 1, ids.numel() - 1, device=dev)  # positions whose logits predict the continuation
     lp_m, lp_o = _logprobs(mask.logits[rows], cont), _logprobs(off.logits[rows], cont)
     lp_c = _logprobs(comp.logits[rows - int(kept[0])], cont)
     diff = (lp_m - lp_o).abs()
