@@ -31,6 +31,7 @@ def make_llm(**kwargs):
 
     kwargs.setdefault("num_threads", 1)
     kwargs.setdefault("runner", "paged")
+    kwargs.setdefault("device", "cpu")  # the CPU checks stay on the CPU on a GPU machine (gpu tests ask)
     return LLM(**kwargs)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from deepinfer import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("deterministic_env")
@@ -19,6 +20,14 @@ RNG = np.random.default_rng(21)
 PREFIX = RNG.integers(1000, 90_000, 32).tolist()  # two KV blocks: a prefix-cache hit reuses both
 TARGET = PREFIX + RNG.integers(1000, 90_000, 6).tolist()
 TOKENS = 8
+# the engine on the CPU, and on CUDA where there is a GPU (`-m gpu`)
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+    ),
+]
 
 
 def _params(temperature: float, seq_seed: int | None = 77, max_tokens: int = TOKENS) -> SamplingParams:
@@ -61,11 +70,13 @@ def _mixed(llm, params: SamplingParams, seed: int):
     return _result(outs[int(np.flatnonzero(order == 0)[0])])
 
 
-def _check(llm_factory, nextn: int, async_scheduling: bool, monkeypatch):
+def _check(llm_factory, nextn: int, async_scheduling: bool, monkeypatch, device: str):
     """On one engine: the target alone at temperature 0 while nothing is cached, then alone at 0.9 and
     in a batch mix per temperature (its prefix cached by then). Returns the greedy result."""
     monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", str(nextn))
-    llm = llm_factory(async_scheduling=async_scheduling, max_num_batched_tokens=24, max_num_seqs=6)
+    llm = llm_factory(
+        async_scheduling=async_scheduling, max_num_batched_tokens=24, max_num_seqs=6, device=device
+    )
     assert llm.engine.num_speculative_tokens == nextn
     alone = {}
     for t in (0.0, 0.9):
@@ -88,17 +99,21 @@ def _check(llm_factory, nextn: int, async_scheduling: bool, monkeypatch):
     return alone[0.0]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_engine_outputs_are_batch_invariant_without_drafts(llm_factory, monkeypatch, async_scheduling):
-    _check(llm_factory, 0, async_scheduling, monkeypatch)
+def test_engine_outputs_are_batch_invariant_without_drafts(
+    llm_factory, monkeypatch, async_scheduling, device
+):
+    _check(llm_factory, 0, async_scheduling, monkeypatch, device)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_engine_outputs_are_batch_invariant_with_drafts(llm_factory, monkeypatch, async_scheduling):
-    with_drafts = _check(llm_factory, 3, async_scheduling, monkeypatch)
+def test_engine_outputs_are_batch_invariant_with_drafts(llm_factory, monkeypatch, async_scheduling, device):
+    with_drafts = _check(llm_factory, 3, async_scheduling, monkeypatch, device)
     # greedy: drafts change how tokens are verified, not which, nor their logprobs (bitwise)
     monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "0")
-    llm = llm_factory(async_scheduling=async_scheduling)
+    llm = llm_factory(async_scheduling=async_scheduling, device=device)
     plain = _result(llm.generate(prompt_token_ids=[TARGET], sampling_params=_params(0.0), use_tqdm=False)[0])
     llm.close()
     assert with_drafts == plain

@@ -20,9 +20,18 @@ from deepinfer_model.layers.attention import sink_attention
 from deepinfer_model.models.deepseek_v41 import paged
 from deepinfer_model.runner import RunnerBatch
 from deepinfer_model.runtime import PagedRunner
+from deepinfer_model.runtime.device import model_device
 
 BLOCK = 16
 KT = batch_invariant.KEY_TILE
+# every check runs on the CPU, and with the model / tensors on CUDA where there is a GPU
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+    ),
+]
 
 
 @pytest.fixture(autouse=True)
@@ -30,9 +39,9 @@ def _invariant_mode(monkeypatch):
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
 
 
-@pytest.fixture(scope="module")
-def model():
-    return load_model(resolve_model(None)[0], torch.float32)
+@pytest.fixture(scope="module", params=DEVICES)
+def model(request):
+    return load_model(resolve_model(None)[0], torch.float32, device=request.param)
 
 
 # ----------------------------------------------------------------------------- the attention kernel
@@ -53,7 +62,8 @@ def _place(q_row, keys, vis, frame, b_count, m_count, target_b, target_m, front_
     return q, kk, vv
 
 
-def test_attention_kernel_row_is_bitwise_batch_invariant_and_exact():
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_kernel_row_is_bitwise_batch_invariant_and_exact(device):
     g = torch.Generator().manual_seed(0)
     nh, d, n = 4, 128, 45
     q_row = torch.randn(nh, d, generator=g, dtype=torch.float64)
@@ -71,7 +81,8 @@ def test_attention_kernel_row_is_bitwise_batch_invariant_and_exact():
     ]:
         width = front + batch_invariant.key_tiles(frame % KT + n) // KT + extra
         q, kk, vv = _place(q_row, keys, vis, frame, b_count, m_count, tb, tm, front, width, g)
-        results.append(batch_invariant.sink_attention(q, kk, vv, sinks, 0.088)[tb, tm])
+        q, kk, vv = q.to(device), kk.to(device), vv.to(device)
+        results.append(batch_invariant.sink_attention(q, kk, vv, sinks.to(device), 0.088)[tb, tm].cpu())
     for k, r in enumerate(results[1:], 1):
         assert torch.equal(r, results[0]), f"composition {k} changed the FP64 attention output"
     # and it is sink attention: a float64 computation one head at a time
@@ -80,6 +91,20 @@ def test_attention_kernel_row_is_bitwise_batch_invariant_and_exact():
         e = torch.exp(torch.cat((s, sinks[h : h + 1].double())) - max(s.max(), sinks[h].double()))
         ref = (e[:-1, None] * keys[vis]).sum(0) / e.sum()
         torch.testing.assert_close(results[0][h], ref, rtol=1e-12, atol=1e-14)
+
+
+def test_chunked_bmm_is_the_plain_bmm():
+    """The fixed-batch bmm of accelerators (calls of exactly `chunk` matrices), run on the CPU: same
+    products, for broadcast (weight) and per-matrix right operands, any batch count."""
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(37, 8, 24, generator=g, dtype=torch.float64)
+    b = torch.randn(37, 24, 5, generator=g, dtype=torch.float64)
+    w = torch.randn(24, 5, generator=g, dtype=torch.float64)[None].expand(37, -1, -1)
+    for n in (1, 15, 16, 17, 37):
+        assert torch.equal(batch_invariant.bmm(a[:n], b[:n], chunk=16), torch.bmm(a[:n], b[:n]))
+        assert torch.equal(batch_invariant.bmm(a[:n], w[:n], chunk=16), torch.bmm(a[:n], w[:n]))
+    with pytest.raises(ValueError, match="chunk must be >= 1"):
+        batch_invariant.bmm(a, b, chunk=0)
 
 
 def test_default_attention_row_depends_on_padding(monkeypatch):
@@ -254,6 +279,6 @@ def test_target_logits_identical_across_neighbours_splits_and_prefix_hits(model,
         if p in cached:
             assert torch.equal(alone[p], cached[p]), f"position {p}: the prefix-cache hit changed the logits"
     # the reference: the stateless forward over the whole stream, every position
-    ref = model.forward(torch.tensor(target)).logits.float()
+    ref = model.forward(torch.tensor(target, device=model_device(model))).logits.float()
     diff = [p for p in sorted(alone) if not torch.equal(alone[p], ref[p])]
     assert not diff, f"paged runner differs from the stateless forward at positions {diff}"

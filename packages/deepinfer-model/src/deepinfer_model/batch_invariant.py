@@ -30,8 +30,11 @@ scores (one dot product of `index_head_dim` per entry) before they are rounded t
 and ranked.
 
 Device-agnostic: everything here allocates on the inputs' device and uses only torch ops (bmm, exp,
-max) that exist on every backend; on CUDA, cuBLAS's per-matrix result in a strided batched GEMM of a
-fixed shape does not depend on the batch count either (no split-K is chosen for a fixed shape).
+max) that exist on every backend. The CPU's bmm is one GEMM per matrix (measured: batch-count
+independent). cuBLAS chooses its kernel (tile shape, split-K) from the whole problem, batch count
+included, so on other devices every bmm call gets exactly `DEVICE_BATCH` matrices (zero-padded, in
+chunks): each call then has one shape, one kernel, and a matrix's result does not depend on which
+others share its call. Checked on the GPU by the `gpu`-marked tests in tests/test_repro_*batch_invariant*.
 """
 
 from __future__ import annotations
@@ -44,11 +47,36 @@ import torch
 ENV = "DEEPINFER_BATCH_INVARIANT"
 TILE_ROWS = 8
 KEY_TILE = 32  # key columns per attention tile (a multiple of every SIMD width: no scalar tail in exp)
+DEVICE_BATCH = 16  # matrices per bmm call off the CPU (one problem shape -> one cuBLAS kernel)
 
 
 def enabled() -> bool:
     """Read at every call (like `deepinfer.envs`), so tests and benchmarks may flip it at run time."""
     return os.environ.get(ENV, "") not in ("", "0", "false", "False")
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+    """torch.bmm whose per-matrix results do not depend on the batch count on any device (see above):
+    calls of exactly `chunk` matrices (default: none on the CPU, `DEVICE_BATCH` elsewhere)."""
+    if chunk is None:
+        if a.device.type == "cpu":
+            return torch.bmm(a, b)
+        chunk = DEVICE_BATCH
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    n = a.shape[0]
+    pad = (-n) % chunk
+    shared = b.stride(0) == 0  # one broadcast matrix (a weight): stays a stride-0 view, never copied
+    if pad:
+        a = torch.cat((a, a.new_zeros(pad, *a.shape[1:])))
+        if not shared:
+            b = torch.cat((b, b.new_zeros(pad, *b.shape[1:])))
+    if shared:
+        b = b[:1].expand(chunk, *b.shape[1:])
+        out = [torch.bmm(a[i : i + chunk], b) for i in range(0, n + pad, chunk)]
+    else:
+        out = [torch.bmm(a[i : i + chunk], b[i : i + chunk]) for i in range(0, n + pad, chunk)]
+    return torch.cat(out)[:n]
 
 
 def tiled_matmul(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
@@ -60,7 +88,7 @@ def tiled_matmul(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
     tiles = x.reshape(-1, TILE_ROWS, k)
     # bmm runs one GEMM per tile (the weight is broadcast, not copied); a 3-D @ 2-D matmul would be
     # folded back into one [M, K] GEMM, which is exactly what must not happen.
-    out = torch.bmm(tiles, w_t.unsqueeze(0).expand(tiles.shape[0], -1, -1))
+    out = bmm(tiles, w_t.unsqueeze(0).expand(tiles.shape[0], -1, -1))
     return out.reshape(-1, w_t.shape[1])[:m]
 
 
@@ -124,7 +152,7 @@ def _fixed_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     a = a.expand(*lead, *a.shape[-2:]).reshape(-1, *a.shape[-2:]).contiguous()
     b = b.expand(*lead, *b.shape[-2:]).reshape(-1, *b.shape[-2:]).contiguous()
-    return torch.bmm(a, b).view(*lead, a.shape[-2], b.shape[-1])
+    return bmm(a, b).view(*lead, a.shape[-2], b.shape[-1])
 
 
 def sink_attention(
