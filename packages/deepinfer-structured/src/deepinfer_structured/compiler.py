@@ -103,6 +103,8 @@ class GrammarCompileService:
             raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
         self.tokenizer_info = tokenizer_info
         self.vocab_size = tokenizer_info.vocab_size
+        # What every GrammarState of this tokenizer needs; read once (slow through xgrammar's FFI).
+        self.never_tokens = frozenset(tokenizer_info.special_token_ids)
         # Our cache is keyed the way requests are; xgrammar's own cache would only duplicate it.
         self._compiler = xg.GrammarCompiler(tokenizer_info, max_threads=max_threads, cache_enabled=False)
         self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="so-compile")
@@ -142,7 +144,7 @@ class GrammarCompileService:
     def new_state(self, so_args: dict | StructuredOutputRequest) -> GrammarState:
         """Blocking: a fresh per-request GrammarState (convenience for tests and simple callers)."""
         pending = self.submit(so_args)
-        return GrammarState(pending.result(), pending.request)
+        return GrammarState(pending.result(), pending.request, self.never_tokens)
 
     def _evict(self) -> None:
         """Drop least recently used entries beyond the entry and byte limits (lock held)."""

@@ -48,7 +48,7 @@ class StructuredOutputManager:
                 del self._pending[request_id]
                 continue
             if compiled is not None:
-                self._states[request_id] = GrammarState(compiled, pending.request)
+                self._states[request_id] = GrammarState(compiled, pending.request, self.compiler.never_tokens)
                 del self._pending[request_id]
         return failed
 
