@@ -27,10 +27,10 @@ def v41(tmp_path_factory):
     loaded = {}
     real = llm_engine.load_model
 
-    def load_once(p, dtype):
-        key = (str(p), dtype)
+    def load_once(p, dtype, **kw):
+        key = (str(p), dtype, str(kw.get("device", "cpu")))
         if key not in loaded:
-            loaded[key] = real(p, dtype)
+            loaded[key] = real(p, dtype, **kw)
         return loaded[key]
 
     llm_engine.load_model = load_once

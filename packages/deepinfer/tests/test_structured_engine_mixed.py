@@ -82,10 +82,11 @@ def v41(tmp_path_factory):
     # this module shares the one (read-only) model.
     loaded, real = {}, llm_engine.load_model
 
-    def load_once(p, dtype):
-        if (str(p), dtype) not in loaded:
-            loaded[(str(p), dtype)] = real(p, dtype)
-        return loaded[(str(p), dtype)]
+    def load_once(p, dtype, **kw):
+        key = (str(p), dtype, str(kw.get("device", "cpu")))  # the engine passes device= off the CPU
+        if key not in loaded:
+            loaded[key] = real(p, dtype, **kw)
+        return loaded[key]
 
     llm_engine.load_model = load_once
     yield path

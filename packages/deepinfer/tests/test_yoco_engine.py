@@ -29,10 +29,10 @@ def v41(tmp_path_factory):
     path = make_v41_checkpoint(tmp_path_factory.mktemp("v41-yoco"), seed=3)
     loaded, real = {}, llm_engine.load_model
 
-    def load_once(p, dtype):  # the model is read-only: load it once for every engine of this module
-        key = (str(p), dtype)
+    def load_once(p, dtype, **kw):  # the model is read-only: load it once for every engine of this module
+        key = (str(p), dtype, str(kw.get("device", "cpu")))
         if key not in loaded:
-            loaded[key] = real(p, dtype)
+            loaded[key] = real(p, dtype, **kw)
         return loaded[key]
 
     llm_engine.load_model = load_once
