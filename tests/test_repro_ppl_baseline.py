@@ -12,11 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from deepinfer.default_model import resolve_model
 from deepinfer.reproducibility import (
+    CPU_WORKLOADS,
+    GPU_WORKLOADS,
     BaselineFile,
     compare,
     current_platform,
     decode_ppl,
+    model_tag,
     run_workload,
     tolerance,
     workloads_for,
@@ -24,7 +28,7 @@ from deepinfer.reproducibility import (
 from deepinfer.reproducibility import baseline as baseline_module
 
 BASELINE = Path(__file__).parent / "models" / "offline_decode_ppl.json"
-PLATFORM = current_platform()
+HAS_CUDA = torch.cuda.is_available()
 
 
 # ------------------------------------------------------------------------------------ the file lock
@@ -84,7 +88,7 @@ def test_update_replaces_only_the_given_entries(tmp_path):
 def test_decode_ppl_is_the_model_perplexity_of_its_greedy_continuation(llm_factory):
     """The engine's per-token logprobs, turned into decode PPL, equal a float64 recomputation from the
     stateless model forward over prompt + generated tokens (teacher-forced, independent of the engine)."""
-    w = workloads_for(PLATFORM)[0]
+    w = workloads_for("cpu")[0]
     llm = llm_factory(async_scheduling=False)
     record = run_workload(llm, w)
     prompt = w.prompts(llm.engine.vocab_size)[0]
@@ -111,28 +115,75 @@ def test_compare_flags_each_sample_outside_the_tolerance():
     problems = compare(base, dict(base, ppl=[10.0, 20.1]), rtol=1e-3)
     assert len(problems) == 1 and problems[0].startswith("sample 1")
     assert any("refresh" in p for p in compare(base, dict(base, output_len=3), rtol=1e-3))
+    tagged = dict(base, model="A(h=1)")
+    assert compare(tagged, dict(tagged), rtol=1e-3) == []
+    assert any(p.startswith("model:") for p in compare(tagged, dict(tagged, model="B(h=2)"), rtol=1e-3))
+
+
+# ------------------------------------------------------------------------------------ the platform
+def test_platform_key_follows_the_device():
+    assert current_platform("cpu") == "cpu" and current_platform(torch.device("cpu")) == "cpu"
+    with pytest.raises(ValueError, match="device"):
+        current_platform("tpu")
+    assert tolerance("cpu") == 1e-3 and tolerance("nvidia-sm90") == 5e-3 and tolerance("nvidia-sm100") == 2e-2
+    if HAS_CUDA:
+        major, minor = torch.cuda.get_device_capability()
+        assert current_platform("cuda") == f"nvidia-sm{major}{minor}"
+
+
+def test_gpu_workloads_scale_to_a_short_model_context():
+    assert workloads_for("cpu") == CPU_WORKLOADS
+    assert workloads_for("nvidia-sm90") == GPU_WORKLOADS == workloads_for("nvidia-sm90", 65_536)
+    tiny = workloads_for("nvidia-sm90", 256)
+    assert [w.name for w in tiny] == [w.name for w in GPU_WORKLOADS] and tiny == CPU_WORKLOADS
+    mixed = workloads_for("nvidia-sm90", 2048)  # short fits, long_context does not
+    assert mixed == (GPU_WORKLOADS[0], CPU_WORKLOADS[1])
+    with pytest.raises(ValueError, match="max_model_len must be >= 1"):
+        workloads_for("nvidia-sm90", 0)
 
 
 # --------------------------------------------------------------------------- against the baseline
+def _model_max_len() -> int:
+    """Context of the checkpoint the engine loads by default ($DEEPINFER_HF_MODEL_DIR, else tiny)."""
+    raw = json.loads((resolve_model(None)[0] / "config.json").read_text())
+    return int(raw.get("text_config", raw).get("max_position_embeddings", 4096))
+
+
 def _workload_params():
+    """(device, platform, workload): the CPU's workloads on the CPU; on a GPU machine also the GPU's,
+    with the model on CUDA (`gpu` marker), at full size when the checkpoint's context allows."""
     out = []
-    for w in workloads_for(PLATFORM):
-        marks = [pytest.mark.long_context] if w.long_context else []
-        out.append(pytest.param(w, id=w.name, marks=marks))
+    gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]
+    runs = [("cpu", "cpu", workloads_for("cpu"))]
+    if HAS_CUDA:
+        platform = current_platform("cuda")
+        runs.append(("cuda", platform, workloads_for(platform, _model_max_len())))
+    else:  # listed (and skipped) so the GPU variant shows up in every report
+        runs.append(("cuda", "nvidia", GPU_WORKLOADS))
+    for device, platform, workloads in runs:
+        for w in workloads:
+            marks = ([pytest.mark.long_context] if w.long_context else []) + (gpu if device == "cuda" else [])
+            out.append(pytest.param(device, platform, w, id=f"{device}-{w.name}", marks=marks))
     return out
 
 
-@pytest.mark.parametrize("workload", _workload_params())
-def test_decode_ppl_matches_the_platform_baseline(workload, llm_factory, request, deterministic_env):
-    llm = llm_factory(async_scheduling=True)
+@pytest.mark.parametrize(("device", "platform", "workload"), _workload_params())
+def test_decode_ppl_matches_the_platform_baseline(
+    device, platform, workload, llm_factory, request, deterministic_env
+):
+    need = workload.input_len + workload.output_len
+    extra = {"max_model_len": need} if need > 4096 else {}  # the engine's default context is 4096
+    llm = llm_factory(async_scheduling=True, device=device, max_num_seqs=workload.num_prompts, **extra)
+    assert current_platform(llm) == platform  # the key follows where the model really runs
     measured = run_workload(llm, workload)
+    assert measured["model"] == model_tag(llm)
     llm.close()
     store = BaselineFile(BASELINE)
     if request.config.getoption("--refresh-ppl-baseline"):
-        store.update(PLATFORM, {workload.name: measured})
+        store.update(platform, {workload.name: measured})
         return
-    baseline = store.entry(PLATFORM, workload.name)
+    baseline = store.entry(platform, workload.name)
     if baseline is None:
-        pytest.skip(f"no {PLATFORM}/{workload.name} baseline yet: run pytest with --refresh-ppl-baseline")
-    problems = compare(baseline, measured, tolerance(PLATFORM))
+        pytest.skip(f"no {platform}/{workload.name} baseline yet: run pytest with --refresh-ppl-baseline")
+    problems = compare(baseline, measured, tolerance(platform))
     assert not problems, "\n".join(problems)

@@ -79,12 +79,24 @@ def run_workload(llm, workload: PplWorkload) -> dict:
             )
         ppl.append(decode_ppl(completion.logprobs))
         digests.append(tokens_digest(completion.token_ids))
-    return workload.describe() | {"ppl": ppl, "tokens_sha256": digests}
+    return workload.describe() | {"model": model_tag(llm), "ppl": ppl, "tokens_sha256": digests}
+
+
+def model_tag(llm) -> str:
+    """What the record was measured with, independent of where the checkpoint lives: the model class
+    and the config sizes that change its numbers (a baseline is keyed by platform, not model path)."""
+    engine = getattr(llm, "engine", llm)
+    cfg = engine.model.config
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "vocab_size")
+    sizes = ",".join(f"{k}={getattr(cfg, k, None)}" for k in keys)
+    return f"{type(engine.model).__name__}({sizes})"
 
 
 def compare(baseline: dict, measured: dict, rtol: float) -> list[str]:
     """Problems found comparing `measured` with `baseline` sample by sample (empty list: they agree)."""
     problems = []
+    if "model" in baseline and baseline["model"] != measured.get("model"):
+        problems.append(f"model: baseline {baseline['model']} != measured {measured.get('model')}")
     for key in ("num_prompts", "input_len", "output_len", "nextn"):
         if baseline.get(key) != measured.get(key):
             problems.append(f"{key}: baseline {baseline.get(key)} != measured {measured.get(key)}")

@@ -59,12 +59,23 @@ CPU_WORKLOADS = (
 )
 
 
-def workloads_for(platform: str) -> tuple[PplWorkload, ...]:
-    return CPU_WORKLOADS if platform == "cpu" else GPU_WORKLOADS
+def workloads_for(platform: str, max_model_len: int | None = None) -> tuple[PplWorkload, ...]:
+    """The workloads of `platform`: the CPU sizes on `cpu`; on GPUs the full sizes, except that a model
+    whose context (`max_model_len`) is too short for one (the 256-token tiny model) runs that workload
+    at its CPU size under the same name (records carry the model, so a size change is reported)."""
+    if platform == "cpu":
+        return CPU_WORKLOADS
+    if max_model_len is None:
+        return GPU_WORKLOADS
+    if max_model_len < 1:
+        raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+    scaled = {w.name: w for w in CPU_WORKLOADS}
+    return tuple(w if w.input_len + w.output_len <= max_model_len else scaled[w.name] for w in GPU_WORKLOADS)
 
 
-def workload(platform: str, name: str) -> PplWorkload:
-    for w in workloads_for(platform):
+def workload(platform: str, name: str, max_model_len: int | None = None) -> PplWorkload:
+    known = workloads_for(platform, max_model_len)
+    for w in known:
         if w.name == name:
             return w
-    raise ValueError(f"no workload {name!r} for platform {platform!r}; known: {[w.name for w in workloads_for(platform)]}")
+    raise ValueError(f"no workload {name!r} for platform {platform!r}; known: {[w.name for w in known]}")
