@@ -93,6 +93,25 @@ def test_attention_kernel_row_is_bitwise_batch_invariant_and_exact(device):
         torch.testing.assert_close(results[0][h], ref, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_tiled_scores_do_not_depend_on_neighbours_or_width(device):
+    """The indexer's scores in the mode: one (query row, key) dot product whatever shares the call."""
+    g = torch.Generator().manual_seed(4)
+    row = torch.randn(128, generator=g, dtype=torch.float64)
+    keys = torch.randn(KT, 128, generator=g, dtype=torch.float64)
+    outs = []
+    for b_count, r_count, width_tiles, tb, tr in [(1, 1, 1, 0, 0), (3, 13, 2, 1, 9), (2, 64, 4, 1, 40)]:
+        q = torch.randn(b_count, r_count, 128, generator=g, dtype=torch.float64)
+        k = torch.randn(b_count, width_tiles * KT, 128, generator=g, dtype=torch.float64)
+        q[tb, tr], k[tb, :KT] = row, keys
+        outs.append(batch_invariant.tiled_scores(q.to(device), k.to(device))[tb, tr, :KT].cpu())
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    exact = torch.tensor(
+        [float(np.dot(row.numpy(), keys[j].numpy())) for j in range(KT)], dtype=torch.float64
+    )
+    torch.testing.assert_close(outs[0], exact, rtol=1e-13, atol=1e-13)
+
+
 def test_chunked_bmm_is_the_plain_bmm():
     """The fixed-batch bmm of accelerators (calls of exactly `chunk` matrices), run on the CPU: same
     products, for broadcast (weight) and per-matrix right operands, any batch count."""

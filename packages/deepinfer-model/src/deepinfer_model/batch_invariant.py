@@ -65,6 +65,8 @@ def bmm(a: torch.Tensor, b: torch.Tensor, chunk: int | None = None) -> torch.Ten
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     n = a.shape[0]
+    if n == 0:  # e.g. the LM head of a step with no logits rows: nothing to tile
+        return a.new_empty(0, a.shape[1], b.shape[2])
     pad = (-n) % chunk
     shared = b.stride(0) == 0  # one broadcast matrix (a weight): stays a stride-0 view, never copied
     if pad:
@@ -145,14 +147,23 @@ def _row_tiles(x: torch.Tensor) -> torch.Tensor:
     return x.view(b, -1, TILE_ROWS, c)
 
 
-def _fixed_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [B, X, Y, m, k] @ b [B, X, Y, k, n] as one bmm of B*X*Y fixed-shape products. Inputs may be
-    expanded or transposed views: both are made contiguous, because the GEMM kernel (and its rounding)
-    depends on the operands' layout too, and `reshape` copies an expanded view only when it must."""
-    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    a = a.expand(*lead, *a.shape[-2:]).reshape(-1, *a.shape[-2:]).contiguous()
-    b = b.expand(*lead, *b.shape[-2:]).reshape(-1, *b.shape[-2:]).contiguous()
-    return bmm(a, b).view(*lead, a.shape[-2], b.shape[-1])
+def tiled_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """q [B, R, D] . keys [B, S, D] -> FP64 [B, R, S] (S a multiple of `KEY_TILE`), every dot product in a
+    fixed-shape [TILE_ROWS, D] x [D, KEY_TILE] GEMM with fixed operand layouts (contiguous row tile,
+    contiguous transposed key tile): a (row, key) score depends on nothing else."""
+    bsz, r, d = q.shape
+    s = keys.shape[1]
+    if s % KEY_TILE:
+        raise ValueError(f"keys.shape[1] = {s} must be a multiple of KEY_TILE = {KEY_TILE}")
+    n_tiles = s // KEY_TILE
+    qt = _row_tiles(q.double()).contiguous()  # [B, Rt, 8, D]
+    kt = keys.double().view(bsz, n_tiles, KEY_TILE, d).transpose(-1, -2).contiguous()  # [B, St, D, KT]
+    out = qt.new_empty(bsz, qt.shape[1], TILE_ROWS, s)
+    # one bmm per (key set, key tile) over the row tiles, the key tile broadcast (never copied)
+    for b in range(bsz):
+        for t in range(n_tiles):
+            out[b, :, :, t * KEY_TILE : (t + 1) * KEY_TILE] = bmm(qt[b], kt[b, t].expand(qt.shape[1], -1, -1))
+    return out.view(bsz, -1, s)[:, :r]
 
 
 def sink_attention(
@@ -166,14 +177,8 @@ def sink_attention(
     """
     bsz, m, nh, d = q.shape
     s = keys.shape[1]
-    if s % KEY_TILE:
-        raise ValueError(f"keys.shape[1] = {s} must be a multiple of KEY_TILE = {KEY_TILE}")
+    scores = tiled_scores(q.reshape(bsz, m * nh, d), keys).view(bsz, m, nh, s) * scale
     n_tiles = s // KEY_TILE
-    keys = keys.double()
-    qt = _row_tiles(q.double().reshape(bsz, m * nh, d))  # [B, Rt, 8, D]
-    kt = keys.view(bsz, n_tiles, KEY_TILE, d)
-    scores = _fixed_bmm(qt[:, :, None], kt.transpose(-1, -2)[:, None])  # [B, Rt, St, 8, KT]
-    scores = scores.permute(0, 1, 3, 2, 4).reshape(bsz, -1, s)[:, : m * nh].view(bsz, m, nh, s) * scale
     scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
     # the sink as column 0 of one more tile: every exp below runs on whole tiles (no scalar tail)
     sink = scores.new_full((bsz, m, nh, KEY_TILE), float("-inf"))
@@ -181,13 +186,19 @@ def sink_attention(
     logits = torch.cat((scores, sink), dim=-1)
     e = torch.exp(logits - logits.max(dim=-1, keepdim=True).values)
     # unnormalised P·[K | 1]: the value sums and the softmax denominator from the same fixed GEMM
-    vals = torch.cat((kt, kt.new_ones(bsz, n_tiles, KEY_TILE, 1)), dim=-1)  # [B, St, KT, D+1]
+    kd = keys.double().view(bsz, n_tiles, KEY_TILE, d)
+    vals = torch.cat((kd, kd.new_ones(bsz, n_tiles, KEY_TILE, 1)), dim=-1)  # [B, St, KT, D+1]
     pt = _row_tiles(e[..., :s].reshape(bsz, m * nh, s))  # [B, Rt, 8, S]
-    pt = pt.view(*pt.shape[:3], n_tiles, KEY_TILE).permute(0, 1, 3, 2, 4)  # [B, Rt, St, 8, KT]
-    part = _fixed_bmm(pt, vals[:, None])  # [B, Rt, St, 8, D+1]
-    acc = part[:, :, 0]
-    for t in range(1, n_tiles):  # tile order, one tile at a time: padding tiles add exact zeros
-        acc = acc + part[:, :, t]
-    acc = acc.reshape(bsz, -1, d + 1)[:, : m * nh].view(bsz, m, nh, d + 1)
+    rt = pt.shape[1]
+    pt = (
+        pt.view(bsz, rt, TILE_ROWS, n_tiles, KEY_TILE).permute(0, 3, 1, 2, 4).contiguous()
+    )  # [B, St, Rt, 8, KT]
+    acc = pt.new_empty(bsz, rt, TILE_ROWS, d + 1)
+    for b in range(bsz):
+        a = bmm(pt[b, 0], vals[b, 0].expand(rt, -1, -1))
+        for t in range(1, n_tiles):  # tile order, one tile at a time: padding tiles add exact zeros
+            a = a + bmm(pt[b, t], vals[b, t].expand(rt, -1, -1))
+        acc[b] = a
+    acc = acc.view(bsz, -1, d + 1)[:, : m * nh].view(bsz, m, nh, d + 1)
     den = acc[..., d] + e[..., s]
     return acc[..., :d] / den[..., None]

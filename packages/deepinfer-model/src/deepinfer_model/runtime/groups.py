@@ -160,7 +160,12 @@ def grouped_index_scores(qi: torch.Tensor, keys: torch.Tensor, head_w: torch.Ten
     """Index scores [G*Q, n] (as `layers.indexer.index_scores`, batched over the group's sequences):
     packed `qi` [N, n_i, d_i] and `head_w` [N, n_i] against each sequence's index keys [G, n, d_i]."""
     n_heads, head_dim = qi.shape[1], qi.shape[2]
-    s = torch.relu(torch.einsum("gqhd,gnd->gqhn", qi[g.rows].double(), keys.double()))
+    if batch_invariant.enabled():  # fixed-shape dot products (entries padded to whole tiles)
+        gq = g.rows.shape
+        flat = qi[g.rows].reshape(gq[0], -1, head_dim)
+        s = torch.relu(batch_invariant.tiled_scores(flat, keys).view(*gq, n_heads, -1))
+    else:
+        s = torch.relu(torch.einsum("gqhd,gnd->gqhn", qi[g.rows].double(), keys.double()))
     w = head_w[g.rows].double()
     if scaled:
         s = s * head_dim**-0.5
