@@ -2,7 +2,7 @@
 # One call on the CUDA machine: the whole engine on the GPU (issue #13's end-to-end part, #16's NVIDIA part).
 # Carry `.gpu` (bundle.tar.xz, setup.sh, pysite.tar.xz, rpds312.tar.xz; see README.md here):
 #     bash benchmarks/gpu/run_engine_suite.sh [STEP ...]     (default: every step)
-# Steps: check (whole model on the GPU vs the CPU, tiny + medium), gputests (every `gpu`-marked test),
+# Steps: check / medium (whole model on the GPU vs the CPU: tiny / medium), gputests (every `gpu`-marked test),
 # engine (the deepinfer package's tests with DEEPINFER_DEVICE=cuda), ppl (refresh the nvidia-sm90 decode PPL
 # baselines), bench (decode / prefill sweeps of the tiny and medium configs against the roofline).
 # Results: $OUT (device tool) or benchmarks/results; logs in engine_logs.tar.gz.
@@ -15,7 +15,7 @@ collect() {
   tar -C "$out" -czf "$final/engine_logs.tar.gz" --exclude='*.json' . 2>/dev/null
 }
 trap collect EXIT
-steps=${*:-check gputests engine ppl bench}
+steps=${*:-check gputests engine ppl medium bench}
 has() { [[ " $steps " == *" $1 "* ]]; }
 export PYTHONUNBUFFERED=1 HOME=${HOME:-/root} OMP_NUM_THREADS=16
 t0=$(date +%s)
@@ -28,10 +28,11 @@ repo=$PWD
   tar xzf "$DEEPINFER_SITE"/extra/deepinfer_gemm-*.tar.gz && cd deepinfer_gemm-*
   python3 "$repo/benchmarks/gpu/patch_deep_gemm.py" . && python3 -m pip install -q --no-build-isolation --no-deps --target "$DEEPINFER_SITE/site" .
 ) > "$out/deep_gemm_build.log" 2>&1 &
+deep_gemm_pid=$!
 medium=/tmp/medium-v41
 src=$(ls -d "$repo"/packages/*/src | grep -v deepinfer-sched | tr '\n' ':')
 export PYTHONPATH="/tmp/sched-site:${src}/tmp/pysite:$PYTHONPATH"
-if has check || has bench; then
+if has medium || has bench; then
   python3 benchmarks/gpu/make_medium_checkpoint.py "$medium" > "$out/medium_checkpoint.log" 2>&1 &
   medium_pid=$!
 fi
@@ -40,23 +41,29 @@ python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/sched-sit
   || { tail -30 "$out/sched_build.log"; exit 1; }
 python3 -c "import deepinfer_sched, deepinfer, torch; print('engine imports; cuda', torch.cuda.is_available(), deepinfer_sched.build_info())" || exit 1
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} LC_ALL=C
+export -n DEEPINFER_SITE  # setup.sh's own variable: the engine warns about unknown DEEPINFER_* names
+# check / gputests / engine run side by side (16 cores, one GPU); each has its own time limit
+lim=${GPU_SUITE_STEP_LIMIT_S:-420}
+pids=()
 if has check; then
-  el "check: tiny on the GPU vs the CPU"
-  timeout 300 python3 benchmarks/gpu/check_model_on_gpu.py --model tiny --out "$out" 2>&1 | tail -5
-  mv "$out/check_model_on_gpu.json" "$out/check_tiny.json" 2>/dev/null
+  ( timeout "$lim" python3 benchmarks/gpu/check_model_on_gpu.py --model tiny --threads 4 --out "$out/tiny" > "$out/check_tiny.log" 2>&1
+    cp "$out/tiny/check_model_on_gpu.json" "$out/check_tiny.json" ) &
+  pids+=($!)
 fi
-if has gputests; then
-  el "gpu-marked tests"
-  timeout 400 python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 --junitxml "$out/gputests.xml" \
-    packages/deepinfer-model/tests packages/deepinfer/tests packages/deepinfer-structured/tests tests > "$out/gputests.log" 2>&1
-  tail -15 "$out/gputests.log"
+if has gputests; then  # after the DeepGEMM build (~2 min), so its tests run too
+  ( wait_pid() { while kill -0 "$1" 2>/dev/null; do sleep 2; done; }; wait_pid "$deep_gemm_pid"
+    timeout "$lim" python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 --junitxml "$out/gputests.xml" \
+    packages/deepinfer-model/tests packages/deepinfer/tests packages/deepinfer-structured/tests tests > "$out/gputests.log" 2>&1 ) &
+  pids+=($!)
 fi
 if has engine; then
-  el "engine tests with DEEPINFER_DEVICE=cuda"
-  DEEPINFER_DEVICE=cuda timeout 600 python3 -m pytest -q -p no:cacheprovider -n 8 -m "not slow and not long_context" \
-    --junitxml "$out/engine_tests.xml" packages/deepinfer/tests > "$out/engine_tests.log" 2>&1
-  tail -25 "$out/engine_tests.log"
+  DEEPINFER_DEVICE=cuda timeout "$lim" python3 -m pytest -q -p no:cacheprovider -n 6 -m "not slow and not long_context" \
+    --junitxml "$out/engine_tests.xml" packages/deepinfer/tests > "$out/engine_tests.log" 2>&1 &
+  pids+=($!)
 fi
+el "waiting for check / gputests / engine (limit ${lim}s each)"
+for p in "${pids[@]}"; do wait "$p"; done
+for f in check_tiny gputests engine_tests; do [ -f "$out/$f.log" ] && { echo "== $f"; tail -25 "$out/$f.log"; }; done
 if has ppl; then
   el "decode PPL baselines: nvidia-sm90"
   DEEPINFER_DEVICE=cuda timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_repro_ppl_baseline.py --refresh-ppl-baseline \
@@ -64,10 +71,10 @@ if has ppl; then
   DEEPINFER_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_repro_ppl_baseline.py > "$out/ppl_check.log" 2>&1
   tail -3 "$out/ppl_check.log"; cp tests/models/offline_decode_ppl.json "$out/offline_decode_ppl.json"
 fi
-if has check || has bench; then
+if has medium || has bench; then
   wait "$medium_pid"; cat "$out/medium_checkpoint.log"
 fi
-if has check; then
+if has medium; then
   el "check: medium on the GPU vs the CPU"
   timeout 500 python3 benchmarks/gpu/check_model_on_gpu.py --model "$medium" --dtypes bfloat16 --out "$out" 2>&1 | tail -3
   mv "$out/check_model_on_gpu.json" "$out/check_medium.json" 2>/dev/null
