@@ -4,7 +4,7 @@
 #     bash benchmarks/gpu/run_engine_suite.sh [STEP ...]     (default: every step)
 # Steps: check / medium (whole model on the GPU vs the CPU: tiny / medium), gputests (every `gpu`-marked test),
 # engine (the deepinfer package's tests with DEEPINFER_DEVICE=cuda), ppl (refresh the nvidia-sm90 decode PPL
-# baselines), bench (decode / prefill sweeps of the tiny and medium configs against the roofline).
+# baselines), bench (decode / prefill sweep of the medium config against the roofline; benchtiny: the tiny one too).
 # Results: $OUT (device tool) or benchmarks/results; logs in engine_logs.tar.gz.
 set -uo pipefail
 final=${OUT:-benchmarks/results}
@@ -66,9 +66,9 @@ for p in "${pids[@]}"; do wait "$p"; done
 for f in check_tiny gputests engine_tests; do [ -f "$out/$f.log" ] && { echo "== $f"; tail -25 "$out/$f.log"; }; done
 if has ppl; then
   el "decode PPL baselines: nvidia-sm90"
-  DEEPINFER_DEVICE=cuda timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_repro_ppl_baseline.py --refresh-ppl-baseline \
+  DEEPINFER_DEVICE=cuda timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_repro_ppl_baseline.py --refresh-ppl-baseline \
     > "$out/ppl_refresh.log" 2>&1; tail -5 "$out/ppl_refresh.log"
-  DEEPINFER_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_repro_ppl_baseline.py > "$out/ppl_check.log" 2>&1
+  DEEPINFER_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_repro_ppl_baseline.py > "$out/ppl_check.log" 2>&1
   tail -3 "$out/ppl_check.log"; cp tests/models/offline_decode_ppl.json "$out/offline_decode_ppl.json"
 fi
 if has medium || has bench; then
@@ -76,18 +76,25 @@ if has medium || has bench; then
 fi
 if has medium; then
   el "check: medium on the GPU vs the CPU"
-  timeout 500 python3 benchmarks/gpu/check_model_on_gpu.py --model "$medium" --dtypes bfloat16 --out "$out" 2>&1 | tail -3
+  timeout "${MEDIUM_CHECK_LIMIT_S:-240}" python3 benchmarks/gpu/check_model_on_gpu.py --model "$medium" --dtypes bfloat16 \
+    --tokens 32 --steps 4 --out "$out" 2>&1 | tail -3
   mv "$out/check_model_on_gpu.json" "$out/check_medium.json" 2>/dev/null
 fi
 if has bench; then
-  # tiny: 256 positions at most; medium: real per-layer sizes, chunks of 4k / 16k tokens
-  for m in tiny medium; do
-    if [ $m = medium ]; then margs="--model $medium --max-model-len 20480 --chunks 4096,16384 --decode-context 512"
-    else margs="--max-model-len 256 --chunks 64,128 --decode-context 64"; fi
-    el "bench sweep: $m"
-    timeout 500 python3 -m deepinfer.cli bench sweep $margs --device cuda --dtype bfloat16 \
+  # decode and prefill as separate runs (each writes its JSON; sized so the KV pool fits): tiny has 256
+  # positions at most; medium has the real per-layer sizes, 4k / 16k-token prefill chunks
+  for m in $(has benchtiny && echo tiny) medium; do
+    if [ $m = medium ]; then model="--model $medium"; dec="--max-model-len 1024 --decode-context 128"
+      pre="--max-model-len 20480 --max-num-seqs 1 --chunks 4096,16384 --prefill-repeats 2"
+    else model=""; dec="--max-model-len 256 --decode-context 64"; pre="--max-model-len 256 --chunks 64,128"; fi
+    el "bench decode: $m"
+    timeout "${BENCH_LIMIT_S:-200}" python3 -m deepinfer.cli bench decode $model $dec --device cuda --dtype bfloat16 \
       --batches 1,8,64,256 --nextn 0 --measure-steps 6 --no-progress \
-      --results-dir "$out" --name "bench_${m}_gpu" > "$out/bench_$m.log" 2>&1; tail -40 "$out/bench_$m.log"
+      --results-dir "$out" --name "bench_${m}_gpu_decode" > "$out/bench_${m}_decode.log" 2>&1; tail -20 "$out/bench_${m}_decode.log"
+    el "bench prefill: $m"
+    timeout "${BENCH_LIMIT_S:-200}" python3 -m deepinfer.cli bench prefill $model $pre --device cuda --dtype bfloat16 \
+      --no-progress --results-dir "$out" --name "bench_${m}_gpu_prefill" > "$out/bench_${m}_prefill.log" 2>&1
+    tail -12 "$out/bench_${m}_prefill.log"
   done
 fi
 el "done"
