@@ -18,32 +18,14 @@ from deepinfer_model.models.deepseek_v41.yoco import YocoMode, YocoSettings
 from deepinfer_model.runner import RunnerBatch
 from deepinfer_model.runtime import PagedRunner
 from deepinfer_model.runtime.device import resolve_device
-from deepinfer_model.testing import make_checkpoint, tiny_config
-from torch.overrides import TorchFunctionMode
-from torch.utils._device import _device_constructors
+from deepinfer_model.testing import make_checkpoint, strict_device, tiny_config
 
 BLOCK = 8
-_FACTORIES = _device_constructors()
-
-
-class StrictDevice(TorchFunctionMode):
-    """Raise on a tensor factory called without an explicit `device=` (a CUDA run would put its result on
-    the CPU and fail, or silently copy, when it meets the model's tensors)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _FACTORIES and kwargs.get("device") is None:
-            raise AssertionError(f"torch.{func.__name__} called without device=")
-        return func(*args, **kwargs)
 
 
 @pytest.fixture
-def strict(monkeypatch):
-    def no_from_numpy(*_a, **_k):
-        raise AssertionError("torch.from_numpy makes a host tensor: use runtime.device.to_device")
-
-    monkeypatch.setattr(torch, "from_numpy", no_from_numpy)
-    with StrictDevice():
+def strict():
+    with strict_device():  # the detector lives in deepinfer_model.testing (the engine's tests use it too)
         yield
 
 
