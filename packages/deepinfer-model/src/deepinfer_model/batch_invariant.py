@@ -147,6 +147,25 @@ def _row_tiles(x: torch.Tensor) -> torch.Tensor:
     return x.view(b, -1, TILE_ROWS, c)
 
 
+def _tile_products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """All products a[i, r, t] @ b[i, t]: a [B, R, Ta, m, k] (Ta = T, or 1 = the same for every t),
+    b [B, T, k, n] -> [B, R, T, m, n]. Every product is one [m, k] x [k, n] GEMM of contiguous
+    matrices; calls loop over (the smaller of B and R) x T and batch the larger, with the shared
+    operand broadcast (never copied). A product does not depend on how it was batched (tested)."""
+    bsz, r_count, ta = a.shape[:3]
+    t_count = b.shape[1]
+    out = a.new_empty(bsz, r_count, t_count, a.shape[-2], b.shape[-1])
+    for t in range(t_count):
+        at = min(t, ta - 1)
+        if r_count >= bsz:
+            for i in range(bsz):
+                out[i, :, t] = bmm(a[i, :, at], b[i, t].expand(r_count, -1, -1))
+        else:
+            for r in range(r_count):
+                out[:, r, t] = bmm(a[:, r, at], b[:, t])
+    return out
+
+
 def tiled_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """q [B, R, D] . keys [B, S, D] -> FP64 [B, R, S] (S a multiple of `KEY_TILE`), every dot product in a
     fixed-shape [TILE_ROWS, D] x [D, KEY_TILE] GEMM with fixed operand layouts (contiguous row tile,
@@ -156,14 +175,10 @@ def tiled_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     if s % KEY_TILE:
         raise ValueError(f"keys.shape[1] = {s} must be a multiple of KEY_TILE = {KEY_TILE}")
     n_tiles = s // KEY_TILE
-    qt = _row_tiles(q.double()).contiguous()  # [B, Rt, 8, D]
+    qt = _row_tiles(q.double()).contiguous()[:, :, None]  # [B, Rt, 1, 8, D]
     kt = keys.double().view(bsz, n_tiles, KEY_TILE, d).transpose(-1, -2).contiguous()  # [B, St, D, KT]
-    out = qt.new_empty(bsz, qt.shape[1], TILE_ROWS, s)
-    # one bmm per (key set, key tile) over the row tiles, the key tile broadcast (never copied)
-    for b in range(bsz):
-        for t in range(n_tiles):
-            out[b, :, :, t * KEY_TILE : (t + 1) * KEY_TILE] = bmm(qt[b], kt[b, t].expand(qt.shape[1], -1, -1))
-    return out.view(bsz, -1, s)[:, :r]
+    out = _tile_products(qt, kt)  # [B, Rt, St, 8, KT]
+    return out.permute(0, 1, 3, 2, 4).reshape(bsz, -1, s)[:, :r]
 
 
 def sink_attention(
@@ -191,14 +206,12 @@ def sink_attention(
     pt = _row_tiles(e[..., :s].reshape(bsz, m * nh, s))  # [B, Rt, 8, S]
     rt = pt.shape[1]
     pt = (
-        pt.view(bsz, rt, TILE_ROWS, n_tiles, KEY_TILE).permute(0, 3, 1, 2, 4).contiguous()
-    )  # [B, St, Rt, 8, KT]
-    acc = pt.new_empty(bsz, rt, TILE_ROWS, d + 1)
-    for b in range(bsz):
-        a = bmm(pt[b, 0], vals[b, 0].expand(rt, -1, -1))
-        for t in range(1, n_tiles):  # tile order, one tile at a time: padding tiles add exact zeros
-            a = a + bmm(pt[b, t], vals[b, t].expand(rt, -1, -1))
-        acc[b] = a
-    acc = acc.view(bsz, -1, d + 1)[:, : m * nh].view(bsz, m, nh, d + 1)
+        pt.view(bsz, rt, TILE_ROWS, n_tiles, KEY_TILE).permute(0, 1, 3, 2, 4).contiguous()
+    )  # [B, Rt, St, 8, KT]
+    part = _tile_products(pt, vals)  # [B, Rt, St, 8, D+1]
+    acc = part[:, :, 0]
+    for t in range(1, n_tiles):  # tile order, one tile at a time: padding tiles add exact zeros
+        acc = acc + part[:, :, t]
+    acc = acc.reshape(bsz, -1, d + 1)[:, : m * nh].view(bsz, m, nh, d + 1)
     den = acc[..., d] + e[..., s]
     return acc[..., :d] / den[..., None]
