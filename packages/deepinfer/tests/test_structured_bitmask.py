@@ -50,7 +50,14 @@ def test_disallowed_matches_per_token_reference(vocab):
 
 @pytest.mark.parametrize(
     ("vocab", "rows"),
-    [(129280, [0, 1, 2, 3]), (1000, [1, 4, 5]), (33, [2]), (4001, [0, 2, 4, 5]), (70, [])],
+    [
+        (129280, [0, 1, 2, 3, 4, 5]),  # more rows than one CPU chunk
+        (129280, [5, 0, 3]),  # unsorted, gathered
+        (1000, [1, 4, 5]),
+        (33, [2]),
+        (4001, [0, 2, 4, 5]),
+        (70, []),
+    ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_apply_in_place_matches_xgrammar(vocab, rows, dtype):

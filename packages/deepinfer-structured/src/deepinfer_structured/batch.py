@@ -150,7 +150,7 @@ def apply_bitmask_inplace(logits: torch.Tensor, masks: StepMasks) -> None:
         raise ValueError(f"logits width {vocab_size} does not match the bitmask "
                          f"({masks.bitmask.shape[1]} words); pass the LM-head width as vocab_size")
     if logits.device.type == "cpu":
-        # The torch path beats xgrammar's CPU kernel ~4x at 64 x 129k (it expands a byte per lookup).
+        # The torch path beats xgrammar's CPU kernel ~7x at 64 x 129k (a byte per table lookup).
         apply_bitmask_torch(logits, masks.bitmask, masks.rows)
         return
     bitmask = masks.bitmask.to(logits.device, non_blocking=True)
@@ -202,6 +202,31 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return ~_disallowed(bitmask, vocab_size)
 
 
+_BOUND_LUTS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _mask_rows_(x: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """x [n, V] = min(x, bound), bound +inf where allowed and -inf elsewhere, built per byte from a
+    [256, 8] table in chunks that stay in cache: branch-free, unlike masked_fill_ with a bool mask
+    (1.5-3x slower on the CPU, pattern-dependent). A NaN logit at a disallowed token stays NaN."""
+    n, vocab = x.shape
+    if sys.byteorder != "little":
+        x.masked_fill_(_disallowed(bitmask, vocab), float("-inf"))
+        return
+    key = (x.device, x.dtype)
+    lut = _BOUND_LUTS.get(key)
+    if lut is None:
+        bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+        lut = _BOUND_LUTS[key] = torch.where(bits == 1, float("inf"), float("-inf")).to(x.device, x.dtype)
+    words = bitmask.shape[1]
+    as_bytes = bitmask.contiguous().view(torch.uint8).view(n, words * 4)
+    step = max(1, (1 << 19) // (words * 32)) if x.device.type == "cpu" else n
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        bound = lut.index_select(0, as_bytes[a:b].reshape(-1).to(torch.int32)).view(b - a, words * 32)
+        torch.minimum(x[a:b], bound[:, :vocab], out=x[a:b])
+
+
 def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Device-agnostic torch version of the in-place masking (used where no xgrammar kernel fits).
     bitmask rows are the logits' rows (rows not in `rows` are ignored); it may be on another device."""
@@ -210,10 +235,11 @@ def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
     n = len(rows)
     if rows == list(range(rows[0], rows[0] + n)):  # a slice: no gather / scatter
         part = bitmask[rows[0] : rows[0] + n].to(logits.device, non_blocking=True)
-        logits[rows[0] : rows[0] + n].masked_fill_(_disallowed(part, logits.shape[1]), float("-inf"))
+        _mask_rows_(logits[rows[0] : rows[0] + n], part)
         return
     index = torch.tensor(rows, dtype=torch.long).to(bitmask.device, non_blocking=True)
     part = bitmask.index_select(0, index).to(logits.device, non_blocking=True)
     index = index.to(logits.device, non_blocking=True)
-    dis = _disallowed(part, logits.shape[1])
-    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(dis, float("-inf")))
+    sub = logits.index_select(0, index)
+    _mask_rows_(sub, part)
+    logits.index_copy_(0, index, sub)

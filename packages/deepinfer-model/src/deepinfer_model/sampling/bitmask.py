@@ -90,10 +90,44 @@ class TokenBitmask:
         a = self.rows[0]
         return a if self.rows == tuple(range(a, a + len(self.rows))) else None
 
-    def disallowed(self, logits: torch.Tensor) -> torch.Tensor:
-        """bool [len(rows), vocab] on the logits' device: True where the token is masked out."""
-        bitmask = self.bitmask.to(logits.device, non_blocking=True)
-        return disallowed_from_bitmask(bitmask, logits.shape[1])
+
+_BOUND_LUTS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+# CPU: bound rows made per chunk of about this many logits, so the bound stays in cache (2 MiB of fp32)
+_CPU_CHUNK_ELEMENTS = 1 << 19
+
+
+def _bound_lut(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[256, 8] of `dtype`: for byte b, +inf at bit positions set in b (allowed), -inf elsewhere."""
+    key = (device, dtype)
+    lut = _BOUND_LUTS.get(key)
+    if lut is None:
+        bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+        lut = torch.where(bits == 1, float("inf"), float("-inf")).to(device=device, dtype=dtype)
+        _BOUND_LUTS[key] = lut
+    return lut
+
+
+def _mask_rows_(x: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """x [n, V] (a view into the logits) = min(x, bound), bound = +inf (allowed) / -inf (not).
+
+    min with +inf leaves a logit bit for bit (-0.0 and NaN included); min with -inf is -inf. It is
+    branch-free and vectorised: masked_fill_ / where with the bool mask take 1.5-3x as long on the
+    CPU and their time depends on the mask pattern. One difference from masked_fill_: a NaN logit
+    at a disallowed token stays NaN (a NaN row is broken either way).
+    """
+    n, vocab = x.shape
+    words = bitmask.shape[1]
+    if sys.byteorder != "little":
+        x.masked_fill_(disallowed_from_bitmask(bitmask, vocab), float("-inf"))
+        return
+    # byte j of (little-endian) word w holds tokens 32 w + 8 j .. 32 w + 8 j + 7, lowest bit first
+    as_bytes = bitmask.contiguous().view(torch.uint8).view(n, words * 4)
+    lut = _bound_lut(x.device, x.dtype)
+    step = max(1, _CPU_CHUNK_ELEMENTS // (words * 32)) if x.device.type == "cpu" else n
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        bound = lut.index_select(0, as_bytes[a:b].reshape(-1).to(torch.int32)).view(b - a, words * 32)
+        torch.minimum(x[a:b], bound[:, :vocab], out=x[a:b])
 
 
 def apply_token_bitmask_(logits: torch.Tensor, mask: TokenBitmask) -> torch.Tensor:
@@ -102,12 +136,13 @@ def apply_token_bitmask_(logits: torch.Tensor, mask: TokenBitmask) -> torch.Tens
     mask.check(logits)
     if not mask.rows:
         return logits
-    dis = mask.disallowed(logits)
+    bitmask = mask.bitmask.to(logits.device, non_blocking=True)
     start = mask.contiguous_start()
     if start is not None:  # the common all-structured batch: a view, no gather / scatter
-        logits[start : start + len(mask.rows)].masked_fill_(dis, float("-inf"))
+        _mask_rows_(logits[start : start + len(mask.rows)], bitmask)
         return logits
     index = torch.tensor(mask.rows, dtype=torch.long).to(logits.device, non_blocking=True)
-    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(dis, float("-inf")))
+    part = logits.index_select(0, index)
+    _mask_rows_(part, bitmask)
+    logits.index_copy_(0, index, part)
     return logits
-

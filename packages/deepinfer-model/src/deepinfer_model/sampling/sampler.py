@@ -91,8 +91,7 @@ def masked_logits(
     """`raw` with each row's banned tokens and disallowed tokens (structured output) set to -inf.
 
     inplace: write into `raw` and return it. Otherwise a new tensor when anything is masked and
-    `raw` itself (unmodified) when nothing is. A `TokenBitmask` touches only its rows; when it
-    covers every row, the copy is made by the masking pass itself.
+    `raw` itself (unmodified) when nothing is. A `TokenBitmask` touches only its rows.
     """
     banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids if 0 <= t < raw.shape[-1]]
     if isinstance(allowed, TokenBitmask):
@@ -101,17 +100,7 @@ def masked_logits(
             allowed = None
     if not banned and allowed is None:
         return raw
-    if inplace:
-        masked = raw
-    elif (
-        isinstance(allowed, TokenBitmask)
-        and len(allowed.rows) == raw.shape[0]
-        and allowed.contiguous_start() == 0
-    ):
-        masked = torch.where(allowed.disallowed(raw), float("-inf"), raw)
-        allowed = None
-    else:
-        masked = raw.clone()
+    masked = raw if inplace else raw.clone()
     if banned:
         row_idx, tok_idx = zip(*banned)
         masked[list(row_idx), list(tok_idx)] = float("-inf")
