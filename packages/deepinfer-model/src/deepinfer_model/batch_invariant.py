@@ -1,4 +1,4 @@
-"""Batch-invariant mode of the CPU reference (`DEEPINFER_BATCH_INVARIANT=1`).
+"""Batch-invariant mode (`DEEPINFER_BATCH_INVARIANT=1`) of the reference model, on the CPU and on CUDA.
 
 Why the default CPU path is not invariant by construction: blocks accumulate in FP64 and round once
 to FP32/BF16, but MKL's FP64 GEMM does not compute a row the same way for every number of rows M (the
@@ -11,8 +11,8 @@ GEMMs over fixed tiles of `TILE_ROWS` rows (the last tile zero-padded), so every
 same kernel with the same shape and K order whatever the batch, the prefill chunk or the prefix-cache
 hit around it. Measured: a row's FP64 result in a fixed-shape tile does not depend on its neighbours
 or its index in the tile (`tests/test_repro_batch_invariance.py`). Costs: decode rows pay for a full
-tile (cheap: the weight's FP64 conversion dominates), long prefills lose the big-GEMM blocking
-(`benchmarks/repro/bench_batch_invariant.py` measures it).
+tile (8x the FLOPs of a GEMV at batch 1; the 129k-row LM head dominates), prefills repack the weight
+per tile (`benchmarks/repro/bench_batch_invariant.py` measures it).
 
 Attention (`sink_attention`): the paged runtime attends per padded group of sequences, so the
 default path's FP64 score / softmax / P·V sums see a key count, a column offset and a GEMM shape that
@@ -22,12 +22,16 @@ the key itself (absolute position for sliding-window keys, entry index for compr
 every product is a fixed-shape GEMM ([TILE_ROWS, D] x [D, KEY_TILE] for scores, [TILE_ROWS, KEY_TILE] x
 [KEY_TILE, D + 1] for the unnormalised P·V and its row sum). Tile partials are added in tile order, one
 tile at a time; a tile a query cannot see contributes exact zeros, so extra padding tiles, in front
-(another chunk start) or behind (a wider neighbour), change nothing. The sink is added last.
+(another chunk start) or behind (a wider neighbour), change nothing. The sink is added last. Operands
+are made contiguous first: the GEMM kernel (and its rounding) depends on their layout too (a
+transposed view that `reshape` copied for one batch size but not another did change results).
+The exp runs on whole tiles (SIMD and scalar-tail exp differ in the last bit).
 
 Not changed (and why it is still invariant): norms, router top-k, quantisation and sampling reduce
-within one row; the sampler draws from a keyed stream. Still shape-dependent: the indexer's FP64
-scores (one dot product of `index_head_dim` per entry) before they are rounded to the activation dtype
-and ranked.
+within one row; the sampler draws from a keyed stream. The indexer's scores use the same tiled dot
+products (`tiled_scores`). Not covered: the stateless `model.forward` keeps the default attention
+(its FP64 results may differ from the paged runtime's in the last bits; FP32 logits agreed in every
+test), and NVIDIA backend ops that bypass `numerics.linear`.
 
 Device-agnostic: everything here allocates on the inputs' device and uses only torch ops (bmm, exp,
 max) that exist on every backend. The CPU's bmm is one GEMM per matrix (measured: batch-count
@@ -69,6 +73,10 @@ def bmm(a: torch.Tensor, b: torch.Tensor, chunk: int | None = None) -> torch.Ten
         return a.new_empty(0, a.shape[1], b.shape[2])
     pad = (-n) % chunk
     shared = b.stride(0) == 0  # one broadcast matrix (a weight): stays a stride-0 view, never copied
+    # one memory layout for every call (a strided view and its padded copy would differ)
+    a = a.contiguous()
+    if not shared:
+        b = b.contiguous()
     if pad:
         a = torch.cat((a, a.new_zeros(pad, *a.shape[1:])))
         if not shared:
