@@ -125,27 +125,6 @@ def aligned_span(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, int]:
     return start, key_tiles(int((np.asarray(hi) - start).max()))
 
 
-def relayout(keys: torch.Tensor, visible: torch.Tensor, segments) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys [..., S, D] / visible [..., S] re-laid in whole tiles: `segments` lists (first column, end
-    column, frame of the first column), e.g. [(0, T, first_position), (T, S, 0)] for sliding-window keys
-    then compressed entries; each segment starts at column `frame % KEY_TILE` of a fresh tile. Pad
-    columns hold zeros (finite) and are invisible."""
-    idx = []
-    for first, end, frame in segments:
-        front = int(frame) % KEY_TILE
-        n = int(end) - int(first)
-        width = key_tiles(front + n)
-        seg = np.full(width, -1, dtype=np.int64)
-        seg[front : front + n] = np.arange(first, end)
-        idx.append(seg)
-    cols = np.concatenate(idx)
-    src = torch.from_numpy(np.maximum(cols, 0)).to(keys.device)
-    pad = torch.from_numpy(cols < 0).to(keys.device)
-    keys = keys.index_select(-2, src).masked_fill(pad[:, None], 0.0)
-    visible = visible.index_select(-1, src) & ~pad
-    return keys, visible
-
-
 def _row_tiles(x: torch.Tensor) -> torch.Tensor:
     """[B, R, C] -> [B, ceil(R / TILE_ROWS), TILE_ROWS, C] (zero rows appended)."""
     b, r, c = x.shape
@@ -195,7 +174,7 @@ def sink_attention(
     """Sink attention (K = V) with a batch-independent reduction order; FP64 [B, M, nh, D].
 
     q [B, M, nh, D] (M queries sharing key set b), keys [B, S, D] with S a multiple of `KEY_TILE` laid
-    out in aligned tiles (`aligned_span` / `relayout`), visible [B, M, S] bool, sinks [nh]. A query's
+    out in aligned tiles (`aligned_span`, `key_tiles`), visible [B, M, S] bool, sinks [nh]. A query's
     result depends only on its own q, its visible keys and their tile columns.
     """
     bsz, m, nh, d = q.shape
