@@ -166,8 +166,9 @@ class SpecDecodeState:
     def pack(
         self, seq_ids: Sequence[Hashable], plan: VerifyPlan
     ) -> tuple[torch.Tensor, torch.Tensor | None, list[float]]:
-        """Packed inputs for the verifier: draft tokens [Σ k], draft probs [Σ k, V] (None if no request
-        stored them), and the confidences of the verified drafts (for the statistics)."""
+        """Packed inputs for the verifier: draft tokens [Σ k] (host), draft probs [Σ k, V] (None if no
+        request stored them; on the device of the stored rows), and the confidences of the verified
+        drafts (for the statistics)."""
         if len(seq_ids) != len(plan.num_verify):
             raise ValueError(
                 f"plan.num_verify must have one entry per seq_id ({len(seq_ids)}), got {len(plan.num_verify)}"
@@ -188,7 +189,9 @@ class SpecDecodeState:
             # refuses a zero row for a sampled request.
             zeros = stored[0].new_zeros
             draft_probs = torch.cat([p if p is not None else zeros(k, stored[0].shape[1]) for k, p in probs])
-        return torch.tensor(tokens, dtype=torch.int64), draft_probs, confs
+        # Draft ids are host bookkeeping (the verifier validates them on the host and sends them to the
+        # device with its other indices); the q rows stay where the drafter made them.
+        return torch.tensor(tokens, dtype=torch.int64, device="cpu"), draft_probs, confs
 
     # -- after verification ----------------------------------------------------------------------
     def commit(self, seq_ids: Sequence[Hashable], result: VerifyResult) -> list[Rollback]:

@@ -80,7 +80,7 @@ class Drafter:
                 u = stream_uniform(
                     seed + DRAFT_SEED_OFFSET, draft_position(base, accepted, i), Purpose.SAMPLE
                 )
-                tok = int(inverse_cdf(q[None], torch.tensor([u], dtype=torch.float64))[0])
+                tok = int(inverse_cdf(q[None], torch.tensor([u], dtype=torch.float64, device=q.device))[0])
                 confs.append(float(torch.minimum(p, q).sum().clamp(0, 1)))
             tokens.append(tok)
             rows.append(q)

@@ -13,6 +13,11 @@ for the token after row j's input, so it verifies draft d_{j+1}; the last row is
 
 Every uniform comes from `stream_uniform(seed, base + j * VERIFY_ROW_STRIDE, purpose)`, so a
 request's result is a pure function of its own rows and key, whatever else is in the batch.
+
+Devices: everything runs on the device of `target_probs`. Host inputs (draft ids, seeds, positions,
+the uniforms, which are computed on the host from integers) go there in two copies per call, and the
+results come back in one (`_to_host`): no per-row or per-token synchronisation. Bad distributions
+are detected on the device and raised after that copy.
 p and q are the *processed* distributions (after temperature / top-p / top-k / grammar mask) that the
 model package's sampler computes; they need not be normalised.
 """
@@ -23,6 +28,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .random_stream import VERIFY_ROW_STRIDE, Purpose, stream_uniforms
@@ -36,7 +42,7 @@ class VerifyResult:
     num_accepted: list[int]  # a_i: accepted drafts (prefix rule), 0 <= a_i <= k_i
     final_tokens: list[int]  # the correction (first rejected row) or bonus (fresh row) token
     emitted: list[list[int]]  # accepted drafts then the final token: a_i + 1 tokens
-    # Flat over the Σ k_i verified drafts, in packed order:
+    # Flat over the Σ k_i verified drafts, in packed order (host tensors, whatever device verified):
     row_accepted: torch.Tensor  # bool: the row's own test passed (before the prefix rule)
     accept_probs: torch.Tensor  # float64: Σ_v min(p, q) = probability the test passes (1/0 when greedy)
 
@@ -47,7 +53,7 @@ class VerifyResult:
     def prefix_accepted(self) -> torch.Tensor:
         """bool [Σ k_i]: drafts that count as accepted (prefix rule)."""
         flags = [j < a for k, a in zip(self.num_drafts, self.num_accepted) for j in range(k)]
-        return torch.tensor(flags, dtype=torch.bool)
+        return torch.tensor(flags, dtype=torch.bool, device="cpu")  # host bookkeeping, like row_accepted
 
 
 def _validate_counts(name: str, values: Sequence, num_requests: int) -> None:
@@ -56,7 +62,8 @@ def _validate_counts(name: str, values: Sequence, num_requests: int) -> None:
 
 
 def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Exact inverse-CDF draw per row (float64, vocabulary order), as the model's sampler does."""
+    """Exact inverse-CDF draw per row (float64, vocabulary order), as the model's sampler does.
+    `uniforms` [rows] must be on the device of `weights` [rows, V]; the result is too."""
     cdf = torch.cumsum(weights, dim=-1)
     total = cdf[:, -1]
     picked = torch.searchsorted(cdf, (uniforms * total)[:, None], right=True).squeeze(1)
@@ -65,37 +72,80 @@ def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.minimum(picked, last_nonzero)
 
 
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values (list / numpy) as a `dtype` tensor on `device`: a view on the CPU; elsewhere one
+    pinned, non-blocking copy (it queues behind the running kernels instead of stalling the host)."""
+    host = torch.as_tensor(values, dtype=dtype, device="cpu")
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class _Packed:
-    """Where each request's rows are in the packed batch, and its random-stream key."""
+    """Where each request's rows are in the packed batch, and its random-stream key. Host lists for the
+    bookkeeping; their device copies (one transfer) for the tensor work."""
 
     ks: list[int]
+    drafts: list[int]  # Σ k_i draft ids (host)
     seeds: Sequence[int]
     base_positions: Sequence[int]
     greedy: Sequence[bool]
     device: torch.device
 
     def __post_init__(self) -> None:
+        n = len(self.ks)
         self.draft_offsets = [0]
         for k in self.ks:
             self.draft_offsets.append(self.draft_offsets[-1] + k)
         self.req_of_draft = [i for i, k in enumerate(self.ks) for _ in range(k)]
         self.local_of_draft = [j for k in self.ks for j in range(k)]
-        # Flat draft d of request i is verified by target row d + i; request i's fresh row follows its
-        # last verify row.
-        self.verify_rows = torch.tensor(
-            [d + i for d, i in enumerate(self.req_of_draft)], dtype=torch.int64, device=self.device
+        # Flat draft d of request i is verified by target row d + i; request i's rows start at
+        # draft_offsets[i] + i, its fresh row follows its last verify row.
+        self.row_starts = [self.draft_offsets[i] + i for i in range(n)]
+        self.fresh_rows = [self.row_starts[i] + k for i, k in enumerate(self.ks)]
+        self.sampled = [i for i in range(n) if not self.greedy[i]]
+        self.sampled_drafts = [d for d, i in enumerate(self.req_of_draft) if not self.greedy[i]]
+        # One host-to-device copy of every index the verification needs, sliced into views.
+        parts = {
+            "drafts": self.drafts,
+            "verify_rows": [d + i for d, i in enumerate(self.req_of_draft)],
+            "req_of_draft": self.req_of_draft,
+            "local_of_draft": self.local_of_draft,
+            "greedy_of_draft": [int(bool(self.greedy[i])) for i in self.req_of_draft],
+            "draft_offsets": self.draft_offsets[:-1],
+            "row_starts": self.row_starts,
+            "ks": self.ks,
+            "sampled": self.sampled,
+            "sampled_drafts": self.sampled_drafts,
+        }
+        flat = to_device(
+            np.concatenate([np.asarray(v, dtype=np.int64) for v in parts.values()]), torch.int64, self.device
         )
-        self.fresh_rows = [self.draft_offsets[i] + k + i for i, k in enumerate(self.ks)]
-        self.greedy_of_draft = torch.tensor(
-            [bool(self.greedy[i]) for i in self.req_of_draft], dtype=torch.bool, device=self.device
-        )
+        self.dev = {}
+        lo = 0
+        for name, values in parts.items():
+            self.dev[name] = flat[lo : lo + len(values)]
+            lo += len(values)
+        self.dev["greedy_of_draft"] = self.dev["greedy_of_draft"].bool()
 
-    def uniforms(self, requests: Sequence[int], rows: Sequence[int], purpose: Purpose) -> torch.Tensor:
-        """Uniforms for request `requests[n]` at its verification row `rows[n]`."""
-        positions = [int(self.base_positions[i]) + r * VERIFY_ROW_STRIDE for i, r in zip(requests, rows)]
-        u = stream_uniforms([self.seeds[i] for i in requests], positions, purpose)
-        return torch.from_numpy(u).to(self.device)
+    def uniforms(self) -> dict[Purpose, torch.Tensor]:
+        """The sampled requests' uniforms on the device, one copy: ACCEPT and RESIDUAL for every verified
+        draft (flat, indexed by draft; row = its local index), SAMPLE at each request's fresh row k_i
+        (indexed by request). Computed on the host from (seed, position, purpose) as before; drawing
+        the ones a step turns out not to need costs nothing on the device and keeps this one copy."""
+        rows = {
+            Purpose.ACCEPT: (self.req_of_draft, self.local_of_draft),
+            Purpose.RESIDUAL: (self.req_of_draft, self.local_of_draft),
+            Purpose.SAMPLE: (list(range(len(self.ks))), self.ks),
+        }
+        host = []
+        for purpose, (requests, local) in rows.items():
+            positions = [int(self.base_positions[i]) + r * VERIFY_ROW_STRIDE for i, r in zip(requests, local)]
+            host.append(stream_uniforms([self.seeds[i] for i in requests], positions, purpose))
+        u = to_device(np.concatenate(host), torch.float64, self.device)
+        d, n = len(self.req_of_draft), len(self.ks)
+        return {Purpose.ACCEPT: u[:d], Purpose.RESIDUAL: u[d : 2 * d], Purpose.SAMPLE: u[2 * d : 2 * d + n]}
 
 
 class DraftVerifier:
@@ -126,72 +176,76 @@ class DraftVerifier:
     ) -> VerifyResult:
         """Verify the packed drafts of a batch.
 
-        target_probs: [Σ (1 + k_i), V] target distributions (for greedy rows logits work as well).
-        draft_tokens: [Σ k_i] draft ids; a negative id (padding) is always rejected.
+        target_probs: [Σ (1 + k_i), V] target distributions (for greedy rows logits work as well), on
+            the device the verification runs on.
+        draft_tokens: [Σ k_i] draft ids; a negative id (padding) is always rejected. Best passed from
+            the host (a list): a device tensor costs one extra copy back.
         draft_probs:  [Σ k_i, V] draft distributions q; needed when a sampled request verifies drafts.
         seeds, base_positions, greedy: per request; base_position is the request's plain decode position.
         golden: per request, forced tokens for its rows 0, 1, ... (-1 or missing: none; spec §5.6). A
             forced row emits its forced token, and its draft counts as accepted iff it equals it.
         """
-        drafts, batch = self._validate(
+        batch = self._validate(
             target_probs, draft_tokens, num_drafts, seeds, base_positions, greedy, draft_probs
         )
-        ks, vocab = batch.ks, target_probs.shape[1]
+        ks, vocab, dev = batch.ks, target_probs.shape[1], batch.dev
+        forced = self._forced_rows(golden, ks, vocab)
         target = target_probs.double()
         argmax = torch.argmax(target, dim=-1)  # first maximum = lowest id
+        drafts = dev["drafts"]
         valid = drafts >= 0
         safe_drafts = drafts.clamp(min=0)
-        is_greedy = batch.greedy_of_draft
+        is_greedy = dev["greedy_of_draft"]
+        checks: list[tuple[torch.Tensor, str]] = []  # (device flag, error): raised after the one copy back
 
         # Greedy rows: accept iff the draft is the target's argmax (accept_prob is then 1 or 0).
-        greedy_ok = valid & (argmax[batch.verify_rows] == drafts)
-        row_accepted = greedy_ok.clone()
+        greedy_ok = valid & (argmax[dev["verify_rows"]] == drafts)
+        row_accepted = greedy_ok
         accept_probs = greedy_ok.double()
+        uniforms = batch.uniforms() if batch.sampled else None
         p_rows = q_rows = None
-        if bool((~is_greedy).any()):
+        if batch.sampled_drafts:
             # Only sampled rows are normalised: greedy rows may carry logits and need only an argmax.
-            sampled = (~is_greedy).nonzero().squeeze(1)
-            p_rows = target[batch.verify_rows].clone()
-            p_rows[sampled] = self._normalise(p_rows[sampled], "target_probs")
+            sampled = dev["sampled_drafts"]
+            p_rows = target[dev["verify_rows"]].clone()
+            p_rows[sampled] = self._normalise(p_rows[sampled], "target_probs", checks)
             q_rows = draft_probs.to(target.device).double().clone()
-            q_rows[sampled] = self._normalise(q_rows[sampled], "draft_probs")
+            q_rows[sampled] = self._normalise(q_rows[sampled], "draft_probs", checks)
             p_t = p_rows.gather(1, safe_drafts[:, None]).squeeze(1)
             q_t = q_rows.gather(1, safe_drafts[:, None]).squeeze(1)
-            u = batch.uniforms(batch.req_of_draft, batch.local_of_draft, Purpose.ACCEPT)
             # Division-free form of U < min(1, p/q); q(t) = 0 accepts iff p(t) > 0.
-            sampled_ok = valid & (u * q_t < p_t)
+            sampled_ok = valid & (uniforms[Purpose.ACCEPT] * q_t < p_t)
             row_accepted = torch.where(is_greedy, row_accepted, sampled_ok)
             overlap = torch.minimum(p_rows, q_rows * self.draft_scale).sum(-1).clamp(0.0, 1.0)
             accept_probs = torch.where(is_greedy, accept_probs, overlap)
 
-        forced = self._forced_rows(golden, ks, vocab)
-        draft_list = drafts.tolist()
-        accepted_list = row_accepted.tolist()
-        for (i, j), tok in forced.items():
-            if j < ks[i]:
-                accepted_list[batch.draft_offsets[i] + j] = tok == draft_list[batch.draft_offsets[i] + j]
-        num_accepted = []
-        for i, k in enumerate(ks):  # prefix rule
-            a = 0
-            while a < k and accepted_list[batch.draft_offsets[i] + a]:
-                a += 1
-            num_accepted.append(a)
+        forced_of_row = None
+        if forced:
+            rows = [-1] * (sum(ks) + len(ks))
+            for (i, j), tok in forced.items():
+                rows[batch.row_starts[i] + j] = tok
+            forced_of_row = to_device(rows, torch.int64, target.device)
+            forced_draft = forced_of_row[dev["verify_rows"]]
+            row_accepted = torch.where(forced_draft >= 0, forced_draft == drafts, row_accepted)
 
-        final_tokens = self._final_tokens(target, argmax, batch, num_accepted, p_rows, q_rows)
-        for i in range(len(ks)):
-            final_tokens[i] = forced.get((i, num_accepted[i]), final_tokens[i])
+        # Prefix rule: a_i = local index of the first non-accepted draft of request i (k_i if none).
+        first_rejected = torch.where(row_accepted, dev["ks"][dev["req_of_draft"]], dev["local_of_draft"])
+        num_accepted = dev["ks"].scatter_reduce(0, dev["req_of_draft"], first_rejected, "amin")
+
+        final = self._final_tokens(target, argmax, batch, num_accepted, p_rows, q_rows, uniforms, checks)
+        if forced_of_row is not None:
+            at_final = forced_of_row[dev["row_starts"] + num_accepted]
+            final = torch.where(at_final >= 0, at_final, final)
+
+        num_accepted, final_tokens, row_accepted, accept_probs = _to_host(
+            num_accepted, final, row_accepted, accept_probs, checks
+        )
         emitted = [
-            draft_list[batch.draft_offsets[i] : batch.draft_offsets[i] + num_accepted[i]] + [final_tokens[i]]
+            batch.drafts[batch.draft_offsets[i] : batch.draft_offsets[i] + num_accepted[i]]
+            + [final_tokens[i]]
             for i in range(len(ks))
         ]
-        return VerifyResult(
-            ks,
-            num_accepted,
-            final_tokens,
-            emitted,
-            torch.tensor(accepted_list, dtype=torch.bool),
-            accept_probs.cpu(),
-        )
+        return VerifyResult(ks, num_accepted, final_tokens, emitted, row_accepted, accept_probs)
 
     @staticmethod
     def _validate(target_probs, draft_tokens, num_drafts, seeds, base_positions, greedy, draft_probs):
@@ -208,15 +262,18 @@ class DraftVerifier:
             raise ValueError(
                 f"target_probs must be [sum(1 + num_drafts)={total_rows}, vocab], got {tuple(target_probs.shape)}"
             )
-        vocab, device = target_probs.shape[1], target_probs.device
-        drafts = torch.as_tensor(draft_tokens, dtype=torch.int64, device=device).reshape(-1)
-        if drafts.numel() != total_drafts:
+        vocab = target_probs.shape[1]
+        if isinstance(draft_tokens, torch.Tensor):
+            drafts = [int(t) for t in draft_tokens.reshape(-1).tolist()]
+        else:
+            drafts = [int(t) for t in draft_tokens]
+        if len(drafts) != total_drafts:
             raise ValueError(
-                f"draft_tokens must have sum(num_drafts)={total_drafts} entries, got {drafts.numel()}"
+                f"draft_tokens must have sum(num_drafts)={total_drafts} entries, got {len(drafts)}"
             )
-        if total_drafts and int(drafts.max()) >= vocab:
+        if total_drafts and max(drafts) >= vocab:
             raise ValueError(
-                f"draft_tokens must be < vocab ({vocab}) (negative = padding), got {int(drafts.max())}"
+                f"draft_tokens must be < vocab ({vocab}) (negative = padding), got {max(drafts)}"
             )
         if draft_probs is not None and tuple(draft_probs.shape) != (total_drafts, vocab):
             raise ValueError(
@@ -226,42 +283,40 @@ class DraftVerifier:
             raise ValueError(
                 "draft_probs is required when a sampled (temperature > 0) request verifies drafts"
             )
-        return drafts, _Packed(ks, seeds, base_positions, greedy, device)
+        return _Packed(ks, drafts, seeds, base_positions, greedy, target_probs.device)
 
-    def _final_tokens(self, target, argmax, batch: _Packed, num_accepted, p_rows, q_rows) -> list[int]:
-        """The token of each request's final row: its first rejected row, else its fresh row."""
-        final = [0] * len(batch.ks)
-        fresh_sampled, residual = [], []
-        for i, k in enumerate(batch.ks):
-            rejected = num_accepted[i] < k
-            if batch.greedy[i]:
-                row = (
-                    batch.verify_rows[batch.draft_offsets[i] + num_accepted[i]]
-                    if rejected
-                    else batch.fresh_rows[i]
-                )
-                final[i] = int(argmax[row])
-            elif rejected:
-                residual.append(i)
-            else:
-                fresh_sampled.append(i)
-
-        if fresh_sampled:
-            # Exactly a plain decode sample of this row: same weights, same rule, key at row k.
-            weights = target[[batch.fresh_rows[i] for i in fresh_sampled]]
-            self._check_mass(weights, "target_probs")
-            u = batch.uniforms(fresh_sampled, [batch.ks[i] for i in fresh_sampled], Purpose.SAMPLE)
-            for i, tok in zip(fresh_sampled, inverse_cdf(weights, u).tolist()):
-                final[i] = tok
-        if residual:
-            flat = [batch.draft_offsets[i] + num_accepted[i] for i in residual]
-            weights = (p_rows[flat] - q_rows[flat] * self.draft_scale).clamp(min=0.0)
-            u = batch.uniforms(residual, [num_accepted[i] for i in residual], Purpose.RESIDUAL)
-            tokens = inverse_cdf(weights, u)
-            empty = weights.sum(-1) <= 0  # only through rounding: fall back to the target's argmax
-            tokens = torch.where(empty, argmax[batch.verify_rows[flat]], tokens)
-            for i, tok in zip(residual, tokens.tolist()):
-                final[i] = tok
+    def _final_tokens(self, target, argmax, batch: _Packed, num_accepted, p_rows, q_rows, uniforms, checks):
+        """The token of each request's final row [B] (device): its first rejected row, else its fresh row.
+        Both are target row row_start + a: greedy requests take its argmax, sampled ones draw from the
+        residual max(0, p - q) of their first rejected draft or, when all were accepted, from the fresh
+        row exactly as a plain decode sample would (same weights, same rule, key at row k)."""
+        dev = batch.dev
+        final_rows = dev["row_starts"] + num_accepted
+        final = argmax[final_rows]
+        if not batch.sampled:
+            return final
+        s = dev["sampled"]
+        a, k = num_accepted[s], dev["ks"][s]
+        rejected = a < k
+        weights = target[final_rows[s]]  # the fresh row of a request that accepted every draft
+        _, bad = self._mass(weights)
+        checks.append(
+            ((bad & ~rejected).any(), "target_probs rows must be finite, >= 0 and have positive mass")
+        )
+        u = uniforms[Purpose.SAMPLE][s]
+        empty = None
+        if p_rows is not None:
+            # The first rejected draft (clamped to a valid draft for requests that rejected none: unused).
+            flat = (dev["draft_offsets"][s] + a).clamp(max=p_rows.shape[0] - 1)
+            residual = (p_rows[flat] - q_rows[flat] * self.draft_scale).clamp(min=0.0)
+            weights = torch.where(rejected[:, None], residual, weights)
+            u = torch.where(rejected, uniforms[Purpose.RESIDUAL][flat], u)
+            # A zero residual (only through rounding) falls back to the target's argmax.
+            empty = rejected & (residual.sum(-1) <= 0)
+        tokens = inverse_cdf(weights, u)
+        if empty is not None:
+            tokens = torch.where(empty, argmax[dev["verify_rows"][flat]], tokens)
+        final[s] = tokens
         return final
 
     @staticmethod
@@ -282,12 +337,26 @@ class DraftVerifier:
         return forced
 
     @staticmethod
-    def _check_mass(rows: torch.Tensor, name: str) -> torch.Tensor:
+    def _mass(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row sums and, per row, whether it is not a usable distribution (negative, non-finite, no mass)."""
         total = rows.sum(-1)
-        if bool((rows < 0).any()) or not bool(torch.isfinite(total).all()) or bool((total <= 0).any()):
-            raise ValueError(f"{name} rows must be finite, >= 0 and have positive mass")
-        return total
+        return total, (rows < 0).any(-1) | ~torch.isfinite(total) | (total <= 0)
 
     @classmethod
-    def _normalise(cls, rows: torch.Tensor, name: str) -> torch.Tensor:
-        return rows / cls._check_mass(rows, name)[:, None]
+    def _normalise(cls, rows: torch.Tensor, name: str, checks: list) -> torch.Tensor:
+        total, bad = cls._mass(rows)
+        checks.append((bad.any(), f"{name} rows must be finite, >= 0 and have positive mass"))
+        return rows / total[:, None]
+
+
+def _to_host(num_accepted, final, row_accepted, accept_probs, checks):
+    """The step's results and error flags in ONE device-to-host copy (float64 holds every token id and
+    count exactly); raises the first failed check."""
+    n, d = num_accepted.shape[0], row_accepted.shape[0]
+    parts = [num_accepted, final, row_accepted, accept_probs, *(flag.reshape(1) for flag, _ in checks)]
+    host = torch.cat([p.double() for p in parts]).cpu()
+    for (_, message), failed in zip(checks, host[2 * (n + d) :].tolist()):
+        if failed:
+            raise ValueError(message)
+    ints = [int(v) for v in host[: 2 * n].tolist()]
+    return ints[:n], ints[n:], host[2 * n : 2 * n + d].bool(), host[2 * n + d : 2 * (n + d)].clone()

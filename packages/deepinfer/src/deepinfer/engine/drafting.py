@@ -15,6 +15,11 @@ from (rejection sampling needs it to stay exact).
 * `OracleDrafter` — NOT for serving: proposes the target's own greedy continuation, computed with
   the stateless model (k extra forwards per sequence). Under greedy decoding every draft is accepted,
   which shows the mechanism's ceiling and overhead in tests and benchmarks.
+
+Devices: the drafted tokens stay on the model's device through the draft loop (the sampler returns
+0-d device tensors, so the model feeds them to the next draft step without a host round trip); a
+sampled request's uniforms are computed on the host from integers, as always, and sent once per
+request; `propose` brings every request's tokens and confidences to the host in one copy.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
+from deepinfer_model.runtime.device import model_device, to_device
 from deepinfer_model.sampling import Purpose, RowParams, filtered_probs, stream_uniform
 from deepinfer_spec import DRAFT_SEED_OFFSET, draft_position
 from deepinfer_spec.verify import inverse_cdf
@@ -52,46 +59,72 @@ class Drafter(Protocol):
 
 class _DraftSampler:
     """The `sampler(logits, step)` callback of the model's draft loop: greedy, or a draw from the
-    request's filtered distribution with its draft stream; remembers q for rejection sampling."""
+    request's filtered distribution with its draft stream; remembers q for rejection sampling.
+    Returns the token as a 0-d tensor on the logits' device (no host sync per draft step)."""
 
     def __init__(self, req: DraftRequest) -> None:
         self.req = req
         self.probs: list[torch.Tensor] = []
+        self.uniforms: torch.Tensor | None = None
 
-    def __call__(self, logits: torch.Tensor, step: int) -> int:
+    def _uniforms(self, device: torch.device) -> torch.Tensor:
+        """Every draft step's uniform of this request (host, from integers), in one copy to `device`."""
+        if self.uniforms is None:
+            p, r = self.req.params, self.req
+            u = [
+                stream_uniform(
+                    p.seed + DRAFT_SEED_OFFSET,
+                    draft_position(r.base_position, r.num_accepted, s),
+                    Purpose.SAMPLE,
+                )
+                for s in range(r.num_drafts)
+            ]
+            self.uniforms = to_device(np.array(u, dtype=np.float64), device, torch.float64)
+        return self.uniforms
+
+    def __call__(self, logits: torch.Tensor, step: int) -> torch.Tensor:
         p = self.req.params
         if p.greedy:
-            return int(torch.argmax(logits))
+            return torch.argmax(logits)  # first maximum = lowest id
         q = filtered_probs(logits[None].float(), [p])[0].double()
         self.probs.append(q)
-        u = stream_uniform(
-            p.seed + DRAFT_SEED_OFFSET,
-            draft_position(self.req.base_position, self.req.num_accepted, step),
-            Purpose.SAMPLE,
-        )
-        return int(inverse_cdf(q[None], torch.tensor([u], dtype=torch.float64))[0])
+        return inverse_cdf(q[None], self._uniforms(q.device)[step : step + 1])[0]
+
+
+def _to_host(drafted: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> list[Drafts]:
+    """(tokens, confidence, q) device tensors per request -> Drafts, in one device-to-host copy
+    (float64 holds every token id and float32 confidence exactly)."""
+    if not drafted:
+        return []
+    host = torch.cat([t for tok, conf, _ in drafted for t in (tok.double(), conf.clamp(0.0, 1.0).double())])
+    values, out, at = host.cpu().tolist(), [], 0
+    for tok, _, probs in drafted:
+        n = tok.shape[0]
+        out.append(Drafts([int(t) for t in values[at : at + n]], values[at + n : at + 2 * n], probs))
+        at += 2 * n
+    return out
 
 
 class ModelDrafter:
     def __init__(self, model) -> None:
         self.model = model
+        self.device = model_device(model)
 
     def propose(self, requests: list[DraftRequest]) -> list[Drafts]:
-        out = []
-        for req in requests:
-            sampler = _DraftSampler(req)
-            res = self.model.forward(
-                torch.tensor(req.context, dtype=torch.long),
-                num_draft_tokens=req.num_drafts,
-                next_token=req.next_token,
-                sampler=sampler,
-                logit_rows=[-1],
-            )
-            d = res.draft
-            probs = torch.stack(sampler.probs) if sampler.probs else None
-            conf = d.confidence.clamp(0.0, 1.0).tolist()
-            out.append(Drafts(d.tokens.tolist(), conf, probs))
-        return out
+        return _to_host([self.draft(req) for req in requests])
+
+    def draft(self, req: DraftRequest) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One request's drafted tokens, confidences and q rows, on the model's device."""
+        sampler = _DraftSampler(req)
+        res = self.model.forward(
+            to_device(np.asarray(req.context, dtype=np.int64), self.device, torch.long),
+            num_draft_tokens=req.num_drafts,
+            next_token=req.next_token,
+            sampler=sampler,
+            logit_rows=[-1],
+        )
+        probs = torch.stack(sampler.probs) if sampler.probs else None
+        return res.draft.tokens, res.draft.confidence, probs
 
 
 class PagedDrafter:
@@ -109,7 +142,7 @@ class PagedDrafter:
         for req in requests:
             index = self.runner.last_step_index(req.seq_id)
             if index is None:
-                out.extend(self.fallback.propose([req]))
+                out.append(self.fallback.draft(req))
                 continue
             sampler = _DraftSampler(req)
             (d,) = self.runner.draft(
@@ -120,8 +153,8 @@ class PagedDrafter:
                 last_positions=[len(req.context) - 1],
             )
             probs = torch.stack(sampler.probs) if sampler.probs else None
-            out.append(Drafts(d.tokens.tolist(), d.confidence.clamp(0.0, 1.0).tolist(), probs))
-        return out
+            out.append((d.tokens, d.confidence, probs))
+        return _to_host(out)
 
 
 class OracleDrafter:
@@ -130,20 +163,23 @@ class OracleDrafter:
     def __init__(self, model) -> None:
         self.model = model
         self.vocab_size = int(model.config.vocab_size)
+        self.device = model_device(model)
 
     def propose(self, requests: list[DraftRequest]) -> list[Drafts]:
         out = []
         for req in requests:
-            ids = [*req.context, req.next_token]
-            tokens = []
+            # the continuation stays on the device: each argmax feeds the next forward without a sync
+            ids = to_device(
+                np.asarray([*req.context, req.next_token], dtype=np.int64), self.device, torch.long
+            )
             for _ in range(req.num_drafts):
-                res = self.model.forward(torch.tensor(ids, dtype=torch.long))
+                res = self.model.forward(ids)
                 logits = res.logits if hasattr(res, "logits") else res  # V4.1 returns a V41Output
-                tokens.append(int(torch.argmax(logits[-1])))
-                ids.append(tokens[-1])
+                ids = torch.cat([ids, torch.argmax(logits[-1]).reshape(1)])
+            tokens = ids[ids.shape[0] - req.num_drafts :]
             probs = None
             if not req.params.greedy:  # a deterministic drafter: q is one-hot at its draft
-                probs = torch.zeros(len(tokens), self.vocab_size, dtype=torch.float64)
-                probs[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
-            out.append(Drafts(tokens, [1.0] * len(tokens), probs))
-        return out
+                probs = torch.zeros(len(tokens), self.vocab_size, dtype=torch.float64, device=self.device)
+                probs[torch.arange(len(tokens), device=self.device), tokens] = 1.0
+            out.append((tokens, torch.ones(len(tokens), dtype=torch.float32, device=self.device), probs))
+        return _to_host(out)

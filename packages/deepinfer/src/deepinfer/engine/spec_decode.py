@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from deepinfer_model.runtime.device import to_device
 from deepinfer_model.sampling import RowParams, TokenBitmask, filtered_probs, masked_logits
 from deepinfer_spec import (
     ConfidenceScheduler,
@@ -99,13 +100,15 @@ def verify_logits(
         vocab = raw.shape[-1]
         draft_probs = torch.cat(
             [
-                inp.draft_probs.double() if inp.draft_probs is not None else torch.zeros(k, vocab)
+                inp.draft_probs.to(raw.device, torch.float64)
+                if inp.draft_probs is not None
+                else torch.zeros(k, vocab, dtype=torch.float64, device=raw.device)
                 for inp, k in zip(inputs, ks)
             ]
         )
     result = verifier.verify(
         target,
-        torch.tensor([t for inp in inputs for t in inp.drafts], dtype=torch.int64),
+        [t for inp in inputs for t in inp.drafts],  # host ids: the verifier checks them there, one copy
         ks,
         seeds=[inp.rows[0].seed for inp in inputs],
         base_positions=[inp.base_position for inp in inputs],
@@ -114,22 +117,60 @@ def verify_logits(
         golden=[inp.golden for inp in inputs],
     )
     out = VerifyOutcome(result)
-    offset = 0
-    for inp, emitted in zip(inputs, result.emitted):
-        n = inp.rows[0].logprobs
-        if n is None:
-            out.logprobs.append(None)
-            out.top.append(None)
-        else:  # raw model log-probabilities, like the plain sampler reports
-            lp = torch.log_softmax(raw[offset : offset + len(emitted)], dim=-1)
-            out.logprobs.append([float(lp[j, t]) for j, t in enumerate(emitted)])
-            if n > 0:
-                vals, ids = torch.topk(lp, min(n, lp.shape[-1]), dim=-1)
-                out.top.append([dict(zip(ids[j].tolist(), vals[j].tolist())) for j in range(len(emitted))])
-            else:
-                out.top.append([{} for _ in emitted])
-        offset += len(inp.rows)
+    out.logprobs, out.top = _emitted_logprobs(raw, inputs, result.emitted)
     return out
+
+
+def _emitted_logprobs(raw: torch.Tensor, inputs: list[VerifyInput], emitted: list[list[int]]):
+    """Raw model log-probabilities of each emitted token (row j of an input emits its j-th token) and
+    the top-n per row, for the inputs that ask, like the plain sampler reports them. Computed on the
+    logits' device; one copy to the host for the whole step (float64 holds the ids exactly)."""
+    logprobs: list[list[float] | None] = [None] * len(inputs)
+    top: list[list[dict[int, float]] | None] = [None] * len(inputs)
+    rows, tokens, spans, offset = [], [], [], 0  # spans: (input, first row in `lp`, rows)
+    for i, (inp, em) in enumerate(zip(inputs, emitted)):
+        if inp.rows[0].logprobs is not None:
+            spans.append((i, len(rows), len(em)))
+            rows.extend(range(offset, offset + len(em)))
+            tokens.extend(em)
+        offset += len(inp.rows)
+    if not spans:
+        return logprobs, top
+    dev = raw.device
+    lp = torch.log_softmax(raw[to_device(rows, dev, torch.int64)], dim=-1)
+    tok = to_device(tokens, dev, torch.int64)
+    parts = [lp.gather(1, tok[:, None]).squeeze(1).double()]
+    by_n: dict[int, list[tuple[int, int, int]]] = {}  # one topk per distinct n (ties keep their order)
+    for i, lo, m in spans:
+        n = inputs[i].rows[0].logprobs
+        if n > 0:
+            by_n.setdefault(min(n, lp.shape[-1]), []).append((i, lo, m))
+    for n, group in by_n.items():
+        sel = to_device([lo + j for _, lo, m in group for j in range(m)], dev, torch.int64)
+        vals, ids = torch.topk(lp[sel], n, dim=-1)
+        parts += [vals.double().reshape(-1), ids.double().reshape(-1)]
+    host = torch.cat(parts).cpu().tolist()
+    for i, lo, m in spans:
+        logprobs[i] = host[lo : lo + m]
+        top[i] = [{} for _ in range(m)]
+    at = len(rows)
+    for n, group in by_n.items():
+        count = sum(m for _, _, m in group) * n
+        vals, ids = host[at : at + count], host[at + count : at + 2 * count]
+        at += 2 * count
+        r = 0
+        for i, _, m in group:
+            top[i] = [
+                dict(
+                    zip(
+                        (int(t) for t in ids[(r + j) * n : (r + j + 1) * n]),
+                        vals[(r + j) * n : (r + j + 1) * n],
+                    )
+                )
+                for j in range(m)
+            ]
+            r += m
+    return logprobs, top
 
 
 class SpecDecoder:
