@@ -22,6 +22,8 @@ from ..numerics import round_to
 from .metadata import StepMetadata
 from .pools import PagedKVCache
 
+SCORE_BLOCK_ELEMENTS = 1 << 27  # FP64 attention scores held at once by `attend` (1 GiB)
+
 
 def ranges(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Flatten the integer ranges [lo[k], hi[k]) -> (range index of each element, element value)."""
@@ -145,15 +147,26 @@ def attend(
     if batch_invariant.enabled():  # keys laid out in aligned tiles by swa_keys / compressed_entries
         out = batch_invariant.sink_attention(q[g.rows], keys, visible.view(*gq, -1), sinks, scale)
         return out[g.qmask]
-    qs = q[g.rows].double()  # [G, Q, nh, D]
     keys = keys.double()
-    scores = torch.einsum("gqhd,gsd->gqhs", qs, keys) * scale
-    scores = scores.masked_fill(~visible.view(*gq, 1, -1), float("-inf"))
-    sink = sinks.double()[None, None, :, None].expand(*gq, -1, 1)
-    logits = torch.cat((scores, sink), dim=-1)
-    logits = logits - logits.max(dim=-1, keepdim=True).values
-    probs = torch.softmax(logits, dim=-1)[..., :-1]
-    return torch.einsum("gqhs,gsd->gqhd", probs, keys)[g.qmask]
+    vis = visible.view(*gq, 1, -1)
+    # Long prefill chunks: the [G, Q, nh, S] FP64 scores of a 16k-token chunk over 16k keys would take
+    # 128 GiB, so queries go in blocks that keep them near SCORE_BLOCK_ELEMENTS (each query row's result
+    # does not depend on the others in its block).
+    per_query = gq[0] * q.shape[1] * keys.shape[1]
+    block = max(1, SCORE_BLOCK_ELEMENTS // max(per_query, 1))
+    outs = []
+    for lo in range(0, gq[1], block):
+        rows = g.rows[:, lo : lo + block]
+        qs = q[rows].double()  # [G, q, nh, D]
+        scores = torch.einsum("gqhd,gsd->gqhs", qs, keys) * scale
+        scores = scores.masked_fill(~vis[:, lo : lo + block], float("-inf"))
+        sink = sinks.double()[None, None, :, None].expand(*rows.shape, -1, 1)
+        logits = torch.cat((scores, sink), dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(logits, dim=-1)[..., :-1]
+        outs.append(torch.einsum("gqhs,gsd->gqhd", probs, keys))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    return out[g.qmask]
 
 
 def grouped_index_scores(qi: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, g: Group, scaled: bool):
@@ -164,8 +177,19 @@ def grouped_index_scores(qi: torch.Tensor, keys: torch.Tensor, head_w: torch.Ten
         gq = g.rows.shape
         flat = qi[g.rows].reshape(gq[0], -1, head_dim)
         s = torch.relu(batch_invariant.tiled_scores(flat, keys).view(*gq, n_heads, -1))
-    else:
-        s = torch.relu(torch.einsum("gqhd,gnd->gqhn", qi[g.rows].double(), keys.double()))
+    else:  # query blocks, as in `attend`: a long chunk's [G, Q, n_i, n] scores would not fit
+        keys = keys.double()
+        block = max(1, SCORE_BLOCK_ELEMENTS // max(g.rows.shape[0] * n_heads * keys.shape[1], 1))
+        out = []
+        for lo in range(0, g.rows.shape[1], block):
+            rows = g.rows[:, lo : lo + block]
+            s = torch.relu(torch.einsum("gqhd,gnd->gqhn", qi[rows].double(), keys))
+            w = head_w[rows].double()
+            if scaled:
+                s = s * head_dim**-0.5
+                w = w * n_heads**-0.5
+            out.append((s * w.unsqueeze(-1)).sum(dim=2))
+        return (out[0] if len(out) == 1 else torch.cat(out, dim=1)).reshape(-1, keys.shape[1])
     w = head_w[g.rows].double()
     if scaled:
         s = s * head_dim**-0.5

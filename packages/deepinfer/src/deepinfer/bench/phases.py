@@ -113,14 +113,15 @@ def run_decode(driver: Driver, cfg: DecodeConfig, flags: FlagCounter | None, pro
         for _ in range(10_000):
             if driver.waiting() == 0 and engine.stats.generated_tokens and _all_decoding(engine, ids):
                 break
-            engine.step()
+            _raise_errors(engine.step())
         for _ in range(cfg.warmup_steps):
-            engine.step()
+            _raise_errors(engine.step())
 
         def one_step():
             before = engine.stats.generated_tokens
             done = engine.step()
             if done:
+                _raise_errors(done)
                 raise RuntimeError(
                     "a decode request finished inside the measurement window; raise max_tokens"
                 )
@@ -186,6 +187,13 @@ def _spec_counts(engine) -> tuple[int, int] | None:
     if not stats:
         return None
     return int(stats.get("accepted", 0)), int(stats.get("verified", 0))
+
+
+def _raise_errors(done) -> None:
+    """A benchmark request that failed (e.g. the forward raised) stops the run with its error."""
+    errors = sorted({o.error for o in done if getattr(o, "error", None)})
+    if errors:
+        raise RuntimeError(f"benchmark request failed: {errors[0]}")
 
 
 def _all_decoding(engine, ids: set[str]) -> bool:

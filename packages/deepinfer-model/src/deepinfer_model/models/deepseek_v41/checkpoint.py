@@ -44,23 +44,30 @@ def quantised_v41_tensors(cfg: DeepseekV41Config, values: dict[str, torch.Tensor
 
 
 def make_v41_checkpoint(
-    path: str | Path, config: dict | None = None, seed: int = 0, *, shards: int = 1, tokenizer: bool = True
+    path: str | Path,
+    config: dict | None = None,
+    seed: int = 0,
+    *,
+    shards: int = 1,
+    tokenizer: bool = True,
+    device: torch.device | str = "cpu",
 ) -> Path:
-    """Write `config.json` (default: the §11 tiny config), random quantised weights and the tokenizer."""
+    """Write `config.json` (default: the §11 tiny config), random quantised weights and the tokenizer.
+    `device`: where the weights are drawn and quantised (see `random_v41_tensors`)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = config if config is not None else tiny_v41_config_dict()
     cfg = DeepseekV41Config.from_dict(config)
     if shards < 1:
         raise ValueError(f"shards must be >= 1, got {shards}")
-    tensors = quantised_v41_tensors(cfg, random_v41_tensors(cfg, seed))
+    tensors = quantised_v41_tensors(cfg, random_v41_tensors(cfg, seed, device))
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     names = list(tensors)
     per = -(-len(names) // shards)
     weight_map = {}
     for s in range(shards):
         file = "model.safetensors" if shards == 1 else f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        part = {n: tensors[n].contiguous() for n in names[s * per : (s + 1) * per]}
+        part = {n: tensors[n].contiguous().cpu() for n in names[s * per : (s + 1) * per]}
         save_file(part, path / file, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(part, file))
     if shards > 1:

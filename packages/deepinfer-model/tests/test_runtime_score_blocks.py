@@ -1,0 +1,37 @@
+"""Long prefill chunks attend in query blocks (bounded score memory): the logits must not change."""
+
+import numpy as np
+import pytest
+import torch
+from deepinfer_model.models.deepseek_v41 import load_v41, make_v41_checkpoint
+from deepinfer_model.runner import RunnerBatch
+from deepinfer_model.runtime import PagedRunner, groups
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_v41(make_v41_checkpoint(tmp_path_factory.mktemp("v41"), seed=3))
+
+
+def _prefill_logits(model, ids: np.ndarray) -> torch.Tensor:
+    runner = PagedRunner(model, num_blocks=16, block_size=8)
+    n = len(ids)
+    batch = RunnerBatch(
+        seq_ids=np.array([0, 1], dtype=np.int64),
+        start_positions=np.zeros(2, dtype=np.int64),
+        query_lens=np.array([n, n - 5], dtype=np.int64),
+        block_tables=[np.arange(8, dtype=np.int32), np.arange(8, 16, dtype=np.int32)],
+        input_ids=np.concatenate((ids, ids[:-5][::-1])).astype(np.int64),
+        logits_lens=np.array([n, n - 5], dtype=np.int64),
+    )
+    return runner.execute(batch)
+
+
+@pytest.mark.parametrize("elements", [1, 700, 5000])
+def test_query_blocked_attention_gives_the_same_logits(model, monkeypatch, elements):
+    ids = np.random.default_rng(0).integers(4, model.config.vocab_size, 44)
+    whole = _prefill_logits(model, ids)
+    monkeypatch.setattr(groups, "SCORE_BLOCK_ELEMENTS", elements)  # 1: one query slot per block
+    blocked = _prefill_logits(model, ids)
+    assert torch.isfinite(blocked).all()
+    assert torch.equal(whole, blocked)
