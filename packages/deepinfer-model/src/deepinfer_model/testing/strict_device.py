@@ -10,6 +10,7 @@ metadata must reach the device through `runtime.device.to_device` or a factory g
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -22,10 +23,16 @@ class StrictDevice(TorchFunctionMode):
     """Raise on a tensor factory called without an explicit `device=` (a CUDA run would put its result on
     the CPU and fail, or silently copy, when it meets the model's tensors)."""
 
+    def __init__(self, allow: tuple[str, ...] = ()) -> None:
+        super().__init__()
+        self.allow = tuple(allow)  # module prefixes whose host buffers are host-side by design
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _FACTORIES and kwargs.get("device") is None:
-            raise AssertionError(f"torch.{func.__name__} called without device=")
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if not (self.allow and caller.startswith(self.allow)):
+                raise AssertionError(f"torch.{func.__name__} called without device= (in {caller})")
         return func(*args, **kwargs)
 
 
@@ -34,12 +41,14 @@ def _no_from_numpy(*_args, **_kwargs):
 
 
 @contextlib.contextmanager
-def strict_device():
-    """`StrictDevice` active and `torch.from_numpy` disabled for the duration of the block."""
+def strict_device(allow: tuple[str, ...] = ()):
+    """`StrictDevice` active and `torch.from_numpy` disabled for the duration of the block. `allow`:
+    module-name prefixes exempt from the factory check (code whose buffers live on the host by design,
+    e.g. grammar bitmasks filled by the CPU)."""
     real = torch.from_numpy
     torch.from_numpy = _no_from_numpy
     try:
-        with StrictDevice():
+        with StrictDevice(allow):
             yield
     finally:
         torch.from_numpy = real
