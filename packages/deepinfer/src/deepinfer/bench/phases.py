@@ -39,7 +39,12 @@ class DecodeConfig:
 
     def max_tokens(self) -> int:
         steps = self.warmup_steps + self.measure_steps + self.profile_steps + 2
-        return steps * (1 + self.nextn)
+        # + FILL_HEADROOM: while a large batch's prompts are still prefilled (several steps once
+        # batch x context exceeds the step's token budget), the requests admitted first already decode
+        return (steps + FILL_HEADROOM) * (1 + self.nextn)
+
+
+FILL_HEADROOM = 64  # decode steps a request may take before the last prompt of its batch is prefilled
 
 
 def _check_positive(name: str, values) -> None:
