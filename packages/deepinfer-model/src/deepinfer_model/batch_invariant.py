@@ -44,6 +44,7 @@ others share its call. Checked on the GPU by the `gpu`-marked tests in tests/tes
 from __future__ import annotations
 
 import os
+import weakref
 
 import numpy as np
 import torch
@@ -51,6 +52,7 @@ import torch
 ENV = "DEEPINFER_BATCH_INVARIANT"
 TILE_ROWS = 8
 KEY_TILE = 32  # key columns per attention tile (a multiple of every SIMD width: no scalar tail in exp)
+COL_PAD = 16  # weight columns of `row_gemm` padded to a multiple of this (an odd N changed row bits)
 DEVICE_BATCH = 16  # matrices per bmm call off the CPU (one problem shape -> one cuBLAS kernel)
 
 
@@ -90,7 +92,8 @@ def bmm(a: torch.Tensor, b: torch.Tensor, chunk: int | None = None) -> torch.Ten
 
 
 def tiled_matmul(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
-    """`x @ w_t` for 2-D `x` [M, K], computed as fixed [TILE_ROWS, K] @ [K, N] products (one bmm)."""
+    """`x @ w_t` for 2-D `x` [M, K], computed as fixed [TILE_ROWS, K] @ [K, N] products (one bmm).
+    The path for accelerators (and for CPU dtypes other than FP64)."""
     m, k = x.shape
     pad = (-m) % TILE_ROWS
     if pad:
@@ -102,12 +105,68 @@ def tiled_matmul(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
     return out.reshape(-1, w_t.shape[1])[:m]
 
 
+# Row-major [K, N_pad] FP64 copies of weights for `row_gemm`, made once per weight (a copy per call
+# cost more than the GEMM for small M). Keyed by the id of the tensor that owns the storage (callers
+# pass fresh `.t()` views of a cached FP64 weight) plus the view's geometry, guarded by a weak
+# reference to the owner and its in-place version counter (shared by all its views), like
+# `numerics.weight_fp64`.
+_ROW_MAJOR: dict[int, tuple[weakref.ref, dict[tuple, tuple[int, torch.Tensor]]]] = {}
+
+
+def _row_major(w_t: torch.Tensor) -> torch.Tensor:
+    """`w_t` [K, N] as a contiguous FP64 [K, N + pad] with zero columns up to a multiple of `COL_PAD`."""
+    k, n = w_t.shape
+    if w_t.is_contiguous() and n % COL_PAD == 0:
+        return w_t
+    owner = w_t._base if w_t._base is not None else w_t
+    sub = (w_t.storage_offset(), tuple(w_t.shape), tuple(w_t.stride()))
+    entry = _ROW_MAJOR.get(id(owner))
+    if entry is not None and entry[0]() is not owner:
+        entry = None
+    if entry is not None:
+        hit = entry[1].get(sub)
+        if hit is not None and hit[0] == owner._version:
+            return hit[1]
+    else:
+        entry = (weakref.ref(owner), {})
+        _ROW_MAJOR[id(owner)] = entry
+        weakref.finalize(owner, _ROW_MAJOR.pop, id(owner), None)
+    out = w_t.new_zeros(k, n + (-n) % COL_PAD)
+    out[:, :n] = w_t
+    entry[1][sub] = (owner._version, out)
+    return out
+
+
+def row_gemm(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+    """`x @ w_t` for 2-D FP64 `x` [M, K] on the CPU, each row's result independent of M and of the other
+    rows: one plain GEMM of contiguous `x` with the row-major, column-padded weight (`_row_major`).
+
+    Why that is enough (measured with MKL FP64, 1 and 2 threads, M = 1..600 at any row offset, K up to
+    7168, `tests/test_repro_batch_invariance.py`): with the weight as a row-major [K, N] operand MKL
+    runs the "NN" kernel, which vectorises over N and accumulates every output element over K in
+    order, one FMA per k, for every M (M = 1 included: its GEMV is the same column-sweep). The
+    transposed-weight ("NT") layout of the default path uses dot-product kernels whose K order depends
+    on M; an odd N (a scalar column tail) also did, hence the zero columns up to `COL_PAD`."""
+    m = x.shape[0]
+    wr = _row_major(w_t)
+    n = w_t.shape[1]
+    if m == 0:
+        return x.new_empty(0, n)
+    out = x.contiguous() @ wr
+    return out if wr.shape[1] == n else out[:, :n]
+
+
 def matmul(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
     """`x @ w_t` over the last dim of `x` (any leading dims); row-invariant when the mode is on."""
     if not enabled():
         return x @ w_t
     lead = x.shape[:-1]
-    return tiled_matmul(x.reshape(-1, x.shape[-1]), w_t).reshape(*lead, w_t.shape[1])
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.device.type == "cpu" and flat.dtype == torch.float64 and w_t.dtype == torch.float64:
+        out = row_gemm(flat, w_t)
+    else:
+        out = tiled_matmul(flat, w_t)
+    return out.reshape(*lead, w_t.shape[1])
 
 
 # ------------------------------------------------------------------------------------------ attention
