@@ -1,48 +1,149 @@
-"""Rounding points of the CPU reference.
+"""Rounding points and the compute carrier of the model (`DEEPINFER_NUMERICS=exact|native`).
 
-Blocks compute in FP64 and `round_to(x, act_dtype)` marks every place where the engine stores a value:
-FP32 (the oracle setting) or BF16 (real checkpoints). Accumulating in FP64 and rounding to at most FP32
-makes each row's result independent of how many rows are computed together (CPU GEMM blocking
-changes FP32 sums with the batch shape), so a prefix forward, a decode step and a batched forward give
-bitwise equal rows - the property the paged runtime is tested against.
+`exact` (the default, the CPU reference): blocks compute in FP64 and `round_to(x, act_dtype)` marks
+every place where the engine stores a value: FP32 (the oracle setting) or BF16 (real checkpoints).
+Accumulating in FP64 and rounding to at most FP32 makes each row's result independent of how many rows
+are computed together (CPU GEMM blocking changes FP32 sums with the batch shape), so a prefix forward, a
+decode step and a batched forward give bitwise equal rows - the property the paged runtime is tested
+against.
+
+`native` (for accelerators, where FP64 math runs at a fraction of the BF16 rate and FP64 weight copies
+double the bytes read per step): the same rounding points, but the carrier between them is FP32, and
+`linear` multiplies `act_dtype` operands (a BF16 GEMM with FP32 accumulation when `act_dtype` is BF16;
+weights are held dequantised, so BF16 copies of them are cached). Results are then close to `exact`,
+not bitwise equal, and rows may depend on the batch shape; batch-invariant mode therefore requires
+`exact`.
+
+Every block gets its carrier from `carrier()` / `carry(x)`; the mode is read from the environment at
+every call (like `batch_invariant.enabled()`), so tests and benchmarks may switch it at run time.
 """
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
 
 from . import batch_invariant
 
-# FP64 copies of weights, made once instead of on every call (converting the weights dominated the
-# CPU step time). Keyed by the weight's id, guarded by a weak reference to it (ids are reused after a
-# tensor dies) and by its in-place version counter, so an in-place update (e.g. an EPLB weight
-# shuffle) is never served a stale copy. Tensors compare elementwise, so they cannot be dict keys.
-_FP64_WEIGHTS: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+ENV = "DEEPINFER_NUMERICS"
+MODES = ("exact", "native")
+
+
+def mode() -> str:
+    """'exact' (FP64 carrier, default) or 'native' (FP32 carrier, act-dtype GEMMs); ValueError otherwise."""
+    value = os.environ.get(ENV, "").strip().lower() or "exact"
+    if value not in MODES:
+        raise ValueError(f"{ENV}={os.environ.get(ENV)!r}: allowed values are 'exact' (default) and 'native'")
+    if value == "native" and batch_invariant.enabled():
+        raise ValueError(
+            f"{ENV}=native cannot be combined with {batch_invariant.ENV}=1: batch-invariant mode needs "
+            f"the FP64 carrier, set {ENV}=exact (or unset it) or unset {batch_invariant.ENV}"
+        )
+    return value
+
+
+def native() -> bool:
+    return mode() == "native"
+
+
+def carrier() -> torch.dtype:
+    """The dtype values travel in between rounding points: FP64 (exact) or FP32 (native)."""
+    return torch.float32 if native() else torch.float64
+
+
+def carry(x: torch.Tensor) -> torch.Tensor:
+    """`x` in the carrier dtype (no copy when it already is)."""
+    return x.to(carrier())
+
+
+# Converted copies of weights (FP64 for exact, act_dtype for native), made once instead of on every
+# call (converting the weights dominated the CPU step time). Keyed by the weight's id and the target
+# dtype, guarded by a weak reference to it (ids are reused after a tensor dies) and by its in-place
+# version counter, so an in-place update (e.g. an EPLB weight shuffle) is never served a stale copy.
+# Tensors compare elementwise, so they cannot be dict keys.
+_WEIGHTS: dict[tuple[int, torch.dtype], tuple[weakref.ref, int, torch.Tensor]] = {}
+
+
+def _cached_copy(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    key = (id(weight), dtype)
+    cached = _WEIGHTS.get(key)
+    if cached is not None and cached[0]() is weight and cached[1] == weight._version:
+        return cached[2]
+    copy = weight.to(dtype)
+    if cached is None or cached[0]() is not weight:
+        weakref.finalize(weight, _WEIGHTS.pop, key, None)
+    _WEIGHTS[key] = (weakref.ref(weight), weight._version, copy)
+    return copy
+
+
+def weight_as(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`weight` converted to `dtype`, cached per tensor until the tensor is modified in place.
+
+    In native mode a view (one expert of a stacked [E, N, K] tensor, taken anew at every call) is
+    served as the same view of its base's cached copy, so the stack is converted once; views share
+    their base's version counter, so in-place updates still invalidate it. (Exact mode keeps converting
+    such views per call: caching FP64 copies of every expert would triple the experts' memory.)
+    """
+    if weight.dtype == dtype:
+        return weight
+    base = weight._base
+    if base is not None and dtype != torch.float64 and base.is_contiguous():
+        full = _cached_copy(base, dtype)  # contiguous, so it has the base's strides
+        offset = weight.storage_offset() - base.storage_offset()
+        return full.as_strided(weight.shape, weight.stride(), full.storage_offset() + offset)
+    return _cached_copy(weight, dtype)
 
 
 def weight_fp64(weight: torch.Tensor) -> torch.Tensor:
     """`weight` as FP64, cached per tensor until the tensor is modified in place."""
-    if weight.dtype == torch.float64:
-        return weight
-    key = id(weight)
-    cached = _FP64_WEIGHTS.get(key)
-    if cached is not None and cached[0]() is weight and cached[1] == weight._version:
-        return cached[2]
-    fp64 = weight.double()
-    if cached is None or cached[0]() is not weight:
-        weakref.finalize(weight, _FP64_WEIGHTS.pop, key, None)
-    _FP64_WEIGHTS[key] = (weakref.ref(weight), weight._version, fp64)
-    return fp64
+    return weight_as(weight, torch.float64)
+
+
+def weight_carrier(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` in the carrier dtype (cached; an FP32 weight in native mode is used as it is)."""
+    return weight_as(weight, carrier())
 
 
 def round_to(x: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor:
-    """`x` rounded (round-to-nearest-even) to `act_dtype` (FP32 or BF16), returned as FP64 for further math."""
-    return x.to(act_dtype).double()
+    """`x` rounded (round-to-nearest-even) to `act_dtype` (FP32 or BF16), returned in the carrier dtype."""
+    return x.to(act_dtype).to(carrier())
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`a @ b` of act-dtype operands, accumulated and returned in FP32 (a 1-D `a` is one row)."""
+    if a.dim() == 1:
+        return _mm_f32(a.unsqueeze(0), b)[0]
+    if a.dtype == torch.float32:
+        return a @ b
+    if a.is_cuda:  # cuBLAS BF16 GEMM with an FP32 output (no rounding of the products' sums to BF16)
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()  # BF16 values are exact in FP32
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, act_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """`x @ weight.T` accumulated in FP64, output rounded once to `act_dtype`."""
+    """`x @ weight.T`, output rounded once to `act_dtype` (returned in the carrier dtype).
+
+    exact: accumulated in FP64. native: a GEMM of `act_dtype` operands with FP32 accumulation, whose
+    output the GEMM itself rounds to `act_dtype` (`x` already holds `act_dtype` values at every call).
+    """
+    if native():
+        return (x.to(act_dtype) @ weight_as(weight, act_dtype).t()).to(torch.float32)
+    if batch_invariant.enabled() and x.device.type == "cpu":
+        # row-invariant GEMM against a cached row-major FP64 copy made straight from `weight` (also for
+        # per-expert views like `experts.w1[e]`, which `weight_fp64` cannot cache: a new view per call)
+        return round_to(batch_invariant.row_gemm(x.double().reshape(-1, x.shape[-1]), weight.t()).reshape(
+            *x.shape[:-1], weight.shape[0]), act_dtype)
     # batch_invariant.matmul: plain `@`, or fixed row tiles under DEEPINFER_BATCH_INVARIANT=1
     return round_to(batch_invariant.matmul(x.double(), weight_fp64(weight).t()), act_dtype)
+
+
+def logits(x: torch.Tensor, weight: torch.Tensor, act_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """FP32 `x @ weight.T` (LM / Markov heads: logits are FP32, never rounded to `act_dtype`).
+
+    exact: FP64 accumulation; native: `act_dtype` operands with an FP32 accumulator and output.
+    """
+    if native():
+        return _mm_f32(x.to(act_dtype), weight_as(weight, act_dtype).t())
+    return batch_invariant.matmul(x.double(), weight_fp64(weight).t()).float()
