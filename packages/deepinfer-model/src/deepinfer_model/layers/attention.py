@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import batch_invariant
-from ..numerics import linear, round_to
+from ..numerics import carrier, linear, native, round_to, weight_as
 from ..ops.model_calls import rms_norm, rope
 
 
@@ -51,13 +51,13 @@ def sink_attention(
     sinks [nh]. The sink is an extra logit with a zero value vector; a query with no visible key
     returns zeros. Returns unrounded FP64 [T, nh, D].
     """
-    q, keys = q.double(), keys.double()
+    q, keys = q.to(carrier()), keys.to(carrier())
     if keys.dim() == 2:
         scores = torch.einsum("thd,sd->ths", q, keys) * scale
     else:
         scores = torch.einsum("thd,tsd->ths", q, keys) * scale
     scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
-    sink = sinks.double()[None, :, None].expand(scores.shape[0], -1, 1)
+    sink = sinks.to(carrier())[None, :, None].expand(scores.shape[0], -1, 1)
     logits = torch.cat((scores, sink), dim=-1)
     logits = logits - logits.max(dim=-1, keepdim=True).values
     probs = torch.softmax(logits, dim=-1)[..., :-1]
@@ -109,7 +109,10 @@ def project_output(
     t = o.shape[0]
     o = rope(o, cos, sin, act_dtype, inverse=True)
     grouped = o.reshape(t, o_groups, -1)  # group g = heads g*nh/G .. (g+1)*nh/G - 1
-    wo_a = w.wo_a.double().view(o_groups, -1, grouped.shape[-1])  # [G, Ro, nh*D/G]
+    # GEMM operands as in `linear`: FP64 (exact) or act_dtype (native: a BF16 GEMM, FP32 accumulation)
+    gemm = act_dtype if native() else torch.float64
+    grouped = grouped.to(gemm)
+    wo_a = weight_as(w.wo_a, gemm).view(o_groups, -1, grouped.shape[-1])  # [G, Ro, nh*D/G]
     if batch_invariant.enabled():  # one fixed-tile GEMM per group instead of a batched einsum over T
         z = torch.stack([batch_invariant.matmul(grouped[:, g], wo_a[g].t()) for g in range(o_groups)], 1)
     else:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import RopeSpec
-from ..numerics import linear, round_to
+from ..numerics import carrier, linear, round_to
 from .norm import rms_norm
 from .rope import apply_rope, cos_sin
 
@@ -78,7 +78,7 @@ def compress(
     else:
         gate = linear(x, w.wgate, torch.float32).view(n, ratio, w.wgate.shape[0])
     if w.ape is not None:
-        gate = gate + w.ape.double()
+        gate = gate + w.ape.to(carrier())
     if overlap:
         # slots [0, r): first-half channels of the previous block; slots [r, 2r): second half of this block
         prev_kv = kv.new_zeros(n, ratio, d)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..numerics import carrier
+
 
 def embed(token_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Rows of `table` [vocab, H] for `token_ids` [T] -> FP64 [T, H]; ids outside the table raise ValueError."""
@@ -15,4 +17,4 @@ def embed(token_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
             f"token_ids must lie in [0, vocab_size={table.shape[0]}), got range "
             f"[{int(token_ids.min())}, {int(token_ids.max())}]"
         )
-    return table[token_ids].double()
+    return table[token_ids].to(carrier())

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..numerics import linear, round_to
+from ..numerics import carrier, linear, round_to
 
 
 @dataclass
@@ -29,8 +29,8 @@ class ExpertWeights:
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """`silu(min(gate, L)) * clamp(up, -L, L)` (FP64, unrounded)."""
-    g = gate.double().clamp(max=limit)
-    return g * torch.sigmoid(g) * up.double().clamp(-limit, limit)
+    g = gate.to(carrier()).clamp(max=limit)
+    return g * torch.sigmoid(g) * up.to(carrier()).clamp(-limit, limit)
 
 
 def mlp(x: torch.Tensor, w: MLPWeights, limit: float, act_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -55,7 +55,7 @@ def experts_forward(
     scales the expert output after `w2`. Equal in exact arithmetic.
     """
     t, k = ids.shape
-    out = torch.zeros(t, x.shape[1], dtype=torch.float64, device=x.device)
+    out = torch.zeros(t, x.shape[1], dtype=carrier(), device=x.device)
     for slot in range(k):
         for e in torch.unique(ids[:, slot]).tolist():
             rows = (ids[:, slot] == e).nonzero(as_tuple=True)[0]
@@ -63,7 +63,7 @@ def experts_forward(
             h = clamped_swiglu(
                 linear(xr, experts.w1[e], act_dtype), linear(xr, experts.w3[e], act_dtype), limit
             )
-            wr = weights[rows, slot].double().unsqueeze(-1)
+            wr = weights[rows, slot].to(carrier()).unsqueeze(-1)
             if weight_before_down:
                 y = linear(h * wr, experts.w2[e], act_dtype)
             else:

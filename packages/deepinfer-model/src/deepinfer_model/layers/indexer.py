@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..numerics import linear, round_to
+from ..numerics import carrier, linear, round_to
 from .compressor import CompressorWeights
 from .rope import apply_rope
 
@@ -49,8 +49,8 @@ def index_scores(
 ) -> torch.Tensor:
     """FP64 scores [T, n] of queries [T, n_i, d_i] against index keys [n, d_i] with head weights [T, n_i]."""
     n_heads, head_dim = q.shape[1], q.shape[2]
-    s = torch.relu(torch.einsum("thd,nd->thn", q.double(), keys.double()))
-    w = head_weights.double()
+    s = torch.relu(torch.einsum("thd,nd->thn", q.to(carrier()), keys.to(carrier())))
+    w = head_weights.to(carrier())
     if scaled:
         s = s * head_dim**-0.5
         w = w * n_heads**-0.5
@@ -62,7 +62,7 @@ def select_topk(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tens
     t, n = scores.shape
     if n == 0:
         return torch.full((t, k), -1, dtype=torch.long, device=scores.device)
-    masked = scores.double().masked_fill(~valid, float("-inf"))
+    masked = scores.to(carrier()).masked_fill(~valid, float("-inf"))
     order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :k]
     keep = valid.gather(1, order)
     picked = torch.where(keep, order, torch.full_like(order, n))  # n sorts after every real index

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import batch_invariant
-from ..numerics import round_to, weight_fp64
+from ..numerics import carrier, round_to, weight_carrier
 
 
 @dataclass
@@ -35,13 +35,13 @@ class HCHeadParams:
 
 def expand(x: torch.Tensor, m: int) -> torch.Tensor:
     """[T, H] -> [T, m, H], every stream a copy of `x` (the trunk entering layer 0)."""
-    return x.double().unsqueeze(1).expand(-1, m, -1).contiguous()
+    return x.to(carrier()).unsqueeze(1).expand(-1, m, -1).contiguous()
 
 
 def _normed_projection(trunk: torch.Tensor, fn: torch.Tensor, rms_eps: float) -> torch.Tensor:
-    flat = trunk.double().flatten(1)
+    flat = trunk.to(carrier()).flatten(1)
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + rms_eps)
-    return batch_invariant.matmul(flat, weight_fp64(fn).t())
+    return batch_invariant.matmul(flat, weight_carrier(fn).t())
 
 
 def sinkhorn(logits: torch.Tensor, eps: float, iters: int) -> torch.Tensor:
@@ -60,7 +60,7 @@ def mixes(
     """(pre [T, m], post [T, m], comb [T, m, m]) of one sub-layer, all FP32."""
     m = trunk.shape[1]
     z = _normed_projection(trunk, p.fn, rms_eps)
-    scale, base = p.scale.double(), p.base.double()
+    scale, base = p.scale.to(carrier()), p.base.to(carrier())
     pre = torch.sigmoid(z[:, :m] * scale[0] + base[:m]) + hc_eps
     post = 2.0 * torch.sigmoid(z[:, m : 2 * m] * scale[1] + base[m : 2 * m])
     comb_logits = (z[:, 2 * m :] * scale[2] + base[2 * m :]).view(-1, m, m)
@@ -70,7 +70,7 @@ def mixes(
 
 def read(trunk: torch.Tensor, weights: torch.Tensor, act_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Sub-layer input `sum_i w[i] * R[i]` -> [T, H] (FP32 accumulation, one rounding)."""
-    return round_to((weights.double().unsqueeze(-1) * trunk.double()).sum(dim=1), act_dtype)
+    return round_to((weights.to(carrier()).unsqueeze(-1) * trunk.to(carrier())).sum(dim=1), act_dtype)
 
 
 def write(
@@ -81,11 +81,11 @@ def write(
     act_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """New trunk `R'[j] = post[j] * y + sum_i comb[i, j] * R[i]` -> [T, m, H]."""
-    mixed = torch.einsum("tij,tih->tjh", comb.double(), trunk.double())
-    return round_to(post.double().unsqueeze(-1) * y.double().unsqueeze(1) + mixed, act_dtype)
+    mixed = torch.einsum("tij,tih->tjh", comb.to(carrier()), trunk.to(carrier()))
+    return round_to(post.to(carrier()).unsqueeze(-1) * y.to(carrier()).unsqueeze(1) + mixed, act_dtype)
 
 
 def head_weights(trunk: torch.Tensor, p: HCHeadParams, hc_eps: float, rms_eps: float) -> torch.Tensor:
     """Read weights [T, m] of the final HC head (non-shifted checkpoints)."""
     z = _normed_projection(trunk, p.fn, rms_eps)
-    return round_to(torch.sigmoid(z * p.scale.double() + p.base.double()) + hc_eps, torch.float32)
+    return round_to(torch.sigmoid(z * p.scale.to(carrier()) + p.base.to(carrier())) + hc_eps, torch.float32)

@@ -11,6 +11,7 @@ import math
 import torch
 
 from ..config import RopeSpec
+from ..numerics import carrier
 
 
 def inv_freq(spec: RopeSpec, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -59,7 +60,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     `inverse=True` rotates by the negative angle (the conjugate rotation applied to attention outputs).
     Returns FP64.
     """
-    x = x.double()
+    x = x.to(carrier())
     half = cos.shape[-1]
     view = (x.shape[0],) + (1,) * (x.dim() - 2) + (half,)
     c, s = cos.reshape(view), sin.reshape(view)

@@ -10,10 +10,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..numerics import carrier
+
 
 def sqrt_softplus(logits: torch.Tensor) -> torch.Tensor:
     """`sqrt(softplus(x))` with softplus(x) = x above 20 (computed in FP64)."""
-    return F.softplus(logits.double(), beta=1.0, threshold=20.0).sqrt()
+    return F.softplus(logits.to(carrier()), beta=1.0, threshold=20.0).sqrt()
 
 
 def _normalise(scores: torch.Tensor, ids: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -26,7 +28,7 @@ def route_topk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k experts by `score + bias` (stable: equal values -> lower expert id)."""
     scores = sqrt_softplus(logits)
-    choice = scores if bias is None else scores + bias.double()
+    choice = scores if bias is None else scores + bias.to(carrier())
     ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :k]
     return _normalise(scores, ids, scaling), ids
 

@@ -22,7 +22,7 @@ from ..layers import mhc
 from ..layers.embedding import embed
 from ..layers.indexer import index_queries, select_topk, selection_mask
 from ..layers.rope import cos_sin
-from ..numerics import linear, round_to
+from ..numerics import carrier, linear, round_to
 from ..ops.model_calls import hc_mixes, hc_read, hc_write, rms_norm
 from ..runtime.groups import (
     attend,
@@ -96,7 +96,7 @@ def _attention(
         if w.indexer is not None:
             qi = index_queries(q_lat, w.indexer, cfg.index_n_heads, cos, sin, act)
             head_w = linear(y, w.indexer.weights_proj, act)
-    out = torch.empty(y.shape[0], cfg.num_attention_heads, cfg.head_dim, dtype=torch.float64, device=y.device)
+    out = torch.empty(y.shape[0], cfg.num_attention_heads, cfg.head_dim, dtype=carrier(), device=y.device)
     for g in groups:
         keys, visible = swa_keys(cache, meta, g, f"swa.{layer}", cfg.sliding_window)
         if compressed:

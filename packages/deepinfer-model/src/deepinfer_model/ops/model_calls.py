@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..numerics import carrier
 from .registry import OpTable, get_ops
 
 
@@ -22,14 +23,14 @@ def ops_for(x: torch.Tensor) -> OpTable:
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float, act_dtype: torch.dtype
 ) -> torch.Tensor:
-    return ops_for(x).rms_norm(x, weight, eps, out_dtype=act_dtype).double()
+    return ops_for(x).rms_norm(x, weight, eps, out_dtype=act_dtype).to(carrier())
 
 
 def rope(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, act_dtype: torch.dtype, inverse: bool = False
 ) -> torch.Tensor:
     """`round_to(apply_rope(x, cos, sin, inverse), act_dtype)` through the registry."""
-    return ops_for(x).apply_rope(x, cos, sin, inverse, out_dtype=act_dtype).double()
+    return ops_for(x).apply_rope(x, cos, sin, inverse, out_dtype=act_dtype).to(carrier())
 
 
 def hc_mixes(
@@ -39,17 +40,17 @@ def hc_mixes(
     pre, post, comb = ops_for(trunk).hc_mixes(
         trunk, params.fn, params.base, params.scale, hc_eps, rms_eps, iters
     )
-    return pre.double(), post.double(), comb.double()
+    return pre.to(carrier()), post.to(carrier()), comb.to(carrier())
 
 
 def hc_read(trunk: torch.Tensor, weights: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor:
-    return ops_for(trunk).hc_read(trunk, weights, out_dtype=act_dtype).double()
+    return ops_for(trunk).hc_read(trunk, weights, out_dtype=act_dtype).to(carrier())
 
 
 def hc_write(
     y: torch.Tensor, trunk: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, act_dtype: torch.dtype
 ) -> torch.Tensor:
-    return ops_for(trunk).hc_write(y, trunk, post, comb, out_dtype=act_dtype).double()
+    return ops_for(trunk).hc_write(y, trunk, post, comb, out_dtype=act_dtype).to(carrier())
 
 
 def grouped_expert_mlp(
@@ -66,4 +67,4 @@ def grouped_expert_mlp(
     out = ops_for(x).grouped_expert_mlp(
         x, weights.float(), ids, experts.w13, experts.s13, experts.w2, experts.s2, limit, weight_before_down
     )
-    return out.double()
+    return out.to(carrier())

@@ -18,7 +18,7 @@ from .. import batch_invariant
 from ..config import RopeSpec
 from ..layers.compressor import CompressorWeights, compress
 from ..layers.rope import apply_rope, cos_sin
-from ..numerics import round_to
+from ..numerics import carrier, round_to
 from .metadata import StepMetadata
 from .pools import PagedKVCache
 
@@ -147,7 +147,7 @@ def attend(
     if batch_invariant.enabled():  # keys laid out in aligned tiles by swa_keys / compressed_entries
         out = batch_invariant.sink_attention(q[g.rows], keys, visible.view(*gq, -1), sinks, scale)
         return out[g.qmask]
-    keys = keys.double()
+    keys = keys.to(carrier())
     vis = visible.view(*gq, 1, -1)
     # Long prefill chunks: the [G, Q, nh, S] FP64 scores of a 16k-token chunk over 16k keys would take
     # 128 GiB, so queries go in blocks that keep them near SCORE_BLOCK_ELEMENTS (each query row's result
@@ -157,10 +157,10 @@ def attend(
     outs = []
     for lo in range(0, gq[1], block):
         rows = g.rows[:, lo : lo + block]
-        qs = q[rows].double()  # [G, q, nh, D]
+        qs = q[rows].to(carrier())  # [G, q, nh, D]
         scores = torch.einsum("gqhd,gsd->gqhs", qs, keys) * scale
         scores = scores.masked_fill(~vis[:, lo : lo + block], float("-inf"))
-        sink = sinks.double()[None, None, :, None].expand(*rows.shape, -1, 1)
+        sink = sinks.to(carrier())[None, None, :, None].expand(*rows.shape, -1, 1)
         logits = torch.cat((scores, sink), dim=-1)
         logits = logits - logits.max(dim=-1, keepdim=True).values
         probs = torch.softmax(logits, dim=-1)[..., :-1]
@@ -178,13 +178,13 @@ def grouped_index_scores(qi: torch.Tensor, keys: torch.Tensor, head_w: torch.Ten
         flat = qi[g.rows].reshape(gq[0], -1, head_dim)
         s = torch.relu(batch_invariant.tiled_scores(flat, keys).view(*gq, n_heads, -1))
     else:  # query blocks, as in `attend`: a long chunk's [G, Q, n_i, n] scores would not fit
-        keys = keys.double()
+        keys = keys.to(carrier())
         block = max(1, SCORE_BLOCK_ELEMENTS // max(g.rows.shape[0] * n_heads * keys.shape[1], 1))
         out = []
         for lo in range(0, g.rows.shape[1], block):
             rows = g.rows[:, lo : lo + block]
-            s = torch.relu(torch.einsum("gqhd,gnd->gqhn", qi[rows].double(), keys))
-            w = head_w[rows].double()
+            s = torch.relu(torch.einsum("gqhd,gnd->gqhn", qi[rows].to(carrier()), keys))
+            w = head_w[rows].to(carrier())
             if scaled:
                 s = s * head_dim**-0.5
                 w = w * n_heads**-0.5

@@ -10,6 +10,7 @@ import torch
 
 from ..config import RopeSpec
 from ..layers.compressor import Compressed, CompressorWeights, compress
+from ..numerics import carrier
 from .metadata import StepMetadata
 from .pools import PagedKVCache
 
@@ -42,7 +43,7 @@ def new_entries(
     past = b0 - ratio if (overlap and b0) else b0
     if past < start:
         old = cache.read(hidden_pool, meta.token_slots(i, past, start))
-        x = torch.cat((old, x.double()))
+        x = torch.cat((old, x.to(carrier())))
     prev = None
     if overlap and b0:
         prev, x = x[:ratio], x[ratio:]

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..numerics import carrier
+
 log = logging.getLogger("deepinfer_model.runtime")
 
 TOKEN_IDS = "token_ids"  # the raw token ids (Engram's n-gram context), one int64 per token
@@ -63,7 +65,7 @@ class PagedKVCache:
     def read(self, name: str, slots: torch.Tensor) -> torch.Tensor:
         """FP64 [len(slots), dim] (token ids: int64)."""
         v = self.pools[name][slots]
-        return v if v.dtype == torch.int64 else v.double()
+        return v if v.dtype == torch.int64 else v.to(carrier())
 
     def poison(self, block_ids) -> None:
         """Overwrite blocks (e.g. ones the scheduler freed) with NaN / -1: a test build's stale-KV detector."""

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ... import batch_invariant
 from ...layers.attention import project_latent, project_output, project_query, sink_attention
 from ...layers.norm import rms_norm
 from ...layers.rope import cos_sin
-from ...numerics import linear, round_to, weight_fp64
+from ...numerics import carrier, linear, round_to
+from ...numerics import logits as head_logits
 from .blocks import ShiftedHC, moe_ffn
 from .config import DeepseekV41Config
 from .drafter_heads import confidence, markov_correction
@@ -92,7 +92,7 @@ def draft_block(
     tokens[0] = next_token
     cos, sin = cos_sin(cfg.main_rope(), positions)
     window = keys_main[:, max(0, a - W + 1) : a + 1]
-    hc = ShiftedHC(embed[tokens].double(), cfg)
+    hc = ShiftedHC(embed[tokens].to(carrier()), cfg)
     for i, blk in enumerate(w.blocks):
 
         def attention(y, blk=blk, i=i):
@@ -113,9 +113,8 @@ def draft_block(
             act_dtype,
         )
     hidden = hc.final(act_dtype)
-    base = round_to(
-        batch_invariant.matmul(rms_norm(hidden, w.norm, eps, act_dtype), weight_fp64(head).t()), torch.float32
-    )  # shared LM head
+    # shared LM head (FP32 logits, in the carrier for the Markov correction)
+    base = head_logits(rms_norm(hidden, w.norm, eps, act_dtype), head, act_dtype).to(carrier())
     temps = torch.as_tensor(temperatures, dtype=torch.float32, device=dev).expand(bd)
     out_tokens, out_logits, out_conf = [], [], []
     prev = tokens[:1]  # next_token, already on the device

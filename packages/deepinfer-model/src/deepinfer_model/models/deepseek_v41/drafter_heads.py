@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...numerics import round_to, weight_fp64
+from ...numerics import carrier, round_to, weight_carrier
 
 _CONF_CLAMP = 60.0
 _MIN_TEMPERATURE = 1e-5
@@ -29,7 +29,7 @@ class MarkovHead:
 
 def target_features(trunk: torch.Tensor, act_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Drafter feature of one target layer: the mean of the mHC streams at its attention input [T, H]."""
-    return round_to(trunk.double().mean(dim=1), act_dtype)
+    return round_to(trunk.to(carrier()).mean(dim=1), act_dtype)
 
 
 def markov_correction(
@@ -40,7 +40,7 @@ def markov_correction(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits + head · embed[prev] in FP32 [S, V], the embeddings e [S, rank] in act_dtype)."""
     e = round_to(markov.embed[prev_tokens.long()], act_dtype)
-    return round_to(logits.double() + e @ weight_fp64(markov.head).t(), torch.float32), e
+    return round_to(logits.to(carrier()) + e @ weight_carrier(markov.head).t(), torch.float32), e
 
 
 def confidence(
@@ -50,9 +50,9 @@ def confidence(
     temperature: torch.Tensor | float = 1.0,
 ) -> torch.Tensor:
     """Per-draft acceptance confidence [S] = sigmoid(clamp(proj · [h ; e] / T, ±60)); `proj` [1, H + rank]."""
-    feats = torch.cat((hidden.double(), markov_embed.double()), dim=-1)
-    z = feats @ proj.double().reshape(-1)
-    temp = torch.as_tensor(temperature, dtype=torch.float64, device=z.device).clamp(min=_MIN_TEMPERATURE)
+    feats = torch.cat((hidden.to(carrier()), markov_embed.to(carrier())), dim=-1)
+    z = feats @ proj.to(carrier()).reshape(-1)
+    temp = torch.as_tensor(temperature, dtype=carrier(), device=z.device).clamp(min=_MIN_TEMPERATURE)
     return round_to(torch.sigmoid((z / temp).clamp(-_CONF_CLAMP, _CONF_CLAMP)), torch.float32)
 
 

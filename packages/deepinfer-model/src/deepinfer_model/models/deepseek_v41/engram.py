@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...numerics import linear, round_to
+from ...numerics import carrier, linear, round_to
 from .config import EngramConfig
 from .engram_hash import EngramLayout, engram_hash, hash_multipliers
 from .engram_vocab import CompressedVocabulary
@@ -42,11 +42,11 @@ def engram_inject(
     """Return the trunk [T, m, H] after the gated Engram update; `rows` [T, n_sub] are table row ids (-1: image)."""
     t, m, hidden = trunk.shape
     image = (rows < 0).any(dim=1)
-    e = w.table[rows.clamp(min=0)].double().reshape(t, -1)
+    e = w.table[rows.clamp(min=0)].to(carrier()).reshape(t, -1)
     kv = linear(e, w.wkv, act_dtype)
     k, v = kv[:, : m * hidden].view(t, m, hidden), kv[:, m * hidden :]
-    x = trunk.double()
-    qk = round_to(w.q_weight.double() * w.k_weight.double(), torch.float32)  # [m, H], formed in FP32
+    x = trunk.to(carrier())
+    qk = round_to(w.q_weight.to(carrier()) * w.k_weight.to(carrier()), torch.float32)  # [m, H], formed in FP32
     dot = (x * k * qk).sum(-1)
     dot = (
         dot

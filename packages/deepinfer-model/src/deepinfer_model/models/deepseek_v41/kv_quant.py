@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...numerics import carrier
 from ...quant import E2M1_MAX, e2m1_decode, e2m1_encode, fake_quant_fp4, fake_quant_fp8
 
 _FP4_KV_GROUP = 16
@@ -22,10 +23,10 @@ _FP4_KV_MIN_AMAX = E2M1_MAX * 2.0**-9
 def fake_quant_fp4_e4m3(x: torch.Tensor, group: int = _FP4_KV_GROUP) -> torch.Tensor:
     """FP4-E2M1 values with a non-power-of-two E4M3 scale per `group` channels (main KV format)."""
     shape = x.shape
-    g = x.double().reshape(-1, shape[-1] // group, group)
+    g = x.to(carrier()).reshape(-1, shape[-1] // group, group)
     amax = g.abs().amax(-1, keepdim=True).clamp(min=_FP4_KV_MIN_AMAX)
-    scale = (amax / E2M1_MAX).to(torch.float8_e4m3fn).double()
-    return (e2m1_decode(e2m1_encode(g / scale)).double() * scale).reshape(shape)
+    scale = (amax / E2M1_MAX).to(torch.float8_e4m3fn).to(carrier())
+    return (e2m1_decode(e2m1_encode(g / scale)).to(carrier()) * scale).reshape(shape)
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,8 @@ from typing import Protocol
 
 import torch
 
-from ... import batch_invariant
 from ...layers.embedding import embed
-from ...numerics import weight_fp64
+from ...numerics import logits as head_logits
 from ...ops.model_calls import hc_read, rms_norm
 from .attention import AttentionTrace, CrossLayerState, layer_attention
 from .blocks import ShiftedHC, moe_ffn
@@ -218,7 +217,7 @@ class DeepseekV41ForCausalLM:
             )
         hidden = rms_norm(split.gather(hc.final(act)), w.norm, cfg.rms_norm_eps, act)
         rows = hidden if logit_rows is None else hidden[self._rows(logit_rows, hidden.shape[0]).to(hidden.device)]
-        logits = batch_invariant.matmul(rows, weight_fp64(w.head).t()).float()  # FP32 logits (§2.1)
+        logits = head_logits(rows, w.head, act)  # FP32 logits (§2.1)
         out = V41Output(logits=logits, hidden=hidden, trace=traces if return_trace else None)
         out.kept_positions = None if kept is None else positions
         if w.drafter is not None:
@@ -233,9 +232,7 @@ class DeepseekV41ForCausalLM:
                 if not 1 <= num_draft_tokens <= 32:
                     raise ValueError(f"num_draft_tokens = {num_draft_tokens} must lie in [1, 32]")
                 if next_token is None:
-                    last = (
-                        out.logits[-1] if logit_rows is None else batch_invariant.matmul(hidden[-1], weight_fp64(w.head).t()).float()
-                    )
+                    last = out.logits[-1] if logit_rows is None else head_logits(hidden[-1], w.head, act)
                     next_token = int(last.argmax())
                 g = int(next_token)
                 if not 0 <= g < cfg.vocab_size:

@@ -23,12 +23,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ... import batch_invariant
 from ...layers.attention import project_latent, project_output, project_query
 from ...layers.embedding import embed
 from ...layers.indexer import index_queries, select_topk, selection_mask
 from ...layers.rope import cos_sin
-from ...numerics import linear, round_to, weight_fp64
+from ...numerics import carrier, linear, round_to
+from ...numerics import logits as head_logits
 from ...ops.model_calls import hc_read, rms_norm
 from ...runtime.groups import (
     NewEntries,
@@ -138,7 +138,7 @@ def _attention(
             st.candidates = torch.full(
                 (n_tok, topo.candidate_topk_blocks), -1, dtype=torch.long, device=y.device
             )
-    out = torch.empty(n_tok, cfg.num_attention_heads, cfg.head_dim, dtype=torch.float64, device=y.device)
+    out = torch.empty(n_tok, cfg.num_attention_heads, cfg.head_dim, dtype=carrier(), device=y.device)
     for g in groups:
         slots = g.slot_rows  # every (padded) query slot; padding duplicates its sequence's last query
         floor = None if yoco is None else yoco.rect_lo[g.seqs]
@@ -243,7 +243,7 @@ def v41_paged_forward(
             cache.write(f"draft_main.{i}", fmeta.write_slots, keys[i])
     logits_rows = yoco.qmeta.logits_rows if compact else meta.logits_rows
     hidden = rms_norm(hc.final(act)[logits_rows], w.norm, cfg.rms_norm_eps, act)
-    return batch_invariant.matmul(hidden, weight_fp64(w.head).t()).float()  # FP32 logits (§2.1)
+    return head_logits(hidden, w.head, act)  # FP32 logits (§2.1)
 
 
 def v41_paged_draft(
@@ -280,7 +280,7 @@ def v41_paged_draft(
         lo = max(0, last - cfg.sliding_window + 1)
         slots = meta.token_slots(i, lo, last + 1)
         # draft_block indexes main keys by absolute position and reads only [lo, last]
-        keys = torch.zeros(n_blocks, last + 1, cfg.head_dim, dtype=torch.float64, device=meta.device)
+        keys = torch.zeros(n_blocks, last + 1, cfg.head_dim, dtype=carrier(), device=meta.device)
         for b in range(n_blocks):
             keys[b, lo:] = cache.read(f"draft_main.{b}", slots)
         out.append(

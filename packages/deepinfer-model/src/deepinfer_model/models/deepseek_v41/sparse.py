@@ -12,7 +12,7 @@ import torch
 from ...config import RopeSpec
 from ...layers.indexer import select_topk
 from ...layers.rope import cos_sin
-from ...numerics import linear
+from ...numerics import carrier, linear
 from ...ops import model_calls
 from ...ops.model_calls import rms_norm
 
@@ -45,7 +45,7 @@ def candidate_blocks(
     t, n = scores.shape
     nb = -(-n // block_size)
     pad = nb * block_size - n
-    s = scores.double().masked_fill(~valid, float("-inf"))
+    s = scores.to(carrier()).masked_fill(~valid, float("-inf"))
     s = torch.nn.functional.pad(s, (0, pad), value=float("-inf")).view(t, nb, block_size)
     block_score = s.max(dim=-1).values.clamp(max=_BF16_MAX)
     klen = valid.sum(dim=1)  # valid entries are a prefix j < (p+1)//r
