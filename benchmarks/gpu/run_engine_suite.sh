@@ -4,7 +4,8 @@
 #     bash benchmarks/gpu/run_engine_suite.sh [STEP ...]     (default: every step)
 # Steps: check / medium (whole model on the GPU vs the CPU: tiny / medium), gputests (every `gpu`-marked test),
 # engine (the deepinfer package's tests with DEEPINFER_DEVICE=cuda), ppl (refresh the nvidia-sm90 decode PPL
-# baselines), bench (decode / prefill sweep of the medium config against the roofline; benchtiny: the tiny one too).
+# baselines), bench (decode / prefill sweep of the medium config against the roofline; benchtiny: the tiny one too),
+# gap (bench_offline.py on the GPU: the device's idle gap per decode step, sync vs async loop, from CUDA events).
 # Results: $OUT (device tool) or benchmarks/results; logs in engine_logs.tar.gz.
 set -uo pipefail
 final=${OUT:-benchmarks/results}
@@ -96,5 +97,13 @@ if has bench; then
       --no-progress --results-dir "$out" --name "bench_${m}_gpu_prefill" > "$out/bench_${m}_prefill.log" 2>&1
     tail -12 "$out/bench_${m}_prefill.log"
   done
+fi
+if has gap; then
+  # 32 requests of deepinfer-tiny on the GPU, both loops (tokens identical); JSON: idle_gap_us_median / _p90
+  # per loop, idle_gap_median_vs_sync on the async record
+  el "bench offline: device idle gap per decode step, sync vs async"
+  DEEPINFER_DEVICE=cuda timeout "${GAP_LIMIT_S:-300}" python3 benchmarks/engine/bench_offline.py --num-requests 32 \
+    --repeats 3 --output-json "$out/bench_offline_gpu_gap.json" > "$out/bench_offline_gap.log" 2>&1
+  tail -12 "$out/bench_offline_gap.log"
 fi
 el "done"

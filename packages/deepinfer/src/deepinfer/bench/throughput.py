@@ -1,5 +1,11 @@
 """Offline throughput benchmark (nano-vllm style): random prompts and output lengths, `ignore_eos`,
-run once with the synchronous loop and once with the asynchronous one on the same workload."""
+run once with the synchronous loop and once with the asynchronous one on the same workload.
+
+On CUDA each record also has the device's idle gap before each decode step (CUDA events, see
+engine/device_timing.py): `idle_gap_us_median` / `_p90` / `_mean` / `_max`, `device_busy_us_median`,
+`device_idle_fraction` (gap / (gap + busy) over decode steps), `decode_steps_timed`; the async record's
+`idle_gap_median_vs_sync` is its median gap over the sync loop's (how much host time it hides).
+On the CPU these are None (nothing is timed there)."""
 
 from __future__ import annotations
 
@@ -8,6 +14,8 @@ import json
 import random
 import time
 from pathlib import Path
+
+from ..engine.device_timing import summarize_timings
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -77,10 +85,12 @@ def run_bench(args) -> int:
         for loop in order:
             llm = engines[loop]
             engine = llm.engine
+            engine.flush_device_timing()  # the warm-up's / previous run's last steps go to the old stats
             engine.stats.__init__()
             t0 = time.perf_counter()
             outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=True)
             elapsed = time.perf_counter() - t0
+            engine.flush_device_timing()  # after the clock: waiting for the events is not the run's time
             gen = sum(len(c.token_ids) for o in outs for c in o.outputs)
             tokens_by_loop[loop] = [c.token_ids for o in outs for c in o.outputs]
             st = engine.stats
@@ -103,6 +113,7 @@ def run_bench(args) -> int:
                     "hidden_process_ms": st.hidden_process_s * 1e3,
                     "forward_ms": st.forward_s * 1e3,
                     "sample_ms": st.sample_s * 1e3,
+                    **_gap_keys(st),
                 }
             )
     for llm in engines.values():
@@ -118,6 +129,8 @@ def run_bench(args) -> int:
     base = next((r for r in records if r["loop"] == "sync"), None)
     for r in records:
         r["speedup_vs_sync"] = r["output_tok_per_s"] / base["output_tok_per_s"] if base else None
+        gap, base_gap = r["idle_gap_us_median"], base["idle_gap_us_median"] if base else None
+        r["idle_gap_median_vs_sync"] = gap / base_gap if gap is not None and base_gap else None
     if {"sync", "async"} <= tokens_by_loop.keys():
         same = tokens_by_loop["sync"] == tokens_by_loop["async"]
         for r in records:
@@ -135,6 +148,8 @@ def run_bench(args) -> int:
         "prepare ms (hidden)",
         "out-proc ms (hidden)",
         "forward ms",
+        "decode idle gap us med / p90",
+        "gap vs sync",
     ):
         table.add_column(col, justify="right")
     for r in records:
@@ -149,6 +164,8 @@ def run_bench(args) -> int:
             f"{r['prepare_ms']:.1f} ({r['hidden_prepare_ms']:.1f})",
             f"{r['process_ms']:.1f} ({r['hidden_process_ms']:.1f})",
             f"{r['forward_ms']:.0f}",
+            "-" if r["idle_gap_us_median"] is None else f"{r['idle_gap_us_median']:.1f} / {r['idle_gap_us_p90']:.1f}",
+            "-" if r["idle_gap_median_vs_sync"] is None else f"{r['idle_gap_median_vs_sync']:.3f}x",
         )
     console.print(table)
     if "tokens_identical_sync_async" in records[0]:
@@ -158,3 +175,12 @@ def run_bench(args) -> int:
         args.output_json.write_text(json.dumps(records, indent=2) + "\n")
         console.print(f"wrote {args.output_json}")
     return 0
+
+
+def _gap_keys(stats) -> dict:
+    """Device idle gap per decode step of one run (None on the CPU, where nothing is timed)."""
+    summary = summarize_timings(stats.device_timings, decode_only=True)
+    return {
+        "decode_steps_timed": summary["timed_steps"],
+        **{k: summary[k] for k in summary if k != "timed_steps"},
+    }

@@ -24,7 +24,7 @@ import random
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +41,7 @@ from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from ..tokenizer import load_tokenizer, load_tokenizer_config
 from . import scheduling
+from .device_timing import StepTiming, device_timeline
 from .drafting import Drafter, DraftRequest, ModelDrafter, PagedDrafter
 from .request import RequestState, SeqState
 from .spec_decode import SpecDecoder, VerifyInput
@@ -49,6 +50,8 @@ from .truncation import Truncation, settings_from_env
 from .worker import ModelWorker, StepResult, VerifyStepResult
 
 logger = logging.getLogger("deepinfer")
+
+DEVICE_TIMINGS_KEPT = 65536  # per-step device timings an engine keeps (a long-running server's memory stays bounded)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -69,6 +72,28 @@ class EngineStats:
     draft_s: float = 0.0  # drafter time (speculative decoding)
     # Estimated FP8-equivalent FLOPs of all prefill chunks run (V4.1 models; YoCo-skipped rows excluded).
     prefill_flops: float = 0.0
+    # Device timing from CUDA events (device_timing.py): each step's span on the device and the idle
+    # gap before it (previous step's end -> its start; not measured for the first step after the
+    # engine was idle). Read lazily, so the newest steps arrive a step late (`flush_device_timing()`
+    # waits for all). On the CPU nothing is recorded: these stay 0 / empty.
+    device_steps: int = 0  # steps timed
+    device_busy_s: float = 0.0  # sum of their spans
+    device_busy_max_s: float = 0.0
+    device_gaps: int = 0  # steps with a measured gap before them
+    device_idle_gap_s: float = 0.0  # sum of those gaps
+    device_idle_gap_max_s: float = 0.0
+    # the last DEVICE_TIMINGS_KEPT steps, oldest first, for percentiles (summarize_timings)
+    device_timings: deque[StepTiming] = field(default_factory=lambda: deque(maxlen=DEVICE_TIMINGS_KEPT))
+
+    def add_device_timing(self, t: StepTiming) -> None:
+        self.device_steps += 1
+        self.device_busy_s += t.busy_s
+        self.device_busy_max_s = max(self.device_busy_max_s, t.busy_s)
+        if t.gap_s is not None:
+            self.device_gaps += 1
+            self.device_idle_gap_s += t.gap_s
+            self.device_idle_gap_max_s = max(self.device_idle_gap_max_s, t.gap_s)
+        self.device_timings.append(t)
 
 
 class LLMEngine:
@@ -131,7 +156,7 @@ class LLMEngine:
             backtracking=self.truncation.backtracking,
         )
         self._prompt_len_of: dict[int, int] = {}  # seq_id -> ORIGINAL prompt length, until released
-        self.worker = ModelWorker(self.runner)
+        self.worker = ModelWorker(self.runner, timeline=device_timeline(self.device))
         self.use_async = args.use_async
         self._pool = (
             ThreadPoolExecutor(
@@ -269,6 +294,9 @@ class LLMEngine:
                 self._spec.add(seq.seq_id, seq.seed)
         max_tokens = min(params.max_tokens, self.max_model_len - len(prompt_token_ids))
         self._next_seq_id += params.n
+        if self.worker.timeline is not None and not self.requests and not self._inflight:
+            # the device sat idle for want of requests, not because of the loop: no gap before the next step
+            self.worker.timeline.break_chain()
         added: list[int] = []
         try:
             for seq in state.seqs:
@@ -343,10 +371,20 @@ class LLMEngine:
             self._step_async()
         else:
             self._step_sync()
+        if self.worker.timeline is not None:  # non-blocking: steps whose end events have completed
+            for t in self.worker.timeline.drain():
+                self.stats.add_device_timing(t)
         if not self.args.disable_log_stats:
             self._maybe_log_stats()
         done, self._done = self._done, []
         return done
+
+    def flush_device_timing(self) -> None:
+        """Wait for the device timing of every step launched so far and add it to `stats` (the end
+        of a measured run; step() only collects what has completed). No-op on the CPU."""
+        if self.worker.timeline is not None:
+            for t in self.worker.timeline.drain(wait=True):
+                self.stats.add_device_timing(t)
 
     def _maybe_log_stats(self) -> None:
         interval = envs.DEEPINFER_LOGGING_INTERVAL_STEP

@@ -17,6 +17,7 @@ from deepinfer_model.runner import RunnerBatch
 from deepinfer_model.sampling import RowParams, Sampler, TokenBitmask
 from deepinfer_spec import DraftVerifier
 
+from .device_timing import DeviceTimeline
 from .spec_decode import VerifyInput, VerifyOutcome, verify_logits
 
 
@@ -43,9 +44,11 @@ class VerifyStepResult:
 
 
 class ModelWorker:
-    def __init__(self, runner, sampler: Sampler | None = None) -> None:
+    def __init__(self, runner, sampler: Sampler | None = None, timeline: DeviceTimeline | None = None) -> None:
+        """timeline: where each step's device start / end events go (device_timing.py; None: not timed)."""
         self.runner = runner
         self.sampler = sampler or Sampler()
+        self.timeline = timeline
         self._last_tokens: np.ndarray | None = None  # tokens of the step run last (per batch row)
 
     def run(
@@ -70,6 +73,7 @@ class ModelWorker:
         n = len(rows)
         result = StepResult(tokens=np.full(n, -1, dtype=np.int64), logprobs=[None] * n, top=[None] * n)
         t0 = time.perf_counter()
+        self._timing_begin()
         try:
             logits = self._execute(batch, prompt_lens)
             ok = list(range(n))
@@ -92,6 +96,7 @@ class ModelWorker:
                 for i in emitting:
                     result.errors[i] = f"sampling failed: {e}"
                 emitting, out = [], None
+            self._timing_end(batch)  # sampling enqueued; the copy below waits for it
             sampled = out.token_ids.tolist() if emitting else []  # one device-to-host copy per step
             for k, i in enumerate(emitting):
                 token = sampled[k]
@@ -105,6 +110,7 @@ class ModelWorker:
                         top = out.top_token_ids[k, : rows[i].logprobs].tolist()
                         vals = out.top_logprobs[k, : rows[i].logprobs].tolist()
                         result.top[i] = dict(zip(top, vals))
+        self._timing_end(batch)  # steps without sampled rows (prefill chunks) end after the forward
         result.forward_s, result.sample_s = t1 - t0, time.perf_counter() - t1
         self._last_tokens = result.tokens
         return result
@@ -122,6 +128,7 @@ class ModelWorker:
         emitting sequences' rows (in order, 1 + k each)."""
         result = VerifyStepResult(verified=[], outcome=None)
         t0 = time.perf_counter()
+        self._timing_begin()
         try:
             logits = self._execute(batch, prompt_lens)
             ok = list(range(len(inputs)))
@@ -150,6 +157,7 @@ class ModelWorker:
                 for i in result.verified:
                     result.errors[i] = f"sampling failed: {e}"
                 result.verified, result.outcome = [], None
+        self._timing_end(batch)  # after verification (which copies its results to the host)
         result.forward_s, result.sample_s = t1 - t0, time.perf_counter() - t1
         return result
 
@@ -162,6 +170,16 @@ class ModelWorker:
         for seq_id, n in rejected:
             if n > 0:
                 fn(seq_id, n)
+
+    def _timing_begin(self) -> None:
+        if self.timeline is not None:
+            self.timeline.begin()
+
+    def _timing_end(self, batch: RunnerBatch) -> None:
+        if self.timeline is not None:
+            # decode: no prefill chunk in the step (every query token produces logits)
+            decode = len(batch.query_lens) > 0 and bool(np.array_equal(batch.query_lens, batch.logits_lens))
+            self.timeline.end(decode)
 
     def _fill_unknown_inputs(self, batch: RunnerBatch, prev_rows: np.ndarray) -> None:
         unknown = np.flatnonzero(batch.input_ids < 0)
