@@ -5,14 +5,20 @@ prefilled through the `PagedRunner` with every position's logits (teacher forcin
 greedily for `--steps` tokens, on both devices. Reports the relative error of the teacher-forced
 logits, top-1 agreement, whether the greedy continuations agree, and the GPU wall time per step.
 
-    python benchmarks/gpu/check_model_on_gpu.py --model tiny --model /tmp/medium --out DIR
-writes `check_model_on_gpu.json` (one record per checkpoint and activation dtype).
+The CPU reference always runs the exact numerics (FP64 carrier). `--numerics exact,native` runs the GPU
+model once per listed mode, with `DEEPINFER_NUMERICS` set for the GPU model only (native: FP32 carrier,
+act-dtype GEMMs; see deepinfer_model.numerics), so one call reports native-vs-exact error and timing.
+
+    python benchmarks/gpu/check_model_on_gpu.py --model tiny --model /tmp/medium --numerics exact,native --out DIR
+writes `check_model_on_gpu.json` (one record per checkpoint, activation dtype and numerics mode).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -58,6 +64,20 @@ def run(model, ids: np.ndarray, steps: int, block_size: int = 16):
     return logits.double().cpu(), out, prefill_s, (time.perf_counter() - t0) / max(steps, 1)
 
 
+@contextlib.contextmanager
+def numerics_env(mode: str):
+    """`DEEPINFER_NUMERICS=mode` for the block (read by the model at every call), restored afterwards."""
+    saved = os.environ.get("DEEPINFER_NUMERICS")
+    os.environ["DEEPINFER_NUMERICS"] = mode
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("DEEPINFER_NUMERICS", None)
+        else:
+            os.environ["DEEPINFER_NUMERICS"] = saved
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -66,12 +86,19 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="teacher-forced prompt length")
     ap.add_argument("--steps", type=int, default=8, help="greedy decode steps")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="activation dtypes")
+    ap.add_argument(
+        "--numerics", default="exact", help="GPU model numerics modes, comma list of exact / native"
+    )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--threads", type=int, default=16, help="CPU threads for the reference")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = ap.parse_args()
     from deepinfer_model.models.deepseek_v41 import load_v41, make_v41_checkpoint
 
+    modes = args.numerics.split(",")
+    bad = [m for m in modes if m not in ("exact", "native")]
+    if bad:
+        ap.error(f"--numerics: {bad} not in exact, native")
     torch.set_num_threads(args.threads)
     recs = []
     for name in args.model or ["tiny"]:
@@ -81,39 +108,57 @@ def main() -> None:
         ids = rng.integers(4, cfg["vocab_size"], args.tokens)
         for dt in args.dtypes.split(","):
             act = getattr(torch, dt)
-            rec = dict(check="v41_whole_model_on_gpu", model=name, hidden=cfg["hidden_size"], act_dtype=dt)
             try:
                 t0 = time.monotonic()
-                ref, ref_greedy, cpu_prefill_s, cpu_step_s = run(
-                    load_v41(path, act_dtype=act), ids, args.steps
-                )
-                t1 = time.monotonic()
-                gpu_model = load_v41(path, act_dtype=act, device=args.device)
-                load_s = time.monotonic() - t1
-                run(gpu_model, ids[:8], 1)  # warm-up: kernel compiles, FP64 weight copies
-                got, got_greedy, prefill_s, step_s = run(gpu_model, ids, args.steps)
-                del gpu_model
-                torch.cuda.empty_cache()
-                rec.update(
-                    status="ok",
-                    tokens=args.tokens,
-                    logits_rel_err=float((got - ref).norm() / ref.norm()),
-                    logits_max_abs_err=float((got - ref).abs().max()),
-                    finite=bool(torch.isfinite(got).all()),
-                    teacher_forced_top1_agree=float((got.argmax(-1) == ref.argmax(-1)).float().mean()),
-                    greedy_steps=args.steps,
-                    greedy_agree=got_greedy == ref_greedy,
-                    gpu_load_s=round(load_s, 1),
-                    gpu_prefill_ms=round(prefill_s * 1e3, 1),
-                    gpu_decode_ms_per_step=round(step_s * 1e3, 2),
-                    cpu_prefill_ms=round(cpu_prefill_s * 1e3, 1),
-                    cpu_decode_ms_per_step=round(cpu_step_s * 1e3, 2),
-                    cpu_wall_s=round(t1 - t0, 1),
-                )
+                with numerics_env("exact"):  # the reference: FP64 carrier on the CPU
+                    ref, ref_greedy, cpu_prefill_s, cpu_step_s = run(
+                        load_v41(path, act_dtype=act), ids, args.steps
+                    )
+                cpu_wall_s = time.monotonic() - t0
             except Exception as e:  # noqa: BLE001 - record and go on to the next checkpoint
-                rec["status"] = f"error: {e!r}"[:600]
-            print(rec, flush=True)
-            recs.append(rec)
+                rec = dict(
+                    check="v41_whole_model_on_gpu", model=name, act_dtype=dt, status=f"error: {e!r}"[:600]
+                )
+                print(rec, flush=True)
+                recs.append(rec)
+                continue
+            for mode in modes:
+                rec = dict(
+                    check="v41_whole_model_on_gpu",
+                    model=name,
+                    hidden=cfg["hidden_size"],
+                    act_dtype=dt,
+                    numerics=mode,
+                )
+                try:
+                    with numerics_env(mode):
+                        t1 = time.monotonic()
+                        gpu_model = load_v41(path, act_dtype=act, device=args.device)
+                        load_s = time.monotonic() - t1
+                        run(gpu_model, ids[:8], 1)  # warm-up: kernel compiles, cached weight copies
+                        got, got_greedy, prefill_s, step_s = run(gpu_model, ids, args.steps)
+                        del gpu_model
+                        torch.cuda.empty_cache()
+                    rec.update(
+                        status="ok",
+                        tokens=args.tokens,
+                        logits_rel_err=float((got - ref).norm() / ref.norm()),
+                        logits_max_abs_err=float((got - ref).abs().max()),
+                        finite=bool(torch.isfinite(got).all()),
+                        teacher_forced_top1_agree=float((got.argmax(-1) == ref.argmax(-1)).float().mean()),
+                        greedy_steps=args.steps,
+                        greedy_agree=got_greedy == ref_greedy,
+                        gpu_load_s=round(load_s, 1),
+                        gpu_prefill_ms=round(prefill_s * 1e3, 1),
+                        gpu_decode_ms_per_step=round(step_s * 1e3, 2),
+                        cpu_prefill_ms=round(cpu_prefill_s * 1e3, 1),
+                        cpu_decode_ms_per_step=round(cpu_step_s * 1e3, 2),
+                        cpu_wall_s=round(cpu_wall_s, 1),
+                    )
+                except Exception as e:  # noqa: BLE001 - record and go on to the next mode / checkpoint
+                    rec["status"] = f"error: {e!r}"[:600]
+                print(rec, flush=True)
+                recs.append(rec)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "check_model_on_gpu.json").write_text(json.dumps(recs, indent=1))
 
