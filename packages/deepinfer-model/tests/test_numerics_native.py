@@ -109,7 +109,7 @@ def exact_fp32(v41):
     return teacher_forced(v41, "exact")
 
 
-def test_mode_selection_and_errors():
+def test_mode_selection_and_errors(v41):
     with numerics_mode(None):
         assert numerics.mode() == "exact" and numerics.carrier() is torch.float64
     with numerics_mode("native"):
@@ -121,6 +121,8 @@ def test_mode_selection_and_errors():
     with numerics_mode("native", "1"), pytest.raises(ValueError) as err:
         numerics.carrier()
     assert "DEEPINFER_NUMERICS" in str(err.value) and "DEEPINFER_BATCH_INVARIANT" in str(err.value)
+    with numerics_mode("native", "1"), pytest.raises(ValueError, match="DEEPINFER_BATCH_INVARIANT"):
+        with_act(v41, torch.float32)  # checked when the model is built, not only at the first step
     with numerics_mode("exact", "1"):  # batch-invariant mode with the exact carrier is fine
         assert numerics.carrier() is torch.float64
 

@@ -63,6 +63,13 @@ _VARS = [
         "batch-invariant numerics: fixed-tile GEMMs so a row never depends on its batch (CPU); NVIDIA kernels not yet",
     ),
     EnvVar(
+        "DEEPINFER_NUMERICS",
+        str,
+        "exact",
+        "model numerics (read by deepinfer_model.numerics): exact (FP64 carrier) or native (FP32 carrier, "
+        "activation-dtype GEMMs)",
+    ),
+    EnvVar(
         "DEEPINFER_USE_NEXTN_DECODE",
         int,
         5,

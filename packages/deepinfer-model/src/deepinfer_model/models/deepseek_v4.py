@@ -24,7 +24,7 @@ from ..layers.moe import MoEWeights, moe_block
 from ..layers.rope import cos_sin
 from ..layout import model_tensors
 from ..loader import load_tensors
-from ..numerics import linear, round_to
+from ..numerics import linear, mode, round_to
 from ..ops.model_calls import hc_mixes, hc_read, hc_write, rms_norm
 
 
@@ -140,6 +140,7 @@ class DeepseekV4Model:
     ):
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
+        mode()  # a bad DEEPINFER_NUMERICS (or native + batch-invariant) fails at load, not at the first step
         self.config = cfg
         self.dtype = dtype
         self.embed = tensors["embed.weight"]

@@ -16,6 +16,7 @@ import torch
 
 from ...layers.embedding import embed
 from ...numerics import logits as head_logits
+from ...numerics import mode as numerics_mode
 from ...ops.model_calls import hc_read, rms_norm
 from .attention import AttentionTrace, CrossLayerState, layer_attention
 from .blocks import ShiftedHC, moe_ffn
@@ -87,6 +88,7 @@ class DeepseekV41ForCausalLM:
             raise ValueError(
                 "this config has Engram layers: pass the compressed vocabulary of its tokenizer.json"
             )
+        numerics_mode()  # a bad DEEPINFER_NUMERICS (or native + batch-invariant) fails at load
         self.config = config
         self.weights = weights
         self.act_dtype = act_dtype
