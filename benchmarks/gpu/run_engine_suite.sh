@@ -47,7 +47,7 @@ export -n DEEPINFER_SITE  # setup.sh's own variable: the engine warns about unkn
 lim=${GPU_SUITE_STEP_LIMIT_S:-420}
 pids=()
 if has check; then
-  ( timeout "$lim" python3 benchmarks/gpu/check_model_on_gpu.py --model tiny --threads 4 --out "$out/tiny" > "$out/check_tiny.log" 2>&1
+  ( timeout "$lim" python3 benchmarks/gpu/check_model_on_gpu.py --model tiny --numerics exact,native --threads 4 --out "$out/tiny" > "$out/check_tiny.log" 2>&1
     cp "$out/tiny/check_model_on_gpu.json" "$out/check_tiny.json" ) &
   pids+=($!)
 fi
@@ -78,24 +78,29 @@ fi
 if has medium; then
   el "check: medium on the GPU vs the CPU"
   timeout "${MEDIUM_CHECK_LIMIT_S:-240}" python3 benchmarks/gpu/check_model_on_gpu.py --model "$medium" --dtypes bfloat16 \
-    --tokens 32 --steps 4 --out "$out" 2>&1 | tail -3
+    --numerics exact,native --tokens 32 --steps 4 --out "$out" 2>&1 | tail -3
   mv "$out/check_model_on_gpu.json" "$out/check_medium.json" 2>/dev/null
 fi
 if has bench; then
   # decode and prefill as separate runs (each writes its JSON; sized so the KV pool fits): tiny has 256
   # positions at most; medium has the real per-layer sizes, 4k / 16k-token prefill chunks
+  # BENCH_NUMERICS: DEEPINFER_NUMERICS modes to time (exact: the FP64-carrier reference; native: BF16 GEMMs)
+  for num in ${BENCH_NUMERICS:-native exact}; do
   for m in $(has benchtiny && echo tiny) medium; do
     if [ $m = medium ]; then model="--model $medium"; dec="--max-model-len 1024 --decode-context 128"
       pre="--max-model-len 20480 --max-num-seqs 1 --chunks 4096,16384 --prefill-repeats 2"
     else model=""; dec="--max-model-len 256 --decode-context 64"; pre="--max-model-len 256 --chunks 64,128"; fi
-    el "bench decode: $m"
-    timeout "${BENCH_LIMIT_S:-200}" python3 -m deepinfer.cli bench decode $model $dec --device cuda --dtype bfloat16 \
-      --batches 1,8,64,256 --nextn 0 --measure-steps 6 --no-progress \
-      --results-dir "$out" --name "bench_${m}_gpu_decode" > "$out/bench_${m}_decode.log" 2>&1; tail -20 "$out/bench_${m}_decode.log"
-    el "bench prefill: $m"
-    timeout "${BENCH_LIMIT_S:-200}" python3 -m deepinfer.cli bench prefill $model $pre --device cuda --dtype bfloat16 \
-      --no-progress --results-dir "$out" --name "bench_${m}_gpu_prefill" > "$out/bench_${m}_prefill.log" 2>&1
-    tail -12 "$out/bench_${m}_prefill.log"
+    el "bench decode: $m $num"
+    DEEPINFER_NUMERICS=$num timeout "${BENCH_LIMIT_S:-200}" python3 -m deepinfer.cli bench decode $model $dec --device cuda \
+      --dtype bfloat16 --batches 1,8,64,256 --nextn 0 --measure-steps 6 --no-progress \
+      --results-dir "$out" --name "bench_${m}_gpu_decode_$num" > "$out/bench_${m}_decode_$num.log" 2>&1
+    tail -12 "$out/bench_${m}_decode_$num.log"
+    has noprefill && continue
+    el "bench prefill: $m $num"
+    DEEPINFER_NUMERICS=$num timeout "${BENCH_LIMIT_S:-200}" python3 -m deepinfer.cli bench prefill $model $pre --device cuda \
+      --dtype bfloat16 --no-progress --results-dir "$out" --name "bench_${m}_gpu_prefill_$num" > "$out/bench_${m}_prefill_$num.log" 2>&1
+    tail -8 "$out/bench_${m}_prefill_$num.log"
+  done
   done
 fi
 if has gap; then
