@@ -112,6 +112,47 @@ def test_tiled_scores_do_not_depend_on_neighbours_or_width(device):
     torch.testing.assert_close(outs[0], exact, rtol=1e-13, atol=1e-13)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_row_gemm_rows_do_not_depend_on_the_batch(threads):
+    """The CPU linear of the mode (`row_gemm`: one GEMM with every product exact, no row tiles): a row's
+    FP64 result is the same for every row count M (1 = a GEMV included) and position in the batch,
+    for FP32-valued rows and for full-FP64 rows (split into two exact GEMMs), FP32 weights and full-FP64
+    weights (split in three), odd N and odd K; and it is the matrix product."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(11)
+    try:
+        for k, n, w_dtype in [
+            (128, 64, torch.float32),
+            (129, 77, torch.float32),
+            (96, 1, torch.float64),
+            (512, 24, torch.float32),
+            (64, 3000, torch.float32),
+            (300, 33, torch.float64),
+        ]:
+            w = torch.randn(n, k, generator=g, dtype=w_dtype)
+            x = torch.randn(300, k, generator=g, dtype=torch.float64)
+            x[::2] = x[::2].float().double()  # FP32-valued rows (most GEMM inputs) among full-FP64 rows
+            full = batch_invariant.row_gemm(x, w.t())
+            for m in (*range(1, 18), 31, 32, 33, 64, 129, 257):
+                for start in (0, 1, 7):
+                    out = batch_invariant.row_gemm(x[start : start + m], w.t())
+                    assert torch.equal(out, full[start : start + m]), (k, n, m, start)
+            torch.testing.assert_close(full, x @ w.double().t(), rtol=1e-12, atol=1e-12)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_cpu_row_gemm_weight_copy_follows_in_place_updates():
+    g = torch.Generator().manual_seed(12)
+    w = torch.randn(40, 32, generator=g)
+    x = torch.randn(5, 32, generator=g, dtype=torch.float64)
+    first = batch_invariant.row_gemm(x, w.t())
+    w.mul_(2.0)  # exact: every product and sum doubles
+    assert torch.equal(batch_invariant.row_gemm(x, w.t()), 2.0 * first)
+    assert batch_invariant.row_gemm(x[:0], w.t()).shape == (0, 40)
+
+
 def test_chunked_bmm_is_the_plain_bmm():
     """The fixed-batch bmm of accelerators (calls of exactly `chunk` matrices), run on the CPU: same
     products, for broadcast (weight) and per-matrix right operands, any batch count."""

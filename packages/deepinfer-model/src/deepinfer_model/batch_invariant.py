@@ -6,13 +6,15 @@ M = 1 path is a GEMV, larger M use blocked kernels with other K-unrolling). The 
 differ in their last bits, and the rounding to FP32 hides that except when a value lies within a few
 FP64 ulps of an FP32 rounding boundary (about 2^-28 of values). Rare, but not never.
 
-What the mode changes: every `numerics.linear` (all projections, experts, router, LM head) runs as
-GEMMs over fixed tiles of `TILE_ROWS` rows (the last tile zero-padded), so every row goes through the
-same kernel with the same shape and K order whatever the batch, the prefill chunk or the prefix-cache
-hit around it. Measured: a row's FP64 result in a fixed-shape tile does not depend on its neighbours
-or its index in the tile (`tests/test_repro_batch_invariance.py`). Costs: decode rows pay for a full
-tile (8x the FLOPs of a GEMV at batch 1; the 129k-row LM head dominates), prefills repack the weight
-per tile (`benchmarks/repro/bench_batch_invariant.py` measures it).
+What the mode changes: every `numerics.linear` / `numerics.logits` (all projections, experts, router,
+LM head) and every `matmul` here computes each row independently of the batch. On the CPU (FP64):
+`row_gemm`, one plain GEMM with the weight as a cached row-major [K, N] operand (zero columns up to a
+multiple of `COL_PAD`) and every product exact (`exact_gemm`: FP32-valued rows need one GEMM, other
+rows a second one for their low bits; measured: MKL then gives a row the same bits for every M, the
+M = 1 GEMV included, at any index). So decode rows cost a GEMV, not a padded tile. On other devices:
+GEMMs over fixed tiles of `TILE_ROWS` rows (`tiled_matmul`, the last tile zero-padded), so every row
+goes through the same kernel with the same shape and K order whatever the batch, the prefill chunk or
+the prefix-cache hit around it. Costs: `benchmarks/repro/bench_batch_invariant.py` measures them.
 
 Attention (`sink_attention`): the paged runtime attends per padded group of sequences, so the
 default path's FP64 score / softmax / P·V sums see a key count, a column offset and a GEMM shape that
@@ -106,19 +108,55 @@ def tiled_matmul(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
 
 
 # Row-major [K, N_pad] FP64 copies of weights for `row_gemm`, made once per weight (a copy per call
-# cost more than the GEMM for small M). Keyed by the id of the tensor that owns the storage (callers
-# pass fresh `.t()` views of a cached FP64 weight) plus the view's geometry, guarded by a weak
-# reference to the owner and its in-place version counter (shared by all its views), like
-# `numerics.weight_fp64`.
-_ROW_MAJOR: dict[int, tuple[weakref.ref, dict[tuple, tuple[int, torch.Tensor]]]] = {}
+# cost more than the GEMM for small M), with whether their values are FP32-valued. Keyed by the id of
+# the tensor that owns the storage (callers pass fresh `.t()` views of a cached FP64 weight) plus the
+# view's geometry, guarded by a weak reference to the owner and its in-place version counter (shared
+# by all its views), like `numerics.weight_fp64`.
+_ROW_MAJOR: dict[int, tuple[weakref.ref, dict[tuple, tuple[int, list[torch.Tensor]]]]] = {}
 
 
-def _row_major(w_t: torch.Tensor) -> torch.Tensor:
-    """`w_t` [K, N] as a contiguous FP64 [K, N + pad] with zero columns up to a multiple of `COL_PAD`."""
+def _fp32_valued(t: torch.Tensor) -> bool:
+    """Every value of `t` has at most FP32's 24-bit significand (FP32 and BF16 values do)."""
+    if t.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return True
+    return bool(torch.equal(t.float().to(t.dtype), t))
+
+
+def _split18(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Veltkamp split of FP64 `t` into hi (at most 18 significant bits) + rest (exactly `t` - hi)."""
+    c = t * float(2**35 + 1)
+    hi = c - (c - t)
+    return hi, t - hi
+
+
+def _parts(w_t: torch.Tensor) -> list[torch.Tensor]:
+    """`w_t` [K, N] as contiguous FP64 [K, N + pad] parts (zero columns up to a multiple of `COL_PAD`)
+    that sum to it exactly, each with at most 24 significant bits: the weight itself when it is
+    FP32-valued (every dequantised checkpoint weight), else three parts of at most 18 bits."""
     k, n = w_t.shape
-    if w_t.is_contiguous() and n % COL_PAD == 0:
-        return w_t
+    out = w_t.new_zeros(k, n + (-n) % COL_PAD, dtype=torch.float64)
+    out[:, :n] = w_t  # exact widening: the same values as numerics.weight_fp64
+    return _short_parts(out, _fp32_valued(w_t))
+
+
+def _short_parts(b: torch.Tensor, fp32_valued: bool | None = None) -> list[torch.Tensor]:
+    """Contiguous FP64 `b` as parts of at most 24 significant bits that sum to it exactly."""
+    b = b.contiguous()
+    if fp32_valued if fp32_valued is not None else _fp32_valued(b):
+        return [b]
+    p0, rest = _split18(b)
+    p1, p2 = _split18(rest)
+    return [p0, p1, p2]
+
+
+def _row_major(w_t: torch.Tensor) -> list[torch.Tensor]:
+    """`_parts` of `w_t` (any float dtype; a view such as `weight.t()` or `experts.w1[e].t()`), cached per
+    view of its owner."""
     owner = w_t._base if w_t._base is not None else w_t
+    if owner.numel() != w_t.numel():
+        # a part of a larger tensor (one expert of a stack, taken anew per call): converted per call
+        # like `numerics.weight_fp64` does, so the mode does not keep FP64 copies of every expert
+        return _parts(w_t)
     sub = (w_t.storage_offset(), tuple(w_t.shape), tuple(w_t.stride()))
     entry = _ROW_MAJOR.get(id(owner))
     if entry is not None and entry[0]() is not owner:
@@ -131,29 +169,53 @@ def _row_major(w_t: torch.Tensor) -> torch.Tensor:
         entry = (weakref.ref(owner), {})
         _ROW_MAJOR[id(owner)] = entry
         weakref.finalize(owner, _ROW_MAJOR.pop, id(owner), None)
-    out = w_t.new_zeros(k, n + (-n) % COL_PAD)
-    out[:, :n] = w_t
-    entry[1][sub] = (owner._version, out)
+    parts = _parts(w_t)
+    entry[1][sub] = (owner._version, parts)
+    return parts
+
+
+def exact_gemm(a: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
+    """`a @ sum(parts)` on the CPU (2-D, or 3-D as a bmm) for FP64 `a` and FP64 `parts` of at most 24
+    significant bits each (contiguous, last dim a multiple of `COL_PAD`), with every product exact.
+
+    Why: MKL's FP64 kernels sum over K in the same order for every M (measured: operands whose products
+    are exact gave bitwise equal rows for M = 1..2048 at any row offset, K up to 7168, 1 and 2
+    threads), but rows in full register blocks and the other rows (the GEMV of M = 1, a tail of M mod 4
+    rows) differ in fused vs separate multiply-add: with inexact products a row's bits then depend on
+    M and on its index. A product of a 24-bit and a 29-bit significand fits FP64's 53 bits, so `a` is
+    split into hi = `a` rounded to FP32 and lo = a - hi (exact, at most 29 significant bits; `a` within
+    FP32's normal range). The result is the sum over parts of hi @ part, then of lo @ part for the rows
+    whose lo is not zero (decided per row from the row itself, so a row of FP32 values never sees those
+    terms, not even as a +0 that would turn a -0 into +0). Activations are FP32/BF16-valued at most
+    GEMM inputs: one GEMM per weight part there."""
+    mm = torch.mm if a.dim() == 2 else torch.bmm
+    a = a.contiguous()
+    hi = a.float().double()
+    lo = a - hi
+    out = mm(hi, parts[0])
+    for p in parts[1:]:
+        out = out + mm(hi, p)
+    if bool(lo.any()):  # (one cheap test first: most GEMM inputs are FP32/BF16 values)
+        has_lo = lo.ne(0).any(dim=-1, keepdim=True)
+        low = mm(lo, parts[0])
+        for p in parts[1:]:
+            low = low + mm(lo, p)
+        out = torch.where(has_lo, out + low, out)
     return out
 
 
 def row_gemm(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
-    """`x @ w_t` for 2-D FP64 `x` [M, K] on the CPU, each row's result independent of M and of the other
-    rows: one plain GEMM of contiguous `x` with the row-major, column-padded weight (`_row_major`).
-
-    Why that is enough (measured with MKL FP64, 1 and 2 threads, M = 1..600 at any row offset, K up to
-    7168, `tests/test_repro_batch_invariance.py`): with the weight as a row-major [K, N] operand MKL
-    runs the "NN" kernel, which vectorises over N and accumulates every output element over K in
-    order, one FMA per k, for every M (M = 1 included: its GEMV is the same column-sweep). The
-    transposed-weight ("NT") layout of the default path uses dot-product kernels whose K order depends
-    on M; an odd N (a scalar column tail) also did, hence the zero columns up to `COL_PAD`."""
-    m = x.shape[0]
-    wr = _row_major(w_t)
+    """`x @ w_t` (`w_t` widened to FP64) for 2-D FP64 `x` [M, K] on the CPU, each row's result independent
+    of M and of the other rows: `exact_gemm` with the weight as a row-major [K, N] operand (MKL's "NN"
+    kernel, which keeps its K order for every M; the transposed-weight "NT" layout of the default path
+    does not), zero columns up to a multiple of `COL_PAD` (an odd N, a scalar column tail, changed row
+    bits too)."""
     n = w_t.shape[1]
-    if m == 0:
+    if x.shape[0] == 0:
         return x.new_empty(0, n)
-    out = x.contiguous() @ wr
-    return out if wr.shape[1] == n else out[:, :n]
+    parts = _row_major(w_t)
+    out = exact_gemm(x, parts)
+    return out if parts[0].shape[1] == n else out[:, :n]
 
 
 def matmul(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:

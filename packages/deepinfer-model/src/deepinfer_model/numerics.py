@@ -122,6 +122,13 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float()  # BF16 values are exact in FP32
 
 
+def _row_invariant(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Batch-invariant mode on the CPU: FP64 `x @ weight.T` whose rows do not depend on the batch
+    (`batch_invariant.row_gemm`, against a row-major FP64 copy made straight from `weight`)."""
+    flat = batch_invariant.row_gemm(x.double().reshape(-1, x.shape[-1]), weight.t())
+    return flat.reshape(*x.shape[:-1], weight.shape[0])
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, act_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`x @ weight.T`, output rounded once to `act_dtype` (returned in the carrier dtype).
 
@@ -131,10 +138,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, act_dtype: torch.dtype = torch
     if native():
         return (x.to(act_dtype) @ weight_as(weight, act_dtype).t()).to(torch.float32)
     if batch_invariant.enabled() and x.device.type == "cpu":
-        # row-invariant GEMM against a cached row-major FP64 copy made straight from `weight` (also for
-        # per-expert views like `experts.w1[e]`, which `weight_fp64` cannot cache: a new view per call)
-        return round_to(batch_invariant.row_gemm(x.double().reshape(-1, x.shape[-1]), weight.t()).reshape(
-            *x.shape[:-1], weight.shape[0]), act_dtype)
+        return round_to(_row_invariant(x, weight), act_dtype)
     # batch_invariant.matmul: plain `@`, or fixed row tiles under DEEPINFER_BATCH_INVARIANT=1
     return round_to(batch_invariant.matmul(x.double(), weight_fp64(weight).t()), act_dtype)
 
@@ -146,4 +150,6 @@ def logits(x: torch.Tensor, weight: torch.Tensor, act_dtype: torch.dtype = torch
     """
     if native():
         return _mm_f32(x.to(act_dtype), weight_as(weight, act_dtype).t())
+    if batch_invariant.enabled() and x.device.type == "cpu":
+        return _row_invariant(x, weight).float()
     return batch_invariant.matmul(x.double(), weight_fp64(weight).t()).float()
