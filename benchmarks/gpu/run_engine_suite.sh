@@ -79,7 +79,7 @@ if has medium; then
   el "check: medium on the GPU vs the CPU"
   timeout "${MEDIUM_CHECK_LIMIT_S:-240}" python3 benchmarks/gpu/check_model_on_gpu.py --model "$medium" --dtypes bfloat16 \
     --numerics exact,native --tokens 32 --steps 4 --out "$out" 2>&1 | tail -3
-  mv "$out/check_model_on_gpu.json" "$out/check_medium.json" 2>/dev/null
+  mv "$out/check_model_on_gpu.json" "$out/check_medium.json" 2>/dev/null; collect
 fi
 if has bench; then
   # decode and prefill as separate runs (each writes its JSON; sized so the KV pool fits): tiny has 256
@@ -94,12 +94,12 @@ if has bench; then
     DEEPINFER_NUMERICS=$num timeout "${BENCH_LIMIT_S:-200}" python3 -m deepinfer.cli bench decode $model $dec --device cuda \
       --dtype bfloat16 --batches 1,8,64,256 --nextn 0 --measure-steps 6 --no-progress \
       --results-dir "$out" --name "bench_${m}_gpu_decode_$num" > "$out/bench_${m}_decode_$num.log" 2>&1
-    tail -12 "$out/bench_${m}_decode_$num.log"
-    has noprefill && continue
+    tail -12 "$out/bench_${m}_decode_$num.log"; collect  # results out at once: a later step may hit the call's limit
+    has noprefill || [ "$num" = exact ] && continue  # exact prefill: measured in an earlier run
     el "bench prefill: $m $num"
     DEEPINFER_NUMERICS=$num timeout "${BENCH_LIMIT_S:-200}" python3 -m deepinfer.cli bench prefill $model $pre --device cuda \
       --dtype bfloat16 --no-progress --results-dir "$out" --name "bench_${m}_gpu_prefill_$num" > "$out/bench_${m}_prefill_$num.log" 2>&1
-    tail -8 "$out/bench_${m}_prefill_$num.log"
+    tail -8 "$out/bench_${m}_prefill_$num.log"; collect
   done
   done
 fi
