@@ -114,10 +114,10 @@ def test_tiled_scores_do_not_depend_on_neighbours_or_width(device):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_cpu_row_gemm_rows_do_not_depend_on_the_batch(threads):
-    """The CPU linear of the mode (`row_gemm`: one GEMM with every product exact, no row tiles): a row's
-    FP64 result is the same for every row count M (1 = a GEMV included) and position in the batch,
-    for FP32-valued rows and for full-FP64 rows (split into two exact GEMMs), FP32 weights and full-FP64
-    weights (split in three), odd N and odd K; and it is the matrix product."""
+    """The CPU linear of the mode (`row_gemm`): a row's FP64 result is the same for every row count M
+    (1 = a GEMV included) and position in the batch, for FP32-valued rows (one GEMM, exact products) and
+    full-FP64 rows (fixed 8-row tiles) mixed in one batch, FP32 weights and full-FP64 weights (split in
+    three exact parts), odd N and odd K; and it is the matrix product."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(11)

@@ -7,14 +7,16 @@ differ in their last bits, and the rounding to FP32 hides that except when a val
 FP64 ulps of an FP32 rounding boundary (about 2^-28 of values). Rare, but not never.
 
 What the mode changes: every `numerics.linear` / `numerics.logits` (all projections, experts, router,
-LM head) and every `matmul` here computes each row independently of the batch. On the CPU (FP64):
-`row_gemm`, one plain GEMM with the weight as a cached row-major [K, N] operand (zero columns up to a
-multiple of `COL_PAD`) and every product exact (`exact_gemm`: FP32-valued rows need one GEMM, other
-rows a second one for their low bits; measured: MKL then gives a row the same bits for every M, the
-M = 1 GEMV included, at any index). So decode rows cost a GEMV, not a padded tile. On other devices:
-GEMMs over fixed tiles of `TILE_ROWS` rows (`tiled_matmul`, the last tile zero-padded), so every row
-goes through the same kernel with the same shape and K order whatever the batch, the prefill chunk or
-the prefix-cache hit around it. Costs: `benchmarks/repro/bench_batch_invariant.py` measures them.
+LM head) and every `matmul` here computes each row independently of the batch. On the CPU (FP64),
+`row_gemm` picks a path per row from the row itself: a row of FP32/BF16 values (most GEMM inputs, the
+LM head's included) goes through one plain GEMM with the weight as a cached row-major [K, N] operand
+(zero columns up to a multiple of `COL_PAD`), where every product is exact and MKL gives the row the
+same bits for every M, the M = 1 GEMV included, at any index (measured; see `exact_gemm`), so a decode
+row costs a GEMV, not a padded tile; a row with more bits (the SwiGLU output, mHC mixes) goes through
+fixed tiles of `TILE_ROWS` rows against that weight (`tiled_matmul`). On other devices every row takes
+the fixed tiles (the last tile zero-padded), so it goes through the same kernel with the same shape and
+K order whatever the batch, the prefill chunk or the prefix-cache hit around it. Costs:
+`benchmarks/repro/bench_batch_invariant.py` measures them.
 
 Attention (`sink_attention`): the paged runtime attends per padded group of sequences, so the
 default path's FP64 score / softmax / P·V sums see a key count, a column offset and a GEMM shape that
@@ -206,16 +208,32 @@ def exact_gemm(a: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
 
 def row_gemm(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
     """`x @ w_t` (`w_t` widened to FP64) for 2-D FP64 `x` [M, K] on the CPU, each row's result independent
-    of M and of the other rows: `exact_gemm` with the weight as a row-major [K, N] operand (MKL's "NN"
-    kernel, which keeps its K order for every M; the transposed-weight "NT" layout of the default path
-    does not), zero columns up to a multiple of `COL_PAD` (an odd N, a scalar column tail, changed row
-    bits too)."""
-    n = w_t.shape[1]
-    if x.shape[0] == 0:
+    of M and of the other rows. Chosen per row from the row itself (so a row takes the same path in
+    every batch): a row of FP32 values goes through one GEMM with the weight as a row-major [K, N]
+    operand (MKL's "NN" kernel, which keeps its K order for every M, and with FP32-valued weights every
+    product exact, see `exact_gemm`; zero columns up to a multiple of `COL_PAD`: an odd N, a scalar
+    column tail, changed row bits too); a row with more bits (e.g. the SwiGLU output) goes through the
+    fixed 8-row tiles of `tiled_matmul`, cheaper than `exact_gemm`'s second GEMM for it. Weights that
+    are not FP32-valued take `exact_gemm` (split in parts) for every row."""
+    m, n = x.shape[0], w_t.shape[1]
+    if m == 0:
         return x.new_empty(0, n)
     parts = _row_major(w_t)
-    out = exact_gemm(x, parts)
-    return out if parts[0].shape[1] == n else out[:, :n]
+    x = x.contiguous()
+    if len(parts) > 1:
+        out = exact_gemm(x, parts)
+        return out if out.shape[1] == n else out[:, :n]
+    wide = x.ne(x.float().double()).any(dim=-1)  # rows with more than FP32's 24 significant bits
+    if not bool(wide.any()):
+        out = x @ parts[0]
+        return out if out.shape[1] == n else out[:, :n]
+    if bool(wide.all()):
+        return tiled_matmul(x, parts[0])[:, :n]
+    out = x.new_empty(m, n)
+    short = ~wide
+    out[short] = (x[short] @ parts[0])[:, :n]
+    out[wide] = tiled_matmul(x[wide], parts[0])[:, :n]
+    return out
 
 
 def matmul(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
