@@ -12,7 +12,7 @@ final=${OUT:-benchmarks/results}
 out=/tmp/gpu-engine-out
 mkdir -p "$out" "$final"
 collect() {
-  cp "$out"/*.json "$final"/ 2>/dev/null
+  cp "$out"/*.json "$out"/*.txt "$final"/ 2>/dev/null
   tar -C "$out" -czf "$final/engine_logs.tar.gz" --exclude='*.json' . 2>/dev/null
 }
 trap collect EXIT
@@ -33,7 +33,7 @@ deep_gemm_pid=$!
 medium=/tmp/medium-v41
 src=$(ls -d "$repo"/packages/*/src | grep -v deepinfer-sched | tr '\n' ':')
 export PYTHONPATH="/tmp/sched-site:${src}/tmp/pysite:$PYTHONPATH"
-if has medium || has bench; then
+if has medium || has bench || has profile; then
   python3 benchmarks/gpu/make_medium_checkpoint.py "$medium" > "$out/medium_checkpoint.log" 2>&1 &
   medium_pid=$!
 fi
@@ -72,7 +72,7 @@ if has ppl; then
   DEEPINFER_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_repro_ppl_baseline.py > "$out/ppl_check.log" 2>&1
   tail -3 "$out/ppl_check.log"; cp tests/models/offline_decode_ppl.json "$out/offline_decode_ppl.json"
 fi
-if has medium || has bench; then
+if has medium || has bench || has profile; then
   wait "$medium_pid"; cat "$out/medium_checkpoint.log"
 fi
 if has medium; then
@@ -102,6 +102,15 @@ if has bench; then
     tail -8 "$out/bench_${m}_prefill_$num.log"; collect
   done
   done
+fi
+if has profile; then  # torch profiler summaries (host and device time per op) of medium decode / prefill
+  el "profile: medium native decode batch 8, prefill 4k"
+  DEEPINFER_NUMERICS=native timeout "${BENCH_LIMIT_S:-200}" python3 -m deepinfer.cli bench sweep --model "$medium" \
+    --max-model-len 8192 --max-num-seqs 8 --decode-context 128 --batches 8 --nextn 0 --measure-steps 2 \
+    --chunks 4096 --prefill-repeats 1 --profile-decode-batch 8 --profile-steps 2 --profile-prefill-chunk 4096 \
+    --no-async-scheduling --device cuda --dtype bfloat16 --no-progress --no-plot --results-dir "$out/prof" --name profile \
+    > "$out/profile.log" 2>&1
+  tail -5 "$out/profile.log"; for f in $(find "$out/prof" -name '*.txt'); do cp "$f" "$out/profile_$(basename "$f")"; done
 fi
 if has gap; then
   # 32 requests of deepinfer-tiny on the GPU, both loops (tokens identical); JSON: idle_gap_us_median / _p90

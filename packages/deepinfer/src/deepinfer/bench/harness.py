@@ -74,7 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--profile-prefill-chunk", type=int, default=None, help="profile one extra chunk of this size"
     )
     g.add_argument(
-        "--profile-decode-batch", type=int, default=None, help="profile steps after this batch's window"
+        "--profile-decode-batch",
+        type=int,
+        default=None,
+        help="profile steps after this batch's window (use --no-async-scheduling: the async loop's forward runs on a worker thread the torch profiler does not record)",
     )
     g.add_argument("--profile-steps", type=int, default=2, help="decode steps under the profiler (default 2)")
     g.add_argument(
