@@ -38,3 +38,23 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def share_loaded_models():
+    """Within a test module, the engine loads each (checkpoint, dtype, device) once: loading the V4.1
+    builds the Engram vocabulary from the 129k-token tokenizer (seconds), and the model is read-only,
+    so every engine of the module can share it."""
+    from deepinfer.engine import llm_engine
+
+    loaded, real = {}, llm_engine.load_model
+
+    def load_once(path, dtype, **kw):
+        key = (str(path), dtype, str(kw.get("device", "cpu")))
+        if key not in loaded:
+            loaded[key] = real(path, dtype, **kw)
+        return loaded[key]
+
+    llm_engine.load_model = load_once
+    yield
+    llm_engine.load_model = real

@@ -9,7 +9,6 @@ from collections import Counter
 import pytest
 import torch
 from deepinfer import SamplingParams
-from deepinfer.engine import llm_engine
 from deepinfer.engine.drafting import OracleDrafter
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine_args import EngineArgs
@@ -20,22 +19,9 @@ PROMPTS = [[0, 17, 99, 4, 250, 61, 8, 130], [5, 6, 7, 8], [100, 3, 42]]
 
 
 @pytest.fixture(scope="module")
-def v41(tmp_path_factory):
+def v41(tmp_path_factory, share_loaded_models):
     path = make_v41_checkpoint(tmp_path_factory.mktemp("v41-spec"), seed=0)
-    # Loading builds the Engram vocabulary from the 129k-token tokenizer (seconds): load the (read-only)
-    # model once and let every engine of this module share it.
-    loaded = {}
-    real = llm_engine.load_model
-
-    def load_once(p, dtype, **kw):
-        key = (str(p), dtype, str(kw.get("device", "cpu")))
-        if key not in loaded:
-            loaded[key] = real(p, dtype, **kw)
-        return loaded[key]
-
-    llm_engine.load_model = load_once
-    yield path
-    llm_engine.load_model = real
+    return path
 
 
 def run(path, params, nextn=0, drafter=None, prompts=PROMPTS, **kw):

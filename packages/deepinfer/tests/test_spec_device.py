@@ -16,7 +16,6 @@ import jsonschema
 import pytest
 import torch
 from deepinfer import LLM, SamplingParams
-from deepinfer.engine import llm_engine
 from deepinfer.engine.drafting import OracleDrafter
 from deepinfer_model.models.deepseek_v41 import make_v41_checkpoint
 from deepinfer_model.testing import strict_device
@@ -33,21 +32,9 @@ SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def v41(tmp_path_factory):
+def v41(tmp_path_factory, share_loaded_models):
     path = make_v41_checkpoint(tmp_path_factory.mktemp("v41-spec-device"), seed=0)
-    # Loading builds the Engram vocabulary from the 129k-token tokenizer (seconds): every engine of
-    # this module shares the one (read-only) model.
-    loaded, real = {}, llm_engine.load_model
-
-    def load_once(p, dtype, **kw):
-        key = (str(p), dtype, str(kw.get("device", "cpu")))
-        if key not in loaded:
-            loaded[key] = real(p, dtype, **kw)
-        return loaded[key]
-
-    llm_engine.load_model = load_once
-    yield path
-    llm_engine.load_model = real
+    return path
 
 
 # Grammar bitmasks are filled by the CPU (xgrammar) in host buffers and sent to the logits' device by the

@@ -8,7 +8,6 @@ import re
 import jsonschema
 import pytest
 from deepinfer import LLM, SamplingParams
-from deepinfer.engine import llm_engine
 from deepinfer.engine.drafting import OracleDrafter
 from deepinfer_model.models.deepseek_v41 import make_v41_checkpoint
 
@@ -76,21 +75,9 @@ def test_mixed_batch_constrained_free_and_broken(real_vocab_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def v41(tmp_path_factory):
+def v41(tmp_path_factory, share_loaded_models):
     path = make_v41_checkpoint(tmp_path_factory.mktemp("v41-structured"), seed=0)
-    # Loading builds the Engram vocabulary from the 129k-token tokenizer (seconds): every engine of
-    # this module shares the one (read-only) model.
-    loaded, real = {}, llm_engine.load_model
-
-    def load_once(p, dtype, **kw):
-        key = (str(p), dtype, str(kw.get("device", "cpu")))  # the engine passes device= off the CPU
-        if key not in loaded:
-            loaded[key] = real(p, dtype, **kw)
-        return loaded[key]
-
-    llm_engine.load_model = load_once
-    yield path
-    llm_engine.load_model = real
+    return path
 
 
 def _generate(path, params, nextn, monkeypatch, drafter=None):

@@ -8,7 +8,6 @@ the token the engine emitted, through chunked prefill, preemption (recompute) an
 import pytest
 import torch
 from deepinfer import SamplingParams
-from deepinfer.engine import llm_engine
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine_args import EngineArgs
 from deepinfer_model.models.deepseek_v41 import make_v41_checkpoint
@@ -25,19 +24,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def v41(tmp_path_factory):
+def v41(tmp_path_factory, share_loaded_models):
     path = make_v41_checkpoint(tmp_path_factory.mktemp("v41-yoco"), seed=3)
-    loaded, real = {}, llm_engine.load_model
-
-    def load_once(p, dtype, **kw):  # the model is read-only: load it once for every engine of this module
-        key = (str(p), dtype, str(kw.get("device", "cpu")))
-        if key not in loaded:
-            loaded[key] = real(p, dtype, **kw)
-        return loaded[key]
-
-    llm_engine.load_model = load_once
-    yield path
-    llm_engine.load_model = real
+    return path
 
 
 @pytest.fixture
