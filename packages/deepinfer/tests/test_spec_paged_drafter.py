@@ -42,10 +42,13 @@ def v41(tmp_path_factory):
     return make_v41_checkpoint(tmp_path_factory.mktemp("v41-paged-drafter"), seed=0)
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-    SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, ignore_eos=True, seq_seed=11),
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, ignore_eos=True, seq_seed=11),
+    ],
+)
 def test_paged_drafts_equal_stateless_drafts(v41, params):
     torch.set_num_threads(1)
     engine = LLMEngine(EngineArgs(model=str(v41), block_size=16, max_model_len=48), num_speculative_tokens=3)
