@@ -209,8 +209,9 @@ class _Sim:
         self._ids: list[int] = []
         real = getattr(paged.attend, "real", paged.attend)  # not an earlier _Sim's observer
 
-        def observed(q, keys, visible, g, sinks, scale):
-            out = real(q, keys, visible, g, sinks, scale)
+        def observed(*args):  # attend(q, window keys, group, sinks, scale, meta, extra)
+            out = real(*args)
+            g = args[2]
             owner = np.repeat(np.asarray(g.seqs), g.qmask.sum(dim=1).cpu().numpy())
             for r, (i, p) in enumerate(zip(owner, g.q_pos[g.qmask].tolist())):
                 if self._ids[i] == 0:

@@ -98,7 +98,8 @@ def _attention(
             head_w = linear(y, w.indexer.weights_proj, act)
     out = torch.empty(y.shape[0], cfg.num_attention_heads, cfg.head_dim, dtype=carrier(), device=y.device)
     for g in groups:
-        keys, visible = swa_keys(cache, meta, g, f"swa.{layer}", cfg.sliding_window)
+        window = swa_keys(cache, meta, g, f"swa.{layer}", cfg.sliding_window)
+        extra = None
         if compressed:
             entries, comp_visible = compressed_entries(cache, meta, g, f"comp.{layer}", r)
             if w.indexer is not None:
@@ -106,9 +107,8 @@ def _attention(
                 scores = grouped_index_scores(qi, index_k, head_w, g, cfg.index_score_scale)
                 selected = select_topk(scores, comp_visible, cfg.index_topk)
                 comp_visible = selection_mask(selected, entries.shape[1])
-            keys = torch.cat((keys, entries), dim=1)
-            visible = torch.cat((visible, comp_visible), dim=1)
-        out[g.packed_rows] = attend(q, keys, visible, g, w.attn.sinks, cfg.head_dim**-0.5)
+            extra = (entries, comp_visible)
+        out[g.packed_rows] = attend(q, window, g, w.attn.sinks, cfg.head_dim**-0.5, meta, extra)
     return attn.project_output(round_to(out, act), w.attn, cfg.o_groups, cos, sin, act)
 
 

@@ -23,6 +23,10 @@ from .metadata import StepMetadata
 from .pools import PagedKVCache
 
 SCORE_BLOCK_ELEMENTS = 1 << 27  # FP64 attention scores held at once by `attend` (1 GiB)
+# Query rows per sliding-window block in `attend` (at least this many, at least twice the window): a block
+# of B query slots scores B + W - 1 keys, so the band costs (B + W - 1) / W of the ideal W keys per query
+# while long chunks take few blocks (each block is a dozen tensor ops of host overhead).
+BAND_BLOCK_ROWS = 64
 
 
 def ranges(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -46,16 +50,20 @@ class Group:
     qmask: torch.Tensor  # bool [G, Q] real query slots
     q_pos: torch.Tensor  # long [G, Q] absolute positions
     index: int = 0  # the group's number in its step (keys the step's cached index tensors)
+    # Integer forms of `qmask`, built on the host: indexing a device tensor with a boolean mask costs a
+    # nonzero() and a host sync per call (several per layer); an index tensor sent once per step does not.
+    packed_rows: torch.Tensor | None = None  # long [n] packed rows of the real slots, [G, Q] row-major
+    real_slots: torch.Tensor | None = None  # long [n] flat [G*Q] index of the real slots; None: no padding
+    host_q_pos: np.ndarray | None = None  # int64 [G, Q] `q_pos` on the host (band masks are built there)
 
     @property
     def slot_rows(self) -> torch.Tensor:
         """Packed row of every query slot, padding included: long [G*Q]."""
         return self.rows.reshape(-1)
 
-    @property
-    def packed_rows(self) -> torch.Tensor:
-        """Packed rows of the real query slots, in [G, Q] row-major order."""
-        return self.rows[self.qmask]
+    def real(self, x: torch.Tensor) -> torch.Tensor:
+        """The real query slots of `x` [G*Q, ...] (every slot, row-major), in `packed_rows` order."""
+        return x if self.real_slots is None else x[self.real_slots]
 
 
 def make_groups(meta: StepMetadata) -> list[Group]:
@@ -70,50 +78,105 @@ def make_groups(meta: StepMetadata) -> list[Group]:
         slot = np.arange(int(qlen.max()))[None, :]
         host_rows = meta.offsets[seqs][:, None] + np.minimum(slot, qlen[:, None] - 1)
         rows = meta.dev(host_rows)
-        groups.append(Group(seqs, rows, meta.dev(slot < qlen[:, None]), meta.positions[rows], len(groups)))
+        host_mask = slot < qlen[:, None]
+        real = np.flatnonzero(host_mask.reshape(-1))
+        padded = len(real) < host_mask.size
+        host_q_pos = None if meta.host_positions is None else meta.host_positions[host_rows]
+        groups.append(
+            Group(
+                seqs,
+                rows,
+                meta.dev(host_mask),
+                meta.positions[rows],
+                len(groups),
+                packed_rows=meta.dev(host_rows.reshape(-1)[real]) if padded else rows.reshape(-1),
+                real_slots=meta.dev(real) if padded else None,
+                host_q_pos=host_q_pos,
+            )
+        )
     return groups
+
+
+@dataclass
+class WindowKeys:
+    """A group's sliding-window keys, as `swa_keys` reads them.
+
+    Default layout (`visible` None): column c of sequence i holds position `base[i] + c`, with
+    `base = start - window + 1` the same offset for every sequence, so query slot s (nominal position
+    start + s) sees exactly columns s .. s + window - 1 and a block of B query slots sees B + window - 1
+    contiguous columns: `attend` scores only that band, O(Q * window) instead of O(Q * (Q + window)).
+    Columns outside [max(base, 0), end) re-read a stored key and are never visible.
+
+    Batch-invariant layout (`visible` set): whole aligned key tiles and the full [G*Q, S] mask, for
+    `batch_invariant.sink_attention`.
+    """
+
+    keys: torch.Tensor  # [G, S, D]
+    window: int
+    visible: torch.Tensor | None = None  # bool [G*Q, S], batch-invariant layout only
+    index_key: tuple = ()  # keys the step's cached band masks (group, window, floor)
+    base: np.ndarray | None = None  # int64 [G] position of column 0 (default layout)
+    low: np.ndarray | None = None  # int64 [G] lowest visible position: max(0, floor)
 
 
 def swa_keys(
     cache: PagedKVCache, meta: StepMetadata, g: Group, pool: str, window: int, floor: np.ndarray | None = None
-):
-    """(keys [G, S, D], visible [G*Q, S]): each query's sliding window, read from `pool`.
+) -> WindowKeys:
+    """Each query's sliding window of keys, read from `pool` (see `WindowKeys` for the layout).
 
     `floor` [G] (YOCO truncation): no key below it is visible; those keys may never have been stored, so
     they are zeroed (a masked key must still be finite: attention multiplies it by a zero probability).
     """
+    if window < 1:
+        raise ValueError(f"sliding window = {window} must be >= 1")
     # index tensors depend on the group, window and floor only: built and sent once per step, reused by
     # every layer of that window
-    slots, visible, below = meta.cached(
-        ("swa", g.index, window, floor is not None), lambda: _swa_index(meta, g, window, floor)
-    )
+    key = ("swa", g.index, window, floor is not None)
+    slots, visible, below, base, low = meta.cached(key, lambda: _swa_index(meta, g, window, floor))
     keys = cache.read(pool, slots)
     if below is not None:
         # zero by the position actually read: padding columns re-read position hi - 1, which may lie
         # below the floor (never stored) even where the column's nominal position does not
         keys = keys.masked_fill(below, 0.0)
-    return keys, visible
+    return WindowKeys(keys, window, visible, key, base, low)
 
 
 def _swa_index(meta: StepMetadata, g: Group, window: int, floor: np.ndarray | None):
     lo = np.maximum(meta.starts[g.seqs] - window + 1, 0)
     hi = meta.ends[g.seqs]
+    low = lo if floor is None else np.maximum(lo, np.asarray(floor, dtype=np.int64))
     if batch_invariant.enabled():  # whole key tiles aligned to absolute positions (a key's column is fixed)
         start, width = batch_invariant.aligned_span(lo, hi)
-    else:
-        start, width = lo, int((hi - lo).max())
-    # columns below lo (alignment) or from hi (padding) are invisible; they re-read a stored key
+    else:  # the band layout: same column offset for every sequence (see `WindowKeys`)
+        start, width = meta.starts[g.seqs] - window + 1, g.rows.shape[1] + window - 1
+    # columns below lo (alignment, band) or from hi (padding) are invisible; they re-read a stored key
     pos = np.clip(start[:, None] + np.arange(width)[None, :], lo[:, None], hi[:, None] - 1)
     slots = meta.dev(meta.token_slots_of(g.seqs[:, None], pos))
+    below = None if floor is None else meta.dev(pos < np.asarray(floor, dtype=np.int64)[:, None])[..., None]
+    if not batch_invariant.enabled():
+        return slots, None, below, start, low
     k_pos = meta.dev(start[:, None] + np.arange(width)[None, :])[:, None, :]
     q_pos = g.q_pos[:, :, None]
     visible = (k_pos <= q_pos) & (k_pos > q_pos - window)  # k_pos <= q_pos < hi also drops padding
-    below = None
     if floor is not None:
-        f = np.asarray(floor, dtype=np.int64)[:, None]
-        visible = visible & (k_pos >= meta.dev(f)[:, :, None])
-        below = meta.dev(pos < f)[..., None]
-    return slots, visible.reshape(-1, width), below
+        visible = visible & (k_pos >= meta.dev(np.asarray(floor, dtype=np.int64)[:, None])[:, :, None])
+    return slots, visible.reshape(-1, width), below, start, low
+
+
+def _band_mask(meta: StepMetadata, g: Group, wk: WindowKeys, a: int, b: int) -> torch.Tensor:
+    """bool [G, b, 1, b + W - 1]: which of the band columns a .. a + b + W - 2 query slots a .. a + b - 1
+    see (their window, at or above the floor; padding slots sit at their sequence's last position, so
+    they may see none: their rows are finite and never written back). Built on the host, once per step."""
+
+    def make():
+        kp = wk.base[:, None] + a + np.arange(b + wk.window - 1)[None, :]  # [G, C] key positions
+        # (metadata without host copies: read the positions back once)
+        host_q = g.host_q_pos if g.host_q_pos is not None else g.q_pos.cpu().numpy()
+        qp = host_q[:, a : a + b, None]  # [G, b, 1]
+        vis = (kp[:, None, :] <= qp) & (kp[:, None, :] > qp - wk.window) & (kp >= wk.low[:, None])[:, None, :]
+        return meta.dev(vis[:, :, None, :])
+
+    return meta.cached(("band", *wk.index_key, a, b), make)
 
 
 def compressed_entries(cache: PagedKVCache, meta: StepMetadata, g: Group, pool: str, ratio: int):
@@ -138,35 +201,65 @@ def _entry_index(meta: StepMetadata, g: Group, ratio: int):
 
 
 def attend(
-    q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, g: Group, sinks, scale
+    q: torch.Tensor,
+    swa: WindowKeys,
+    g: Group,
+    sinks,
+    scale,
+    meta: StepMetadata,
+    extra: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Sink attention (as `layers.attention.sink_attention`, batched over the group's sequences, each
-    with its own shared key set): packed `q` [N, nh, D], `keys` [G, S, D], `visible` [G*Q, S]
-    -> FP64 [rows, nh, D] for `g.packed_rows`."""
+    """Sink attention (as `layers.attention.sink_attention`, batched over the group's sequences) over each
+    query's sliding window `swa` plus, if given, `extra` = (entries [G, n, D] shared by a sequence's
+    queries, visible [G*Q, n]): packed `q` [N, nh, D] -> FP64 [rows, nh, D] for `g.packed_rows`.
+
+    Default path: query blocks of b slots score only the b + W - 1 band columns they can see, plus the
+    entries. Invisible keys got exactly zero probability before, so each row's softmax and weighted sum
+    hold the same nonzero terms as a score over every key (summed in another order: FP64 rounding only).
+    """
     gq = g.rows.shape
     if batch_invariant.enabled():  # keys laid out in aligned tiles by swa_keys / compressed_entries
+        keys, visible = swa.keys, swa.visible
+        if extra is not None:
+            keys = torch.cat((keys, extra[0]), dim=1)
+            visible = torch.cat((visible, extra[1]), dim=1)
         out = batch_invariant.sink_attention(q[g.rows], keys, visible.view(*gq, -1), sinks, scale)
-        return out[g.qmask]
-    keys = keys.to(carrier())
-    vis = visible.view(*gq, 1, -1)
-    # Long prefill chunks: the [G, Q, nh, S] FP64 scores of a 16k-token chunk over 16k keys would take
-    # 128 GiB, so queries go in blocks that keep them near SCORE_BLOCK_ELEMENTS (each query row's result
-    # does not depend on the others in its block).
-    per_query = gq[0] * q.shape[1] * keys.shape[1]
-    block = max(1, SCORE_BLOCK_ELEMENTS // max(per_query, 1))
+        return g.real(out.reshape(-1, *out.shape[2:]))
+    if swa.visible is not None:
+        raise ValueError("attend: window keys in the batch-invariant layout outside batch-invariant mode")
+    c = carrier()
+    keys = swa.keys.to(c)
+    w = swa.window
+    entries = vis_e = None
+    n = 0
+    if extra is not None:
+        entries, vis_e = extra[0].to(c), extra[1].view(*gq, 1, -1)
+        n = entries.shape[1]
+    n_heads = q.shape[1]
+    # block rows: at least 2W (band overhead <= 1.5x) and BAND_BLOCK_ROWS, scores within SCORE_BLOCK_ELEMENTS
+    block = min(gq[1], max(BAND_BLOCK_ROWS, 2 * w))
+    block = max(1, min(block, SCORE_BLOCK_ELEMENTS // max(gq[0] * n_heads * (block + w - 1 + n), 1)))
+    sink = sinks.to(c)[None, None, :, None]
     outs = []
-    for lo in range(0, gq[1], block):
-        rows = g.rows[:, lo : lo + block]
-        qs = q[rows].to(carrier())  # [G, q, nh, D]
-        scores = torch.einsum("gqhd,gsd->gqhs", qs, keys) * scale
-        scores = scores.masked_fill(~vis[:, lo : lo + block], float("-inf"))
-        sink = sinks.to(carrier())[None, None, :, None].expand(*rows.shape, -1, 1)
-        logits = torch.cat((scores, sink), dim=-1)
+    for a in range(0, gq[1], block):
+        b = min(block, gq[1] - a)
+        band = keys[:, a : a + b + w - 1]  # [G, b + W - 1, D], a view
+        qs = q[g.rows[:, a : a + b]].to(c)  # [G, b, nh, D]
+        scores = torch.einsum("gqhd,gsd->gqhs", qs, band) * scale
+        parts = [scores.masked_fill(~_band_mask(meta, g, swa, a, b), float("-inf"))]
+        if entries is not None:
+            e_scores = torch.einsum("gqhd,gnd->gqhn", qs, entries) * scale
+            parts.append(e_scores.masked_fill(~vis_e[:, a : a + b], float("-inf")))
+        parts.append(sink.expand(gq[0], b, -1, 1))
+        logits = torch.cat(parts, dim=-1)
         logits = logits - logits.max(dim=-1, keepdim=True).values
-        probs = torch.softmax(logits, dim=-1)[..., :-1]
-        outs.append(torch.einsum("gqhs,gsd->gqhd", probs, keys))
+        probs = torch.softmax(logits, dim=-1)
+        o = torch.einsum("gqhs,gsd->gqhd", probs[..., : band.shape[1]], band)
+        if entries is not None:
+            o = o + torch.einsum("gqhn,gnd->gqhd", probs[..., band.shape[1] : band.shape[1] + n], entries)
+        outs.append(o)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-    return out[g.qmask]
+    return g.real(out.reshape(-1, *out.shape[2:]))
 
 
 def grouped_index_scores(qi: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, g: Group, scaled: bool):

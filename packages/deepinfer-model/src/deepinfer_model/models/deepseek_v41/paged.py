@@ -111,7 +111,7 @@ def _attention(
     if yoco is None:
         cache.write(f"swa.{layer}", meta.write_slots, latent)
     else:  # keys below rect_lo are never visible: not stored (the tag pool says so)
-        stored = qmeta.positions >= yoco.row_floor
+        stored = qmeta.cached(("yoco_stored",), lambda: _stored_rows(qmeta, yoco))
         cache.write(f"swa.{layer}", qmeta.write_slots[stored], latent[stored])
     n_tok = y.shape[0]
     if ratio and topo.is_kv_source(layer):
@@ -142,7 +142,8 @@ def _attention(
     for g in groups:
         slots = g.slot_rows  # every (padded) query slot; padding duplicates its sequence's last query
         floor = None if yoco is None else yoco.rect_lo[g.seqs]
-        keys, visible = swa_keys(cache, qmeta, g, f"swa.{layer}", cfg.sliding_window, floor)
+        window = swa_keys(cache, qmeta, g, f"swa.{layer}", cfg.sliding_window, floor)
+        extra = None
         if ratio:
             entries, valid = compressed_entries(cache, qmeta, g, f"comp.{topo.kv_source[layer]}", ratio)
             n = entries.shape[1]
@@ -158,10 +159,16 @@ def _attention(
                         scores, valid, topo.candidate_block_size, topo.candidate_topk_blocks
                     )
             selected = st.selection[topo.index_source[layer]][slots]
-            keys = torch.cat((keys, entries), dim=1)
-            visible = torch.cat((visible, selection_mask(selected, n)), dim=1)
-        out[g.packed_rows] = attend(q, keys, visible, g, w.attn.sinks, cfg.head_dim**-0.5)
+            extra = (entries, selection_mask(selected, n))
+        out[g.packed_rows] = attend(q, window, g, w.attn.sinks, cfg.head_dim**-0.5, qmeta, extra)
     return project_output(round_to(out, act), w.attn, cfg.o_groups, cos, sin, act)
+
+
+def _stored_rows(qmeta: StepMetadata, yoco: YocoStep) -> torch.Tensor:
+    """Rows of `qmeta` at or above their sequence's rect_lo (the consumer SWA keys that are stored), as an
+    index tensor built on the host (a boolean mask on the device would cost a host sync per layer)."""
+    seq_of = np.repeat(np.arange(qmeta.num_seqs), qmeta.query_lens)
+    return qmeta.dev(np.flatnonzero(qmeta.host_positions >= yoco.rect_lo[seq_of]))
 
 
 def _engram_rows(model: DeepseekV41ForCausalLM, meta: StepMetadata, cache: PagedKVCache) -> dict:
