@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from deepinfer_model import batch_invariant
+from deepinfer_model.layers.indexer import select_topk, selection_mask
 from deepinfer_model.models.deepseek_v41 import load_v41, make_v41_checkpoint
 from deepinfer_model.runner import RunnerBatch
 from deepinfer_model.runtime import PagedRunner, groups
@@ -68,22 +69,25 @@ def _step(starts, qlens, tables):
 
 
 class _ScoreWidths(TorchFunctionMode):
-    """Records the key width of every attention score tensor (einsum 'gqhd,gsd->gqhs')."""
+    """Records the key width of every attention score tensor (window band and entries)."""
 
     def __init__(self):
         super().__init__()
         self.widths = []
+        self.entry_widths = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func is torch.einsum and args[0] == "gqhd,gsd->gqhs":
             self.widths.append(out.shape[-1])
+        if func is torch.einsum and args[0] in ("gqhd,gnd->gqhn", "gqhd,gqkd->gqhk"):
+            self.entry_widths.append(out.shape[-1])
         return out
 
 
 @pytest.mark.parametrize("window", [1, 8, 37])
 @pytest.mark.parametrize("with_floor", [False, True])
-@pytest.mark.parametrize("with_entries", [False, True])
+@pytest.mark.parametrize("with_entries", [None, "mask", "selection"])
 def test_band_attention_matches_the_full_span_computation(window, with_floor, with_entries):
     """A 300-token chunk after 20 cached tokens, a 290-token chunk from 0 (padded in the same group) and a
     260-token chunk after 100: every real query's output against the old full-span computation."""
@@ -104,21 +108,30 @@ def test_band_attention_matches_the_full_span_computation(window, with_floor, wi
     q = torch.randn(int(meta.offsets[-1]), NH, D, generator=gen)
     sinks = torch.randn(NH, generator=gen)
     floor = np.array([150, 0, 120], dtype=np.int64) if with_floor else None
-    entries = entry_vis = None
+    entries = entry_vis = extra = None
     if with_entries:  # e.g. compressed entries: shared per sequence, a random visible subset per query
         entries = torch.randn(3, 40, D, generator=gen)
         entry_vis = torch.rand(3 * g.rows.shape[1], 40, generator=gen) < 0.3
+        extra = (entries, entry_vis)
+    if with_entries == "selection":  # a top-k selection (ascending, -1 padded) and its mask
+        selected = select_topk(torch.randn(entry_vis.shape, generator=gen), entry_vis, 16)
+        assert (selected < 0).any() and (selected >= 0).any()
+        entry_vis = selection_mask(selected, 40)
+        extra = (entries, selected)
     scale = D**-0.5
     wk = groups.swa_keys(cache, meta, g, "swa.0", window, floor)
     widths = _ScoreWidths()
     with widths:
-        new = groups.attend(q, wk, g, sinks, scale, meta, None if entries is None else (entries, entry_vis))
+        new = groups.attend(q, wk, g, sinks, scale, meta, extra)
     ref = _old_attend(q, pool, meta, g, window, floor, entries, entry_vis, sinks, scale)
     assert new.dtype == torch.float64 and new.shape == ref.shape == (sum(qlens), NH, D)
     assert torch.isfinite(new).all()
     torch.testing.assert_close(new, ref, rtol=1e-12, atol=1e-13)
     assert torch.equal(new.float(), ref.float())  # the storage rounding sees the same values
-    # the band: every score tensor spans at most one block plus the window (not the 300 + W - 1 columns)
+    # the band: every score tensor spans at most one block plus the window (not the 300 + W - 1 columns);
+    # a selection scores its k entries per query, not all 40
+    if with_entries == "selection":
+        assert max(widths.entry_widths) == 16
     block = max(groups.BAND_BLOCK_ROWS, 2 * window)
     assert widths.widths and max(widths.widths) <= block + window - 1 < 300 + window - 1
 

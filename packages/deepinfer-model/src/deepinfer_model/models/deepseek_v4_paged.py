@@ -20,7 +20,7 @@ from ..config import SLIDING, AttentionSpec, ModelConfig
 from ..layers import attention as attn
 from ..layers import mhc
 from ..layers.embedding import embed
-from ..layers.indexer import index_queries, select_topk, selection_mask
+from ..layers.indexer import index_queries, select_topk
 from ..layers.rope import cos_sin
 from ..numerics import carrier, linear, round_to
 from ..ops.model_calls import hc_mixes, hc_read, hc_write, rms_norm
@@ -105,8 +105,8 @@ def _attention(
             if w.indexer is not None:
                 index_k = compressed_entries(cache, meta, g, f"index_k.{layer}", r)[0]
                 scores = grouped_index_scores(qi, index_k, head_w, g, cfg.index_score_scale)
-                selected = select_topk(scores, comp_visible, cfg.index_topk)
-                comp_visible = selection_mask(selected, entries.shape[1])
+                # attend gathers the selected entries only (HCA: every visible entry, as a mask)
+                comp_visible = select_topk(scores, comp_visible, cfg.index_topk)
             extra = (entries, comp_visible)
         out[g.packed_rows] = attend(q, window, g, w.attn.sinks, cfg.head_dim**-0.5, meta, extra)
     return attn.project_output(round_to(out, act), w.attn, cfg.o_groups, cos, sin, act)

@@ -17,6 +17,7 @@ import torch
 from .. import batch_invariant
 from ..config import RopeSpec
 from ..layers.compressor import CompressorWeights, compress
+from ..layers.indexer import selection_mask
 from ..layers.rope import apply_rope, cos_sin
 from ..numerics import carrier, round_to
 from .metadata import StepMetadata
@@ -211,18 +212,26 @@ def attend(
 ) -> torch.Tensor:
     """Sink attention (as `layers.attention.sink_attention`, batched over the group's sequences) over each
     query's sliding window `swa` plus, if given, `extra` = (entries [G, n, D] shared by a sequence's
-    queries, visible [G*Q, n]): packed `q` [N, nh, D] -> FP64 [rows, nh, D] for `g.packed_rows`.
+    queries, which of them each query sees): either a bool mask [G*Q, n] (every visible entry is scored)
+    or a long top-k selection [G*Q, k] of entry indices, -1 = none (only the k selected entries are
+    gathered and scored). Packed `q` [N, nh, D] -> FP64 [rows, nh, D] for `g.packed_rows`.
 
     Default path: query blocks of b slots score only the b + W - 1 band columns they can see, plus the
-    entries. Invisible keys got exactly zero probability before, so each row's softmax and weighted sum
-    hold the same nonzero terms as a score over every key (summed in another order: FP64 rounding only).
+    entries (or their selection). Invisible keys got exactly zero probability before, so each row's
+    softmax and weighted sum hold the same nonzero terms as a score over every key (summed in another
+    order: FP64 rounding only).
     """
     gq = g.rows.shape
+    if extra is not None and extra[1].dtype != torch.bool and extra[1].dtype != torch.long:
+        raise ValueError(
+            f"attend: extra visibility must be a bool mask or long indices, got {extra[1].dtype}"
+        )
     if batch_invariant.enabled():  # keys laid out in aligned tiles by swa_keys / compressed_entries
         keys, visible = swa.keys, swa.visible
         if extra is not None:
+            vis_e = extra[1] if extra[1].dtype == torch.bool else selection_mask(extra[1], extra[0].shape[1])
             keys = torch.cat((keys, extra[0]), dim=1)
-            visible = torch.cat((visible, extra[1]), dim=1)
+            visible = torch.cat((visible, vis_e), dim=1)
         out = batch_invariant.sink_attention(q[g.rows], keys, visible.view(*gq, -1), sinks, scale)
         return g.real(out.reshape(-1, *out.shape[2:]))
     if swa.visible is not None:
@@ -230,15 +239,24 @@ def attend(
     c = carrier()
     keys = swa.keys.to(c)
     w = swa.window
-    entries = vis_e = None
+    entries = vis_e = sel = None
     n = 0
+    n_heads, dim = q.shape[1], swa.keys.shape[2]
+    per_row = n_heads * (2 * w - 1)  # band scores of one query row (blocks of >= W rows)
     if extra is not None:
-        entries, vis_e = extra[0].to(c), extra[1].view(*gq, 1, -1)
-        n = entries.shape[1]
-    n_heads = q.shape[1]
+        entries = extra[0].to(c)
+        if extra[1].dtype == torch.bool:
+            vis_e = extra[1].view(*gq, 1, -1)
+            n = entries.shape[1]
+            per_row += n_heads * n
+        else:  # a top-k selection: each row gathers its k entries (k * D values) and scores them
+            sel = extra[1].view(*gq, -1)
+            n = sel.shape[2]
+            per_row += n * (n_heads + dim)
+            g_idx = torch.arange(gq[0], device=sel.device)[:, None, None]
     # block rows: at least 2W (band overhead <= 1.5x) and BAND_BLOCK_ROWS, scores within SCORE_BLOCK_ELEMENTS
     block = min(gq[1], max(BAND_BLOCK_ROWS, 2 * w))
-    block = max(1, min(block, SCORE_BLOCK_ELEMENTS // max(gq[0] * n_heads * (block + w - 1 + n), 1)))
+    block = max(1, min(block, SCORE_BLOCK_ELEMENTS // max(gq[0] * per_row, 1)))
     sink = sinks.to(c)[None, None, :, None]
     outs = []
     for a in range(0, gq[1], block):
@@ -247,16 +265,23 @@ def attend(
         qs = q[g.rows[:, a : a + b]].to(c)  # [G, b, nh, D]
         scores = torch.einsum("gqhd,gsd->gqhs", qs, band) * scale
         parts = [scores.masked_fill(~_band_mask(meta, g, swa, a, b), float("-inf"))]
-        if entries is not None:
+        if vis_e is not None:
             e_scores = torch.einsum("gqhd,gnd->gqhn", qs, entries) * scale
             parts.append(e_scores.masked_fill(~vis_e[:, a : a + b], float("-inf")))
+        elif sel is not None:
+            idx = sel[:, a : a + b]  # [G, b, k]
+            picked = entries[g_idx, idx.clamp(min=0)]  # [G, b, k, D]; -1 re-reads entry 0, masked below
+            e_scores = torch.einsum("gqhd,gqkd->gqhk", qs, picked) * scale
+            parts.append(e_scores.masked_fill((idx < 0)[:, :, None, :], float("-inf")))
         parts.append(sink.expand(gq[0], b, -1, 1))
         logits = torch.cat(parts, dim=-1)
         logits = logits - logits.max(dim=-1, keepdim=True).values
         probs = torch.softmax(logits, dim=-1)
         o = torch.einsum("gqhs,gsd->gqhd", probs[..., : band.shape[1]], band)
-        if entries is not None:
+        if vis_e is not None:
             o = o + torch.einsum("gqhn,gnd->gqhd", probs[..., band.shape[1] : band.shape[1] + n], entries)
+        elif sel is not None:
+            o = o + torch.einsum("gqhk,gqkd->gqhd", probs[..., band.shape[1] : band.shape[1] + n], picked)
         outs.append(o)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return g.real(out.reshape(-1, *out.shape[2:]))

@@ -25,7 +25,7 @@ import torch
 
 from ...layers.attention import project_latent, project_output, project_query
 from ...layers.embedding import embed
-from ...layers.indexer import index_queries, select_topk, selection_mask
+from ...layers.indexer import index_queries, select_topk
 from ...layers.rope import cos_sin
 from ...numerics import carrier, linear, round_to
 from ...numerics import logits as head_logits
@@ -159,7 +159,7 @@ def _attention(
                         scores, valid, topo.candidate_block_size, topo.candidate_topk_blocks
                     )
             selected = st.selection[topo.index_source[layer]][slots]
-            extra = (entries, selection_mask(selected, n))
+            extra = (entries, selected)  # attend gathers the selected entries only
         out[g.packed_rows] = attend(q, window, g, w.attn.sinks, cfg.head_dim**-0.5, qmeta, extra)
     return project_output(round_to(out, act), w.attn, cfg.o_groups, cos, sin, act)
 
