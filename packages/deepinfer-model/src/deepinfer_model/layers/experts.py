@@ -55,20 +55,37 @@ def experts_forward(
     scales the expert output after `w2`. Equal in exact arithmetic.
     """
     t, k = ids.shape
+    n_experts = experts.w1.shape[0]
+    # One host sync per call: the (token, slot) pairs are sorted by expert id (stable, so each expert's
+    # rows keep token-major order) and only the per-expert counts are read back; every gather below is
+    # an integer index, never a boolean mask (each `nonzero` / `unique` is a device->host sync).
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=n_experts).tolist()  # the only host sync
+    if len(counts) > n_experts:
+        raise ValueError(f"expert ids must lie in [0, {n_experts}), got an id {len(counts) - 1}")
+    xs = x[torch.div(order, k, rounding_mode="floor")]  # [T*k, H] rows grouped by expert
+    ws = weights.reshape(-1)[order].to(carrier()).unsqueeze(-1)
+    # y of pair p = t*k + slot lands in row p of `ys`, i.e. ys.view(T, k, H)[t, slot]
+    ys = torch.empty(t * k, x.shape[1], dtype=carrier(), device=x.device)
+    lo = 0
+    for e, count in enumerate(counts):
+        if not count:
+            continue
+        hi = lo + count
+        xr, wr = xs[lo:hi], ws[lo:hi]
+        h = clamped_swiglu(linear(xr, experts.w1[e], act_dtype), linear(xr, experts.w3[e], act_dtype), limit)
+        if weight_before_down:
+            y = linear(h * wr, experts.w2[e], act_dtype)
+        else:
+            y = linear(h, experts.w2[e], act_dtype) * wr
+        ys.index_copy_(0, order[lo:hi], y)  # indices are distinct: deterministic
+        lo = hi
+    ys = ys.view(t, k, x.shape[1])
+    # slot order, from zeros (0 + y is y except for -0.0), exactly as the per-slot accumulation did
     out = torch.zeros(t, x.shape[1], dtype=carrier(), device=x.device)
     for slot in range(k):
-        for e in torch.unique(ids[:, slot]).tolist():
-            rows = (ids[:, slot] == e).nonzero(as_tuple=True)[0]
-            xr = x[rows]
-            h = clamped_swiglu(
-                linear(xr, experts.w1[e], act_dtype), linear(xr, experts.w3[e], act_dtype), limit
-            )
-            wr = weights[rows, slot].to(carrier()).unsqueeze(-1)
-            if weight_before_down:
-                y = linear(h * wr, experts.w2[e], act_dtype)
-            else:
-                y = linear(h, experts.w2[e], act_dtype) * wr
-            out[rows] += y
+        out += ys[:, slot]
     if shared is not None:
         out += mlp(x, shared, limit, act_dtype)
     return round_to(out, act_dtype)

@@ -117,7 +117,7 @@ def v4_paged_forward(model: DeepseekV4Model, meta: StepMetadata, cache: PagedKVC
     """FP32 logits [len(meta.logits_rows), vocab] of one packed step, updating `cache`."""
     cfg, act = model.config, model.dtype
     ids = meta.input_ids
-    trunk = mhc.expand(round_to(embed(ids, model.embed), act), cfg.hc_mult)
+    trunk = mhc.expand(round_to(embed(ids, model.embed, checked=meta.ids_checked), act), cfg.hc_mult)
     hc_args = (cfg.hc_eps, cfg.rms_norm_eps, cfg.hc_sinkhorn_iters)
     groups = make_groups(meta)
     for layer, (spec, w) in enumerate(zip(cfg.attention, model.layers)):

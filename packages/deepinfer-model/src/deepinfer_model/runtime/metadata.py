@@ -35,19 +35,34 @@ class StepMetadata:
     host_positions: np.ndarray | None = None
     host_write_slots: np.ndarray | None = None
     host_logits_rows: np.ndarray | None = None
+    # True when `build` checked every input id against the vocabulary on the host: the embedding then
+    # skips its device-side range check (two device->host reads per step)
+    ids_checked: bool = False
     # device copies of per-step index arrays (group gathers), built once and reused by every layer
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(
-        cls, batch: RunnerBatch, block_size: int, num_blocks: int, device: torch.device | None = None
+        cls,
+        batch: RunnerBatch,
+        block_size: int,
+        num_blocks: int,
+        device: torch.device | None = None,
+        vocab_size: int | None = None,
     ) -> StepMetadata:
-        """Numpy on the host; the four tensors are sent to `device` (default CPU) once each."""
+        """Numpy on the host; the four tensors are sent to `device` (default CPU) once each.
+
+        With `vocab_size`, every input id is checked to lie in [0, vocab_size) here, on the host copy,
+        once per step (ValueError naming the sequence, the id and the range), and `ids_checked` is set.
+        """
         device = torch.device("cpu") if device is None else torch.device(device)
         starts = np.asarray(batch.start_positions, dtype=np.int64)
         qlens = np.asarray(batch.query_lens, dtype=np.int64)
         if np.any(starts < 0) or np.any(qlens < 0):
             raise ValueError("start_positions and query_lens must be >= 0 for every sequence")
+        input_ids = np.asarray(batch.input_ids, dtype=np.int64)
+        if vocab_size is not None:
+            _check_ids(input_ids, qlens, np.asarray(batch.seq_ids), int(vocab_size))
         ends = starts + qlens
         offsets = np.zeros(len(qlens) + 1, dtype=np.int64)
         np.cumsum(qlens, out=offsets[1:])
@@ -80,7 +95,7 @@ class StepMetadata:
             ends=ends,
             offsets=offsets,
             tables=tables,
-            input_ids=to_device(np.asarray(batch.input_ids, dtype=np.int64), device),
+            input_ids=to_device(input_ids, device),
             positions=to_device(positions, device),
             write_slots=to_device(slots, device),
             logits_rows=to_device(logits_rows, device),
@@ -88,6 +103,7 @@ class StepMetadata:
             host_positions=positions,
             host_write_slots=slots,
             host_logits_rows=logits_rows,
+            ids_checked=vocab_size is not None,
         )
 
     def dev(self, array) -> torch.Tensor:
@@ -130,6 +146,20 @@ class StepMetadata:
     def entry_slots(self, i: int, lo: int, hi: int, ratio: int) -> torch.Tensor:
         """Flat slots of sequence `i`'s compressed entries lo .. hi-1 in a pool of ratio `ratio`."""
         return self.dev(self.entry_slots_of(i, np.arange(lo, hi, dtype=np.int64), ratio))
+
+
+def _check_ids(ids: np.ndarray, qlens: np.ndarray, seq_ids: np.ndarray, vocab_size: int) -> None:
+    """ValueError for the first input id outside [0, vocab_size), naming its sequence and packed row."""
+    if len(ids) != int(qlens.sum()):
+        raise ValueError(f"input_ids has {len(ids)} tokens, query_lens sum to {int(qlens.sum())}")
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+    if len(bad):
+        row = int(bad[0])
+        i = int(np.searchsorted(np.cumsum(qlens), row, side="right"))
+        raise ValueError(
+            f"sequence {int(seq_ids[i])}: input_ids[{row}] = {int(ids[row])} is outside the vocabulary; "
+            f"token ids must be in [0, vocab_size={vocab_size})"
+        )
 
 
 def entries_per_block(block_size: int, ratio: int) -> int:

@@ -213,7 +213,7 @@ def v41_paged_forward(
     compact = yoco is not None and yoco.drops_rows
     targets = cfg.dspark.target_layer_ids if (cfg.dspark and w.drafter is not None) else ()
     feats = {}
-    hc = ShiftedHC(embed(meta.input_ids, w.embed), cfg)
+    hc = ShiftedHC(embed(meta.input_ids, w.embed, checked=meta.ids_checked), cfg)
     for layer, blk in enumerate(w.layers):
         if compact and layer == cfg.n_prefill_layer:
             # Compact boundary (§8 item 2): S for every row (consumer compressed KV / index keys need all
