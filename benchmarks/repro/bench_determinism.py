@@ -77,7 +77,9 @@ def _study(llm, args, temperature: float, distinct_seeds: bool) -> dict:
                 continue
             out = outs[k]
             if out.error is not None or len(out.outputs[0].token_ids) != args.max_tokens:
-                raise RuntimeError(f"request {out.request_id} did not complete: {out.error or out.outputs[0]}")
+                raise RuntimeError(
+                    f"request {out.request_id} did not complete: {out.error or out.outputs[0]}"
+                )
             completions.append(tuple(out.outputs[0].token_ids))
         done += copies
         rounds += 1

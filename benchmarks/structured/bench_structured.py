@@ -36,23 +36,42 @@ SCHEMA = {  # a typical extraction schema: strings, numbers, enums, arrays, nest
         "email": {"type": "string", "format": "email"},
         "role": {"enum": ["admin", "user", "guest"]},
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 5},
-        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
-                                                     "zip": {"type": "string", "pattern": "[0-9]{5}"}},
-                    "required": ["city", "zip"]},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 30},
+                "zip": {"type": "string", "pattern": "[0-9]{5}"},
+            },
+            "required": ["city", "zip"],
+        },
         "score": {"type": "number"},
     },
     "required": ["name", "age", "role", "address"],
 }
 COMPILE_CASES = {
     "json_schema(extraction)": {"schema_type": "json_schema", "schema": SCHEMA},
-    "json_schema(40 fields)": {"schema_type": "json_schema", "schema": {
-        "type": "object", "properties": {f"f{i}": [{"type": "integer"}, {"type": "string"},
-                                                   {"type": "boolean"}, {"format": "date", "type": "string"}][i % 4]
-                                         for i in range(40)}, "required": [f"f{i}" for i in range(40)]}},
+    "json_schema(40 fields)": {
+        "schema_type": "json_schema",
+        "schema": {
+            "type": "object",
+            "properties": {
+                f"f{i}": [
+                    {"type": "integer"},
+                    {"type": "string"},
+                    {"type": "boolean"},
+                    {"format": "date", "type": "string"},
+                ][i % 4]
+                for i in range(40)
+            },
+            "required": [f"f{i}" for i in range(40)],
+        },
+    },
     "json_object": {"schema_type": "json_object"},
     "regex(email-ish)": {"schema_type": "regex", "schema": r"[a-z0-9._]{1,20}@[a-z0-9]{1,12}\.(com|org|net)"},
-    "ebnf(arith)": {"schema_type": "ebnf", "schema": 'root ::= e\ne ::= t (("+"|"-") t)*\nt ::= f (("*"|"/") f)*\n'
-                                                     'f ::= [0-9]+ | "(" e ")"'},
+    "ebnf(arith)": {
+        "schema_type": "ebnf",
+        "schema": 'root ::= e\ne ::= t (("+"|"-") t)*\nt ::= f (("*"|"/") f)*\nf ::= [0-9]+ | "(" e ")"',
+    },
 }
 
 
@@ -132,7 +151,9 @@ def run_decode(args, service, streams_in, bias, device) -> tuple[dict, list[list
         sample(raw)
         timer.lap("unconstrained", record)
         if flat:
-            reqs = [ds.MaskRequest(s, i * (k + 1), flat[i][pos[i]:pos[i] + k]) for i, s in enumerate(states)]
+            reqs = [
+                ds.MaskRequest(s, i * (k + 1), flat[i][pos[i] : pos[i] + k]) for i, s in enumerate(states)
+            ]
         else:
             reqs = [ds.MaskRequest(s, i) for i, s in enumerate(states)]
         masks = masker.fill(reqs, num_rows=rows)
@@ -142,7 +163,7 @@ def run_decode(args, service, streams_in, bias, device) -> tuple[dict, list[list
         tokens = sample(logits)
         timer.lap("sample", record)
         for i, state in enumerate(states):
-            produced = flat[i][pos[i]:pos[i] + k + 1] if flat else [tokens[i]]
+            produced = flat[i][pos[i] : pos[i] + k + 1] if flat else [tokens[i]]
             pos[i] += len(produced)
             for tok in produced:  # an object may end inside a step: restart, keep the row constrained
                 state.accept_verified([tok])
@@ -155,12 +176,20 @@ def run_decode(args, service, streams_in, bias, device) -> tuple[dict, list[list
     base = timer.us("unconstrained")
     parts = {name: timer.us(name) for name in ("fill", "apply", "sample", "accept")}
     total = sum(parts.values())
-    record = {"config": "json_schema", "device": device.type, "batch": batch, "vocab": vocab, "drafts": k,
-              "unconstrained_us_per_step": round(base, 1), "us_per_step": round(total, 1),
-              **{f"{n}_us_per_step": round(v, 1) for n, v in parts.items()},
-              "us_per_token": round(total / (k + 1), 1),
-              "ratio_vs_unconstrained": round(total / base, 2), "objects_completed": completed,
-              "timed_steps": len(timer.times["fill"])}
+    record = {
+        "config": "json_schema",
+        "device": device.type,
+        "batch": batch,
+        "vocab": vocab,
+        "drafts": k,
+        "unconstrained_us_per_step": round(base, 1),
+        "us_per_step": round(total, 1),
+        **{f"{n}_us_per_step": round(v, 1) for n, v in parts.items()},
+        "us_per_token": round(total / (k + 1), 1),
+        "ratio_vs_unconstrained": round(total / base, 2),
+        "objects_completed": completed,
+        "timed_steps": len(timer.times["fill"]),
+    }
     return record, streams
 
 
@@ -173,31 +202,49 @@ def bench_compile(info) -> list[dict]:
         t1 = time.perf_counter()
         svc.compile(so_args)
         t2 = time.perf_counter()
-        records.append({"config": f"compile {name}", "cold_ms": round((t1 - t0) * 1e3, 2),
-                        "cached_ms": round((t2 - t1) * 1e3, 3)})
+        records.append(
+            {
+                "config": f"compile {name}",
+                "cold_ms": round((t1 - t0) * 1e3, 2),
+                "cached_ms": round((t2 - t1) * 1e3, 3),
+            }
+        )
         svc.shutdown()
     return records
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--batch", type=int, default=64, help="decode rows per step (default 64)")
     parser.add_argument("--steps", type=int, default=40, help="timed decode steps (default 40)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
-    parser.add_argument("--drafts", type=int, default=3, help="draft tokens per row for the draft run (0: skip)")
-    parser.add_argument("--vocab", type=int, default=129280,
-                        help="LM-head width = logits row size (DeepSeek-V4: 129280; must be >= 129280)")
-    parser.add_argument("--threads", default="auto", help="xgrammar BatchGrammarMatcher threads (default auto)")
+    parser.add_argument(
+        "--drafts", type=int, default=3, help="draft tokens per row for the draft run (0: skip)"
+    )
+    parser.add_argument(
+        "--vocab",
+        type=int,
+        default=129280,
+        help="LM-head width = logits row size (DeepSeek-V4: 129280; must be >= 129280)",
+    )
+    parser.add_argument(
+        "--threads", default="auto", help="xgrammar BatchGrammarMatcher threads (default auto)"
+    )
     parser.add_argument("--device", default="cpu", help="where logits live: cpu (default) or cuda")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results"
-                        / "bench_structured.json")
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).resolve().parents[1] / "results" / "bench_structured.json"
+    )
     args = parser.parse_args()
     if args.vocab < 129280:
         parser.error("--vocab must be at least the tokenizer's 129280 tokens")
     args.threads = args.threads if args.threads == "auto" else int(args.threads)
     console = Console()
-    console.print(f"torch threads {torch.get_num_threads()}, CPUs {os.cpu_count()}, vocab {args.vocab}, "
-                  f"batch {args.batch}, device {args.device}")
+    console.print(
+        f"torch threads {torch.get_num_threads()}, CPUs {os.cpu_count()}, vocab {args.vocab}, "
+        f"batch {args.batch}, device {args.device}"
+    )
     info = ds.tokenizer_info_from_file(tokenizer_json(), args.vocab, stop_token_ids=[EOS_ID])
     compile_records = bench_compile(info)
     service = ds.GrammarCompileService(info)
@@ -208,14 +255,20 @@ def main() -> None:
     if args.drafts:
         decode_records.append(run_decode(args, service, streams, bias, device)[0])
 
-    table = Table(title=f"structured output per decode step, batch {args.batch}, logits on {device.type} "
-                        "(NOT engine throughput)")
+    table = Table(
+        title=f"structured output per decode step, batch {args.batch}, logits on {device.type} "
+        "(NOT engine throughput)"
+    )
     for col in ("drafts", "unconstrained us", "constrained us", "fill", "apply", "sample", "accept", "ratio"):
         table.add_column(col)
     for r in decode_records:
-        table.add_row(str(r["drafts"]), f"{r['unconstrained_us_per_step']:.0f}", f"{r['us_per_step']:.0f}",
-                      *(f"{r[f'{n}_us_per_step']:.0f}" for n in ("fill", "apply", "sample", "accept")),
-                      f"{r['ratio_vs_unconstrained']:.2f}")
+        table.add_row(
+            str(r["drafts"]),
+            f"{r['unconstrained_us_per_step']:.0f}",
+            f"{r['us_per_step']:.0f}",
+            *(f"{r[f'{n}_us_per_step']:.0f}" for n in ("fill", "apply", "sample", "accept")),
+            f"{r['ratio_vs_unconstrained']:.2f}",
+        )
     console.print(table)
     ctable = Table(title="grammar compile (DeepSeek-V4 tokenizer)")
     for col in ("grammar", "cold ms", "cached ms"):
@@ -223,8 +276,10 @@ def main() -> None:
     for r in compile_records:
         ctable.add_row(r["config"], f"{r['cold_ms']:.1f}", f"{r['cached_ms']:.3f}")
     console.print(ctable)
-    console.print("Engine-level decode throughput (constrained vs unconstrained on the same model) comes "
-                  "once the engine exists; these numbers are the structured-output work per step alone.")
+    console.print(
+        "Engine-level decode throughput (constrained vs unconstrained on the same model) comes "
+        "once the engine exists; these numbers are the structured-output work per step alone."
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(decode_records + compile_records, indent=1) + "\n")
     console.print(f"wrote {args.out}")

@@ -142,17 +142,15 @@ def main(argv=None) -> int:
     constrained["ratio_ms_per_step"] = constrained["ms_per_step"] / free["ms_per_step"]
     # CPU time per generated token, unconstrained / constrained: the same throughput ratio measured
     # without the waits a loaded shared host adds (it counts every thread, the mask filler's too).
-    constrained["ratio_cpu_tok_per_s"] = (free["cpu_ms_per_step"] / free["generated_tokens"] * free["steps"]) / (
-        constrained["cpu_ms_per_step"] / constrained["generated_tokens"] * constrained["steps"]
-    )
+    constrained["ratio_cpu_tok_per_s"] = (
+        free["cpu_ms_per_step"] / free["generated_tokens"] * free["steps"]
+    ) / (constrained["cpu_ms_per_step"] / constrained["generated_tokens"] * constrained["steps"])
     constrained["ratio_tok_per_s_pairs"] = [round(x, 4) for x in pair_ratios]
     constrained["median_pair_ratio_tok_per_s"] = statistics.median(pair_ratios)
     constrained["extra_prepare_ms_per_step"] = (
         constrained["prepare_ms_per_step"] - free["prepare_ms_per_step"]
     )
-    table = Table(
-        title=f"{args.batch} requests, {args.model}, CPU {args.threads} thread(s), paged runner"
-    )
+    table = Table(title=f"{args.batch} requests, {args.model}, CPU {args.threads} thread(s), paged runner")
     cols = [c for c in constrained if c != "ratio_tok_per_s_pairs"]
     for c in cols:
         table.add_column(c)

@@ -17,7 +17,9 @@ def _run_one(sched: Scheduler, prompt, salt):
 
 @pytest.mark.parametrize("hash_bits", [64, 0])  # 0 bits: every lookup collides, confirmation decides
 def test_hits_only_within_one_salt(hash_bits):
-    sched = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_model_len=64, prefix_hash_bits=hash_bits))
+    sched = Scheduler(
+        SchedulerConfig(num_blocks=64, block_size=4, max_model_len=64, prefix_hash_bits=hash_bits)
+    )
     prompt = list(range(1, 14))  # three full blocks are cacheable
     assert _run_one(sched, prompt, salt=5) == 0
     assert _run_one(sched, prompt, salt=6) == 0  # another namespace: no hit

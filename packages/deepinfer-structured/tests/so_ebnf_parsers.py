@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-ARITH_EBNF = r'''
+ARITH_EBNF = r"""
 root ::= expr
 expr ::= term (("+" | "-") term)*
 term ::= factor (("*" | "/") factor)*
 factor ::= num | "(" expr ")"
 num ::= [0-9] | [1-9] [0-9]*
-'''
+"""
 
-CALLS_EBNF = r'''
+CALLS_EBNF = r"""
 root ::= call ("; " call)*
 call ::= name "(" args? ")"
 args ::= value ("," value)*
 value ::= name | "'" [a-z ]* "'"
 name ::= [a-z] [a-z_0-9]*
-'''
+"""
 
 
 class _Parser:
@@ -105,4 +105,3 @@ def recognises(grammar: str, text: str) -> bool:
     except SyntaxError:
         return False
     return p.i == len(text)
-

@@ -30,7 +30,9 @@ def test_apply_matches_numpy_reference_on_chosen_rows():
     gen = torch.Generator().manual_seed(0)
     vocab = 300  # small so the per-element reference stays fast; not a multiple of 32
     logits = torch.randn(6, vocab, generator=gen)
-    bitmask = torch.randint(-(2**31), 2**31 - 1, (6, ds.bitmask_words(vocab)), generator=gen, dtype=torch.int32)
+    bitmask = torch.randint(
+        -(2**31), 2**31 - 1, (6, ds.bitmask_words(vocab)), generator=gen, dtype=torch.int32
+    )
     for rows in ([1, 4, 5], [0, 1, 2], [3]):
         expect = reference_apply(logits.numpy(), bitmask.numpy(), rows)
         for fn in ("apply_bitmask_inplace", "torch", "xgrammar-cpu-kernel"):
@@ -68,8 +70,11 @@ def test_mixed_batch_generation(service, tokenizer):
     """Eight sequences, four constrained (different types, one with a trigger) and four free,
     decoded step by step with one batched fill + apply per step."""
     model = RandomModel(VOCAB_SIZE, EOS_ID, closing_ids(tokenizer))
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
-              "required": ["n"]}
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["n"],
+    }
     trigger = tokenizer.encode("<<", add_special_tokens=False).ids
     specs = [
         {"schema_type": "json_schema", "schema": schema, "max_whitespace": 1},
@@ -119,13 +124,18 @@ def test_mixed_batch_generation(service, tokenizer):
 
 
 def test_batch_fill_equals_one_by_one_fill(service, tokenizer):
-    args = [{"schema_type": "regex", "schema": r"[a-c]+x"}, {"schema_type": "json_object"},
-            {"schema_type": "ebnf", "schema": 'root ::= "a" root | "b"'}]
+    args = [
+        {"schema_type": "regex", "schema": r"[a-c]+x"},
+        {"schema_type": "json_object"},
+        {"schema_type": "ebnf", "schema": 'root ::= "a" root | "b"'},
+    ]
     states = [service.new_state(a) for a in args]
     prefixes = ["ab", '{"k": [1', "aa"]
     for st, p in zip(states, prefixes):
         st.accept_verified(tokenizer.encode(p, add_special_tokens=False).ids)
-    masks = ds.BatchMasker(VOCAB_SIZE).fill([ds.MaskRequest(st, 2 * i) for i, st in enumerate(states)], num_rows=6)
+    masks = ds.BatchMasker(VOCAB_SIZE).fill(
+        [ds.MaskRequest(st, 2 * i) for i, st in enumerate(states)], num_rows=6
+    )
     assert masks.rows == [0, 2, 4]
     single = torch.zeros(1, WORDS, dtype=torch.int32)
     for i, st in enumerate(states):

@@ -23,7 +23,7 @@ def model(tokenizer):
 
 def masked_argmax(model, seed, prefix, bitmask, row) -> int:
     logits = model.logits(seed, prefix).unsqueeze(0)
-    ds.apply_bitmask_inplace(logits, ds.StepMasks(bitmask[row:row + 1], [0]))
+    ds.apply_bitmask_inplace(logits, ds.StepMasks(bitmask[row : row + 1], [0]))
     return int(logits[0].argmax())
 
 
@@ -44,12 +44,15 @@ def decode_with_drafts(state, model, seed, truth, k, rng, stats, max_tokens=128)
     masker = ds.BatchMasker(VOCAB_SIZE, max_threads=1)
     out: list[int] = []
     while len(out) < max_tokens:
-        drafts = list(truth[len(out):len(out) + k])
+        drafts = list(truth[len(out) : len(out) + k])
         drafts += [rng.randrange(VOCAB_SIZE) for _ in range(k - len(drafts))]
         if drafts and rng.random() < 0.5:
             j = rng.randrange(len(drafts))
-            drafts[j] = rng.randrange(VOCAB_SIZE) if rng.random() < 0.5 else \
-                int(model.logits(seed, out + drafts[:j]).argmax())
+            drafts[j] = (
+                rng.randrange(VOCAB_SIZE)
+                if rng.random() < 0.5
+                else int(model.logits(seed, out + drafts[:j]).argmax())
+            )
         before = state.num_tokens
         masks = masker.fill([ds.MaskRequest(state, 0, drafts)], num_rows=k + 1)
         assert state.num_tokens == before  # drafts were rolled back
@@ -93,7 +96,7 @@ def test_each_draft_row_equals_a_fresh_matcher(service, model, tokenizer):
     state = service.new_state(so_args)
     masker = ds.BatchMasker(VOCAB_SIZE, max_threads=1)
     for start in range(len(text_ids)):
-        drafts = text_ids[start:start + 4] + [tokenizer.encode("zz", add_special_tokens=False).ids[0]]
+        drafts = text_ids[start : start + 4] + [tokenizer.encode("zz", add_special_tokens=False).ids[0]]
         masks = masker.fill([ds.MaskRequest(state, 1, drafts)], num_rows=len(drafts) + 2)
         valid = masks.valid_drafts[0]
         assert valid == min(4, len(text_ids) - start)  # the "zz" draft is rejected
@@ -145,8 +148,9 @@ def test_rollback_is_exact_and_bounded(service, tokenizer):
 def test_trigger_then_grammar(service, tokenizer):
     trigger = tokenizer.encode("<json>", add_special_tokens=False).ids
     assert len(trigger) >= 2
-    state = service.new_state({"schema_type": "json", "schema": {"type": "integer"},
-                               "trigger_token_ids": trigger})
+    state = service.new_state(
+        {"schema_type": "json", "schema": {"type": "integer"}, "trigger_token_ids": trigger}
+    )
     row = torch.zeros(1, WORDS, dtype=torch.int32)
     free = tokenizer.encode("hello <j", add_special_tokens=False).ids
     state.accept_verified(free)
@@ -167,8 +171,9 @@ def test_trigger_then_grammar(service, tokenizer):
 def test_bound_token_forces_the_rest_of_the_trigger(service, tokenizer):
     trigger = tokenizer.encode("```json\n", add_special_tokens=False).ids
     bound = tokenizer.encode("Answer", add_special_tokens=False).ids[0]
-    state = service.new_state({"schema_type": "regex", "schema": "[0-9]", "trigger_token_ids": trigger,
-                               "bound_token_id": bound})
+    state = service.new_state(
+        {"schema_type": "regex", "schema": "[0-9]", "trigger_token_ids": trigger, "bound_token_id": bound}
+    )
     row = torch.zeros(1, WORDS, dtype=torch.int32)
     state.accept_verified([bound])
     for expected in trigger:

@@ -25,8 +25,13 @@ PERSON_SCHEMA = {
         "name": {"type": "string", "maxLength": 8},
         "age": {"type": "integer", "minimum": 0, "maximum": 150},
         "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
-        "kind": {"oneOf": [{"type": "integer", "minimum": -5, "maximum": 5},
-                           {"type": "string", "maxLength": 4}, {"type": "null"}]},
+        "kind": {
+            "oneOf": [
+                {"type": "integer", "minimum": -5, "maximum": 5},
+                {"type": "string", "maxLength": 4},
+                {"type": "null"},
+            ]
+        },
         "score": {"type": "number", "minimum": 0, "maximum": 1},
     },
     "required": ["name", "age"],
@@ -88,8 +93,11 @@ def run_many(service, tokenizer, model, so_args, check, min_ended: int) -> None:
 
 
 # A random model loves JSON's many whitespace tokens; without a bound it rarely ends (README).
-@pytest.mark.parametrize(("schema", "max_ws"), [(PERSON_SCHEMA, 1), (PERSON_SCHEMA, 3), (FORMATS_SCHEMA, 1)],
-                         ids=["person-ws1", "person-ws3", "formats-ws1"])
+@pytest.mark.parametrize(
+    ("schema", "max_ws"),
+    [(PERSON_SCHEMA, 1), (PERSON_SCHEMA, 3), (FORMATS_SCHEMA, 1)],
+    ids=["person-ws1", "person-ws3", "formats-ws1"],
+)
 def test_json_schema_outputs_validate(service, tokenizer, model, schema, max_ws):
     validator = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.FormatChecker())
 
@@ -111,8 +119,14 @@ def test_json_object_outputs_parse(service, tokenizer, model):
     def check(text):
         assert isinstance(json.loads(text), dict), text
 
-    run_many(service, tokenizer, model, {"schema_type": "json_object", "max_whitespace": 2}, check,
-             min_ended=len(SEEDS) // 2)
+    run_many(
+        service,
+        tokenizer,
+        model,
+        {"schema_type": "json_object", "max_whitespace": 2},
+        check,
+        min_ended=len(SEEDS) // 2,
+    )
 
 
 @pytest.mark.parametrize("pattern", REGEXES)
@@ -121,8 +135,14 @@ def test_regex_outputs_fullmatch(service, tokenizer, model, pattern):
         # xgrammar's '.' also matches a newline, hence DOTALL (documented in the README).
         assert re.fullmatch(pattern, text, flags=re.DOTALL), (pattern, text)
 
-    run_many(service, tokenizer, model, {"schema_type": "regex", "schema": pattern}, check,
-             min_ended=len(SEEDS) // 2)
+    run_many(
+        service,
+        tokenizer,
+        model,
+        {"schema_type": "regex", "schema": pattern},
+        check,
+        min_ended=len(SEEDS) // 2,
+    )
 
 
 @pytest.mark.parametrize("grammar", [ARITH_EBNF, CALLS_EBNF], ids=["arith", "calls"])
@@ -130,8 +150,14 @@ def test_ebnf_outputs_parse(service, tokenizer, model, grammar):
     def check(text):
         assert recognises(grammar, text), text
 
-    run_many(service, tokenizer, model, {"schema_type": "ebnf", "schema": grammar}, check,
-             min_ended=len(SEEDS) // 2)
+    run_many(
+        service,
+        tokenizer,
+        model,
+        {"schema_type": "ebnf", "schema": grammar},
+        check,
+        min_ended=len(SEEDS) // 2,
+    )
 
 
 def test_recognisers_reject_what_they_should():

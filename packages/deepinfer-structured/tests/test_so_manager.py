@@ -34,8 +34,14 @@ def test_lifecycle_and_per_request_failures(manager, tokenizer):
         manager.add_request("bad-regex", {"schema_type": "regex", "schema": "a(?=b)"})
     manager.add_request("num", {"schema_type": "regex", "schema": "[0-9]{2}"})
     manager.add_request("bad-ebnf", {"schema_type": "ebnf", "schema": "root ::= nope"})
-    manager.add_request("obj", {"schema_type": "json", "schema": {"type": "object", "properties":
-                                {"k": {"type": "boolean"}}, "required": ["k"]}, "any_whitespace": False})
+    manager.add_request(
+        "obj",
+        {
+            "schema_type": "json",
+            "schema": {"type": "object", "properties": {"k": {"type": "boolean"}}, "required": ["k"]},
+            "any_whitespace": False,
+        },
+    )
     with pytest.raises(ValueError, match="already registered"):
         manager.add_request("num", {"schema_type": "json_object"})
     failures = wait_ready(manager, ["num", "bad-ebnf", "obj"])

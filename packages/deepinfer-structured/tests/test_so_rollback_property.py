@@ -20,8 +20,12 @@ def setup(service, tokenizer):
     enc = lambda text: tokenizer.encode(text, add_special_tokens=False).ids  # noqa: E731
     trigger = enc("<a>")
     bound = enc("!")[0]
-    so_args = {"schema_type": "regex", "schema": "[0-9]{1,3}(,[0-9]{1,3})*", "trigger_token_ids": trigger,
-               "bound_token_id": bound}
+    so_args = {
+        "schema_type": "regex",
+        "schema": "[0-9]{1,3}(,[0-9]{1,3})*",
+        "trigger_token_ids": trigger,
+        "bound_token_id": bound,
+    }
     pool = sorted(set(trigger + [bound, EOS_ID] + enc("12,3") + enc("x") + enc("9,")))
     compiled = service.compile(so_args)
     return compiled, ds.parse_so_args(so_args), pool
@@ -66,7 +70,7 @@ def run_ops(setup, ops) -> set:
         else:
             k = n % (len(kept) + 1)
             state.rollback(k)
-            del kept[len(kept) - k:]
+            del kept[len(kept) - k :]
         fresh = ds.GrammarState(compiled, request)
         fresh.rebuild_from_tokens(kept)
         a, b = snapshot(state), snapshot(fresh)

@@ -90,7 +90,11 @@ class Scheduler(_NativeScheduler):
             raise ValueError(f"seq_id must be a non-negative integer or None, got {seq_id!r}")
         if eos_token_id is not None and eos_token_id < 0:
             raise ValueError(f"eos_token_id must be >= 0 or None, got {eos_token_id}")
-        if isinstance(cache_salt, bool) or not isinstance(cache_salt, int | np.integer) or not 0 <= cache_salt < 2**63:
+        if (
+            isinstance(cache_salt, bool)
+            or not isinstance(cache_salt, int | np.integer)
+            or not 0 <= cache_salt < 2**63
+        ):
             raise ValueError(f"cache_salt must be an integer in [0, 2**63), got {cache_salt!r}")
         blocks = None if cached_block_ids is None else _int32_array(cached_block_ids, "cached_block_ids")
         return self._add_request(

@@ -80,8 +80,12 @@ class BatchMasker:
             slot.copy_done.synchronize()
             slot.copy_pending = False
         if slot.buffer.shape[0] < num_rows:
-            slot.buffer = torch.empty(max(num_rows, 2 * slot.buffer.shape[0]), bitmask_words(self.vocab_size),
-                                      dtype=torch.int32, pin_memory=torch.cuda.is_available())
+            slot.buffer = torch.empty(
+                max(num_rows, 2 * slot.buffer.shape[0]),
+                bitmask_words(self.vocab_size),
+                dtype=torch.int32,
+                pin_memory=torch.cuda.is_available(),
+            )
         return slot
 
     def fill(self, requests: Sequence[MaskRequest], num_rows: int) -> StepMasks:
@@ -91,9 +95,13 @@ class BatchMasker:
         """
         for req in requests:
             if req.state.vocab_size != self.vocab_size:
-                raise ValueError(f"state vocab_size {req.state.vocab_size} != masker vocab_size {self.vocab_size}")
+                raise ValueError(
+                    f"state vocab_size {req.state.vocab_size} != masker vocab_size {self.vocab_size}"
+                )
             if not (0 <= req.first_row and req.first_row + len(req.drafts) < num_rows):
-                raise ValueError(f"first_row {req.first_row} + {len(req.drafts)} drafts outside [0, {num_rows})")
+                raise ValueError(
+                    f"first_row {req.first_row} + {len(req.drafts)} drafts outside [0, {num_rows})"
+                )
         slot = self._take_slot(num_rows)
         bitmask = slot.buffer[:num_rows]
         rows: set[int] = set()
@@ -103,12 +111,17 @@ class BatchMasker:
             depth = 0
             while alive:
                 # One batched xgrammar call for every live grammar at this draft depth.
-                in_grammar = [i for i in alive if requests[i].state.phase is Phase.GRAMMAR
-                              and not requests[i].state.matcher.is_terminated()]
+                in_grammar = [
+                    i
+                    for i in alive
+                    if requests[i].state.phase is Phase.GRAMMAR
+                    and not requests[i].state.matcher.is_terminated()
+                ]
                 if in_grammar:
                     indices = [requests[i].first_row + depth for i in in_grammar]
                     self._batch.batch_fill_next_token_bitmask(
-                        [requests[i].state.matcher for i in in_grammar], bitmask, indices)
+                        [requests[i].state.matcher for i in in_grammar], bitmask, indices
+                    )
                     rows.update(indices)
                 grammar_set = set(in_grammar)
                 for i in alive:
@@ -144,11 +157,15 @@ def apply_bitmask_inplace(logits: torch.Tensor, masks: StepMasks) -> None:
     if not masks.rows:
         return
     if logits.dim() != 2 or logits.shape[0] < masks.bitmask.shape[0]:
-        raise ValueError(f"logits: expected [>= {masks.bitmask.shape[0]}, vocab] rows, got {tuple(logits.shape)}")
+        raise ValueError(
+            f"logits: expected [>= {masks.bitmask.shape[0]}, vocab] rows, got {tuple(logits.shape)}"
+        )
     vocab_size = logits.shape[1]
     if bitmask_words(vocab_size) != masks.bitmask.shape[1]:
-        raise ValueError(f"logits width {vocab_size} does not match the bitmask "
-                         f"({masks.bitmask.shape[1]} words); pass the LM-head width as vocab_size")
+        raise ValueError(
+            f"logits width {vocab_size} does not match the bitmask "
+            f"({masks.bitmask.shape[1]} words); pass the LM-head width as vocab_size"
+        )
     if logits.device.type == "cpu":
         # The torch path beats xgrammar's CPU kernel ~7x at 64 x 129k (a byte per table lookup).
         apply_bitmask_torch(logits, masks.bitmask, masks.rows)
@@ -166,10 +183,13 @@ def apply_bitmask_inplace(logits: torch.Tensor, masks: StepMasks) -> None:
         dense = masks.rows[-1] == n - 1
         try:
             if dense:
-                xg.apply_token_bitmask_inplace(logits[:n], bitmask[:n], vocab_size=vocab_size, backend="triton")
+                xg.apply_token_bitmask_inplace(
+                    logits[:n], bitmask[:n], vocab_size=vocab_size, backend="triton"
+                )
             else:
-                xg.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=masks.rows,
-                                               backend="triton")
+                xg.apply_token_bitmask_inplace(
+                    logits, bitmask, vocab_size=vocab_size, indices=masks.rows, backend="triton"
+                )
             return
         except ImportError:  # no triton: fall through to the plain torch version
             pass
@@ -191,7 +211,9 @@ def _disallowed(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     lut = _LUTS.get(bitmask.device)
     if lut is None:
         bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
-        lut = _LUTS[bitmask.device] = (bits == 0).contiguous().view(torch.int64).reshape(256).to(bitmask.device)
+        lut = _LUTS[bitmask.device] = (
+            (bits == 0).contiguous().view(torch.int64).reshape(256).to(bitmask.device)
+        )
     # little-endian: byte j of word w holds tokens 32 w + 8 j .. 32 w + 8 j + 7, lowest bit first
     as_bytes = bitmask.contiguous().view(torch.uint8).reshape(-1)
     return lut.index_select(0, as_bytes.to(torch.int32)).view(torch.bool).view(n, words * 32)[:, :vocab_size]

@@ -31,8 +31,12 @@ def _size(future: Future) -> int:
     return 0
 
 
-_WHAT = {"json_schema": "JSON schema", "json_object": "JSON object grammar", "regex": "regex",
-         "ebnf": "EBNF grammar"}
+_WHAT = {
+    "json_schema": "JSON schema",
+    "json_object": "JSON object grammar",
+    "regex": "regex",
+    "ebnf": "EBNF grammar",
+}
 
 
 @dataclass
@@ -75,8 +79,9 @@ class PendingGrammar:
             raise from_xgrammar("schema", _WHAT[self.request.schema_type], exc) from None
 
     def _raise_timeout(self) -> None:
-        raise StructuredOutputError("schema", f"grammar compilation did not finish within "
-                                    f"{self._timeout_s:g} s (compile timeout)")
+        raise StructuredOutputError(
+            "schema", f"grammar compilation did not finish within {self._timeout_s:g} s (compile timeout)"
+        )
 
 
 class GrammarCompileService:
@@ -93,8 +98,15 @@ class GrammarCompileService:
             20 s in the reference).
     """
 
-    def __init__(self, tokenizer_info: xg.TokenizerInfo, *, max_threads: int = 2,
-                 cache_entries: int = 256, cache_limit_bytes: int = 10 << 30, timeout_s: float = 20.0):
+    def __init__(
+        self,
+        tokenizer_info: xg.TokenizerInfo,
+        *,
+        max_threads: int = 2,
+        cache_entries: int = 256,
+        cache_limit_bytes: int = 10 << 30,
+        timeout_s: float = 20.0,
+    ):
         if max_threads < 1:
             raise ValueError(f"max_threads: must be >= 1, got {max_threads}")
         if cache_entries < 0:
@@ -118,10 +130,13 @@ class GrammarCompileService:
     def submit(self, so_args: dict | StructuredOutputRequest) -> PendingGrammar:
         """Validate (raises StructuredOutputError now) and start compiling (errors come from poll)."""
         request = parse_so_args(so_args)
-        for token in request.trigger_token_ids + ((request.bound_token_id,) if request.bound_token_id is not None else ()):
+        for token in request.trigger_token_ids + (
+            (request.bound_token_id,) if request.bound_token_id is not None else ()
+        ):
             if token >= self.vocab_size:
-                raise StructuredOutputError("trigger_token_ids", f"token id {token} is outside the "
-                                            f"vocabulary [0, {self.vocab_size})")
+                raise StructuredOutputError(
+                    "trigger_token_ids", f"token id {token} is outside the vocabulary [0, {self.vocab_size})"
+                )
         deadline = time.monotonic() + self._timeout_s
         with self._lock:
             future = self._cache.get(request.cache_key)
@@ -179,8 +194,11 @@ class GrammarCompileService:
             # Strict mode (as the reference): no properties / items the schema does not name.
             schema = text if kind == "json_schema" else '{"type": "object"}'
             return self._compiler.compile_json_schema(
-                schema, any_whitespace=request.any_whitespace, max_whitespace_cnt=request.max_whitespace,
-                strict_mode=kind == "json_schema")
+                schema,
+                any_whitespace=request.any_whitespace,
+                max_whitespace_cnt=request.max_whitespace,
+                strict_mode=kind == "json_schema",
+            )
         if kind == "regex":
             return self._compiler.compile_regex(text)
         return self._compiler.compile_grammar(text)

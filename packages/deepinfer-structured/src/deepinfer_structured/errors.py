@@ -37,5 +37,6 @@ def from_xgrammar(field: str, what: str, exc: BaseException) -> StructuredOutput
     """Wrap an exception raised by xgrammar, keeping its message and the location it names."""
     message = _XGRAMMAR_PREFIX.sub("", str(exc)).strip()
     found = _LOCATION.search(message)
-    return StructuredOutputError(field, f"xgrammar cannot compile this {what}: {message}",
-                                 found.group(1) if found else None)
+    return StructuredOutputError(
+        field, f"xgrammar cannot compile this {what}: {message}", found.group(1) if found else None
+    )

@@ -31,8 +31,12 @@ class Phase(Enum):
 class GrammarState:
     """One request's structured-output state. Not thread-safe (one engine loop owns it)."""
 
-    def __init__(self, compiled: xg.CompiledGrammar, request: StructuredOutputRequest,
-                 never_tokens: frozenset[int] | None = None):
+    def __init__(
+        self,
+        compiled: xg.CompiledGrammar,
+        request: StructuredOutputRequest,
+        never_tokens: frozenset[int] | None = None,
+    ):
         """never_tokens: the tokenizer's special token ids, when the caller has them already (reading
         them from xgrammar costs ~3 ms at the 129k vocabulary: GrammarCompileService keeps one copy)."""
         self.request = request
@@ -64,7 +68,9 @@ class GrammarState:
     @property
     def constrained(self) -> bool:
         """Whether the next token is restricted (forced trigger token or live grammar)."""
-        return self.phase is Phase.FORCING or (self.phase is Phase.GRAMMAR and not self.matcher.is_terminated())
+        return self.phase is Phase.FORCING or (
+            self.phase is Phase.GRAMMAR and not self.matcher.is_terminated()
+        )
 
     def is_terminated(self) -> bool:
         """The grammar has accepted a stop token: the structured output is complete."""
@@ -120,7 +126,11 @@ class GrammarState:
             if self.matcher.is_terminated():
                 self._history.append(self._after_end_entry)
                 return True
-            if token in self._never or not 0 <= token < self.vocab_size or not self.matcher.accept_token(token):
+            if (
+                token in self._never
+                or not 0 <= token < self.vocab_size
+                or not self.matcher.accept_token(token)
+            ):
                 return False
             self._history.append(self._grammar_entry)
             return True
@@ -142,7 +152,7 @@ class GrammarState:
         """Longest trigger prefix that is a suffix of (matched trigger prefix + token) (KMP step)."""
         seq = self._trigger[:matched] + (token,)
         for length in range(min(len(seq), len(self._trigger)), 0, -1):
-            if seq[len(seq) - length:] == self._trigger[:length]:
+            if seq[len(seq) - length :] == self._trigger[:length]:
                 return length
         return 0
 
@@ -156,8 +166,9 @@ class GrammarState:
             if not self.accept_token(token):
                 step = self.num_tokens + 1
                 self.rollback(i)
-                raise StructuredOutputError("schema", f"token {token} at output step {step} "
-                                            "violates the constraint")
+                raise StructuredOutputError(
+                    "schema", f"token {token} at output step {step} violates the constraint"
+                )
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens exactly."""

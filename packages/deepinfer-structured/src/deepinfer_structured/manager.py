@@ -22,10 +22,23 @@ from .grammar_state import GrammarState
 class StructuredOutputManager:
     """Compile service + per-request states + batch masks for one engine."""
 
-    def __init__(self, tokenizer_info: xg.TokenizerInfo, *, compile_threads: int = 2, timeout_s: float = 20.0,
-                 cache_entries: int = 256, cache_limit_bytes: int = 10 << 30, fill_threads: int | str = "auto"):
-        self.compiler = GrammarCompileService(tokenizer_info, max_threads=compile_threads, timeout_s=timeout_s,
-                                              cache_entries=cache_entries, cache_limit_bytes=cache_limit_bytes)
+    def __init__(
+        self,
+        tokenizer_info: xg.TokenizerInfo,
+        *,
+        compile_threads: int = 2,
+        timeout_s: float = 20.0,
+        cache_entries: int = 256,
+        cache_limit_bytes: int = 10 << 30,
+        fill_threads: int | str = "auto",
+    ):
+        self.compiler = GrammarCompileService(
+            tokenizer_info,
+            max_threads=compile_threads,
+            timeout_s=timeout_s,
+            cache_entries=cache_entries,
+            cache_limit_bytes=cache_limit_bytes,
+        )
         self.masker = BatchMasker(tokenizer_info.vocab_size, max_threads=fill_threads)
         self._pending: dict[Hashable, PendingGrammar] = {}
         self._states: dict[Hashable, GrammarState] = {}
@@ -69,8 +82,9 @@ class StructuredOutputManager:
         self._states.pop(request_id, None)
 
     # ---- per step --------------------------------------------------------------------------------
-    def fill(self, rows: Sequence[tuple[Hashable, int, Sequence[int]]], num_rows: int
-             ) -> tuple[StepMasks, dict[Hashable, StructuredOutputError]]:
+    def fill(
+        self, rows: Sequence[tuple[Hashable, int, Sequence[int]]], num_rows: int
+    ) -> tuple[StepMasks, dict[Hashable, StructuredOutputError]]:
         """Masks for (request_id, first_row, drafts) of the structured requests in this step.
 
         If xgrammar raises, each request is retried alone so that only the broken one fails.
@@ -93,7 +107,7 @@ class StructuredOutputManager:
                 valid.append(req.state.fill_draft_bitmasks(list(drafts), bitmask, first))
                 masked.extend(range(first, first + len(drafts) + 1))
             except Exception as exc:  # noqa: BLE001
-                bitmask[first:first + len(drafts) + 1] = -1
+                bitmask[first : first + len(drafts) + 1] = -1
                 valid.append(0)
                 failed[rid] = StructuredOutputError("schema", f"grammar matcher failed: {exc}")
                 self.remove(rid)

@@ -37,14 +37,16 @@ def audit_regex(pattern: str, field: str = "schema", where: str = "") -> None:
     """
 
     def fail(pos: int, what: str) -> None:
-        raise StructuredOutputError(field, f"unsupported regex feature: {what} in {pattern!r}",
-                                    f"{where}position {pos}")
+        raise StructuredOutputError(
+            field, f"unsupported regex feature: {what} in {pattern!r}", f"{where}position {pos}"
+        )
 
     try:
         re.compile(pattern)
     except re.error as exc:
-        raise StructuredOutputError(field, f"invalid regex {pattern!r}: {exc.msg}",
-                                    f"{where}position {exc.pos}") from None
+        raise StructuredOutputError(
+            field, f"invalid regex {pattern!r}: {exc.msg}", f"{where}position {exc.pos}"
+        ) from None
 
     in_class = False
     i = 0
@@ -58,13 +60,13 @@ def audit_regex(pattern: str, field: str = "schema", where: str = "") -> None:
             if nxt.isdigit() and nxt != "0":
                 fail(i, f"backreference \\{nxt}")
             if nxt == "x":
-                digits = pattern[i + 2:i + 4]
+                digits = pattern[i + 2 : i + 4]
                 if len(digits) != 2 or not set(digits) <= _HEX_DIGITS:
                     fail(i, "\\x needs two hex digits")
                 i += 4
                 continue
             if nxt == "u":
-                digits = pattern[i + 2:i + 6]
+                digits = pattern[i + 2 : i + 6]
                 if len(digits) != 4 or not set(digits) <= _HEX_DIGITS:
                     fail(i, "\\u needs four hex digits")
                 i += 6

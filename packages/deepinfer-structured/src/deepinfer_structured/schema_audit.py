@@ -20,19 +20,62 @@ from .regex_audit import audit_regex
 # Enforced by xgrammar (some more narrowly than JSON Schema, which never breaks validity):
 # `pattern` / `patternProperties` / `propertyNames.pattern` are matched against the whole string,
 # not searched; strict mode forbids properties and items the schema does not name.
-ENFORCED = frozenset({
-    "type", "enum", "const", "properties", "required", "additionalProperties", "patternProperties",
-    "propertyNames", "unevaluatedProperties", "minProperties", "maxProperties", "items", "prefixItems",
-    "additionalItems", "unevaluatedItems", "minItems", "maxItems", "minLength", "maxLength", "pattern",
-    "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "anyOf",
-    "oneOf", "allOf", "$ref", "$defs", "definitions",
-})
+ENFORCED = frozenset(
+    {
+        "type",
+        "enum",
+        "const",
+        "properties",
+        "required",
+        "additionalProperties",
+        "patternProperties",
+        "propertyNames",
+        "unevaluatedProperties",
+        "minProperties",
+        "maxProperties",
+        "items",
+        "prefixItems",
+        "additionalItems",
+        "unevaluatedItems",
+        "minItems",
+        "maxItems",
+        "minLength",
+        "maxLength",
+        "pattern",
+        "format",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "multipleOf",
+        "anyOf",
+        "oneOf",
+        "allOf",
+        "$ref",
+        "$defs",
+        "definitions",
+    }
+)
 # Annotations: no effect on validity.
-ANNOTATIONS = frozenset({
-    "title", "description", "default", "examples", "$comment", "$schema", "$id", "$anchor",
-    "$vocabulary", "deprecated", "readOnly", "writeOnly", "contentMediaType", "contentEncoding",
-    "contentSchema",
-})
+ANNOTATIONS = frozenset(
+    {
+        "title",
+        "description",
+        "default",
+        "examples",
+        "$comment",
+        "$schema",
+        "$id",
+        "$anchor",
+        "$vocabulary",
+        "deprecated",
+        "readOnly",
+        "writeOnly",
+        "contentMediaType",
+        "contentEncoding",
+        "contentSchema",
+    }
+)
 # In the JSON Schema vocabulary, but xgrammar 0.2.9 ignores them (or, for `contains`, mis-enforces).
 REFUSED = {
     "not": "xgrammar ignores 'not'",
@@ -52,15 +95,27 @@ REFUSED = {
     "$recursiveAnchor": "xgrammar does not resolve '$recursiveAnchor'",
 }
 # String formats xgrammar 0.2.9 enforces exactly (or more narrowly than RFC 3339/3986/5321 etc.).
-_XGRAMMAR_FORMATS = frozenset({
-    "email", "time", "uuid", "hostname", "uri", "uri-reference", "duration", "json-pointer",
-    "relative-json-pointer", "uri-template",
-})
+_XGRAMMAR_FORMATS = frozenset(
+    {
+        "email",
+        "time",
+        "uuid",
+        "hostname",
+        "uri",
+        "uri-reference",
+        "duration",
+        "json-pointer",
+        "relative-json-pointer",
+        "uri-template",
+    }
+)
 # Formats xgrammar enforces too loosely ("2021-02-30", "01.2.3.4"): we send our own exact pattern.
 _YEAR = r"(000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})"
 _LEAP_YEAR = r"([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
-_DATE = (rf"({_YEAR}-(0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|{_YEAR}-(0[469]|11)-(0[1-9]|[12][0-9]|30)"
-         rf"|{_YEAR}-02-(0[1-9]|1[0-9]|2[0-8])|{_LEAP_YEAR}-02-29)")
+_DATE = (
+    rf"({_YEAR}-(0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|{_YEAR}-(0[469]|11)-(0[1-9]|[12][0-9]|30)"
+    rf"|{_YEAR}-02-(0[1-9]|1[0-9]|2[0-8])|{_LEAP_YEAR}-02-29)"
+)
 _TIME = r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]{1,9})?([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
 _OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
 FORMAT_PATTERNS = {
@@ -71,8 +126,14 @@ FORMAT_PATTERNS = {
 ENFORCED_FORMATS = _XGRAMMAR_FORMATS | frozenset(FORMAT_PATTERNS)
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
-_SCHEMA_VALUES = ("additionalProperties", "unevaluatedProperties", "propertyNames", "items",
-                  "additionalItems", "unevaluatedItems")
+_SCHEMA_VALUES = (
+    "additionalProperties",
+    "unevaluatedProperties",
+    "propertyNames",
+    "items",
+    "additionalItems",
+    "unevaluatedItems",
+)
 _SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
 
 
@@ -136,16 +197,25 @@ class _Auditor:
             if not isinstance(node["pattern"], str):
                 self.fail(f"{ptr}/pattern", "'pattern' must be a string")
             if "minLength" in node or "maxLength" in node:
-                self.fail(f"{ptr}/pattern", "'pattern' together with 'minLength'/'maxLength' is refused: "
-                          "xgrammar ignores the length bounds then; put the length into the pattern")
+                self.fail(
+                    f"{ptr}/pattern",
+                    "'pattern' together with 'minLength'/'maxLength' is refused: "
+                    "xgrammar ignores the length bounds then; put the length into the pattern",
+                )
             audit_regex(node["pattern"], where=f"{ptr}/pattern ")
         if "format" in node and node["format"] not in ENFORCED_FORMATS:
-            self.fail(f"{ptr}/format", f"format {node['format']!r} is not enforced by xgrammar; "
-                      f"supported formats: {sorted(ENFORCED_FORMATS)}")
+            self.fail(
+                f"{ptr}/format",
+                f"format {node['format']!r} is not enforced by xgrammar; "
+                f"supported formats: {sorted(ENFORCED_FORMATS)}",
+            )
         if node.get("format") in FORMAT_PATTERNS:
             if any(k in node for k in ("pattern", "minLength", "maxLength")):
-                self.fail(f"{ptr}/format", f"format {node['format']!r} cannot be combined with "
-                          "'pattern', 'minLength' or 'maxLength'")
+                self.fail(
+                    f"{ptr}/format",
+                    f"format {node['format']!r} cannot be combined with "
+                    "'pattern', 'minLength' or 'maxLength'",
+                )
             self.rewrite.append(node)
         if "required" in node:
             required = node["required"]
@@ -154,16 +224,25 @@ class _Auditor:
                 self.fail(f"{ptr}/required", "'required' must be an array of strings")
             missing = [r for r in required if not isinstance(props, dict) or r not in props]
             if missing:
-                self.fail(f"{ptr}/required", f"required properties {missing} are not listed in "
-                          "'properties'; xgrammar would not generate them")
+                self.fail(
+                    f"{ptr}/required",
+                    f"required properties {missing} are not listed in "
+                    "'properties'; xgrammar would not generate them",
+                )
         if "multipleOf" in node:
             value = node["multipleOf"]
             if node.get("type") != "integer" or not _is_whole(value) or value <= 0:
-                self.fail(f"{ptr}/multipleOf", "'multipleOf' is only enforced for \"type\": \"integer\" "
-                          "with a positive whole-number divisor")
+                self.fail(
+                    f"{ptr}/multipleOf",
+                    '\'multipleOf\' is only enforced for "type": "integer" '
+                    "with a positive whole-number divisor",
+                )
         if "allOf" in node and isinstance(node["allOf"], list) and len(node["allOf"]) > 1:
-            self.fail(f"{ptr}/allOf", "'allOf' with more than one schema is refused: xgrammar enforces "
-                      "only one of them; merge them into a single schema")
+            self.fail(
+                f"{ptr}/allOf",
+                "'allOf' with more than one schema is refused: xgrammar enforces "
+                "only one of them; merge them into a single schema",
+            )
         if "$ref" in node:
             ref = node["$ref"]
             if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
@@ -175,10 +254,13 @@ class _Auditor:
             for i in range(len(branches)):
                 for j in range(i + 1, len(branches)):
                     if not self.disjoint(branches[i], branches[j], depth=0):
-                        self.fail(f"{ptr}/oneOf", f"'oneOf' branches {i} and {j} are not provably disjoint; "
-                                  "xgrammar would fall back to 'anyOf' and could produce a value "
-                                  "matching both. Use 'anyOf', or make the branches differ in type, "
-                                  "in const/enum values, or in a required const/enum property")
+                        self.fail(
+                            f"{ptr}/oneOf",
+                            f"'oneOf' branches {i} and {j} are not provably disjoint; "
+                            "xgrammar would fall back to 'anyOf' and could produce a value "
+                            "matching both. Use 'anyOf', or make the branches differ in type, "
+                            "in const/enum values, or in a required const/enum property",
+                        )
 
     def resolve(self, ref: str) -> Any:
         node = self.root
@@ -223,8 +305,12 @@ _ALL_TYPES = frozenset({"null", "boolean", "object", "array", "string", "number"
 
 
 def _is_whole(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
         and float(value).is_integer()
+    )
 
 
 def _json_type(value: Any) -> str:

@@ -27,8 +27,14 @@ from .schema_audit import audit_json_schema
 
 SCHEMA_TYPES = ("json_schema", "json_object", "regex", "ebnf")
 _ALIASES = {"json": "json_schema", "grammar": "ebnf"}
-_KNOWN_KEYS = {"schema_type", "schema", "trigger_token_ids", "bound_token_id", "any_whitespace",
-               "max_whitespace"}
+_KNOWN_KEYS = {
+    "schema_type",
+    "schema",
+    "trigger_token_ids",
+    "bound_token_id",
+    "any_whitespace",
+    "max_whitespace",
+}
 _REFUSED_KEYS = {
     "serialized": "precompiled (serialized) grammars are not accepted; send the schema text",
     "bound_token_ids": "the old list form is not accepted; use 'bound_token_id' (one int)",
@@ -78,7 +84,9 @@ def parse_so_args(so_args: Any) -> StructuredOutputRequest:
     schema_type = _ALIASES.get(raw_type, raw_type)
     if schema_type not in SCHEMA_TYPES:
         raise StructuredOutputError(
-            "schema_type", f"must be one of {list(SCHEMA_TYPES)} (or the reference's 'json'), got {raw_type!r}")
+            "schema_type",
+            f"must be one of {list(SCHEMA_TYPES)} (or the reference's 'json'), got {raw_type!r}",
+        )
 
     triggers = so_args.get("trigger_token_ids") or ()
     if not isinstance(triggers, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in triggers):
@@ -96,7 +104,9 @@ def parse_so_args(so_args: Any) -> StructuredOutputRequest:
         raise StructuredOutputError("any_whitespace", f"must be a bool, got {any_ws!r}")
     if max_ws is not None and (not _is_int(max_ws) or max_ws < 1):
         raise StructuredOutputError("max_whitespace", f"must be an int >= 1 or None, got {max_ws!r}")
-    if schema_type not in ("json_schema", "json_object") and ("any_whitespace" in so_args or max_ws is not None):
+    if schema_type not in ("json_schema", "json_object") and (
+        "any_whitespace" in so_args or max_ws is not None
+    ):
         raise StructuredOutputError("any_whitespace", "whitespace options apply only to JSON schema types")
 
     text = _canonical_schema(schema_type, so_args.get("schema"))
@@ -113,8 +123,9 @@ def _canonical_schema(schema_type: str, schema: Any) -> str:
             try:
                 schema = json.loads(schema)
             except json.JSONDecodeError as exc:
-                raise StructuredOutputError("schema", f"is not valid JSON: {exc.msg}",
-                                            f"line {exc.lineno}, column {exc.colno}") from None
+                raise StructuredOutputError(
+                    "schema", f"is not valid JSON: {exc.msg}", f"line {exc.lineno}, column {exc.colno}"
+                ) from None
         elif not isinstance(schema, (dict, bool)):
             raise StructuredOutputError("schema", "must be a JSON schema (dict, bool or JSON text)")
         return json.dumps(audit_json_schema(schema), separators=(",", ":"), ensure_ascii=False)

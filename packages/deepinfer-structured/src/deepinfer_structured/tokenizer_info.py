@@ -76,8 +76,9 @@ def tokenizer_info_from_tokenizer(
     if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
         raise ValueError(f"vocab_size: must be a positive int (the LM-head width), got {vocab_size!r}")
     if not stop_token_ids or not all(isinstance(t, int) and 0 <= t < vocab_size for t in stop_token_ids):
-        raise ValueError(f"stop_token_ids: must be a non-empty list of ids in [0, {vocab_size}), "
-                         f"got {stop_token_ids!r}")
+        raise ValueError(
+            f"stop_token_ids: must be a non-empty list of ids in [0, {vocab_size}), got {stop_token_ids!r}"
+        )
     spec = spec if spec is not None else json.loads(tok.to_str())
     special = {entry["id"] for entry in spec.get("added_tokens", []) if entry.get("special")}
     special -= set(stop_token_ids)  # stop tokens must stay visible so the grammar can end with them
@@ -87,5 +88,10 @@ def tokenizer_info_from_tokenizer(
         if idx < vocab_size and idx not in special:
             encoded[idx] = token
     vocab_type, add_prefix_space = _vocab_kind(spec)
-    return xg.TokenizerInfo(encoded, vocab_type, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids),
-                            add_prefix_space=add_prefix_space)
+    return xg.TokenizerInfo(
+        encoded,
+        vocab_type,
+        vocab_size=vocab_size,
+        stop_token_ids=list(stop_token_ids),
+        add_prefix_space=add_prefix_space,
+    )

@@ -175,7 +175,9 @@ class PagedRunner:
         step = YocoStep.build(meta, self.yoco, [prompt_len])
         return resume_problem(self.cache, meta, step, self.model.config.sliding_window)
 
-    def draft(self, next_tokens, num_draft_tokens: int, seq_indices=None, sampler=None, last_positions=None) -> list:
+    def draft(
+        self, next_tokens, num_draft_tokens: int, seq_indices=None, sampler=None, last_positions=None
+    ) -> list:
         """V4.1 drafter outputs after the last `execute`: for each sequence of that step (or the batch
         indices `seq_indices`), one `DraftOutput` of `num_draft_tokens` tokens drafted after
         `next_tokens[k]`, the token the target produced at its last position — or at

@@ -103,7 +103,15 @@ class YocoStep:
             )
         row_floor = meta.dev(rect_lo[seq_of[kept]])
         # tags stay on the host: the tag pool is host memory (only the host-side resume check reads it)
-        return cls(settings.mode, rect_lo, clip, meta.dev(kept), qmeta, row_floor, torch.as_tensor(tags, device="cpu"))
+        return cls(
+            settings.mode,
+            rect_lo,
+            clip,
+            meta.dev(kept),
+            qmeta,
+            row_floor,
+            torch.as_tensor(tags, device="cpu"),
+        )
 
     @property
     def drops_rows(self) -> bool:

@@ -68,6 +68,8 @@ def profiled(path: Path | None):
     # before the export, which leaves the profiler's event list empty)
     device_key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     averages = prof.key_averages()
-    summary = "\n\n".join(averages.table(sort_by=k, row_limit=30) for k in ("self_cpu_time_total", device_key))
+    summary = "\n\n".join(
+        averages.table(sort_by=k, row_limit=30) for k in ("self_cpu_time_total", device_key)
+    )
     prof.export_chrome_trace(str(path))
     path.with_suffix(".txt").write_text(summary)

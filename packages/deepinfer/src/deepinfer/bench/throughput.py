@@ -164,7 +164,9 @@ def run_bench(args) -> int:
             f"{r['prepare_ms']:.1f} ({r['hidden_prepare_ms']:.1f})",
             f"{r['process_ms']:.1f} ({r['hidden_process_ms']:.1f})",
             f"{r['forward_ms']:.0f}",
-            "-" if r["idle_gap_us_median"] is None else f"{r['idle_gap_us_median']:.1f} / {r['idle_gap_us_p90']:.1f}",
+            "-"
+            if r["idle_gap_us_median"] is None
+            else f"{r['idle_gap_us_median']:.1f} / {r['idle_gap_us_p90']:.1f}",
             "-" if r["idle_gap_median_vs_sync"] is None else f"{r['idle_gap_median_vs_sync']:.3f}x",
         )
     console.print(table)

@@ -51,7 +51,9 @@ from .worker import ModelWorker, StepResult, VerifyStepResult
 
 logger = logging.getLogger("deepinfer")
 
-DEVICE_TIMINGS_KEPT = 65536  # per-step device timings an engine keeps (a long-running server's memory stays bounded)
+DEVICE_TIMINGS_KEPT = (
+    65536  # per-step device timings an engine keeps (a long-running server's memory stays bounded)
+)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -117,7 +119,9 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(tok_path)
         self.tokenizer_config = load_tokenizer_config(tok_path)
         self.device = args.torch_device
-        if self.device.type == "cpu":  # the two-argument call: wrappers of load_model(path, dtype) keep working
+        if (
+            self.device.type == "cpu"
+        ):  # the two-argument call: wrappers of load_model(path, dtype) keep working
             self.model = load_model(self.model_path, _DTYPES[args.dtype])
         else:  # weights go to the device in their stored format and are dequantised there
             self.model = load_model(self.model_path, _DTYPES[args.dtype], device=self.device)

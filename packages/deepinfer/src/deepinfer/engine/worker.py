@@ -44,7 +44,9 @@ class VerifyStepResult:
 
 
 class ModelWorker:
-    def __init__(self, runner, sampler: Sampler | None = None, timeline: DeviceTimeline | None = None) -> None:
+    def __init__(
+        self, runner, sampler: Sampler | None = None, timeline: DeviceTimeline | None = None
+    ) -> None:
         """timeline: where each step's device start / end events go (device_timing.py; None: not timed)."""
         self.runner = runner
         self.sampler = sampler or Sampler()
@@ -151,7 +153,11 @@ class ModelWorker:
         if result.verified:
             try:
                 result.outcome = verify_logits(
-                    verifier, torch.cat(picked), [inputs[i] for i in result.verified], mask, overwrite_logits=True
+                    verifier,
+                    torch.cat(picked),
+                    [inputs[i] for i in result.verified],
+                    mask,
+                    overwrite_logits=True,
                 )
             except ValueError as e:
                 for i in result.verified:
@@ -220,4 +226,6 @@ class ModelWorker:
             except Exception as e:  # noqa: BLE001
                 result.errors[i] = f"model forward failed: {type(e).__name__}: {e}"
         vocab = self.runner.vocab_size
-        return (torch.cat(rows) if rows else torch.empty(0, vocab, device=getattr(self.runner, "device", "cpu"))), ok
+        return (
+            torch.cat(rows) if rows else torch.empty(0, vocab, device=getattr(self.runner, "device", "cpu"))
+        ), ok

@@ -49,7 +49,9 @@ class PplWorkload:
 # Full sizes: the reference's long-context check (16,389 prompt tokens, 4,096 output tokens, nextn 5).
 GPU_WORKLOADS = (
     PplWorkload("short", num_prompts=16, input_len=512, output_len=512, nextn=5),
-    PplWorkload("long_context", num_prompts=1, input_len=16_389, output_len=4_096, nextn=5, long_context=True),
+    PplWorkload(
+        "long_context", num_prompts=1, input_len=16_389, output_len=4_096, nextn=5, long_context=True
+    ),
 )
 # CPU: the same names scaled to the tiny model (256-token context) on a small host (long_context keeps
 # its ~4:1 in:out shape and an odd length that crosses block and compression boundaries).

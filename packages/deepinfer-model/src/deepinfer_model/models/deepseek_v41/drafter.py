@@ -99,7 +99,9 @@ def draft_block(
             q, _ = project_query(y, blk.attn, cfg.num_attention_heads, cos, sin, eps, False, act_dtype)
             kd = kvq.swa(project_latent(y, blk.attn, cos, sin, eps, act_dtype))  # FP8 ring, like main keys
             keys = torch.cat((window[i], kd), dim=0)
-            visible = torch.ones(bd, keys.shape[0], dtype=torch.bool, device=dev)  # bidirectional in the block
+            visible = torch.ones(
+                bd, keys.shape[0], dtype=torch.bool, device=dev
+            )  # bidirectional in the block
             o = sink_attention(q, keys, visible, blk.attn.sinks, cfg.head_dim**-0.5)
             return project_output(round_to(o, act_dtype), blk.attn, cfg.o_groups, cos, sin, act_dtype)
 

@@ -46,7 +46,9 @@ def engram_inject(
     kv = linear(e, w.wkv, act_dtype)
     k, v = kv[:, : m * hidden].view(t, m, hidden), kv[:, m * hidden :]
     x = trunk.to(carrier())
-    qk = round_to(w.q_weight.to(carrier()) * w.k_weight.to(carrier()), torch.float32)  # [m, H], formed in FP32
+    qk = round_to(
+        w.q_weight.to(carrier()) * w.k_weight.to(carrier()), torch.float32
+    )  # [m, H], formed in FP32
     dot = (x * k * qk).sum(-1)
     dot = (
         dot
@@ -70,7 +72,8 @@ class EngramHasher:
         layout = EngramLayout.from_config(cfg)
         self.layout = dataclasses.replace(layout, offsets=tuple(o.to(device) for o in layout.offsets))
         self.multipliers = {
-            layer: hash_multipliers(layer, cfg.max_ngram_size, vocab.size).to(device) for layer in cfg.layer_ids
+            layer: hash_multipliers(layer, cfg.max_ngram_size, vocab.size).to(device)
+            for layer in cfg.layer_ids
         }
 
     def rows(self, token_ids: torch.Tensor) -> dict[int, torch.Tensor]:

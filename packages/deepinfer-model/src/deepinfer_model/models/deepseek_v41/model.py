@@ -218,7 +218,11 @@ class DeepseekV41ForCausalLM:
                 act,
             )
         hidden = rms_norm(split.gather(hc.final(act)), w.norm, cfg.rms_norm_eps, act)
-        rows = hidden if logit_rows is None else hidden[self._rows(logit_rows, hidden.shape[0]).to(hidden.device)]
+        rows = (
+            hidden
+            if logit_rows is None
+            else hidden[self._rows(logit_rows, hidden.shape[0]).to(hidden.device)]
+        )
         logits = head_logits(rows, w.head, act)  # FP32 logits (§2.1)
         out = V41Output(logits=logits, hidden=hidden, trace=traces if return_trace else None)
         out.kept_positions = None if kept is None else positions
