@@ -205,19 +205,9 @@ def grouped_expert_mlp_deep_gemm(
     limit: float,
     weight_before_down: bool = True,
 ) -> torch.Tensor:
-    return _grouped_mlp(
-        x,
-        topk_weights,
-        topk_ids,
-        w13,
-        s13,
-        w2,
-        s2,
-        limit,
-        weight_before_down,
-        _deep_gemm_grouped,
-        _alignment(),
-    )
+    """The registry op on SM90: DeepGEMM's M-grouped contiguous FP8 GEMMs."""
+    args = (x, topk_weights, topk_ids, w13, s13, w2, s2, limit, weight_before_down)
+    return _grouped_mlp(*args, _deep_gemm_grouped, _alignment())
 
 
 def grouped_expert_mlp_dequant(
@@ -233,16 +223,5 @@ def grouped_expert_mlp_dequant(
 ) -> torch.Tensor:
     """Fallback without DeepGEMM: the same layout and function, BF16 GEMMs per active expert (2x the
     weight bytes of FP8, one host sync for the expert loop)."""
-    return _grouped_mlp(
-        x,
-        topk_weights,
-        topk_ids,
-        w13,
-        s13,
-        w2,
-        s2,
-        limit,
-        weight_before_down,
-        _dequant_grouped,
-        DEFAULT_ALIGNMENT,
-    )
+    args = (x, topk_weights, topk_ids, w13, s13, w2, s2, limit, weight_before_down)
+    return _grouped_mlp(*args, _dequant_grouped, DEFAULT_ALIGNMENT)
