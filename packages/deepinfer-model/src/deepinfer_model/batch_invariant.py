@@ -115,6 +115,11 @@ def tiled_matmul(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
 # view's geometry, guarded by a weak reference to the owner and its in-place version counter (shared
 # by all its views), like `numerics.weight_fp64`.
 _ROW_MAJOR: dict[int, tuple[weakref.ref, dict[tuple, tuple[int, list[torch.Tensor]]]]] = {}
+# Bytes of cached copies of parts of one owner (experts of a stack); past PART_CACHE_BYTES per stack the
+# remaining parts are converted per call instead (the conversion cost the mode ~1 ms per expert call on
+# the tiny model; a large checkpoint's experts in FP64 would not fit in memory).
+PART_CACHE_BYTES = 256 << 20
+_part_bytes: dict[int, int] = {}
 
 
 def _fp32_valued(t: torch.Tensor) -> bool:
@@ -155,9 +160,10 @@ def _row_major(w_t: torch.Tensor) -> list[torch.Tensor]:
     """`_parts` of `w_t` (any float dtype; a view such as `weight.t()` or `experts.w1[e].t()`), cached per
     view of its owner."""
     owner = w_t._base if w_t._base is not None else w_t
-    if owner.numel() != w_t.numel():
-        # a part of a larger tensor (one expert of a stack, taken anew per call): converted per call
-        # like `numerics.weight_fp64` does, so the mode does not keep FP64 copies of every expert
+    if owner.numel() != w_t.numel() and _part_bytes.get(id(owner), 0) + 8 * w_t.numel() > PART_CACHE_BYTES:
+        # a part of a larger tensor (one expert of a stack, taken anew per call) past the budget:
+        # converted per call like `numerics.weight_fp64` does (FP64 copies of every expert of a large
+        # checkpoint would not fit); below it (small models) converted once, like whole weights
         return _parts(w_t)
     sub = (w_t.storage_offset(), tuple(w_t.shape), tuple(w_t.stride()))
     entry = _ROW_MAJOR.get(id(owner))
@@ -171,7 +177,10 @@ def _row_major(w_t: torch.Tensor) -> list[torch.Tensor]:
         entry = (weakref.ref(owner), {})
         _ROW_MAJOR[id(owner)] = entry
         weakref.finalize(owner, _ROW_MAJOR.pop, id(owner), None)
+        weakref.finalize(owner, _part_bytes.pop, id(owner), None)
     parts = _parts(w_t)
+    if owner.numel() != w_t.numel() and sub not in entry[1]:
+        _part_bytes[id(owner)] = _part_bytes.get(id(owner), 0) + sum(8 * p.numel() for p in parts)
     entry[1][sub] = (owner._version, parts)
     return parts
 
@@ -273,29 +282,59 @@ def _row_tiles(x: torch.Tensor) -> torch.Tensor:
     return x.view(b, -1, TILE_ROWS, c)
 
 
-def _tile_products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _tile_products(a: torch.Tensor, b: torch.Tensor, seen: np.ndarray | None = None) -> torch.Tensor:
     """All products a[i, r, t] @ b[i, t]: a [B, R, Ta, m, k] (Ta = T, or 1 = the same for every t),
     b [B, T, k, n] -> [B, R, T, m, n]. Every product is one [m, k] x [k, n] GEMM of contiguous
     matrices; calls loop over (the smaller of B and R) x T and batch the larger, with the shared
-    operand broadcast (never copied). A product does not depend on how it was batched (tested)."""
+    operand broadcast (never copied). A product does not depend on how it was batched (tested).
+
+    `seen` (bool [B, R, T] on the host, optional): which products can matter. Per call only the
+    contiguous hull of the batched index where `seen` holds is computed; the rest stay exact +0, which
+    is also what a GEMM gives for them (an all-zero P tile times any keys: every product is ±0, summed
+    from +0 -> +0; a masked score is replaced by -inf anyway), so skipping them changes no bit. This is
+    the band restriction of the sliding window: a query row tile computes only the key tiles it sees."""
     bsz, r_count, ta = a.shape[:3]
     t_count = b.shape[1]
-    out = a.new_empty(bsz, r_count, t_count, a.shape[-2], b.shape[-1])
+    alloc = a.new_empty if seen is None else a.new_zeros
+    out = alloc(bsz, r_count, t_count, a.shape[-2], b.shape[-1])
     for t in range(t_count):
         at = min(t, ta - 1)
         if r_count >= bsz:
             for i in range(bsz):
-                out[i, :, t] = bmm(a[i, :, at], b[i, t].expand(r_count, -1, -1))
+                lo, hi = _hull(None if seen is None else seen[i, :, t], r_count)
+                if hi > lo:
+                    out[i, lo:hi, t] = bmm(a[i, lo:hi, at], b[i, t].expand(hi - lo, -1, -1))
         else:
             for r in range(r_count):
-                out[:, r, t] = bmm(a[:, r, at], b[:, t])
+                lo, hi = _hull(None if seen is None else seen[:, r, t], bsz)
+                if hi > lo:
+                    out[lo:hi, r, t] = bmm(a[lo:hi, r, at], b[lo:hi, t])
     return out
 
 
-def tiled_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+def _hull(flags: np.ndarray | None, n: int) -> tuple[int, int]:
+    """[first, last + 1) of the true `flags` (all `n` when None; empty when none is true)."""
+    if flags is None:
+        return 0, n
+    idx = np.flatnonzero(flags)
+    return (int(idx[0]), int(idx[-1]) + 1) if len(idx) else (0, 0)
+
+
+def _seen_tiles(visible: torch.Tensor, heads: int) -> np.ndarray:
+    """visible [B, M, S] (query m sees key column s) -> bool [B, Rt, St] on the host: whether any row of
+    score row tile r (rows m * heads + h, in tiles of `TILE_ROWS`) sees any column of key tile t."""
+    bsz, m, s = visible.shape
+    rows = visible[:, :, None, :].expand(bsz, m, heads, s).reshape(bsz, m * heads, s)
+    tiles = _row_tiles(rows.to(torch.uint8))  # padding rows (zeros) see nothing
+    seen = tiles.view(bsz, tiles.shape[1], TILE_ROWS, s // KEY_TILE, KEY_TILE).amax(dim=(2, 4))
+    return seen.bool().cpu().numpy()
+
+
+def tiled_scores(q: torch.Tensor, keys: torch.Tensor, seen: np.ndarray | None = None) -> torch.Tensor:
     """q [B, R, D] . keys [B, S, D] -> FP64 [B, R, S] (S a multiple of `KEY_TILE`), every dot product in a
     fixed-shape [TILE_ROWS, D] x [D, KEY_TILE] GEMM with fixed operand layouts (contiguous row tile,
-    contiguous transposed key tile): a (row, key) score depends on nothing else."""
+    contiguous transposed key tile): a (row, key) score depends on nothing else. `seen` (see
+    `_tile_products`): only the tiles where it holds are computed, the others are 0 (to be masked)."""
     bsz, r, d = q.shape
     s = keys.shape[1]
     if s % KEY_TILE:
@@ -303,7 +342,7 @@ def tiled_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     n_tiles = s // KEY_TILE
     qt = _row_tiles(q.double()).contiguous()[:, :, None]  # [B, Rt, 1, 8, D]
     kt = keys.double().view(bsz, n_tiles, KEY_TILE, d).transpose(-1, -2).contiguous()  # [B, St, D, KT]
-    out = _tile_products(qt, kt)  # [B, Rt, St, 8, KT]
+    out = _tile_products(qt, kt, seen)  # [B, Rt, St, 8, KT]
     return out.permute(0, 1, 3, 2, 4).reshape(bsz, -1, s)[:, :r]
 
 
@@ -318,7 +357,12 @@ def sink_attention(
     """
     bsz, m, nh, d = q.shape
     s = keys.shape[1]
-    scores = tiled_scores(q.reshape(bsz, m * nh, d), keys).view(bsz, m, nh, s) * scale
+    # (row tile, key tile) pairs no row of which sees any key: neither scored nor multiplied (a sliding
+    # window of W keys sees at most ceil(W / KEY_TILE) + 1 of a long chunk's tiles)
+    if s % KEY_TILE:
+        raise ValueError(f"keys.shape[1] = {s} must be a multiple of KEY_TILE = {KEY_TILE}")
+    seen = _seen_tiles(visible, nh)
+    scores = tiled_scores(q.reshape(bsz, m * nh, d), keys, seen).view(bsz, m, nh, s) * scale
     n_tiles = s // KEY_TILE
     scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
     # the sink as column 0 of one more tile: every exp below runs on whole tiles (no scalar tail)
@@ -334,7 +378,7 @@ def sink_attention(
     pt = (
         pt.view(bsz, rt, TILE_ROWS, n_tiles, KEY_TILE).permute(0, 1, 3, 2, 4).contiguous()
     )  # [B, Rt, St, 8, KT]
-    part = _tile_products(pt, vals)  # [B, Rt, St, 8, D+1]
+    part = _tile_products(pt, vals, seen)  # [B, Rt, St, 8, D+1]
     acc = part[:, :, 0]
     for t in range(1, n_tiles):  # tile order, one tile at a time: padding tiles add exact zeros
         acc = acc + part[:, :, t]
