@@ -40,8 +40,13 @@ def expand(x: torch.Tensor, m: int) -> torch.Tensor:
 
 def _normed_projection(trunk: torch.Tensor, fn: torch.Tensor, rms_eps: float) -> torch.Tensor:
     flat = trunk.to(carrier()).flatten(1)
-    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + rms_eps)
-    return batch_invariant.matmul(flat, weight_carrier(fn).t())
+    inv = torch.rsqrt(flat.square().mean(-1, keepdim=True) + rms_eps)
+    if batch_invariant.enabled():
+        # the row scale after the product (equal in exact arithmetic): the trunk holds FP32/BF16 values,
+        # so the mode multiplies them in its one exact-product GEMM per call instead of the fixed row
+        # tiles that full-FP64 (scaled) rows need; a row's result still depends on that row only
+        return batch_invariant.matmul(flat, weight_carrier(fn).t()) * inv
+    return batch_invariant.matmul(flat * inv, weight_carrier(fn).t())
 
 
 def sinkhorn(logits: torch.Tensor, eps: float, iters: int) -> torch.Tensor:
