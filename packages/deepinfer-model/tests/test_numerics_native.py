@@ -3,10 +3,11 @@
 Measured on the §11 tiny V4.1 (seed 0, the three prompts below, CPU):
 * FP32 activations: teacher-forced logits within 8.4e-7 relative of exact (tolerance 1e-5), every
   teacher-forced argmax and every greedy continuation equal.
-* BF16 activations: native differs from exact-BF16 by 5.2e-2 relative (top-1 0.92; 8.9e-2 / 0.94 on
-  other prompts). That is BF16 noise, not a native-mode defect: exact-BF16 itself differs from
-  exact-FP32 by 1.4e-1 (top-1 0.94) on this random model (the indexer's and router's top-k amplify
-  single-bit flips), and native-BF16 is about as close to exact-FP32 (1.44e-1, top-1 0.89). So the test
+* BF16 activations (attention / indexer products on BF16 operands, P rounded to BF16): native differs
+  from exact-BF16 by 1.37e-1 relative (top-1 0.88; 5.2e-2 / 0.92 when those products were FP32). That
+  is BF16 noise, not a native-mode defect: exact-BF16 itself differs from exact-FP32 by 1.4e-1 (top-1
+  0.94) on this random model (the indexer's and router's top-k amplify single-bit flips), and
+  native-BF16 is closer to exact-FP32 than that (8.1e-2, top-1 0.94). So the test
   bounds native-BF16 against exact-FP32 by the BF16 noise floor measured in the same run (1.5x its
   error, top-1 at most 0.1 lower), and native-BF16 vs exact-BF16 absolutely (rel <= 0.15, top-1 >= 0.85).
 * Paged runner vs stateless forward, both native FP32: max |diff| within 1e-5 of the largest logit
@@ -251,3 +252,166 @@ def test_native_on_cuda_matches_exact_on_cpu(v41, exact_fp32, tmp_path):
     assert torch.isfinite(got_bf16).all()
     assert rel(exact_fp32, got_bf16) <= 1.5 * rel(exact_fp32, exact_bf16)
     assert top1(exact_bf16, got_bf16) >= 0.85
+
+
+# --- native attention products: BF16 operands, FP32 accumulation, FP32 softmax with the sink ---------------
+
+# native vs a float64 reference that rounds P to BF16: measured 5.1e-6 / 3.6e-6 (FP32 sums, and FP32 P
+# rounding to the other BF16 neighbour of the FP64 P now and then)
+P_ROUNDED_RTOL = 2e-5
+P_UNROUNDED_MIN = 1e-4  # native vs the float64 reference without that rounding (measured 1.4e-3..1.6e-3)
+
+
+def _ref_sink_attention(q, keys, visible, sinks, scale, round_p):
+    """float64 sink attention over per-query key sets keys [T, S, D]; P rounded to BF16 if `round_p`."""
+    scores = torch.einsum("thd,tsd->ths", q.double(), keys.double()) * scale
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    logits = torch.cat((scores, sinks.double()[None, :, None].expand(q.shape[0], -1, 1)), dim=-1)
+    probs = torch.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
+    if round_p:
+        probs = probs.to(torch.bfloat16).double()
+    return torch.einsum("ths,tsd->thd", probs, keys.double())
+
+
+def _bf16_values(*shape, gen):
+    return torch.randn(*shape, generator=gen).bfloat16().float()
+
+
+def test_native_sink_attention_and_index_scores_take_bf16_operands():
+    """Stateless `sink_attention` (shared and per-query keys) and `index_scores` in native mode with BF16
+    activations: equal to float64 math on the BF16 operands with P rounded to BF16 (FP32 sums only), and
+    measurably not the unrounded-P result (so the BF16 P.V product is really taken); FP32 activations keep
+    FP32 operands (unrounded P); exact mode stays FP64."""
+    from deepinfer_model.layers.attention import sink_attention
+    from deepinfer_model.layers.indexer import index_scores
+
+    gen = torch.Generator().manual_seed(11)
+    t, s, nh, d = 24, 50, 4, 64
+    q, keys, sinks = (
+        _bf16_values(t, nh, d, gen=gen),
+        _bf16_values(s, d, gen=gen),
+        torch.randn(nh, generator=gen),
+    )
+    visible = torch.rand(t, s, generator=gen) < 0.6
+    visible[:, 0] = True
+    per_query = keys.expand(t, s, d)
+    ref_p = _ref_sink_attention(q, per_query, visible, sinks, d**-0.5, True)
+    ref_exact = _ref_sink_attention(q, per_query, visible, sinks, d**-0.5, False)
+    with numerics_mode("native"):
+        for k in (keys, per_query.contiguous()):
+            got = sink_attention(q, k, visible, sinks, d**-0.5, torch.bfloat16)
+            assert got.dtype is torch.float32
+            assert rel(ref_p, got.double()) <= P_ROUNDED_RTOL
+            assert rel(ref_exact, got.double()) >= P_UNROUNDED_MIN
+        fp32 = sink_attention(q, keys, visible, sinks, d**-0.5, torch.float32)
+        assert rel(ref_exact, fp32.double()) <= 1e-6
+        qi, ik, hw = (
+            _bf16_values(t, 4, 32, gen=gen),
+            _bf16_values(s, 32, gen=gen),
+            torch.randn(t, 4, generator=gen),
+        )
+        ref_i = (
+            torch.relu(torch.einsum("thd,nd->thn", qi.double(), ik.double())) * hw.double()[..., None]
+        ).sum(1)
+        got_i = index_scores(qi, ik, hw, False, torch.bfloat16)
+        assert got_i.dtype is torch.float32 and rel(ref_i, got_i.double()) <= 1e-6
+    with numerics_mode("exact"):
+        got = sink_attention(q, keys, visible, sinks, d**-0.5, torch.bfloat16)
+        assert got.dtype is torch.float64
+        torch.testing.assert_close(got, ref_exact, rtol=1e-12, atol=1e-13)
+
+
+def test_native_band_attention_takes_bf16_operands():
+    """Paged `groups.attend` (window band plus a top-k entry selection, two padded prefill chunks) in native
+    BF16 against the float64 full-span reference with P rounded to BF16."""
+    from deepinfer_model.layers.indexer import select_topk, selection_mask
+    from deepinfer_model.runtime import groups
+    from deepinfer_model.runtime.metadata import StepMetadata
+    from deepinfer_model.runtime.pools import PagedKVCache, PoolSpec
+
+    block, nh, d, window, n_e, topk = 16, 4, 32, 37, 40, 16
+    gen = torch.Generator().manual_seed(5)
+    starts, qlens = np.array([20, 0]), np.array([150, 140])
+    per_seq = -(-int((starts + qlens).max()) // block)
+    tables = [np.arange(i * per_seq, (i + 1) * per_seq, dtype=np.int32)[::-1].copy() for i in range(2)]
+    batch = RunnerBatch(
+        seq_ids=np.arange(2, dtype=np.int64),
+        start_positions=starts,
+        query_lens=qlens,
+        block_tables=tables,
+        input_ids=np.zeros(int(qlens.sum()), dtype=np.int64),
+        logits_lens=np.ones(2, dtype=np.int64),
+    )
+    meta = StepMetadata.build(batch, block, num_blocks=2 * per_seq)
+    (g,) = groups.make_groups(meta)
+    cache = PagedKVCache([PoolSpec("swa.0", block, d)], 2 * per_seq)
+    pool = _bf16_values(2 * per_seq * block, d, gen=gen)
+    cache.write("swa.0", torch.arange(pool.shape[0]), pool)
+    q, sinks = _bf16_values(int(qlens.sum()), nh, d, gen=gen), torch.randn(nh, generator=gen)
+    entries = _bf16_values(2, n_e, d, gen=gen)
+    entry_vis = torch.rand(2 * g.rows.shape[1], n_e, generator=gen) < 0.5
+    selected = select_topk(torch.randn(entry_vis.shape, generator=gen), entry_vis, topk)
+    # reference: each real query's full key set (its sequence's tokens 0 .. end-1, then the entries)
+    width = int((starts + qlens).max())
+    pos = np.minimum(np.arange(width)[None, :], (starts + qlens)[:, None] - 1)
+    tok = torch.as_tensor(meta.token_slots_of(np.arange(2)[:, None], pos))
+    keys = torch.cat((pool[tok], entries), dim=1)  # [2, width + n_e, D]
+    k_pos = torch.arange(width)[None, None, :]
+    q_pos = g.q_pos[:, :, None]
+    vis = ((k_pos <= q_pos) & (k_pos > q_pos - window)).reshape(-1, width)
+    vis = torch.cat((vis, selection_mask(selected, n_e)), dim=1)[g.qmask.reshape(-1)]
+    seq_of = torch.arange(2)[:, None].expand(g.rows.shape)[g.qmask]
+    q_real = q[g.rows[g.qmask]]
+    ref_p = _ref_sink_attention(q_real, keys[seq_of], vis, sinks, d**-0.5, True)
+    ref_exact = _ref_sink_attention(q_real, keys[seq_of], vis, sinks, d**-0.5, False)
+    with numerics_mode("native"):
+        wk = groups.swa_keys(cache, meta, g, "swa.0", window)
+        got = groups.attend(q, wk, g, sinks, d**-0.5, meta, (entries, selected), torch.bfloat16)
+        got32 = groups.attend(q, wk, g, sinks, d**-0.5, meta, (entries, selected), torch.float32)
+    assert got.dtype is torch.float32 and got.shape == ref_p.shape == (int(qlens.sum()), nh, d)
+    assert rel(ref_p, got.double()) <= P_ROUNDED_RTOL
+    assert rel(ref_exact, got.double()) >= P_UNROUNDED_MIN
+    assert rel(ref_exact, got32.double()) <= 1e-6
+
+
+def test_paged_runner_native_bf16_matches_stateless_native_bf16(v41):
+    """Both sides take BF16 attention / indexer operands, so they differ only in FP32 summation order; a
+    BF16 rounding flip then propagates (through the indexer's top-k, too) and can move a row by up to a few
+    percent of its largest logit (measured: 2.6e-2 on one of these rows, <= 2e-7 on the others)."""
+    model = with_act(v41, torch.bfloat16)
+    with numerics_mode("native"):
+        pairs = _random_schedule(model, np.random.default_rng(4))
+    for paged, ref in pairs:
+        assert paged.dtype is torch.float32
+        assert (
+            rel(ref.double(), paged.double()) <= 0.02
+        )  # measured <= 6.0e-3 (well below the 0.14 BF16 floor)
+        assert top1(ref, paged) == 1.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_native_bf16_attention_products_on_cuda_accumulate_in_fp32():
+    """CUDA: `bmm_f32` on BF16 operands returns FP32 sums (not BF16-rounded ones), and native BF16
+    `sink_attention` on the GPU equals the CPU's (same BF16 operands and rounded P; FP32 sums only)."""
+    from deepinfer_model.layers.attention import sink_attention
+
+    gen = torch.Generator().manual_seed(3)
+    a, b = _bf16_values(6, 40, 256, gen=gen), _bf16_values(6, 256, 30, gen=gen)
+    ref = a.double() @ b.double()
+    got = numerics.bmm_f32(a.cuda().bfloat16(), b.cuda().bfloat16())
+    assert got.dtype is torch.float32
+    assert rel(ref, got.cpu().double()) <= 1e-6  # a BF16 output would be ~2e-3 off
+    t, s, nh, d = 64, 300, 8, 128
+    q, keys, sinks = (
+        _bf16_values(t, nh, d, gen=gen),
+        _bf16_values(s, d, gen=gen),
+        torch.randn(nh, generator=gen),
+    )
+    visible = torch.rand(t, s, generator=gen) < 0.5
+    visible[:, 0] = True
+    with numerics_mode("native"):
+        cpu = sink_attention(q, keys, visible, sinks, d**-0.5, torch.bfloat16)
+        gpu = sink_attention(q.cuda(), keys.cuda(), visible.cuda(), sinks.cuda(), d**-0.5, torch.bfloat16)
+    assert gpu.dtype is torch.float32
+    assert rel(cpu.double(), gpu.cpu().double()) <= P_ROUNDED_RTOL

@@ -10,7 +10,9 @@ against.
 `native` (for accelerators, where FP64 math runs at a fraction of the BF16 rate and FP64 weight copies
 double the bytes read per step): the same rounding points, but the carrier between them is FP32, and
 `linear` multiplies `act_dtype` operands (a BF16 GEMM with FP32 accumulation when `act_dtype` is BF16;
-weights are held dequantised, so BF16 copies of them are cached). Results are then close to `exact`,
+weights are held dequantised, so BF16 copies of them are cached); the attention score and P.V products
+and the indexer's q.k take `attention_operands(act_dtype)` operands through `bmm_f32` (BF16 with FP32
+accumulation for BF16 activations, P rounded to BF16). Results are then close to `exact`,
 not bitwise equal, and rows may depend on the batch shape; batch-invariant mode therefore requires
 `exact`.
 
@@ -120,6 +122,35 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.is_cuda:  # cuBLAS BF16 GEMM with an FP32 output (no rounding of the products' sums to BF16)
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()  # BF16 values are exact in FP32
+
+
+def attention_operands(act_dtype: torch.dtype) -> torch.dtype:
+    """The dtype attention / indexer score and P.V products multiply: the carrier (FP64) in exact mode;
+    in native mode `act_dtype` when it is BF16 (tensor-core products, FP32 accumulation), else FP32."""
+    if not native():
+        return torch.float64
+    return torch.bfloat16 if act_dtype == torch.bfloat16 else torch.float32
+
+
+def bmm_operand(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` rounded to the product operand dtype `dtype`, in the form `bmm_f32` takes it: BF16 on CUDA;
+    on other devices FP32 holding the rounded values (no CPU kernel takes BF16 operands to an FP32
+    output, and BF16 values are exact in FP32). Convert once and reuse where an operand is reused."""
+    if dtype == torch.float32 or x.is_cuda:
+        return x.to(dtype)
+    return x.to(dtype).float()
+
+
+def bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Batched `a @ b` ([B, m, k] @ [B, k, n]) of `bmm_operand` tensors, accumulated and returned in FP32.
+
+    CUDA BF16: `torch.bmm(..., out_dtype=torch.float32)` (tensor cores, FP32 accumulator, no rounding of
+    the sums to BF16; a plain BF16 bmm would round every score and output element to BF16). Otherwise
+    an FP32 bmm, whose products of BF16 values are exact (8 + 8 significant bits fit in FP32's 24).
+    """
+    if a.dtype == torch.bfloat16:
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a, b)
 
 
 def _row_invariant(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

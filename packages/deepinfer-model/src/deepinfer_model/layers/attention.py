@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import batch_invariant
-from ..numerics import carrier, linear, native, round_to, weight_as
+from ..numerics import attention_operands, bmm_f32, bmm_operand, carrier, linear, native, round_to, weight_as
 from ..ops.model_calls import rms_norm, rope
 
 
@@ -43,14 +43,23 @@ def compressed_visible(q_pos: torch.Tensor, n_entries: int, ratio: int) -> torch
 
 
 def sink_attention(
-    q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    visible: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
+    act_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Softmax attention with one shared latent as key and value and a per-head sink logit.
 
     q [T, nh, D], keys [T, S, D] (per-query key set) or [S, D] (shared), visible [T, S] bool,
     sinks [nh]. The sink is an extra logit with a zero value vector; a query with no visible key
-    returns zeros. Returns unrounded FP64 [T, nh, D].
+    returns zeros. Returns unrounded [T, nh, D] in the carrier dtype: FP64 in exact mode; in native
+    mode FP32, with the score and P.V products taken on `numerics.attention_operands(act_dtype)`
+    operands (BF16 for BF16 activations: P is rounded to BF16, as a BF16 attention kernel does).
     """
+    if native():
+        return _sink_attention_native(q, keys, visible, sinks, scale, attention_operands(act_dtype))
     q, keys = q.to(carrier()), keys.to(carrier())
     if keys.dim() == 2:
         scores = torch.einsum("thd,sd->ths", q, keys) * scale
@@ -64,6 +73,25 @@ def sink_attention(
     if keys.dim() == 2:
         return torch.einsum("ths,sd->thd", probs, keys)
     return torch.einsum("ths,tsd->thd", probs, keys)
+
+
+def _sink_attention_native(q, keys, visible, sinks, scale, op) -> torch.Tensor:
+    """Native `sink_attention`: `op` operand products with FP32 accumulation, FP32 softmax and sink."""
+    t, nh, d = q.shape
+    qo = bmm_operand(q, op)  # [T, nh, D]
+    ko = bmm_operand(keys, op)
+    if keys.dim() == 2:  # one key set for every query: a single [T*nh, D] x [D, S] product
+        scores = bmm_f32(qo.reshape(1, t * nh, d), ko.t()[None]).view(t, nh, -1)
+    else:
+        scores = bmm_f32(qo, ko.transpose(1, 2))
+    scores = (scores * scale).masked_fill(~visible[:, None, :], float("-inf"))
+    sink = sinks.to(torch.float32)[None, :, None].expand(t, -1, 1)
+    logits = torch.cat((scores, sink), dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = bmm_operand(torch.softmax(logits, dim=-1)[..., :-1], op)
+    if keys.dim() == 2:
+        return bmm_f32(probs.reshape(1, t * nh, -1), ko[None]).view(t, nh, d)
+    return bmm_f32(probs, ko)
 
 
 def project_query(

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..numerics import carrier, linear, round_to
+from ..numerics import attention_operands, bmm_f32, bmm_operand, carrier, linear, native, round_to
 from .compressor import CompressorWeights
 from .rope import apply_rope
 
@@ -45,11 +45,22 @@ def index_queries(
 
 
 def index_scores(
-    q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, scaled: bool
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    head_weights: torch.Tensor,
+    scaled: bool,
+    act_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """FP64 scores [T, n] of queries [T, n_i, d_i] against index keys [n, d_i] with head weights [T, n_i]."""
+    """Scores [T, n] of queries [T, n_i, d_i] against index keys [n, d_i] with head weights [T, n_i], in
+    the carrier dtype (FP64 exact; native: `q . k` on `numerics.attention_operands(act_dtype)` operands
+    with FP32 accumulation, the ReLU and head-weighted sum in FP32)."""
     n_heads, head_dim = q.shape[1], q.shape[2]
-    s = torch.relu(torch.einsum("thd,nd->thn", q.to(carrier()), keys.to(carrier())))
+    if native():
+        op = attention_operands(act_dtype)
+        flat = bmm_operand(q, op).reshape(1, -1, head_dim)
+        s = torch.relu(bmm_f32(flat, bmm_operand(keys, op).t()[None]).view(q.shape[0], n_heads, -1))
+    else:
+        s = torch.relu(torch.einsum("thd,nd->thn", q.to(carrier()), keys.to(carrier())))
     w = head_weights.to(carrier())
     if scaled:
         s = s * head_dim**-0.5

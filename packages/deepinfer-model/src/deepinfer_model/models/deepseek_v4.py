@@ -123,12 +123,12 @@ def v4_attention(
             index_keys = compress(y, w.indexer.compressor, r, spec.overlap, spec.rope, eps, 0, act_dtype).keys
             qi = index_queries(q_lat, w.indexer, cfg.index_n_heads, cos, sin, act_dtype)
             head_w = linear(y, w.indexer.weights_proj, act_dtype)
-            scores = index_scores(qi, index_keys, head_w, cfg.index_score_scale)
+            scores = index_scores(qi, index_keys, head_w, cfg.index_score_scale, act_dtype)
             selected = select_topk(scores, comp_visible, cfg.index_topk)
             comp_visible = selection_mask(selected, n)
         keys = torch.cat((keys, entries.keys), dim=0)
         visible = torch.cat((visible, comp_visible), dim=1)
-    o = attn.sink_attention(q, keys, visible, w.attn.sinks, cfg.head_dim**-0.5)
+    o = attn.sink_attention(q, keys, visible, w.attn.sinks, cfg.head_dim**-0.5, act_dtype)
     return attn.project_output(round_to(o, act_dtype), w.attn, cfg.o_groups, cos, sin, act_dtype)
 
 

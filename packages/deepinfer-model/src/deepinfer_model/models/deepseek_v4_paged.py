@@ -104,11 +104,11 @@ def _attention(
             entries, comp_visible = compressed_entries(cache, meta, g, f"comp.{layer}", r)
             if w.indexer is not None:
                 index_k = compressed_entries(cache, meta, g, f"index_k.{layer}", r)[0]
-                scores = grouped_index_scores(qi, index_k, head_w, g, cfg.index_score_scale)
+                scores = grouped_index_scores(qi, index_k, head_w, g, cfg.index_score_scale, act)
                 # attend gathers the selected entries only (HCA: every visible entry, as a mask)
                 comp_visible = select_topk(scores, comp_visible, cfg.index_topk)
             extra = (entries, comp_visible)
-        out[g.packed_rows] = attend(q, window, g, w.attn.sinks, cfg.head_dim**-0.5, meta, extra)
+        out[g.packed_rows] = attend(q, window, g, w.attn.sinks, cfg.head_dim**-0.5, meta, extra, act)
     return attn.project_output(round_to(out, act), w.attn, cfg.o_groups, cos, sin, act)
 
 

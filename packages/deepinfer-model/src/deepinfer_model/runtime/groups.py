@@ -19,7 +19,7 @@ from ..config import RopeSpec
 from ..layers.compressor import CompressorWeights, compress
 from ..layers.indexer import selection_mask
 from ..layers.rope import apply_rope, cos_sin
-from ..numerics import carrier, round_to
+from ..numerics import attention_operands, bmm_f32, bmm_operand, carrier, native, round_to
 from .metadata import StepMetadata
 from .pools import PagedKVCache
 
@@ -209,6 +209,7 @@ def attend(
     scale,
     meta: StepMetadata,
     extra: tuple[torch.Tensor, torch.Tensor] | None = None,
+    act_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Sink attention (as `layers.attention.sink_attention`, batched over the group's sequences) over each
     query's sliding window `swa` plus, if given, `extra` = (entries [G, n, D] shared by a sequence's
@@ -220,6 +221,10 @@ def attend(
     entries (or their selection). Invisible keys got exactly zero probability before, so each row's
     softmax and weighted sum hold the same nonzero terms as a score over every key (summed in another
     order: FP64 rounding only).
+
+    Native mode: FP32 [rows, nh, D]; the score and P.V products take `attention_operands(act_dtype)`
+    operands (BF16 for BF16 activations: q and the keys already hold BF16 values, P is rounded to BF16)
+    with FP32 accumulation, the softmax and sink stay FP32 (as `layers.attention.sink_attention`).
     """
     gq = g.rows.shape
     if extra is not None and extra[1].dtype != torch.bool and extra[1].dtype != torch.long:
@@ -237,14 +242,17 @@ def attend(
     if swa.visible is not None:
         raise ValueError("attend: window keys in the batch-invariant layout outside batch-invariant mode")
     c = carrier()
-    keys = swa.keys.to(c)
+    nat = native()
+    op = attention_operands(act_dtype)
+    # native: operands converted once per call (CPU: BF16-rounded values held in FP32, see `bmm_operand`)
+    keys = bmm_operand(swa.keys, op) if nat else swa.keys.to(c)
     w = swa.window
     entries = vis_e = sel = None
     n = 0
     n_heads, dim = q.shape[1], swa.keys.shape[2]
     per_row = n_heads * (2 * w - 1)  # band scores of one query row (blocks of >= W rows)
     if extra is not None:
-        entries = extra[0].to(c)
+        entries = bmm_operand(extra[0], op) if nat else extra[0].to(c)
         if extra[1].dtype == torch.bool:
             vis_e = extra[1].view(*gq, 1, -1)
             n = entries.shape[1]
@@ -262,21 +270,40 @@ def attend(
     for a in range(0, gq[1], block):
         b = min(block, gq[1] - a)
         band = keys[:, a : a + b + w - 1]  # [G, b + W - 1, D], a view
-        qs = q[g.rows[:, a : a + b]].to(c)  # [G, b, nh, D]
-        scores = torch.einsum("gqhd,gsd->gqhs", qs, band) * scale
+        if nat:
+            qs = bmm_operand(q[g.rows[:, a : a + b]], op)  # [G, b, nh, D]
+            scores = _shared_keys(qs, band.transpose(1, 2)) * scale
+        else:
+            qs = q[g.rows[:, a : a + b]].to(c)  # [G, b, nh, D]
+            scores = torch.einsum("gqhd,gsd->gqhs", qs, band) * scale
         parts = [scores.masked_fill(~_band_mask(meta, g, swa, a, b), float("-inf"))]
         if vis_e is not None:
-            e_scores = torch.einsum("gqhd,gnd->gqhn", qs, entries) * scale
+            if nat:
+                e_scores = _shared_keys(qs, entries.transpose(1, 2)) * scale
+            else:
+                e_scores = torch.einsum("gqhd,gnd->gqhn", qs, entries) * scale
             parts.append(e_scores.masked_fill(~vis_e[:, a : a + b], float("-inf")))
         elif sel is not None:
             idx = sel[:, a : a + b]  # [G, b, k]
             picked = entries[g_idx, idx.clamp(min=0)]  # [G, b, k, D]; -1 re-reads entry 0, masked below
-            e_scores = torch.einsum("gqhd,gqkd->gqhk", qs, picked) * scale
+            if nat:
+                e_scores = _own_keys(qs, picked.transpose(2, 3)) * scale
+            else:
+                e_scores = torch.einsum("gqhd,gqkd->gqhk", qs, picked) * scale
             parts.append(e_scores.masked_fill((idx < 0)[:, :, None, :], float("-inf")))
         parts.append(sink.expand(gq[0], b, -1, 1))
         logits = torch.cat(parts, dim=-1)
         logits = logits - logits.max(dim=-1, keepdim=True).values
         probs = torch.softmax(logits, dim=-1)
+        if nat:  # P rounded to the operand dtype, as a BF16 attention kernel feeds its P.V product
+            cb = band.shape[1]
+            o = _shared_keys(bmm_operand(probs[..., :cb], op), band)
+            if vis_e is not None:
+                o = o + _shared_keys(bmm_operand(probs[..., cb : cb + n], op), entries)
+            elif sel is not None:
+                o = o + _own_keys(bmm_operand(probs[..., cb : cb + n], op), picked)
+            outs.append(o)
+            continue
         o = torch.einsum("gqhs,gsd->gqhd", probs[..., : band.shape[1]], band)
         if vis_e is not None:
             o = o + torch.einsum("gqhn,gnd->gqhd", probs[..., band.shape[1] : band.shape[1] + n], entries)
@@ -287,21 +314,47 @@ def attend(
     return g.real(out.reshape(-1, *out.shape[2:]))
 
 
-def grouped_index_scores(qi: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, g: Group, scaled: bool):
+def _shared_keys(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Native products against one matrix per sequence: x [G, b, h, i] @ m [G, i, j] -> FP32 [G, b, h, j]
+    (one batched GEMM of b*h rows per sequence)."""
+    gs, b, h, i = x.shape
+    return bmm_f32(x.reshape(gs, b * h, i), m).view(gs, b, h, -1)
+
+
+def _own_keys(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Native products against one matrix per query slot: x [G, b, h, i] @ m [G, b, i, j] -> FP32 [G, b, h, j]."""
+    gs, b, h, i = x.shape
+    return bmm_f32(x.reshape(gs * b, h, i), m.reshape(gs * b, i, -1)).view(gs, b, h, -1)
+
+
+def grouped_index_scores(
+    qi: torch.Tensor,
+    keys: torch.Tensor,
+    head_w: torch.Tensor,
+    g: Group,
+    scaled: bool,
+    act_dtype: torch.dtype = torch.float32,
+):
     """Index scores [G*Q, n] (as `layers.indexer.index_scores`, batched over the group's sequences):
-    packed `qi` [N, n_i, d_i] and `head_w` [N, n_i] against each sequence's index keys [G, n, d_i]."""
+    packed `qi` [N, n_i, d_i] and `head_w` [N, n_i] against each sequence's index keys [G, n, d_i].
+    Native mode: `q . k` on `attention_operands(act_dtype)` operands with FP32 accumulation."""
     n_heads, head_dim = qi.shape[1], qi.shape[2]
     if batch_invariant.enabled():  # fixed-shape dot products (entries padded to whole tiles)
         gq = g.rows.shape
         flat = qi[g.rows].reshape(gq[0], -1, head_dim)
         s = torch.relu(batch_invariant.tiled_scores(flat, keys).view(*gq, n_heads, -1))
     else:  # query blocks, as in `attend`: a long chunk's [G, Q, n_i, n] scores would not fit
-        keys = keys.to(carrier())
+        nat = native()
+        op = attention_operands(act_dtype)
+        keys = bmm_operand(keys, op) if nat else keys.to(carrier())
         block = max(1, SCORE_BLOCK_ELEMENTS // max(g.rows.shape[0] * n_heads * keys.shape[1], 1))
         out = []
         for lo in range(0, g.rows.shape[1], block):
             rows = g.rows[:, lo : lo + block]
-            s = torch.relu(torch.einsum("gqhd,gnd->gqhn", qi[rows].to(carrier()), keys))
+            if nat:
+                s = torch.relu(_shared_keys(bmm_operand(qi[rows], op), keys.transpose(1, 2)))
+            else:
+                s = torch.relu(torch.einsum("gqhd,gnd->gqhn", qi[rows].to(carrier()), keys))
             w = head_w[rows].to(carrier())
             if scaled:
                 s = s * head_dim**-0.5

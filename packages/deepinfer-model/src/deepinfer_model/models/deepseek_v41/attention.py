@@ -130,7 +130,7 @@ def layer_attention(
             qi = kvq.index(index_queries(q_lat, w.indexer, cfg.index_n_heads, cos_q, sin_q, act_dtype))
             head_w = linear(yq, w.indexer.weights_proj, act_dtype)
             # No scale in V4.1; the logits are stored in the activation dtype (BF16 in the engine).
-            scores = round_to(index_scores(qi, state.index_keys, head_w, scaled=False), act_dtype)
+            scores = round_to(index_scores(qi, state.index_keys, head_w, False, act_dtype), act_dtype)
             allowed = valid
             if topo.restricted_to_candidates(layer):
                 allowed = valid & candidate_mask(state.candidates, n, topo.candidate_block_size)
@@ -145,5 +145,5 @@ def layer_attention(
         visible = torch.cat((visible, selection_mask(state.selection, n)), dim=1)
         trace.compressed, trace.index_keys = comp, state.index_keys
         trace.selection, trace.candidates = state.selection, state.candidates
-    o = sink_attention(q, keys, visible, w.attn.sinks, cfg.head_dim**-0.5)
+    o = sink_attention(q, keys, visible, w.attn.sinks, cfg.head_dim**-0.5, act_dtype)
     return project_output(round_to(o, act_dtype), w.attn, cfg.o_groups, cos_q, sin_q, act_dtype), trace

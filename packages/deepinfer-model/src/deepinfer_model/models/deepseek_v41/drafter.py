@@ -102,7 +102,7 @@ def draft_block(
             visible = torch.ones(
                 bd, keys.shape[0], dtype=torch.bool, device=dev
             )  # bidirectional in the block
-            o = sink_attention(q, keys, visible, blk.attn.sinks, cfg.head_dim**-0.5)
+            o = sink_attention(q, keys, visible, blk.attn.sinks, cfg.head_dim**-0.5, act_dtype)
             return project_output(round_to(o, act_dtype), blk.attn, cfg.o_groups, cos, sin, act_dtype)
 
         hc.sublayer(blk.hc_attn, blk.attn_norm, attention, act_dtype)

@@ -149,7 +149,7 @@ def _attention(
             n = entries.shape[1]
             if index_source:
                 ik = compressed_entries(cache, qmeta, g, f"index_k.{topo.index_k_source[layer]}", ratio)[0]
-                scores = round_to(grouped_index_scores(qi, ik, head_w, g, scaled=False), act)
+                scores = round_to(grouped_index_scores(qi, ik, head_w, g, False, act), act)
                 allowed = valid
                 if topo.restricted_to_candidates(layer):
                     allowed = valid & candidate_mask(st.candidates[slots], n, topo.candidate_block_size)
@@ -160,7 +160,7 @@ def _attention(
                     )
             selected = st.selection[topo.index_source[layer]][slots]
             extra = (entries, selected)  # attend gathers the selected entries only
-        out[g.packed_rows] = attend(q, window, g, w.attn.sinks, cfg.head_dim**-0.5, qmeta, extra)
+        out[g.packed_rows] = attend(q, window, g, w.attn.sinks, cfg.head_dim**-0.5, qmeta, extra, act)
     return project_output(round_to(out, act), w.attn, cfg.o_groups, cos, sin, act)
 
 
