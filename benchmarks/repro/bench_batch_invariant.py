@@ -6,7 +6,8 @@ Each repeat runs both modes back to back (same process, same inputs; the order a
 repeat) so machine load hits both alike. `cost_pct` = the median over repeats of the paired
 (invariant / default - 1) * 100 for the same phase and batch size (goal < 15), with the spread of the
 paired values (`cost_pct_min` / `cost_pct_max`); `ms_per_step` is the median. Also checks that both
-modes gave the same greedy tokens.
+modes gave the same greedy tokens. `--clock cpu` times the process's CPU time instead of wall time
+(on a shared, loaded host the wall-clock pairs scatter widely).
 Prints a table and writes benchmarks/results/bench_batch_invariant.json.
 """
 

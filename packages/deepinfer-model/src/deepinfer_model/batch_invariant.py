@@ -12,7 +12,7 @@ LM head) and every `matmul` here computes each row independently of the batch. O
 LM head's included) goes through one plain GEMM with the weight as a cached row-major [K, N] operand
 (zero columns up to a multiple of `COL_PAD`), where every product is exact and MKL gives the row the
 same bits for every M, the M = 1 GEMV included, at any index (measured; see `exact_gemm`), so a decode
-row costs a GEMV, not a padded tile; a row with more bits (the SwiGLU output, mHC mixes) goes through
+row costs a GEMV, not a padded tile; a row with more bits (the SwiGLU output) goes through
 fixed tiles of `TILE_ROWS` rows against that weight (`tiled_matmul`). On other devices every row takes
 the fixed tiles (the last tile zero-padded), so it goes through the same kernel with the same shape and
 K order whatever the batch, the prefill chunk or the prefix-cache hit around it. Costs:
@@ -26,7 +26,8 @@ the key itself (absolute position for sliding-window keys, entry index for compr
 every product is a fixed-shape GEMM ([TILE_ROWS, D] x [D, KEY_TILE] for scores, [TILE_ROWS, KEY_TILE] x
 [KEY_TILE, D + 1] for the unnormalised P·V and its row sum). Tile partials are added in tile order, one
 tile at a time; a tile a query cannot see contributes exact zeros, so extra padding tiles, in front
-(another chunk start) or behind (a wider neighbour), change nothing. The sink is added last. Operands
+(another chunk start) or behind (a wider neighbour), change nothing. Products of a row tile and a key tile that no
+row of it sees are not computed at all (`_tile_products`' `seen`): the sliding-window band. The sink is added last. Operands
 are made contiguous first: the GEMM kernel (and its rounding) depends on their layout too (a
 transposed view that `reshape` copied for one batch size but not another did change results).
 The exp runs on whole tiles (SIMD and scalar-tail exp differ in the last bit).
