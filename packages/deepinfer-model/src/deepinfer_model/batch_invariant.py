@@ -59,6 +59,7 @@ TILE_ROWS = 8
 KEY_TILE = 32  # key columns per attention tile (a multiple of every SIMD width: no scalar tail in exp)
 COL_PAD = 16  # weight columns of `row_gemm` padded to a multiple of this (an odd N changed row bits)
 DEVICE_BATCH = 16  # matrices per bmm call off the CPU (one problem shape -> one cuBLAS kernel)
+GATHER_CHUNK = 4096  # gathered tile products per bmm call in attention (bounds the gathered copies)
 
 
 def enabled() -> bool:
@@ -322,17 +323,9 @@ def _hull(flags: np.ndarray | None, n: int) -> tuple[int, int]:
     return (int(idx[0]), int(idx[-1]) + 1) if len(idx) else (0, 0)
 
 
-def _seen_tiles(visible: torch.Tensor, heads: int) -> np.ndarray:
-    """visible [B, M, S] (query m sees key column s) -> bool [B, Rt, St] on the host: whether any row of
-    score row tile r (rows m * heads + h, in tiles of `TILE_ROWS`) sees any column of key tile t."""
-    bsz, m, s = visible.shape
-    rows = visible[:, :, None, :].expand(bsz, m, heads, s).reshape(bsz, m * heads, s)
-    tiles = _row_tiles(rows.to(torch.uint8))  # padding rows (zeros) see nothing
-    seen = tiles.view(bsz, tiles.shape[1], TILE_ROWS, s // KEY_TILE, KEY_TILE).amax(dim=(2, 4))
-    return seen.bool().cpu().numpy()
-
-
-def tiled_scores(q: torch.Tensor, keys: torch.Tensor, seen: np.ndarray | None = None) -> torch.Tensor:
+def tiled_scores(
+    q: torch.Tensor, keys: torch.Tensor, seen: np.ndarray | None = None, gather: bool = True
+) -> torch.Tensor:
     """q [B, R, D] . keys [B, S, D] -> FP64 [B, R, S] (S a multiple of `KEY_TILE`), every dot product in a
     fixed-shape [TILE_ROWS, D] x [D, KEY_TILE] GEMM with fixed operand layouts (contiguous row tile,
     contiguous transposed key tile): a (row, key) score depends on nothing else. `seen` (see
@@ -344,27 +337,136 @@ def tiled_scores(q: torch.Tensor, keys: torch.Tensor, seen: np.ndarray | None = 
     n_tiles = s // KEY_TILE
     qt = _row_tiles(q.double()).contiguous()[:, :, None]  # [B, Rt, 1, 8, D]
     kt = keys.double().view(bsz, n_tiles, KEY_TILE, d).transpose(-1, -2).contiguous()  # [B, St, D, KT]
-    out = _tile_products(qt, kt, seen)  # [B, Rt, St, 8, KT]
+    if seen is not None or not gather:  # (`gather=False`: the per-tile loop, a reference for tests)
+        out = _tile_products(qt, kt, seen)  # [B, Rt, St, 8, KT]
+    else:  # every tile: one gathered product list (one bmm call on the CPU instead of one per tile)
+        rt = qt.shape[1]
+        bi, ri, ti = (x.reshape(-1) for x in np.indices((bsz, rt, n_tiles)))
+        ia = torch.from_numpy(bi * rt + ri).to(q.device)
+        ib = torch.from_numpy(bi * n_tiles + ti).to(q.device)
+        prods = _products(qt.reshape(bsz * rt, TILE_ROWS, d), kt.reshape(bsz * n_tiles, d, KEY_TILE), ia, ib)
+        out = prods.view(bsz, rt, n_tiles, TILE_ROWS, KEY_TILE)
     return out.permute(0, 1, 3, 2, 4).reshape(bsz, -1, s)[:, :r]
 
 
+def _products(a: torch.Tensor, b: torch.Tensor, ia: torch.Tensor, ib: torch.Tensor) -> torch.Tensor:
+    """a[ia[j]] @ b[ib[j]] for every j: a [Na, m, k], b [Nb, k, n] -> [len(ia), m, n], as bmm calls of
+    gathered (contiguous) matrices, at most `GATHER_CHUNK` per call (memory). Each product is one
+    [m, k] x [k, n] GEMM whatever else shares its call (see `bmm`), so the chunking changes no bit."""
+    out = []
+    for c in range(0, len(ia), GATHER_CHUNK):
+        out.append(bmm(a[ia[c : c + GATHER_CHUNK]], b[ib[c : c + GATHER_CHUNK]]))
+    return torch.cat(out) if len(out) != 1 else out[0]
+
+
+def _seen_from_queries(q_seen: np.ndarray, heads: int, row_tiles: int) -> np.ndarray:
+    """q_seen bool [B, M, T] (query m sees some column of key tile t) -> bool [B, Rt, T]: whether any row
+    of score row tile r (rows m * heads + h, in tiles of `TILE_ROWS`; padding rows see nothing) does."""
+    bsz, m, t = q_seen.shape
+    rows = np.arange(row_tiles * TILE_ROWS) // heads
+    seen = q_seen[:, np.minimum(rows, m - 1), :] & (rows < m)[None, :, None]
+    return seen.reshape(bsz, row_tiles, TILE_ROWS, t).any(axis=2)
+
+
 def sink_attention(
-    q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    visible: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
+    all_tiles: bool = False,
 ) -> torch.Tensor:
     """Sink attention (K = V) with a batch-independent reduction order; FP64 [B, M, nh, D].
 
     q [B, M, nh, D] (M queries sharing key set b), keys [B, S, D] with S a multiple of `KEY_TILE` laid
     out in aligned tiles (`aligned_span`, `key_tiles`), visible [B, M, S] bool, sinks [nh]. A query's
     result depends only on its own q, its visible keys and their tile columns.
+
+    Only the (row tile, key tile) pairs some row of the row tile sees are computed (`seen`): their score
+    products, mask, exp and P.V products, each on whole tiles, gathered into one list of tiles. The
+    others are exactly what the full computation (`all_tiles=True`, `_sink_attention_full`, kept as the
+    reference the tests compare with bit for bit) gets for them: scores masked to -inf, so they do not
+    change a row's max, exp 0, and a P.V partial of +0 (an all-zero P tile: the GEMM sums products of
+    +0 from a +0 accumulator; measured), which leaves the tile-order sum unchanged wherever it is added
+    (x + 0 = x for every x but -0, and no partial is ever -0 for the same reason).
     """
+    if all_tiles:
+        return _sink_attention_full(q, keys, visible, sinks, scale)
     bsz, m, nh, d = q.shape
     s = keys.shape[1]
-    # (row tile, key tile) pairs no row of which sees any key: neither scored nor multiplied (a sliding
-    # window of W keys sees at most ceil(W / KEY_TILE) + 1 of a long chunk's tiles)
     if s % KEY_TILE:
         raise ValueError(f"keys.shape[1] = {s} must be a multiple of KEY_TILE = {KEY_TILE}")
-    seen = _seen_tiles(visible, nh)
-    scores = tiled_scores(q.reshape(bsz, m * nh, d), keys, seen).view(bsz, m, nh, s) * scale
+    n_tiles = s // KEY_TILE
+    dev = q.device
+    rt = -(-(m * nh) // TILE_ROWS)
+    vis_t = visible.view(bsz, m, n_tiles, KEY_TILE)
+    # which tiles each query sees: one small [B, M, T] read to the host (no sync cost on the CPU)
+    seen = _seen_from_queries(vis_t.any(dim=-1).cpu().numpy(), nh, rt)  # [B, Rt, T]
+    bi, ri, ti = np.nonzero(seen)  # seen tiles in (sequence, row tile, key tile) order
+    n_sel = len(bi)
+    br = bi * rt + ri  # flat row tile of each seen tile
+    # order [B*Rt, K]: slot k of a row tile holds the index of its k-th seen tile (key tile order), or
+    # N where it has fewer (the pad entry appended to each per-tile result below)
+    first = np.searchsorted(br, np.arange(bsz * rt))
+    count = np.bincount(br, minlength=bsz * rt)
+    k_max = max(int(count.max()) if n_sel else 0, 1)
+    slot = np.arange(k_max)[None, :]
+    order = np.where(slot < count[:, None], first[:, None] + slot, n_sel)
+    # score products of the seen tiles only
+    qt = _row_tiles(q.reshape(bsz, m * nh, d).double()).reshape(bsz * rt, TILE_ROWS, d)
+    kd = keys.double().reshape(bsz * n_tiles, KEY_TILE, d)
+    kt = kd.transpose(-1, -2).contiguous()  # [B*T, D, KT]: contiguous transposed key tiles
+    kidx = torch.from_numpy(bi * n_tiles + ti).to(dev)
+    scores = _products(qt, kt, torch.from_numpy(br).to(dev), kidx) * scale  # [N, 8, KT]
+    # each tile row's visibility: row m * nh + h is query m (padding rows see nothing)
+    rows = np.arange(rt * TILE_ROWS) // nh
+    qrow = torch.from_numpy(np.minimum(rows, m - 1).reshape(rt, TILE_ROWS)).to(dev)
+    real = torch.from_numpy((rows < m).reshape(rt, TILE_ROWS)).to(dev)
+    ri_d = torch.from_numpy(ri).to(dev)
+    vis = vis_t[torch.from_numpy(bi).to(dev)[:, None], qrow[ri_d], torch.from_numpy(ti).to(dev)[:, None]]
+    vis = vis & real[ri_d][:, :, None]  # [N, 8, KT]
+    scores = scores.masked_fill(~vis, float("-inf"))
+    # the sink as column 0 of one more tile per row (whole-tile exp, as for the scores); padding rows
+    # get sink 0 so that their max is finite and all their exps 0
+    heads = torch.from_numpy(np.arange(rt * TILE_ROWS) % nh).to(dev)
+    sink_val = torch.where(real.reshape(-1), sinks.to(dev, torch.float64)[heads], 0.0)
+    sink = q.new_full((bsz * rt * TILE_ROWS, KEY_TILE), float("-inf"), dtype=torch.float64)
+    sink[:, 0] = sink_val.repeat(bsz)
+    # each row's max: over its seen tiles and the sink (max is exact: any grouping gives the same value)
+    order_d = torch.from_numpy(order).to(dev)
+    tile_mx = torch.cat((scores.amax(dim=-1), scores.new_full((1, TILE_ROWS), float("-inf"))))
+    mx = torch.maximum(tile_mx[order_d].amax(dim=1), sink[:, 0].reshape(bsz * rt, TILE_ROWS))
+    br_d = torch.from_numpy(br).to(dev)
+    e = torch.exp(scores - mx[br_d][:, :, None])  # [N, 8, KT]
+    e_sink = torch.exp(sink - mx.reshape(-1, 1))[:, 0]  # [B*Rt*8]
+    # unnormalised P.[K | 1] of the seen tiles: value sums and softmax denominator from one fixed GEMM
+    vals = torch.cat((kd, kd.new_ones(bsz * n_tiles, KEY_TILE, 1)), dim=-1)  # [B*T, KT, D+1]
+    part = _products(e, vals, torch.arange(n_sel, device=dev), kidx)  # [N, 8, D+1]
+    # partials of a row tile in key tile order (`order`), the missing slots the +0 of an unseen tile
+    part = torch.cat((part, part.new_zeros(1, TILE_ROWS, d + 1)))[order_d]
+    if dev.type == "cpu":
+        # the CPU cumsum is a sequential sum from +0 in index order (one pass): the same additions as
+        # the loop below, in one call instead of k_max
+        acc = torch.cumsum(part, dim=1)[:, -1]
+    else:  # (a GPU cumsum is a parallel scan: another order)
+        acc = part[:, 0]
+        for k in range(1, k_max):
+            acc = acc + part[:, k]
+    acc = acc.reshape(bsz, rt * TILE_ROWS, d + 1)[:, : m * nh].reshape(bsz, m, nh, d + 1)
+    den = acc[..., d] + e_sink.reshape(bsz, rt * TILE_ROWS)[:, : m * nh].reshape(bsz, m, nh)
+    return acc[..., :d] / den[..., None]
+
+
+def _sink_attention_full(
+    q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`sink_attention` computing every (row tile, key tile) product and the mask / exp / max over every
+    key column: the reference its tile skipping must match bit for bit (tests)."""
+    bsz, m, nh, d = q.shape
+    s = keys.shape[1]
+    if s % KEY_TILE:
+        raise ValueError(f"keys.shape[1] = {s} must be a multiple of KEY_TILE = {KEY_TILE}")
+    scores = tiled_scores(q.reshape(bsz, m * nh, d), keys, gather=False).view(bsz, m, nh, s) * scale
     n_tiles = s // KEY_TILE
     scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
     # the sink as column 0 of one more tile: every exp below runs on whole tiles (no scalar tail)
@@ -380,7 +482,7 @@ def sink_attention(
     pt = (
         pt.view(bsz, rt, TILE_ROWS, n_tiles, KEY_TILE).permute(0, 1, 3, 2, 4).contiguous()
     )  # [B, Rt, St, 8, KT]
-    part = _tile_products(pt, vals, seen)  # [B, Rt, St, 8, D+1]
+    part = _tile_products(pt, vals)  # [B, Rt, St, 8, D+1]
     acc = part[:, :, 0]
     for t in range(1, n_tiles):  # tile order, one tile at a time: padding tiles add exact zeros
         acc = acc + part[:, :, t]
