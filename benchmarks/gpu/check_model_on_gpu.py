@@ -9,6 +9,11 @@ The CPU reference always runs the exact numerics (FP64 carrier). `--numerics exa
 model once per listed mode, with `DEEPINFER_NUMERICS` set for the GPU model only (native: FP32 carrier,
 act-dtype GEMMs; see deepinfer_model.numerics), so one call reports native-vs-exact error and timing.
 
+`--fp8-experts` sets `DEEPINFER_FP8_EXPERTS=1` for both the CPU reference and the GPU model: the MXFP4
+routed experts are converted at load to 128x128-block FP8 and run by the `grouped_expert_mlp` op with
+its FP8 activation casts (DeepGEMM on SM90, the CPU reference op on the CPU), so the two sides compute
+the same numerics (without it the GPU and CPU models both keep the dequantised experts).
+
     python benchmarks/gpu/check_model_on_gpu.py --model tiny --model /tmp/medium --numerics exact,native --out DIR
 writes `check_model_on_gpu.json` (one record per checkpoint, activation dtype and numerics mode).
 """
@@ -89,6 +94,11 @@ def main() -> None:
     ap.add_argument(
         "--numerics", default="exact", help="GPU model numerics modes, comma list of exact / native"
     )
+    ap.add_argument(
+        "--fp8-experts",
+        action="store_true",
+        help="DEEPINFER_FP8_EXPERTS=1 for the CPU reference and the GPU model (FP8 block routed experts)",
+    )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--threads", type=int, default=16, help="CPU threads for the reference")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
@@ -100,6 +110,9 @@ def main() -> None:
     if bad:
         ap.error(f"--numerics: {bad} not in exact, native")
     torch.set_num_threads(args.threads)
+    # read at load time by both loads below; set (or cleared) here so an inherited value cannot make the
+    # CPU reference and the GPU model differ in numerics
+    os.environ["DEEPINFER_FP8_EXPERTS"] = "1" if args.fp8_experts else "0"
     recs = []
     for name in args.model or ["tiny"]:
         path = make_v41_checkpoint(tempfile.mkdtemp(), seed=0) if name == "tiny" else Path(name)
@@ -117,7 +130,11 @@ def main() -> None:
                 cpu_wall_s = time.monotonic() - t0
             except Exception as e:  # noqa: BLE001 - record and go on to the next checkpoint
                 rec = dict(
-                    check="v41_whole_model_on_gpu", model=name, act_dtype=dt, status=f"error: {e!r}"[:600]
+                    check="v41_whole_model_on_gpu",
+                    model=name,
+                    act_dtype=dt,
+                    fp8_experts=args.fp8_experts,
+                    status=f"error: {e!r}"[:600],
                 )
                 print(rec, flush=True)
                 recs.append(rec)
@@ -129,6 +146,7 @@ def main() -> None:
                     hidden=cfg["hidden_size"],
                     act_dtype=dt,
                     numerics=mode,
+                    fp8_experts=args.fp8_experts,
                 )
                 try:
                     with numerics_env(mode):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,22 @@ MXFP4_GROUP = 32
 # Largest UE8M0 byte whose values (up to 6 * 2^(byte - 127)) still fit FP32 exactly: 6 * 2^125 < 2^128.
 MAX_SCALE_BYTE = 252
 logger = logging.getLogger("deepinfer_model.quant_sm90")
+ENV = "DEEPINFER_FP8_EXPERTS"
+
+
+def fp8_experts_enabled() -> bool:
+    """`DEEPINFER_FP8_EXPERTS=1`: the loaders convert MXFP4 routed experts to `Fp8Experts` and
+    `experts_forward` runs them through the `grouped_expert_mlp` op (with its Q8 activation steps), on
+    the CPU as on the GPU, so a GPU run can be compared with a CPU run of the same numerics. Read when a
+    model is loaded; unset, empty or 0 = off (the default). ValueError on any other value."""
+    value = os.environ.get(ENV, "").strip()
+    if value in ("", "0"):
+        return False
+    if value == "1":
+        return True
+    raise ValueError(f"{ENV}={os.environ.get(ENV)!r}: allowed values are 0 (default, off) and 1")
+
+
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
@@ -284,6 +301,17 @@ def fp8_experts_from_weights(experts, check: bool = True) -> Fp8Experts:
     return _from_values(w1.float(), w3.float(), w2.float(), check)
 
 
+def refuse_with_expert_parallelism(where: str) -> None:
+    """Expert parallelism (`parallel.ep_moe`) computes per physical slot from `ExpertWeights` and EPLB
+    shuffles those tensors in place: it has no `Fp8Experts` path. Raise instead of silently running (or
+    failing on) the other numerics."""
+    if fp8_experts_enabled():
+        raise ValueError(
+            f"{ENV}=1 cannot be combined with expert parallelism ({where}): the EP MoE runs dequantised "
+            f"ExpertWeights only; unset {ENV} (or set it to 0), or run without expert parallelism"
+        )
+
+
 def convert_moe_experts_for_sm90(weights, check: bool = True) -> Fp8ConversionStats:
     """Replace, in place, the `experts` of every `layers.moe.MoEWeights` reachable from `weights` (a model's
     weight dataclass tree: V41Weights, its blocks and drafter) by `Fp8Experts` on the same device.
@@ -329,3 +357,15 @@ def convert_moe_experts_for_sm90(weights, check: bool = True) -> Fp8ConversionSt
 
     walk(weights)
     return total
+
+
+def convert_experts_if_enabled(weights) -> Fp8ConversionStats | None:
+    """At load time, with `DEEPINFER_FP8_EXPERTS=1`: `convert_moe_experts_for_sm90(weights)` (experts
+    whose hidden size is not a multiple of 128 keep the default path, with a warning). Returns None when
+    the variable is off. The conversion error is not measured here (an FP64 copy of a real model's
+    experts would not fit); MXFP4 experts convert exactly when their group scales span <= 14 binades."""
+    if not fp8_experts_enabled():
+        return None
+    stats = convert_moe_experts_for_sm90(weights, check=False)
+    logger.info("%s=1: routed experts converted to 128x128-block FP8 (Fp8Experts)", ENV)
+    return stats

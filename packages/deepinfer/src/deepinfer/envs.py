@@ -70,6 +70,13 @@ _VARS = [
         "activation-dtype GEMMs)",
     ),
     EnvVar(
+        "DEEPINFER_FP8_EXPERTS",
+        _bool,
+        False,
+        "1: MXFP4 routed experts converted at load to 128x128-block FP8 and run by the grouped_expert_mlp op "
+        "with its FP8 activation casts, on CPU and GPU (read by deepinfer_model.quant_sm90); not with EP",
+    ),
+    EnvVar(
         "DEEPINFER_USE_NEXTN_DECODE",
         int,
         5,

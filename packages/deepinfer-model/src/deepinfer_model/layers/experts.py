@@ -43,7 +43,7 @@ def experts_forward(
     x: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
-    experts: ExpertWeights,
+    experts: ExpertWeights,  # or quant_sm90.Fp8Experts
     shared: MLPWeights | None,
     limit: float,
     act_dtype: torch.dtype = torch.float32,
@@ -53,7 +53,22 @@ def experts_forward(
 
     `weight_before_down` scales the SwiGLU output by the routing weight before `w2` (V4.1); the public V4
     scales the expert output after `w2`. Equal in exact arithmetic.
+
+    `experts` may also be `quant_sm90.Fp8Experts` (loaded with `DEEPINFER_FP8_EXPERTS=1`): the routed
+    sum then comes from the `grouped_expert_mlp` op (FP8 1x128 activation casts, BF16 GEMM outputs, an
+    FP32 sum over slots), the shared expert is added and the result rounded once, as here.
     """
+    if not isinstance(experts, ExpertWeights):
+        from ..quant_sm90 import Fp8Experts
+
+        if isinstance(experts, Fp8Experts):
+            # ops -> backends -> layers: imported at call time
+            from ..ops.model_calls import grouped_expert_mlp
+
+            out = grouped_expert_mlp(x, weights, ids, experts, limit, weight_before_down)
+            if shared is not None:
+                out += mlp(x, shared, limit, act_dtype)
+            return round_to(out, act_dtype)
     t, k = ids.shape
     n_experts = experts.w1.shape[0]
     # One host sync per call: the (token, slot) pairs are sorted by expert id (stable, so each expert's

@@ -193,8 +193,15 @@ def load_model(
 ) -> DeepseekV4Model:
     """Load a public DeepSeek-V4 checkpoint directory (config.json + safetensors); the weights are
     dequantised on `device` and the model runs there."""
+    from ..quant_sm90 import convert_experts_if_enabled
     from ..runtime.device import resolve_device
 
     cfg = load_config(path)
     tensors = load_tensors(path, cfg, model_tensors(cfg), dtype, device=resolve_device(device))
-    return DeepseekV4Model(cfg, tensors, dtype)
+    model = DeepseekV4Model(cfg, tensors, dtype)
+    if cfg.quant is not None and cfg.quant.expert_dtype == "fp4":
+        # DEEPINFER_FP8_EXPERTS=1: MXFP4 routed experts as 128x128-block FP8 (FP8 checkpoints' experts
+        # keep their own blocks and the default path)
+        del tensors
+        convert_experts_if_enabled(model.layers)
+    return model

@@ -22,6 +22,7 @@ from ..layers.moe import MoEWeights
 from ..layers.router import route_hash, route_topk
 from ..models.deepseek_v41.config import DeepseekV41Config
 from ..numerics import linear, round_to
+from ..quant_sm90 import refuse_with_expert_parallelism
 
 
 class ExpertParallelMoE:
@@ -42,6 +43,7 @@ class ExpertParallelMoE:
         act_dtype: torch.dtype = torch.float32,
         part: str = "backbone",
     ):
+        refuse_with_expert_parallelism("ExpertParallelMoE")  # DEEPINFER_FP8_EXPERTS=1: no FP8 EP path
         if part == "backbone":
             n_routed, self.top_k, n_layers = (
                 config.n_routed_experts,
@@ -72,6 +74,11 @@ class ExpertParallelMoE:
         self, layer: int, blk, y: torch.Tensor, token_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         cfg, m = self.config, blk.moe
+        if not isinstance(m.experts, ExpertWeights):  # e.g. Fp8Experts of a DEEPINFER_FP8_EXPERTS=1 load
+            raise ValueError(
+                f"layer {layer}: expert parallelism needs dequantised ExpertWeights, got "
+                f"{type(m.experts).__name__} (DEEPINFER_FP8_EXPERTS=1 cannot be combined with expert parallelism)"
+            )
         if m.experts.w1.shape[0] != self.layout.slots_per_rank:
             raise ValueError(
                 f"layer {layer} holds {m.experts.w1.shape[0]} experts; EP rank needs its "

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from ...loader import load_tensors
+from ...quant_sm90 import convert_experts_if_enabled
 from ...runtime.device import resolve_device
 from .config import DeepseekV41Config
 from .engram_vocab import CompressedVocabulary
@@ -34,6 +35,8 @@ def load_v41(
     `tokenizer.json`. The model then runs on `device` (every tensor of its forward follows the weights).
 
     `act_dtype` / `quantize_kv`: see `DeepseekV41ForCausalLM` (FP32 and exact KV by default).
+    With `DEEPINFER_FP8_EXPERTS=1` the routed experts are converted to `quant_sm90.Fp8Experts` (run by
+    the `grouped_expert_mlp` op, FP8 activation steps included).
     """
     cfg = DeepseekV41Config.from_file(path)
     tensors = load_tensors(
@@ -46,6 +49,9 @@ def load_v41(
     )
     vocab = CompressedVocabulary.from_file(path) if cfg.engram else None
     weights = V41Weights.from_tensors(cfg, tensors.__getitem__)
+    del tensors  # the per-expert tensors: the conversion below frees the stacks it replaces
+    # DEEPINFER_FP8_EXPERTS=1: the MXFP4 routed experts (backbone and draft blocks) as 128x128-block FP8
+    convert_experts_if_enabled(weights)
     return DeepseekV41ForCausalLM(cfg, weights, vocab, act_dtype, quantize_kv)
 
 
