@@ -49,7 +49,7 @@ def _case(g, bsz, m, nh, d, window, ratio):
 
 def test_tile_skipping_is_bitwise_the_full_tile_computation():
     g = torch.Generator().manual_seed(3)
-    skipped = 0
+    skipped, paths = 0, set()
     for trial in range(24):
         bsz = int(torch.randint(1, 6, (1,), generator=g))
         m = int(torch.randint(1, 70, (1,), generator=g))
@@ -60,10 +60,14 @@ def test_tile_skipping_is_bitwise_the_full_tile_computation():
         sinks = torch.randn(nh, generator=g)
         full = batch_invariant.sink_attention(q, keys, vis, sinks, 0.09, all_tiles=True)
         got = batch_invariant.sink_attention(q, keys, vis, sinks, 0.09)
+        plan = batch_invariant.plan_attention(vis, nh)
+        paths.add(plan.by_key is None)
+        assert torch.equal(batch_invariant.sink_attention(q, keys, None, sinks, 0.09, plan=plan), full)
         assert torch.equal(got, full), f"trial {trial}: tile skipping changed the FP64 attention output"
         # a real check: some (query, key tile) pairs were not seen and so were skipped
         skipped += int((~vis.view(bsz, m, -1, KT).any(-1)).sum())
     assert skipped > 0
+    assert paths == {True, False}  # both product layouts (one gathered call; one call per key tile)
 
 
 def test_gathered_tile_scores_equal_the_per_tile_loop():

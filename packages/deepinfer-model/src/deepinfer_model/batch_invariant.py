@@ -324,7 +324,7 @@ def _hull(flags: np.ndarray | None, n: int) -> tuple[int, int]:
 
 
 def tiled_scores(
-    q: torch.Tensor, keys: torch.Tensor, seen: np.ndarray | None = None, gather: bool = True
+    q: torch.Tensor, keys: torch.Tensor, seen: np.ndarray | None = None, gather: bool = False
 ) -> torch.Tensor:
     """q [B, R, D] . keys [B, S, D] -> FP64 [B, R, S] (S a multiple of `KEY_TILE`), every dot product in a
     fixed-shape [TILE_ROWS, D] x [D, KEY_TILE] GEMM with fixed operand layouts (contiguous row tile,
@@ -368,89 +368,130 @@ def _seen_from_queries(q_seen: np.ndarray, heads: int, row_tiles: int) -> np.nda
     return seen.reshape(bsz, row_tiles, TILE_ROWS, t).any(axis=2)
 
 
+class AttentionPlan:
+    """Which (row tile, key tile) pairs of a `sink_attention` call some row sees, as index tensors: a
+    function of the visibility mask and the head count only, so the paged runtime builds it once per step
+    and key set and every layer reuses it (`plan_attention`)."""
+
+    def __init__(self, visible: torch.Tensor, heads: int):
+        bsz, m, s = visible.shape
+        if s % KEY_TILE:
+            raise ValueError(f"keys.shape[1] = {s} must be a multiple of KEY_TILE = {KEY_TILE}")
+        n_tiles = s // KEY_TILE
+        dev = visible.device
+        rt = -(-(m * heads) // TILE_ROWS)
+        vis_t = visible.view(bsz, m, n_tiles, KEY_TILE)
+        # which tiles each query sees: one small [B, M, T] read to the host (no sync cost on the CPU)
+        seen = _seen_from_queries(vis_t.any(dim=-1).cpu().numpy(), heads, rt)  # [B, Rt, T]
+        bi, ri, ti = np.nonzero(seen)  # seen tiles in (sequence, row tile, key tile) order
+        n_sel = len(bi)
+        br = bi * rt + ri  # flat row tile of each seen tile
+        # order [B*Rt, K]: slot k of a row tile holds the index of its k-th seen tile (key tile order),
+        # or N where it has fewer (the pad entry appended to each per-tile result)
+        first = np.searchsorted(br, np.arange(bsz * rt))
+        count = np.bincount(br, minlength=bsz * rt)
+        k_max = max(int(count.max()) if n_sel else 0, 1)
+        slot = np.arange(k_max)[None, :]
+        order = np.where(slot < count[:, None], first[:, None] + slot, n_sel)
+        # each seen tile's mask: tile row j of row tile r is query (r * 8 + j) // heads (padding rows
+        # see nothing)
+        rows = np.arange(rt * TILE_ROWS) // heads
+        qrow = np.minimum(rows, m - 1).reshape(rt, TILE_ROWS)
+        real = (rows < m).reshape(rt, TILE_ROWS)
+        idx = [torch.from_numpy(x).to(dev) for x in (bi[:, None], qrow[ri], ti[:, None])]
+        self.hidden = ~(vis_t[idx[0], idx[1], idx[2]] & torch.from_numpy(real[ri]).to(dev)[:, :, None])
+        self.shape = (bsz, m, heads, n_tiles, rt)
+        self.n_sel, self.k_max = n_sel, k_max
+        self.row_tile = torch.from_numpy(br).to(dev)
+        self.key_tile = torch.from_numpy(bi * n_tiles + ti).to(dev)
+        self.order = torch.from_numpy(order).to(dev)
+        self.heads = torch.from_numpy(np.arange(rt * TILE_ROWS) % heads).to(dev)
+        self.real = torch.from_numpy(real.reshape(-1)).to(dev)
+        # many row tiles per key tile (prefill): one call per key tile, the key tile broadcast (a gathered
+        # copy per row tile would cost more than the products); few (decode): one gathered call
+        kflat = bi * n_tiles + ti
+        self.by_key: list[tuple[int, torch.Tensor]] | None = None
+        if n_sel >= 4 * len(np.unique(kflat)):
+            srt = np.argsort(kflat, kind="stable")
+            cuts = np.flatnonzero(np.diff(kflat[srt])) + 1
+            self.by_key = [(int(kflat[g[0]]), torch.from_numpy(g).to(dev)) for g in np.split(srt, cuts)]
+
+
+def _plan_products(plan: AttentionPlan, a: torch.Tensor, ia: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a[ia[j]] @ b[plan.key_tile[j]] for every seen tile j (see `_products`)."""
+    if plan.by_key is None:
+        return _products(a, b, ia, plan.key_tile)
+    out = a.new_empty(plan.n_sel, a.shape[1], b.shape[2])
+    for kt, idx in plan.by_key:
+        out[idx] = bmm(a[ia[idx]], b[kt].expand(len(idx), -1, -1))
+    return out
+
+
+def plan_attention(visible: torch.Tensor, heads: int) -> AttentionPlan:
+    """The `AttentionPlan` of visible [B, M, S] for `heads` query heads."""
+    return AttentionPlan(visible, heads)
+
+
 def sink_attention(
     q: torch.Tensor,
     keys: torch.Tensor,
-    visible: torch.Tensor,
+    visible: torch.Tensor | None,
     sinks: torch.Tensor,
     scale: float,
     all_tiles: bool = False,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Sink attention (K = V) with a batch-independent reduction order; FP64 [B, M, nh, D].
 
     q [B, M, nh, D] (M queries sharing key set b), keys [B, S, D] with S a multiple of `KEY_TILE` laid
-    out in aligned tiles (`aligned_span`, `key_tiles`), visible [B, M, S] bool, sinks [nh]. A query's
-    result depends only on its own q, its visible keys and their tile columns.
+    out in aligned tiles (`aligned_span`, `key_tiles`), visible [B, M, S] bool (or its `plan`), sinks
+    [nh]. A query's result depends only on its own q, its visible keys and their tile columns.
 
-    Only the (row tile, key tile) pairs some row of the row tile sees are computed (`seen`): their score
-    products, mask, exp and P.V products, each on whole tiles, gathered into one list of tiles. The
-    others are exactly what the full computation (`all_tiles=True`, `_sink_attention_full`, kept as the
-    reference the tests compare with bit for bit) gets for them: scores masked to -inf, so they do not
-    change a row's max, exp 0, and a P.V partial of +0 (an all-zero P tile: the GEMM sums products of
-    +0 from a +0 accumulator; measured), which leaves the tile-order sum unchanged wherever it is added
-    (x + 0 = x for every x but -0, and no partial is ever -0 for the same reason).
+    Only the (row tile, key tile) pairs some row of the row tile sees are computed (`AttentionPlan`):
+    their score products, mask, exp and P.V products, each on whole tiles, gathered into one list of
+    tiles. The others are exactly what the full computation (`all_tiles=True`, `_sink_attention_full`,
+    kept as the reference the tests compare with bit for bit) gets for them: scores masked to -inf, so
+    they do not change a row's max, exp 0, and a P.V partial of +0 (an all-zero P tile: the GEMM sums
+    products of +0 from a +0 accumulator; measured), which leaves the tile-order sum unchanged wherever
+    it is added (x + 0 = x for every x but -0, and no partial is ever -0 for the same reason).
     """
     if all_tiles:
         return _sink_attention_full(q, keys, visible, sinks, scale)
     bsz, m, nh, d = q.shape
-    s = keys.shape[1]
-    if s % KEY_TILE:
-        raise ValueError(f"keys.shape[1] = {s} must be a multiple of KEY_TILE = {KEY_TILE}")
-    n_tiles = s // KEY_TILE
+    if plan is None:
+        plan = AttentionPlan(visible, nh)
+    if plan.shape[:3] != (bsz, m, nh) or plan.shape[3] * KEY_TILE != keys.shape[1]:
+        raise ValueError(f"attention plan for {plan.shape} does not fit q {tuple(q.shape)}, keys {tuple(keys.shape)}")
+    n_tiles, rt = plan.shape[3:]
     dev = q.device
-    rt = -(-(m * nh) // TILE_ROWS)
-    vis_t = visible.view(bsz, m, n_tiles, KEY_TILE)
-    # which tiles each query sees: one small [B, M, T] read to the host (no sync cost on the CPU)
-    seen = _seen_from_queries(vis_t.any(dim=-1).cpu().numpy(), nh, rt)  # [B, Rt, T]
-    bi, ri, ti = np.nonzero(seen)  # seen tiles in (sequence, row tile, key tile) order
-    n_sel = len(bi)
-    br = bi * rt + ri  # flat row tile of each seen tile
-    # order [B*Rt, K]: slot k of a row tile holds the index of its k-th seen tile (key tile order), or
-    # N where it has fewer (the pad entry appended to each per-tile result below)
-    first = np.searchsorted(br, np.arange(bsz * rt))
-    count = np.bincount(br, minlength=bsz * rt)
-    k_max = max(int(count.max()) if n_sel else 0, 1)
-    slot = np.arange(k_max)[None, :]
-    order = np.where(slot < count[:, None], first[:, None] + slot, n_sel)
     # score products of the seen tiles only
     qt = _row_tiles(q.reshape(bsz, m * nh, d).double()).reshape(bsz * rt, TILE_ROWS, d)
     kd = keys.double().reshape(bsz * n_tiles, KEY_TILE, d)
     kt = kd.transpose(-1, -2).contiguous()  # [B*T, D, KT]: contiguous transposed key tiles
-    kidx = torch.from_numpy(bi * n_tiles + ti).to(dev)
-    scores = _products(qt, kt, torch.from_numpy(br).to(dev), kidx) * scale  # [N, 8, KT]
-    # each tile row's visibility: row m * nh + h is query m (padding rows see nothing)
-    rows = np.arange(rt * TILE_ROWS) // nh
-    qrow = torch.from_numpy(np.minimum(rows, m - 1).reshape(rt, TILE_ROWS)).to(dev)
-    real = torch.from_numpy((rows < m).reshape(rt, TILE_ROWS)).to(dev)
-    ri_d = torch.from_numpy(ri).to(dev)
-    vis = vis_t[torch.from_numpy(bi).to(dev)[:, None], qrow[ri_d], torch.from_numpy(ti).to(dev)[:, None]]
-    vis = vis & real[ri_d][:, :, None]  # [N, 8, KT]
-    scores = scores.masked_fill(~vis, float("-inf"))
+    scores = _plan_products(plan, qt, plan.row_tile, kt) * scale  # [N, 8, KT]
+    scores = scores.masked_fill(plan.hidden, float("-inf"))
     # the sink as column 0 of one more tile per row (whole-tile exp, as for the scores); padding rows
     # get sink 0 so that their max is finite and all their exps 0
-    heads = torch.from_numpy(np.arange(rt * TILE_ROWS) % nh).to(dev)
-    sink_val = torch.where(real.reshape(-1), sinks.to(dev, torch.float64)[heads], 0.0)
+    sink_val = torch.where(plan.real, sinks.to(dev, torch.float64)[plan.heads], 0.0)
     sink = q.new_full((bsz * rt * TILE_ROWS, KEY_TILE), float("-inf"), dtype=torch.float64)
     sink[:, 0] = sink_val.repeat(bsz)
     # each row's max: over its seen tiles and the sink (max is exact: any grouping gives the same value)
-    order_d = torch.from_numpy(order).to(dev)
     tile_mx = torch.cat((scores.amax(dim=-1), scores.new_full((1, TILE_ROWS), float("-inf"))))
-    mx = torch.maximum(tile_mx[order_d].amax(dim=1), sink[:, 0].reshape(bsz * rt, TILE_ROWS))
-    br_d = torch.from_numpy(br).to(dev)
-    e = torch.exp(scores - mx[br_d][:, :, None])  # [N, 8, KT]
-    e_sink = torch.exp(sink - mx.reshape(-1, 1))[:, 0]  # [B*Rt*8]
+    mx = torch.maximum(tile_mx[plan.order].amax(dim=1), sink[:, 0].view(bsz * rt, TILE_ROWS))
+    e = torch.exp(scores - mx[plan.row_tile][:, :, None])  # [N, 8, KT]
+    e_sink = torch.exp(sink - mx.view(-1, 1))[:, 0]  # [B*Rt*8]
     # unnormalised P.[K | 1] of the seen tiles: value sums and softmax denominator from one fixed GEMM
     vals = torch.cat((kd, kd.new_ones(bsz * n_tiles, KEY_TILE, 1)), dim=-1)  # [B*T, KT, D+1]
-    part = _products(e, vals, torch.arange(n_sel, device=dev), kidx)  # [N, 8, D+1]
+    part = _plan_products(plan, e, torch.arange(plan.n_sel, device=dev), vals)  # [N, 8, D+1]
     # partials of a row tile in key tile order (`order`), the missing slots the +0 of an unseen tile
-    part = torch.cat((part, part.new_zeros(1, TILE_ROWS, d + 1)))[order_d]
+    part = torch.cat((part, part.new_zeros(1, TILE_ROWS, d + 1)))[plan.order]
     if dev.type == "cpu":
         # the CPU cumsum is a sequential sum from +0 in index order (one pass): the same additions as
         # the loop below, in one call instead of k_max
         acc = torch.cumsum(part, dim=1)[:, -1]
     else:  # (a GPU cumsum is a parallel scan: another order)
         acc = part[:, 0]
-        for k in range(1, k_max):
+        for k in range(1, plan.k_max):
             acc = acc + part[:, k]
     acc = acc.reshape(bsz, rt * TILE_ROWS, d + 1)[:, : m * nh].reshape(bsz, m, nh, d + 1)
     den = acc[..., d] + e_sink.reshape(bsz, rt * TILE_ROWS)[:, : m * nh].reshape(bsz, m, nh)

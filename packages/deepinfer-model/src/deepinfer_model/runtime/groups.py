@@ -237,7 +237,20 @@ def attend(
             vis_e = extra[1] if extra[1].dtype == torch.bool else selection_mask(extra[1], extra[0].shape[1])
             keys = torch.cat((keys, extra[0]), dim=1)
             visible = torch.cat((visible, vis_e), dim=1)
-        out = batch_invariant.sink_attention(q[g.rows], keys, visible.view(*gq, -1), sinks, scale)
+        visible = visible.view(*gq, -1)
+        plan = None
+        if extra is None or extra[1].dtype == torch.bool:
+            # which key tiles each row tile sees: the same for every layer with this window and these
+            # entries, so planned once per step (the entry mask is kept in the entry, so its id is not
+            # reused by another tensor while the entry lives)
+            vis_key = None if extra is None else id(extra[1])
+            held, plan = meta.cached(
+                ("bi_plan", *swa.index_key, vis_key, q.shape[1]),
+                lambda: (extra and extra[1], batch_invariant.plan_attention(visible, q.shape[1])),
+            )
+            if extra is not None and held is not extra[1]:
+                plan = None
+        out = batch_invariant.sink_attention(q[g.rows], keys, visible, sinks, scale, plan=plan)
         return g.real(out.reshape(-1, *out.shape[2:]))
     if swa.visible is not None:
         raise ValueError("attend: window keys in the batch-invariant layout outside batch-invariant mode")
