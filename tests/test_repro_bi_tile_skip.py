@@ -47,7 +47,11 @@ def _case(g, bsz, m, nh, d, window, ratio):
     return q, keys, torch.cat((vis_w, vis_e), dim=2)
 
 
-def test_tile_skipping_is_bitwise_the_full_tile_computation():
+@pytest.mark.parametrize("dense_fraction", [1.0, -1.0, batch_invariant.DENSE_FRACTION])
+def test_tile_skipping_is_bitwise_the_full_tile_computation(dense_fraction, monkeypatch):
+    """Forced compact layout (1.0), forced dense layout with skipped products (-1.0), and the default
+    choice between them."""
+    monkeypatch.setattr(batch_invariant, "DENSE_FRACTION", dense_fraction)
     g = torch.Generator().manual_seed(3)
     skipped, paths = 0, set()
     for trial in range(24):
@@ -61,13 +65,14 @@ def test_tile_skipping_is_bitwise_the_full_tile_computation():
         full = batch_invariant.sink_attention(q, keys, vis, sinks, 0.09, all_tiles=True)
         got = batch_invariant.sink_attention(q, keys, vis, sinks, 0.09)
         plan = batch_invariant.plan_attention(vis, nh)
-        paths.add(plan.by_key is None)
+        paths.add("dense" if plan.dense else "gathered" if plan.by_key is None else "per key tile")
         assert torch.equal(batch_invariant.sink_attention(q, keys, None, sinks, 0.09, plan=plan), full)
         assert torch.equal(got, full), f"trial {trial}: tile skipping changed the FP64 attention output"
         # a real check: some (query, key tile) pairs were not seen and so were skipped
         skipped += int((~vis.view(bsz, m, -1, KT).any(-1)).sum())
     assert skipped > 0
-    assert paths == {True, False}  # both product layouts (one gathered call; one call per key tile)
+    expected = {1.0: {"gathered", "per key tile"}, -1.0: {"dense"}}.get(dense_fraction, {"dense", "gathered"})
+    assert expected <= paths, paths
 
 
 def test_gathered_tile_scores_equal_the_per_tile_loop():

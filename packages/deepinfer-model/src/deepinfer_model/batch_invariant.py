@@ -59,6 +59,7 @@ TILE_ROWS = 8
 KEY_TILE = 32  # key columns per attention tile (a multiple of every SIMD width: no scalar tail in exp)
 COL_PAD = 16  # weight columns of `row_gemm` padded to a multiple of this (an odd N changed row bits)
 DEVICE_BATCH = 16  # matrices per bmm call off the CPU (one problem shape -> one cuBLAS kernel)
+DENSE_FRACTION = 0.5  # attention plans seeing more of their tiles than this take the dense layout
 GATHER_CHUNK = 4096  # gathered tile products per bmm call in attention (bounds the gathered copies)
 
 
@@ -385,6 +386,14 @@ class AttentionPlan:
         seen = _seen_from_queries(vis_t.any(dim=-1).cpu().numpy(), heads, rt)  # [B, Rt, T]
         bi, ri, ti = np.nonzero(seen)  # seen tiles in (sequence, row tile, key tile) order
         n_sel = len(bi)
+        self.shape = (bsz, m, heads, n_tiles, rt)
+        self.seen = seen
+        # most tiles seen (short contexts, compressed entries every query sees): the dense layout with
+        # only the products skipped costs less than gathering the seen tiles (measured on the tiny model)
+        self.dense = n_sel > DENSE_FRACTION * seen.size
+        self.visible = visible
+        if self.dense:
+            return
         br = bi * rt + ri  # flat row tile of each seen tile
         # order [B*Rt, K]: slot k of a row tile holds the index of its k-th seen tile (key tile order),
         # or N where it has fewer (the pad entry appended to each per-tile result)
@@ -400,7 +409,6 @@ class AttentionPlan:
         real = (rows < m).reshape(rt, TILE_ROWS)
         idx = [torch.from_numpy(x).to(dev) for x in (bi[:, None], qrow[ri], ti[:, None])]
         self.hidden = ~(vis_t[idx[0], idx[1], idx[2]] & torch.from_numpy(real[ri]).to(dev)[:, :, None])
-        self.shape = (bsz, m, heads, n_tiles, rt)
         self.n_sel, self.k_max = n_sel, k_max
         self.row_tile = torch.from_numpy(br).to(dev)
         self.key_tile = torch.from_numpy(bi * n_tiles + ti).to(dev)
@@ -462,6 +470,8 @@ def sink_attention(
         plan = AttentionPlan(visible, nh)
     if plan.shape[:3] != (bsz, m, nh) or plan.shape[3] * KEY_TILE != keys.shape[1]:
         raise ValueError(f"attention plan for {plan.shape} does not fit q {tuple(q.shape)}, keys {tuple(keys.shape)}")
+    if plan.dense:
+        return _sink_attention_full(q, keys, plan.visible, sinks, scale, plan.seen)
     n_tiles, rt = plan.shape[3:]
     dev = q.device
     # score products of the seen tiles only
@@ -499,15 +509,21 @@ def sink_attention(
 
 
 def _sink_attention_full(
-    q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    visible: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
+    seen: np.ndarray | None = None,
 ) -> torch.Tensor:
-    """`sink_attention` computing every (row tile, key tile) product and the mask / exp / max over every
-    key column: the reference its tile skipping must match bit for bit (tests)."""
+    """`sink_attention` with the mask / exp / max over every key column and every (row tile, key tile)
+    product, or (`seen`, bool [B, Rt, T]) only the products of seen pairs (the others stay the +0 they
+    would be). With `seen` None: the reference the tile skipping must match bit for bit (tests)."""
     bsz, m, nh, d = q.shape
     s = keys.shape[1]
     if s % KEY_TILE:
         raise ValueError(f"keys.shape[1] = {s} must be a multiple of KEY_TILE = {KEY_TILE}")
-    scores = tiled_scores(q.reshape(bsz, m * nh, d), keys, gather=False).view(bsz, m, nh, s) * scale
+    scores = tiled_scores(q.reshape(bsz, m * nh, d), keys, seen).view(bsz, m, nh, s) * scale
     n_tiles = s // KEY_TILE
     scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
     # the sink as column 0 of one more tile: every exp below runs on whole tiles (no scalar tail)
@@ -523,7 +539,7 @@ def _sink_attention_full(
     pt = (
         pt.view(bsz, rt, TILE_ROWS, n_tiles, KEY_TILE).permute(0, 1, 3, 2, 4).contiguous()
     )  # [B, Rt, St, 8, KT]
-    part = _tile_products(pt, vals)  # [B, Rt, St, 8, D+1]
+    part = _tile_products(pt, vals, seen)  # [B, Rt, St, 8, D+1]
     acc = part[:, :, 0]
     for t in range(1, n_tiles):  # tile order, one tile at a time: padding tiles add exact zeros
         acc = acc + part[:, :, t]
