@@ -27,7 +27,9 @@ every product is a fixed-shape GEMM ([TILE_ROWS, D] x [D, KEY_TILE] for scores, 
 [KEY_TILE, D + 1] for the unnormalised P·V and its row sum). Tile partials are added in tile order, one
 tile at a time; a tile a query cannot see contributes exact zeros, so extra padding tiles, in front
 (another chunk start) or behind (a wider neighbour), change nothing. Products of a row tile and a key tile that no
-row of it sees are not computed at all (`_tile_products`' `seen`): the sliding-window band. The sink is added last. Operands
+row of it sees are not computed at all (`AttentionPlan`, built once per step and key set): the
+sliding-window band; where at most `DENSE_FRACTION` of the tiles are seen, the mask / max / exp and
+P.V also run on the seen tiles only (gathered); both are bitwise the full computation (tested). The sink is added last. Operands
 are made contiguous first: the GEMM kernel (and its rounding) depends on their layout too (a
 transposed view that `reshape` copied for one batch size but not another did change results).
 The exp runs on whole tiles (SIMD and scalar-tail exp differ in the last bit).
