@@ -93,7 +93,9 @@ def _logits(model, prompts, chunk, decode_steps):
     outs = []
     toks = [list(p) for p in prompts]
     while True:  # prefill in chunks (sequences finish at different steps), then decode together
-        plan = [(i, min(chunk, len(toks[i]) - done[i])) for i in range(len(prompts)) if done[i] < len(toks[i])]
+        plan = [
+            (i, min(chunk, len(toks[i]) - done[i])) for i in range(len(prompts)) if done[i] < len(toks[i])
+        ]
         if not plan:
             if decode_steps == 0:
                 return outs
@@ -107,7 +109,9 @@ def _logits(model, prompts, chunk, decode_steps):
                 start_positions=np.array([done[i] for i, _ in plan], dtype=np.int64),
                 query_lens=np.array([n for _, n in plan], dtype=np.int64),
                 block_tables=[tables[i] for i, _ in plan],
-                input_ids=np.array([t for i, n in plan for t in toks[i][done[i] : done[i] + n]], dtype=np.int64),
+                input_ids=np.array(
+                    [t for i, n in plan for t in toks[i][done[i] : done[i] + n]], dtype=np.int64
+                ),
                 logits_lens=np.array([n for _, n in plan], dtype=np.int64),
             )
         )

@@ -471,7 +471,9 @@ def sink_attention(
     if plan is None:
         plan = AttentionPlan(visible, nh)
     if plan.shape[:3] != (bsz, m, nh) or plan.shape[3] * KEY_TILE != keys.shape[1]:
-        raise ValueError(f"attention plan for {plan.shape} does not fit q {tuple(q.shape)}, keys {tuple(keys.shape)}")
+        raise ValueError(
+            f"attention plan for {plan.shape} does not fit q {tuple(q.shape)}, keys {tuple(keys.shape)}"
+        )
     if plan.dense:
         return _sink_attention_full(q, keys, plan.visible, sinks, scale, plan.seen)
     n_tiles, rt = plan.shape[3:]
