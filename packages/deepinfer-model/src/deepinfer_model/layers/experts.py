@@ -28,7 +28,7 @@ class ExpertWeights:
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """`silu(min(gate, L)) * clamp(up, -L, L)` (FP64, unrounded)."""
+    """`silu(min(gate, L)) * clamp(up, -L, L)` in the carrier dtype (`numerics.carrier()`), unrounded."""
     g = gate.to(carrier()).clamp(max=limit)
     return g * torch.sigmoid(g) * up.to(carrier()).clamp(-limit, limit)
 
@@ -49,7 +49,7 @@ def experts_forward(
     act_dtype: torch.dtype = torch.float32,
     weight_before_down: bool = False,
 ) -> torch.Tensor:
-    """Sum over the k routed slots (in slot order) plus the shared expert, FP64, one rounding -> [T, H].
+    """Sum over the k routed slots (in slot order) plus the shared expert, in the carrier dtype, one rounding -> [T, H].
 
     `weight_before_down` scales the SwiGLU output by the routing weight before `w2` (V4.1); the public V4
     scales the expert output after `w2`. Equal in exact arithmetic.

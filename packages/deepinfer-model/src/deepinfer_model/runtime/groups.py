@@ -255,17 +255,28 @@ def attend(
     if swa.visible is not None:
         raise ValueError("attend: window keys in the batch-invariant layout outside batch-invariant mode")
     c = carrier()
-    nat = native()
     op = attention_operands(act_dtype)
-    # native: operands converted once per call (CPU: BF16-rounded values held in FP32, see `bmm_operand`)
-    keys = bmm_operand(swa.keys, op) if nat else swa.keys.to(c)
+    if native():  # operands converted once per call (CPU: BF16-rounded values held in FP32, `bmm_operand`)
+        operand = lambda x: bmm_operand(x, op)  # noqa: E731
+        scores_of = lambda x, m: _shared_keys(x, m.transpose(1, 2))  # noqa: E731  x [G,b,h,D], m [G,S,D]
+        own_scores_of = lambda x, m: _own_keys(x, m.transpose(2, 3))  # noqa: E731  m [G,b,k,D]
+        # P rounded to the operand dtype, as a BF16 attention kernel feeds its P.V product
+        weigh = lambda p, m: _shared_keys(operand(p), m)  # noqa: E731
+        own_weigh = lambda p, m: _own_keys(operand(p), m)  # noqa: E731
+    else:
+        operand = lambda x: x.to(c)  # noqa: E731
+        scores_of = lambda x, m: torch.einsum("gqhd,gsd->gqhs", x, m)  # noqa: E731
+        own_scores_of = lambda x, m: torch.einsum("gqhd,gqkd->gqhk", x, m)  # noqa: E731
+        weigh = lambda p, m: torch.einsum("gqhs,gsd->gqhd", p, m)  # noqa: E731
+        own_weigh = lambda p, m: torch.einsum("gqhk,gqkd->gqhd", p, m)  # noqa: E731
+    keys = operand(swa.keys)
     w = swa.window
     entries = vis_e = sel = None
     n = 0
     n_heads, dim = q.shape[1], swa.keys.shape[2]
     per_row = n_heads * (2 * w - 1)  # band scores of one query row (blocks of >= W rows)
     if extra is not None:
-        entries = bmm_operand(extra[0], op) if nat else extra[0].to(c)
+        entries = operand(extra[0])
         if extra[1].dtype == torch.bool:
             vis_e = extra[1].view(*gq, 1, -1)
             n = entries.shape[1]
@@ -283,45 +294,26 @@ def attend(
     for a in range(0, gq[1], block):
         b = min(block, gq[1] - a)
         band = keys[:, a : a + b + w - 1]  # [G, b + W - 1, D], a view
-        if nat:
-            qs = bmm_operand(q[g.rows[:, a : a + b]], op)  # [G, b, nh, D]
-            scores = _shared_keys(qs, band.transpose(1, 2)) * scale
-        else:
-            qs = q[g.rows[:, a : a + b]].to(c)  # [G, b, nh, D]
-            scores = torch.einsum("gqhd,gsd->gqhs", qs, band) * scale
-        parts = [scores.masked_fill(~_band_mask(meta, g, swa, a, b), float("-inf"))]
+        qs = operand(q[g.rows[:, a : a + b]])  # [G, b, nh, D]
+        parts = [(scores_of(qs, band) * scale).masked_fill(~_band_mask(meta, g, swa, a, b), float("-inf"))]
         if vis_e is not None:
-            if nat:
-                e_scores = _shared_keys(qs, entries.transpose(1, 2)) * scale
-            else:
-                e_scores = torch.einsum("gqhd,gnd->gqhn", qs, entries) * scale
-            parts.append(e_scores.masked_fill(~vis_e[:, a : a + b], float("-inf")))
+            parts.append((scores_of(qs, entries) * scale).masked_fill(~vis_e[:, a : a + b], float("-inf")))
         elif sel is not None:
             idx = sel[:, a : a + b]  # [G, b, k]
             picked = entries[g_idx, idx.clamp(min=0)]  # [G, b, k, D]; -1 re-reads entry 0, masked below
-            if nat:
-                e_scores = _own_keys(qs, picked.transpose(2, 3)) * scale
-            else:
-                e_scores = torch.einsum("gqhd,gqkd->gqhk", qs, picked) * scale
-            parts.append(e_scores.masked_fill((idx < 0)[:, :, None, :], float("-inf")))
+            parts.append(
+                (own_scores_of(qs, picked) * scale).masked_fill((idx < 0)[:, :, None, :], float("-inf"))
+            )
         parts.append(sink.expand(gq[0], b, -1, 1))
         logits = torch.cat(parts, dim=-1)
         logits = logits - logits.max(dim=-1, keepdim=True).values
         probs = torch.softmax(logits, dim=-1)
-        if nat:  # P rounded to the operand dtype, as a BF16 attention kernel feeds its P.V product
-            cb = band.shape[1]
-            o = _shared_keys(bmm_operand(probs[..., :cb], op), band)
-            if vis_e is not None:
-                o = o + _shared_keys(bmm_operand(probs[..., cb : cb + n], op), entries)
-            elif sel is not None:
-                o = o + _own_keys(bmm_operand(probs[..., cb : cb + n], op), picked)
-            outs.append(o)
-            continue
-        o = torch.einsum("gqhs,gsd->gqhd", probs[..., : band.shape[1]], band)
+        cb = band.shape[1]
+        o = weigh(probs[..., :cb], band)
         if vis_e is not None:
-            o = o + torch.einsum("gqhn,gnd->gqhd", probs[..., band.shape[1] : band.shape[1] + n], entries)
+            o = o + weigh(probs[..., cb : cb + n], entries)
         elif sel is not None:
-            o = o + torch.einsum("gqhk,gqkd->gqhd", probs[..., band.shape[1] : band.shape[1] + n], picked)
+            o = o + own_weigh(probs[..., cb : cb + n], picked)
         outs.append(o)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return g.real(out.reshape(-1, *out.shape[2:]))
@@ -352,33 +344,34 @@ def grouped_index_scores(
     packed `qi` [N, n_i, d_i] and `head_w` [N, n_i] against each sequence's index keys [G, n, d_i].
     Native mode: `q . k` on `attention_operands(act_dtype)` operands with FP32 accumulation."""
     n_heads, head_dim = qi.shape[1], qi.shape[2]
+
+    def weighted(s: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Relu'd scores s [G, q, n_i, n] of query slots `rows` -> head-weighted sums [G, q, n]."""
+        w = head_w[rows].to(carrier())
+        if scaled:
+            s = s * head_dim**-0.5
+            w = w * n_heads**-0.5
+        return (s * w.unsqueeze(-1)).sum(dim=2)
+
     if batch_invariant.enabled():  # fixed-shape dot products (entries padded to whole tiles)
         gq = g.rows.shape
         flat = qi[g.rows].reshape(gq[0], -1, head_dim)
         s = torch.relu(batch_invariant.tiled_scores(flat, keys).view(*gq, n_heads, -1))
-    else:  # query blocks, as in `attend`: a long chunk's [G, Q, n_i, n] scores would not fit
-        nat = native()
-        op = attention_operands(act_dtype)
-        keys = bmm_operand(keys, op) if nat else keys.to(carrier())
-        block = max(1, SCORE_BLOCK_ELEMENTS // max(g.rows.shape[0] * n_heads * keys.shape[1], 1))
-        out = []
-        for lo in range(0, g.rows.shape[1], block):
-            rows = g.rows[:, lo : lo + block]
-            if nat:
-                s = torch.relu(_shared_keys(bmm_operand(qi[rows], op), keys.transpose(1, 2)))
-            else:
-                s = torch.relu(torch.einsum("gqhd,gnd->gqhn", qi[rows].to(carrier()), keys))
-            w = head_w[rows].to(carrier())
-            if scaled:
-                s = s * head_dim**-0.5
-                w = w * n_heads**-0.5
-            out.append((s * w.unsqueeze(-1)).sum(dim=2))
-        return (out[0] if len(out) == 1 else torch.cat(out, dim=1)).reshape(-1, keys.shape[1])
-    w = head_w[g.rows].double()
-    if scaled:
-        s = s * head_dim**-0.5
-        w = w * n_heads**-0.5
-    return (s * w.unsqueeze(-1)).sum(dim=2).reshape(-1, keys.shape[1])
+        return weighted(s, g.rows).reshape(-1, keys.shape[1])
+    # query blocks, as in `attend`: a long chunk's [G, Q, n_i, n] scores would not fit
+    nat = native()
+    op = attention_operands(act_dtype)
+    keys = bmm_operand(keys, op) if nat else keys.to(carrier())
+    block = max(1, SCORE_BLOCK_ELEMENTS // max(g.rows.shape[0] * n_heads * keys.shape[1], 1))
+    out = []
+    for lo in range(0, g.rows.shape[1], block):
+        rows = g.rows[:, lo : lo + block]
+        if nat:
+            s = torch.relu(_shared_keys(bmm_operand(qi[rows], op), keys.transpose(1, 2)))
+        else:
+            s = torch.relu(torch.einsum("gqhd,gnd->gqhn", qi[rows].to(carrier()), keys))
+        out.append(weighted(s, rows))
+    return (out[0] if len(out) == 1 else torch.cat(out, dim=1)).reshape(-1, keys.shape[1])
 
 
 @dataclass
