@@ -3,6 +3,7 @@
 from . import cp, ep, eplb, groups
 from .cp import MirrorSplit, all_gather_restore, mirror_split, mirror_split_plan, restore_order
 from .ep import dispatch_combine
+from .ep_deepep import DeepEPDispatcher, deep_ep_available
 from .eplb import EplbConfig, EplbPlan, EplbState, rebalance
 from .groups import (
     ParallelSizes,
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_EXTRA_EXPERTS",
+    "DeepEPDispatcher",
     "EplbConfig",
     "EplbPlan",
     "EplbState",
@@ -30,6 +32,7 @@ __all__ = [
     "RedundantExpertLayout",
     "all_gather_restore",
     "cp",
+    "deep_ep_available",
     "destroy_parallel",
     "dispatch_combine",
     "ep",

@@ -11,6 +11,7 @@ combine a plain weighted sum in the token's own rank, in a fixed order.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,48 @@ LocalExpertFn = Callable[[int, torch.Tensor], torch.Tensor]
 def _all_to_all(tensor: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
     out = tensor.new_empty((sum(recv_splits), *tensor.shape[1:]))
     dist.all_to_all_single(out, tensor.contiguous(), recv_splits, send_splits, group=group)
+    return out
+
+
+@dataclass
+class AllToAllHandle:
+    """What `combine` needs to send a dispatch's rows back: the send order and split sizes."""
+
+    order: torch.Tensor  # (token, choice) rows in destination-rank order
+    token_of_row: torch.Tensor
+    send_splits: list[int]
+    recv_splits: list[int]
+    group: dist.ProcessGroup | None
+
+
+def dispatch(
+    hidden: torch.Tensor, physical: torch.Tensor, slots_per_rank: int, group: dist.ProcessGroup | None = None
+) -> tuple[torch.Tensor, torch.Tensor, AllToAllHandle]:
+    """Send one row per (token, choice) to the rank owning its physical slot (``physical [T, k]``).
+    Returns ``(rows [N, H], local_slot [N], handle)``; one host sync (the split sizes)."""
+    ep_size = dist.get_world_size(group)
+    top_k = physical.shape[1]
+    flat = physical.reshape(-1)
+    dest = flat // slots_per_rank
+    order = torch.argsort(dest, stable=True)  # rows grouped by destination rank
+    send_counts = torch.bincount(dest, minlength=ep_size)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+    token_of_row = order // top_k
+    rows = _all_to_all(hidden[token_of_row], send_splits, recv_splits, group)
+    slots = _all_to_all((flat[order] % slots_per_rank).unsqueeze(1), send_splits, recv_splits, group).squeeze(1)
+    return rows, slots, AllToAllHandle(order, token_of_row, send_splits, recv_splits, group)
+
+
+def combine(
+    rows: torch.Tensor, handle: AllToAllHandle, topk_weights: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
+    """Send the expert outputs back and sum ``w[t,k] * out`` per token, in a fixed order: ``[T, H]``."""
+    back = _all_to_all(rows, handle.recv_splits, handle.send_splits, handle.group)
+    weights = topk_weights.reshape(-1)[handle.order].to(back.dtype).unsqueeze(1)
+    out = torch.zeros((num_tokens, rows.shape[1]), dtype=back.dtype, device=rows.device)
+    out.index_add_(0, handle.token_of_row, back * weights)
     return out
 
 
@@ -48,23 +91,11 @@ def dispatch_combine(
             f"{tuple(topk_ids.shape)}, {tuple(topk_weights.shape)}"
         )
     ep_size = dist.get_world_size(group)
-    ep_rank = dist.get_rank(group)
     if ep_size != layout.ep_size:
         raise ValueError(f"layout is for ep_size={layout.ep_size} but the group has {ep_size} ranks")
-    num_tokens, top_k = topk_ids.shape
     s = layout.slots_per_rank
-
-    physical = layout.physical_of(topk_ids, ep_rank).reshape(-1)
-    dest = physical // s
-    order = torch.argsort(dest, stable=True)  # rows grouped by destination rank
-    send_counts = torch.bincount(dest, minlength=ep_size)
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)
-    send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
-
-    token_of_row = order // top_k
-    recv_hidden = _all_to_all(hidden[token_of_row], send_splits, recv_splits, group)
-    recv_slot = _all_to_all((physical[order] % s).unsqueeze(1), send_splits, recv_splits, group).squeeze(1)
+    physical = layout.physical_of(topk_ids, dist.get_rank(group))
+    recv_hidden, recv_slot, handle = dispatch(hidden, physical, s, group)
 
     recv_out = torch.zeros_like(recv_hidden)
     slot_rows = torch.bincount(recv_slot, minlength=s)
@@ -74,8 +105,4 @@ def dispatch_combine(
         rows = torch.nonzero(recv_slot == slot).flatten()
         recv_out[rows] = local_expert_fn(slot, recv_hidden[rows]).to(recv_out.dtype)
 
-    back = _all_to_all(recv_out, recv_splits, send_splits, group)
-    weights = topk_weights.reshape(-1)[order].to(back.dtype).unsqueeze(1)
-    out = torch.zeros((num_tokens, hidden.shape[1]), dtype=back.dtype, device=hidden.device)
-    out.index_add_(0, token_of_row, back * weights)
-    return out.to(hidden.dtype)
+    return combine(recv_out, handle, topk_weights, hidden.shape[0]).to(hidden.dtype)

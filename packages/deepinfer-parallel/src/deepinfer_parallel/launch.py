@@ -31,6 +31,8 @@ def _child(
     rank: int, world_size: int, init_file: str, backend: str, path: str, name: str, args: tuple
 ) -> None:
     torch.set_num_threads(1)  # N processes share few cores; oversubscription makes gloo crawl
+    if backend == "nccl":  # one GPU per rank, chosen before NCCL's first communicator binds a device
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         _load(path, name)(rank, world_size, *args)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from deepinfer_parallel import EplbState, RedundantExpertLayout, dispatch_combine
+from deepinfer_parallel import DeepEPDispatcher, EplbState, RedundantExpertLayout, dispatch_combine
 
 from ..layers.experts import ExpertWeights, clamped_swiglu, mlp
 from ..layers.moe import MoEWeights
@@ -42,6 +42,7 @@ class ExpertParallelMoE:
         group: dist.ProcessGroup | None = None,
         act_dtype: torch.dtype = torch.float32,
         part: str = "backbone",
+        deepep: DeepEPDispatcher | None = None,
     ):
         refuse_with_expert_parallelism("ExpertParallelMoE")  # DEEPINFER_FP8_EXPERTS=1: no FP8 EP path
         if part == "backbone":
@@ -69,6 +70,8 @@ class ExpertParallelMoE:
         self.weight_before_down = isinstance(config, DeepseekV41Config)  # V4.1 §6.2; public V4: after
         self.ep_rank = dist.get_rank(group)
         self.eplb: EplbState | None = None  # set by attach_eplb: dispatch adds its per-slot counts
+        # DeepEP (NVIDIA): BF16 rows, one per destination rank; None = the torch all-to-all backend (exact).
+        self.deepep = deepep
 
     def __call__(
         self, layer: int, blk, y: torch.Tensor, token_ids: torch.Tensor | None = None
@@ -90,9 +93,12 @@ class ExpertParallelMoE:
         else:
             weights, ids = route_topk(logits, m.bias, self.top_k, cfg.routed_scaling_factor)
         count = self.eplb.expert_count[layer] if self.eplb is not None else None
-        routed = (self._weighted_in_expert if self.weight_before_down else self._weighted_in_combine)(
-            layer, m, y, weights, ids, count
-        )
+        if self.deepep is not None:
+            routed = self._deepep_routed(layer, m, y, weights, ids, count)
+        else:
+            routed = (self._weighted_in_expert if self.weight_before_down else self._weighted_in_combine)(
+                layer, m, y, weights, ids, count
+            )
         if m.shared is not None:
             routed = routed + mlp(y, m.shared, cfg.swiglu_limit, self.act_dtype)
         return round_to(routed, self.act_dtype)
@@ -128,6 +134,20 @@ class ExpertParallelMoE:
         return dispatch_combine(rows, ids, ones, local_expert, self.layout.layer(layer), self.group, count)[
             :, :h
         ]
+
+    def _deepep_routed(self, layer, m: MoEWeights, y, weights, ids, count) -> torch.Tensor:
+        """The routed experts through DeepEP: rows arrive in BF16 with their routing weight, the expert
+        applies it (before `w2` for V4.1, after it for the public V4), the combine sums in BF16."""
+
+        def expert(slot: int, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            x = x.to(y.dtype)
+            w = w.to(torch.float32).unsqueeze(1)
+            h = self._swiglu(m.experts, slot, x)
+            if self.weight_before_down:
+                return linear(h * w, m.experts.w2[slot], self.act_dtype)
+            return linear(h, m.experts.w2[slot], self.act_dtype) * w
+
+        return self.deepep.dispatch_combine(y, ids, weights, expert, self.layout.layer(layer), count).to(y.dtype)
 
     def idle_step(self, blocks: list) -> None:
         """Join every layer's dispatch / combine with no tokens: what an EP rank without work this step
