@@ -143,6 +143,100 @@ def test_cpu_row_gemm_rows_do_not_depend_on_the_batch(threads):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_grouped_gemm_rows_do_not_depend_on_the_batch(threads):
+    """`grouped_gemm` (all experts of a projection in one bmm, groups zero-padded to the longest): a row's
+    FP64 result is the same whether it is computed alone (M = 1) or among M = 3, 8, 37 rows spread
+    over the groups in any way, for FP32-valued rows and full-FP64 rows (the SwiGLU output, whose low
+    part adds one more row), stacked [E, N, K] weights side by side and a single [N, K] weight; and it
+    is the matrix product (against a float64 GEMM)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(21)
+    try:
+        for e, k, ns in [(5, 128, (64, 64)), (4, 64, (128,)), (3, 96, (77,)), (1, 512, (24,))]:
+            ws = [torch.randn(e, n, k, generator=g) for n in ns]
+            parts = batch_invariant.stacked_parts(*ws)
+            assert parts.shape == (e, k, -(-sum(ns) // 16) * 16)
+            w_t = torch.cat([w.double().transpose(1, 2) for w in ws], dim=2)  # [E, K, sum N]
+            x = torch.randn(40, k, generator=g, dtype=torch.float64)
+            x[::2] = x[::2].float().double()  # FP32-valued rows among full-FP64 rows
+            grp = torch.randint(0, e, (40,), generator=g)
+
+            alone = {i: _grouped_rows([i], x, grp, parts, e, sum(ns))[i] for i in range(40)}
+            for i in range(40):
+                torch.testing.assert_close(alone[i], x[i] @ w_t[grp[i]], rtol=1e-12, atol=1e-12)
+            for m in (3, 8, 37, 40):
+                for seed in range(2):
+                    pick = torch.randperm(40, generator=torch.Generator().manual_seed(seed))[:m].tolist()
+                    for i, row in _grouped_rows(pick, x, grp, parts, e, sum(ns)).items():
+                        assert torch.equal(row, alone[i]), (e, k, ns, m, i)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _grouped_rows(rows, x, grp, parts, e, n):
+    """{row: `grouped_gemm` result} for rows `rows` of x in groups `grp`, sorted by group (as the experts are)."""
+    rows = sorted(rows, key=lambda i: int(grp[i]))
+    counts = torch.bincount(grp[rows], minlength=e).tolist()
+    out = batch_invariant.grouped_gemm(x[rows], counts, parts)[:, :n]
+    return dict(zip(rows, out, strict=True))
+
+
+def test_stacked_parts_declines_what_grouped_gemm_cannot_take(monkeypatch):
+    """Weights that are not FP32-valued (products would not be exact) or too large to hold in FP64 get
+    None (the experts then take `row_gemm` per expert); in-place updates refresh the cached copy."""
+    g = torch.Generator().manual_seed(22)
+    w = torch.randn(3, 32, 64, generator=g)
+    assert batch_invariant.stacked_parts(w.double() / 3) is None
+    first = batch_invariant.stacked_parts(w)
+    w.mul_(2.0)
+    assert torch.equal(batch_invariant.stacked_parts(w), 2.0 * first)
+    monkeypatch.setattr(batch_invariant, "PART_CACHE_BYTES", 1024)
+    assert batch_invariant.stacked_parts(torch.randn(3, 32, 64, generator=g)) is None
+    with pytest.raises(ValueError, match="counts"):
+        batch_invariant.grouped_gemm(torch.zeros(4, 64, dtype=torch.float64), [1, 2, 0], first)
+
+
+def test_bi_experts_rows_do_not_depend_on_the_other_tokens():
+    """The routed experts and the shared expert in the mode (grouped GEMMs): a token's output is bitwise
+    the same alone and among 36 others routed anywhere, and close to the per-expert loop of the
+    default mode (the same roundings, other FP64 sums)."""
+    from deepinfer_model.layers.experts import ExpertWeights, MLPWeights, experts_forward
+
+    g = torch.Generator().manual_seed(23)
+    e, i_size, h = 6, 32, 64
+    ex = ExpertWeights(
+        *(torch.randn(e, *s, generator=g) / 8 for s in ((i_size, h), (i_size, h), (h, i_size)))
+    )
+    sh = MLPWeights(*(torch.randn(*s, generator=g) / 8 for s in ((i_size, h), (i_size, h), (h, i_size))))
+    x = torch.randn(37, h, generator=g).double()
+    w = torch.rand(37, 2, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(37)])
+    for before in (False, True):
+        full = experts_forward(x, w, ids, ex, sh, 7.0, torch.float32, before)
+        for t in (0, 5, 36):
+            alone = experts_forward(
+                x[t : t + 1], w[t : t + 1], ids[t : t + 1], ex, sh, 7.0, torch.float32, before
+            )
+            assert torch.equal(alone[0], full[t])
+            assert torch.equal(
+                experts_forward(x[t:], w[t:], ids[t:], ex, sh, 7.0, torch.float32, before)[0], full[t]
+            )
+    torch.testing.assert_close(
+        full,
+        _default_mode(lambda: experts_forward(x, w, ids, ex, sh, 7.0, torch.float32, True)),
+        rtol=1e-6,
+        atol=1e-6,
+    )
+
+
+def _default_mode(fn):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DEEPINFER_BATCH_INVARIANT", "0")
+        return fn()
+
+
 def test_cpu_row_gemm_weight_copy_follows_in_place_updates():
     g = torch.Generator().manual_seed(12)
     w = torch.randn(40, 32, generator=g)

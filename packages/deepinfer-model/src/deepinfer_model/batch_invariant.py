@@ -251,6 +251,104 @@ def row_gemm(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# Row-major FP64 copies of stacked weights for `grouped_gemm`: stacks [E, N_i, K] (or one [N, K] weight)
+# concatenated along N, keyed by the ids of the source tensors, guarded by weak references and their
+# in-place version counters (as `_ROW_MAJOR`); None where they are not FP32-valued or over the budget.
+_STACKS: dict[tuple[int, ...], tuple[tuple, tuple[int, ...], torch.Tensor | None]] = {}
+GEMM_NAIVE_ELEMENTS = 400  # torch's CPU bmm takes a naive loop kernel below this many M*N*K (not MKL)
+
+
+def stacked_parts(*weights: torch.Tensor) -> torch.Tensor | None:
+    """`weights` (each [E, N_i, K] stacked experts or one [N_i, K] weight, same E and K) as one cached
+    contiguous FP64 [E, K, sum N_i + pad] operand for `grouped_gemm`: expert e's [K, N_i] blocks side by
+    side (zero columns up to a multiple of `COL_PAD`). None when some weight is not FP32-valued (the
+    exact products `grouped_gemm` relies on need at most 24 significant bits) or when the copy would
+    exceed `PART_CACHE_BYTES` (a large checkpoint's experts in FP64) or K * N is below
+    `GEMM_NAIVE_ELEMENTS`: callers then take `row_gemm` per expert."""
+    key = tuple(id(w) for w in weights)
+    hit = _STACKS.get(key)
+    if hit is not None and all(r() is w for r, w in zip(hit[0], weights, strict=True)):
+        if hit[1] == tuple(w._version for w in weights):
+            return hit[2]
+    elif hit is None:
+        for w in weights:
+            weakref.finalize(w, _STACKS.pop, key, None)
+    stacks = [w if w.dim() == 3 else w.unsqueeze(0) for w in weights]
+    e, _, k = stacks[0].shape
+    if any(s.shape[0] != e or s.shape[2] != k for s in stacks):
+        raise ValueError(
+            f"stacked_parts: weights must share E and K, got {[tuple(w.shape) for w in weights]}"
+        )
+    n = sum(s.shape[1] for s in stacks)
+    n_pad = n + (-n) % COL_PAD
+    out = None
+    small = k * n_pad < GEMM_NAIVE_ELEMENTS  # (not a concern for any real projection)
+    if not small and 8 * e * k * n_pad <= PART_CACHE_BYTES and all(_fp32_valued(s) for s in stacks):
+        out = stacks[0].new_zeros(e, k, n_pad, dtype=torch.float64)
+        col = 0
+        for s in stacks:
+            out[:, :, col : col + s.shape[1]] = s.transpose(1, 2)  # exact widening
+            col += s.shape[1]
+    _STACKS[key] = (tuple(weakref.ref(w) for w in weights), tuple(w._version for w in weights), out)
+    return out
+
+
+def grouped_gemm(x: torch.Tensor, counts: list[int], parts: torch.Tensor) -> torch.Tensor:
+    """Rows of FP64 `x` [R, K] (on the CPU) sorted by group, `counts[e]` rows for group e, times group e's
+    weight `parts[e]` ([E, K, N] from `stacked_parts`) -> FP64 [R, N], each row's result independent
+    of every other row, of the group sizes and of M.
+
+    Why it is invariant: every product is exact (as in `exact_gemm`: a row is split into hi = its FP32
+    rounding and lo = the rest, at most 29 significant bits, against weights of at most 24), and MKL's
+    FP64 GEMM sums exact products in the same K order for every M and every row index, in `torch.bmm`
+    as in `torch.mm` (measured, and tested: `test_grouped_gemm_rows_do_not_depend_on_the_batch`). So
+    all groups go into one bmm over [E', Mmax, K] (groups zero-padded to the longest; E' = the groups
+    from the first to the last non-empty one, which are views of `parts`), instead of one call or one
+    set of fixed row tiles per group. A row whose lo is not zero (decided from the row itself: the
+    SwiGLU output of the down projection) adds the product of its lo, computed as one more row of its
+    group; an FP32-valued row never sees that term (not even as +0, which would turn a -0 into +0)."""
+    r, k = x.shape
+    n = parts.shape[2]
+    if r == 0:
+        return x.new_empty(0, n)
+    if sum(counts) != r or len(counts) != parts.shape[0]:
+        raise ValueError(f"grouped_gemm: counts {counts} do not describe {r} rows of {parts.shape[0]} groups")
+    x = x.contiguous()
+    hi = x.float().double()
+    lo = x - hi
+    wide = torch.nonzero(lo.ne(0).any(dim=1)).flatten()  # rows with more bits (NaN rows too: lo is NaN)
+    # the rows' slots in the padded [E', Mmax] layout, on the host (the counts are host values)
+    cnt = np.asarray(counts, dtype=np.int64)
+    group = np.repeat(np.arange(len(cnt)), cnt)
+    total = cnt.copy()
+    if len(wide):  # each wide row's lo goes in its group after the group's rows, in row order
+        wg = group[wide.numpy()]
+        n_wide = np.bincount(wg, minlength=len(cnt))
+        lo_slot = cnt[wg] + np.arange(len(wg)) - (np.cumsum(n_wide) - n_wide)[wg]
+        total += n_wide
+    used = np.flatnonzero(cnt)
+    first, last = int(used[0]), int(used[-1]) + 1
+    mmax = int(total.max())
+    if k * n * mmax < GEMM_NAIVE_ELEMENTS:
+        raise ValueError(
+            f"grouped_gemm: K * N = {k * n} is below GEMM_NAIVE_ELEMENTS = {GEMM_NAIVE_ELEMENTS}"
+        )
+    w = parts[first:last]  # a view: the groups in range, empty ones included (their rows are zeros)
+    if not len(wide) and bool((cnt[first:last] == mmax).all()):  # every group full: no padding needed
+        return torch.bmm(hi.view(last - first, mmax, k), w).view(r, n)
+    dest = torch.from_numpy((group - first) * mmax + np.arange(r) - (np.cumsum(cnt) - cnt)[group])
+    a = x.new_zeros((last - first) * mmax, k)
+    a[dest] = hi
+    if len(wide):
+        lo_dest = torch.from_numpy((wg - first) * mmax + lo_slot)
+        a[lo_dest] = lo[wide]
+    prod = torch.bmm(a.view(last - first, mmax, k), w).view(-1, n)
+    out = prod[dest]
+    if len(wide):
+        out[wide] = out[wide] + prod[lo_dest]
+    return out
+
+
 def matmul(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
     """`x @ w_t` over the last dim of `x` (any leading dims); row-invariant when the mode is on."""
     if not enabled():

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import batch_invariant
 from ..numerics import carrier, linear, round_to
 
 
@@ -35,6 +36,12 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 
 def mlp(x: torch.Tensor, w: MLPWeights, limit: float, act_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Unweighted clamped SwiGLU MLP (the shared expert) -> [T, H] rounded to act_dtype."""
+    if batch_invariant.enabled() and x.device.type == "cpu":
+        bi = _bi_grouped((w.w1, w.w3), (w.w2,))
+        if bi is not None:  # (the 2-D x of every caller; one group)
+            flat = x.reshape(-1, x.shape[-1])
+            out = _bi_swiglu(flat, [flat.shape[0]], None, *bi, limit, act_dtype, False)
+            return out.reshape(*x.shape[:-1], out.shape[-1])
     h = clamped_swiglu(linear(x, w.w1, act_dtype), linear(x, w.w3, act_dtype), limit)
     return linear(h, w.w2, act_dtype)
 
@@ -83,8 +90,13 @@ def experts_forward(
     ws = weights.reshape(-1)[order].to(carrier()).unsqueeze(-1)
     # y of pair p = t*k + slot lands in row p of `ys`, i.e. ys.view(T, k, H)[t, slot]
     ys = torch.empty(t * k, x.shape[1], dtype=carrier(), device=x.device)
+    bi = None
+    if batch_invariant.enabled() and x.device.type == "cpu":
+        bi = _bi_grouped((experts.w1, experts.w3), (experts.w2,))
+    if bi is not None:  # batch-invariant mode: every expert in one GEMM call per projection
+        ys.index_copy_(0, order, _bi_swiglu(xs, counts, ws, *bi, limit, act_dtype, weight_before_down))
     lo = 0
-    for e, count in enumerate(counts):
+    for e, count in enumerate(counts if bi is None else []):  # (nothing left to do after the grouped path)
         if not count:
             continue
         hi = lo + count
@@ -104,3 +116,39 @@ def experts_forward(
     if shared is not None:
         out += mlp(x, shared, limit, act_dtype)
     return round_to(out, act_dtype)
+
+
+def _bi_grouped(up: tuple, down: tuple) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+    """Batch-invariant mode on the CPU: the cached grouped operands of `batch_invariant.grouped_gemm`
+    (gate | up side by side, down) with the intermediate and hidden sizes, or None where it does not
+    apply (weights not FP32-valued or too large to hold in FP64): the callers then take `linear`
+    (`row_gemm`) per expert."""
+    p13 = batch_invariant.stacked_parts(*up)
+    p2 = batch_invariant.stacked_parts(*down) if p13 is not None else None
+    return None if p2 is None else (p13, p2, up[0].shape[-2], down[0].shape[-2])
+
+
+def _bi_swiglu(
+    xs: torch.Tensor,
+    counts: list[int],
+    ws: torch.Tensor | None,
+    p13: torch.Tensor,
+    p2: torch.Tensor,
+    inter: int,
+    hidden: int,
+    limit: float,
+    act_dtype: torch.dtype,
+    weight_before_down: bool,
+) -> torch.Tensor:
+    """Clamped SwiGLU MLPs of rows `xs` grouped by expert (`counts`), each row weighted by `ws` (None: 1),
+    with the roundings of the `linear` calls of the loop (gate, up and down each rounded to act_dtype),
+    in two `grouped_gemm` calls (gate and up of every expert in one, the down projections in the
+    other) instead of three calls per expert. A row's result depends on that row only."""
+    gu = batch_invariant.grouped_gemm(xs.double(), counts, p13)
+    h = clamped_swiglu(
+        round_to(gu[:, :inter], act_dtype), round_to(gu[:, inter : 2 * inter], act_dtype), limit
+    )
+    if ws is not None and weight_before_down:
+        h = h * ws
+    y = round_to(batch_invariant.grouped_gemm(h, counts, p2)[:, :hidden], act_dtype)
+    return y * ws if ws is not None and not weight_before_down else y
