@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# One call on the multi-GPU machine (issue #14). Carry `.gpu-ep` (made by make_ep_bundle.sh; < 64 MiB):
+#     bash benchmarks/gpu/run_multi_gpu_suite.sh [STEP ...]      (default: every step)
+# Steps: deepep (DeepEP vs torch backend tests + the NCCL EP/EPLB test), comm (bench_ep_comm.py: dispatch /
+# combine GB/s, DeepEP vs torch all-to-all), model (EP / CP / EPLB / paged DP model tests on NCCL),
+# engine (data-parallel engine tests with DEEPINFER_DEVICE=cuda), bench (bench_multi_gpu.py on the medium
+# config: equality vs one GPU, skewed-routing decode with/without EPLB, CP prefill).
+# Results: $OUT (device tool) or benchmarks/results; logs in multi_gpu_logs.tar.gz.
+set -uo pipefail
+final=${OUT:-benchmarks/results}
+out=/tmp/multi-gpu-out
+mkdir -p "$out" "$final"
+collect() {
+  cp "$out"/*.json "$final"/ 2>/dev/null
+  tar -C "$out" -czf "$final/multi_gpu_logs.tar.gz" --exclude='*.json' . 2>/dev/null
+}
+trap collect EXIT
+steps=${*:-deepep comm model engine bench}
+has() { [[ " $steps " == *" $1 "* ]]; }
+export PYTHONUNBUFFERED=1 HOME=${HOME:-/root} LC_ALL=C
+t0=$(date +%s)
+el() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
+nvidia-smi topo -m | head -4
+medium=/tmp/medium-v41
+repo=$PWD
+src=$(ls -d "$repo"/packages/*/src | grep -v deepinfer-sched | tr '\n' ':')
+if has bench; then
+  PYTHONPATH="${src}$PYTHONPATH" python3 benchmarks/gpu/make_medium_checkpoint.py "$medium" > "$out/medium_checkpoint.log" 2>&1 &
+  medium_pid=$!
+fi
+el "DeepEP: NCCL 2.32.3 + build"
+source benchmarks/gpu/setup_ep.sh || { echo "DeepEP setup failed" >&2; }
+cp "$DEEPINFER_SITE/build_deep_ep.log" "$out/" 2>/dev/null; head -5 "$out/build_deep_ep.log"
+export PYTHONPATH="/tmp/sched-site:${src}$PYTHONPATH"
+if has engine; then
+  el "building deepinfer-sched"
+  python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/sched-site packages/deepinfer-sched > "$out/sched_build.log" 2>&1 \
+    || tail -20 "$out/sched_build.log"
+fi
+export -n DEEPINFER_SITE  # setup's own variable: the engine warns about unknown DEEPINFER_* names
+lim=${STEP_LIMIT_S:-300}
+pyt() { timeout "$lim" python3 -m pytest -q -p no:cacheprovider -x "$@"; }
+if has deepep; then
+  el "tests: DeepEP vs torch backend; NCCL EP + EPLB shuffle"
+  pyt -m gpu packages/deepinfer-parallel/tests/test_par_deepep_gpu.py packages/deepinfer-parallel/tests/test_par_nccl_gpu.py \
+    --junitxml "$out/deepep_tests.xml" > "$out/deepep_tests.log" 2>&1; tail -15 "$out/deepep_tests.log"
+fi
+if has comm; then
+  el "bench: dispatch / combine GB/s"
+  timeout "$lim" python3 benchmarks/parallel/bench_ep_comm.py --world 2 --out "$out/bench_ep_comm.json" > "$out/bench_ep_comm.log" 2>&1
+  tail -20 "$out/bench_ep_comm.log"; collect
+fi
+if has model; then
+  el "tests: model EP / CP / EPLB / paged DP on NCCL"
+  pyt -m gpu packages/deepinfer-model/tests/test_parallel_model_nccl.py --junitxml "$out/model_nccl.xml" > "$out/model_nccl.log" 2>&1
+  tail -8 "$out/model_nccl.log"
+fi
+if has engine; then
+  el "tests: data-parallel engine on cuda"
+  DEEPINFER_DEVICE=cuda pyt packages/deepinfer/tests/test_data_parallel.py --junitxml "$out/engine_dp.xml" > "$out/engine_dp.log" 2>&1
+  tail -8 "$out/engine_dp.log"
+fi
+if has bench; then
+  wait "$medium_pid"; tail -2 "$out/medium_checkpoint.log"
+  el "bench: medium EP=2 / EPLB / CP=2 vs one GPU"
+  timeout "${BENCH_LIMIT_S:-420}" python3 benchmarks/parallel/bench_multi_gpu.py --model "$medium" --device cuda --world 2 \
+    ${BENCH_ARGS:-} --out "$out" > "$out/bench_multi_gpu.log" 2>&1
+  tail -40 "$out/bench_multi_gpu.log"; collect
+fi
+el "done"
