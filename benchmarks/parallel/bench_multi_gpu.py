@@ -45,8 +45,9 @@ import multi_gpu_lib as lib  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
-GPU_DEFAULTS = dict(eq_len=128, greedy_steps=8, decode_batches="1,8,64", decode_prompt_len=64, warmup=4,
-                    steps=32, cp_lens="1024,4096", cp_repeats=3, block_size=64)  # fmt: skip
+# GPU: sized for a few minutes on the medium checkpoint (run_multi_gpu_suite.sh gives it 420 s)
+GPU_DEFAULTS = dict(eq_len=128, greedy_steps=4, decode_batches="1,8,64", decode_prompt_len=64, warmup=3,
+                    steps=16, cp_lens="1024,4096", cp_repeats=2, block_size=64)  # fmt: skip
 CPU_DEFAULTS = dict(eq_len=40, greedy_steps=3, decode_batches="1,4", decode_prompt_len=12, warmup=2,
                     steps=6, cp_lens="48,96", cp_repeats=1, block_size=16)  # fmt: skip
 
@@ -184,9 +185,13 @@ def build_settings(args, work_dir: Path) -> lib.Settings:
     )  # fmt: skip
 
 
-def run(s: lib.Settings, timeout_s: float = 3600.0, progress: bool = True) -> list[dict]:
+def run(
+    s: lib.Settings, timeout_s: float = 3600.0, progress: bool = True, partial_out: Path | None = None
+) -> list[dict]:
     """The whole benchmark: the single-device reference here, then the parallel ranks. Returns the
-    records (equality, decode and cp_prefill; parallel records carry ratio_vs_single)."""
+    records (equality, decode and cp_prefill; parallel records carry ratio_vs_single). With
+    `partial_out`, rank 0 rewrites that file with the records so far after every phase."""
+    s.partial_out = str(partial_out) if partial_out else None
     from deepinfer_parallel.launch import run_distributed
 
     os.environ["DEEPINFER_NUMERICS"] = s.numerics  # read at every call, here and in the ranks
@@ -200,6 +205,7 @@ def run(s: lib.Settings, timeout_s: float = 3600.0, progress: bool = True) -> li
     try:
         t0 = time.perf_counter()
         single = lib.reference(s, progress=progress)
+        (Path(s.work_dir) / "single.json").write_text(json.dumps(single))
         t1 = time.perf_counter()
         if progress:
             print(
@@ -214,17 +220,7 @@ def run(s: lib.Settings, timeout_s: float = 3600.0, progress: bool = True) -> li
     finally:
         torch.set_num_threads(threads)
     parallel = json.loads((Path(s.work_dir) / "ranks.json").read_text())
-    base = {(r["section"], r.get("batch_per_rank"), r.get("prompt_tokens")): r for r in single}
-    for r in parallel:
-        ref = base.get((r["section"], r.get("batch_per_rank"), r.get("prompt_tokens")))
-        if ref is not None:
-            r["single_tok_per_s"] = ref["tok_per_s_per_gpu"]
-            r["ratio_vs_single"] = r["tok_per_s_per_gpu"] / ref["tok_per_s_per_gpu"]
-            for key in ("before", "after"):
-                if f"tok_per_s_per_gpu_{key}" in r:
-                    r[f"ratio_vs_single_{key}"] = r[f"tok_per_s_per_gpu_{key}"] / ref["tok_per_s_per_gpu"]
-    common = dict(world=s.world, device=s.device, dtype=s.dtype, numerics=s.numerics, model=s.model_name)
-    return [dict(r, **common) for r in single] + parallel
+    return lib.merge(single, parallel, s)
 
 
 def _f(x, spec: str = ".3g") -> str:
@@ -293,20 +289,15 @@ def print_tables(records: list[dict], s: lib.Settings) -> None:
     con.print(t)
 
 
-def json_safe(records: list[dict]) -> list[dict]:
-    """NaN (a quantity that does not apply, e.g. no steps after a rebalance) as null: strict JSON."""
-    return [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in r.items()} for r in records]
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = "bench_multi_gpu.json" if args.device == "cuda" else "bench_multi_gpu_cpu.json"
     with tempfile.TemporaryDirectory(prefix="bench_multi_gpu_") as tmp:
         s = build_settings(args, Path(tmp))
-        records = run(s, timeout_s=args.timeout)
+        records = run(s, timeout_s=args.timeout, partial_out=args.out / name)
     print_tables(records, s)
-    args.out.mkdir(parents=True, exist_ok=True)
-    name = "bench_multi_gpu.json" if s.device == "cuda" else "bench_multi_gpu_cpu.json"
-    (args.out / name).write_text(json.dumps(json_safe(records), indent=1))
+    (args.out / name).write_text(json.dumps(lib.json_safe(records), indent=1))
     print(f"wrote {args.out / name}")
     failed = [r["variant"] for r in records if r["section"] == "equality" and not r["passed"]]
     if failed:

@@ -4,7 +4,9 @@ equality, skewed decode throughput with and without EPLB, CP prefill throughput)
 `rank_main` is started by `deepinfer_parallel.launch.run_distributed` (found again by file path in
 each child, so this module must stay importable on its own: no imports of sibling scripts).
 Results travel through files of the run's work directory: `settings.json` (what to run), `ref.pt`
-(the single-device reference) and `ranks.json` (written by rank 0: the merged records).
+(the single-device reference), `single.json` (its baseline records) and `ranks.json` (written by rank 0
+after every phase, with the merged records also written to `partial_out` when set: a run stopped by a
+time limit keeps what it measured).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ NO_MULTICAST_ENV = {
     "NVSHMEM_DISABLE_NVLS": "1",
 }
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+# The model's activation (rounding-point) dtypes; its FP64 arithmetic is `--numerics exact` (the carrier).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class Settings(SimpleNamespace):
@@ -69,8 +72,8 @@ def tolerance(device: str, dtype: str, numerics: str) -> dict:
       any difference fails, for every activation dtype.
     * Otherwise (CUDA, or native numerics): the GEMM library picks kernels (tile shapes, split-K) by the
       number of rows, and a DP / EP / CP shard has other row counts than the single device, so the
-      accumulation order differs. FP32 / FP64 activations: a few ulps per rounding point; 1e-4 / 1e-10
-      norm-wise relative error leaves a 100x margin over the 7e-7 the GPU-vs-CPU FP32 check measured
+      accumulation order differs. FP32 activations: a few ulps per rounding point; 1e-4 norm-wise
+      relative error (>= 99% top-1) leaves a 100x margin over the 7e-7 the GPU-vs-CPU FP32 check measured
       (benchmarks/results/check_tiny_on_gpu.json) and is still far below what one mis-routed token does
       to its row (an O(1) change). BF16: an accumulation-order change flips a rounding to the
       neighbouring BF16 value (2^-8 relative) here and there, and that propagates through the layers;
@@ -81,8 +84,9 @@ def tolerance(device: str, dtype: str, numerics: str) -> dict:
     """
     if device == "cpu" and numerics == "exact":
         return {"exact_required": True, "rel_tol": 0.0, "top1_min": 1.0}
-    rel = {"float64": 1e-10, "float32": 1e-4, "bfloat16": 0.1}[dtype]
-    return {"exact_required": False, "rel_tol": rel, "top1_min": 0.99 if dtype != "bfloat16" else 0.9}
+    if dtype == "float32":
+        return {"exact_required": False, "rel_tol": 1e-4, "top1_min": 0.99}
+    return {"exact_required": False, "rel_tol": 0.1, "top1_min": 0.9}
 
 
 def compare(got: list[torch.Tensor], ref: list[torch.Tensor], got_greedy, ref_greedy) -> dict:
@@ -191,14 +195,25 @@ def hot_expert_ids(n_routed: int, top_k: int, redundant: int, world: int, count:
     return lonely[:count] if len(lonely) >= count else list(range(count))
 
 
-def apply_skew(model, hot: list[int], bias: float) -> None:
+def apply_skew(model, hot: list[int], bias: float) -> list:
     """Add `bias` to the selection bias (e_score_correction_bias) of the `hot` experts of every
     score-routed backbone layer: the router then picks them for (nearly) every token. The bias only
-    selects; the routing weights stay the unbiased scores (layers/router.py)."""
+    selects; the routing weights stay the unbiased scores (layers/router.py). Returns the original
+    biases, for `restore_bias`."""
+    saved = []
     with torch.no_grad():
         for blk in model.weights.layers:
+            saved.append(None if blk.moe.bias is None else blk.moe.bias.clone())
             if blk.moe.bias is not None:
                 blk.moe.bias[hot] += bias
+    return saved
+
+
+def restore_bias(model, saved: list) -> None:
+    with torch.no_grad():
+        for blk, b in zip(model.weights.layers, saved, strict=True):
+            if b is not None:
+                blk.moe.bias.copy_(b)
 
 
 def decode_run(
@@ -290,6 +305,30 @@ def timing(times: list[float], tokens_per_step: int) -> dict:
     return {"us_per_step": float(t.mean() * 1e6), "tok_per_s": float(tokens_per_step * t.size / t.sum())}
 
 
+def merge(single: list[dict], parallel: list[dict], s: Settings) -> list[dict]:
+    """Single-device baselines + parallel records, the latter with their ratio to the single device at
+    the same batch / prompt length (`ratio_vs_single`, and `_before` / `_after` the rebalance step)."""
+    base = {(r["section"], r.get("batch_per_rank"), r.get("prompt_tokens")): r for r in single}
+    out = []
+    for rec in parallel:
+        r = dict(rec)
+        ref = base.get((r["section"], r.get("batch_per_rank"), r.get("prompt_tokens")))
+        if ref is not None:
+            r["single_tok_per_s"] = ref["tok_per_s_per_gpu"]
+            r["ratio_vs_single"] = r["tok_per_s_per_gpu"] / ref["tok_per_s_per_gpu"]
+            for key in ("before", "after"):
+                if f"tok_per_s_per_gpu_{key}" in r:
+                    r[f"ratio_vs_single_{key}"] = r[f"tok_per_s_per_gpu_{key}"] / ref["tok_per_s_per_gpu"]
+        out.append(r)
+    common = dict(world=s.world, device=s.device, dtype=s.dtype, numerics=s.numerics, model=s.model_name)
+    return [dict(r, **common) for r in single] + out
+
+
+def json_safe(records: list[dict]) -> list[dict]:
+    """NaN (a quantity that does not apply, e.g. no steps after a rebalance) as null: strict JSON."""
+    return [{k: None if isinstance(v, float) and v != v else v for k, v in r.items()} for r in records]
+
+
 def reset_placement(eplb, layout, group) -> None:
     """Shuffle the expert weights back to the initial placement and adopt it (collective over EP)."""
     from deepinfer_parallel import initial_phys_to_logical
@@ -335,19 +374,20 @@ def reference(s: Settings, progress: bool = True) -> list[dict]:
         Path(s.work_dir) / "ref.pt",
     )
     recs = []
-    for n in tqdm(s.cp_lens, desc="single-device prefill", disable=not progress, leave=False):
-        ms = prefill_ms(lambda ids, m=model: m.forward(ids, logit_rows=[-1]), n, s, dev)
-        recs.append(
-            dict(section="cp_prefill", variant="single", gpus=1, prompt_tokens=n, ms_per_prefill=ms,
-                 tok_per_s_per_gpu=n / ms * 1e3)
-        )  # fmt: skip
-    apply_skew(model, s.hot_experts, s.hot_bias)
+    saved = apply_skew(model, s.hot_experts, s.hot_bias)
     for b in s.decode_batches:
         run = decode_run(model, b, s, dev, progress=progress, desc=f"single-device decode b={b}")
         t = timing(run["times"], b)
         recs.append(
             dict(section="decode", variant="single", gpus=1, batch_per_rank=b, steps=s.steps,
                  us_per_step=t["us_per_step"], tok_per_s_per_gpu=t["tok_per_s"])
+        )  # fmt: skip
+    restore_bias(model, saved)  # prefill throughput with the checkpoint's routing
+    for n in tqdm(s.cp_lens, desc="single-device prefill", disable=not progress, leave=False):
+        ms = prefill_ms(lambda ids, m=model: m.forward(ids, logit_rows=[-1]), n, s, dev)
+        recs.append(
+            dict(section="cp_prefill", variant="single", gpus=1, prompt_tokens=n, ms_per_prefill=ms,
+                 tok_per_s_per_gpu=n / ms * 1e3)
         )  # fmt: skip
     del model
     free(dev)
@@ -399,6 +439,17 @@ def rank_main(rank: int, world: int, settings_path: str) -> None:
     ep_group, cpu_group = state.ep.group, state.cpu_ep.group
     base = dict(world=world, device=s.device, dtype=s.dtype, numerics=s.numerics, model=s.model_name)
     records: list[dict] = []
+    single = json.loads((Path(s.work_dir) / "single.json").read_text()) if lead else []
+
+    def add(rec: dict) -> None:
+        records.append(rec)
+        if lead:
+            short = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in rec.items() if k not in base}
+            print(" ".join(f"{k}={v}" for k, v in short.items()), flush=True)
+            (Path(s.work_dir) / "ranks.json").write_text(json.dumps(records, indent=1))
+            if getattr(s, "partial_out", None):
+                Path(s.partial_out).write_text(json.dumps(json_safe(merge(single, records, s)), indent=1))
+
     mine = list(range(rank, len(ref["prompts"]), world))  # DP: each rank its own prompts
 
     def gathered(obj) -> list:
@@ -432,13 +483,15 @@ def rank_main(rank: int, world: int, settings_path: str) -> None:
 
     # a. equality, EP=N without redundant experts (DP attention: each rank its own prompts)
     layout, model = _load_ep(s, 0, ep_group, dev)
-    records.append(eq_record("ep", gathered(ep_compare(model)), redundant=0))
+    add(eq_record("ep", gathered(ep_compare(model)), redundant=0))
 
     # a. equality, CP=N prefill of every prompt (same prompts on every rank; experts EP over the world)
     cp_state = par.init_parallel(cp=world, ep=world)
     cp_group = cp_state.cp.group
 
-    def cp_forward(ids, m=model, **kw):  # bound now: `model` is replaced by the redundant-expert one below
+    def cp_forward(
+        ids, m=model, **kw
+    ):  # `m` bound now: `model` is replaced by the redundant-expert one below
         return cp_prefill(m, ids, cp_group, **kw)
 
     got = [forward_generate(cp_forward, p, s.greedy_steps) for p in ref["prompts"]]
@@ -446,23 +499,14 @@ def rank_main(rank: int, world: int, settings_path: str) -> None:
     m["greedy_tokens"] = len(got) * s.greedy_steps
     cp_rec = eq_record("cp", gathered(m), redundant=0)
     cp_rec.update(prompts=m["prompts"], tokens=m["tokens"])  # every rank checked the same prompts
-    records.append(cp_rec)
-
-    # c. CP prefill throughput
-    for n in s.cp_lens:
-        ms = prefill_ms(lambda ids, f=cp_forward: f(ids, logit_rows=[-1]), n, s, dev)
-        ms = max(gathered(ms))  # the slowest rank: the prefill is done when every rank is
-        records.append(
-            dict(section="cp_prefill", variant="cp", gpus=world, prompt_tokens=n, ms_per_prefill=ms,
-                 tok_per_s_per_gpu=n / ms * 1e3 / world, **base)
-        )  # fmt: skip
+    add(cp_rec)
 
     # b. decode at EP=N, skewed routing, no EPLB (counts only: an EplbState that never rebalances)
     apply_skew(model, s.hot_experts, s.hot_bias)
     for b in s.decode_batches:
         eplb = make_eplb(model, par.EplbConfig(interval=0))
         run = decode_run(model, b, s, dev, eplb, layout, progress=lead, desc=f"EP{world} decode b={b}")
-        records.append(_decode_record("ep", b, run, s, ep_group, gathered, base, redundant=0))
+        add(_decode_record("ep", b, run, s, ep_group, gathered, base, redundant=0))
     del model, eplb, cp_forward
     free(dev)
 
@@ -473,10 +517,10 @@ def rank_main(rank: int, world: int, settings_path: str) -> None:
     report = eplb.step(is_prompt=False)  # interval 1: pushes the counts and rebalances now
     changed = report.layers_changed if report else 0
     moved = report.bytes_moved_total if report else 0
-    records.append(eq_record("ep_redundant", before, redundant=s.redundant))
+    add(eq_record("ep_redundant", before, redundant=s.redundant))
     eplb.expert_count.zero_()
     after = gathered(ep_compare(model))
-    records.append(
+    add(
         eq_record(
             "ep_after_rebalance", after, redundant=s.redundant, layers_changed=changed, bytes_moved=moved
         )
@@ -485,17 +529,26 @@ def rank_main(rank: int, world: int, settings_path: str) -> None:
     # b. decode at EP=N with EPLB: redundant experts from the initial placement, a live rebalance in
     # the middle of the timed steps (first EPLB rebalance after a quarter of its interval).
     k = s.warmup + s.steps // 2
-    apply_skew(model, s.hot_experts, s.hot_bias)
+    saved = apply_skew(model, s.hot_experts, s.hot_bias)
     for b in s.decode_batches:
         eplb = make_eplb(model, par.EplbConfig(interval=4 * k, window=k))
         reset_placement(eplb, layout, ep_group)  # every batch size starts from the initial placement
         run = decode_run(model, b, s, dev, eplb, layout, progress=lead, desc=f"EP{world}+EPLB decode b={b}")
-        records.append(_decode_record("ep_eplb", b, run, s, ep_group, gathered, base, redundant=s.redundant))
+        add(_decode_record("ep_eplb", b, run, s, ep_group, gathered, base, redundant=s.redundant))
+
+    # c. CP prefill throughput (last: the long prompts take the longest), with the checkpoint's routing
+    # and this model's experts back in the initial placement (EP over the CP ranks, `redundant` slots)
+    restore_bias(model, saved)
+    reset_placement(eplb, layout, ep_group)
+    for n in s.cp_lens:
+        ms = prefill_ms(lambda ids, m=model: cp_prefill(m, ids, cp_group, logit_rows=[-1]), n, s, dev)
+        ms = max(gathered(ms))  # the slowest rank: the prefill is done when every rank is
+        add(
+            dict(section="cp_prefill", variant="cp", gpus=world, prompt_tokens=n, ms_per_prefill=ms,
+                 tok_per_s_per_gpu=n / ms * 1e3 / world, redundant=s.redundant, **base)
+        )  # fmt: skip
     del model, eplb
     free(dev)
-
-    if lead:
-        (Path(s.work_dir) / "ranks.json").write_text(json.dumps(records, indent=1))
 
 
 def _decode_record(variant, batch, run, s: Settings, group, gathered, base, redundant) -> dict:
