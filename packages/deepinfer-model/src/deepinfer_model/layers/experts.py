@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import batch_invariant
-from ..numerics import carrier, linear, round_to
+from ..numerics import carrier, linear, native, round_to, weight_as
 
 
 @dataclass
@@ -152,3 +152,98 @@ def _bi_swiglu(
         h = h * ws
     y = round_to(batch_invariant.grouped_gemm(h, counts, p2)[:, :hidden], act_dtype)
     return y * ws if ws is not None and not weight_before_down else y
+
+
+# Pairs whose gathered expert weights `experts_forward_static` may hold at once on the per-pair path
+# (elements of w1 + w3 + w2 per pair times pairs); above it, native mode takes the grouped GEMM.
+GATHER_ELEMENTS = 1 << 26
+
+
+def experts_forward_static(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    experts: ExpertWeights,
+    shared: MLPWeights | None,
+    limit: float,
+    act_dtype: torch.dtype = torch.float32,
+    weight_before_down: bool = False,
+    method: str = "auto",
+) -> torch.Tensor:
+    """`experts_forward` without a host sync and with shapes fixed by [T, k] (graph-safe decode).
+
+    Each (token, slot) pair p = t*k + slot is computed on its own row, so no per-expert row count is
+    read back:
+
+    * `gather` (exact mode, or few pairs): the pair's expert weights are gathered ([T*k, I, H]) and the
+      three projections are batched products of one row each. Exact mode: every output element is the
+      same FP64 dot product as `linear`'s and is rounded at the same points, so results equal
+      `experts_forward`'s (bitwise unless an FP64 sum, accumulated in another order, straddles an
+      act-dtype rounding boundary).
+    * `grouped` (native mode only): pairs sorted by expert (stable), `torch._grouped_mm` over the
+      stacked weights with device-side group offsets; act-dtype operands, the GEMM rounds its output to
+      act_dtype as `linear` does (equal to the loop within FP32 accumulation order).
+
+    `auto`: `grouped` in native mode when the gathered weights would exceed `GATHER_ELEMENTS`, else
+    `gather`. The slot sum, shared expert and final rounding are `experts_forward`'s.
+    """
+    if method not in ("auto", "gather", "grouped"):
+        raise ValueError(f"method must be 'auto', 'gather' or 'grouped', got {method!r}")
+    if not isinstance(experts, ExpertWeights):
+        raise ValueError(f"the graph-safe expert path takes ExpertWeights, got {type(experts).__name__}")
+    t, k = ids.shape
+    pairs = ids.reshape(-1).long()
+    inter, hidden = experts.w1.shape[1], experts.w1.shape[2]
+    if method == "auto":
+        big = t * k * 3 * inter * hidden > GATHER_ELEMENTS
+        method = "grouped" if native() and big else "gather"
+    if method == "grouped" and not native():
+        raise ValueError("method='grouped' needs DEEPINFER_NUMERICS=native (no FP64 grouped GEMM)")
+    project = _pair_linear if method == "gather" else _grouped_linear
+    if method == "grouped":
+        order = torch.argsort(pairs, stable=True)
+        # group ends: how many pairs have an expert id <= e (no bincount: CUDA's reads back its max)
+        ends = torch.searchsorted(
+            pairs[order], torch.arange(experts.w1.shape[0], device=x.device), right=True
+        )
+        plan = (order, ends.to(torch.int32))
+    else:
+        plan = pairs
+    xs = x.repeat_interleave(k, dim=0)  # row p = token p // k
+    ws = weights.reshape(-1).to(carrier()).unsqueeze(-1)
+    h = clamped_swiglu(
+        project(xs, experts.w1, plan, act_dtype), project(xs, experts.w3, plan, act_dtype), limit
+    )
+    if weight_before_down:
+        y = project(h * ws, experts.w2, plan, act_dtype)
+    else:
+        y = project(h, experts.w2, plan, act_dtype) * ws
+    ys = y.view(t, k, -1)
+    out = torch.zeros(t, x.shape[1], dtype=carrier(), device=x.device)
+    for slot in range(k):  # slot order from zeros, as `experts_forward`
+        out += ys[:, slot]
+    if shared is not None:
+        out += mlp(x, shared, limit, act_dtype)
+    return round_to(out, act_dtype)
+
+
+def _pair_linear(
+    x: torch.Tensor, w: torch.Tensor, pairs: torch.Tensor, act_dtype: torch.dtype
+) -> torch.Tensor:
+    """Row p of `x` [P, K] times expert `pairs[p]`'s matrix of `w` [E, N, K] (transposed), as `linear`:
+    exact: FP64 products rounded once to act_dtype; native: act-dtype operands, FP32 out."""
+    if native():
+        wp = weight_as(w, act_dtype)[pairs]  # the stack converted once (cached), then gathered
+        return torch.bmm(x.to(act_dtype).unsqueeze(1), wp.transpose(1, 2)).squeeze(1).to(torch.float32)
+    wp = w[pairs].to(torch.float64)  # gathered first: no FP64 copy of every expert
+    return round_to(torch.bmm(x.double().unsqueeze(1), wp.transpose(1, 2)).squeeze(1), act_dtype)
+
+
+def _grouped_linear(x: torch.Tensor, w: torch.Tensor, plan, act_dtype: torch.dtype) -> torch.Tensor:
+    """Native mode: the rows of `x` grouped by expert (`plan` = (stable order, group ends)), one
+    `torch._grouped_mm` over all experts, rows put back in pair order; FP32 out."""
+    order, ends = plan
+    out = torch._grouped_mm(x[order].to(act_dtype), weight_as(w, act_dtype).transpose(1, 2), offs=ends)
+    back = torch.empty_like(out)
+    back[order] = out
+    return back.to(torch.float32)

@@ -7,13 +7,24 @@ runner = PagedRunner(model, 256, 16, yoco=YocoSettings.from_env(), backtracking=
 logits = runner.execute(scheduler_output, prompt_lens=[...])       # original prompt length per sequence
 """
 
-from .metadata import StepMetadata
+from .cuda_graphs import (
+    DecodeGraphRunner,
+    DecodeGraphSettings,
+    build_graph_batch_sizes,
+    decode_graph_settings,
+)
+from .metadata import StaticDecodeMetadata, StepMetadata
 from .pools import PagedKVCache, PoolSpec, blocks_for_budget
 from .runner import RUNNERS, PagedRunner, cache_specs, make_runner
 from .yoco_step import YocoStep, resume_problem
 
 __all__ = [
     "RUNNERS",
+    "DecodeGraphRunner",
+    "DecodeGraphSettings",
+    "StaticDecodeMetadata",
+    "build_graph_batch_sizes",
+    "decode_graph_settings",
     "PagedKVCache",
     "PagedRunner",
     "PoolSpec",

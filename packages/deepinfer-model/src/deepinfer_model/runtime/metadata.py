@@ -169,3 +169,144 @@ def entries_per_block(block_size: int, ratio: int) -> int:
             "(a compressed entry must map to exactly one block)"
         )
     return max(1, block_size // ratio)
+
+
+class StaticDecodeMetadata(StepMetadata):
+    """Device-only metadata of a decode step (one query token per sequence), for the graph-safe forward.
+
+    Every tensor is a view of a static device buffer (`cuda_graphs.DecodeGraphRunner` fills it before a
+    replay), so a CUDA graph captured over this metadata reads each step's values at fixed addresses.
+    Nothing is planned on the host: the index tensors the paged attention asks `cached` for (window-key
+    slots, band masks, compressed-entry slots, the entries completed in the step) are computed on the
+    device from `positions` and `dev_tables`, with shapes fixed by the bucket size, the window and
+    `max_entries` instead of the step's context lengths. The host arrays of `StepMetadata` are None.
+
+    Rows may be placeholders (bucket padding): position 0, a block table of `dummy_block` only. A
+    placeholder writes only the reserved dummy block and reads only what it wrote in the step.
+    """
+
+    def __init__(
+        self,
+        block_size: int,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        write_slots: torch.Tensor,
+        tables: torch.Tensor,
+        dummy_block: int,
+    ) -> None:
+        n = positions.shape[0]
+        device = positions.device
+        super().__init__(
+            block_size=block_size,
+            starts=None,
+            query_lens=None,
+            ends=None,
+            offsets=None,
+            tables=None,
+            input_ids=input_ids,
+            positions=positions,
+            write_slots=write_slots,
+            logits_rows=torch.arange(n, device=device),
+            device=device,
+            ids_checked=True,  # `StepMetadata.build` checked the real ids; placeholders use id 0
+        )
+        self.dev_tables = tables  # long [N, max_blocks]: every entry a real block id (dummy padded)
+        self.dummy_block = int(dummy_block)
+        self.rows_index = torch.arange(n, device=device)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.positions.shape[0]
+
+    def reset(self) -> None:
+        """Forget the index tensors of the last forward (they depend on the buffers' contents)."""
+        self._cache.clear()
+
+    def cached(self, key, make):
+        """The device-side counterpart of the host planners in `runtime.groups`, by key kind; any other
+        key raises (a new host-side planner must get a device form before the graph-safe step uses it)."""
+        if key not in self._cache:
+            builder = _STATIC_INDEX.get(key[0])
+            if builder is None:
+                raise ValueError(f"the graph-safe decode step has no device-side index for {key[0]!r}")
+            self._cache[key] = builder(self, *key[1:])
+        return self._cache[key]
+
+    def dev_token_slots(self, pos: torch.Tensor) -> torch.Tensor:
+        """Flat token slots of positions `pos` [N, ...] (row i: sequence i); blocks past the table read
+        the table's last column (only ever for values that are masked or written to the dummy slot)."""
+        blk = torch.clamp(
+            torch.div(pos, self.block_size, rounding_mode="floor"), max=self.dev_tables.shape[1] - 1
+        )
+        rows = self.rows_index.view(-1, *([1] * (pos.dim() - 1)))
+        return self.dev_tables[rows, blk] * self.block_size + pos % self.block_size
+
+    def dev_entry_slots(self, j: torch.Tensor, ratio: int) -> torch.Tensor:
+        """Flat entry-pool slots of entries `j` [N, ...] (row i: sequence i), as `entry_slots_of`."""
+        first = j * ratio
+        per = entries_per_block(self.block_size, ratio)
+        blk = torch.clamp(
+            torch.div(first, self.block_size, rounding_mode="floor"), max=self.dev_tables.shape[1] - 1
+        )
+        rows = self.rows_index.view(-1, *([1] * (j.dim() - 1)))
+        return self.dev_tables[rows, blk] * per + torch.div(
+            first % self.block_size, ratio, rounding_mode="floor"
+        )
+
+    def max_entries(self, ratio: int) -> int:
+        """Entry columns every step reads for `ratio`: all a full block table can hold (>= 1)."""
+        return max(1, self.dev_tables.shape[1] * self.block_size // ratio)
+
+
+def _static_swa(meta: StaticDecodeMetadata, _group: int, window: int, floor: bool):
+    """`groups._swa_index` for one query per sequence: the band of a single query is its window, columns
+    p - W + 1 .. p, clipped to [max(0, p - W + 1), p] (what the host planner computes for Q = 1)."""
+    if floor:
+        raise ValueError("the graph-safe decode step does not run YOCO truncation")
+    p = meta.positions[:, None]
+    start = p - window + 1
+    pos = torch.clamp(
+        start + torch.arange(window, device=meta.device)[None, :], min=start.clamp(min=0), max=p
+    )
+    return meta.dev_token_slots(pos), None, None, None, None
+
+
+def _static_band(
+    meta: StaticDecodeMetadata, kind: str, _group: int, window: int, floor: bool, a: int, b: int
+):
+    """`groups._band_mask` [G, 1, 1, W] for Q = 1: column c (position p - W + 1 + c) is visible iff it is
+    at least 0 (it always lies in the window and at or below p)."""
+    if kind != "swa" or floor or a != 0 or b != 1:
+        raise ValueError(f"graph-safe decode: unexpected band request {(kind, window, floor, a, b)}")
+    start = meta.positions[:, None] - window + 1
+    visible = start + torch.arange(window, device=meta.device)[None, :] >= 0
+    return visible[:, None, None, :]
+
+
+def _static_comp(meta: StaticDecodeMetadata, _group: int, ratio: int):
+    """`groups._entry_index` over `max_entries(ratio)` columns: entry j of a query at p is real and
+    visible iff j < (p + 1) // ratio; the rest re-read entry min(j, n - 1) and are zeroed / masked."""
+    width = meta.max_entries(ratio)
+    n = torch.div(meta.positions + 1, ratio, rounding_mode="floor")[:, None]
+    j = torch.arange(width, device=meta.device)[None, :]
+    safe_j = torch.minimum(j, (n - 1).clamp(min=0))
+    valid = j < n
+    return meta.dev_entry_slots(safe_j, ratio), (~valid)[..., None], valid
+
+
+def _static_new(meta: StaticDecodeMetadata, ratio: int):
+    """`groups._new_entry_index` with a fixed shape: every query's current block j = p // ratio is
+    compressed; a block that is not complete after this token (p + 1 not a multiple of the ratio) is
+    written to the dummy block's first entry slot instead of its own, which nothing reads as valid."""
+    p = meta.positions
+    j = torch.div(p, ratio, rounding_mode="floor")
+    own = meta.dev_entry_slots(j, ratio)
+    if ratio == 1:  # every token is its own (complete) block: the rows of x, in order
+        return meta.rows_index, p, own
+    complete = (p + 1) % ratio == 0
+    dummy = torch.full_like(own, meta.dummy_block * entries_per_block(meta.block_size, ratio))
+    tokens = j[:, None] * ratio + torch.arange(ratio, device=meta.device)[None, :]
+    return meta.dev_token_slots(tokens).reshape(-1), j * ratio, torch.where(complete, own, dummy)
+
+
+_STATIC_INDEX = {"swa": _static_swa, "band": _static_band, "comp": _static_comp, "new": _static_new}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..numerics import pinned
 from ..runner.batch import RunnerBatch
 from ..runner.recompute import RecomputeRunner
 from .device import model_device
@@ -34,13 +35,14 @@ def cache_specs(model, block_size: int) -> list[PoolSpec]:
 
 
 def _forward(model):
+    """The model's paged forward, reading the numerics settings once per step (`numerics.pinned`)."""
     if hasattr(model, "weights"):
         from ..models.deepseek_v41.paged import v41_paged_forward
 
-        return v41_paged_forward
+        return pinned(v41_paged_forward)
     from ..models.deepseek_v4_paged import v4_paged_forward
 
-    return v4_paged_forward
+    return pinned(v4_paged_forward)
 
 
 def _yoco_settings(model, yoco, backtracking: int):
@@ -57,9 +59,21 @@ def _yoco_settings(model, yoco, backtracking: int):
 
 class PagedRunner:
     """`yoco` (`YocoSettings`, default off): YOCO prefill truncation (spec v41-model §8); `execute` then
-    needs each sequence's prompt length. `backtracking` = B of the start-up check KEEP >= W + B."""
+    needs each sequence's prompt length. `backtracking` = B of the start-up check KEEP >= W + B.
 
-    def __init__(self, model, num_blocks: int, block_size: int, yoco=None, backtracking: int = 6) -> None:
+    `decode_graphs` (`cuda_graphs.DecodeGraphSettings`, default None: every step eager): decode steps
+    run the graph-safe static forward through per-bucket CUDA graphs (captured here); the cache then
+    holds one reserved dummy block (id `num_blocks`) for the bucket padding. YOCO steps stay eager."""
+
+    def __init__(
+        self,
+        model,
+        num_blocks: int,
+        block_size: int,
+        yoco=None,
+        backtracking: int = 6,
+        decode_graphs=None,
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.model = model
@@ -72,7 +86,8 @@ class PagedRunner:
             specs.append(tag_spec(block_size))
         # pools live where the weights are: the forward reads and writes them with device index tensors
         self.device = model_device(model)
-        self.cache = PagedKVCache(specs, num_blocks, self.device)
+        # graphs: one more block than the scheduler hands out, written only by placeholder rows
+        self.cache = PagedKVCache(specs, num_blocks + (decode_graphs is not None), self.device)
         log.info(
             "paged KV cache on %s: %d blocks of %d tokens, %d B per block, %.1f MiB in %d pools",
             self.device,
@@ -84,6 +99,22 @@ class PagedRunner:
         )
         self._forward = _forward(model)
         self.metadata_s = 0.0  # cumulative time building step metadata (benchmarks read it)
+        self.graphs = None
+        if decode_graphs is not None:
+            from ..models.deepseek_v41.paged import static_decode_problem
+            from .cuda_graphs import DecodeGraphRunner
+
+            problem = static_decode_problem(model)
+            if problem:  # e.g. expert-parallel MoE: every step eager (the dummy block stays unused)
+                log.warning("decode CUDA graphs off: %s", problem)
+            else:
+                self.graphs = DecodeGraphRunner(self, decode_graphs)
+                self.graphs.capture()
+
+    def close(self) -> None:
+        """Free the decode CUDA graphs (if any): call before process groups are destroyed."""
+        if self.graphs is not None:
+            self.graphs.destroy()
 
     @classmethod
     def from_memory(
@@ -94,6 +125,7 @@ class PagedRunner:
         memory_fraction: float = 0.1,
         yoco=None,
         backtracking: int = 6,
+        decode_graphs=None,
     ) -> PagedRunner:
         """Size the pools from a byte budget, or from a fraction of the available memory of the model's
         device (host memory on the CPU, free device memory on CUDA)."""
@@ -101,7 +133,11 @@ class PagedRunner:
         if yoco is not None and yoco.enabled:
             specs.append(tag_spec(block_size))
         num_blocks = blocks_for_budget(specs, kv_cache_memory_bytes, memory_fraction, model_device(model))
-        return cls(model, num_blocks, block_size, yoco=yoco, backtracking=backtracking)
+        if decode_graphs is not None:
+            num_blocks = max(1, num_blocks - 1)  # the dummy block comes out of the same budget
+        return cls(
+            model, num_blocks, block_size, yoco=yoco, backtracking=backtracking, decode_graphs=decode_graphs
+        )
 
     @staticmethod
     def bytes_per_block(model, block_size: int) -> int:
@@ -131,6 +167,12 @@ class PagedRunner:
             forward_args = ()
         else:
             forward_args = (self._yoco_step(meta, batch.seq_ids, prompt_lens),)
+        if self.graphs is not None and self.yoco is None and self.graphs.problem(meta) is None:
+            self.metadata_s += time.perf_counter() - t0
+            logits = self.graphs.run(meta, batch.input_ids)  # writes token ids itself
+            self._last_meta = meta
+            self._last_seq_ids = np.asarray(batch.seq_ids, dtype=np.int64)
+            return logits
         if TOKEN_IDS in self.cache.pools:
             self.cache.write(TOKEN_IDS, meta.write_slots, meta.input_ids)
         self.metadata_s += time.perf_counter() - t0
@@ -220,13 +262,19 @@ def _host_ints(values) -> list[int]:
 RUNNERS = {"paged": PagedRunner, "recompute": RecomputeRunner}
 
 
-def make_runner(kind: str, model, num_blocks: int, block_size: int, yoco=None, backtracking: int = 6):
+def make_runner(
+    kind: str, model, num_blocks: int, block_size: int, yoco=None, backtracking: int = 6, decode_graphs=None
+):
     """The engine's one switch: `kind` = "paged" (cached, this package) or "recompute" (reference).
-    `yoco` (`YocoSettings`) turns on YOCO prefill truncation, which only the paged runner implements."""
+    `yoco` (`YocoSettings`) turns on YOCO prefill truncation, which only the paged runner implements;
+    `decode_graphs` (`cuda_graphs.DecodeGraphSettings`) decode CUDA graphs, paged runner only (the
+    recompute runner ignores it: it is a debugging baseline that always runs eagerly)."""
     if kind not in RUNNERS:
         raise ValueError(f"runner must be one of {sorted(RUNNERS)}, got {kind!r}")
     if kind == "paged":
-        return PagedRunner(model, num_blocks, block_size, yoco=yoco, backtracking=backtracking)
+        return PagedRunner(
+            model, num_blocks, block_size, yoco=yoco, backtracking=backtracking, decode_graphs=decode_graphs
+        )
     if yoco is not None and yoco.enabled:
         raise ValueError(
             f"YOCO truncation (mode {yoco.mode.value}) needs runner = 'paged'; the recompute runner has none"

@@ -1,6 +1,16 @@
 """Test and demo helpers: tiny configs and random checkpoints in the real (upstream) layout."""
 
 from .checkpoint import copy_tokenizer, make_checkpoint, tiny_config
+from .no_sync import HostSyncError, count_ops, no_host_sync
 from .strict_device import StrictDevice, strict_device
 
-__all__ = ["StrictDevice", "copy_tokenizer", "make_checkpoint", "strict_device", "tiny_config"]
+__all__ = [
+    "HostSyncError",
+    "StrictDevice",
+    "copy_tokenizer",
+    "count_ops",
+    "make_checkpoint",
+    "no_host_sync",
+    "strict_device",
+    "tiny_config",
+]

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from deepinfer_model import load_model
 from deepinfer_model.runtime import make_runner
+from deepinfer_model.runtime.cuda_graphs import decode_graph_settings
 from deepinfer_model.sampling import RowParams
 from deepinfer_spec import MAX_NEXTN, StepTimeCurve
 
@@ -158,6 +159,14 @@ class LLMEngine:
             block_size=args.block_size,
             yoco=yoco,
             backtracking=self.truncation.backtracking,
+            # decode CUDA graphs (CUDA only; one-token decode steps: none to replay while drafting)
+            decode_graphs=decode_graph_settings(
+                self.device,
+                args.max_num_seqs,
+                self.max_model_len,
+                enforce_eager=envs.DEEPINFER_ENFORCE_EAGER or nextn > 0,
+                interval=envs.DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL,
+            ),
         )
         self._prompt_len_of: dict[int, int] = {}  # seq_id -> ORIGINAL prompt length, until released
         self.worker = ModelWorker(self.runner, timeline=device_timeline(self.device))
@@ -651,6 +660,9 @@ class LLMEngine:
         if self._structured is not None:
             self._structured.close()
             self._structured = None
+        runner_close = getattr(self.runner, "close", None)  # decode CUDA graphs (before process groups)
+        if runner_close is not None:
+            runner_close()
 
     def scheduler_stats(self) -> dict:
         return scheduling.stats(self.scheduler)

@@ -25,12 +25,15 @@ import torch
 
 from ...layers.attention import project_latent, project_output, project_query
 from ...layers.embedding import embed
+from ...layers.experts import ExpertWeights, experts_forward_static
 from ...layers.indexer import index_queries, select_topk
 from ...layers.rope import cos_sin
+from ...layers.router import route_topk
 from ...numerics import carrier, linear, round_to
 from ...numerics import logits as head_logits
 from ...ops.model_calls import hc_read, rms_norm
 from ...runtime.groups import (
+    Group,
     NewEntries,
     attend,
     compress_new,
@@ -40,7 +43,7 @@ from ...runtime.groups import (
     ranges,
     swa_keys,
 )
-from ...runtime.metadata import StepMetadata, entries_per_block
+from ...runtime.metadata import StaticDecodeMetadata, StepMetadata, entries_per_block
 from ...runtime.pools import TOKEN_IDS, PagedKVCache, PoolSpec
 from ...runtime.yoco_step import YocoStep
 from .blocks import ShiftedHC
@@ -78,7 +81,7 @@ class _StepState:
     """Cross-layer values of this step (the paged counterpart of `CrossLayerState`), packed per token."""
 
     def __init__(self, meta: StepMetadata, yoco: YocoStep | None = None) -> None:
-        self.groups = make_groups(meta)
+        self.groups = _static_groups(meta) if isinstance(meta, StaticDecodeMetadata) else make_groups(meta)
         self.yoco = yoco
         # consumer-half queries (YOCO compact: the kept rows only)
         self.consumer_groups = make_groups(yoco.qmeta) if yoco and yoco.drops_rows else self.groups
@@ -199,16 +202,24 @@ def _engram_rows(model: DeepseekV41ForCausalLM, meta: StepMetadata, cache: Paged
 
 @torch.no_grad()
 def v41_paged_forward(
-    model: DeepseekV41ForCausalLM, meta: StepMetadata, cache: PagedKVCache, yoco: YocoStep | None = None
+    model: DeepseekV41ForCausalLM,
+    meta: StepMetadata,
+    cache: PagedKVCache,
+    yoco: YocoStep | None = None,
+    moe_fn=None,
 ) -> torch.Tensor:
     """FP32 logits [len(meta.logits_rows), vocab] of one packed step, updating `cache`.
+
+    `moe_fn` replaces `model.moe_fn` for this call (the graph-safe decode step passes `static_moe`).
 
     `yoco` (the step's truncation plan, `runtime.yoco_step`): consumer layers clip SWA visibility at each
     sequence's rect_lo and, in compact mode, run only the kept rows (the stateless forward's
     `yoco_keep_tokens` / `yoco_mode` / `yoco_prompt_len`, bitwise).
     """
     cfg, w, act = model.config, model.weights, model.act_dtype
-    rows = _engram_rows(model, meta, cache) if model.engram else {}
+    moe_fn = moe_fn or model.moe_fn
+    static = isinstance(meta, StaticDecodeMetadata)
+    rows = (_static_engram_rows if static else _engram_rows)(model, meta, cache) if model.engram else {}
     st = _StepState(meta, yoco)
     compact = yoco is not None and yoco.drops_rows
     targets = cfg.dspark.target_layer_ids if (cfg.dspark and w.drafter is not None) else ()
@@ -238,9 +249,7 @@ def v41_paged_forward(
 
         hc.sublayer(blk.hc_attn, blk.attn_norm, attention, act)
         # the model's MoE hook: all experts in-process, or expert parallel (deepinfer_model.parallel)
-        hc.sublayer(
-            blk.hc_ffn, blk.ffn_norm, lambda y, layer=layer, blk=blk: model.moe_fn(layer, blk, y), act
-        )
+        hc.sublayer(blk.hc_ffn, blk.ffn_norm, lambda y, layer=layer, blk=blk: moe_fn(layer, blk, y), act)
     if targets:
         features = torch.cat([feats[t] for t in targets], dim=1)
         # compact with consumer-side targets: features exist for the kept rows only (§8 item 6)
@@ -251,6 +260,76 @@ def v41_paged_forward(
     logits_rows = yoco.qmeta.logits_rows if compact else meta.logits_rows
     hidden = rms_norm(hc.final(act)[logits_rows], w.norm, cfg.rms_norm_eps, act)
     return head_logits(hidden, w.head, act)  # FP32 logits (§2.1)
+
+
+def _static_groups(meta: StaticDecodeMetadata) -> list[Group]:
+    """The one group of a decode step: every row is a sequence with one query (no padding slots)."""
+    rows = meta.rows_index
+    n = rows.shape[0]
+    qmask = torch.ones(n, 1, dtype=torch.bool, device=meta.device)
+    return [Group(np.arange(n), rows[:, None], qmask, meta.positions[:, None], 0, packed_rows=rows)]
+
+
+def _static_engram_rows(
+    model: DeepseekV41ForCausalLM, meta: StaticDecodeMetadata, cache: PagedKVCache
+) -> dict:
+    """`_engram_rows` for one query per sequence with fixed shapes: each sequence's window is the N-1
+    positions before its token and the token (pad where the position is negative), read from
+    `token_ids` (this step's token is written there first)."""
+    eng = model.engram
+    back = eng.cfg.max_ngram_size - 1
+    pos = meta.positions[:, None] - torch.arange(back, -1, -1, device=meta.device)[None, :]  # [N, back+1]
+    ids = cache.read(TOKEN_IDS, meta.dev_token_slots(pos.clamp(min=0)).reshape(-1)).reshape(pos.shape)
+    window = torch.where(pos >= 0, eng.vocab.compress(ids), eng.vocab.pad_id).reshape(-1)
+    query = meta.rows_index * (back + 1) + back  # the token itself: last slot of its window
+    return {
+        layer: engram_hash(window, eng.layout, layer, eng.multipliers[layer], eng.vocab.pad_id)[query]
+        for layer in eng.cfg.layer_ids
+    }
+
+
+def static_moe(model: DeepseekV41ForCausalLM):
+    """`model.local_moe` (`blocks.moe_ffn`) with the graph-safe expert path `experts_forward_static`:
+    the same router (FP32 logits, score top-k), routing weight before `w2`, same roundings."""
+    cfg = model.config
+
+    def moe(layer: int, blk, y: torch.Tensor) -> torch.Tensor:
+        w = blk.moe
+        logits = linear(y, w.gate, torch.float32)
+        weights, ids = route_topk(logits, w.bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor)
+        return experts_forward_static(
+            y, weights, ids, w.experts, w.shared, cfg.swiglu_limit, model.act_dtype, weight_before_down=True
+        )
+
+    return moe
+
+
+def static_decode_problem(model) -> str | None:
+    """Why `v41_static_decode_forward` cannot run this model (None: it can)."""
+    if not isinstance(model, DeepseekV41ForCausalLM):
+        return f"graph-safe decode is implemented for DeepSeek-V4.1 only, not {type(model).__name__}"
+    if model.moe_fn != model.local_moe:
+        return "graph-safe decode needs the in-process MoE (expert parallel MoE is not graph-safe here)"
+    for layer, blk in enumerate(model.weights.layers):
+        if blk.moe.tid2eid is not None:
+            return f"layer {layer}: hash-routed MoE has no graph-safe path"
+        if not isinstance(blk.moe.experts, ExpertWeights):
+            return f"layer {layer}: {type(blk.moe.experts).__name__} experts have no graph-safe path"
+    return None
+
+
+@torch.no_grad()
+def v41_static_decode_forward(
+    model: DeepseekV41ForCausalLM, meta: StaticDecodeMetadata, cache: PagedKVCache
+) -> torch.Tensor:
+    """The graph-safe decode step: FP32 logits [N, vocab], one row per sequence (one query token each),
+    with no host sync and every shape fixed by N, the block-table width and the model (CUDA-graph
+    capturable). Equal to `v41_paged_forward` of the same step on every real row; placeholder rows
+    (`StaticDecodeMetadata`) write only the dummy block."""
+    meta.reset()
+    if TOKEN_IDS in cache.pools:
+        cache.write(TOKEN_IDS, meta.write_slots, meta.input_ids)
+    return v41_paged_forward(model, meta, cache, moe_fn=static_moe(model))
 
 
 def v41_paged_draft(

@@ -1,0 +1,308 @@
+"""Graph-safe decode (issue #13) on the CPU: the static decode step equals the eager paged step, pads to
+buckets without touching real rows, makes no host sync; bucket sizes follow spec engine.md §3.5.
+
+The CUDA graphs themselves are tested in `test_cuda_graphs_gpu.py` (marked gpu)."""
+
+import numpy as np
+import pytest
+import torch
+from deepinfer_model.layers.experts import ExpertWeights, MLPWeights, experts_forward, experts_forward_static
+from deepinfer_model.models.deepseek_v41 import DeepseekV41ForCausalLM, load_v41, make_v41_checkpoint
+from deepinfer_model.models.deepseek_v41.paged import static_decode_problem
+from deepinfer_model.runner import RunnerBatch
+from deepinfer_model.runtime import PagedRunner
+from deepinfer_model.runtime.cuda_graphs import (
+    DecodeGraphSettings,
+    build_graph_batch_sizes,
+    decode_graph_settings,
+)
+from deepinfer_model.testing.no_sync import HostSyncError, count_ops, no_host_sync
+
+BLOCK, NUM_BLOCKS, MAX_CTX = 4, 96, 128
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_v41(make_v41_checkpoint(tmp_path_factory.mktemp("v41graphs"), seed=0))
+
+
+@pytest.fixture(scope="module")
+def engine_numerics(model):
+    """BF16 activations and quantised KV: the engine's numerics."""
+    return DeepseekV41ForCausalLM(
+        model.config, model.weights, model.engram.vocab, act_dtype=torch.bfloat16, quantize_kv=True
+    )
+
+
+def test_build_graph_batch_sizes():
+    assert build_graph_batch_sizes(32, 8) == [1, 2, 4, 8, 16, 24, 32]
+    assert build_graph_batch_sizes(30, 8) == [1, 2, 4, 8, 16, 24, 30]
+    assert build_graph_batch_sizes(5, 8) == [1, 2, 4, 5]
+    assert build_graph_batch_sizes(1, 8) == [1]
+    assert build_graph_batch_sizes(8, 8) == [1, 2, 4, 8]
+    assert build_graph_batch_sizes(20, 6) == [1, 2, 4, 6, 12, 18, 20]
+    assert build_graph_batch_sizes(4, 1) == [1, 2, 3, 4]
+    for bad in [(0, 8), (4, 0), (2.5, 8)]:
+        with pytest.raises(ValueError, match="must be an integer >= 1"):
+            build_graph_batch_sizes(*bad)
+
+
+def test_settings_only_on_cuda_and_not_when_eager():
+    assert decode_graph_settings("cpu", 8, 64) is None
+    assert decode_graph_settings("cuda", 8, 64, enforce_eager=True) is None
+    assert decode_graph_settings("cuda", 8, 64) == DecodeGraphSettings(8, 64, 8)
+    with pytest.raises(ValueError, match="max_context"):
+        DecodeGraphSettings(8, 0)
+
+
+class Pair:
+    """The same steps through an eager runner and a static-decode runner (no capture: CPU)."""
+
+    def __init__(self, model, max_batch=8, interval=4, seed=0):
+        self.eager = PagedRunner(model, NUM_BLOCKS, BLOCK)
+        settings = DecodeGraphSettings(max_batch, MAX_CTX, interval, capture=False)
+        self.static = PagedRunner(model, NUM_BLOCKS, BLOCK, decode_graphs=settings)
+        self.rng = np.random.default_rng(seed)
+        self.free = [int(b) for b in self.rng.permutation(NUM_BLOCKS)]
+        self.seqs = []
+
+    def add(self, prompt_len):
+        seq = {
+            "id": len(self.seqs),
+            "tokens": list(self.rng.integers(3, 256, prompt_len)),
+            "table": [],
+            "n": 0,
+        }
+        self.seqs.append(seq)
+        return seq
+
+    def step(self, seqs, qlens):
+        for s, q in zip(seqs, qlens):
+            while len(s["table"]) * BLOCK < s["n"] + q:
+                s["table"].append(self.free.pop())
+        batch = RunnerBatch(
+            seq_ids=np.array([s["id"] for s in seqs]),
+            start_positions=np.array([s["n"] for s in seqs]),
+            query_lens=np.array(qlens),
+            block_tables=[np.array(s["table"], dtype=np.int32) for s in seqs],
+            input_ids=np.array([t for s, q in zip(seqs, qlens) for t in s["tokens"][s["n"] : s["n"] + q]]),
+            logits_lens=np.ones(len(seqs), dtype=np.int64),
+        )
+        replays = self.static.graphs.replays
+        a, b = self.eager.execute(batch), self.static.execute(batch)
+        graphed = self.static.graphs.replays > replays
+        for s, q in zip(seqs, qlens):
+            s["n"] += q
+            s["tokens"].append(int(torch.argmax(a[seqs.index(s)])))  # greedy continuation
+        return a, b, graphed
+
+
+def _run_mixed(model, steps=6):
+    pair = Pair(model)
+    seqs = [pair.add(n) for n in (5, 11, 3, 75, 8, 2, 9)]  # 75: candidate blocks restrict
+    _, _, graphed = pair.step(seqs, [len(s["tokens"]) for s in seqs])  # prefill: eager
+    assert not graphed
+    out = []
+    for i in range(steps):
+        # varying subsets: 7, 5, 3, 1, ... tokens -> buckets 8, 8, 4, 1 (padding rows in most steps)
+        live = seqs[: max(1, 7 - 2 * (i % 4))]
+        a, b, graphed = pair.step(live, [1] * len(live))
+        assert graphed
+        out.append((a, b))
+    # a mixed prefill + decode step runs eagerly and still sees the static steps' cache writes
+    extra = pair.add(6)
+    a, b, graphed = pair.step([seqs[0], extra], [1, 6])
+    assert not graphed
+    out.append((a, b))
+    return pair, out
+
+
+def test_static_decode_equals_eager_bitwise(model):
+    """Exact mode, FP32: every decode step's logits equal the eager paged step's bit for bit."""
+    _, out = _run_mixed(model)
+    for a, b in out:
+        assert torch.equal(a, b)
+
+
+def test_static_decode_equals_eager_engine_numerics(engine_numerics):
+    """BF16 activations + quantised KV (the roundings the engine stores): still bitwise in exact mode."""
+    _, out = _run_mixed(engine_numerics, steps=4)
+    for a, b in out:
+        assert torch.equal(a, b)
+
+
+def test_static_decode_native_mode_close(engine_numerics, monkeypatch):
+    """Native (FP32 carrier) mode: same rounding points; the expert products are batched differently,
+    so equal within FP32 / BF16 rounding rather than bitwise."""
+    monkeypatch.setenv("DEEPINFER_NUMERICS", "native")
+    _, out = _run_mixed(engine_numerics, steps=3)
+    for a, b in out:
+        torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-2)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_placeholders_write_only_the_dummy_block(model):
+    """Padding rows change no pool row outside the dummy block, and real rows ignore what is there."""
+    pair = Pair(model)
+    seqs = [pair.add(n) for n in (6, 9, 4)]
+    pair.step(seqs, [len(s["tokens"]) for s in seqs])
+    cache = pair.static.cache
+    before = {k: v.clone() for k, v in cache.pools.items()}
+    pair.step(seqs, [1, 1, 1])  # 3 tokens -> bucket 4: one placeholder row
+    dummy = NUM_BLOCKS
+    for name, pool in cache.pools.items():
+        per = cache.specs[name].slots_per_block
+        inside = torch.zeros(pool.shape[0], dtype=torch.bool)
+        inside[dummy * per : (dummy + 1) * per] = True
+        changed = ~((pool == before[name]) | (pool.isnan() & before[name].isnan())).all(dim=1)
+        used = {b for s in seqs for b in s["table"]}
+        owner = torch.arange(pool.shape[0]) // per
+        real = torch.tensor([int(o) in used for o in owner])
+        assert not (changed & ~inside & ~real).any(), name
+    # poison the dummy block: real rows of the next step are unaffected
+    for name, pool in cache.pools.items():
+        per = cache.specs[name].slots_per_block
+        pool[dummy * per : (dummy + 1) * per] = 1e30 if pool.dtype.is_floating_point else 7
+    a, b, graphed = pair.step(seqs, [1, 1, 1])
+    assert graphed and torch.equal(a, b)
+
+
+def test_static_decode_makes_no_host_sync(model):
+    """The static decode forward under `no_host_sync` (fails on item / nonzero / bool-mask indexing /
+    host tensors made from data); the eager decode step trips it (the checker is not vacuous)."""
+    pair, _ = _run_mixed(model, steps=1)
+    runner = pair.static
+    seqs = pair.seqs[:3]
+    for s in seqs:
+        while len(s["table"]) * BLOCK < s["n"] + 1:
+            s["table"].append(pair.free.pop())
+    batch = RunnerBatch(
+        seq_ids=np.array([s["id"] for s in seqs]),
+        start_positions=np.array([s["n"] for s in seqs]),
+        query_lens=np.ones(3, dtype=np.int64),
+        block_tables=[np.array(s["table"], dtype=np.int32) for s in seqs],
+        input_ids=np.array([s["tokens"][s["n"]] for s in seqs]),
+        logits_lens=np.ones(3, dtype=np.int64),
+    )
+    from deepinfer_model.runtime.metadata import StepMetadata
+
+    meta = StepMetadata.build(batch, BLOCK, NUM_BLOCKS, vocab_size=256)
+    g = runner.graphs
+    b = g.select(3)
+    g._fill(b, meta, batch.input_ids)
+    with no_host_sync():
+        static = g.forward(runner.model, g.metas[b], runner.cache)[:3]
+    eager = pair.eager.execute(batch)
+    assert torch.equal(static, eager)
+    with pytest.raises(HostSyncError):
+        with no_host_sync():
+            pair.eager.execute(batch)
+
+
+def test_no_host_sync_catches_each_kind():
+    x = torch.arange(6.0)
+    for fn in (
+        lambda: x.sum().item(),
+        lambda: int(x[0]),
+        lambda: x.nonzero(),
+        lambda: x[x > 2],
+        lambda: x.tolist(),
+        lambda: torch.as_tensor(np.arange(3)),
+        lambda: torch.unique(x),
+        lambda: bool(x.any()),
+        lambda: x.repeat_interleave(torch.tensor([1, 2, 1, 1, 1, 1])),
+    ):
+        with pytest.raises(HostSyncError):
+            with no_host_sync():
+                fn()
+    with no_host_sync():  # fixed-shape device work passes
+        torch.where(x > 2, x, 0).sort().values.cumsum(0)
+
+
+def test_static_experts_equal_loop_exact():
+    """The per-pair expert path equals the per-expert loop bitwise in exact mode (FP32 and BF16
+    roundings), including repeated experts, unused experts and routing weight before / after w2."""
+    g = torch.Generator().manual_seed(0)
+    e, inter, hidden, t, k = 6, 16, 24, 9, 3
+    ex = ExpertWeights(
+        *(torch.randn(e, *s, generator=g) for s in ((inter, hidden), (inter, hidden), (hidden, inter)))
+    )
+    sh = MLPWeights(
+        *(torch.randn(*s, generator=g) for s in ((inter, hidden), (inter, hidden), (hidden, inter)))
+    )
+    x = torch.randn(t, hidden, generator=g).double()
+    ids = torch.randint(0, e - 1, (t, k), generator=g)  # expert e-1 unused
+    ids[0] = ids[1]  # repeated rows
+    w = torch.rand(t, k, generator=g)
+    for act in (torch.float32, torch.bfloat16):
+        for wbd in (False, True):
+            ref = experts_forward(x, w, ids, ex, sh, 7.0, act, wbd)
+            got = experts_forward_static(x, w, ids, ex, sh, 7.0, act, wbd)
+            assert torch.equal(ref, got)
+
+
+def test_static_experts_grouped_native(monkeypatch):
+    """Native mode: the grouped GEMM and the per-pair path agree with the loop within rounding."""
+    monkeypatch.setenv("DEEPINFER_NUMERICS", "native")
+    g = torch.Generator().manual_seed(1)
+    e, inter, hidden, t, k = 5, 32, 16, 7, 2
+    ex = ExpertWeights(
+        *(torch.randn(e, *s, generator=g) for s in ((inter, hidden), (inter, hidden), (hidden, inter)))
+    )
+    x = torch.randn(t, hidden, generator=g)
+    ids = torch.randint(0, e, (t, k), generator=g)
+    w = torch.rand(t, k, generator=g)
+    ref = experts_forward(x, w, ids, ex, None, 7.0, torch.float32, True)
+    for method in ("gather", "grouped"):
+        got = experts_forward_static(x, w, ids, ex, None, 7.0, torch.float32, True, method=method)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    with no_host_sync():
+        experts_forward_static(x, w, ids, ex, None, 7.0, torch.float32, True, method="grouped")
+
+
+def test_ineligible_steps_and_models(model):
+    pair = Pair(model, max_batch=2, interval=2)
+    seqs = [pair.add(4) for _ in range(3)]
+    _, _, graphed = pair.step(seqs, [4, 4, 4])
+    assert not graphed  # prefill
+    a, b, graphed = pair.step(seqs, [1, 1, 1])
+    assert not graphed and torch.equal(a, b)  # 3 tokens > largest bucket 2
+    a, b, graphed = pair.step(seqs[:2], [1, 1])
+    assert graphed and torch.equal(a, b)
+    assert static_decode_problem(object()) is not None
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        PagedRunner(model, 8, BLOCK, decode_graphs=DecodeGraphSettings(2, 16))
+
+
+def test_host_ops_per_decode_step(model):
+    """Dispatched ATen ops (kernel launches on CUDA) and host syncs of one 4-sequence decode forward,
+    eager vs static (the measurement quoted in the runtime README)."""
+    from deepinfer_model.models.deepseek_v41.paged import v41_paged_forward
+    from deepinfer_model.runtime.metadata import StepMetadata
+
+    pair, _ = _run_mixed(model, steps=1)
+    seqs = pair.seqs[:4]
+    for s in seqs:
+        while len(s["table"]) * BLOCK < s["n"] + 1:
+            s["table"].append(pair.free.pop())
+    batch = RunnerBatch(
+        seq_ids=np.array([s["id"] for s in seqs]),
+        start_positions=np.array([s["n"] for s in seqs]),
+        query_lens=np.ones(4, dtype=np.int64),
+        block_tables=[np.array(s["table"], dtype=np.int32) for s in seqs],
+        input_ids=np.array([s["tokens"][s["n"]] for s in seqs]),
+        logits_lens=np.ones(4, dtype=np.int64),
+    )
+    meta = StepMetadata.build(batch, BLOCK, NUM_BLOCKS, vocab_size=256)
+    pair.eager.cache.write("token_ids", meta.write_slots, meta.input_ids)
+    with count_ops() as eager:
+        a = v41_paged_forward(model, meta, pair.eager.cache)
+    g = pair.static.graphs
+    g._fill(4, meta, batch.input_ids)
+    with count_ops() as static:
+        b = g.forward(model, g.metas[4], pair.static.cache)
+    assert torch.equal(a, b)
+    assert eager.syncs > 0 and static.syncs == 0
+    print(
+        f"decode forward, 4 sequences: eager {eager.ops} ops / {eager.syncs} syncs; static {static.ops} ops"
+    )
