@@ -150,3 +150,24 @@ def test_logits_do_not_depend_on_the_thread_count(model):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
+
+
+def test_settings_are_read_once_per_step_and_at_every_call_outside(monkeypatch):
+    """`numerics.resolved()` (entered by the paged runner once per step) serves the settings read at its
+    start; outside it they follow the environment at every call (tests and benchmarks flip them)."""
+    from deepinfer_model import numerics
+
+    with numerics.resolved():
+        monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "0")
+        monkeypatch.setenv("DEEPINFER_NUMERICS", "native")
+        assert batch_invariant.enabled() and numerics.mode() == "exact"
+        assert numerics.carrier() == torch.float64
+        with numerics.resolved():  # a nested step re-reads them, then restores the outer values
+            assert not batch_invariant.enabled() and numerics.carrier() == torch.float32
+        assert batch_invariant.enabled() and numerics.carrier() == torch.float64
+    assert not batch_invariant.enabled() and numerics.mode() == "native"
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
+    with pytest.raises(ValueError, match="cannot be combined"):  # validated when the step starts
+        with numerics.resolved():
+            pass
+    assert batch_invariant._PINNED is None and numerics._PINNED is None

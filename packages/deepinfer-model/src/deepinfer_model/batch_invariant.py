@@ -65,8 +65,20 @@ DENSE_FRACTION = 0.5  # attention plans seeing more of their tiles than this tak
 GATHER_CHUNK = 4096  # gathered tile products per bmm call in attention (bounds the gathered copies)
 
 
+# The setting for the model step that is running (`numerics.resolved`), None outside one.
+_PINNED: bool | None = None
+
+
 def enabled() -> bool:
-    """Read at every call (like `deepinfer.envs`), so tests and benchmarks may flip it at run time."""
+    """Whether the mode is on: within a model step (`numerics.resolved`, which the paged runner enters
+    once per step) the value read at its start, otherwise read from the environment at every call, so
+    tests and benchmarks may flip it between steps."""
+    pinned = _PINNED
+    return read_env() if pinned is None else pinned
+
+
+def read_env() -> bool:
+    """`DEEPINFER_BATCH_INVARIANT` as set now (unset, '', '0', 'false': off)."""
     return os.environ.get(ENV, "") not in ("", "0", "false", "False")
 
 

@@ -16,12 +16,16 @@ accumulation for BF16 activations, P rounded to BF16). Results are then close to
 not bitwise equal, and rows may depend on the batch shape; batch-invariant mode therefore requires
 `exact`.
 
-Every block gets its carrier from `carrier()` / `carry(x)`; the mode is read from the environment at
-every call (like `batch_invariant.enabled()`), so tests and benchmarks may switch it at run time.
+Every block gets its carrier from `carrier()` / `carry(x)`. Within a model step (`resolved()`, which the
+paged runner enters once per step: the environment lookups cost ~5% of a tiny-model step when made at
+every call) both settings are the values read at the step's start; outside one they are read from the
+environment at every call, so tests and benchmarks may switch them between steps.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import weakref
 
@@ -33,8 +37,43 @@ ENV = "DEEPINFER_NUMERICS"
 MODES = ("exact", "native")
 
 
+# (mode, carrier) for the model step that is running (`resolved`), None outside one.
+_PINNED: tuple[str, torch.dtype] | None = None
+
+
+@contextlib.contextmanager
+def resolved():
+    """Read `DEEPINFER_NUMERICS` and `DEEPINFER_BATCH_INVARIANT` once (validated) and serve those values
+    to `mode()` / `carrier()` / `batch_invariant.enabled()` until the block ends (nested blocks re-read
+    them and restore the outer values)."""
+    global _PINNED
+    outer = (_PINNED, batch_invariant._PINNED)
+    _PINNED = batch_invariant._PINNED = None  # read afresh, not the outer values
+    value = mode()
+    try:
+        batch_invariant._PINNED = batch_invariant.read_env()
+        _PINNED = (value, torch.float32 if value == "native" else torch.float64)
+        yield
+    finally:
+        _PINNED, batch_invariant._PINNED = outer
+
+
+def pinned(fn):
+    """`fn` run within `resolved()` (the settings read once per call of `fn`: a model step)."""
+
+    @functools.wraps(fn)
+    def step(*args, **kwargs):
+        with resolved():
+            return fn(*args, **kwargs)
+
+    return step
+
+
 def mode() -> str:
     """'exact' (FP64 carrier, default) or 'native' (FP32 carrier, act-dtype GEMMs); ValueError otherwise."""
+    pinned_mode = _PINNED
+    if pinned_mode is not None:
+        return pinned_mode[0]
     value = os.environ.get(ENV, "").strip().lower() or "exact"
     if value not in MODES:
         raise ValueError(f"{ENV}={os.environ.get(ENV)!r}: allowed values are 'exact' (default) and 'native'")
@@ -52,6 +91,9 @@ def native() -> bool:
 
 def carrier() -> torch.dtype:
     """The dtype values travel in between rounding points: FP64 (exact) or FP32 (native)."""
+    pinned_mode = _PINNED
+    if pinned_mode is not None:
+        return pinned_mode[1]
     return torch.float32 if native() else torch.float64
 
 
