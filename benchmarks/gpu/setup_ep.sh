@@ -15,6 +15,8 @@ export LD_PRELOAD="$EP_NCCL_ROOT_DIR/lib/libnccl.so.2${LD_PRELOAD:+:$LD_PRELOAD}
 # torch also maps its own NCCL 2.28 by path (seen: both in /proc/self/maps), so DeepEP's same-library check is
 # skipped and DeepEP creates its own communicator with 2.32 instead of reusing torch's.
 export EP_SUPPRESS_NCCL_CHECK=1 EP_REUSE_NCCL_COMM=0
+# One host, NVLink only: no RDMA network, so NCCL GIN (DeepEP's RDMA path) is unavailable (seen: "NCCL GIN is unavailable").
+export EP_DISABLE_GIN=1
 export PYTHONPATH="$DEEPINFER_SITE/site:/tmp/pysite${PYTHONPATH:+:$PYTHONPATH}"
 export CPATH="$DEEPINFER_SITE/sys/usr/include${CPATH:+:$CPATH}"
 export LIBRARY_PATH="$DEEPINFER_SITE/sys/usr/lib/x86_64-linux-gnu${LIBRARY_PATH:+:$LIBRARY_PATH}"

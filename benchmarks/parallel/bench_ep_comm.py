@@ -90,7 +90,7 @@ def _measure(
     s = e // world
     ids, weights = _routing(t, e, k, rank, device)
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(rank)).to(device).bfloat16()
-    remote = torch.tensor([_remote_pairs(ids, s, rank, world)], dtype=torch.float64)
+    remote = torch.tensor([_remote_pairs(ids, s, rank, world)], dtype=torch.float64, device=device)
     dist.all_reduce(remote)
     bytes_per_rank = float(remote.item()) / world * h * 2
     rows, _slots, handle = dispatch(x, ids, s)
