@@ -17,6 +17,7 @@ and run, in order:
     redundant experts) and with EPLB (`--redundant` slots, a live rebalance + weight shuffle in the
     middle of the timed steps); moe_lb (peak/mean rank load) before/after that step; the single
     device at the same batch is the baseline (ratio_vs_single).
+ With deep_ep importable (NVIDIA), EP runs once more through DeepEP (`ep_deepep`: equality and decode).
  c. CP prefill - tokens/s per GPU of CP=N vs the single device at `--cp-lens` prompt lengths.
 
 Timing: perf_counter after synchronising the device, warm-up steps excluded; a decode step ends when
@@ -39,6 +40,7 @@ import time
 from pathlib import Path
 
 import torch
+from deepinfer_parallel import deep_ep_available
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import multi_gpu_lib as lib  # noqa: E402
@@ -102,6 +104,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--hot-bias", type=float, default=10.0, help="selection bias added to the hot experts")
     ap.add_argument("--block-size", type=int, default=None, help="paged KV block size")
+    ap.add_argument(
+        "--no-deepep",
+        action="store_true",
+        help="skip the DeepEP variants (run by default when deep_ep imports)",
+    )
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds for the parallel runs")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="results directory")
     args = ap.parse_args(argv)
@@ -182,6 +189,7 @@ def build_settings(args, work_dir: Path) -> lib.Settings:
         redundant=redundant, hot_experts=lib.hot_expert_ids(e, k, redundant, args.world),
         hot_bias=args.hot_bias, cp_lens=ints(args.cp_lens, "--cp-lens"), cp_repeats=args.cp_repeats,
         block_size=args.block_size, work_dir=str(work_dir),
+        deepep=args.device == "cuda" and not args.no_deepep and deep_ep_available(),
     )  # fmt: skip
 
 

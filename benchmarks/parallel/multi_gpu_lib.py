@@ -40,7 +40,7 @@ class Settings(SimpleNamespace):
     `world` of them: DP rank r takes prompts r, r+world, ...), greedy_steps, decode_batches (sequences
     per rank), decode_prompt_len, warmup, steps, redundant (redundant expert slots of the EPLB runs; the
     EP run without EPLB has none), hot_experts, hot_bias, cp_lens, cp_repeats, block_size, work_dir,
-    seed. (Not a dataclass: `run_distributed` executes this file without registering it as a module,
+    seed, deepep (also run EP through DeepEP). (Not a dataclass: `run_distributed` executes this file without registering it as a module,
     which dataclasses need.)"""
 
     def __init__(self, **fields):
@@ -502,11 +502,28 @@ def rank_main(rank: int, world: int, settings_path: str) -> None:
     add(cp_rec)
 
     # b. decode at EP=N, skewed routing, no EPLB (counts only: an EplbState that never rebalances)
-    apply_skew(model, s.hot_experts, s.hot_bias)
+    unskewed = apply_skew(model, s.hot_experts, s.hot_bias)
     for b in s.decode_batches:
         eplb = make_eplb(model, par.EplbConfig(interval=0))
         run = decode_run(model, b, s, dev, eplb, layout, progress=lead, desc=f"EP{world} decode b={b}")
         add(_decode_record("ep", b, run, s, ep_group, gathered, base, redundant=0))
+
+    # a./b. the same with DeepEP's dispatch / combine (NVIDIA; the torch all-to-all above is the baseline)
+    if getattr(s, "deepep", False):
+        restore_bias(model, unskewed)
+        cfg = model.config
+        max_tokens = max(len(mine) * max(s.eq_lens), max(s.decode_batches) * s.decode_prompt_len)
+        model.moe_fn.deepep = par.DeepEPDispatcher(
+            ep_group, cfg.hidden_size, cfg.num_experts_per_tok, layout.num_physical, max_tokens
+        )
+        add(eq_record("ep_deepep", gathered(ep_compare(model)), redundant=0))
+        apply_skew(model, s.hot_experts, s.hot_bias)
+        for b in s.decode_batches:
+            eplb = make_eplb(model, par.EplbConfig(interval=0))
+            run = decode_run(model, b, s, dev, eplb, layout, progress=lead, desc=f"EP{world} DeepEP b={b}")
+            add(_decode_record("ep_deepep", b, run, s, ep_group, gathered, base, redundant=0))
+        model.moe_fn.deepep.destroy()
+        model.moe_fn.deepep = None
     del model, eplb, cp_forward
     free(dev)
 
