@@ -5,6 +5,9 @@
 # combine GB/s, DeepEP vs torch all-to-all), model (EP / CP / EPLB / paged DP model tests on NCCL),
 # engine (data-parallel engine tests with DEEPINFER_DEVICE=cuda), bench (bench_multi_gpu.py on the medium
 # config: equality vs one GPU, skewed-routing decode with/without EPLB, CP prefill).
+# Single-GPU steps that need no kernel bundle (torch ops on CUDA; the tilelang / DeepGEMM kernels are
+# run_engine_suite.sh's): graphs (the CUDA-graph gpu tests, on GPU 1 beside the engine step), graphbench
+# (medium decode with decode CUDA graphs on GPU 0 and with DEEPINFER_ENFORCE_EAGER=1 on GPU 1, side by side).
 # Results: $OUT (device tool) or benchmarks/results; logs in multi_gpu_logs.tar.gz.
 set -uo pipefail
 final=${OUT:-benchmarks/results}
@@ -15,7 +18,7 @@ collect() {
   tar -C "$out" -czf "$final/multi_gpu_logs.tar.gz" --exclude='*.json' . 2>/dev/null
 }
 trap collect EXIT
-steps=${*:-deepep comm model engine bench}
+steps=${*:-deepep comm model graphs engine bench graphbench}
 has() { [[ " $steps " == *" $1 "* ]]; }
 export PYTHONUNBUFFERED=1 HOME=${HOME:-/root} LC_ALL=C
 t0=$(date +%s)
@@ -24,7 +27,7 @@ nvidia-smi topo -m | head -4
 medium=/tmp/medium-v41
 repo=$PWD
 src=$(ls -d "$repo"/packages/*/src | grep -v deepinfer-sched | tr '\n' ':')
-if has bench; then
+if has bench || has graphbench; then
   PYTHONPATH="${src}$PYTHONPATH" python3 benchmarks/gpu/make_medium_checkpoint.py "$medium" > "$out/medium_checkpoint.log" 2>&1 &
   medium_pid=$!
 fi
@@ -32,7 +35,7 @@ el "DeepEP: NCCL 2.32.3 + build"
 source benchmarks/gpu/setup_ep.sh || { echo "DeepEP setup failed" >&2; }
 cp "$DEEPINFER_SITE/build_deep_ep.log" "$out/" 2>/dev/null; head -5 "$out/build_deep_ep.log"
 export PYTHONPATH="/tmp/sched-site:${src}$PYTHONPATH"
-if has engine; then
+if has engine || has graphs || has graphbench; then
   el "building deepinfer-sched"
   python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/sched-site packages/deepinfer-sched > "$out/sched_build.log" 2>&1 \
     || tail -20 "$out/sched_build.log"
@@ -55,16 +58,33 @@ if has model; then
   pyt -m gpu packages/deepinfer-model/tests/test_parallel_model_nccl.py --junitxml "$out/model_nccl.xml" > "$out/model_nccl.log" 2>&1
   tail -8 "$out/model_nccl.log"
 fi
+if has graphs; then  # in the background on GPU 1, beside the engine step
+  ( CUDA_VISIBLE_DEVICES=1 timeout "$lim" python3 -m pytest -q -p no:cacheprovider -m gpu \
+      packages/deepinfer-model/tests/test_cuda_graphs_gpu.py packages/deepinfer/tests/test_engine_cuda_graphs.py \
+      packages/deepinfer-model/tests/test_cuda_graphs.py --junitxml "$out/graphs_tests.xml" > "$out/graphs_tests.log" 2>&1 ) &
+  graphs_pid=$!
+fi
 if has engine; then
   el "tests: data-parallel engine on cuda"
   DEEPINFER_DEVICE=cuda pyt packages/deepinfer/tests/test_data_parallel.py --junitxml "$out/engine_dp.xml" > "$out/engine_dp.log" 2>&1
   tail -8 "$out/engine_dp.log"
 fi
+if has graphs; then wait "$graphs_pid"; echo "== graphs"; tail -6 "$out/graphs_tests.log"; fi
+if has bench || has graphbench; then wait "$medium_pid"; tail -2 "$out/medium_checkpoint.log"; fi
 if has bench; then
-  wait "$medium_pid"; tail -2 "$out/medium_checkpoint.log"
   el "bench: medium EP=2 / EPLB / CP=2 vs one GPU"
   timeout "${BENCH_LIMIT_S:-420}" python3 benchmarks/parallel/bench_multi_gpu.py --model "$medium" --device cuda --world 2 \
     ${BENCH_ARGS:-} --out "$out" > "$out/bench_multi_gpu.log" 2>&1
   tail -40 "$out/bench_multi_gpu.log"; collect
+fi
+if has graphbench; then
+  el "bench: medium decode, CUDA graphs (GPU 0) vs eager (GPU 1)"
+  dec="--model $medium --max-model-len 1024 --decode-context 128 --device cuda --dtype bfloat16 --batches 1,8,64 --nextn 0 --measure-steps 6 --no-progress --results-dir $out"
+  for mode in graphs eager; do
+    gpu=$([ $mode = graphs ] && echo 0 || echo 1); eager=$([ $mode = eager ] && echo 1 || echo 0)
+    CUDA_VISIBLE_DEVICES=$gpu DEEPINFER_ENFORCE_EAGER=$eager DEEPINFER_NUMERICS=native timeout "${GRAPH_BENCH_LIMIT_S:-240}" \
+      python3 -m deepinfer.cli bench decode $dec --name bench_medium_gpu_decode_$mode > "$out/bench_decode_$mode.log" 2>&1 &
+  done
+  wait; for mode in graphs eager; do echo "== $mode"; tail -10 "$out/bench_decode_$mode.log"; done; collect
 fi
 el "done"
