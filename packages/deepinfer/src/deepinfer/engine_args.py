@@ -76,10 +76,27 @@ class EngineArgs:
     trust_remote_code: bool = field(default=False, metadata={"help": "accepted; no remote code is ever run"})
     gpu_memory_utilization: float = field(default=0.9, metadata={"help": "accepted; unused on the CPU path"})
     data_parallel_size: int = field(
-        default=0, metadata={"help": "0/1 only in this engine (DP: several engines)"}
+        default=0,
+        metadata={
+            "help": "attention data parallel: N > 1 runs N rank processes, each with its own scheduler "
+            "and batch (0 and 1: one process)"
+        },
     )
     context_parallel_size: int = field(default=1, metadata={"help": "1 only in this engine"})
-    expert_parallel_size: int = field(default=1, metadata={"help": "1 only in this engine"})
+    expert_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "MoE expert parallel: routed experts sharded over groups of this many DP ranks "
+            "(a divisor of data_parallel_size; 1: every rank holds all experts)"
+        },
+    )
+    distributed_timeout: int = field(
+        default=600,
+        metadata={
+            "help": "seconds a data-parallel rank waits in a collective, and the front process for any "
+            "rank's message, before failing"
+        },
+    )
     engine_type: str = field(
         default="normal", metadata={"help": "normal only (prompt / completion: PD split)"}
     )
@@ -104,16 +121,7 @@ class EngineArgs:
             or not 0 < self.gpu_memory_utilization <= 1
         ):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        for name, allowed in (
-            ("data_parallel_size", (0, 1)),
-            ("context_parallel_size", (1,)),
-            ("expert_parallel_size", (1,)),
-        ):
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"{name} must be one of {allowed} in this engine (multi-process parallelism is not wired in yet), "
-                    f"got {getattr(self, name)!r}"
-                )
+        self._check_parallel_sizes()
         if str(self.engine_type).lower() != "normal":
             raise ValueError(
                 f"engine_type must be 'normal' (prompt / completion engines are not wired in), got {self.engine_type!r}"
@@ -122,7 +130,53 @@ class EngineArgs:
             self.model = envs.DEEPINFER_HF_MODEL_DIR
         if self.device is None:
             self.device = envs.DEEPINFER_DEVICE
-        _ = self.torch_device  # validate now: a clear error naming `device` before anything is loaded
+        device = self.torch_device  # validate now: a clear error naming `device` before anything is loaded
+        if self.data_parallel_size > 1 and device.type == "cuda":
+            import torch
+
+            # one GPU per rank: rank r runs on cuda:r
+            if str(self.device).strip().lower().startswith("cuda:"):
+                raise ValueError(
+                    f"device must be cpu, cuda or auto with data_parallel_size={self.data_parallel_size} "
+                    f"(rank r runs on cuda:r), got {self.device!r}"
+                )
+            if torch.cuda.device_count() < self.data_parallel_size:
+                raise ValueError(
+                    f"data_parallel_size={self.data_parallel_size} needs one CUDA device per rank; this "
+                    f"machine has {torch.cuda.device_count()}"
+                )
+
+    def _check_parallel_sizes(self) -> None:
+        for name, low in (
+            ("data_parallel_size", 0),
+            ("context_parallel_size", 1),
+            ("expert_parallel_size", 1),
+            ("distributed_timeout", 1),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if self.context_parallel_size != 1:
+            raise ValueError(
+                f"context_parallel_size must be 1 in this engine (context-parallel prefill is not wired "
+                f"in), got {self.context_parallel_size!r}"
+            )
+        dp = max(1, self.data_parallel_size)
+        from deepinfer_parallel import validate_parallel_sizes
+
+        try:  # the rule the process groups enforce (EP groups are contiguous blocks of DP ranks)
+            validate_parallel_sizes(
+                dp * self.context_parallel_size, dp=dp, cp=1, ep=self.expert_parallel_size
+            )
+        except ValueError as e:
+            allowed = [d for d in range(1, dp + 1) if dp % d == 0]
+            raise ValueError(
+                f"expert_parallel_size must divide data_parallel_size={dp} (one of {allowed}), "
+                f"got {self.expert_parallel_size!r} ({e})"
+            ) from None
+        if self.expert_parallel_size > 1 and self.runner != "paged":
+            # the recompute runner runs one forward per sequence: ranks could not match their all-to-alls
+            raise ValueError(f"expert_parallel_size > 1 needs runner = 'paged', got runner = {self.runner!r}")
 
     @property
     def torch_device(self):

@@ -16,11 +16,18 @@ from .tokenizer import render_chat
 
 class LLM:
     """`LLM(model=None, **engine_args)`; with no model (and no $DEEPINFER_HF_MODEL_DIR) it runs the
-    built-in random-weight `deepinfer-tiny`."""
+    built-in random-weight `deepinfer-tiny`. With `data_parallel_size > 1` the requests are spread over
+    that many rank processes (engine/data_parallel.py)."""
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        args = EngineArgs(model=model, **kwargs)
+        if args.data_parallel_size > 1:  # one engine per rank process; this process only fronts them
+            from .engine.data_parallel import DataParallelEngine
+
+            self.engine = DataParallelEngine(args)
+        else:
+            self.engine = LLMEngine.from_engine_args(args)
         self._counter = 0
 
     def get_tokenizer(self):

@@ -26,6 +26,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -49,6 +50,9 @@ from .spec_decode import SpecDecoder, VerifyInput
 from .structured import StructuredOutputs
 from .truncation import Truncation, settings_from_env
 from .worker import ModelWorker, StepResult, VerifyStepResult
+
+if TYPE_CHECKING:
+    from .data_parallel import DataParallelRank
 
 logger = logging.getLogger("deepinfer")
 
@@ -107,12 +111,16 @@ class LLMEngine:
         num_speculative_tokens: int | None = None,
         drafter: Drafter | None = None,
         step_time_curve: StepTimeCurve | str | Path | None = None,
+        dp: DataParallelRank | None = None,
     ) -> None:
         """num_speculative_tokens: drafts per step (None: DEEPINFER_USE_NEXTN_DECODE, default 5; 0 = off);
         drafter: who proposes them (default: the checkpoint's DSpark draft blocks); step_time_curve:
-        for DEEPINFER_ENABLE_MTP_VARLEN=1, a StepTimeCurve or its JSON file (default: measured now)."""
+        for DEEPINFER_ENABLE_MTP_VARLEN=1, a StepTimeCurve or its JSON file (default: measured now);
+        dp: this engine is one rank of a data-parallel world (data_parallel.py): its model's experts
+        are sharded over the EP group and every step starts with the ranks' vote."""
         envs.warn_unknown()
         self.args = args
+        self.dp = dp
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         self.model_path, self.is_default_model = resolve_model(args.model)
@@ -120,7 +128,9 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(tok_path)
         self.tokenizer_config = load_tokenizer_config(tok_path)
         self.device = args.torch_device
-        if (
+        if dp is not None:  # only this rank's experts
+            self.model = dp.load_model(self.model_path, _DTYPES[args.dtype], self.device)
+        elif (
             self.device.type == "cpu"
         ):  # the two-argument call: wrappers of load_model(path, dtype) keep working
             self.model = load_model(self.model_path, _DTYPES[args.dtype])
@@ -169,7 +179,11 @@ class LLMEngine:
             ),
         )
         self._prompt_len_of: dict[int, int] = {}  # seq_id -> ORIGINAL prompt length, until released
-        self.worker = ModelWorker(self.runner, timeline=device_timeline(self.device))
+        self.worker = ModelWorker(
+            self.runner,
+            timeline=device_timeline(self.device),
+            collectives=dp.collectives if dp is not None else None,
+        )
         self.use_async = args.use_async
         self._pool = (
             ThreadPoolExecutor(
@@ -275,8 +289,11 @@ class LLMEngine:
         params: SamplingParams,
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
+        seeds: list[int] | None = None,
     ) -> None:
-        """Queue one request; raises ValueError (naming the problem) without touching other requests."""
+        """Queue one request; raises ValueError (naming the problem) without touching other requests.
+        seeds: the n samples' seeds when params.seq_seed is None (a data-parallel front draws them
+        from one stream for all ranks); default: from this engine's seed stream."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.truncation.check_request(params.prompt_logprobs)
@@ -291,12 +308,15 @@ class LLMEngine:
             if self._structured is None:
                 self._structured = StructuredOutputs(self._tokenizer_dir, self.vocab_size, self.eos_token_id)
             grammars = [self._structured.new_state(params.so_args) for _ in range(params.n)]
-        seeds = [
-            (params.seq_seed + i) & (2**64 - 1)
-            if params.seq_seed is not None
-            else self._seed_rng.getrandbits(64)
-            for i in range(params.n)
-        ]
+        if seeds is None or params.seq_seed is not None:
+            seeds = [
+                (params.seq_seed + i) & (2**64 - 1)
+                if params.seq_seed is not None
+                else self._seed_rng.getrandbits(64)
+                for i in range(params.n)
+            ]
+        elif len(seeds) != params.n:
+            raise ValueError(f"seeds has {len(seeds)} entries for n={params.n} samples")
         seq_ids = list(range(self._next_seq_id, self._next_seq_id + params.n))
         state = RequestState(
             request_id, prompt, prompt_token_ids, params, self.tokenizer, seq_ids, seeds, arrival_time
@@ -425,6 +445,7 @@ class LLMEngine:
     def _step_sync(self) -> None:
         out, dt = self._schedule()
         self.stats.schedule_s += dt
+        self._dp_agree(launching=0 if scheduling.is_empty(out) else 1, inline=True)
         if scheduling.is_empty(out):
             scheduling.retire(self.scheduler, out)
             self._release_idle()
@@ -443,6 +464,7 @@ class LLMEngine:
             if scheduling.is_empty(out):
                 scheduling.retire(self.scheduler, out)
                 self._release_idle()
+                self._dp_agree()
                 return
             self._launch(out)
         out, future = self._inflight[0]
@@ -467,6 +489,7 @@ class LLMEngine:
             if not future.done():
                 self.stats.hidden_prepare_s += dt
             nxt = None
+        self._dp_agree()  # before waiting: the other ranks join step N's all-to-alls only after it
         result: StepResult = future.result()
         self._inflight.popleft()
         t0 = time.perf_counter()
@@ -503,6 +526,23 @@ class LLMEngine:
         prev_rows = scheduling.prev_rows(out) if fill_from_previous else None
         future = self._pool.submit(self.worker.run, batch, rows, golden, allowed, prev_rows, prompt_lens)
         self._inflight.append((out, future))
+        if self.dp is not None:
+            self.dp.launched += 1
+
+    def _dp_agree(self, launching: int = 0, inline: bool = False) -> None:
+        """Data parallel: the step's vote with the other ranks (DataParallelRank.agree). Exactly one
+        per step() call on every rank, before anything waits for a forward. `launching`: forwards
+        this step runs inline after the vote (sync loop); idle forwards to catch up with the other
+        ranks run inline (sync loop) or queue behind the launched ones on the worker thread (async)."""
+        if self.dp is None:
+            return
+        self.dp.agree(
+            busy=bool(self.requests) or bool(self._inflight),
+            launching=launching,
+            idle_inline=inline,
+            run_idle=self.worker.idle,
+            submit_idle=None if inline else (lambda: self._pool.submit(self.worker.idle)),
+        )
 
     def _prepare(self, out, allow_unknown: bool = False):
         batch = scheduling.to_runner_batch(out, allow_unknown)
@@ -682,6 +722,7 @@ class LLMEngine:
         self.stats.schedule_s += dt
         for seq_id in scheduling.preempted(out):
             self._spec.discard(seq_id)
+        self._dp_agree(launching=0 if scheduling.is_empty(out) else 1, inline=True)
         if scheduling.is_empty(out):
             scheduling.retire(self.scheduler, out)
             self._release_idle()

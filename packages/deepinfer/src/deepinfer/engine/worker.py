@@ -45,12 +45,20 @@ class VerifyStepResult:
 
 class ModelWorker:
     def __init__(
-        self, runner, sampler: Sampler | None = None, timeline: DeviceTimeline | None = None
+        self,
+        runner,
+        sampler: Sampler | None = None,
+        timeline: DeviceTimeline | None = None,
+        collectives=None,
     ) -> None:
-        """timeline: where each step's device start / end events go (device_timing.py; None: not timed)."""
+        """timeline: where each step's device start / end events go (device_timing.py; None: not timed);
+        collectives: the model's expert-parallel MoE on a data-parallel rank (data_parallel.py's
+        ExpertCollectives; None: single process): every forward must then join every MoE layer's
+        all-to-all exactly once, so a failed forward is not retried sequence by sequence."""
         self.runner = runner
         self.sampler = sampler or Sampler()
         self.timeline = timeline
+        self.collectives = collectives
         self._last_tokens: np.ndarray | None = None  # tokens of the step run last (per batch row)
 
     def run(
@@ -76,11 +84,7 @@ class ModelWorker:
         result = StepResult(tokens=np.full(n, -1, dtype=np.int64), logprobs=[None] * n, top=[None] * n)
         t0 = time.perf_counter()
         self._timing_begin()
-        try:
-            logits = self._execute(batch, prompt_lens)
-            ok = list(range(n))
-        except Exception:  # noqa: BLE001 - find the sequence(s) at fault; the others go on
-            logits, ok = self._execute_one_by_one(batch, result, prompt_lens)
+        logits, ok = self._forward(batch, result, prompt_lens)
         t1 = time.perf_counter()
         if callable(allowed):
             allowed = allowed()
@@ -131,11 +135,7 @@ class ModelWorker:
         result = VerifyStepResult(verified=[], outcome=None)
         t0 = time.perf_counter()
         self._timing_begin()
-        try:
-            logits = self._execute(batch, prompt_lens)
-            ok = list(range(len(inputs)))
-        except Exception:  # noqa: BLE001 - find the sequence(s) at fault; the others go on
-            logits, ok = self._execute_one_by_one(batch, result, prompt_lens)
+        logits, ok = self._forward(batch, result, prompt_lens)
         t1 = time.perf_counter()
         okset = set(ok)
         picked, kept_of = [], {}  # kept_of: packed row -> row among the verified sequences' rows
@@ -166,6 +166,29 @@ class ModelWorker:
         self._timing_end(batch)  # after verification (which copies its results to the host)
         result.forward_s, result.sample_s = t1 - t0, time.perf_counter() - t1
         return result
+
+    def _forward(self, batch: RunnerBatch, result, prompt_lens) -> tuple[torch.Tensor, list[int]]:
+        """Logits of the batch and the indices of the sequences they cover (all, unless it failed)."""
+        if self.collectives is None:
+            try:
+                return self._execute(batch, prompt_lens), list(range(len(batch.seq_ids)))
+            except Exception:  # noqa: BLE001 - find the sequence(s) at fault; the others go on
+                return self._execute_one_by_one(batch, result, prompt_lens)
+        self.collectives.begin()
+        try:
+            logits, ok = self._execute(batch, prompt_lens), list(range(len(batch.seq_ids)))
+        except Exception as e:  # noqa: BLE001 - the rank's batch fails, the world goes on
+            # Re-running sequence by sequence would be forwards the other ranks do not join.
+            for i in range(len(batch.seq_ids)):
+                result.errors[i] = f"model forward failed: {type(e).__name__}: {e}"
+            vocab = self.runner.vocab_size
+            logits, ok = torch.empty(0, vocab, device=getattr(self.runner, "device", "cpu")), []
+        self.collectives.finish()  # the MoE layers a failed (or empty) forward did not reach
+        return logits, ok
+
+    def idle(self) -> None:
+        """A data-parallel rank with nothing scheduled: every MoE layer's all-to-all, without tokens."""
+        self.collectives.idle()
 
     def rollback(self, rejected: list[tuple[int, int]]) -> None:
         """Tell the runner which sequences had (seq_id, n) trailing draft rows rejected (see

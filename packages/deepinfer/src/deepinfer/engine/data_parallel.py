@@ -1,0 +1,552 @@
+"""Attention data parallel + MoE expert parallel over N local processes (engine spec §3.1, §7.1, §7.3).
+
+    LLM(model, data_parallel_size=2, expert_parallel_size=2).generate(prompts, params)
+
+The front process (`DataParallelEngine`, used by `LLM` when `data_parallel_size > 1`) spawns one
+process per DP rank. Each rank builds its own `LLMEngine`: tokenizer, its own `deepinfer_sched`
+scheduler, KV pools, and a model whose routed experts are sharded over the EP group (only the local
+experts are loaded). The front assigns requests to ranks (balanced by prompt tokens, deterministic),
+sends them, and gathers the `RequestOutput`s back.
+
+Why ranks must agree every step: each MoE layer of a forward is an all-to-all over the EP group, so
+every EP rank must run the same number of forwards. Each engine step, the ranks of an EP group take
+one vote (`DataParallelRank.agree`, an all-reduce on the gloo `cpu_ep` group, so the async loop does
+not wait for the device): how many forwards has each rank submitted so far, and does any rank still
+have requests. A rank behind the maximum submits idle forwards (every MoE layer's all-to-all joined
+with no tokens) to catch up; the loop ends when no rank of the group has work. The vote happens
+before the engine waits for a forward, so no rank ever waits for a forward the others have not been
+told to join.
+
+Process model: `spawn` (safe with CUDA), gloo default group through a file rendezvous, the device
+group NCCL on CUDA (one GPU per rank, `cuda:rank`) and gloo on the CPU. Children ignore SIGINT (the
+front aborts them through a message) and die with the front (daemon processes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+import tempfile
+import time
+import traceback
+from collections import deque
+from concurrent.futures import Future
+from datetime import timedelta
+from multiprocessing import connection
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ..default_model import resolve_model
+from ..engine_args import EngineArgs
+from ..outputs import RequestMetrics, RequestOutput
+from ..sampling_params import SamplingParams
+from ..tokenizer import load_tokenizer, load_tokenizer_config
+
+logger = logging.getLogger("deepinfer")
+
+# NVLink multicast (NVLS / symmetric-memory multicast) is off on every rank: the lent multi-GPU
+# machines do not support it, and a communicator that tries it fails at creation.
+CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+POLL_S = 1.0  # how often the front checks that its ranks are alive while it waits
+HEARTBEAT_S = 5.0  # a running rank reports (its stats) at least this often, so silence means trouble
+
+
+# ---------------------------------------------------------------------------- inside a rank
+class ExpertCollectives:
+    """The model's `moe_fn` on an EP rank: an `ExpertParallelMoE` plus a record of the MoE layers the
+    current forward has entered, so that every forward, even one that failed before its last layer or
+    had no tokens, joins every layer's all-to-all exactly once (`finish`)."""
+
+    def __init__(self, moe, blocks: list, hidden_size: int, device: torch.device):
+        self.moe, self.blocks, self.hidden_size, self.device = moe, blocks, hidden_size, device
+        self.next_layer = 0
+
+    def __call__(self, layer: int, blk, y: torch.Tensor, *rest) -> torch.Tensor:
+        self.next_layer = layer  # if this call fails before its dispatch, the layer is still owed
+        out = self.moe(layer, blk, y, *rest)
+        self.next_layer = layer + 1
+        return out
+
+    def begin(self) -> None:
+        self.next_layer = 0
+
+    def finish(self) -> None:
+        """Join the all-to-alls of the layers the forward did not reach (none after a full forward)."""
+        if self.next_layer > len(self.blocks):
+            raise RuntimeError(f"a forward entered {self.next_layer} MoE layers of {len(self.blocks)}")
+        empty = torch.zeros(0, self.hidden_size, dtype=torch.float64, device=self.device)
+        no_ids = torch.zeros(0, dtype=torch.long, device=self.device)
+        for layer in range(self.next_layer, len(self.blocks)):
+            self.moe(layer, self.blocks[layer], empty, no_ids)
+        self.next_layer = 0
+
+    def idle(self) -> None:
+        """A forward without tokens (ExpertParallelMoE.idle_step): this rank has nothing scheduled."""
+        self.begin()
+        self.finish()
+
+
+class DataParallelRank:
+    """What one DP rank's `LLMEngine` needs: the EP model and the per-step vote (`agree`)."""
+
+    def __init__(self, state, device: torch.device):
+        self.state = state  # deepinfer_parallel.ParallelState
+        self.rank, self.world = state.rank, state.sizes.world
+        self.ep_size = state.ep.size
+        self.device = device
+        # With ep == 1 no collective couples the ranks' forwards: each runs on its own, no vote.
+        self.vote_group = state.cpu_ep.group if self.ep_size > 1 else None
+        self.collectives: ExpertCollectives | None = None
+        self.launched = 0  # forwards (real and idle) submitted to this rank's model so far
+        self.messages = 0  # front messages (sent to every rank) this rank has taken in so far
+        self.any_busy = False  # result of the last vote: does any rank of the EP group have work
+        self._idle_futures: deque[Future] = deque()
+
+    def load_model(self, path: Path, dtype: torch.dtype, device: torch.device):
+        """This rank's model: whole with ep == 1, else the routed experts of its slots only."""
+        from deepinfer_model import load_model
+
+        if self.ep_size == 1:
+            return load_model(path, dtype, device=device)
+        import deepinfer_parallel as par
+        from deepinfer_model.parallel import ExpertParallelMoE, load_v41_ep, shard_experts
+
+        group, ep_rank = self.state.ep.group, self.state.ep.rank_in_group
+        model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
+        if model_type == "deepseek_v41":
+            from deepinfer_model.models.deepseek_v41 import DeepseekV41Config
+
+            cfg = DeepseekV41Config.from_file(path)
+            extra = par.num_redundant_experts(cfg.n_routed_experts, self.ep_size)
+            layout = par.RedundantExpertLayout(
+                cfg.n_routed_experts, extra, self.ep_size, cfg.num_hidden_layers
+            )
+            # Draft blocks keep all their experts on every rank: drafting then needs no collective, so
+            # ranks may draft different amounts (or not at all) in a step.
+            model = load_v41_ep(path, layout, group, act_dtype=dtype, device=device)
+            moe, blocks = model.moe_fn, model.weights.layers
+        else:  # the public V4: loaded whole, then cut to this rank's slots
+            model = load_model(path, dtype, device=device)
+            cfg = model.config
+            extra = par.num_redundant_experts(cfg.n_routed_experts, self.ep_size)
+            layout = par.RedundantExpertLayout(
+                cfg.n_routed_experts, extra, self.ep_size, cfg.num_hidden_layers
+            )
+            shard_experts(model.layers, layout, ep_rank)
+            moe, blocks = ExpertParallelMoE(cfg, layout, group, model.dtype), model.layers
+        self.collectives = ExpertCollectives(moe, blocks, cfg.hidden_size, torch.device(device))
+        model.moe_fn = self.collectives
+        return model
+
+    def agree(self, busy: bool, launching: int, idle_inline: bool, run_idle, submit_idle=None) -> None:
+        """The step's vote. `busy`: this rank has requests or forwards in flight; `launching`: real
+        forwards it will run inline right after (sync loop: 0 or 1; the async loop counts its launches
+        as it submits them). Idle forwards bring this rank up to the group's maximum: run inline
+        (`run_idle`) or submitted behind the queued forwards (`submit_idle() -> Future`)."""
+        while self._idle_futures and self._idle_futures[0].done():
+            self._idle_futures.popleft().result()  # an idle forward that failed: the world is broken
+        if self.vote_group is None:
+            self.launched += launching
+            self.any_busy = busy
+            return
+        mine = self.launched + launching
+        # The messages count (max and -min): a rank that has not yet taken in a message the others
+        # took in (possibly with no requests for it) must stay in the loop until it has, else it
+        # would wait for that message while the others vote.
+        vote = torch.tensor([mine, int(busy), self.messages, -self.messages], dtype=torch.int64)
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self.vote_group)
+        most = int(vote[0])
+        self.any_busy = bool(vote[1]) or int(vote[2]) != -int(vote[3])
+        for _ in range(most - mine):
+            if idle_inline:
+                run_idle()
+            else:
+                self._idle_futures.append(submit_idle())
+        self.launched = most
+
+
+def _rank_main(rank: int, world: int, init_file: str, args: EngineArgs, conn, timeout_s: float) -> None:
+    """Entry point of one DP rank's process: build the engine, then serve the front's messages."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front, which aborts by message
+    engine = None
+    try:
+        from deepinfer_parallel import init_parallel
+
+        from .llm_engine import LLMEngine
+
+        if args.num_threads is None:  # the ranks share the host's cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        cuda = args.torch_device.type == "cuda"
+        if cuda:
+            torch.cuda.set_device(rank)
+            args = dataclasses.replace(args, device=f"cuda:{rank}")
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+            timeout=timedelta(seconds=timeout_s),
+        )  # fmt: skip
+        state = init_parallel(
+            dp=world, cp=1, ep=args.expert_parallel_size, backend="nccl" if cuda else "gloo"
+        )
+        dp = DataParallelRank(state, args.torch_device)
+        engine = LLMEngine(args, dp=dp)
+        conn.send(
+            (
+                "ready",
+                rank,
+                {
+                    "vocab_size": engine.vocab_size,
+                    "max_model_len": engine.max_model_len,
+                    "bos_token_id": engine.bos_token_id,
+                    "eos_token_id": engine.eos_token_id,
+                },
+            )
+        )
+        _serve(engine, dp, conn)
+    except BaseException:  # noqa: BLE001 - every failure goes to the front as text, then the rank exits
+        with contextlib.suppress(Exception):
+            conn.send(("error", rank, traceback.format_exc()))
+        raise SystemExit(1) from None
+    finally:
+        if engine is not None:
+            with contextlib.suppress(Exception):
+                engine.close()
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+
+def _serve(engine, dp: DataParallelRank, conn) -> None:
+    """Wait for a message; run engine steps until no rank of the EP group has work; repeat.
+
+    The front sends every batch to every rank (possibly empty), so all ranks of a group start a run
+    together; messages arriving during a run are handled between steps (the vote sees the new work,
+    and the count of messages taken in, so that no rank leaves the run with a message unread that
+    another rank already acted on).
+    """
+    while True:
+        if not _handle(engine, dp.rank, conn.recv(), conn):
+            return
+        dp.messages += 1
+        last_sent = time.monotonic()
+        while True:
+            while conn.poll():
+                if not _handle(engine, dp.rank, conn.recv(), conn):
+                    return
+                dp.messages += 1
+            done = engine.step()
+            if done or time.monotonic() - last_sent > HEARTBEAT_S:
+                conn.send(("outputs", dp.rank, done, _stats(engine)))
+                last_sent = time.monotonic()
+            if not dp.any_busy:
+                break
+        conn.send(("idle", dp.rank, [], _stats(engine)))
+
+
+def _handle(engine, rank: int, msg, conn) -> bool:
+    """Apply one front message; False on close."""
+    kind = msg[0]
+    if kind == "close":
+        return False
+    if kind == "add":
+        failed = []
+        for rid, prompt, ids, params, seeds in msg[1]:
+            try:
+                engine.add_request(rid, prompt, params, prompt_token_ids=ids, seeds=seeds)
+            except ValueError as e:  # this request alone fails; the others and the world go on
+                failed.append(RequestOutput(rid, prompt, ids or [], [], RequestMetrics(0.0), error=str(e)))
+        if failed:
+            conn.send(("outputs", rank, failed, _stats(engine)))
+    elif kind == "abort":
+        # Not abort_all: it waits for the forwards in flight, which the other ranks join only at
+        # the next vote. The step loop settles them instead.
+        for rid in list(engine.requests):
+            engine.abort_request(rid)
+    else:
+        raise ValueError(f"unknown message {kind!r} from the front process")
+    return True
+
+
+def _stats(engine) -> dict:
+    return {
+        f.name: getattr(engine.stats, f.name)
+        for f in dataclasses.fields(engine.stats)
+        if isinstance(getattr(engine.stats, f.name), int | float)
+    }
+
+
+# ---------------------------------------------------------------------------- the front process
+def assign_ranks(costs: list[int], world: int) -> list[int]:
+    """Rank of each request: longest first to the least-loaded rank (ties: lower index, lower rank).
+    Deterministic, and within max(costs) of a perfect balance of the summed costs."""
+    load = [0] * world
+    out = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        out[i] = r
+        load[r] += costs[i]
+    return out
+
+
+@contextlib.contextmanager
+def _child_environment():
+    """CHILD_ENV set while the children start (spawn copies os.environ), the front's own restored."""
+    before = {k: os.environ.get(k) for k in CHILD_ENV}
+    os.environ.update(CHILD_ENV)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class DataParallelEngine:
+    """The `LLMEngine` interface `LLM` uses, served by `data_parallel_size` rank processes.
+
+    `add_request` queues; the next `step()` sends the queued requests to the ranks and returns the
+    outputs that arrive. A crash of a rank, or no message for `args.distributed_timeout` seconds while
+    requests are outstanding, raises RuntimeError / TimeoutError here; the engine is then closed.
+    """
+
+    from .llm_engine import LLMEngine as _Engine
+
+    encode = _Engine.encode  # the same code as the single-process engine, on the ranks' model facts
+    validate_prompt = _Engine.validate_prompt
+    del _Engine
+
+    def __init__(self, args: EngineArgs) -> None:
+        from .llm_engine import EngineStats
+
+        self.args = args
+        self.world = args.data_parallel_size
+        self.use_async = args.use_async
+        self.timeout_s = float(args.distributed_timeout)
+        self.model_path, self.is_default_model = resolve_model(args.model)
+        tok_path = Path(args.tokenizer) if args.tokenizer else self.model_path
+        self.tokenizer = load_tokenizer(tok_path)
+        self.tokenizer_config = load_tokenizer_config(tok_path)
+        self.stats = EngineStats()
+        self._rank_stats: list[dict] = [{} for _ in range(self.world)]
+        self._seed_rng = random.Random(args.seed)
+        self._pending: list[tuple] = []
+        self._outstanding: set[str] = set()
+        self._ready: deque[RequestOutput] = deque()
+        self._failed: str | None = None
+        self._last_heard = time.monotonic()  # last message from any rank (or dispatch to them)
+        self._dir = tempfile.mkdtemp(prefix="deepinfer-dp-")
+        child_args = dataclasses.replace(args, model=str(self.model_path))
+        ctx = mp.get_context("spawn")
+        self._conns, self._procs = [], []
+        try:
+            with _child_environment():
+                for rank in range(self.world):
+                    ours, theirs = ctx.Pipe()
+                    p = ctx.Process(
+                        target=_rank_main,
+                        args=(rank, self.world, os.path.join(self._dir, "rendezvous"), child_args, theirs, self.timeout_s),
+                        name=f"deepinfer-dp{rank}",
+                        daemon=True,
+                    )  # fmt: skip
+                    p.start()
+                    theirs.close()
+                    self._conns.append(ours)
+                    self._procs.append(p)
+            info = self._wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        self.vocab_size = info["vocab_size"]
+        self.max_model_len = info["max_model_len"]
+        self.bos_token_id = info["bos_token_id"]
+        self.eos_token_id = info["eos_token_id"]
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        params: SamplingParams,
+        prompt_token_ids: list[int] | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue one request for the next `step()` (its checks run on the rank; a failure comes back
+        as that request's `error`)."""
+        self._check_usable()
+        if request_id in self._outstanding or any(r[0] == request_id for r in self._pending):
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("either prompt or prompt_token_ids must be given")
+            prompt_token_ids = self.encode(prompt)
+        # Seeds of requests without seq_seed come from one stream in arrival order, as in one engine,
+        # so a sampled run does not depend on the number of ranks.
+        seeds = None
+        if params.seq_seed is None:
+            seeds = [self._seed_rng.getrandbits(64) for _ in range(params.n)]
+        self._pending.append((request_id, prompt, list(prompt_token_ids), params, seeds))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._pending) or bool(self._outstanding) or bool(self._ready)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._pending) + len(self._outstanding)
+
+    def step(self) -> list[RequestOutput]:
+        """Send the queued requests, then return the outputs that have arrived (waiting up to POLL_S
+        seconds for the first one)."""
+        self._check_usable()
+        if self._pending:
+            self._dispatch()
+        if not self._ready and self._outstanding:
+            self._receive(until=lambda: bool(self._ready), max_wait_s=POLL_S)
+        done = list(self._ready)
+        self._ready.clear()
+        return done
+
+    def abort_all(self) -> list[RequestOutput]:
+        """Abort every request (queued ones never leave the front); returns their outputs."""
+        done = list(self._ready)
+        self._ready.clear()
+        for rid, prompt, ids, _, _ in self._pending:
+            done.append(
+                RequestOutput(rid, prompt, ids, [], RequestMetrics(time.perf_counter()), error="aborted")
+            )
+        self._pending = []
+        if self._outstanding and self._failed is None:
+            self._last_heard = time.monotonic()
+            self._broadcast(("abort",))
+            self._receive(until=lambda: not self._outstanding)
+            done += list(self._ready)
+            self._ready.clear()
+        return done
+
+    def close(self) -> None:
+        """Stop the ranks (politely, then by force) and remove the rendezvous directory."""
+        for conn, p in zip(self._conns, self._procs):
+            if p.is_alive():
+                with contextlib.suppress(OSError):
+                    conn.send(("close",))
+        deadline = time.monotonic() + 10.0
+        for p in self._procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._kill()
+        for conn in self._conns:
+            conn.close()
+        self._conns, self._procs = [], []
+        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._failed is None:
+            self._failed = "the data-parallel engine is closed"
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            self.close()
+
+    # ------------------------------------------------------------------ internals
+    def _dispatch(self) -> None:
+        pending, self._pending = self._pending, []
+        if not self._outstanding:  # the ranks were idle: the silence starts now
+            self._last_heard = time.monotonic()
+        ranks = assign_ranks([len(r[2]) * r[3].n for r in pending], self.world)
+        shares = [[] for _ in range(self.world)]
+        for req, r in zip(pending, ranks):
+            shares[r].append(req)
+            self._outstanding.add(req[0])
+        for conn, share in zip(self._conns, shares):  # every rank, so every rank starts its loop
+            self._send(conn, ("add", share))
+
+    def _broadcast(self, msg) -> None:
+        for conn in self._conns:
+            self._send(conn, msg)
+
+    def _send(self, conn, msg) -> None:
+        try:
+            conn.send(msg)
+        except OSError as e:
+            rank = self._conns.index(conn)
+            p = self._procs[rank]
+            p.join(timeout=POLL_S)
+            if p.exitcode is not None:
+                self._fail(f"data-parallel rank {rank} exited with code {p.exitcode} ({e})")
+            self._fail(f"data-parallel rank {rank} is unreachable ({e})")
+
+    def _wait_ready(self) -> dict:
+        ready: dict[int, dict] = {}
+
+        def on_ready(msg):
+            ready[msg[1]] = msg[2]
+
+        self._receive(until=lambda: len(ready) == self.world, on_ready=on_ready, what="starting")
+        return ready[0]
+
+    def _receive(self, until, on_ready=None, what: str = "running", max_wait_s: float | None = None) -> None:
+        """Handle rank messages until `until()` (or `max_wait_s` passed); raise on a dead rank, an
+        error report or no message from any rank for `distributed_timeout` seconds."""
+        start = time.monotonic()
+        while not until() and (max_wait_s is None or time.monotonic() - start < max_wait_s):
+            ready = connection.wait(self._conns, timeout=POLL_S)
+            for conn in ready:
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    continue  # the process is gone: its exit code is reported below
+                self._last_heard = time.monotonic()
+                kind = msg[0]
+                if kind == "error":
+                    self._fail(f"data-parallel rank {msg[1]} failed while {what}:\n{msg[2]}")
+                elif kind == "ready" and on_ready is not None:
+                    on_ready(msg)
+                elif kind in ("outputs", "idle"):
+                    self._rank_stats[msg[1]] = msg[3]
+                    self._update_stats()
+                    for out in msg[2]:
+                        self._outstanding.discard(out.request_id)
+                        self._ready.append(out)
+            for rank, p in enumerate(self._procs):
+                if p.exitcode is not None:
+                    self._fail(f"data-parallel rank {rank} exited with code {p.exitcode} while {what}")
+            if time.monotonic() - self._last_heard > self.timeout_s:
+                self._fail(
+                    f"no message from any data-parallel rank for {self.timeout_s:.0f} s while {what} "
+                    "(distributed_timeout)",
+                    TimeoutError,
+                )
+
+    def _update_stats(self) -> None:
+        for name in ("steps",):  # steps run in lockstep: the slowest rank's count
+            setattr(self.stats, name, max(s.get(name, 0) for s in self._rank_stats))
+        for f in dataclasses.fields(self.stats):
+            if f.name != "steps" and isinstance(getattr(self.stats, f.name), int | float):
+                setattr(self.stats, f.name, sum(s.get(f.name, 0) for s in self._rank_stats))
+
+    def _fail(self, message: str, kind: type[Exception] = RuntimeError):
+        self._failed = message
+        self._kill()
+        raise kind(message)
+
+    def _kill(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self._procs:
+            p.join(timeout=5.0)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+
+    def _check_usable(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError(f"the data-parallel engine cannot be used: {self._failed}")
+
+
+__all__ = ["DataParallelEngine", "DataParallelRank", "ExpertCollectives", "assign_ranks"]

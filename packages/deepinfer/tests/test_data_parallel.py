@@ -1,0 +1,205 @@
+"""Attention data parallel + MoE expert parallel (engine/data_parallel.py) on 2 CPU processes (gloo).
+
+Reference: the single-process engine on the same checkpoint. The paged runner's logits depend only on
+the sequence (FP64-carrier numerics), so each request must come out of its DP rank with exactly the
+single-process token ids, logprobs and top logprobs, although the ranks batch different requests,
+finish at different steps (the finished rank joins the others' expert all-to-alls with idle forwards)
+and hold only half of the routed experts each.
+"""
+
+import os
+import signal
+import time
+
+import pytest
+from deepinfer import LLM, SamplingParams
+from deepinfer.cli import main as cli_main
+from deepinfer.engine.data_parallel import assign_ranks
+from deepinfer.engine_args import EngineArgs
+from deepinfer_model.models.deepseek_v41 import make_v41_checkpoint
+
+pytestmark = pytest.mark.distributed
+
+# Different lengths and output budgets: the two ranks run different numbers of steps.
+PROMPTS = [list(range(1, 30)), [3, 4], [7, 8, 9, 10, 11], [12, 40, 41] * 4, [500, 2, 77]]
+MAX_TOKENS = [4, 11, 7, 2, 6]
+GREEDY = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=2) for m in MAX_TOKENS]
+# Without seq_seed: the seeds come from the engine seed's stream in request order, also under DP.
+SAMPLED = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=m, logprobs=1) for m in MAX_TOKENS]
+
+
+def assert_same(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.error is None and w.error is None, (g.error, w.error)
+        assert g.prompt_token_ids == w.prompt_token_ids
+        for a, b in zip(g.outputs, w.outputs, strict=True):
+            assert a.token_ids == b.token_ids, (g.request_id, a.token_ids, b.token_ids)
+            assert a.logprobs == b.logprobs, g.request_id
+            assert a.top_logprobs == b.top_logprobs, g.request_id
+            assert (a.finish_reason, a.text) == (b.finish_reason, b.text), g.request_id
+
+
+@pytest.fixture(scope="module")
+def reference(micro_checkpoint):
+    with LLM(str(micro_checkpoint), async_scheduling=False) as llm:
+        greedy = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, use_tqdm=False)
+        sampled = llm.generate(prompt_token_ids=PROMPTS, sampling_params=SAMPLED, use_tqdm=False)
+    return {"greedy": greedy, "sampled": sampled}
+
+
+@pytest.fixture(scope="module")
+def dp_sync(micro_checkpoint):
+    with LLM(
+        str(micro_checkpoint), data_parallel_size=2, expert_parallel_size=2, async_scheduling=False,
+        distributed_timeout=60,
+    ) as llm:  # fmt: skip
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def dp_async(micro_checkpoint):
+    with LLM(
+        str(micro_checkpoint), data_parallel_size=2, expert_parallel_size=2, async_scheduling=True,
+        distributed_timeout=60,
+    ) as llm:  # fmt: skip
+        yield llm
+
+
+def test_parallel_sizes_are_validated_with_clear_errors():
+    EngineArgs(data_parallel_size=4, expert_parallel_size=2, device="cpu")  # EP groups of 2 DP ranks
+    EngineArgs(data_parallel_size=2, expert_parallel_size=1, device="cpu")  # DP only, experts whole
+    with pytest.raises(
+        ValueError, match=r"expert_parallel_size must divide data_parallel_size=2 \(one of \[1, 2\]\)"
+    ):
+        EngineArgs(data_parallel_size=2, expert_parallel_size=3, device="cpu")
+    with pytest.raises(ValueError, match="expert_parallel_size must divide data_parallel_size=1"):
+        EngineArgs(expert_parallel_size=2, device="cpu")
+    with pytest.raises(ValueError, match="data_parallel_size must be an integer >= 0"):
+        EngineArgs(data_parallel_size=-1, device="cpu")
+    with pytest.raises(ValueError, match="context_parallel_size must be 1"):
+        EngineArgs(data_parallel_size=2, context_parallel_size=2, device="cpu")
+    with pytest.raises(ValueError, match="needs runner = 'paged'"):
+        EngineArgs(data_parallel_size=2, expert_parallel_size=2, runner="recompute", device="cpu")
+    with pytest.raises(ValueError, match="distributed_timeout must be an integer >= 1"):
+        EngineArgs(distributed_timeout=0, device="cpu")
+
+
+def test_cli_shows_the_parallel_flags(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main(["generate", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--data-parallel-size", "--expert-parallel-size", "--distributed-timeout"):
+        assert flag in out
+
+
+def test_assign_ranks_balances_prompt_tokens_deterministically():
+    costs = [29, 2, 5, 12, 3]
+    ranks = assign_ranks(costs, 2)
+    assert ranks == assign_ranks(costs, 2)
+    load = [sum(c for c, r in zip(costs, ranks) if r == k) for k in range(2)]
+    assert load == [29, 22]  # longest first: 29 | 12 + 5 + 3 + 2
+    assert assign_ranks([4, 4, 4], 2) == [0, 1, 0]
+    assert assign_ranks([7], 3) == [0]
+
+
+def test_dp2_ep2_sync_loop_equals_single_process(dp_sync, reference):
+    got = dp_sync.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, use_tqdm=False)
+    assert_same(got, reference["greedy"])
+    assert all(s["generated_tokens"] > 0 for s in dp_sync.engine._rank_stats)  # both ranks served requests
+
+
+def test_uneven_request_counts_leave_a_rank_idle(dp_sync, reference):
+    # 3 requests on 2 ranks, then 1 request: rank 1 only joins the all-to-alls with idle forwards.
+    picks = [1, 3, 4]
+    got = dp_sync.generate(
+        prompt_token_ids=[PROMPTS[i] for i in picks],
+        sampling_params=[GREEDY[i] for i in picks],
+        use_tqdm=False,
+    )
+    assert_same(got, [reference["greedy"][i] for i in picks])
+    before = dp_sync.engine._rank_stats[1]["generated_tokens"]
+    got = dp_sync.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=GREEDY[0], use_tqdm=False)
+    assert_same(got, reference["greedy"][:1])
+    assert dp_sync.engine._rank_stats[1]["generated_tokens"] == before
+
+
+def test_bad_requests_fail_alone(dp_sync, reference):
+    # Rejected in the front (invalid sampling parameters) ...
+    params = list(GREEDY)
+    params[2] = {"temperature": -1.0}
+    got = dp_sync.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)
+    assert "temperature" in got[2].error and not got[2].outputs
+    assert_same(got[:2] + got[3:], reference["greedy"][:2] + reference["greedy"][3:])
+    # ... and on the rank that got it (the engine API does not check the ids before sending).
+    engine = dp_sync.engine
+    for i in range(len(PROMPTS)):
+        engine.add_request(f"ok{i}", None, GREEDY[i], prompt_token_ids=PROMPTS[i])
+    engine.add_request("bad", None, GREEDY[0], prompt_token_ids=[1, 100_000])
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in engine.step())
+    assert "prompt_token_ids must be in [0, 512)" in outs["bad"].error
+    assert_same([outs[f"ok{i}"] for i in range(len(PROMPTS))], reference["greedy"])
+
+
+def test_dp2_ep2_async_loop_equals_single_process_greedy_and_sampled(dp_async, reference):
+    # dp_async's first use, in the reference's order: the greedy requests draw seeds too (no seq_seed),
+    # so the sampled ones get the same seeds from the engine seed's stream as in the reference
+    got = dp_async.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, use_tqdm=False)
+    assert_same(got, reference["greedy"])
+    got = dp_async.generate(prompt_token_ids=PROMPTS, sampling_params=SAMPLED, use_tqdm=False)
+    assert_same(got, reference["sampled"])
+
+
+def test_abort_all_returns_every_request_and_the_world_goes_on(dp_async, reference):
+    engine = dp_async.engine
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(f"long{i}", None, long, prompt_token_ids=PROMPTS[i])
+    engine.step()  # sends them; the ranks run
+    done = {o.request_id: o for o in engine.step() + engine.abort_all()}
+    assert sorted(done) == [f"long{i}" for i in range(4)]
+    for o in done.values():
+        c = o.outputs[0]
+        assert c.finish_reason == "abort" or (c.finish_reason == "length" and len(c.token_ids) == 400)
+    assert not engine.has_unfinished_requests()
+    got = dp_async.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, use_tqdm=False)
+    assert_same(got, reference["greedy"])
+
+
+def test_dp2_without_ep_and_a_crashed_rank_raises_in_the_front(micro_checkpoint, reference):
+    llm = LLM(str(micro_checkpoint), data_parallel_size=2, expert_parallel_size=1, distributed_timeout=60)
+    try:
+        got = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, use_tqdm=False)
+        assert_same(got, reference["greedy"])
+        victim = llm.engine._procs[1]
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(timeout=10)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"data-parallel rank 1 exited with code -9"):
+            llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, use_tqdm=False)
+        assert time.monotonic() - t0 < 10  # found by the liveness check, not by a timeout
+        assert not any(p.is_alive() for p in llm.engine._procs)  # the others are stopped too
+        with pytest.raises(RuntimeError, match="cannot be used"):
+            llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=GREEDY[0], use_tqdm=False)
+    finally:
+        llm.close()
+
+
+def test_v41_with_dspark_drafts_under_dp2_ep2(tmp_path, monkeypatch):
+    # The §11 tiny V4.1 has draft blocks: drafting runs with all draft experts on every rank (no
+    # collective), verification through the sharded backbone; tokens equal the single-process engine's.
+    path = str(make_v41_checkpoint(tmp_path / "v41", seed=0))
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "2")  # the rank processes inherit it
+    prompts = [[0, 17, 99, 4, 250, 61, 8, 130], [5, 6, 7, 8], [100, 3, 42]]
+    params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, logprobs=1)
+    with LLM(path, max_model_len=48) as llm:
+        want = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    with LLM(
+        path, max_model_len=48, data_parallel_size=2, expert_parallel_size=2, distributed_timeout=60
+    ) as llm:
+        got = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert_same(got, want)
+    assert all(o.metrics.num_draft_tokens > 0 for o in got)
