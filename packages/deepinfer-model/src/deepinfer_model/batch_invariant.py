@@ -267,6 +267,7 @@ def row_gemm(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
 # concatenated along N, keyed by the ids of the source tensors, guarded by weak references and their
 # in-place version counters (as `_ROW_MAJOR`); None where they are not FP32-valued or over the budget.
 _STACKS: dict[tuple[int, ...], tuple[tuple, tuple[int, ...], torch.Tensor | None]] = {}
+LOOP_ROWS = 32  # rows per non-empty group above which `grouped_gemm` takes one call per group
 GEMM_NAIVE_ELEMENTS = 400  # torch's CPU bmm takes a naive loop kernel below this many M*N*K (not MKL)
 
 
@@ -305,7 +306,9 @@ def stacked_parts(*weights: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
-def grouped_gemm(x: torch.Tensor, counts: list[int], parts: torch.Tensor) -> torch.Tensor:
+def grouped_gemm(
+    x: torch.Tensor, counts: list[int], parts: torch.Tensor, loop: bool | None = None
+) -> torch.Tensor:
     """Rows of FP64 `x` [R, K] (on the CPU) sorted by group, `counts[e]` rows for group e, times group e's
     weight `parts[e]` ([E, K, N] from `stacked_parts`) -> FP64 [R, N], each row's result independent
     of every other row, of the group sizes and of M.
@@ -318,7 +321,11 @@ def grouped_gemm(x: torch.Tensor, counts: list[int], parts: torch.Tensor) -> tor
     from the first to the last non-empty one, which are views of `parts`), instead of one call or one
     set of fixed row tiles per group. A row whose lo is not zero (decided from the row itself: the
     SwiGLU output of the down projection) adds the product of its lo, computed as one more row of its
-    group; an FP32-valued row never sees that term (not even as +0, which would turn a -0 into +0)."""
+    group; an FP32-valued row never sees that term (not even as +0, which would turn a -0 into +0).
+
+    Groups of more than `LOOP_ROWS` rows on average (prefill) instead take one `torch.mm` per group on
+    its contiguous rows (hi and lo rows in one call): the padding, scatter and gather of the single call
+    cost more there than the calls. The same bits either way (`loop` forces one; tested)."""
     r, k = x.shape
     n = parts.shape[2]
     if r == 0:
@@ -328,6 +335,8 @@ def grouped_gemm(x: torch.Tensor, counts: list[int], parts: torch.Tensor) -> tor
     x = x.contiguous()
     hi = x.float().double()
     lo = x - hi
+    if loop if loop is not None else r > LOOP_ROWS * sum(1 for c in counts if c):
+        return _grouped_loop(hi, lo, counts, parts)
     wide = torch.nonzero(lo.ne(0).any(dim=1)).flatten()  # rows with more bits (NaN rows too: lo is NaN)
     # the rows' slots in the padded [E', Mmax] layout, on the host (the counts are host values)
     cnt = np.asarray(counts, dtype=np.int64)
@@ -358,6 +367,26 @@ def grouped_gemm(x: torch.Tensor, counts: list[int], parts: torch.Tensor) -> tor
     out = prod[dest]
     if len(wide):
         out[wide] = out[wide] + prod[lo_dest]
+    return out
+
+
+def _grouped_loop(hi: torch.Tensor, lo: torch.Tensor, counts: list[int], parts: torch.Tensor) -> torch.Tensor:
+    """`grouped_gemm` as one mm per non-empty group: [hi; lo] rows of the group (lo only if some row of
+    the group has one) against `parts[e]`; a row adds its lo product only if its own lo is not zero."""
+    out = hi.new_empty(hi.shape[0], parts.shape[2])
+    start = 0
+    for e, c in enumerate(counts):
+        if not c:
+            continue
+        end = start + c
+        lo_e = lo[start:end]
+        has_lo = lo_e.ne(0).any(dim=1, keepdim=True)
+        if bool(has_lo.any()):
+            prod = torch.mm(torch.cat((hi[start:end], lo_e)), parts[e])
+            out[start:end] = torch.where(has_lo, prod[:c] + prod[c:], prod[:c])
+        else:
+            torch.mm(hi[start:end], parts[e], out=out[start:end])
+        start = end
     return out
 
 
