@@ -58,6 +58,17 @@ if has model; then
   pyt -m gpu packages/deepinfer-model/tests/test_parallel_model_nccl.py --junitxml "$out/model_nccl.xml" > "$out/model_nccl.log" 2>&1
   tail -8 "$out/model_nccl.log"
 fi
+if has graphbench; then
+  wait "$medium_pid"; tail -2 "$out/medium_checkpoint.log"
+  el "bench: medium decode, CUDA graphs (GPU 0) vs eager (GPU 1)"
+  dec="--model $medium --max-model-len 1024 --decode-context 128 --device cuda --dtype bfloat16 --batches 1,8,64 --nextn 0 --measure-steps 6 --no-progress --results-dir $out"
+  for mode in graphs eager; do
+    gpu=$([ $mode = graphs ] && echo 0 || echo 1); eager=$([ $mode = eager ] && echo 1 || echo 0)
+    CUDA_VISIBLE_DEVICES=$gpu DEEPINFER_ENFORCE_EAGER=$eager DEEPINFER_NUMERICS=native timeout "${GRAPH_BENCH_LIMIT_S:-240}" \
+      python3 -m deepinfer.cli bench decode $dec --name bench_medium_gpu_decode_$mode > "$out/bench_decode_$mode.log" 2>&1 &
+  done
+  wait; for mode in graphs eager; do echo "== $mode"; tail -10 "$out/bench_decode_$mode.log"; done; collect
+fi
 if has graphs; then  # in the background on GPU 1, beside the engine step
   ( CUDA_VISIBLE_DEVICES=1 timeout "$lim" python3 -m pytest -q -p no:cacheprovider -m gpu \
       packages/deepinfer-model/tests/test_cuda_graphs_gpu.py packages/deepinfer/tests/test_engine_cuda_graphs.py \
@@ -70,21 +81,11 @@ if has engine; then
   tail -8 "$out/engine_dp.log"
 fi
 if has graphs; then wait "$graphs_pid"; echo "== graphs"; tail -6 "$out/graphs_tests.log"; fi
-if has bench || has graphbench; then wait "$medium_pid"; tail -2 "$out/medium_checkpoint.log"; fi
 if has bench; then
+  wait "$medium_pid" 2>/dev/null
   el "bench: medium EP=2 / EPLB / CP=2 vs one GPU"
   timeout "${BENCH_LIMIT_S:-420}" python3 benchmarks/parallel/bench_multi_gpu.py --model "$medium" --device cuda --world 2 \
     ${BENCH_ARGS:-} --out "$out" > "$out/bench_multi_gpu.log" 2>&1
   tail -40 "$out/bench_multi_gpu.log"; collect
-fi
-if has graphbench; then
-  el "bench: medium decode, CUDA graphs (GPU 0) vs eager (GPU 1)"
-  dec="--model $medium --max-model-len 1024 --decode-context 128 --device cuda --dtype bfloat16 --batches 1,8,64 --nextn 0 --measure-steps 6 --no-progress --results-dir $out"
-  for mode in graphs eager; do
-    gpu=$([ $mode = graphs ] && echo 0 || echo 1); eager=$([ $mode = eager ] && echo 1 || echo 0)
-    CUDA_VISIBLE_DEVICES=$gpu DEEPINFER_ENFORCE_EAGER=$eager DEEPINFER_NUMERICS=native timeout "${GRAPH_BENCH_LIMIT_S:-240}" \
-      python3 -m deepinfer.cli bench decode $dec --name bench_medium_gpu_decode_$mode > "$out/bench_decode_$mode.log" 2>&1 &
-  done
-  wait; for mode in graphs eager; do echo "== $mode"; tail -10 "$out/bench_decode_$mode.log"; done; collect
 fi
 el "done"
