@@ -174,7 +174,10 @@ class LLMEngine:
                 self.device,
                 args.max_num_seqs,
                 self.max_model_len,
-                enforce_eager=envs.DEEPINFER_ENFORCE_EAGER or nextn > 0,
+                # expert parallel: the all-to-alls have host-side split sizes, nothing to capture
+                enforce_eager=envs.DEEPINFER_ENFORCE_EAGER
+                or nextn > 0
+                or (dp is not None and dp.ep_size > 1),
                 interval=envs.DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL,
             ),
         )
@@ -189,9 +192,10 @@ class LLMEngine:
             ThreadPoolExecutor(
                 max_workers=1,
                 thread_name_prefix="deepinfer-model",
-                # OpenMP thread counts are per thread: give the worker the caller's setting.
-                initializer=torch.set_num_threads,
-                initargs=(torch.get_num_threads(),),
+                # OpenMP thread counts and the current CUDA device are per thread: give the worker
+                # the caller's (a DP rank's collectives run on this thread, on its own GPU).
+                initializer=_init_worker_thread,
+                initargs=(torch.get_num_threads(), self.device),
             )
             if self.use_async
             else None
@@ -900,6 +904,12 @@ class LLMEngine:
 
 
 _REASONS = {"stop": "stop", "length": "length", "max_model_len": "length", "abort": "abort"}
+
+
+def _init_worker_thread(num_threads: int, device: torch.device) -> None:
+    torch.set_num_threads(num_threads)
+    if device.type == "cuda" and device.index is not None:  # "cuda" alone: the current device
+        torch.cuda.set_device(device)
 
 
 def _int_or_none(v) -> int | None:
