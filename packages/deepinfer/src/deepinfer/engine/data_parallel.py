@@ -185,18 +185,20 @@ def _rank_main(rank: int, world: int, init_file: str, args: EngineArgs, conn, ti
 
         if args.num_threads is None:  # the ranks share the host's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        cuda = args.torch_device.type == "cuda"
-        if cuda:
-            torch.cuda.set_device(rank)
-            args = dataclasses.replace(args, device=f"cuda:{rank}")
+        ep, device = args.expert_parallel_size, args.torch_device
+        cuda = device.type == "cuda"
+        if cuda:  # one GPU per rank
+            device = torch.device("cuda", rank)
+            torch.cuda.set_device(device)
+        # The rank's engine is one process on one device; the world's sizes live in DataParallelRank
+        # (EngineArgs refuses `cuda:N` with data_parallel_size > 1: that check is for the user's choice).
+        args = dataclasses.replace(args, device=str(device), data_parallel_size=1, expert_parallel_size=1)
         dist.init_process_group(
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
             timeout=timedelta(seconds=timeout_s),
         )  # fmt: skip
-        state = init_parallel(
-            dp=world, cp=1, ep=args.expert_parallel_size, backend="nccl" if cuda else "gloo"
-        )
-        dp = DataParallelRank(state, args.torch_device)
+        state = init_parallel(dp=world, cp=1, ep=ep, backend="nccl" if cuda else "gloo")
+        dp = DataParallelRank(state, device)
         engine = LLMEngine(args, dp=dp)
         conn.send(
             (
