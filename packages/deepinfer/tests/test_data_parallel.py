@@ -8,6 +8,7 @@ and hold only half of the routed experts each.
 """
 
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -71,7 +72,7 @@ def dp_async(micro_checkpoint):
         yield llm
 
 
-def test_parallel_sizes_are_validated_with_clear_errors():
+def test_parallel_sizes_are_validated_with_clear_errors(monkeypatch):
     EngineArgs(data_parallel_size=4, expert_parallel_size=2, device="cpu")  # EP groups of 2 DP ranks
     EngineArgs(data_parallel_size=2, expert_parallel_size=1, device="cpu")  # DP only, experts whole
     with pytest.raises(
@@ -88,6 +89,11 @@ def test_parallel_sizes_are_validated_with_clear_errors():
         EngineArgs(data_parallel_size=2, expert_parallel_size=2, runner="recompute", device="cpu")
     with pytest.raises(ValueError, match="distributed_timeout must be an integer >= 1"):
         EngineArgs(distributed_timeout=0, device="cpu")
+    monkeypatch.setenv("DEEPINFER_FP8_EXPERTS", "1")  # the FP8 experts have no expert-parallel path
+    with pytest.raises(
+        ValueError, match="DEEPINFER_FP8_EXPERTS=1 cannot be combined with expert parallelism"
+    ):
+        EngineArgs(data_parallel_size=2, expert_parallel_size=2, device="cpu")
 
 
 def test_cli_shows_the_parallel_flags(capsys):
@@ -191,6 +197,17 @@ def test_dp2_without_ep_and_a_crashed_rank_raises_in_the_front(micro_checkpoint,
             llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=GREEDY[0], use_tqdm=False)
     finally:
         llm.close()
+
+
+def test_a_rank_that_fails_to_start_reports_its_traceback(micro_checkpoint, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(micro_checkpoint, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # a truncated download
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)data-parallel rank \d failed while starting:.*Traceback"):
+        LLM(str(broken), data_parallel_size=2, expert_parallel_size=2, distributed_timeout=60)
+    assert time.monotonic() - t0 < 30
 
 
 def test_v41_with_dspark_drafts_under_dp2_ep2(tmp_path, monkeypatch):

@@ -174,6 +174,10 @@ class EngineArgs:
                 f"expert_parallel_size must divide data_parallel_size={dp} (one of {allowed}), "
                 f"got {self.expert_parallel_size!r} ({e})"
             ) from None
+        if self.expert_parallel_size > 1:
+            from deepinfer_model.quant_sm90 import refuse_with_expert_parallelism
+
+            refuse_with_expert_parallelism("expert_parallel_size > 1")  # DEEPINFER_FP8_EXPERTS=1: no EP path
         if self.expert_parallel_size > 1 and self.runner != "paged":
             # the recompute runner runs one forward per sequence: ranks could not match their all-to-alls
             raise ValueError(f"expert_parallel_size > 1 needs runner = 'paged', got runner = {self.runner!r}")

@@ -29,10 +29,12 @@ import dataclasses
 import json
 import logging
 import os
+import queue
 import random
 import shutil
 import signal
 import tempfile
+import threading
 import time
 import traceback
 from collections import deque
@@ -174,10 +176,34 @@ class DataParallelRank:
         self.launched = most
 
 
+class _Outbox:
+    """Messages to the front, sent by a thread: the rank never blocks on a full pipe and keeps reading
+    the front's messages (a front sending a large batch while this rank's unread outputs fill the
+    other direction would otherwise deadlock)."""
+
+    def __init__(self, conn):
+        self._conn, self._queue = conn, queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="deepinfer-dp-outbox", daemon=True)
+        self._thread.start()
+
+    def send(self, msg) -> None:
+        self._queue.put(msg)
+
+    def _run(self) -> None:
+        while (msg := self._queue.get()) is not None:
+            self._conn.send(msg)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Send what is queued, then stop."""
+        self._queue.put(None)
+        self._thread.join(timeout=timeout_s)
+
+
 def _rank_main(rank: int, world: int, init_file: str, args: EngineArgs, conn, timeout_s: float) -> None:
     """Entry point of one DP rank's process: build the engine, then serve the front's messages."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front, which aborts by message
     engine = None
+    outbox = _Outbox(conn)
     try:
         from deepinfer_parallel import init_parallel
 
@@ -200,7 +226,7 @@ def _rank_main(rank: int, world: int, init_file: str, args: EngineArgs, conn, ti
         state = init_parallel(dp=world, cp=1, ep=ep, backend="nccl" if cuda else "gloo")
         dp = DataParallelRank(state, device)
         engine = LLMEngine(args, dp=dp)
-        conn.send(
+        outbox.send(
             (
                 "ready",
                 rank,
@@ -212,12 +238,13 @@ def _rank_main(rank: int, world: int, init_file: str, args: EngineArgs, conn, ti
                 },
             )
         )
-        _serve(engine, dp, conn)
+        _serve(engine, dp, conn, outbox)
     except BaseException:  # noqa: BLE001 - every failure goes to the front as text, then the rank exits
-        with contextlib.suppress(Exception):
-            conn.send(("error", rank, traceback.format_exc()))
+        outbox.send(("error", rank, traceback.format_exc()))
+        outbox.close()
         raise SystemExit(1) from None
     finally:
+        outbox.close()
         if engine is not None:
             with contextlib.suppress(Exception):
                 engine.close()
@@ -226,7 +253,7 @@ def _rank_main(rank: int, world: int, init_file: str, args: EngineArgs, conn, ti
                 dist.destroy_process_group()
 
 
-def _serve(engine, dp: DataParallelRank, conn) -> None:
+def _serve(engine, dp: DataParallelRank, conn, outbox: _Outbox) -> None:
     """Wait for a message; run engine steps until no rank of the EP group has work; repeat.
 
     The front sends every batch to every rank (possibly empty), so all ranks of a group start a run
@@ -235,25 +262,25 @@ def _serve(engine, dp: DataParallelRank, conn) -> None:
     another rank already acted on).
     """
     while True:
-        if not _handle(engine, dp.rank, conn.recv(), conn):
+        if not _handle(engine, dp.rank, conn.recv(), outbox):
             return
         dp.messages += 1
         last_sent = time.monotonic()
         while True:
             while conn.poll():
-                if not _handle(engine, dp.rank, conn.recv(), conn):
+                if not _handle(engine, dp.rank, conn.recv(), outbox):
                     return
                 dp.messages += 1
             done = engine.step()
             if done or time.monotonic() - last_sent > HEARTBEAT_S:
-                conn.send(("outputs", dp.rank, done, _stats(engine)))
+                outbox.send(("outputs", dp.rank, done, _stats(engine)))
                 last_sent = time.monotonic()
             if not dp.any_busy:
                 break
-        conn.send(("idle", dp.rank, [], _stats(engine)))
+        outbox.send(("idle", dp.rank, [], _stats(engine)))
 
 
-def _handle(engine, rank: int, msg, conn) -> bool:
+def _handle(engine, rank: int, msg, outbox: _Outbox) -> bool:
     """Apply one front message; False on close."""
     kind = msg[0]
     if kind == "close":
@@ -266,7 +293,7 @@ def _handle(engine, rank: int, msg, conn) -> bool:
             except ValueError as e:  # this request alone fails; the others and the world go on
                 failed.append(RequestOutput(rid, prompt, ids or [], [], RequestMetrics(0.0), error=str(e)))
         if failed:
-            conn.send(("outputs", rank, failed, _stats(engine)))
+            outbox.send(("outputs", rank, failed, _stats(engine)))
     elif kind == "abort":
         # Not abort_all: it waits for the forwards in flight, which the other ranks join only at
         # the next vote. The step loop settles them instead.
