@@ -8,6 +8,7 @@ and hold only half of the routed experts each.
 """
 
 import os
+import re
 import shutil
 import signal
 import time
@@ -143,15 +144,18 @@ def test_bad_requests_fail_alone(dp_sync, reference):
     got = dp_sync.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)
     assert "temperature" in got[2].error and not got[2].outputs
     assert_same(got[:2] + got[3:], reference["greedy"][:2] + reference["greedy"][3:])
-    # ... and on the rank that got it (the engine API does not check the ids before sending).
+    # ... and by the engine API, which runs the checks of one engine's add_request before queueing
     engine = dp_sync.engine
     for i in range(len(PROMPTS)):
         engine.add_request(f"ok{i}", None, GREEDY[i], prompt_token_ids=PROMPTS[i])
-    engine.add_request("bad", None, GREEDY[0], prompt_token_ids=[1, 100_000])
+    with pytest.raises(ValueError, match=r"prompt_token_ids must be in \[0, 512\)"):
+        engine.add_request("bad", None, GREEDY[0], prompt_token_ids=[1, 100_000])
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("ok1", None, GREEDY[0], prompt_token_ids=PROMPTS[0])
     outs = {}
     while engine.has_unfinished_requests():
         outs.update((o.request_id, o) for o in engine.step())
-    assert "prompt_token_ids must be in [0, 512)" in outs["bad"].error
+    assert sorted(outs) == [f"ok{i}" for i in range(len(PROMPTS))]
     assert_same([outs[f"ok{i}"] for i in range(len(PROMPTS))], reference["greedy"])
 
 
@@ -197,6 +201,28 @@ def test_dp2_without_ep_and_a_crashed_rank_raises_in_the_front(micro_checkpoint,
             llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=GREEDY[0], use_tqdm=False)
     finally:
         llm.close()
+
+
+def test_structured_sampled_and_bad_grammar_requests_under_async_dp(real_vocab_checkpoint):
+    # Structured rows take the async loop's reconcile path; the bad grammar is refused in the front
+    # before it draws seeds, so the sampled requests after it get the single-process seeds.
+    regex = {"schema_type": "regex", "schema": "[a-z ]{3,12}"}
+    bad = {"schema_type": "regex", "schema": "(?=lookahead)x"}
+    so = [regex, None, bad, None, regex]
+    params = [
+        SamplingParams(temperature=0.7, max_tokens=8, so_args=so[i], n=2 if i == 1 else 1, logprobs=1)
+        for i in range(len(PROMPTS))
+    ]
+    with LLM(str(real_vocab_checkpoint)) as llm:
+        want = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)
+    with LLM(
+        str(real_vocab_checkpoint), data_parallel_size=2, expert_parallel_size=2, distributed_timeout=60
+    ) as llm:
+        got = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)
+    assert "lookahead" in got[2].error and "lookahead" in want[2].error
+    assert_same(got[:2] + got[3:], want[:2] + want[3:])
+    for i in (0, 4):
+        assert re.fullmatch("[a-z ]{3,12}", got[i].outputs[0].text), got[i].outputs[0].text
 
 
 def test_a_rank_that_fails_to_start_reports_its_traceback(micro_checkpoint, tmp_path):

@@ -46,12 +46,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from deepinfer_model.models.deepseek_v41.yoco import check_prompt_logprobs
 
 from ..default_model import resolve_model
 from ..engine_args import EngineArgs
 from ..outputs import RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
 from ..tokenizer import load_tokenizer, load_tokenizer_config
+from .structured import StructuredOutputs
+from .truncation import settings_from_env
 
 logger = logging.getLogger("deepinfer")
 
@@ -373,6 +376,8 @@ class DataParallelEngine:
         self._ready: deque[RequestOutput] = deque()
         self._failed: str | None = None
         self._last_heard = time.monotonic()  # last message from any rank (or dispatch to them)
+        self._tokenizer_dir = tok_path
+        self._structured = None  # StructuredOutputs, built on the first so_args request
         self._dir = tempfile.mkdtemp(prefix="deepinfer-dp-")
         child_args = dataclasses.replace(args, model=str(self.model_path))
         ctx = mp.get_context("spawn")
@@ -409,15 +414,22 @@ class DataParallelEngine:
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue one request for the next `step()` (its checks run on the rank; a failure comes back
-        as that request's `error`)."""
+        """Queue one request for the next `step()`. Raises ValueError for what one engine's
+        `add_request` rejects before drawing the request's seeds (so the seed stream stays the
+        single-process one); anything the rank rejects later comes back as that request's `error`."""
         self._check_usable()
         if request_id in self._outstanding or any(r[0] == request_id for r in self._pending):
             raise ValueError(f"request_id {request_id!r} is already in use")
+        check_prompt_logprobs(settings_from_env(), params.prompt_logprobs)  # YoCo truncation refuses them
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("either prompt or prompt_token_ids must be given")
             prompt_token_ids = self.encode(prompt)
+        self.validate_prompt(prompt_token_ids)
+        if params.so_args is not None:  # compiled here too: a bad grammar fails before any seed is drawn
+            if self._structured is None:
+                self._structured = StructuredOutputs(self._tokenizer_dir, self.vocab_size, self.eos_token_id)
+            self._structured.new_state(params.so_args)
         # Seeds of requests without seq_seed come from one stream in arrival order, as in one engine,
         # so a sampled run does not depend on the number of ranks.
         seeds = None
@@ -474,6 +486,9 @@ class DataParallelEngine:
             conn.close()
         self._conns, self._procs = [], []
         shutil.rmtree(self._dir, ignore_errors=True)
+        if self._structured is not None:
+            self._structured.close()
+            self._structured = None
         if self._failed is None:
             self._failed = "the data-parallel engine is closed"
 
