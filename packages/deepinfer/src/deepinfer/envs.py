@@ -110,6 +110,13 @@ _VARS = [
     EnvVar("DEEPINFER_SAMPLER_FORCE_TOPK", int, 0, "sample only among the top-K logits", False),
     EnvVar("DEEPINFER_COMPUTE_SUM_SMALLER_PROBS", _bool, False, "extra sampler statistic", False),
     EnvVar("DEEPINFER_XGRAMMAR_TIMEOUT", float, 20.0, "grammar compile timeout (s)", False),
+    EnvVar(
+        "DEEPINFER_EP_BACKEND",
+        str,
+        "auto",
+        "MoE dispatch / combine under expert parallelism: auto (DeepEP on CUDA when deep_ep imports, else "
+        "torch), torch (all-to-all; exact), deepep",
+    ),
     EnvVar("DEEPINFER_ENFORCE_EAGER", _bool, False, "disable the decode CUDA graphs (CUDA devices)"),
     EnvVar(
         "DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL",

@@ -152,6 +152,35 @@ class DataParallelRank:
         model.moe_fn = self.collectives
         return model
 
+    def attach_deepep(self, max_tokens: int, backend: str) -> bool:
+        """Route the EP MoE's dispatch / combine through DeepEP (``backend``: auto / torch / deepep, from
+        $DEEPINFER_EP_BACKEND). auto takes DeepEP on CUDA when `deep_ep` imports; the torch all-to-all
+        (exact) otherwise. ``max_tokens``: the most tokens one forward of this rank can carry."""
+        import deepinfer_parallel as par
+
+        if backend not in ("auto", "torch", "deepep"):
+            raise ValueError(f"DEEPINFER_EP_BACKEND must be auto, torch or deepep, got {backend!r}")
+        if self.collectives is None or backend == "torch":
+            return False
+        usable = self.device.type == "cuda" and par.deep_ep_available()
+        if backend == "deepep" and not usable:
+            raise ValueError("DEEPINFER_EP_BACKEND=deepep needs a CUDA device and an importable deep_ep")
+        if not usable:
+            return False
+        moe = self.collectives.moe
+        cfg = moe.config
+        moe.deepep = par.DeepEPDispatcher(
+            self.state.ep.group, cfg.hidden_size, moe.top_k, moe.layout.num_physical, max_tokens
+        )
+        return True
+
+    def close(self) -> None:
+        """Release the DeepEP buffer (before the process groups go away)."""
+        moe = self.collectives.moe if self.collectives is not None else None
+        if moe is not None and moe.deepep is not None:
+            moe.deepep.destroy()
+            moe.deepep = None
+
     def agree(self, busy: bool, launching: int, idle_inline: bool, run_idle, submit_idle=None) -> None:
         """The step's vote. `busy`: this rank has requests or forwards in flight; `launching`: real
         forwards it will run inline right after (sync loop: 0 or 1; the async loop counts its launches
@@ -205,7 +234,7 @@ class _Outbox:
 def _rank_main(rank: int, world: int, init_file: str, args: EngineArgs, conn, timeout_s: float) -> None:
     """Entry point of one DP rank's process: build the engine, then serve the front's messages."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front, which aborts by message
-    engine = None
+    engine = dp = None
     outbox = _Outbox(conn)
     try:
         from deepinfer_parallel import init_parallel
@@ -251,6 +280,9 @@ def _rank_main(rank: int, world: int, init_file: str, args: EngineArgs, conn, ti
         if engine is not None:
             with contextlib.suppress(Exception):
                 engine.close()
+        if dp is not None:
+            with contextlib.suppress(Exception):
+                dp.close()
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()

@@ -148,6 +148,10 @@ class LLMEngine:
             raise ValueError(f"max_model_len must be <= the model's max_position_embeddings ({model_limit})")
         self.max_num_batched_tokens = args.max_num_batched_tokens or max(self.max_model_len, 4096)
         nextn = self._resolve_nextn(num_speculative_tokens, drafter)
+        if dp is not None:  # a forward carries at most the token budget, or every sequence's verify rows
+            dp.attach_deepep(
+                max(self.max_num_batched_tokens, args.max_num_seqs * (1 + nextn)), envs.DEEPINFER_EP_BACKEND
+            )
         # YoCo truncation: checked here (V4.1 split, KEEP >= W + B) before anything is allocated.
         self.truncation = Truncation(settings_from_env(), self.model, nextn)
         blocks_per_seq = -(-self.max_model_len // args.block_size)
