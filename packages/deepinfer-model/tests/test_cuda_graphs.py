@@ -16,6 +16,7 @@ from deepinfer_model.runtime.cuda_graphs import (
     build_graph_batch_sizes,
     decode_graph_settings,
 )
+from deepinfer_model.runtime.pools import PagedKVCache
 from deepinfer_model.testing.no_sync import HostSyncError, count_ops, no_host_sync
 
 BLOCK, NUM_BLOCKS, MAX_CTX = 4, 96, 128
@@ -58,9 +59,11 @@ def test_settings_only_on_cuda_and_not_when_eager():
 class Pair:
     """The same steps through an eager runner and a static-decode runner (no capture: CPU)."""
 
-    def __init__(self, model, max_batch=8, interval=4, seed=0):
+    def __init__(self, model, max_batch=8, interval=4, seed=0, max_query_len=1):
         self.eager = PagedRunner(model, NUM_BLOCKS, BLOCK)
-        settings = DecodeGraphSettings(max_batch, MAX_CTX, interval, capture=False)
+        settings = DecodeGraphSettings(
+            max_batch, MAX_CTX, interval, capture=False, max_query_len=max_query_len
+        )
         self.static = PagedRunner(model, NUM_BLOCKS, BLOCK, decode_graphs=settings)
         self.rng = np.random.default_rng(seed)
         self.free = [int(b) for b in self.rng.permutation(NUM_BLOCKS)]
@@ -76,18 +79,41 @@ class Pair:
         self.seqs.append(seq)
         return seq
 
-    def step(self, seqs, qlens):
+    def batch(self, seqs, qlens, llens=None):
         for s, q in zip(seqs, qlens):
             while len(s["table"]) * BLOCK < s["n"] + q:
                 s["table"].append(self.free.pop())
-        batch = RunnerBatch(
+        return RunnerBatch(
             seq_ids=np.array([s["id"] for s in seqs]),
             start_positions=np.array([s["n"] for s in seqs]),
             query_lens=np.array(qlens),
             block_tables=[np.array(s["table"], dtype=np.int32) for s in seqs],
             input_ids=np.array([t for s, q in zip(seqs, qlens) for t in s["tokens"][s["n"] : s["n"] + q]]),
-            logits_lens=np.ones(len(seqs), dtype=np.int64),
+            logits_lens=np.ones(len(seqs), dtype=np.int64) if llens is None else np.array(llens),
         )
+
+    def verify(self, seqs, ks):
+        """A verification step: sequence i feeds its next token and ks[i] drafts (random ids: the runner
+        does not care whether they will be accepted), logits for all 1 + k rows. Then a random number
+        a <= k of them is 'accepted': the sequence keeps them plus the target's token after the last
+        accepted one (its argmax), and the rejected rows' cache slots are rewritten by the next step."""
+        for s, k in zip(seqs, ks):
+            s["tokens"] = s["tokens"][: s["n"] + 1] + [int(t) for t in self.rng.integers(3, 256, k)]
+        qlens = [1 + k for k in ks]
+        batch = self.batch(seqs, qlens, qlens)
+        replays = self.static.graphs.replays
+        a, b = self.eager.execute(batch), self.static.execute(batch)
+        graphed = self.static.graphs.replays > replays
+        row = 0
+        for s, k in zip(seqs, ks):
+            acc = int(self.rng.integers(0, k + 1))
+            s["n"] += 1 + acc
+            s["tokens"] = s["tokens"][: s["n"]] + [int(torch.argmax(a[row + acc]))]
+            row += 1 + k
+        return a, b, graphed
+
+    def step(self, seqs, qlens):
+        batch = self.batch(seqs, qlens)
         replays = self.static.graphs.replays
         a, b = self.eager.execute(batch), self.static.execute(batch)
         graphed = self.static.graphs.replays > replays
@@ -306,3 +332,123 @@ def test_host_ops_per_decode_step(model):
     print(
         f"decode forward, 4 sequences: eager {eager.ops} ops / {eager.syncs} syncs; static {static.ops} ops"
     )
+
+
+NEXTN = 3
+
+
+def _run_verify(model, steps=6, seed=0):
+    """Verification steps (1 + k tokens per sequence, k in 0 .. NEXTN varying per sequence and step, a
+    random accepted prefix) through the eager and the static runner, over padded token buckets."""
+    pair = Pair(model, max_batch=4 * (1 + NEXTN), interval=4, seed=seed, max_query_len=1 + NEXTN)
+    seqs = [pair.add(n) for n in (5, 11, 3, 70, 8)]  # 70: candidate blocks restrict
+    _, _, graphed = pair.step(seqs, [len(s["tokens"]) for s in seqs])  # prefill: eager
+    assert not graphed
+    out, buckets = [], set()
+    for i in range(steps):
+        live = seqs[i % 2 : i % 2 + 4]
+        ks = [int(k) for k in pair.rng.integers(0, NEXTN + 1, len(live))]
+        if i == 0:
+            ks = [NEXTN] * len(live)  # the full bucket: 16 tokens
+        a, b, graphed = pair.verify(live, ks)
+        assert graphed, ks
+        buckets.add(pair.static.graphs.select(sum(ks) + len(live)))
+        out.append((a, b))
+    assert pair.static.graphs.verify_replays == steps
+    # the drafter reads the draft_main keys the static step wrote (last accepted positions)
+    for k, s in enumerate(live):
+        last = s["n"] - 1
+        d_e = pair.eager.draft([s["tokens"][-1]], 2, seq_indices=[k], last_positions=[last])[0]
+        d_s = pair.static.draft([s["tokens"][-1]], 2, seq_indices=[k], last_positions=[last])[0]
+        assert torch.equal(d_e.tokens, d_s.tokens) and torch.equal(d_e.logits, d_s.logits)
+    # a step with a long prefill chunk runs eagerly and sees every static step's cache writes
+    extra = pair.add(7)
+    a, b, graphed = pair.step([seqs[0], extra], [1, 7])
+    assert not graphed
+    out.append((a, b))
+    return pair, out, buckets
+
+
+def test_static_verify_equals_eager_bitwise(model):
+    """Exact mode, FP32: every verification step's logits (all 1 + k rows of every sequence) equal the
+    eager paged step's bit for bit, over several padded buckets and accepted lengths."""
+    _, out, buckets = _run_verify(model)
+    assert len(buckets) >= 2 and 16 in buckets
+    for a, b in out:
+        assert torch.equal(a, b)
+
+
+def test_static_verify_equals_eager_engine_numerics(engine_numerics):
+    _, out, _ = _run_verify(engine_numerics, steps=4, seed=1)
+    for a, b in out:
+        assert torch.equal(a, b)
+
+
+def test_static_verify_makes_no_host_sync(model):
+    """A verification step's static forward under `no_host_sync`; its eager counterpart trips it."""
+    pair, _, _ = _run_verify(model, steps=1)
+    seqs = pair.seqs[:3]
+    for s in seqs:
+        s["tokens"] = s["tokens"][: s["n"] + 1] + [5, 6, 7]
+    batch = pair.batch(seqs, [4, 2, 3], [4, 2, 3])
+    from deepinfer_model.runtime.metadata import StepMetadata
+
+    meta = StepMetadata.build(batch, BLOCK, NUM_BLOCKS, vocab_size=256)
+    g = pair.static.graphs
+    assert g.problem(meta) is None
+    b = g.select(9)
+    g._fill(b, meta, batch.input_ids)
+    with no_host_sync():
+        static = g.forward(pair.static.model, g.metas[b], pair.static.cache)[:9]
+    assert torch.equal(static, pair.eager.execute(batch))
+    with pytest.raises(HostSyncError):
+        with no_host_sync():
+            pair.eager.execute(batch)
+
+
+def test_verify_eligibility():
+    """Steps whose sequences feed more than max_query_len tokens, or exceed the largest bucket, run eagerly;
+    the engine's settings size the buckets by max_num_seqs x (1 + nextn)."""
+    s = decode_graph_settings("cuda", 8, 64, nextn=5)
+    assert (s.max_batch_size, s.max_query_len) == (48, 6)
+    assert build_graph_batch_sizes(s.max_batch_size, s.interval) == [1, 2, 4, 8, 16, 24, 32, 40, 48]
+    with pytest.raises(ValueError, match="nextn"):
+        decode_graph_settings("cuda", 8, 64, nextn=-1)
+    with pytest.raises(ValueError, match="max_query_len"):
+        DecodeGraphSettings(4, 64, max_query_len=5)
+
+
+def test_verify_ineligible_steps(model):
+    pair = Pair(model, max_batch=6, interval=2, max_query_len=3)
+    seqs = [pair.add(4) for _ in range(3)]
+    pair.step(seqs, [4, 4, 4])
+    a, b, graphed = pair.verify(seqs, [3, 0, 0])  # 4 tokens for one sequence > max_query_len 3
+    assert not graphed and torch.equal(a, b)
+    a, b, graphed = pair.verify(seqs, [2, 2, 1])  # 8 tokens > the largest bucket 6
+    assert not graphed and torch.equal(a, b)
+    a, b, graphed = pair.verify(seqs, [2, 1, 0])  # 6 tokens: the largest bucket, unpadded
+    assert graphed and torch.equal(a, b)
+
+
+def test_static_step_reads_only_selected_entries(model, monkeypatch):
+    """Compressed keys: the static step gathers each row's top-k selected entries from the comp pools
+    ([rows, index_topk], whatever max_context is), where the eager step reads every entry of a sequence;
+    the logits stay bitwise equal. (The pool reads are recorded by wrapping `PagedKVCache.read`.)"""
+    pair, _, _ = _run_verify(model, steps=1)
+    seqs = pair.seqs[:4]  # contexts up to ~75 entries at ratio 1, index_topk 8
+    for s in seqs:
+        s["tokens"] = s["tokens"][: s["n"] + 1]
+    reads = {"eager": [], "static": []}
+    real_read = PagedKVCache.read
+
+    def recording(self, name, slots):
+        if name.startswith("comp."):
+            reads["static" if self is pair.static.cache else "eager"].append(tuple(slots.shape))
+        return real_read(self, name, slots)
+
+    monkeypatch.setattr(PagedKVCache, "read", recording)
+    a, b, graphed = pair.step(seqs, [1] * 4)
+    assert graphed and torch.equal(a, b)
+    topk = model.config.index_topk
+    assert reads["static"] and all(shape == (4, topk) for shape in reads["static"]), reads["static"]
+    assert max(shape[1] for shape in reads["eager"]) > 4 * topk  # eager: every entry of the group

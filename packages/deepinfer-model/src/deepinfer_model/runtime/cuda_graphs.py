@@ -1,16 +1,25 @@
-"""CUDA graphs for the paged runtime's decode step, one per token-count bucket (spec engine.md §3.5).
+"""CUDA graphs for the paged runtime's decode and verification steps, one per token-count bucket
+(spec engine.md §3.5).
 
-Decode is host-bound (thousands of small kernels per step), so each decode step of up to the largest
-bucket's token count replays a graph captured over the graph-safe forward
+Decode is host-bound (thousands of small kernels per step), so each decode or draft-verification step
+of up to the largest bucket's token count replays a graph captured over the graph-safe forward
 (`models.deepseek_v41.paged.v41_static_decode_forward`: no host sync, shapes fixed by the bucket).
-Prefill, mixed and verification steps, steps above the largest bucket or past `max_context`, and
-everything under `DEEPINFER_ENFORCE_EAGER=1` (read by the engine) run eagerly.
 
-Buckets are token counts (`build_graph_batch_sizes`). A step of n tokens replays the smallest bucket
-b >= n: rows n .. b-1 are placeholder sequences (token 0 at position 0, a block table holding only the
-reserved dummy block, which the scheduler never hands out), so they write the dummy block only, read
-only what they wrote, and no row's result depends on another row's values. The real rows' logits are
-rows 0 .. n-1 of the graph's output.
+The graph-safe step treats every packed query token as its own row: the token's id, position, write slot
+and its sequence's block table. A row reads its window keys and compressed entries from the pools after
+every row of the step has written its own, which is exactly what the eager step lets a query see (a
+query at p sees keys <= p). So one graph serves plain decode (one token per sequence) and verification
+(1 + k tokens per sequence: the last accepted token and k drafts, k varying per sequence) alike; a step
+qualifies when every sequence feeds at most `max_query_len` tokens (1 + nextn). Prefill chunks longer
+than that, steps above the largest bucket or past `max_context`, and everything under
+`DEEPINFER_ENFORCE_EAGER=1` (read by the engine) run eagerly.
+
+Buckets are token counts (`build_graph_batch_sizes`, max = max_num_seqs x (1 + nextn)). A step of n
+tokens replays the smallest bucket b >= n: rows n .. b-1 are placeholder sequences of one token each
+(token 0 at position 0, a block table holding only the reserved dummy block, which the scheduler never
+hands out), so they write the dummy block only, read only what they wrote, and no row's result depends
+on another row's values. The graph's output holds the logits of every row; the step returns the rows
+its `logits_rows` name (for verification: all 1 + k rows of every sequence), gathered after the replay.
 
 All graphs share one memory pool; they are captured largest first (the pool then fits every smaller
 one), each after a warm-up run on the capture stream (fills weight-conversion and kernel caches, which
@@ -61,16 +70,18 @@ def build_graph_batch_sizes(max_size: int, interval: int = DEFAULT_INTERVAL) -> 
 
 @dataclass(frozen=True)
 class DecodeGraphSettings:
-    """`max_batch_size`: tokens of the largest bucket (max_num_seqs x (1 + drafts) in the reference; only
-    one-token-per-sequence decode steps are graphed here). `max_context`: the longest context (tokens
-    after the step) a graphed step may have; the static step reads every compressed entry up to it, so
-    its cost follows `max_context`, not the step's contexts. `interval`: bucket step. `capture`: False
-    runs the static step eagerly (CPU tests)."""
+    """`max_batch_size`: tokens of the largest bucket (max_num_seqs x (1 + nextn)). `max_context`: the
+    longest context (tokens after the step) a graphed step may have; it sizes the block tables and the
+    index scores of the static step (the attention itself gathers only the top-k selected entries and
+    the window). `interval`: bucket step. `capture`: False runs the static step eagerly (CPU tests).
+    `max_query_len`: the most query tokens one sequence may feed in a graphed step (1 + nextn: a
+    verification step feeds the last accepted token and its drafts)."""
 
     max_batch_size: int
     max_context: int
     interval: int = DEFAULT_INTERVAL
     capture: bool = True
+    max_query_len: int = 1
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -79,6 +90,10 @@ class DecodeGraphSettings:
             raise ValueError(f"max_context must be >= 1, got {self.max_context}")
         if self.interval < 1:
             raise ValueError(f"interval must be >= 1, got {self.interval}")
+        if not 1 <= self.max_query_len <= self.max_batch_size:
+            raise ValueError(
+                f"max_query_len must lie in [1, max_batch_size={self.max_batch_size}], got {self.max_query_len}"
+            )
 
 
 def decode_graph_settings(
@@ -87,11 +102,17 @@ def decode_graph_settings(
     max_model_len: int,
     enforce_eager: bool = False,
     interval: int = DEFAULT_INTERVAL,
+    nextn: int = 0,
 ) -> DecodeGraphSettings | None:
-    """The engine's settings: graphs on CUDA devices unless `enforce_eager`; None (eager) elsewhere."""
+    """The engine's settings: graphs on CUDA devices unless `enforce_eager`; None (eager) elsewhere.
+    With `nextn` drafts per step, buckets go up to max_num_seqs x (1 + nextn) tokens and a sequence may
+    feed up to 1 + nextn of them (verification steps)."""
+    if int(nextn) != nextn or nextn < 0:
+        raise ValueError(f"nextn (drafts per step) must be an integer >= 0, got {nextn}")
     if enforce_eager or torch.device(device).type != "cuda":
         return None
-    return DecodeGraphSettings(max_num_seqs, max_model_len, interval)
+    q = 1 + int(nextn)
+    return DecodeGraphSettings(max_num_seqs * q, max_model_len, interval, max_query_len=q)
 
 
 class DecodeGraphRunner:
@@ -128,6 +149,7 @@ class DecodeGraphRunner:
         self.pool = None
         self.mode = None  # (numerics mode) the graphs were captured under
         self.replays = 0  # steps run through a bucket (graph replays, or static steps without capture)
+        self.verify_replays = 0  # those of them with a sequence feeding more than one token (drafts)
 
     def _meta(self, b: int) -> StaticDecodeMetadata:
         v = self.inputs[:b]
@@ -136,11 +158,11 @@ class DecodeGraphRunner:
     # ---------------------------------------------------------------------------------------------
     def problem(self, meta: StepMetadata) -> str | None:
         """Why the step `meta` must run eagerly (None: it replays a bucket)."""
-        n = len(meta.query_lens)
-        if n == 0 or np.any(meta.query_lens != 1):
-            return "not a decode step (one query token per sequence)"
-        if meta.host_logits_rows is None or not np.array_equal(meta.host_logits_rows, np.arange(n)):
-            return "a decode step needs logits for every sequence's token"
+        n = int(meta.offsets[-1])
+        if n == 0 or int(meta.query_lens.max()) > self.settings.max_query_len:
+            return f"not a decode / verification step (at most {self.settings.max_query_len} tokens per sequence)"
+        if meta.host_logits_rows is None:
+            return "the step's logits rows are not known on the host"
         if n > self.buckets[-1]:
             return f"{n} tokens > the largest bucket {self.buckets[-1]}"
         if int(meta.ends.max()) > self.settings.max_context:
@@ -169,29 +191,33 @@ class DecodeGraphRunner:
         buf[:, 2] = self.dummy_block * self.block_size
         buf[:, 3:] = self.dummy_block
         if meta is not None:
-            n = len(meta.query_lens)
+            n = int(meta.offsets[-1])
             buf[:n, 0] = np.asarray(input_ids, dtype=np.int64)
             buf[:n, 1] = meta.host_positions
             buf[:n, 2] = meta.host_write_slots
             cols = min(meta.tables.shape[1], self.max_blocks)
             t = meta.tables[:, :cols]
-            buf[:n, 3 : 3 + cols] = np.where(t >= 0, t, self.dummy_block)
+            seq_of = np.repeat(np.arange(len(meta.query_lens)), meta.query_lens)  # row -> its sequence
+            buf[:n, 3 : 3 + cols] = np.where(t >= 0, t, self.dummy_block)[seq_of]
         if host is not self.inputs:
             self.inputs[:b].copy_(host[:b], non_blocking=True)
             self._staged = torch.cuda.Event()
             self._staged.record()
 
     def run(self, meta: StepMetadata, input_ids) -> torch.Tensor:
-        """FP32 logits [n, vocab] of an eligible decode step (`problem(meta)` is None)."""
-        n = len(meta.query_lens)
+        """FP32 logits [len(meta.logits_rows), vocab] of an eligible step (`problem(meta)` is None): the
+        rows `meta.logits_rows` (packed token rows) of the bucket's output."""
+        n = int(meta.offsets[-1])
         b = self.select(n)
         self._fill(b, meta, input_ids)
         self.replays += 1
+        self.verify_replays += int(meta.query_lens.max()) > 1
         if b in self.graphs:
             graph, out = self.graphs[b]
             graph.replay()
-            return out[:n].clone()  # the next replay overwrites `out`
-        return self.forward(self.runner.model, self.metas[b], self.runner.cache)[:n]
+        else:
+            out = self.forward(self.runner.model, self.metas[b], self.runner.cache)
+        return out[meta.logits_rows]  # a gather: a copy (the next replay overwrites `out`)
 
     # ---------------------------------------------------------------------------------------------
     def capture(self) -> None:

@@ -172,14 +172,19 @@ def entries_per_block(block_size: int, ratio: int) -> int:
 
 
 class StaticDecodeMetadata(StepMetadata):
-    """Device-only metadata of a decode step (one query token per sequence), for the graph-safe forward.
+    """Device-only metadata of a decode or verification step for the graph-safe forward: one row per
+    query token (its id, position, write slot and its sequence's block table), every row attending as a
+    one-query sequence. The rows of a sequence that feeds 1 + k tokens (verification) are consecutive
+    rows with consecutive positions and the same table: a row at p reads keys <= p from the pools after
+    every row has written its own, which is what the eager step's query at p sees.
 
     Every tensor is a view of a static device buffer (`cuda_graphs.DecodeGraphRunner` fills it before a
     replay), so a CUDA graph captured over this metadata reads each step's values at fixed addresses.
     Nothing is planned on the host: the index tensors the paged attention asks `cached` for (window-key
-    slots, band masks, compressed-entry slots, the entries completed in the step) are computed on the
-    device from `positions` and `dev_tables`, with shapes fixed by the bucket size, the window and
-    `max_entries` instead of the step's context lengths. The host arrays of `StepMetadata` are None.
+    slots, band masks, compressed-entry validity and slots, the entries completed in the step) are
+    computed on the device from `positions` and `dev_tables`, with shapes fixed by the bucket size, the
+    window and `max_entries` instead of the step's context lengths. The host arrays of `StepMetadata`
+    are None.
 
     Rows may be placeholders (bucket padding): position 0, a block table of `dummy_block` only. A
     placeholder writes only the reserved dummy block and reads only what it wrote in the step.
@@ -233,7 +238,7 @@ class StaticDecodeMetadata(StepMetadata):
         return self._cache[key]
 
     def dev_token_slots(self, pos: torch.Tensor) -> torch.Tensor:
-        """Flat token slots of positions `pos` [N, ...] (row i: sequence i); blocks past the table read
+        """Flat token slots of positions `pos` [N, ...] (row i: row i's sequence); blocks past the table read
         the table's last column (only ever for values that are masked or written to the dummy slot)."""
         blk = torch.clamp(
             torch.div(pos, self.block_size, rounding_mode="floor"), max=self.dev_tables.shape[1] - 1
@@ -242,7 +247,7 @@ class StaticDecodeMetadata(StepMetadata):
         return self.dev_tables[rows, blk] * self.block_size + pos % self.block_size
 
     def dev_entry_slots(self, j: torch.Tensor, ratio: int) -> torch.Tensor:
-        """Flat entry-pool slots of entries `j` [N, ...] (row i: sequence i), as `entry_slots_of`."""
+        """Flat entry-pool slots of entries `j` [N, ...] (row i: row i's sequence), as `entry_slots_of`."""
         first = j * ratio
         per = entries_per_block(self.block_size, ratio)
         blk = torch.clamp(
@@ -259,7 +264,7 @@ class StaticDecodeMetadata(StepMetadata):
 
 
 def _static_swa(meta: StaticDecodeMetadata, _group: int, window: int, floor: bool):
-    """`groups._swa_index` for one query per sequence: the band of a single query is its window, columns
+    """`groups._swa_index` for one query per row: the band of a single query is its window, columns
     p - W + 1 .. p, clipped to [max(0, p - W + 1), p] (what the host planner computes for Q = 1)."""
     if floor:
         raise ValueError("the graph-safe decode step does not run YOCO truncation")
@@ -297,7 +302,9 @@ def _static_comp(meta: StaticDecodeMetadata, _group: int, ratio: int):
 def _static_new(meta: StaticDecodeMetadata, ratio: int):
     """`groups._new_entry_index` with a fixed shape: every query's current block j = p // ratio is
     compressed; a block that is not complete after this token (p + 1 not a multiple of the ratio) is
-    written to the dummy block's first entry slot instead of its own, which nothing reads as valid."""
+    written to the dummy block's first entry slot instead of its own, which nothing reads as valid.
+    With 1 + k rows per sequence, each block that completes in the step completes at exactly one row
+    (its last token), so every completed block is written once, as in the eager step."""
     p = meta.positions
     j = torch.div(p, ratio, rounding_mode="floor")
     own = meta.dev_entry_slots(j, ratio)

@@ -173,16 +173,16 @@ class LLMEngine:
             block_size=args.block_size,
             yoco=yoco,
             backtracking=self.truncation.backtracking,
-            # decode CUDA graphs (CUDA only; one-token decode steps: none to replay while drafting)
+            # decode / verification CUDA graphs (CUDA only): buckets up to max_num_seqs x (1 + nextn)
+            # tokens; the drafter itself runs eagerly
             decode_graphs=decode_graph_settings(
                 self.device,
                 args.max_num_seqs,
                 self.max_model_len,
                 # expert parallel: the all-to-alls have host-side split sizes, nothing to capture
-                enforce_eager=envs.DEEPINFER_ENFORCE_EAGER
-                or nextn > 0
-                or (dp is not None and dp.ep_size > 1),
+                enforce_eager=envs.DEEPINFER_ENFORCE_EAGER or (dp is not None and dp.ep_size > 1),
                 interval=envs.DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL,
+                nextn=nextn,
             ),
         )
         self._prompt_len_of: dict[int, int] = {}  # seq_id -> ORIGINAL prompt length, until released

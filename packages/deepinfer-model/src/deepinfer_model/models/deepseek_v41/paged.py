@@ -142,15 +142,34 @@ def _attention(
                 (n_tok, topo.candidate_topk_blocks), -1, dtype=torch.long, device=y.device
             )
     out = torch.empty(n_tok, cfg.num_attention_heads, cfg.head_dim, dtype=carrier(), device=y.device)
+    static = isinstance(qmeta, StaticDecodeMetadata)
     for g in groups:
         slots = g.slot_rows  # every (padded) query slot; padding duplicates its sequence's last query
         floor = None if yoco is None else yoco.rect_lo[g.seqs]
         window = swa_keys(cache, qmeta, g, f"swa.{layer}", cfg.sliding_window, floor)
         extra = None
         if ratio:
-            entries, valid = compressed_entries(cache, qmeta, g, f"comp.{topo.kv_source[layer]}", ratio)
-            n = entries.shape[1]
-            if index_source:
+            if static:  # the attention gathers the selected entries itself (below): no read of all of them
+                entries, valid = None, qmeta.cached(("comp", g.index, ratio), None)[2]
+            else:
+                entries, valid = compressed_entries(cache, qmeta, g, f"comp.{topo.kv_source[layer]}", ratio)
+            n = valid.shape[1]
+            if index_source and static and topo.restricted_to_candidates(layer):
+                ik_pool = f"index_k.{topo.index_k_source[layer]}"
+                st.selection[layer][slots] = _static_candidate_topk(
+                    cache,
+                    qmeta,
+                    g,
+                    ik_pool,
+                    ratio,
+                    qi,
+                    head_w,
+                    st.candidates[slots],
+                    topo,
+                    cfg.index_topk,
+                    act,
+                )
+            elif index_source:
                 ik = compressed_entries(cache, qmeta, g, f"index_k.{topo.index_k_source[layer]}", ratio)[0]
                 scores = round_to(grouped_index_scores(qi, ik, head_w, g, False, act), act)
                 allowed = valid
@@ -162,9 +181,57 @@ def _attention(
                         scores, valid, topo.candidate_block_size, topo.candidate_topk_blocks
                     )
             selected = st.selection[topo.index_source[layer]][slots]
-            extra = (entries, selected)  # attend gathers the selected entries only
+            if static:
+                extra = _static_selected(cache, qmeta, f"comp.{topo.kv_source[layer]}", ratio, selected)
+            else:
+                extra = (entries, selected)  # attend gathers the selected entries only
         out[g.packed_rows] = attend(q, window, g, w.attn.sinks, cfg.head_dim**-0.5, qmeta, extra, act)
     return project_output(round_to(out, act), w.attn, cfg.o_groups, cos, sin, act)
+
+
+def _static_selected(
+    cache: PagedKVCache, meta: StaticDecodeMetadata, pool: str, ratio: int, selected: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attend`'s `extra` for the graph-safe step, reading only the top-k selected entries of every row
+    (fixed shape [N, k, D]) from `pool` instead of every entry up to `max_context`: the picked entries
+    as each row's own entry list, and indices 0 .. k-1 into it (-1 kept). `attend` then gathers the same
+    values the eager step gathers from the full entry list; an unselected (-1) column is zero here (the
+    eager step re-reads entry 0 or its zero padding: either way finite, at zero probability)."""
+    none = selected < 0
+    slots = meta.dev_entry_slots(selected.clamp(min=0), ratio)  # [N, k]
+    picked = cache.read(pool, slots).masked_fill(none[..., None], 0.0)  # [N, k, D]
+    k = selected.shape[1]
+    own = torch.arange(k, device=selected.device).expand_as(selected)
+    return picked, torch.where(none, selected, own)
+
+
+def _static_candidate_topk(
+    cache: PagedKVCache,
+    meta: StaticDecodeMetadata,
+    g: Group,
+    pool: str,
+    ratio: int,
+    qi: torch.Tensor,
+    head_w: torch.Tensor,
+    candidates: torch.Tensor,
+    topo,
+    topk: int,
+    act: torch.dtype,
+) -> torch.Tensor:
+    """Top-k of an index source restricted to candidate blocks (spec v41-model §4.6), graph-safe and with
+    a fixed shape that follows the candidate capacity instead of `max_context`: each row gathers the
+    index keys of its candidate blocks only ([N, blocks x block_size], ascending entry ids), scores them
+    and maps the compact top-k back to entry ids. The eager step scores every entry and masks all but
+    the candidates' valid ones: the same scores of the same allowed entries, and ascending compact order
+    is ascending entry order, so the tie rule (lower index first) picks the same entries."""
+    block = topo.candidate_block_size
+    entry = (candidates.clamp(min=0)[:, :, None] * block + torch.arange(block, device=meta.device)).flatten(1)
+    klen = torch.div(meta.positions + 1, ratio, rounding_mode="floor")[:, None]
+    allowed = (candidates >= 0).repeat_interleave(block, dim=1) & (entry < klen)
+    keys = cache.read(pool, meta.dev_entry_slots(entry, ratio)).masked_fill(~allowed[..., None], 0.0)
+    scores = round_to(grouped_index_scores(qi, keys, head_w, g, False, act), act)
+    local = select_topk(scores, allowed, topk)
+    return torch.where(local >= 0, entry.gather(1, local.clamp(min=0)), local)
 
 
 def _stored_rows(qmeta: StepMetadata, yoco: YocoStep) -> torch.Tensor:
@@ -263,7 +330,8 @@ def v41_paged_forward(
 
 
 def _static_groups(meta: StaticDecodeMetadata) -> list[Group]:
-    """The one group of a decode step: every row is a sequence with one query (no padding slots)."""
+    """The one group of a static step: every row (query token) is a one-query sequence (no padding
+    slots); a verification step's 1 + k rows of a sequence read the same pools at their own positions."""
     rows = meta.rows_index
     n = rows.shape[0]
     qmask = torch.ones(n, 1, dtype=torch.bool, device=meta.device)
@@ -322,10 +390,12 @@ def static_decode_problem(model) -> str | None:
 def v41_static_decode_forward(
     model: DeepseekV41ForCausalLM, meta: StaticDecodeMetadata, cache: PagedKVCache
 ) -> torch.Tensor:
-    """The graph-safe decode step: FP32 logits [N, vocab], one row per sequence (one query token each),
-    with no host sync and every shape fixed by N, the block-table width and the model (CUDA-graph
+    """The graph-safe decode / verification step: FP32 logits [N, vocab], one row per query token, with
+    no host sync and every shape fixed by N, the block-table width and the model (CUDA-graph
     capturable). Equal to `v41_paged_forward` of the same step on every real row; placeholder rows
-    (`StaticDecodeMetadata`) write only the dummy block."""
+    (`StaticDecodeMetadata`) write only the dummy block. Sparse attention gathers only the top-k
+    selected compressed entries and the window; index sources restricted to candidate blocks score only
+    those blocks; the other index sources score every entry up to the block-table width."""
     meta.reset()
     if TOKEN_IDS in cache.pools:
         cache.write(TOKEN_IDS, meta.write_slots, meta.input_ids)

@@ -1,0 +1,91 @@
+"""Speculative decoding through the graph-safe static step (issue #13) on the CPU: the engine's tokens
+with drafting are identical whether decode / verification steps run the static step (the CUDA-graph
+path without capture, `DecodeGraphSettings(capture=False)`) or the eager paged step."""
+
+import dataclasses
+
+import pytest
+import torch
+from deepinfer import SamplingParams
+from deepinfer.engine import llm_engine
+from deepinfer.engine.drafting import Drafts, OracleDrafter
+from deepinfer.engine_args import EngineArgs
+from deepinfer_model.models.deepseek_v41 import make_v41_checkpoint
+from deepinfer_model.runtime.cuda_graphs import decode_graph_settings
+
+PROMPTS = [[0, 17, 99, 4, 250, 61, 8, 130], [5, 6, 7, 8], [100, 3, 42], [9, 9, 9, 9, 9, 1]]
+NEXTN = 3
+
+
+@pytest.fixture(scope="module")
+def v41(tmp_path_factory, share_loaded_models):
+    return make_v41_checkpoint(tmp_path_factory.mktemp("v41-static-verify"), seed=0)
+
+
+class PartlyWrongOracle:
+    """The target's greedy continuation with one draft replaced by a wrong token at a position that
+    varies with the sequence and step (or none): greedy verification then accepts 0 .. k drafts."""
+
+    def __init__(self, model) -> None:
+        self.oracle = OracleDrafter(model)
+        self.calls = 0
+
+    def propose(self, requests):
+        out = []
+        for req, d in zip(requests, self.oracle.propose(requests)):
+            self.calls += 1
+            wrong = (req.seq_id + self.calls) % (len(d.tokens) + 1)  # == len: all correct
+            tokens = list(d.tokens)
+            if wrong < len(tokens):
+                tokens[wrong] = (tokens[wrong] + 1) % 256
+            out.append(Drafts(tokens, d.confidences, d.probs))
+        return out
+
+
+def run(path, static: bool, monkeypatch, drafter=None, params=None):
+    if static:  # the engine's own settings for a CUDA device, run without capture on the CPU
+        real = decode_graph_settings
+
+        def settings(device, *args, **kw):
+            return dataclasses.replace(real("cuda", *args, **kw), capture=False)
+
+        monkeypatch.setattr(llm_engine, "decode_graph_settings", settings)
+    else:
+        monkeypatch.setattr(llm_engine, "decode_graph_settings", decode_graph_settings)
+    args = EngineArgs(model=str(path), block_size=16, max_model_len=64, max_num_seqs=4)
+    engine = llm_engine.LLMEngine(args, num_speculative_tokens=NEXTN)
+    if drafter is not None:
+        engine._spec.drafter = drafter(engine.model)
+    params = params or SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for j, prompt in enumerate(PROMPTS):
+        engine.add_request(str(j), None, params, prompt_token_ids=prompt)
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = o
+    graphs = engine.runner.graphs
+    accepted = dict(engine._spec.stats.summary())
+    engine.close()
+    return [outs[str(j)].outputs[0].token_ids for j in range(len(PROMPTS))], graphs, accepted
+
+
+@pytest.mark.parametrize("drafter", [None, PartlyWrongOracle], ids=["paged-drafter", "partly-wrong-oracle"])
+def test_engine_drafting_static_equals_eager(v41, drafter, monkeypatch):
+    torch.set_num_threads(1)
+    eager, g_eager, _ = run(v41, False, monkeypatch, drafter)
+    static, g, stats = run(v41, True, monkeypatch, drafter)
+    assert g_eager is None and g is not None
+    assert g.settings.max_batch_size == 4 * (1 + NEXTN) and g.settings.max_query_len == 1 + NEXTN
+    assert g.verify_replays > 0  # verification steps went through the static step
+    assert static == eager
+    if drafter is PartlyWrongOracle:
+        assert 0 < stats["accepted"] < stats["verified"], stats  # partial acceptance: rejected rows rewritten
+
+
+def test_engine_sampled_drafting_static_equals_eager(v41, monkeypatch):
+    torch.set_num_threads(1)
+    p = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=10, ignore_eos=True, seq_seed=5)
+    eager, _, _ = run(v41, False, monkeypatch, params=p)
+    static, g, _ = run(v41, True, monkeypatch, params=p)
+    assert g.verify_replays > 0
+    assert static == eager
