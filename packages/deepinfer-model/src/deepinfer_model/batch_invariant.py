@@ -62,6 +62,7 @@ KEY_TILE = 32  # key columns per attention tile (a multiple of every SIMD width:
 COL_PAD = 16  # weight columns of `row_gemm` padded to a multiple of this (an odd N changed row bits)
 DEVICE_BATCH = 16  # matrices per bmm call off the CPU (one problem shape -> one cuBLAS kernel)
 DENSE_FRACTION = 0.5  # attention plans seeing more of their tiles than this take the dense layout
+SCORE_COLS = 4  # `row_scores`: query rows (GEMM columns) padded to a multiple of this (odd counts differ)
 GATHER_CHUNK = 4096  # gathered tile products per bmm call in attention (bounds the gathered copies)
 
 
@@ -465,6 +466,57 @@ def _hull(flags: np.ndarray | None, n: int) -> tuple[int, int]:
     return (int(idx[0]), int(idx[-1]) + 1) if len(idx) else (0, 0)
 
 
+# Key tensors known to hold FP32-valued entries (read from an FP32 / BF16 / FP8 cache pool), marked by
+# the paged runtime where it reads them: checking every element costs as much as the fast paths save.
+_FP32_MARK = "_deepinfer_fp32_valued"
+
+
+def mark_fp32_valued(t: torch.Tensor) -> torch.Tensor:
+    """Mark `t` (returned) as holding only FP32-valued entries: the caller knows (e.g. it was read from an
+    FP32 or narrower cache pool). Derived tensors are not marked."""
+    setattr(t, _FP32_MARK, True)
+    return t
+
+
+def marked_fp32_valued(t: torch.Tensor) -> bool:
+    """Whether `t` itself was marked by `mark_fp32_valued`."""
+    return getattr(t, _FP32_MARK, False)
+
+
+def exact_scores_apply(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether `row_scores` may replace `tiled_scores` for q . keys: on the CPU, FP64, `keys` marked
+    FP32-valued and every value of `q` (small: checked here) FP32-valued."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.float64
+        and keys.dtype == torch.float64
+        and marked_fp32_valued(keys)
+        and _fp32_valued(q)
+    )
+
+
+def row_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """`tiled_scores(q, keys)` bit for bit, for FP32-valued q [B, R, D] and keys [B, S, D] on the CPU
+    (`exact_scores_apply`), as one NN bmm keys [S, D] @ q^T [D, R] per sequence: no padded row tiles, no
+    transposed key copy.
+
+    Why it is the same: a product of two FP32 values (24 significant bits each) is exact in FP64, and MKL's
+    FP64 GEMM sums exact products over K in one order whatever M and N are when both operands are
+    contiguous row-major (measured: [8, D] x [D, 32] tiles, [R, D] x [D, S] and [S, D] x [D, R] agree
+    bitwise for every even R = 2..64 and up to 1000, S = 32..1024, D = 64..576, 1 and 2 threads; an odd R,
+    a scalar column tail, and transposed operand layouts do not), so a (row, key) score is the same
+    function of the two vectors in either shape (tested: `test_row_scores_equal_the_tiled_scores`).
+    q's rows are therefore zero-padded to a multiple of `SCORE_COLS` columns."""
+    if keys.shape[1] % KEY_TILE:
+        raise ValueError(f"keys.shape[1] = {keys.shape[1]} must be a multiple of KEY_TILE = {KEY_TILE}")
+    b, r, d = q.shape
+    pad = (-r) % SCORE_COLS
+    q_t = q.new_zeros(b, d, r + pad)
+    q_t[:, :, :r] = q.transpose(1, 2)
+    out = torch.bmm(keys.contiguous(), q_t)  # [B, S, R + pad]
+    return (out if not pad else out[:, :, :r]).transpose(1, 2)
+
+
 def tiled_scores(
     q: torch.Tensor, keys: torch.Tensor, seen: np.ndarray | None = None, gather: bool = False
 ) -> torch.Tensor:
@@ -607,6 +659,9 @@ def sink_attention(
     if all_tiles:
         return _sink_attention_full(q, keys, visible, sinks, scale)
     bsz, m, nh, d = q.shape
+    if m == 1 and exact_scores_apply(q, keys):  # decode: one query per key set
+        vis = visible if visible is not None else plan.visible
+        return _one_query_attention(q, keys, vis, sinks, scale)
     if plan is None:
         plan = AttentionPlan(visible, nh)
     if plan.shape[:3] != (bsz, m, nh) or plan.shape[3] * KEY_TILE != keys.shape[1]:
@@ -649,6 +704,51 @@ def sink_attention(
     acc = acc.reshape(bsz, rt * TILE_ROWS, d + 1)[:, : m * nh].reshape(bsz, m, nh, d + 1)
     den = acc[..., d] + e_sink.reshape(bsz, rt * TILE_ROWS)[:, : m * nh].reshape(bsz, m, nh)
     return acc[..., :d] / den[..., None]
+
+
+def _one_query_attention(
+    q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`sink_attention` bit for bit for one query per key set (decode), q [B, 1, nh, D] and keys [B, S, D]
+    FP32-valued (`exact_scores_apply`), without the tile plan's padding, gathers and per-tile calls:
+
+    - scores: `row_scores` (one NN bmm, keys as rows; the same bits as the tiled score products);
+    - scale, mask, max, exp as in `_sink_attention_full`, on [B, S, nh] (S a multiple of `KEY_TILE`, so
+      every exp runs in whole SIMD vectors, as there);
+    - P.[K | 1]: the same fixed [TILE_ROWS, KEY_TILE] x [KEY_TILE, D + 1] products of contiguous tiles
+      (head h is row h % TILE_ROWS of row tile h // TILE_ROWS, as `_row_tiles` lays out a query's heads;
+      the other rows zero), all in one bmm, and the tile partials added in tile order from +0 (cumsum).
+    Tested against `_sink_attention_full` (`test_one_query_attention_is_the_tile_computation`)."""
+    bsz, _, nh, d = q.shape
+    s = keys.shape[1]
+    n_tiles = s // KEY_TILE
+    rt = -(-nh // TILE_ROWS)
+    sc = row_scores(q.reshape(bsz, nh, d), keys).transpose(1, 2) * scale  # [B, S, nh], contiguous
+    sc = sc.masked_fill_(~visible.reshape(bsz, s, 1), float("-inf"))
+    sink = sinks.to(q.device, torch.float64)
+    mx = torch.maximum(sc.amax(dim=1), sink)  # [B, nh] (max is exact in any order)
+    e = torch.exp(sc - mx[:, None, :])  # [B, S, nh]
+    # the sink's exp in a whole tile per sequence (columns past nh: exp(-inf) = 0, unused)
+    width = rt * TILE_ROWS * KEY_TILE
+    sk = q.new_full((bsz, width), float("-inf"), dtype=torch.float64)
+    sk[:, :nh] = sink
+    e_sink = torch.exp(sk - torch.cat((mx, mx.new_zeros(bsz, width - nh)), dim=1))[:, :nh]
+    # P tiles [B, T, Rt * 8, KT]: row h = head h, padding rows zero
+    pt = e.new_zeros(bsz, n_tiles, rt * TILE_ROWS, KEY_TILE)
+    pt[:, :, :nh] = e.view(bsz, n_tiles, KEY_TILE, nh).transpose(2, 3)
+    vals = torch.cat((keys, keys.new_ones(bsz, s, 1)), dim=-1).view(bsz, n_tiles, 1, KEY_TILE, d + 1)
+    if rt > 1:
+        vals = vals.expand(-1, -1, rt, -1, -1)
+    vals = vals.reshape(-1, KEY_TILE, d + 1)
+    part = bmm(pt.view(-1, TILE_ROWS, KEY_TILE), vals).view(bsz, n_tiles, rt * TILE_ROWS, d + 1)
+    if q.device.type == "cpu":  # a sequential sum from +0 in tile order (see `sink_attention`)
+        acc = torch.cumsum(part, dim=1)[:, -1, :nh]
+    else:
+        acc = part[:, 0, :nh]
+        for t in range(1, n_tiles):
+            acc = acc + part[:, t, :nh]
+    den = acc[..., d] + e_sink
+    return (acc[..., :d] / den[..., None]).view(bsz, 1, nh, d)
 
 
 def _sink_attention_full(

@@ -139,7 +139,17 @@ def swa_keys(
         # zero by the position actually read: padding columns re-read position hi - 1, which may lie
         # below the floor (never stored) even where the column's nominal position does not
         keys = keys.masked_fill(below, 0.0)
-    return WindowKeys(keys, window, visible, key, base, low)
+    return WindowKeys(_mark_pool_values(cache, pool, keys), window, visible, key, base, low)
+
+
+def _mark_pool_values(cache: PagedKVCache, pool: str, x: torch.Tensor) -> torch.Tensor:
+    """`x` (read from `pool`, zeros filled in) marked FP32-valued where the pool holds FP32 or narrower
+    floats: batch-invariant mode's exact-product score paths (`batch_invariant.row_scores`) need that and
+    checking every key would cost what they save."""
+    dtype = cache.pools[pool].dtype
+    if batch_invariant.enabled() and dtype.is_floating_point and dtype.itemsize <= 4:
+        batch_invariant.mark_fp32_valued(x)
+    return x
 
 
 def _swa_index(meta: StepMetadata, g: Group, window: int, floor: np.ndarray | None):
@@ -185,7 +195,7 @@ def compressed_entries(cache: PagedKVCache, meta: StepMetadata, g: Group, pool: 
     valid for a query at p iff j < (p + 1) // ratio (its block is complete). Padding entries are zero
     (a masked key must still be finite: attention multiplies it by a zero probability)."""
     slots, padding, valid = meta.cached(("comp", g.index, ratio), lambda: _entry_index(meta, g, ratio))
-    return cache.read(pool, slots).masked_fill(padding, 0.0), valid
+    return _mark_pool_values(cache, pool, cache.read(pool, slots).masked_fill(padding, 0.0)), valid
 
 
 def _entry_index(meta: StepMetadata, g: Group, ratio: int):
@@ -235,11 +245,17 @@ def attend(
         keys, visible = swa.keys, swa.visible
         if extra is not None:
             vis_e = extra[1] if extra[1].dtype == torch.bool else selection_mask(extra[1], extra[0].shape[1])
+            fp32 = batch_invariant.marked_fp32_valued(keys) and batch_invariant.marked_fp32_valued(extra[0])
             keys = torch.cat((keys, extra[0]), dim=1)
+            if fp32:
+                batch_invariant.mark_fp32_valued(keys)
             visible = torch.cat((visible, vis_e), dim=1)
         visible = visible.view(*gq, -1)
         plan = None
-        if extra is None or extra[1].dtype == torch.bool:
+        q_rows = q[g.rows]
+        if gq[1] == 1 and batch_invariant.exact_scores_apply(q_rows, keys):
+            pass  # decode: `sink_attention` takes its one-query path, which needs no tile plan
+        elif extra is None or extra[1].dtype == torch.bool:
             # which key tiles each row tile sees: the same for every layer with this window and these
             # entries, so planned once per step (the entry mask is kept in the entry, so its id is not
             # reused by another tensor while the entry lives)
@@ -250,7 +266,7 @@ def attend(
             )
             if extra is not None and held is not extra[1]:
                 plan = None
-        out = batch_invariant.sink_attention(q[g.rows], keys, visible, sinks, scale, plan=plan)
+        out = batch_invariant.sink_attention(q_rows, keys, visible, sinks, scale, plan=plan)
         return g.real(out.reshape(-1, *out.shape[2:]))
     if swa.visible is not None:
         raise ValueError("attend: window keys in the batch-invariant layout outside batch-invariant mode")
@@ -356,7 +372,9 @@ def grouped_index_scores(
     if batch_invariant.enabled():  # fixed-shape dot products (entries padded to whole tiles)
         gq = g.rows.shape
         flat = qi[g.rows].reshape(gq[0], -1, head_dim)
-        s = torch.relu(batch_invariant.tiled_scores(flat, keys).view(*gq, n_heads, -1))
+        exact = batch_invariant.exact_scores_apply(flat, keys)  # the same bits, without padded tiles
+        score = batch_invariant.row_scores if exact else batch_invariant.tiled_scores
+        s = torch.relu(score(flat, keys).view(*gq, n_heads, -1))
         return weighted(s, g.rows).reshape(-1, keys.shape[1])
     # query blocks, as in `attend`: a long chunk's [G, Q, n_i, n] scores would not fit
     nat = native()
