@@ -6,7 +6,8 @@
 # engine (data-parallel engine tests with DEEPINFER_DEVICE=cuda), bench (bench_multi_gpu.py on the medium
 # config: equality vs one GPU, skewed-routing decode with/without EPLB, CP prefill).
 # Single-GPU steps that need no kernel bundle (torch ops on CUDA; the tilelang / DeepGEMM kernels are
-# run_engine_suite.sh's): graphs (the CUDA-graph gpu tests, on GPU 1 beside the engine step), graphbench
+# run_engine_suite.sh's): graphs (the CUDA-graph gpu tests, on GPU 1 beside the engine step), enginecuda (the
+# engine's tests with DEEPINFER_DEVICE=cuda on GPU 1, beside the engine step), graphbench
 # (medium decode with decode CUDA graphs on GPU 0 and with DEEPINFER_ENFORCE_EAGER=1 on GPU 1, side by side).
 # Results: $OUT (device tool) or benchmarks/results; logs in multi_gpu_logs.tar.gz.
 set -uo pipefail
@@ -18,7 +19,7 @@ collect() {
   tar -C "$out" -czf "$final/multi_gpu_logs.tar.gz" --exclude='*.json' . 2>/dev/null
 }
 trap collect EXIT
-steps=${*:-deepep comm model graphs engine bench graphbench}
+steps=${*:-deepep comm model graphbench graphs enginecuda engine bench}
 has() { [[ " $steps " == *" $1 "* ]]; }
 export PYTHONUNBUFFERED=1 HOME=${HOME:-/root} LC_ALL=C
 t0=$(date +%s)
@@ -35,7 +36,7 @@ el "DeepEP: NCCL 2.32.3 + build"
 source benchmarks/gpu/setup_ep.sh || { echo "DeepEP setup failed" >&2; }
 cp "$DEEPINFER_SITE/build_deep_ep.log" "$out/" 2>/dev/null; head -5 "$out/build_deep_ep.log"
 export PYTHONPATH="/tmp/sched-site:${src}$PYTHONPATH"
-if has engine || has graphs || has graphbench; then
+if has engine || has graphs || has graphbench || has enginecuda; then
   el "building deepinfer-sched"
   python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/sched-site packages/deepinfer-sched > "$out/sched_build.log" 2>&1 \
     || tail -20 "$out/sched_build.log"
@@ -64,7 +65,7 @@ if has graphbench; then
   dec="--model $medium --max-model-len 1024 --decode-context 128 --device cuda --dtype bfloat16 --batches 1,8,64 --nextn 0 --measure-steps 6 --no-progress --results-dir $out"
   for mode in graphs eager; do
     gpu=$([ $mode = graphs ] && echo 0 || echo 1); eager=$([ $mode = eager ] && echo 1 || echo 0)
-    CUDA_VISIBLE_DEVICES=$gpu DEEPINFER_ENFORCE_EAGER=$eager DEEPINFER_NUMERICS=native timeout "${GRAPH_BENCH_LIMIT_S:-240}" \
+    CUDA_VISIBLE_DEVICES=$gpu DEEPINFER_ENFORCE_EAGER=$eager DEEPINFER_CUDAGRAPH_CAPTURE_ALL=1 DEEPINFER_NUMERICS=native timeout "${GRAPH_BENCH_LIMIT_S:-240}" \
       python3 -m deepinfer.cli bench decode $dec --name bench_medium_gpu_decode_$mode > "$out/bench_decode_$mode.log" 2>&1 &
   done
   wait; for mode in graphs eager; do echo "== $mode"; tail -10 "$out/bench_decode_$mode.log"; done; collect
@@ -75,6 +76,12 @@ if has graphs; then  # in the background on GPU 1, beside the engine step
       packages/deepinfer-model/tests/test_cuda_graphs.py --junitxml "$out/graphs_tests.xml" > "$out/graphs_tests.log" 2>&1 ) &
   graphs_pid=$!
 fi
+if has enginecuda; then  # the whole engine test suite on GPU 1 (decode CUDA graphs on by default now)
+  ( CUDA_VISIBLE_DEVICES=1 DEEPINFER_DEVICE=cuda timeout "$lim" python3 -m pytest -q -p no:cacheprovider -n 6 \
+      -m "not slow and not long_context and not distributed" packages/deepinfer/tests --junitxml "$out/engine_cuda.xml" \
+      > "$out/engine_cuda.log" 2>&1 ) &
+  engine_cuda_pid=$!
+fi
 if has engine; then
   el "tests: data-parallel engine on cuda"
   # torch all-to-all + batch-invariant mode: the DP ranks' batches differ from the single engine's, so bitwise
@@ -83,6 +90,7 @@ if has engine; then
   tail -8 "$out/engine_dp.log"
 fi
 if has graphs; then wait "$graphs_pid"; echo "== graphs"; tail -6 "$out/graphs_tests.log"; fi
+if has enginecuda; then wait "$engine_cuda_pid"; echo "== engine tests on cuda"; tail -12 "$out/engine_cuda.log"; fi
 if has bench; then
   wait "$medium_pid" 2>/dev/null
   el "bench: medium EP=2 / EPLB / CP=2 vs one GPU"

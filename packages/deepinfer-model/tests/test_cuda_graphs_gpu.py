@@ -76,8 +76,10 @@ def test_graph_replay_equals_eager(path, native, monkeypatch):
     static = PagedRunner(
         model, NUM_BLOCKS, BLOCK, decode_graphs=DecodeGraphSettings(8, MAX_CTX, 4, capture=False)
     )
-    graphs = PagedRunner(model, NUM_BLOCKS, BLOCK, decode_graphs=DecodeGraphSettings(8, MAX_CTX, 4))
-    assert sorted(graphs.graphs.graphs) == [1, 2, 4, 8]
+    graphs = PagedRunner(
+        model, NUM_BLOCKS, BLOCK, decode_graphs=DecodeGraphSettings(8, MAX_CTX, 4, capture_all=True)
+    )
+    assert sorted(graphs.graphs.graphs) == [1, 2, 4, 8]  # every bucket at start
     results = _drive([eager, static, graphs])
     assert graphs.graphs.replays == len(SIZES)
     bitwise = 0
@@ -156,9 +158,10 @@ def test_verify_graph_replay_equals_eager(path, native, monkeypatch):
         model, NUM_BLOCKS, BLOCK, decode_graphs=DecodeGraphSettings(16, MAX_CTX, 4, capture=False, **kw)
     )
     graphs = PagedRunner(model, NUM_BLOCKS, BLOCK, decode_graphs=DecodeGraphSettings(16, MAX_CTX, 4, **kw))
-    assert sorted(graphs.graphs.graphs) == [1, 2, 4, 8, 12, 16]
+    assert not graphs.graphs.graphs  # default: each bucket is captured on its first use
     results = _drive_verify([eager, static, graphs])
     assert graphs.graphs.verify_replays == len(VERIFY_KS)
+    assert set(graphs.graphs.graphs) == {graphs.graphs.select(sum(ks) + len(ks)) for ks in VERIFY_KS}
     for ks, (a, s, g) in zip(VERIFY_KS, results):
         assert g.shape == (sum(ks) + len(ks), model.config.vocab_size)
         assert torch.equal(g, s), f"graph replay != static step without graph, drafts {ks}"

@@ -119,6 +119,12 @@ _VARS = [
     ),
     EnvVar("DEEPINFER_ENFORCE_EAGER", _bool, False, "disable the decode CUDA graphs (CUDA devices)"),
     EnvVar(
+        "DEEPINFER_CUDAGRAPH_CAPTURE_ALL",
+        _bool,
+        False,
+        "capture every decode CUDA-graph bucket at start (default: each bucket on its first use)",
+    ),
+    EnvVar(
         "DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL",
         int,
         8,

@@ -75,13 +75,17 @@ class DecodeGraphSettings:
     index scores of the static step (the attention itself gathers only the top-k selected entries and
     the window). `interval`: bucket step. `capture`: False runs the static step eagerly (CPU tests).
     `max_query_len`: the most query tokens one sequence may feed in a graphed step (1 + nextn: a
-    verification step feeds the last accepted token and its drafts)."""
+    verification step feeds the last accepted token and its drafts). `capture_all`: capture every bucket
+    at start (the reference's warm-up); False (default) captures a bucket the first time a step needs it:
+    with drafting the bucket list reaches max_num_seqs x (1 + nextn) tokens (195 buckets at 256 x 6),
+    most of which a given workload never uses."""
 
     max_batch_size: int
     max_context: int
     interval: int = DEFAULT_INTERVAL
     capture: bool = True
     max_query_len: int = 1
+    capture_all: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -103,6 +107,7 @@ def decode_graph_settings(
     enforce_eager: bool = False,
     interval: int = DEFAULT_INTERVAL,
     nextn: int = 0,
+    capture_all: bool = False,
 ) -> DecodeGraphSettings | None:
     """The engine's settings: graphs on CUDA devices unless `enforce_eager`; None (eager) elsewhere.
     With `nextn` drafts per step, buckets go up to max_num_seqs x (1 + nextn) tokens and a sequence may
@@ -112,7 +117,9 @@ def decode_graph_settings(
     if enforce_eager or torch.device(device).type != "cuda":
         return None
     q = 1 + int(nextn)
-    return DecodeGraphSettings(max_num_seqs * q, max_model_len, interval, max_query_len=q)
+    return DecodeGraphSettings(
+        max_num_seqs * q, max_model_len, interval, max_query_len=q, capture_all=capture_all
+    )
 
 
 class DecodeGraphRunner:
@@ -209,6 +216,8 @@ class DecodeGraphRunner:
         rows `meta.logits_rows` (packed token rows) of the bucket's output."""
         n = int(meta.offsets[-1])
         b = self.select(n)
+        if self.settings.capture and b not in self.graphs:
+            self._capture_bucket(b)  # first use of this bucket (fills placeholder rows: before `_fill`)
         self._fill(b, meta, input_ids)
         self.replays += 1
         self.verify_replays += int(meta.query_lens.max()) > 1
@@ -221,27 +230,15 @@ class DecodeGraphRunner:
 
     # ---------------------------------------------------------------------------------------------
     def capture(self) -> None:
-        """Capture one graph per bucket, largest first, in one shared pool (CUDA only)."""
-        if not self.settings.capture:
+        """At start: capture every bucket, largest first, in one shared pool (CUDA, `capture_all`);
+        otherwise buckets are captured on first use by `run`."""
+        if not (self.settings.capture and self.settings.capture_all):
             return
         import time
 
         t0 = time.perf_counter()
-        self.mode = numerics.mode()
-        self.pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
-        model, cache = self.runner.model, self.runner.cache
         for b in reversed(self.buckets):
-            self._fill(b, None, None)
-            meta = self.metas[b]
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):  # warm-up: caches that allocate fill before capture
-                self.forward(model, meta, cache)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                out = self.forward(model, meta, cache)
-            self.graphs[b] = (graph, out)
+            self._capture_bucket(b)
         torch.cuda.synchronize(self.device)
         log.info(
             "captured %d decode CUDA graphs (buckets %s, max_context %d) in %.1f s",
@@ -250,6 +247,27 @@ class DecodeGraphRunner:
             self.settings.max_context,
             time.perf_counter() - t0,
         )
+
+    def _capture_bucket(self, b: int) -> None:
+        """Warm up on the capture stream (caches that allocate fill first), then capture bucket `b`
+        into the shared pool."""
+        if self.pool is None:
+            self.mode = numerics.mode()
+            self.pool = torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream(self.device)
+        stream, model, cache = self._stream, self.runner.model, self.runner.cache
+        self._fill(b, None, None)
+        meta = self.metas[b]
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self.forward(model, meta, cache)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a bucket captured on first use may be captured while another thread of the engine
+        # (async loop, structured-output masks) issues its own CUDA work, which "global" mode forbids
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
+            out = self.forward(model, meta, cache)
+        self.graphs[b] = (graph, out)
 
     def destroy(self) -> None:
         """Free the graphs and their pool (required before destroying process groups)."""

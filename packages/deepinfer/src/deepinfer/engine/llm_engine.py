@@ -182,6 +182,7 @@ class LLMEngine:
                 # expert parallel: the all-to-alls have host-side split sizes, nothing to capture
                 enforce_eager=envs.DEEPINFER_ENFORCE_EAGER or (dp is not None and dp.ep_size > 1),
                 interval=envs.DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL,
+                capture_all=envs.DEEPINFER_CUDAGRAPH_CAPTURE_ALL,
                 nextn=nextn,
             ),
         )
