@@ -14,7 +14,7 @@ cp "$work"/nvidia/nccl/lib/libnccl_device.* "$work/pkg/nccl/lib/"
 python3 "$root/benchmarks/gpu/prune_fatbin.py" "$work/nvidia/nccl/lib/libnccl.so.2" "$work/pkg/nccl/lib/libnccl.so.2"
 strip --strip-debug "$work/pkg/nccl/lib/libnccl.so.2"
 tar -C "$work" -xJf "$root/.gpu/bundle.tar.xz" extra/deepinfer_ep-2.5.0.tar.gz $(tar -tJf "$root/.gpu/bundle.tar.xz" | grep '^extra/.*\.deb$') \
-  $(tar -tJf "$root/.gpu/bundle.tar.xz" | grep -E '^site/(xgrammar|pydantic|pydantic_core|annotated_types|typing_inspection)[^/]*/$')
+  $(tar -tJf "$root/.gpu/bundle.tar.xz" | grep -E '^site/(xgrammar|pydantic|pydantic_core|annotated_types|typing_inspection|tvm_ffi|apache_tvm_ffi|torch_c_dlpack_ext)[^/]*/$')
 mkdir -p "$work/pkg/extra" && mv "$work"/extra/* "$work/pkg/extra/"  # the sdist and elfutils headers (DeepJIT)
 mv "$work"/site/* "$work/pkg/site/"
 tar -C "$work/pkg" -cJf "$dst/ep.tar.xz" -T <(cd "$work/pkg" && ls)

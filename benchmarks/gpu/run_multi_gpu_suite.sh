@@ -29,7 +29,7 @@ medium=/tmp/medium-v41
 repo=$PWD
 src=$(ls -d "$repo"/packages/*/src | grep -v deepinfer-sched | tr '\n' ':')
 if { has bench || has graphbench; } && [ ! -f "$medium/config.json" ]; then  # kept on a warm machine
-  PYTHONPATH="${src}$PYTHONPATH" python3 benchmarks/gpu/make_medium_checkpoint.py "$medium" > "$out/medium_checkpoint.log" 2>&1 &
+  PYTHONPATH="${src}${PYTHONPATH:-}" python3 benchmarks/gpu/make_medium_checkpoint.py "$medium" > "$out/medium_checkpoint.log" 2>&1 &
   medium_pid=$!
 else medium_pid=; fi
 el "DeepEP: NCCL 2.32.3 + build"

@@ -52,7 +52,8 @@ def run(path, static: bool, monkeypatch, drafter=None, params=None):
         monkeypatch.setattr(llm_engine, "decode_graph_settings", settings)
     else:
         monkeypatch.setattr(llm_engine, "decode_graph_settings", decode_graph_settings)
-    args = EngineArgs(model=str(path), block_size=16, max_model_len=64, max_num_seqs=4)
+    # on the CPU whatever DEEPINFER_DEVICE says: the eager run must have no graphs, the static one no capture
+    args = EngineArgs(model=str(path), block_size=16, max_model_len=64, max_num_seqs=4, device="cpu")
     engine = llm_engine.LLMEngine(args, num_speculative_tokens=NEXTN)
     if drafter is not None:
         engine._spec.drafter = drafter(engine.model)

@@ -133,7 +133,7 @@ class DataParallelRank:
             cfg = DeepseekV41Config.from_file(path)
             extra = par.num_redundant_experts(cfg.n_routed_experts, self.ep_size)
             layout = par.RedundantExpertLayout(
-                cfg.n_routed_experts, extra, self.ep_size, cfg.num_hidden_layers
+                cfg.n_routed_experts, extra, self.ep_size, cfg.num_hidden_layers, device=device
             )
             # Draft blocks keep all their experts on every rank: drafting then needs no collective, so
             # ranks may draft different amounts (or not at all) in a step.
@@ -144,7 +144,7 @@ class DataParallelRank:
             cfg = model.config
             extra = par.num_redundant_experts(cfg.n_routed_experts, self.ep_size)
             layout = par.RedundantExpertLayout(
-                cfg.n_routed_experts, extra, self.ep_size, cfg.num_hidden_layers
+                cfg.n_routed_experts, extra, self.ep_size, cfg.num_hidden_layers, device=device
             )
             shard_experts(model.layers, layout, ep_rank)
             moe, blocks = ExpertParallelMoE(cfg, layout, group, model.dtype), model.layers
