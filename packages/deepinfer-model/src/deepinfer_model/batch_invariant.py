@@ -178,6 +178,10 @@ def _row_major(w_t: torch.Tensor) -> list[torch.Tensor]:
     """`_parts` of `w_t` (any float dtype; a view such as `weight.t()` or `experts.w1[e].t()`), cached per
     view of its owner."""
     owner = w_t._base if w_t._base is not None else w_t
+    if owner.is_inference():
+        # no version counter, so an in-place change (an EPLB weight shuffle) could not be seen: no cache
+        # (seen on 2 H200s: weights created under inference_mode in a data-parallel rank)
+        return _parts(w_t)
     if owner.numel() != w_t.numel() and _part_bytes.get(id(owner), 0) + 8 * w_t.numel() > PART_CACHE_BYTES:
         # a part of a larger tensor (one expert of a stack, taken anew per call) past the budget:
         # converted per call like `numerics.weight_fp64` does (FP64 copies of every expert of a large
