@@ -55,7 +55,9 @@ def dispatch(
     send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
     token_of_row = order // top_k
     rows = _all_to_all(hidden[token_of_row], send_splits, recv_splits, group)
-    slots = _all_to_all((flat[order] % slots_per_rank).unsqueeze(1), send_splits, recv_splits, group).squeeze(1)
+    slots = _all_to_all((flat[order] % slots_per_rank).unsqueeze(1), send_splits, recv_splits, group).squeeze(
+        1
+    )
     return rows, slots, AllToAllHandle(order, token_of_row, send_splits, recv_splits, group)
 
 
@@ -97,12 +99,23 @@ def dispatch_combine(
     physical = layout.physical_of(topk_ids, dist.get_rank(group))
     recv_hidden, recv_slot, handle = dispatch(hidden, physical, s, group)
 
-    recv_out = torch.zeros_like(recv_hidden)
+    # Rows grouped by local slot with one stable sort: each slot's rows are contiguous and in arrival
+    # order (the same matrix per slot as selecting them one slot at a time), and one host sync reads the
+    # per-slot counts (one per slot before: a host-bound step on a GPU).
+    by_slot = torch.argsort(recv_slot, stable=True)
     slot_rows = torch.bincount(recv_slot, minlength=s)
     if expert_count is not None:
         expert_count += slot_rows.to(expert_count.dtype)
-    for slot in torch.nonzero(slot_rows).flatten().tolist():
-        rows = torch.nonzero(recv_slot == slot).flatten()
-        recv_out[rows] = local_expert_fn(slot, recv_hidden[rows]).to(recv_out.dtype)
+    grouped = recv_hidden[by_slot]
+    grouped_out = torch.zeros_like(grouped)
+    start = 0
+    for slot, n in enumerate(slot_rows.tolist()):
+        if n:
+            grouped_out[start : start + n] = local_expert_fn(slot, grouped[start : start + n]).to(
+                grouped.dtype
+            )
+        start += n
+    recv_out = torch.empty_like(grouped_out)
+    recv_out[by_slot] = grouped_out
 
     return combine(recv_out, handle, topk_weights, hidden.shape[0]).to(hidden.dtype)

@@ -119,10 +119,11 @@ class ExpertParallelMoE:
         h, k = y.shape[1], ids.shape[1]
         rows = torch.cat((y.double(), weights.double(), ids.double()), dim=1)
         slot_base = self.ep_rank * self.layout.slots_per_rank
-        p2l = self.layout.phys_to_logical[layer]
+        # logical expert of each local slot, read once per layer (not one device read per slot)
+        p2l = self.layout.phys_to_logical[layer, slot_base : slot_base + self.layout.slots_per_rank].tolist()
 
         def local_expert(slot: int, x: torch.Tensor) -> torch.Tensor:
-            pick = x[:, h + k :] == int(p2l[slot_base + slot])  # the one choice naming this expert
+            pick = x[:, h + k :] == p2l[slot]  # the one choice naming this expert
             w = x[:, h : h + k][pick].unsqueeze(1)
             out = torch.zeros_like(x)
             out[:, :h] = linear(
@@ -147,7 +148,9 @@ class ExpertParallelMoE:
                 return linear(h * w, m.experts.w2[slot], self.act_dtype)
             return linear(h, m.experts.w2[slot], self.act_dtype) * w
 
-        return self.deepep.dispatch_combine(y, ids, weights, expert, self.layout.layer(layer), count).to(y.dtype)
+        return self.deepep.dispatch_combine(y, ids, weights, expert, self.layout.layer(layer), count).to(
+            y.dtype
+        )
 
     def idle_step(self, blocks: list) -> None:
         """Join every layer's dispatch / combine with no tokens: what an EP rank without work this step
