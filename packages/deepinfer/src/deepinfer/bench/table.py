@@ -5,60 +5,46 @@ from __future__ import annotations
 from rich.table import Table
 
 
+def _kept(r: dict) -> str:
+    return f"{r['intervals']}/{r['dropped_flagged_intervals']}"
+
+
+# (column header, cell of a record) per phase: one spec per table, one loop prints them all
+PREFILL_COLUMNS = [
+    ("chunk", lambda r: str(r["chunk_tokens"])),
+    ("context", lambda r: str(r["context_tokens"])),
+    ("kept/dropped", _kept),
+    ("chunk ms", lambda r: f"{r['chunk_latency_ms']:.2f}"),
+    ("tok/s/GPU", lambda r: f"{r['non_cached_tok_per_s_per_gpu']:.1f}"),
+    ("roofline tok/s/GPU", lambda r: f"{r['roofline_tok_per_s_per_gpu']:.3g}"),
+    ("of roof", lambda r: f"{r['fraction_of_roofline']:.2%}"),
+]
+DECODE_COLUMNS = [
+    ("batch", lambda r: str(r["batch"])),
+    ("nextn", lambda r: str(r["nextn"])),
+    ("kept/dropped", _kept),
+    ("ms/step", lambda r: f"{r['ms_per_step']:.2f}"),
+    ("full tok/s/GPU", lambda r: f"{r['full_acceptance_tok_per_s_per_gpu']:.1f}"),
+    ("full tok/s/user", lambda r: f"{r['full_acceptance_tok_per_s_per_user']:.1f}"),
+    ("measured tok/s/GPU", lambda r: f"{r['measured_tok_per_s_per_gpu']:.1f}"),
+    ("measured tok/s/user", lambda r: f"{r['measured_tok_per_s_per_user']:.1f}"),
+    ("tok/req-step", lambda r: f"{r['measured_tokens_per_request_step']:.2f}"),
+    ("of roof", lambda r: f"{r['fraction_of_roofline']:.2%}"),
+]
+TITLES = {
+    "prefill": "prefill (non-cached tokens; flagged intervals dropped)",
+    "decode": "decode (full acceptance = steps/s x batch x (1+nextn) / cp; measured = emitted tokens)",
+}
+
+
 def print_table(console, rows: list[dict]) -> None:
-    prefill = [r for r in rows if r["phase"] == "prefill"]
-    decode = [r for r in rows if r["phase"] == "decode"]
-    if prefill:
-        t = Table(title="prefill (non-cached tokens; flagged intervals dropped)")
-        for col in (
-            "chunk",
-            "context",
-            "kept/dropped",
-            "chunk ms",
-            "tok/s/GPU",
-            "roofline tok/s/GPU",
-            "of roof",
-        ):
-            t.add_column(col, justify="right")
-        for r in prefill:
-            t.add_row(
-                str(r["chunk_tokens"]),
-                str(r["context_tokens"]),
-                f"{r['intervals']}/{r['dropped_flagged_intervals']}",
-                f"{r['chunk_latency_ms']:.2f}",
-                f"{r['non_cached_tok_per_s_per_gpu']:.1f}",
-                f"{r['roofline_tok_per_s_per_gpu']:.3g}",
-                f"{r['fraction_of_roofline']:.2%}",
-            )
-        console.print(t)
-    if decode:
-        t = Table(
-            title="decode (full acceptance = steps/s x batch x (1+nextn) / cp; measured = emitted tokens)"
-        )
-        for col in (
-            "batch",
-            "nextn",
-            "kept/dropped",
-            "ms/step",
-            "full tok/s/GPU",
-            "full tok/s/user",
-            "measured tok/s/GPU",
-            "measured tok/s/user",
-            "tok/req-step",
-            "of roof",
-        ):
-            t.add_column(col, justify="right")
-        for r in decode:
-            t.add_row(
-                str(r["batch"]),
-                str(r["nextn"]),
-                f"{r['intervals']}/{r['dropped_flagged_intervals']}",
-                f"{r['ms_per_step']:.2f}",
-                f"{r['full_acceptance_tok_per_s_per_gpu']:.1f}",
-                f"{r['full_acceptance_tok_per_s_per_user']:.1f}",
-                f"{r['measured_tok_per_s_per_gpu']:.1f}",
-                f"{r['measured_tok_per_s_per_user']:.1f}",
-                f"{r['measured_tokens_per_request_step']:.2f}",
-                f"{r['fraction_of_roofline']:.2%}",
-            )
+    for phase, columns in (("prefill", PREFILL_COLUMNS), ("decode", DECODE_COLUMNS)):
+        records = [r for r in rows if r["phase"] == phase]
+        if not records:
+            continue
+        t = Table(title=TITLES[phase])
+        for header, _ in columns:
+            t.add_column(header, justify="right")
+        for r in records:
+            t.add_row(*(cell(r) for _, cell in columns))
         console.print(t)
