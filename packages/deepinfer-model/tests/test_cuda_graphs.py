@@ -1,5 +1,6 @@
 """Graph-safe decode (issue #13) on the CPU: the static decode step equals the eager paged step, pads to
-buckets without touching real rows, makes no host sync; bucket sizes follow spec engine.md §3.5.
+buckets without touching real rows, makes no host sync; bucket sizes follow spec engine.md §3.5; context
+tiers size the step's block tables and index scoring by its longest context, not by max_context.
 
 The CUDA graphs themselves are tested in `test_cuda_graphs_gpu.py` (marked gpu)."""
 
@@ -13,6 +14,7 @@ from deepinfer_model.runner import RunnerBatch
 from deepinfer_model.runtime import PagedRunner
 from deepinfer_model.runtime.cuda_graphs import (
     DecodeGraphSettings,
+    build_context_tiers,
     build_graph_batch_sizes,
     decode_graph_settings,
 )
@@ -20,6 +22,7 @@ from deepinfer_model.runtime.pools import PagedKVCache
 from deepinfer_model.testing.no_sync import HostSyncError, count_ops, no_host_sync
 
 BLOCK, NUM_BLOCKS, MAX_CTX = 4, 96, 128
+MIN_TIER = 8  # context tiers 8, 16, 32, 64, 128: the tests' steps move between them
 
 
 @pytest.fixture(scope="module")
@@ -59,15 +62,21 @@ def test_settings_only_on_cuda_and_not_when_eager():
 class Pair:
     """The same steps through an eager runner and a static-decode runner (no capture: CPU)."""
 
-    def __init__(self, model, max_batch=8, interval=4, seed=0, max_query_len=1):
+    def __init__(self, model, max_batch=8, interval=4, seed=0, max_query_len=1, min_tier=MIN_TIER):
         self.eager = PagedRunner(model, NUM_BLOCKS, BLOCK)
         settings = DecodeGraphSettings(
-            max_batch, MAX_CTX, interval, capture=False, max_query_len=max_query_len
+            max_batch,
+            MAX_CTX,
+            interval,
+            capture=False,
+            max_query_len=max_query_len,
+            min_context_tier=min_tier,
         )
         self.static = PagedRunner(model, NUM_BLOCKS, BLOCK, decode_graphs=settings)
         self.rng = np.random.default_rng(seed)
         self.free = [int(b) for b in self.rng.permutation(NUM_BLOCKS)]
         self.seqs = []
+        self.keys = []  # (bucket, tier) of every static step
 
     def add(self, prompt_len):
         seq = {
@@ -101,9 +110,7 @@ class Pair:
             s["tokens"] = s["tokens"][: s["n"] + 1] + [int(t) for t in self.rng.integers(3, 256, k)]
         qlens = [1 + k for k in ks]
         batch = self.batch(seqs, qlens, qlens)
-        replays = self.static.graphs.replays
-        a, b = self.eager.execute(batch), self.static.execute(batch)
-        graphed = self.static.graphs.replays > replays
+        a, b, graphed = self._both(batch)
         row = 0
         for s, k in zip(seqs, ks):
             acc = int(self.rng.integers(0, k + 1))
@@ -112,11 +119,20 @@ class Pair:
             row += 1 + k
         return a, b, graphed
 
-    def step(self, seqs, qlens):
-        batch = self.batch(seqs, qlens)
+    def _both(self, batch):
+        """Both runners' logits for `batch`, and whether the static runner replayed a (bucket, tier);
+        the keys replayed are collected in `self.keys`."""
         replays = self.static.graphs.replays
         a, b = self.eager.execute(batch), self.static.execute(batch)
         graphed = self.static.graphs.replays > replays
+        if graphed:
+            meta = self.static._last_meta
+            self.keys.append(self.static.graphs.key(meta))
+        return a, b, graphed
+
+    def step(self, seqs, qlens):
+        batch = self.batch(seqs, qlens)
+        a, b, graphed = self._both(batch)
         for s, q in zip(seqs, qlens):
             s["n"] += q
             s["tokens"].append(int(torch.argmax(a[seqs.index(s)])))  # greedy continuation
@@ -214,10 +230,10 @@ def test_static_decode_makes_no_host_sync(model):
 
     meta = StepMetadata.build(batch, BLOCK, NUM_BLOCKS, vocab_size=256)
     g = runner.graphs
-    b = g.select(3)
-    g._fill(b, meta, batch.input_ids)
+    b, tier = g.key(meta)
+    g._fill(b, tier, meta, batch.input_ids)
     with no_host_sync():
-        static = g.forward(runner.model, g.metas[b], runner.cache)[:3]
+        static = g.forward(runner.model, g.meta(b, tier), runner.cache)[:3]
     eager = pair.eager.execute(batch)
     assert torch.equal(static, eager)
     with pytest.raises(HostSyncError):
@@ -324,9 +340,10 @@ def test_host_ops_per_decode_step(model):
     with count_ops() as eager:
         a = v41_paged_forward(model, meta, pair.eager.cache)
     g = pair.static.graphs
-    g._fill(4, meta, batch.input_ids)
+    key = g.key(meta)
+    g._fill(*key, meta, batch.input_ids)
     with count_ops() as static:
-        b = g.forward(model, g.metas[4], pair.static.cache)
+        b = g.forward(model, g.meta(*key), pair.static.cache)
     assert torch.equal(a, b)
     assert eager.syncs > 0 and static.syncs == 0
     print(
@@ -396,10 +413,11 @@ def test_static_verify_makes_no_host_sync(model):
     meta = StepMetadata.build(batch, BLOCK, NUM_BLOCKS, vocab_size=256)
     g = pair.static.graphs
     assert g.problem(meta) is None
-    b = g.select(9)
-    g._fill(b, meta, batch.input_ids)
+    b, tier = g.key(meta)
+    assert b == g.select(9)
+    g._fill(b, tier, meta, batch.input_ids)
     with no_host_sync():
-        static = g.forward(pair.static.model, g.metas[b], pair.static.cache)[:9]
+        static = g.forward(pair.static.model, g.meta(b, tier), pair.static.cache)[:9]
     assert torch.equal(static, pair.eager.execute(batch))
     with pytest.raises(HostSyncError):
         with no_host_sync():
@@ -452,3 +470,95 @@ def test_static_step_reads_only_selected_entries(model, monkeypatch):
     topk = model.config.index_topk
     assert reads["static"] and all(shape == (4, topk) for shape in reads["static"]), reads["static"]
     assert max(shape[1] for shape in reads["eager"]) > 4 * topk  # eager: every entry of the group
+
+
+def test_build_context_tiers():
+    assert build_context_tiers(4096) == [256, 512, 1024, 2048, 4096]
+    assert build_context_tiers(3000) == [256, 512, 1024, 2048, 3000]
+    assert build_context_tiers(128, 8) == [8, 16, 32, 64, 128]
+    assert build_context_tiers(100, 8, 4) == [8, 32, 100]
+    assert build_context_tiers(256) == [256] and build_context_tiers(64) == [64]  # one tier: max_context
+    for bad in [(0, 8), (64, 0), (64, 8, 1), (64, 2.5)]:
+        with pytest.raises(ValueError, match="must be an integer >= "):
+            build_context_tiers(*bad)
+    with pytest.raises(ValueError, match="min_context_tier"):
+        DecodeGraphSettings(8, 64, min_context_tier=0)
+
+
+@pytest.mark.parametrize("numerics", ["fp32", "engine"])
+def test_static_steps_cross_context_tiers(model, engine_numerics, numerics):
+    """Decode and verification steps whose longest context moves up through the tiers 8 .. 128 (a
+    verification step's 1 + k rows may straddle a tier boundary): each runs the smallest tier >= its
+    longest context (after the step) and its logits equal the eager step's bit for bit (exact mode, FP32
+    and BF16 + quantised KV); padded buckets included."""
+    m = model if numerics == "fp32" else engine_numerics
+    pair = Pair(m, max_batch=4 * (1 + NEXTN), interval=4, seed=3, max_query_len=1 + NEXTN)
+    tiers = pair.static.graphs.tiers
+    assert tiers == [8, 16, 32, 64, 128]
+    a_seq, b_seq, c_seq = pair.add(5), pair.add(2), pair.add(27)
+    pair.step([a_seq, b_seq], [5, 2])  # prefill (eager)
+    schedule = [  # (sequences, drafts per sequence or None for a plain decode step)
+        ([a_seq, b_seq], None),  # longest context 6 -> tier 8
+        ([a_seq], [3]),  # 7 + 3 -> 10: straddles 8 | 16
+        ([a_seq, b_seq], [NEXTN, 1]),
+        ([a_seq, b_seq], None),
+        ([a_seq], [NEXTN]),
+        ([a_seq, b_seq], [2, 2]),
+    ]
+    out = []
+    for live, ks in schedule:
+        ends = max(s["n"] for s in live) + (1 if ks is None else 1 + max(ks))
+        a, b, graphed = pair.step(live, [1] * len(live)) if ks is None else pair.verify(live, ks)
+        assert graphed and pair.keys[-1][1] == min(t for t in tiers if t >= ends), (ends, pair.keys[-1])
+        out.append((a, b))
+    pair.step([c_seq], [27])  # prefill (eager)
+    for i in range(5):  # c: 28 .. 32 -> tier 32, then 33 -> tier 64 while a / b stay short
+        live = [c_seq, a_seq] if i % 2 else [c_seq, a_seq, b_seq]
+        ends = max(s["n"] for s in live) + 1 + (NEXTN if i == 4 else 0)
+        a, b, graphed = (
+            pair.verify(live, [NEXTN] + [0] * (len(live) - 1)) if i == 4 else pair.step(live, [1] * len(live))
+        )
+        assert graphed and pair.keys[-1][1] == min(t for t in tiers if t >= ends), (ends, pair.keys[-1])
+        out.append((a, b))
+    used = {t for _, t in pair.keys}
+    assert {8, 16, 32, 64} <= used, used
+    for a, b in out:
+        assert torch.equal(a, b)
+
+
+def test_index_scoring_follows_context_tier(model, monkeypatch):
+    """The unrestricted index sources score index keys up to the step's context tier: at contexts <= 16
+    with max_context 128, a tiered runner reads at most 16 // ratio index keys per row where a runner
+    with one tier (the previous behaviour) reads 128 // ratio; the same logits, both == eager."""
+    reads = {}
+    real_read = PagedKVCache.read
+
+    def recording(self, name, slots):
+        if name.startswith("index_k."):
+            reads.setdefault(id(self), []).append(tuple(slots.shape))
+        return real_read(self, name, slots)
+
+    logits = {}
+    for min_tier in (MIN_TIER, MAX_CTX):
+        pair = Pair(model, min_tier=min_tier)
+        seqs = [pair.add(n) for n in (5, 11, 3)]
+        pair.step(seqs, [len(s["tokens"]) for s in seqs])  # prefill
+        monkeypatch.setattr(PagedKVCache, "read", recording)
+        a, b, graphed = pair.step(seqs, [1, 1, 1])  # longest context 12 -> tier 16 (of 8 .. 128)
+        monkeypatch.setattr(PagedKVCache, "read", real_read)
+        assert graphed and torch.equal(a, b)
+        logits[min_tier] = b
+        widths = [shape[1] for shape in reads[id(pair.static.cache)]]
+        # per index source, in layer order: a restricted one reads its candidate blocks' keys ([rows,
+        # blocks x block size], the same for both runners), the others every key up to the tier
+        cfg, topo = model.config, model.config.topology
+        cand = topo.candidate_topk_blocks * topo.candidate_block_size
+        tier = 16 if min_tier == MIN_TIER else MAX_CTX
+        expect = [
+            cand if topo.restricted_to_candidates(layer) else tier // ratio
+            for layer, ratio in enumerate(cfg.compress_ratios[: topo.num_layers])
+            if ratio and topo.is_index_source(layer)
+        ]
+        assert widths == expect, (min_tier, widths, expect)
+        assert any(w == tier // 1 for w in widths)  # a ratio-1 source: MAX_CTX keys without tiers
+    assert torch.equal(logits[MIN_TIER], logits[MAX_CTX])

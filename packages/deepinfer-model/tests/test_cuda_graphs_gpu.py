@@ -1,6 +1,7 @@
 """Decode CUDA graphs on the GPU (issue #13): graph replays equal the eager paged step for several batch
 sizes, padded ones included, in exact and native numerics; the static step replayed from a graph
-equals the same static step run without a graph bit for bit."""
+equals the same static step run without a graph bit for bit, with one context tier and with several
+(a graph per (bucket, tier), captured on first use)."""
 
 from __future__ import annotations
 
@@ -79,22 +80,36 @@ def test_graph_replay_equals_eager(path, native, monkeypatch):
     graphs = PagedRunner(
         model, NUM_BLOCKS, BLOCK, decode_graphs=DecodeGraphSettings(8, MAX_CTX, 4, capture_all=True)
     )
-    assert sorted(graphs.graphs.graphs) == [1, 2, 4, 8]  # every bucket at start
-    results = _drive([eager, static, graphs])
-    assert graphs.graphs.replays == len(SIZES)
+    # one tier (min_context_tier 256 >= max_context): every bucket at start
+    assert sorted(graphs.graphs.graphs) == [(b, MAX_CTX) for b in (1, 2, 4, 8)]
+    # tiers 16 .. 128, captured on first use; its static twin runs the same tiers without graphs
+    tiered_kw = dict(capture=False, min_context_tier=16)
+    tiered_static = PagedRunner(
+        model, NUM_BLOCKS, BLOCK, decode_graphs=DecodeGraphSettings(8, MAX_CTX, 4, **tiered_kw)
+    )
+    tiered = PagedRunner(
+        model, NUM_BLOCKS, BLOCK, decode_graphs=DecodeGraphSettings(8, MAX_CTX, 4, min_context_tier=16)
+    )
+    assert not tiered.graphs.graphs
+    results = _drive([eager, static, graphs, tiered_static, tiered])
+    assert graphs.graphs.replays == len(SIZES) == tiered.graphs.replays
+    assert len({t for _, t in tiered.graphs.graphs}) >= 2, sorted(tiered.graphs.graphs)
     bitwise = 0
-    for n, (a, s, g) in zip(SIZES, results):
+    for n, (a, s, g, ts, tg) in zip(SIZES, results):
         assert g.shape == (n, model.config.vocab_size) and g.device.type == "cuda"
         assert torch.equal(g, s), f"graph replay != static step without graph at {n} tokens"
-        if native:
-            torch.testing.assert_close(g, a, rtol=2e-2, atol=2e-2)
-        else:
-            torch.testing.assert_close(g, a, rtol=1e-6, atol=1e-6)
-        assert torch.equal(g.argmax(-1), a.argmax(-1))
+        assert torch.equal(tg, ts), f"tiered graph replay != tiered static step at {n} tokens"
+        for x in (g, tg):
+            if native:
+                torch.testing.assert_close(x, a, rtol=2e-2, atol=2e-2)
+            else:
+                torch.testing.assert_close(x, a, rtol=1e-6, atol=1e-6)
+            assert torch.equal(x.argmax(-1), a.argmax(-1))
         bitwise += torch.equal(g, a)
     print(f"numerics {'native' if native else 'exact'}: {bitwise}/{len(SIZES)} steps bitwise equal to eager")
     graphs.close()
-    assert not graphs.graphs.graphs
+    tiered.close()
+    assert not graphs.graphs.graphs and not tiered.graphs.graphs
 
 
 NEXTN = 3
@@ -161,7 +176,9 @@ def test_verify_graph_replay_equals_eager(path, native, monkeypatch):
     assert not graphs.graphs.graphs  # default: each bucket is captured on its first use
     results = _drive_verify([eager, static, graphs])
     assert graphs.graphs.verify_replays == len(VERIFY_KS)
-    assert set(graphs.graphs.graphs) == {graphs.graphs.select(sum(ks) + len(ks)) for ks in VERIFY_KS}
+    assert {b for b, _ in graphs.graphs.graphs} == {
+        graphs.graphs.select(sum(ks) + len(ks)) for ks in VERIFY_KS
+    }
     for ks, (a, s, g) in zip(VERIFY_KS, results):
         assert g.shape == (sum(ks) + len(ks), model.config.vocab_size)
         assert torch.equal(g, s), f"graph replay != static step without graph, drafts {ks}"

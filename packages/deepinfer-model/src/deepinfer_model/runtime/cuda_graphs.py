@@ -1,5 +1,5 @@
-"""CUDA graphs for the paged runtime's decode and verification steps, one per token-count bucket
-(spec engine.md §3.5).
+"""CUDA graphs for the paged runtime's decode and verification steps, one per (token-count bucket,
+context tier) (spec engine.md §3.5).
 
 Decode is host-bound (thousands of small kernels per step), so each decode or draft-verification step
 of up to the largest bucket's token count replays a graph captured over the graph-safe forward
@@ -14,16 +14,26 @@ qualifies when every sequence feeds at most `max_query_len` tokens (1 + nextn). 
 than that, steps above the largest bucket or past `max_context`, and everything under
 `DEEPINFER_ENFORCE_EAGER=1` (read by the engine) run eagerly.
 
-Buckets are token counts (`build_graph_batch_sizes`, max = max_num_seqs x (1 + nextn)). A step of n
-tokens replays the smallest bucket b >= n: rows n .. b-1 are placeholder sequences of one token each
-(token 0 at position 0, a block table holding only the reserved dummy block, which the scheduler never
-hands out), so they write the dummy block only, read only what they wrote, and no row's result depends
-on another row's values. The graph's output holds the logits of every row; the step returns the rows
+Buckets are token counts (`build_graph_batch_sizes`, max = max_num_seqs x (1 + nextn)); context tiers
+are context lengths (`build_context_tiers`: min_context_tier, doubling, then max_context). A step of n
+tokens whose longest context (tokens after the step) is c replays the graph of the smallest bucket
+b >= n and the smallest tier t >= c. The tier sizes the step's block tables (ceil(t / block_size)
+columns) and so every per-row index range of the static step (index-key scoring, entry validity):
+its cost follows the real context, not max_context (max_model_len). In bucket b, rows n .. b-1 are
+placeholder sequences of one token each (token 0 at position 0, a block table holding only the
+reserved dummy block, which the scheduler never hands out), so they write the dummy block only, read
+only what they wrote, and no row's result depends on another row's values. The graph's output holds the logits of every row; the step returns the rows
 its `logits_rows` name (for verification: all 1 + k rows of every sequence), gathered after the replay.
 
-All graphs share one memory pool; they are captured largest first (the pool then fits every smaller
-one), each after a warm-up run on the capture stream (fills weight-conversion and kernel caches, which
-allocate, before capture). `destroy()` frees them (before process groups go away).
+All graphs share one memory pool (a graph's intermediates are free again after its capture, for the
+next capture to reuse) and write their logits into one static output buffer [largest bucket, vocab]
+allocated outside the pool at the first capture (a graph's own output would stay allocated as long as
+the graph), so more tiers cost capture time and graph objects, not activation or logits memory. The static inputs are one flat buffer: the
+(b, t) graph reads its first b x (3 + blocks(t)) values as a [b, 3 + blocks(t)] matrix (one contiguous
+host-to-device copy of just that part per step). A graph is captured on first use (or all of them at
+start with `capture_all`, largest first), each after a warm-up run on the capture stream (fills
+weight-conversion and kernel caches, which allocate, before capture). `destroy()` frees them (before
+process groups go away).
 
 `DecodeGraphSettings(capture=False)` runs the same static step without graphs: on the CPU it is how
 the padding, buckets and dummy-block writes are tested (graphs are never captured on the CPU).
@@ -43,6 +53,7 @@ from .metadata import StaticDecodeMetadata, StepMetadata
 log = logging.getLogger("deepinfer_model.runtime")
 
 DEFAULT_INTERVAL = 8
+DEFAULT_MIN_CONTEXT_TIER = 256
 PLACEHOLDER_TOKEN = 0
 
 
@@ -68,12 +79,31 @@ def build_graph_batch_sizes(max_size: int, interval: int = DEFAULT_INTERVAL) -> 
     return sorted(set(sizes))
 
 
+def build_context_tiers(
+    max_context: int, smallest: int = DEFAULT_MIN_CONTEXT_TIER, factor: int = 2
+) -> list[int]:
+    """Context tiers (tokens), ascending: smallest, smallest x factor, ... below `max_context`, then
+    `max_context` (one tier when smallest >= max_context). A step runs the smallest tier >= its longest
+    context, so its index work is at most `factor` times what its context needs (once above `smallest`)."""
+    for name, v, lo in (("max_context", max_context, 1), ("smallest", smallest, 1), ("factor", factor, 2)):
+        if int(v) != v or v < lo:
+            raise ValueError(f"{name} (context tiers) must be an integer >= {lo}, got {v}")
+    tiers = []
+    t = int(smallest)
+    while t < max_context:
+        tiers.append(t)
+        t *= int(factor)
+    tiers.append(int(max_context))
+    return tiers
+
+
 @dataclass(frozen=True)
 class DecodeGraphSettings:
     """`max_batch_size`: tokens of the largest bucket (max_num_seqs x (1 + nextn)). `max_context`: the
-    longest context (tokens after the step) a graphed step may have; it sizes the block tables and the
-    index scores of the static step (the attention itself gathers only the top-k selected entries and
-    the window). `interval`: bucket step. `capture`: False runs the static step eagerly (CPU tests).
+    longest context (tokens after the step) a graphed step may have. `min_context_tier`: the smallest
+    context tier (`build_context_tiers`: doubling up to max_context; >= max_context gives one tier);
+    a step's tier sizes the block tables and the index scores of its static step (the attention itself
+    gathers only the top-k selected entries and the window). `interval`: bucket step. `capture`: False runs the static step eagerly (CPU tests).
     `max_query_len`: the most query tokens one sequence may feed in a graphed step (1 + nextn: a
     verification step feeds the last accepted token and its drafts). `capture_all`: capture every bucket
     at start (the reference's warm-up); False (default) captures a bucket the first time a step needs it:
@@ -86,6 +116,7 @@ class DecodeGraphSettings:
     capture: bool = True
     max_query_len: int = 1
     capture_all: bool = False
+    min_context_tier: int = DEFAULT_MIN_CONTEXT_TIER
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -98,6 +129,8 @@ class DecodeGraphSettings:
             raise ValueError(
                 f"max_query_len must lie in [1, max_batch_size={self.max_batch_size}], got {self.max_query_len}"
             )
+        if self.min_context_tier < 1:
+            raise ValueError(f"min_context_tier must be >= 1, got {self.min_context_tier}")
 
 
 def decode_graph_settings(
@@ -123,7 +156,7 @@ def decode_graph_settings(
 
 
 class DecodeGraphRunner:
-    """Static input buffers, one graph (or, with `capture=False`, one static metadata) per bucket.
+    """Static input buffers, one graph (or, with `capture=False`, one static metadata) per (bucket, tier).
 
     `runner` is the `PagedRunner` whose model and cache it drives; its cache holds one block more than
     the scheduler's `num_blocks`: block `num_blocks`, the dummy block of placeholder rows.
@@ -142,29 +175,47 @@ class DecodeGraphRunner:
             raise ValueError(f"CUDA graphs need a CUDA device, the model is on {self.device}")
         self.forward = v41_static_decode_forward
         self.buckets = build_graph_batch_sizes(settings.max_batch_size, settings.interval)
+        self.tiers = build_context_tiers(settings.max_context, settings.min_context_tier)
         self.block_size = runner.block_size
         self.dummy_block = runner.num_blocks
-        self.max_blocks = -(-settings.max_context // self.block_size)
-        # one int64 row per token: id, position, write slot, block table
-        width = 3 + self.max_blocks
-        self.inputs = torch.zeros(self.buckets[-1], width, dtype=torch.long, device=self.device)
+        self.max_blocks = self.blocks(self.tiers[-1])
+        # one int64 row per token: id, position, write slot, block table (blocks(tier) columns); flat, so
+        # that the (bucket, tier) view is the buffer's first bucket x width values (one contiguous copy)
+        size = self.buckets[-1] * (3 + self.max_blocks)
+        self.inputs = torch.zeros(size, dtype=torch.long, device=self.device)
         pin = self.device.type == "cuda"
-        self.staging = torch.zeros(self.buckets[-1], width, dtype=torch.long, device="cpu", pin_memory=pin)
+        self.staging = torch.zeros(size, dtype=torch.long, device="cpu", pin_memory=pin)
         self._staged = None  # event of the last copy out of `staging` (CUDA)
-        self.metas = {b: self._meta(b) for b in self.buckets}
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.metas: dict[tuple[int, int], StaticDecodeMetadata] = {}  # (bucket, tier), made on first use
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.logits: torch.Tensor | None = None  # every graph's output rows [largest bucket, vocab]
         self.pool = None
         self.mode = None  # (numerics mode) the graphs were captured under
-        self.replays = 0  # steps run through a bucket (graph replays, or static steps without capture)
+        self.replays = 0  # steps run through a graph (graph replays, or static steps without capture)
         self.verify_replays = 0  # those of them with a sequence feeding more than one token (drafts)
 
-    def _meta(self, b: int) -> StaticDecodeMetadata:
-        v = self.inputs[:b]
-        return StaticDecodeMetadata(self.block_size, v[:, 0], v[:, 1], v[:, 2], v[:, 3:], self.dummy_block)
+    def blocks(self, tier: int) -> int:
+        """Block-table columns of context tier `tier`."""
+        return -(-tier // self.block_size)
+
+    def _view(self, buf: torch.Tensor, b: int, tier: int) -> torch.Tensor:
+        """The [b, 3 + blocks(tier)] input matrix of (bucket b, tier) at the start of `buf`."""
+        width = 3 + self.blocks(tier)
+        return buf[: b * width].view(b, width)
+
+    def meta(self, b: int, tier: int) -> StaticDecodeMetadata:
+        """The static metadata of (bucket b, tier): views of `inputs` (fixed addresses for a graph)."""
+        key = (b, tier)
+        if key not in self.metas:
+            v = self._view(self.inputs, b, tier)
+            self.metas[key] = StaticDecodeMetadata(
+                self.block_size, v[:, 0], v[:, 1], v[:, 2], v[:, 3:], self.dummy_block
+            )
+        return self.metas[key]
 
     # ---------------------------------------------------------------------------------------------
     def problem(self, meta: StepMetadata) -> str | None:
-        """Why the step `meta` must run eagerly (None: it replays a bucket)."""
+        """Why the step `meta` must run eagerly (None: it replays a (bucket, tier) graph)."""
         n = int(meta.offsets[-1])
         if n == 0 or int(meta.query_lens.max()) > self.settings.max_query_len:
             return f"not a decode / verification step (at most {self.settings.max_query_len} tokens per sequence)"
@@ -172,8 +223,8 @@ class DecodeGraphRunner:
             return "the step's logits rows are not known on the host"
         if n > self.buckets[-1]:
             return f"{n} tokens > the largest bucket {self.buckets[-1]}"
-        if int(meta.ends.max()) > self.settings.max_context:
-            return f"context {int(meta.ends.max())} > max_context {self.settings.max_context}"
+        if int(meta.ends.max()) > self.tiers[-1]:
+            return f"context {int(meta.ends.max())} > max_context {self.tiers[-1]}"
         if batch_invariant.enabled():
             return "batch-invariant mode has its own attention layout (not graph-safe)"
         if self.mode is not None and numerics.mode() != self.mode:
@@ -187,12 +238,23 @@ class DecodeGraphRunner:
             raise ValueError(f"{n} tokens exceed the largest CUDA-graph bucket {self.buckets[-1]}")
         return self.buckets[i]
 
-    def _fill(self, b: int, meta: StepMetadata | None, input_ids) -> None:
-        """Rows 0 .. n-1 from the step, n .. b-1 placeholders, into the bucket's rows of `inputs`."""
+    def select_tier(self, context: int) -> int:
+        """The smallest context tier >= `context` tokens."""
+        i = int(np.searchsorted(self.tiers, context))
+        if i == len(self.tiers):
+            raise ValueError(f"context {context} exceeds max_context {self.tiers[-1]}")
+        return self.tiers[i]
+
+    def key(self, meta: StepMetadata) -> tuple[int, int]:
+        """(bucket, tier) of an eligible step: its token count and its longest context (after the step)."""
+        return self.select(int(meta.offsets[-1])), self.select_tier(int(meta.ends.max()))
+
+    def _fill(self, b: int, tier: int, meta: StepMetadata | None, input_ids) -> None:
+        """Rows 0 .. n-1 from the step, n .. b-1 placeholders, into the (b, tier) view of `inputs`."""
         host = self.staging if self.device.type == "cuda" else self.inputs
         if self._staged is not None:
             self._staged.synchronize()  # the previous step's copy has read `staging`
-        buf = host[:b].numpy()
+        buf = self._view(host, b, tier).numpy()
         buf[:, 0] = PLACEHOLDER_TOKEN
         buf[:, 1] = 0
         buf[:, 2] = self.dummy_block * self.block_size
@@ -202,76 +264,83 @@ class DecodeGraphRunner:
             buf[:n, 0] = np.asarray(input_ids, dtype=np.int64)
             buf[:n, 1] = meta.host_positions
             buf[:n, 2] = meta.host_write_slots
-            cols = min(meta.tables.shape[1], self.max_blocks)
+            # the tier covers every sequence's context, so its columns hold every block the step uses
+            cols = min(meta.tables.shape[1], buf.shape[1] - 3)
             t = meta.tables[:, :cols]
             seq_of = np.repeat(np.arange(len(meta.query_lens)), meta.query_lens)  # row -> its sequence
             buf[:n, 3 : 3 + cols] = np.where(t >= 0, t, self.dummy_block)[seq_of]
         if host is not self.inputs:
-            self.inputs[:b].copy_(host[:b], non_blocking=True)
+            size = buf.size
+            self.inputs[:size].copy_(host[:size], non_blocking=True)
             self._staged = torch.cuda.Event()
             self._staged.record()
 
     def run(self, meta: StepMetadata, input_ids) -> torch.Tensor:
         """FP32 logits [len(meta.logits_rows), vocab] of an eligible step (`problem(meta)` is None): the
-        rows `meta.logits_rows` (packed token rows) of the bucket's output."""
-        n = int(meta.offsets[-1])
-        b = self.select(n)
-        if self.settings.capture and b not in self.graphs:
-            self._capture_bucket(b)  # first use of this bucket (fills placeholder rows: before `_fill`)
-        self._fill(b, meta, input_ids)
+        rows `meta.logits_rows` (packed token rows) of its (bucket, tier) graph's output."""
+        b, tier = self.key(meta)
+        if self.settings.capture and (b, tier) not in self.graphs:
+            self._capture(b, tier)  # first use of this graph (fills placeholder rows: before `_fill`)
+        self._fill(b, tier, meta, input_ids)
         self.replays += 1
         self.verify_replays += int(meta.query_lens.max()) > 1
-        if b in self.graphs:
-            graph, out = self.graphs[b]
+        graph = self.graphs.get((b, tier))
+        if graph is not None:
             graph.replay()
+            out = self.logits
         else:
-            out = self.forward(self.runner.model, self.metas[b], self.runner.cache)
+            out = self.forward(self.runner.model, self.meta(b, tier), self.runner.cache)
         return out[meta.logits_rows]  # a gather: a copy (the next replay overwrites `out`)
 
     # ---------------------------------------------------------------------------------------------
     def capture(self) -> None:
-        """At start: capture every bucket, largest first, in one shared pool (CUDA, `capture_all`);
-        otherwise buckets are captured on first use by `run`."""
+        """At start: capture every (bucket, tier), largest first, in one shared pool (CUDA, `capture_all`);
+        otherwise each is captured on first use by `run`."""
         if not (self.settings.capture and self.settings.capture_all):
             return
         import time
 
         t0 = time.perf_counter()
-        for b in reversed(self.buckets):
-            self._capture_bucket(b)
+        for tier in reversed(self.tiers):
+            for b in reversed(self.buckets):
+                self._capture(b, tier)
         torch.cuda.synchronize(self.device)
         log.info(
-            "captured %d decode CUDA graphs (buckets %s, max_context %d) in %.1f s",
+            "captured %d decode CUDA graphs (buckets %s, context tiers %s) in %.1f s",
             len(self.graphs),
             self.buckets,
-            self.settings.max_context,
+            self.tiers,
             time.perf_counter() - t0,
         )
 
-    def _capture_bucket(self, b: int) -> None:
-        """Warm up on the capture stream (caches that allocate fill first), then capture bucket `b`
-        into the shared pool."""
+    def _capture(self, b: int, tier: int) -> None:
+        """Warm up on the capture stream (caches that allocate fill first), then capture (b, tier) into
+        the shared pool; the graph copies its logits into rows 0 .. b-1 of the shared `logits`."""
         if self.pool is None:
             self.mode = numerics.mode()
             self.pool = torch.cuda.graph_pool_handle()
             self._stream = torch.cuda.Stream(self.device)
+            # outside the pool (it outlives every capture), FP32 as the static step's logits
+            vocab = self.runner.vocab_size
+            self.logits = torch.empty(self.buckets[-1], vocab, dtype=torch.float32, device=self.device)
         stream, model, cache = self._stream, self.runner.model, self.runner.cache
-        self._fill(b, None, None)
-        meta = self.metas[b]
+        self._fill(b, tier, None, None)
+        meta = self.meta(b, tier)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             self.forward(model, meta, cache)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: a bucket captured on first use may be captured while another thread of the engine
+        # thread_local: a graph captured on first use may be captured while another thread of the engine
         # (async loop, structured-output masks) issues its own CUDA work, which "global" mode forbids
         with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
-            out = self.forward(model, meta, cache)
-        self.graphs[b] = (graph, out)
+            self.logits[:b].copy_(self.forward(model, meta, cache))
+        self.graphs[(b, tier)] = graph
 
     def destroy(self) -> None:
-        """Free the graphs and their pool (required before destroying process groups)."""
-        for graph, _ in self.graphs.values():
+        """Free the graphs, their pool and the shared output (required before destroying process groups)."""
+        for graph in self.graphs.values():
             graph.reset()
         self.graphs.clear()
         self.pool = None
+        self.logits = None

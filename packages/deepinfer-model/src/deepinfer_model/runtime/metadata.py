@@ -183,8 +183,10 @@ class StaticDecodeMetadata(StepMetadata):
     Nothing is planned on the host: the index tensors the paged attention asks `cached` for (window-key
     slots, band masks, compressed-entry validity and slots, the entries completed in the step) are
     computed on the device from `positions` and `dev_tables`, with shapes fixed by the bucket size, the
-    window and `max_entries` instead of the step's context lengths. The host arrays of `StepMetadata`
-    are None.
+    window and `max_entries` instead of the step's context lengths. The block-table width is the
+    (bucket, context tier)'s: ceil(tier / block_size) columns, the tier being at least every row's
+    context, so `max_entries` and with it the index-key scoring follow the tier, not max_context. The
+    host arrays of `StepMetadata` are None.
 
     Rows may be placeholders (bucket padding): position 0, a block table of `dummy_block` only. A
     placeholder writes only the reserved dummy block and reads only what it wrote in the step.
@@ -259,7 +261,8 @@ class StaticDecodeMetadata(StepMetadata):
         )
 
     def max_entries(self, ratio: int) -> int:
-        """Entry columns every step reads for `ratio`: all a full block table can hold (>= 1)."""
+        """Entry columns every step reads for `ratio`: all this block table (the context tier's width)
+        can hold (>= 1)."""
         return max(1, self.dev_tables.shape[1] * self.block_size // ratio)
 
 

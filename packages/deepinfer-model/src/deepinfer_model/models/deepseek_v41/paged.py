@@ -193,7 +193,7 @@ def _static_selected(
     cache: PagedKVCache, meta: StaticDecodeMetadata, pool: str, ratio: int, selected: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`attend`'s `extra` for the graph-safe step, reading only the top-k selected entries of every row
-    (fixed shape [N, k, D]) from `pool` instead of every entry up to `max_context`: the picked entries
+    (fixed shape [N, k, D]) from `pool` instead of every entry up to the context tier: the picked entries
     as each row's own entry list, and indices 0 .. k-1 into it (-1 kept). `attend` then gathers the same
     values the eager step gathers from the full entry list; an unselected (-1) column is zero here (the
     eager step re-reads entry 0 or its zero padding: either way finite, at zero probability)."""
@@ -219,7 +219,7 @@ def _static_candidate_topk(
     act: torch.dtype,
 ) -> torch.Tensor:
     """Top-k of an index source restricted to candidate blocks (spec v41-model §4.6), graph-safe and with
-    a fixed shape that follows the candidate capacity instead of `max_context`: each row gathers the
+    a fixed shape that follows the candidate capacity instead of the context tier: each row gathers the
     index keys of its candidate blocks only ([N, blocks x block_size], ascending entry ids), scores them
     and maps the compact top-k back to entry ids. The eager step scores every entry and masks all but
     the candidates' valid ones: the same scores of the same allowed entries, and ascending compact order
@@ -395,7 +395,9 @@ def v41_static_decode_forward(
     capturable). Equal to `v41_paged_forward` of the same step on every real row; placeholder rows
     (`StaticDecodeMetadata`) write only the dummy block. Sparse attention gathers only the top-k
     selected compressed entries and the window; index sources restricted to candidate blocks score only
-    those blocks; the other index sources score every entry up to the block-table width."""
+    those blocks; the other index sources score every entry up to the block-table width, which is the
+    step's context tier (`cuda_graphs.build_context_tiers`: at most twice the longest context above the
+    smallest tier), not max_context."""
     meta.reset()
     if TOKEN_IDS in cache.pools:
         cache.write(TOKEN_IDS, meta.write_slots, meta.input_ids)
