@@ -10,6 +10,7 @@ logits = runner.execute(scheduler_output, prompt_lens=[...])       # original pr
 from .cuda_graphs import (
     DecodeGraphRunner,
     DecodeGraphSettings,
+    build_context_tiers,
     build_graph_batch_sizes,
     decode_graph_settings,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "DecodeGraphRunner",
     "DecodeGraphSettings",
     "StaticDecodeMetadata",
+    "build_context_tiers",
     "build_graph_batch_sizes",
     "decode_graph_settings",
     "PagedKVCache",
