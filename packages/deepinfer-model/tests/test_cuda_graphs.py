@@ -496,6 +496,9 @@ def test_static_steps_cross_context_tiers(model, engine_numerics, numerics):
     tiers = pair.static.graphs.tiers
     assert tiers == [8, 16, 32, 64, 128]
     a_seq, b_seq, c_seq = pair.add(5), pair.add(2), pair.add(27)
+    # b holds more blocks than its context needs (as a scheduler's lookahead may): 40 tokens' worth,
+    # wider than the small tiers' tables, whose columns past the tier are never used
+    b_seq["table"] = [pair.free.pop() for _ in range(10)]
     pair.step([a_seq, b_seq], [5, 2])  # prefill (eager)
     schedule = [  # (sequences, drafts per sequence or None for a plain decode step)
         ([a_seq, b_seq], None),  # longest context 6 -> tier 8
