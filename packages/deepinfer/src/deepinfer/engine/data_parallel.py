@@ -53,6 +53,7 @@ from ..engine_args import EngineArgs
 from ..outputs import RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
 from ..tokenizer import load_tokenizer, load_tokenizer_config
+from .llm_engine import EngineStats
 from .structured import StructuredOutputs
 from .truncation import settings_from_env
 
@@ -66,14 +67,46 @@ HEARTBEAT_S = 5.0  # a running rank reports (its stats) at least this often, so 
 
 
 # ---------------------------------------------------------------------------- inside a rank
+@dataclasses.dataclass
+class EplbRunStats:
+    """What the EPLB of one EP group did (the same on every rank of the group, except `seconds`)."""
+
+    steps: int = 0  # EplbState.step calls: one per forward, real or idle
+    prompt_steps: int = 0  # of which prefill steps (a prefill chunk on some rank of the group)
+    rebalances: int = 0
+    layers_changed: int = 0  # summed over the rebalances
+    bytes_moved: int = 0  # expert weight bytes received over the EP group, summed over the rebalances
+    seconds: float = 0.0  # time in rearrange() (plan + shuffle) on this rank
+    # the last rebalance's planned peak / mean rank load on its window, old and new placement
+    imbalance_before: float = 0.0
+    imbalance_after: float = 0.0
+    # measured moe_lb (sum over (step, layer) of the max over ranks / of the mean over ranks of the
+    # routed rows): over the steps before the first rebalance (the initial placement), and over the
+    # steps since (EPLB's placements; all-gathered every DEEPINFER_MOE_LB_STAT_INTERVAL steps)
+    moe_lb_initial: float = 0.0
+    moe_lb: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {f"eplb_{k}": v for k, v in dataclasses.asdict(self).items()}
+
+
 class ExpertCollectives:
     """The model's `moe_fn` on an EP rank: an `ExpertParallelMoE` plus a record of the MoE layers the
     current forward has entered, so that every forward, even one that failed before its last layer or
-    had no tokens, joins every layer's all-to-all exactly once (`finish`)."""
+    had no tokens, joins every layer's all-to-all exactly once (`finish`).
 
-    def __init__(self, moe, blocks: list, hidden_size: int, device: torch.device):
+    With `eplb` (a `deepinfer_parallel.EplbState` attached to the MoE), `finish` also runs the EPLB
+    step of the forward: every forward of every EP rank, real or idle, ends there, so the ranks step
+    in lockstep and a rebalance (a collective: counts all-reduced, weights shuffled in place) happens
+    on all of them between the same two forwards. Under the async loop that is the worker thread,
+    which runs the forwards one after the other, so no forward sees half-moved weights."""
+
+    def __init__(self, moe, blocks: list, hidden_size: int, device: torch.device, eplb=None):
         self.moe, self.blocks, self.hidden_size, self.device = moe, blocks, hidden_size, device
         self.next_layer = 0
+        self.eplb = eplb
+        self.is_prompt = False  # this rank's part of the current forward has a prefill chunk
+        self.eplb_stats = EplbRunStats()
 
     def __call__(self, layer: int, blk, y: torch.Tensor, *rest) -> torch.Tensor:
         self.next_layer = layer  # if this call fails before its dispatch, the layer is still owed
@@ -81,11 +114,13 @@ class ExpertCollectives:
         self.next_layer = layer + 1
         return out
 
-    def begin(self) -> None:
+    def begin(self, is_prompt: bool = False) -> None:
         self.next_layer = 0
+        self.is_prompt = is_prompt
 
     def finish(self) -> None:
-        """Join the all-to-alls of the layers the forward did not reach (none after a full forward)."""
+        """Join the all-to-alls of the layers the forward did not reach (none after a full forward),
+        then the forward's EPLB step."""
         if self.next_layer > len(self.blocks):
             raise RuntimeError(f"a forward entered {self.next_layer} MoE layers of {len(self.blocks)}")
         empty = torch.zeros(0, self.hidden_size, dtype=torch.float64, device=self.device)
@@ -93,11 +128,44 @@ class ExpertCollectives:
         for layer in range(self.next_layer, len(self.blocks)):
             self.moe(layer, self.blocks[layer], empty, no_ids)
         self.next_layer = 0
+        if self.eplb is not None:
+            self._eplb_step()
 
     def idle(self) -> None:
         """A forward without tokens (ExpertParallelMoE.idle_step): this rank has nothing scheduled."""
         self.begin()
         self.finish()
+
+    def _eplb_step(self) -> None:
+        # The ranks of a group batch different requests: one may prefill while another decodes or
+        # idles. The forward counts as a prefill step (ignored by a NORMAL engine's EPLB unless
+        # DEEPINFER_REARRANGE_AFTER_PREFILL_IN_NORMAL_ENGINE) if any rank's part of it prefills;
+        # agreeing on it keeps every rank's step counter, window and rebalance schedule identical,
+        # which the rebalance's collectives need. On the device group, in order with the all-to-alls
+        # (the gloo cpu_ep group belongs to the main thread's vote).
+        flag = torch.tensor([int(self.is_prompt)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.moe.group)
+        is_prompt = bool(flag.item())
+        self.is_prompt = False
+        report = self.eplb.step(is_prompt=is_prompt)
+        st = self.eplb_stats
+        st.steps += 1
+        st.prompt_steps += int(is_prompt)
+        lb = self.eplb.load_stats
+        if report is not None:
+            if st.rebalances == 0:
+                # Every rank rebalanced at this step (same counters), so this gather is matched too:
+                # the measured balance of the initial placement, then a fresh count for EPLB's.
+                if lb.filled:
+                    lb.flush()
+                st.moe_lb_initial = lb.moe_lb
+                lb.reset()
+            st.rebalances += 1
+            st.layers_changed += report.layers_changed
+            st.bytes_moved += report.bytes_moved_total
+            st.seconds += report.seconds
+            st.imbalance_before, st.imbalance_after = report.imbalance_before, report.imbalance_after
+        st.moe_lb = lb.moe_lb
 
 
 class DataParallelRank:
@@ -148,9 +216,26 @@ class DataParallelRank:
             )
             shard_experts(model.layers, layout, ep_rank)
             moe, blocks = ExpertParallelMoE(cfg, layout, group, model.dtype), model.layers
-        self.collectives = ExpertCollectives(moe, blocks, cfg.hidden_size, torch.device(device))
+        eplb = None
+        config = par.EplbConfig.from_env(normal_engine=True)
+        if config.interval > 0:  # run-time EPLB: counts from every dispatch, rebalance + in-place shuffle
+            eplb = par.EplbState(layout, config, moe.expert_tensors(blocks), group=group)
+            moe.attach_eplb(eplb)
+        self.collectives = ExpertCollectives(moe, blocks, cfg.hidden_size, torch.device(device), eplb)
         model.moe_fn = self.collectives
         return model
+
+    def eplb_stats(self) -> dict:
+        """The EPLB counters of this rank's group (`EplbRunStats`, keys prefixed `eplb_`); {} without EPLB."""
+        coll = self.collectives
+        if coll is None or coll.eplb is None:
+            return {}
+        # forwards: real and idle ones submitted (all completed when a run ends), one EPLB step each
+        return {
+            **coll.eplb_stats.as_dict(),
+            "ep_rank": self.state.ep.rank_in_group,
+            "forwards": self.launched,
+        }
 
     def attach_deepep(self, max_tokens: int, backend: str) -> bool:
         """Route the EP MoE's dispatch / combine through DeepEP (``backend``: auto / torch / deepep, from
@@ -180,6 +265,12 @@ class DataParallelRank:
         if moe is not None and moe.deepep is not None:
             moe.deepep.destroy()
             moe.deepep = None
+
+    def wait_idle_forwards(self) -> None:
+        """Wait for the idle forwards queued on the worker (async loop) at the end of a run: every
+        rank of the group has submitted the forwards they join, so they all complete."""
+        while self._idle_futures:
+            self._idle_futures.popleft().result()
 
     def agree(self, busy: bool, launching: int, idle_inline: bool, run_idle, submit_idle=None) -> None:
         """The step's vote. `busy`: this rank has requests or forwards in flight; `launching`: real
@@ -312,7 +403,8 @@ def _serve(engine, dp: DataParallelRank, conn, outbox: _Outbox) -> None:
                 last_sent = time.monotonic()
             if not dp.any_busy:
                 break
-        outbox.send(("idle", dp.rank, [], _stats(engine)))
+        dp.wait_idle_forwards()  # so the counters sent below cover every forward of the run
+        outbox.send(("idle", dp.rank, [], _stats(engine), dp.messages))
 
 
 def _handle(engine, rank: int, msg, outbox: _Outbox) -> bool:
@@ -340,14 +432,39 @@ def _handle(engine, rank: int, msg, outbox: _Outbox) -> bool:
 
 
 def _stats(engine) -> dict:
-    return {
+    out = {
         f.name: getattr(engine.stats, f.name)
         for f in dataclasses.fields(engine.stats)
         if isinstance(getattr(engine.stats, f.name), int | float)
     }
+    if engine.dp is not None:
+        out.update(engine.dp.eplb_stats())
+    return out
 
 
 # ---------------------------------------------------------------------------- the front process
+@dataclasses.dataclass
+class DataParallelStats(EngineStats):
+    """The front's `EngineStats` (the ranks' counters summed, `steps` the largest) plus what run-time
+    EPLB did (`EplbRunStats` of each EP group, zero without it): rebalances, layers changed, bytes
+    moved and seconds summed over the groups; step counts and the load ratios (peak / mean rank
+    load, 1.0 = balanced) the largest over the groups."""
+
+    eplb_steps: int = 0
+    eplb_prompt_steps: int = 0
+    eplb_rebalances: int = 0
+    eplb_layers_changed: int = 0
+    eplb_bytes_moved: int = 0
+    eplb_seconds: float = 0.0
+    eplb_imbalance_before: float = 0.0
+    eplb_imbalance_after: float = 0.0
+    eplb_moe_lb_initial: float = 0.0
+    eplb_moe_lb: float = 0.0
+
+
+_EPLB_SUMMED = ("eplb_rebalances", "eplb_layers_changed", "eplb_bytes_moved", "eplb_seconds")
+
+
 def assign_ranks(costs: list[int], world: int) -> list[int]:
     """Rank of each request: longest first to the least-loaded rank (ties: lower index, lower rank).
     Deterministic, and within max(costs) of a perfect balance of the summed costs."""
@@ -390,8 +507,6 @@ class DataParallelEngine:
     del _Engine
 
     def __init__(self, args: EngineArgs) -> None:
-        from .llm_engine import EngineStats
-
         self.args = args
         self.world = args.data_parallel_size
         self.use_async = args.use_async
@@ -400,8 +515,12 @@ class DataParallelEngine:
         tok_path = Path(args.tokenizer) if args.tokenizer else self.model_path
         self.tokenizer = load_tokenizer(tok_path)
         self.tokenizer_config = load_tokenizer_config(tok_path)
-        self.stats = EngineStats()
+        self.stats = DataParallelStats()
         self._rank_stats: list[dict] = [{} for _ in range(self.world)]
+        # front messages (add / abort) sent to each rank, and how many of them each rank's last
+        # "idle" report (its run loop ended) covered: equal = the rank's counters are final
+        self._sent = [0] * self.world
+        self._settled = [0] * self.world
         self._seed_rng = random.Random(args.seed)
         self._pending: list[tuple] = []
         self._outstanding: set[str] = set()
@@ -483,6 +602,10 @@ class DataParallelEngine:
             self._dispatch()
         if not self._ready and self._outstanding:
             self._receive(until=lambda: bool(self._ready), max_wait_s=POLL_S)
+        if not self._outstanding and self._settled != self._sent:
+            # The last outputs are in: the ranks end their loops within a step. Wait for that, so
+            # `stats` covers the whole run (the idle forwards and EPLB steps after a rank's last output).
+            self._receive(until=lambda: self._settled == self._sent)
         done = list(self._ready)
         self._ready.clear()
         return done
@@ -546,6 +669,10 @@ class DataParallelEngine:
             self._send(conn, msg)
 
     def _send(self, conn, msg) -> None:
+        self._send_raw(conn, msg)
+        self._sent[self._conns.index(conn)] += 1  # every message but close, which ends the rank
+
+    def _send_raw(self, conn, msg) -> None:
         try:
             conn.send(msg)
         except OSError as e:
@@ -584,6 +711,8 @@ class DataParallelEngine:
                     on_ready(msg)
                 elif kind in ("outputs", "idle"):
                     self._rank_stats[msg[1]] = msg[3]
+                    if kind == "idle":
+                        self._settled[msg[1]] = msg[4]
                     self._update_stats()
                     for out in msg[2]:
                         self._outstanding.discard(out.request_id)
@@ -601,9 +730,15 @@ class DataParallelEngine:
     def _update_stats(self) -> None:
         for name in ("steps",):  # steps run in lockstep: the slowest rank's count
             setattr(self.stats, name, max(s.get(name, 0) for s in self._rank_stats))
-        for f in dataclasses.fields(self.stats):
+        for f in dataclasses.fields(EngineStats):
             if f.name != "steps" and isinstance(getattr(self.stats, f.name), int | float):
                 setattr(self.stats, f.name, sum(s.get(f.name, 0) for s in self._rank_stats))
+        # EPLB counters are per EP group (its ranks report the same ones): one report per group
+        groups = [s for s in self._rank_stats if s.get("ep_rank") == 0]
+        for f in dataclasses.fields(DataParallelStats):
+            if f.name.startswith("eplb_") and groups:
+                values = [s.get(f.name, 0) for s in groups]
+                setattr(self.stats, f.name, sum(values) if f.name in _EPLB_SUMMED else max(values))
 
     def _fail(self, message: str, kind: type[Exception] = RuntimeError):
         self._failed = message
@@ -625,4 +760,11 @@ class DataParallelEngine:
             raise RuntimeError(f"the data-parallel engine cannot be used: {self._failed}")
 
 
-__all__ = ["DataParallelEngine", "DataParallelRank", "ExpertCollectives", "assign_ranks"]
+__all__ = [
+    "DataParallelEngine",
+    "DataParallelRank",
+    "DataParallelStats",
+    "EplbRunStats",
+    "ExpertCollectives",
+    "assign_ranks",
+]

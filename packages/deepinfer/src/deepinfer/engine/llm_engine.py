@@ -462,7 +462,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         batch, rows, golden, allowed, prompt_lens = self._prepare(out)
         self.stats.prepare_s += time.perf_counter() - t0
-        result = self.worker.run(batch, rows, golden, allowed, prompt_lens=prompt_lens)
+        is_prompt = bool(scheduling.is_prefill(out).any())  # EPLB's prefill-step flag (data parallel)
+        result = self.worker.run(batch, rows, golden, allowed, prompt_lens=prompt_lens, is_prompt=is_prompt)
         self._process(out, result)
 
     def _step_async(self) -> None:
@@ -533,7 +534,10 @@ class LLMEngine:
     def _launch(self, out, fill_from_previous: bool = False) -> None:
         batch, rows, golden, allowed, prompt_lens = self._prepare(out, allow_unknown=fill_from_previous)
         prev_rows = scheduling.prev_rows(out) if fill_from_previous else None
-        future = self._pool.submit(self.worker.run, batch, rows, golden, allowed, prev_rows, prompt_lens)
+        is_prompt = bool(scheduling.is_prefill(out).any())  # EPLB's prefill-step flag (data parallel)
+        future = self._pool.submit(
+            self.worker.run, batch, rows, golden, allowed, prev_rows, prompt_lens, is_prompt
+        )
         self._inflight.append((out, future))
         if self.dp is not None:
             self.dp.launched += 1
@@ -740,7 +744,9 @@ class LLMEngine:
         batch, inputs, allowed, confs = self._prepare_verify(out)
         prompt_lens = self._step_prompt_lens(out, batch)
         self.stats.prepare_s += time.perf_counter() - t0
-        result = self.worker.run_verify(batch, inputs, allowed, self._spec.verifier, prompt_lens)
+        result = self.worker.run_verify(
+            batch, inputs, allowed, self._spec.verifier, prompt_lens, bool(scheduling.is_prefill(out).any())
+        )
         t0 = time.perf_counter()
         self._process_verify(out, batch, inputs, confs, result)
         self.stats.process_s += time.perf_counter() - t0

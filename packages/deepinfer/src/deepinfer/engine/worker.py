@@ -69,6 +69,7 @@ class ModelWorker:
         allowed: TokenBitmask | Callable[[], TokenBitmask | None] | None = None,
         prev_rows: np.ndarray | None = None,
         prompt_lens: list[int] | None = None,
+        is_prompt: bool = False,
     ) -> StepResult:
         """rows[i]: how sequence i samples (None: it emits nothing this step, e.g. a prefill chunk);
         allowed: packed masks of the tokens the constrained sequences may produce (structured output),
@@ -76,7 +77,8 @@ class ModelWorker:
         the forward), called after it;
         prev_rows[i]: sequence i's row in the step this worker ran last, whose sampled token fills
         its unknown (-1) input id — the asynchronous loop's correction of a step scheduled ahead;
-        prompt_lens[i]: sequence i's original prompt length (YoCo truncation only, else None)."""
+        prompt_lens[i]: sequence i's original prompt length (YoCo truncation only, else None);
+        is_prompt: the step has a prefill chunk (data-parallel EPLB counts prefill steps apart)."""
         if prev_rows is not None:
             self._fill_unknown_inputs(batch, prev_rows)
         self._last_tokens = None  # never let a later step read tokens of a step before this one
@@ -84,7 +86,7 @@ class ModelWorker:
         result = StepResult(tokens=np.full(n, -1, dtype=np.int64), logprobs=[None] * n, top=[None] * n)
         t0 = time.perf_counter()
         self._timing_begin()
-        logits, ok = self._forward(batch, result, prompt_lens)
+        logits, ok = self._forward(batch, result, prompt_lens, is_prompt)
         t1 = time.perf_counter()
         if callable(allowed):
             allowed = allowed()
@@ -128,6 +130,7 @@ class ModelWorker:
         allowed: TokenBitmask | None,
         verifier: DraftVerifier,
         prompt_lens: list[int] | None = None,
+        is_prompt: bool = False,
     ) -> VerifyStepResult:
         """A step whose decode rows may verify drafts (batch.logits_lens = 1 + k for them).
         inputs[i]: None when sequence i emits nothing; allowed: packed masks addressed by row among the
@@ -135,7 +138,7 @@ class ModelWorker:
         result = VerifyStepResult(verified=[], outcome=None)
         t0 = time.perf_counter()
         self._timing_begin()
-        logits, ok = self._forward(batch, result, prompt_lens)
+        logits, ok = self._forward(batch, result, prompt_lens, is_prompt)
         t1 = time.perf_counter()
         okset = set(ok)
         picked, kept_of = [], {}  # kept_of: packed row -> row among the verified sequences' rows
@@ -167,14 +170,16 @@ class ModelWorker:
         result.forward_s, result.sample_s = t1 - t0, time.perf_counter() - t1
         return result
 
-    def _forward(self, batch: RunnerBatch, result, prompt_lens) -> tuple[torch.Tensor, list[int]]:
+    def _forward(
+        self, batch: RunnerBatch, result, prompt_lens, is_prompt: bool = False
+    ) -> tuple[torch.Tensor, list[int]]:
         """Logits of the batch and the indices of the sequences they cover (all, unless it failed)."""
         if self.collectives is None:
             try:
                 return self._execute(batch, prompt_lens), list(range(len(batch.seq_ids)))
             except Exception:  # noqa: BLE001 - find the sequence(s) at fault; the others go on
                 return self._execute_one_by_one(batch, result, prompt_lens)
-        self.collectives.begin()
+        self.collectives.begin(is_prompt)
         try:
             logits, ok = self._execute(batch, prompt_lens), list(range(len(batch.seq_ids)))
         except Exception as e:  # noqa: BLE001 - the rank's batch fails, the world goes on
@@ -183,7 +188,7 @@ class ModelWorker:
                 result.errors[i] = f"model forward failed: {type(e).__name__}: {e}"
             vocab = self.runner.vocab_size
             logits, ok = torch.empty(0, vocab, device=getattr(self.runner, "device", "cpu")), []
-        self.collectives.finish()  # the MoE layers a failed (or empty) forward did not reach
+        self.collectives.finish()  # the MoE layers a failed (or empty) forward did not reach; EPLB step
         return logits, ok
 
     def idle(self) -> None:
