@@ -93,7 +93,7 @@ if has engine; then
   el "tests: data-parallel engine on cuda"
   # torch all-to-all + batch-invariant mode: the DP ranks' batches differ from the single engine's, so bitwise
   # equality on the GPU needs batch invariance; the DeepEP test sets its own backend (BF16 tolerance)
-  DEEPINFER_EP_BACKEND=torch DEEPINFER_BATCH_INVARIANT=1 DEEPINFER_DEVICE=cuda pyt packages/deepinfer/tests/test_data_parallel.py --junitxml "$out/engine_dp.xml" > "$out/engine_dp.log" 2>&1
+  DEEPINFER_EP_BACKEND=torch DEEPINFER_BATCH_INVARIANT=1 DEEPINFER_DEVICE=cuda pyt packages/deepinfer/tests/test_data_parallel.py packages/deepinfer/tests/test_data_parallel_eplb.py --junitxml "$out/engine_dp.xml" > "$out/engine_dp.log" 2>&1
   tail -8 "$out/engine_dp.log"
 fi
 if has graphs; then wait "$graphs_pid"; echo "== graphs"; tail -6 "$out/graphs_tests.log"; fi
