@@ -83,3 +83,104 @@ def test_one_query_attention_row_does_not_depend_on_the_batch(threads):
         qs[i], ks[i], vs[i] = q[0], 0.0, False
         ks[i, : 2 * KT], vs[i, :, : 2 * KT] = keys[0], visible[0]
         assert torch.equal(bi.sink_attention(qs, bi.mark_fp32_valued(ks), vs, sinks, 0.088)[i], alone), m
+
+
+def _chunk_case(b, m, nh, tiles, gen, window=None):
+    """M queries per key set: a random visibility, or (`window`) a sliding-window band over the keys."""
+    q = _fp32(b, m, nh, 128, scale=0.5, gen=gen)
+    keys = bi.mark_fp32_valued(_fp32(b, tiles * KT, 128, gen=gen))
+    if window is None:
+        visible = torch.rand(b, m, tiles * KT, generator=gen) < 0.5
+    else:
+        pos = torch.arange(tiles * KT)[None, :]
+        q_pos = torch.arange(m)[:, None] + (tiles * KT - m)  # the chunk's queries end at the last key
+        visible = ((pos <= q_pos) & (pos > q_pos - window)).expand(b, -1, -1).clone()
+    sinks = torch.randn(nh, generator=gen, dtype=torch.float64)
+    return q, keys, visible, sinks
+
+
+def _bits(x):
+    return x.contiguous().view(torch.int64)
+
+
+@pytest.mark.parametrize(
+    ("m", "nh", "tiles", "window"),
+    [(2, 4, 1, None), (5, 3, 3, None), (64, 4, 4, None), (20, 12, 3, None), (150, 4, 8, 20), (130, 3, 9, 40)],
+)
+def test_exact_attention_is_the_tile_computation(m, nh, tiles, window, threads):
+    """The exact-score path for chunks of M > 1 queries (`_exact_attention_blocks`: row_scores, the P.V
+    tiles over the row tiles that see each key tile, query blocks against their band of key tiles) is
+    bitwise the full tile computation, with and without a plan, dense and band-sparse."""
+    gen = torch.Generator().manual_seed(5 + m)
+    for b in (1, 3):
+        q, keys, visible, sinks = _chunk_case(b, m, nh, tiles, gen, window)
+        assert bi.exact_scores_apply(q, keys)
+        ref = bi.sink_attention(q, keys, visible, sinks, 0.088, all_tiles=True)
+        assert torch.equal(_bits(bi.sink_attention(q, keys, visible, sinks, 0.088)), _bits(ref))
+        plan = bi.plan_attention(visible, nh)
+        assert torch.equal(_bits(bi.sink_attention(q, keys, None, sinks, 0.088, plan=plan)), _bits(ref))
+        if window is not None:  # several query blocks, each against its own key tiles
+            assert m > bi.EXACT_BLOCK_QUERIES and not plan.dense
+
+
+def test_exact_attention_row_does_not_depend_on_the_batch_or_the_chunking(threads):
+    """A sequence's chunk alone equals the same chunk among M = 3, 8, 37 other sequences with wider key
+    sets; and a chunk of 96 queries equals its queries computed as chunks of 40 + 56 and one by one (the
+    decode path), each seeing the same keys."""
+    gen = torch.Generator().manual_seed(6)
+    q, keys, visible, sinks = _chunk_case(1, 96, 4, 4, gen, window=24)
+    alone = bi.sink_attention(q, keys, visible, sinks, 0.088)[0]
+    for m in (3, 8, 37):
+        qs, ks, vs, _ = _chunk_case(m, 96, 4, 6, gen)  # wider neighbours: two more hidden key tiles
+        i = m // 2
+        qs[i], ks[i], vs[i] = q[0], 0.0, False
+        ks[i, : 4 * KT], vs[i, :, : 4 * KT] = keys[0], visible[0]
+        got = bi.sink_attention(qs, bi.mark_fp32_valued(ks), vs, sinks, 0.088)[i]
+        assert torch.equal(_bits(got), _bits(alone)), m
+    parts = [
+        bi.sink_attention(q[:, a:z], keys, visible[:, a:z], sinks, 0.088) for a, z in ((0, 40), (40, 96))
+    ]
+    assert torch.equal(_bits(torch.cat(parts, dim=1)[0]), _bits(alone))
+    ones = [bi.sink_attention(q[:, j : j + 1], keys, visible[:, j : j + 1], sinks, 0.088) for j in range(96)]
+    assert torch.equal(_bits(torch.cat(ones, dim=1)[0]), _bits(alone))
+
+
+def test_grouped_output_projection_rows_do_not_depend_on_the_batch(monkeypatch):
+    """The attention's grouped output projection in the mode (`project_output`: every group in one
+    `grouped_gemm` call) gives a token's row the same bits alone and among 3, 8 and 37 other tokens,
+    the same bits as one row-invariant GEMM per group (the path it replaces), and equals the float64
+    einsum to FP32 rounding."""
+    from deepinfer_model.layers.attention import AttentionWeights, project_output
+    from deepinfer_model.numerics import round_to
+
+    monkeypatch.setenv(bi.ENV, "1")
+    gen = torch.Generator().manual_seed(7)
+    nh, d, groups, ro, hidden = 4, 64, 2, 32, 96
+    w = AttentionWeights.__new__(AttentionWeights)
+    w.wo_a = torch.randn(groups * ro, nh * d // groups, generator=gen)
+    w.wo_b = torch.randn(hidden, groups * ro, generator=gen)
+    assert bi.stacked_parts(w.wo_a, groups=groups) is not None  # the one-call path is taken
+
+    def run(o):  # an identity RoPE on the last 16 channels (cos 1, sin 0: exact)
+        t = o.shape[0]
+        return project_output(
+            o, w, groups, torch.ones(t, 8, dtype=torch.float64), torch.zeros(t, 8, dtype=torch.float64)
+        )
+
+    o = torch.randn(1, nh, d, generator=gen, dtype=torch.float64)
+    alone = run(o)
+    for m in (3, 8, 37):
+        others = torch.randn(m, nh, d, generator=gen, dtype=torch.float64)
+        others[m // 2] = o[0]
+        got = run(others)
+        assert torch.equal(_bits(got[m // 2]), _bits(alone[0])), m
+        with monkeypatch.context() as mp:  # the per-group path: the same bits
+            mp.setattr(bi, "stacked_parts", lambda *a, **k: None)
+            assert torch.equal(_bits(run(others)), _bits(got)), m
+    z = torch.einsum(
+        "tgi,gri->tgr",
+        round_to(o, torch.float32).reshape(1, groups, -1),
+        w.wo_a.double().view(groups, ro, -1),
+    )
+    ref = round_to(z, torch.float32).reshape(1, -1) @ w.wo_b.double().t()
+    torch.testing.assert_close(alone, ref, rtol=1e-5, atol=1e-5)

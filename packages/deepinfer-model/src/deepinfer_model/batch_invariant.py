@@ -64,6 +64,7 @@ DEVICE_BATCH = 16  # matrices per bmm call off the CPU (one problem shape -> one
 DENSE_FRACTION = 0.5  # attention plans seeing more of their tiles than this take the dense layout
 SCORE_COLS = 4  # `row_scores`: query rows (GEMM columns) padded to a multiple of this (odd counts differ)
 GATHER_CHUNK = 4096  # gathered tile products per bmm call in attention (bounds the gathered copies)
+EXACT_BLOCK_QUERIES = 64  # queries per block of `_exact_attention_blocks` (each scores its band of key tiles)
 
 
 # The setting for the model step that is running (`numerics.resolved`), None outside one.
@@ -237,7 +238,7 @@ def exact_gemm(a: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def row_gemm(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+def row_gemm(x: torch.Tensor, w_t: torch.Tensor, fp32_valued: bool = False) -> torch.Tensor:
     """`x @ w_t` (`w_t` widened to FP64) for 2-D FP64 `x` [M, K] on the CPU, each row's result independent
     of M and of the other rows. Chosen per row from the row itself (so a row takes the same path in
     every batch): a row of FP32 values goes through one GEMM with the weight as a row-major [K, N]
@@ -253,6 +254,9 @@ def row_gemm(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     if len(parts) > 1:
         out = exact_gemm(x, parts)
+        return out if out.shape[1] == n else out[:, :n]
+    if fp32_valued:  # the caller knows every row is FP32-valued (`marked_fp32_valued`): no test
+        out = x @ parts[0]
         return out if out.shape[1] == n else out[:, :n]
     fp32 = x.float().double()
     if torch.equal(x, fp32):  # every row FP32-valued (the common case: one test, one host read)
@@ -276,14 +280,23 @@ LOOP_ROWS = 32  # rows per non-empty group above which `grouped_gemm` takes one 
 GEMM_NAIVE_ELEMENTS = 400  # torch's CPU bmm takes a naive loop kernel below this many M*N*K (not MKL)
 
 
-def stacked_parts(*weights: torch.Tensor) -> torch.Tensor | None:
+def stacked_parts(*weights: torch.Tensor, groups: int | None = None) -> torch.Tensor | None:
     """`weights` (each [E, N_i, K] stacked experts or one [N_i, K] weight, same E and K) as one cached
     contiguous FP64 [E, K, sum N_i + pad] operand for `grouped_gemm`: expert e's [K, N_i] blocks side by
     side (zero columns up to a multiple of `COL_PAD`). None when some weight is not FP32-valued (the
     exact products `grouped_gemm` relies on need at most 24 significant bits) or when the copy would
     exceed `PART_CACHE_BYTES` (a large checkpoint's experts in FP64) or K * N is below
-    `GEMM_NAIVE_ELEMENTS`: callers then take `row_gemm` per expert."""
-    key = tuple(id(w) for w in weights)
+    `GEMM_NAIVE_ELEMENTS`: callers then take `row_gemm` per expert.
+
+    `groups` (one [groups * N_g, K] weight only): the weight as a stack of `groups` [N_g, K] blocks (the
+    attention's grouped output projection `wo_a`), cached under the weight itself."""
+    if groups is not None:
+        if len(weights) != 1 or weights[0].dim() != 2 or weights[0].shape[0] % groups:
+            raise ValueError(
+                f"stacked_parts: groups = {groups} needs one 2-D weight whose rows it divides, got "
+                f"{[tuple(w.shape) for w in weights]}"
+            )
+    key = tuple(id(w) for w in weights) + ((-groups,) if groups is not None else ())
     hit = _STACKS.get(key)
     if hit is not None and all(r() is w for r, w in zip(hit[0], weights, strict=True)):
         if hit[1] == tuple(w._version for w in weights):
@@ -291,7 +304,10 @@ def stacked_parts(*weights: torch.Tensor) -> torch.Tensor | None:
     elif hit is None:
         for w in weights:
             weakref.finalize(w, _STACKS.pop, key, None)
-    stacks = [w if w.dim() == 3 else w.unsqueeze(0) for w in weights]
+    if groups is not None:
+        stacks = [weights[0].view(groups, -1, weights[0].shape[1])]
+    else:
+        stacks = [w if w.dim() == 3 else w.unsqueeze(0) for w in weights]
     e, _, k = stacks[0].shape
     if any(s.shape[0] != e or s.shape[2] != k for s in stacks):
         raise ValueError(
@@ -312,7 +328,11 @@ def stacked_parts(*weights: torch.Tensor) -> torch.Tensor | None:
 
 
 def grouped_gemm(
-    x: torch.Tensor, counts: list[int], parts: torch.Tensor, loop: bool | None = None
+    x: torch.Tensor,
+    counts: list[int],
+    parts: torch.Tensor,
+    loop: bool | None = None,
+    fp32_valued: bool = False,
 ) -> torch.Tensor:
     """Rows of FP64 `x` [R, K] (on the CPU) sorted by group, `counts[e]` rows for group e, times group e's
     weight `parts[e]` ([E, K, N] from `stacked_parts`) -> FP64 [R, N], each row's result independent
@@ -330,7 +350,10 @@ def grouped_gemm(
 
     Groups of more than `LOOP_ROWS` rows on average (prefill) instead take one `torch.mm` per group on
     its contiguous rows (hi and lo rows in one call): the padding, scatter and gather of the single call
-    cost more there than the calls. The same bits either way (`loop` forces one; tested)."""
+    cost more there than the calls. The same bits either way (`loop` forces one; tested).
+
+    `fp32_valued`: the caller knows every row is FP32-valued (`marked_fp32_valued`): no lo terms, and
+    equal groups (the attention's grouped output projection) are one bmm of the rows as they are."""
     r, k = x.shape
     n = parts.shape[2]
     if r == 0:
@@ -338,6 +361,8 @@ def grouped_gemm(
     if sum(counts) != r or len(counts) != parts.shape[0]:
         raise ValueError(f"grouped_gemm: counts {counts} do not describe {r} rows of {parts.shape[0]} groups")
     x = x.contiguous()
+    if fp32_valued and not loop and len(set(counts)) == 1 and k * n * counts[0] >= GEMM_NAIVE_ELEMENTS:
+        return torch.bmm(x.view(len(counts), counts[0], k), parts).view(r, n)
     hi = x.float().double()
     lo = x - hi
     if loop if loop is not None else r > LOOP_ROWS * sum(1 for c in counts if c):
@@ -402,7 +427,7 @@ def matmul(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
     if flat.device.type == "cpu" and flat.dtype == torch.float64 and w_t.dtype == torch.float64:
-        out = row_gemm(flat, w_t)
+        out = row_gemm(flat, w_t, marked_fp32_valued(x))
     else:
         out = tiled_matmul(flat, w_t)
     return out.reshape(*lead, w_t.shape[1])
@@ -477,14 +502,17 @@ _FP32_MARK = "_deepinfer_fp32_valued"
 
 def mark_fp32_valued(t: torch.Tensor) -> torch.Tensor:
     """Mark `t` (returned) as holding only FP32-valued entries: the caller knows (e.g. it was read from an
-    FP32 or narrower cache pool). Derived tensors are not marked."""
-    setattr(t, _FP32_MARK, True)
+    FP32 or narrower cache pool, or rounded to FP32 / BF16 by `numerics.round_to`). Derived tensors are
+    not marked. The mark holds the tensor's in-place version: an in-place change afterwards (which may
+    write other values) voids it."""
+    setattr(t, _FP32_MARK, t._version)
     return t
 
 
 def marked_fp32_valued(t: torch.Tensor) -> bool:
-    """Whether `t` itself was marked by `mark_fp32_valued`."""
-    return getattr(t, _FP32_MARK, False)
+    """Whether `t` itself was marked by `mark_fp32_valued` and not changed in place since."""
+    mark = getattr(t, _FP32_MARK, None)
+    return mark is not None and mark == t._version
 
 
 def exact_scores_apply(q: torch.Tensor, keys: torch.Tensor) -> bool:
@@ -495,7 +523,7 @@ def exact_scores_apply(q: torch.Tensor, keys: torch.Tensor) -> bool:
         and q.dtype == torch.float64
         and keys.dtype == torch.float64
         and marked_fp32_valued(keys)
-        and _fp32_valued(q)
+        and (marked_fp32_valued(q) or _fp32_valued(q))
     )
 
 
@@ -663,9 +691,12 @@ def sink_attention(
     if all_tiles:
         return _sink_attention_full(q, keys, visible, sinks, scale)
     bsz, m, nh, d = q.shape
-    if m == 1 and exact_scores_apply(q, keys):  # decode: one query per key set
+    if exact_scores_apply(q, keys):
         vis = visible if visible is not None else plan.visible
-        return _one_query_attention(q, keys, vis, sinks, scale)
+        if m == 1:  # decode: one query per key set
+            return _one_query_attention(q, keys, vis, sinks, scale)
+        seen = plan.seen if plan is not None else None
+        return _exact_attention_blocks(q, keys, vis, sinks, scale, seen)
     if plan is None:
         plan = AttentionPlan(visible, nh)
     if plan.shape[:3] != (bsz, m, nh) or plan.shape[3] * KEY_TILE != keys.shape[1]:
@@ -753,6 +784,120 @@ def _one_query_attention(
             acc = acc + part[:, t, :nh]
     den = acc[..., d] + e_sink
     return (acc[..., :d] / den[..., None]).view(bsz, 1, nh, d)
+
+
+def _exact_attention_blocks(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    visible: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
+    seen: np.ndarray | None = None,
+) -> torch.Tensor:
+    """`sink_attention` bit for bit for M queries per key set (prefill chunks, verification blocks) with
+    FP32-valued q and keys (`exact_scores_apply`): `_exact_attention` on blocks of queries, each against
+    the whole key tiles some row of the block sees (the sliding-window band: a block of b queries scores
+    about b + window keys, not the whole chunk). Tiles a block does not see contribute exactly what they
+    contribute in the full computation: -inf scores (no effect on the max), exp 0, and a P.V partial of
+    +0 that the tile-order sum adds as x + 0 = x; so starting the sum at the block's first seen tile
+    changes no bit (see `sink_attention`). Blocks start at query boundaries that are also row-tile
+    boundaries (m0 * nh a multiple of `TILE_ROWS`), so every P tile holds the same rows as in the full
+    layout. `seen` (bool [B, Rt, T], optional): which (row tile, key tile) pairs some row sees."""
+    bsz, m, nh, _ = q.shape
+    n_tiles = keys.shape[1] // KEY_TILE
+    rt = -(-(m * nh) // TILE_ROWS)
+    if seen is None:
+        seen = _seen_from_queries(visible.view(bsz, m, n_tiles, KEY_TILE).any(dim=-1).cpu().numpy(), nh, rt)
+    align = TILE_ROWS // np.gcd(nh, TILE_ROWS)  # queries per block: a multiple of this
+    block = max(align, (EXACT_BLOCK_QUERIES // align) * align)
+    if block >= m:
+        return _exact_attention(q, keys, visible, sinks, scale, seen)
+    out = []
+    for m0 in range(0, m, block):
+        m1 = min(m, m0 + block)
+        r0, r1 = m0 * nh // TILE_ROWS, -(-(m1 * nh) // TILE_ROWS)
+        cols = np.flatnonzero(seen[:, r0:r1].any(axis=(0, 1)))
+        if not len(cols):  # no row of the block sees a key: the sink alone (one tile of hidden keys)
+            cols = np.zeros(1, dtype=np.int64)
+        k0, k1 = int(cols[0]), int(cols[-1]) + 1
+        c0, c1 = k0 * KEY_TILE, k1 * KEY_TILE
+        out.append(
+            _exact_attention(
+                q[:, m0:m1],
+                mark_fp32_valued(keys[:, c0:c1]),
+                visible[:, m0:m1, c0:c1],
+                sinks,
+                scale,
+                seen[:, r0:r1, k0:k1],
+            )
+        )
+    return torch.cat(out, dim=1)
+
+
+def _exact_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    visible: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
+    seen: np.ndarray | None = None,
+) -> torch.Tensor:
+    """`_sink_attention_full` bit for bit for FP32-valued q [B, M, nh, D] and keys [B, S, D]
+    (`exact_scores_apply`), with the scores from `row_scores` (one NN bmm, keys as rows; the same bits as
+    the tiled score products) instead of the per-tile score GEMMs:
+
+    - scale, mask, max and exp element by element on [B, S, M * nh] (contiguous, S a multiple of
+      `KEY_TILE`: every exp runs in whole SIMD vectors, as there); the sink's exp in whole tiles too;
+    - P.[K | 1]: the same fixed [TILE_ROWS, KEY_TILE] x [KEY_TILE, D + 1] products of contiguous P tiles
+      (row j of row tile r = row r * 8 + j of the M * nh (query, head) rows, as `_row_tiles` lays them
+      out), one bmm per (sequence, key tile) over the row tiles that see it (`seen`: the hull of them;
+      the rest stay the +0 the full computation gets), and the tile partials added in tile order.
+    Tested against `_sink_attention_full` (`test_exact_attention_is_the_tile_computation`)."""
+    bsz, m, nh, d = q.shape
+    s = keys.shape[1]
+    n_tiles = s // KEY_TILE
+    r = m * nh
+    rt = -(-r // TILE_ROWS)
+    sc = row_scores(q.reshape(bsz, r, d), keys).transpose(1, 2) * scale  # [B, S, R], contiguous
+    hidden = ~visible.transpose(1, 2)  # [B, S, M]
+    sc = sc.view(bsz, s, m, nh).masked_fill_(hidden[..., None], float("-inf")).view(bsz, s, r)
+    sink = sinks.to(q.device, torch.float64)
+    mx = torch.maximum(sc.amax(dim=1).view(bsz, m, nh), sink).view(bsz, 1, r)  # (max is exact in any order)
+    e = torch.exp(sc - mx)  # [B, S, R]
+    # the sinks' exps in whole tiles (numel a multiple of KEY_TILE)
+    n_sk = bsz * r
+    sk = q.new_zeros(n_sk + (-n_sk) % KEY_TILE, dtype=torch.float64)
+    sk[:n_sk] = (sink - mx.view(bsz, m, nh)).reshape(-1)
+    e_sink = torch.exp(sk)[:n_sk].view(bsz, m, nh)
+    # P tiles [B, T, Rt, 8, KT] (contiguous), zero rows past R
+    ep = e if rt * TILE_ROWS == r else torch.cat((e, e.new_zeros(bsz, s, rt * TILE_ROWS - r)), dim=2)
+    pt = ep.view(bsz, n_tiles, KEY_TILE, rt, TILE_ROWS).permute(0, 1, 3, 4, 2).contiguous()
+    vals = torch.cat((keys, keys.new_ones(bsz, s, 1)), dim=-1).view(bsz, n_tiles, KEY_TILE, d + 1)
+    if rt == 1:  # one row tile per key tile: every product in one call, partials added in tile order
+        part = bmm(pt.view(-1, TILE_ROWS, KEY_TILE), vals.view(-1, KEY_TILE, d + 1))
+        part = part.view(bsz, n_tiles, TILE_ROWS, d + 1)
+        acc = part[:, 0]
+        for t in range(1, n_tiles):
+            acc = acc + part[:, t]
+    else:
+        # each (sequence, key tile): the hull [lo, hi) of the row tiles that see it, from the host mask
+        if seen is None:
+            lo, hi = np.zeros((bsz, n_tiles), dtype=np.int64), np.full((bsz, n_tiles), rt)
+        else:
+            any_row = seen.any(axis=1)  # [B, T]
+            lo = np.where(any_row, seen.argmax(axis=1), 0)
+            hi = np.where(any_row, rt - seen[:, ::-1].argmax(axis=1), 0)
+        # the partials of a row tile added in key tile order; a row tile outside a key tile's hull gets
+        # the +0 the full computation adds there (x + 0 = x), so it is skipped
+        acc = pt.new_zeros(bsz, rt, TILE_ROWS, d + 1)
+        for t in range(n_tiles):
+            for b in range(bsz):
+                r0, r1 = int(lo[b, t]), int(hi[b, t])
+                if r1 > r0:
+                    acc[b, r0:r1] += torch.bmm(pt[b, t, r0:r1], vals[b, t].expand(r1 - r0, -1, -1))
+    acc = acc.reshape(bsz, rt * TILE_ROWS, d + 1)[:, :r].view(bsz, m, nh, d + 1)
+    den = acc[..., d] + e_sink
+    return acc[..., :d] / den[..., None]
 
 
 def _sink_attention_full(

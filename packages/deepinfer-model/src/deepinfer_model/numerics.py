@@ -151,8 +151,13 @@ def weight_carrier(weight: torch.Tensor) -> torch.Tensor:
 
 
 def round_to(x: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor:
-    """`x` rounded (round-to-nearest-even) to `act_dtype` (FP32 or BF16), returned in the carrier dtype."""
-    return x.to(act_dtype).to(carrier())
+    """`x` rounded (round-to-nearest-even) to `act_dtype` (FP32 or BF16), returned in the carrier dtype.
+    In batch-invariant mode the result is marked FP32-valued (`batch_invariant.mark_fp32_valued`): its
+    GEMMs then skip the per-call test of every value (`batch_invariant.row_gemm`)."""
+    out = x.to(act_dtype).to(carrier())
+    if batch_invariant.enabled() and act_dtype in (torch.float32, torch.bfloat16, torch.float16):
+        batch_invariant.mark_fp32_valued(out)
+    return out
 
 
 def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -198,7 +203,8 @@ def bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _row_invariant(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Batch-invariant mode on the CPU: FP64 `x @ weight.T` whose rows do not depend on the batch
     (`batch_invariant.row_gemm`, against a row-major FP64 copy made straight from `weight`)."""
-    flat = batch_invariant.row_gemm(x.double().reshape(-1, x.shape[-1]), weight.t())
+    fp32 = x.dtype in (torch.float32, torch.bfloat16, torch.float16) or batch_invariant.marked_fp32_valued(x)
+    flat = batch_invariant.row_gemm(x.double().reshape(-1, x.shape[-1]), weight.t(), fp32)
     return flat.reshape(*x.shape[:-1], weight.shape[0])
 
 

@@ -141,7 +141,17 @@ def project_output(
     gemm = act_dtype if native() else torch.float64
     grouped = grouped.to(gemm)
     wo_a = weight_as(w.wo_a, gemm).view(o_groups, -1, grouped.shape[-1])  # [G, Ro, nh*D/G]
-    if batch_invariant.enabled():  # one fixed-tile GEMM per group instead of a batched einsum over T
+    parts = None
+    if batch_invariant.enabled() and grouped.device.type == "cpu" and gemm == torch.float64:
+        parts = batch_invariant.stacked_parts(w.wo_a, groups=o_groups)
+    if parts is not None and t:
+        # every group in one call (`grouped_gemm`: exact products, each row's bits independent of T and
+        # of the other rows): rows ordered by group, group g against its [nh*D/G, Ro] block
+        rows = grouped.transpose(0, 1).reshape(o_groups * t, -1)
+        fp32 = batch_invariant.marked_fp32_valued(o)  # (rounded by `rope`: no test of every value)
+        z = batch_invariant.grouped_gemm(rows, [t] * o_groups, parts, fp32_valued=fp32)[:, : wo_a.shape[1]]
+        z = z.view(o_groups, t, -1).transpose(0, 1)
+    elif batch_invariant.enabled():  # one row-invariant GEMM per group instead of a batched einsum over T
         z = torch.stack([batch_invariant.matmul(grouped[:, g], wo_a[g].t()) for g in range(o_groups)], 1)
     else:
         z = torch.einsum("tgi,gri->tgr", grouped, wo_a)

@@ -42,6 +42,8 @@ def _normed_projection(trunk: torch.Tensor, fn: torch.Tensor, rms_eps: float) ->
     flat = trunk.to(carrier()).flatten(1)
     inv = torch.rsqrt(flat.square().mean(-1, keepdim=True) + rms_eps)
     if batch_invariant.enabled():
+        if trunk.dtype != flat.dtype or batch_invariant.marked_fp32_valued(trunk):
+            batch_invariant.mark_fp32_valued(flat)  # known FP32-valued: no test of every value per call
         # the row scale after the product (equal in exact arithmetic): the trunk holds FP32/BF16 values,
         # so the mode multiplies them in its one exact-product GEMM per call instead of the fixed row
         # tiles that full-FP64 (scaled) rows need; a row's result still depends on that row only

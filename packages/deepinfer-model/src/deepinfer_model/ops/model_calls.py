@@ -11,8 +11,18 @@ from __future__ import annotations
 
 import torch
 
+from .. import batch_invariant
 from ..numerics import carrier
 from .registry import OpTable, get_ops
+
+
+def _carry(y: torch.Tensor) -> torch.Tensor:
+    """An op's `act_dtype` output in the carrier dtype; in batch-invariant mode a widened FP32 / BF16
+    output is marked FP32-valued (`batch_invariant.mark_fp32_valued`: its GEMMs skip testing every value)."""
+    out = y.to(carrier())
+    if out is not y and y.dtype.is_floating_point and y.dtype.itemsize <= 4 and batch_invariant.enabled():
+        batch_invariant.mark_fp32_valued(out)
+    return out
 
 
 def ops_for(x: torch.Tensor) -> OpTable:
@@ -23,14 +33,14 @@ def ops_for(x: torch.Tensor) -> OpTable:
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float, act_dtype: torch.dtype
 ) -> torch.Tensor:
-    return ops_for(x).rms_norm(x, weight, eps, out_dtype=act_dtype).to(carrier())
+    return _carry(ops_for(x).rms_norm(x, weight, eps, out_dtype=act_dtype))
 
 
 def rope(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, act_dtype: torch.dtype, inverse: bool = False
 ) -> torch.Tensor:
     """`round_to(apply_rope(x, cos, sin, inverse), act_dtype)` through the registry."""
-    return ops_for(x).apply_rope(x, cos, sin, inverse, out_dtype=act_dtype).to(carrier())
+    return _carry(ops_for(x).apply_rope(x, cos, sin, inverse, out_dtype=act_dtype))
 
 
 def hc_mixes(
@@ -44,13 +54,13 @@ def hc_mixes(
 
 
 def hc_read(trunk: torch.Tensor, weights: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor:
-    return ops_for(trunk).hc_read(trunk, weights, out_dtype=act_dtype).to(carrier())
+    return _carry(ops_for(trunk).hc_read(trunk, weights, out_dtype=act_dtype))
 
 
 def hc_write(
     y: torch.Tensor, trunk: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, act_dtype: torch.dtype
 ) -> torch.Tensor:
-    return ops_for(trunk).hc_write(y, trunk, post, comb, out_dtype=act_dtype).to(carrier())
+    return _carry(ops_for(trunk).hc_write(y, trunk, post, comb, out_dtype=act_dtype))
 
 
 def grouped_expert_mlp(

@@ -253,6 +253,8 @@ def attend(
         visible = visible.view(*gq, -1)
         plan = None
         q_rows = q[g.rows]
+        if batch_invariant.marked_fp32_valued(q):  # (rounded to FP32 / BF16: no test of every value)
+            batch_invariant.mark_fp32_valued(q_rows)
         if gq[1] == 1 and batch_invariant.exact_scores_apply(q_rows, keys):
             pass  # decode: `sink_attention` takes its one-query path, which needs no tile plan
         elif extra is None or extra[1].dtype == torch.bool:
@@ -372,6 +374,8 @@ def grouped_index_scores(
     if batch_invariant.enabled():  # fixed-shape dot products (entries padded to whole tiles)
         gq = g.rows.shape
         flat = qi[g.rows].reshape(gq[0], -1, head_dim)
+        if batch_invariant.marked_fp32_valued(qi):
+            batch_invariant.mark_fp32_valued(flat)
         exact = batch_invariant.exact_scores_apply(flat, keys)  # the same bits, without padded tiles
         score = batch_invariant.row_scores if exact else batch_invariant.tiled_scores
         s = torch.relu(score(flat, keys).view(*gq, n_heads, -1))
