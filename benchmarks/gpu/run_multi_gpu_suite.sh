@@ -58,7 +58,7 @@ if has deepep; then
 fi
 if has comm; then
   el "bench: dispatch / combine GB/s"
-  timeout "$lim" python3 benchmarks/parallel/bench_ep_comm.py --world 2 --out "$out/bench_ep_comm.json" > "$out/bench_ep_comm.log" 2>&1
+  timeout "$lim" python3 benchmarks/parallel/bench_ep_comm.py --out "$out/bench_ep_comm.json" > "$out/bench_ep_comm.log" 2>&1
   tail -20 "$out/bench_ep_comm.log"; collect
 fi
 if has model; then
@@ -100,8 +100,8 @@ if has graphs; then wait "$graphs_pid"; echo "== graphs"; tail -6 "$out/graphs_t
 if has enginecuda; then wait "$engine_cuda_pid"; echo "== engine tests on cuda"; tail -12 "$out/engine_cuda.log"; fi
 if has bench; then
   [ -n "$medium_pid" ] && wait "$medium_pid" 2>/dev/null
-  el "bench: medium EP=2 / EPLB / CP=2 vs one GPU"
-  timeout "${BENCH_LIMIT_S:-420}" python3 benchmarks/parallel/bench_multi_gpu.py --model "$medium" --device cuda --world 2 \
+  el "bench: medium EP=N / EPLB / CP=N vs one GPU (N = the GPU count)"
+  timeout "${BENCH_LIMIT_S:-420}" python3 benchmarks/parallel/bench_multi_gpu.py --model "$medium" --device cuda \
     ${BENCH_ARGS:-} --out "$final" 2>&1 | tee "$out/bench_multi_gpu.log" > "$final/bench_multi_gpu.log"  # partial
   tail -40 "$out/bench_multi_gpu.log"; collect  # records land in $final (the call's $OUT) as they come
 fi
