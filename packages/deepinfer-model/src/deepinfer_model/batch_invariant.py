@@ -363,11 +363,16 @@ def grouped_gemm(
     x = x.contiguous()
     if fp32_valued and not loop and len(set(counts)) == 1 and k * n * counts[0] >= GEMM_NAIVE_ELEMENTS:
         return torch.bmm(x.view(len(counts), counts[0], k), parts).view(r, n)
-    hi = x.float().double()
-    lo = x - hi
+    # FP32-valued rows (known, or found here) have no lo part
+    hi, lo = (x, None) if fp32_valued else (x.float().double(), None)
+    if not fp32_valued:
+        lo = x - hi
     if loop if loop is not None else r > LOOP_ROWS * sum(1 for c in counts if c):
         return _grouped_loop(hi, lo, counts, parts)
-    wide = torch.nonzero(lo.ne(0).any(dim=1)).flatten()  # rows with more bits (NaN rows too: lo is NaN)
+    if lo is None:
+        wide = torch.zeros(0, dtype=torch.long)
+    else:
+        wide = torch.nonzero(lo.ne(0).any(dim=1)).flatten()  # rows with more bits (NaN rows too: lo is NaN)
     # the rows' slots in the padded [E', Mmax] layout, on the host (the counts are host values)
     cnt = np.asarray(counts, dtype=np.int64)
     group = np.repeat(np.arange(len(cnt)), cnt)
@@ -400,15 +405,22 @@ def grouped_gemm(
     return out
 
 
-def _grouped_loop(hi: torch.Tensor, lo: torch.Tensor, counts: list[int], parts: torch.Tensor) -> torch.Tensor:
+def _grouped_loop(
+    hi: torch.Tensor, lo: torch.Tensor | None, counts: list[int], parts: torch.Tensor
+) -> torch.Tensor:
     """`grouped_gemm` as one mm per non-empty group: [hi; lo] rows of the group (lo only if some row of
-    the group has one) against `parts[e]`; a row adds its lo product only if its own lo is not zero."""
+    the group has one; None: no row has) against `parts[e]`; a row adds its lo product only if its own
+    lo is not zero."""
     out = hi.new_empty(hi.shape[0], parts.shape[2])
     start = 0
     for e, c in enumerate(counts):
         if not c:
             continue
         end = start + c
+        if lo is None:
+            torch.mm(hi[start:end], parts[e], out=out[start:end])
+            start = end
+            continue
         lo_e = lo[start:end]
         has_lo = lo_e.ne(0).any(dim=1, keepdim=True)
         if bool(has_lo.any()):

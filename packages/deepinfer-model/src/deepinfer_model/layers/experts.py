@@ -40,7 +40,8 @@ def mlp(x: torch.Tensor, w: MLPWeights, limit: float, act_dtype: torch.dtype = t
         bi = _bi_grouped((w.w1, w.w3), (w.w2,))
         if bi is not None:  # (the 2-D x of every caller; one group)
             flat = x.reshape(-1, x.shape[-1])
-            out = _bi_swiglu(flat, [flat.shape[0]], None, *bi, limit, act_dtype, False)
+            fp32 = batch_invariant.marked_fp32_valued(x)  # (rounded input: no test of every value)
+            out = _bi_swiglu(flat, [flat.shape[0]], None, *bi, limit, act_dtype, False, fp32)
             return out.reshape(*x.shape[:-1], out.shape[-1])
     h = clamped_swiglu(linear(x, w.w1, act_dtype), linear(x, w.w3, act_dtype), limit)
     return linear(h, w.w2, act_dtype)
@@ -94,7 +95,8 @@ def experts_forward(
     if batch_invariant.enabled() and x.device.type == "cpu":
         bi = _bi_grouped((experts.w1, experts.w3), (experts.w2,))
     if bi is not None:  # batch-invariant mode: every expert in one GEMM call per projection
-        ys.index_copy_(0, order, _bi_swiglu(xs, counts, ws, *bi, limit, act_dtype, weight_before_down))
+        fp32 = batch_invariant.marked_fp32_valued(x)  # (xs holds rows of x)
+        ys.index_copy_(0, order, _bi_swiglu(xs, counts, ws, *bi, limit, act_dtype, weight_before_down, fp32))
     lo = 0
     for e, count in enumerate(counts if bi is None else []):  # (nothing left to do after the grouped path)
         if not count:
@@ -139,12 +141,14 @@ def _bi_swiglu(
     limit: float,
     act_dtype: torch.dtype,
     weight_before_down: bool,
+    fp32_valued: bool = False,
 ) -> torch.Tensor:
     """Clamped SwiGLU MLPs of rows `xs` grouped by expert (`counts`), each row weighted by `ws` (None: 1),
     with the roundings of the `linear` calls of the loop (gate, up and down each rounded to act_dtype),
     in two `grouped_gemm` calls (gate and up of every expert in one, the down projections in the
-    other) instead of three calls per expert. A row's result depends on that row only."""
-    gu = batch_invariant.grouped_gemm(xs.double(), counts, p13)
+    other) instead of three calls per expert. A row's result depends on that row only. `fp32_valued`:
+    the rows of `xs` are known to be FP32-valued (`grouped_gemm` skips testing them)."""
+    gu = batch_invariant.grouped_gemm(xs.double(), counts, p13, fp32_valued=fp32_valued)
     h = clamped_swiglu(
         round_to(gu[:, :inter], act_dtype), round_to(gu[:, inter : 2 * inter], act_dtype), limit
     )
