@@ -29,7 +29,11 @@ tile at a time; a tile a query cannot see contributes exact zeros, so extra padd
 (another chunk start) or behind (a wider neighbour), change nothing. Products of a row tile and a key tile that no
 row of it sees are not computed at all (`AttentionPlan`, built once per step and key set): the
 sliding-window band; where at most `DENSE_FRACTION` of the tiles are seen, the mask / max / exp and
-P.V also run on the seen tiles only (gathered); both are bitwise the full computation (tested). The sink is added last. Operands
+P.V also run on the seen tiles only (gathered); both are bitwise the full computation (tested). The sink is added last. With
+FP32-valued q and keys on the CPU (`exact_scores_apply`: keys read from an FP32 or narrower pool, queries
+rounded) the scores come from `row_scores` (every product exact, so one keys-as-rows GEMM gives the tile
+bits) and no plan is needed: `_one_query_attention` for decode, `_exact_attention_blocks` for chunks
+(query blocks against the key tiles they see, P.V on the same fixed tiles); both bitwise the tile path. Operands
 are made contiguous first: the GEMM kernel (and its rounding) depends on their layout too (a
 transposed view that `reshape` copied for one batch size but not another did change results).
 The exp runs on whole tiles (SIMD and scalar-tail exp differ in the last bit).
