@@ -112,7 +112,7 @@ def test_eplb_async_loop_after_prefill_mode_greedy_and_sampled(skewed_checkpoint
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_eplb_counts_and_rebalance_through_deepep_on_cuda(skewed_checkpoint, monkeypatch):
+def test_eplb_counts_and_rebalance_through_deepep_on_cuda(skewed_checkpoint, monkeypatch, first_token_close):
     # DeepEP's dispatch fills the EPLB counts (per local slot, from its receive counts): a rebalance
     # that moves weights needs them. BF16 rows and combine: the first token's logprobs (same context
     # in both runs) agree to a BF16-sized tolerance, not bitwise.
@@ -127,9 +127,4 @@ def test_eplb_counts_and_rebalance_through_deepep_on_cuda(skewed_checkpoint, mon
     with _dp_llm(skewed_checkpoint, True, monkeypatch, env, device="cuda") as llm:
         got = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)
         _check_rebalanced(llm, planned_gain=False)
-    for g, w in zip(got, want, strict=True):
-        assert g.error is None, g.error
-        a, b = g.outputs[0].top_logprobs[0], w.outputs[0].top_logprobs[0]
-        shared = set(a) & set(b)
-        assert len(shared) >= 3, (a, b)
-        assert max(abs(a[t] - b[t]) for t in shared) < 0.05, (a, b)
+    first_token_close(got, want)
