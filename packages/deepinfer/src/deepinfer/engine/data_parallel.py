@@ -17,6 +17,8 @@ with no tokens) to catch up; the loop ends when no rank of the group has work. T
 before the engine waits for a forward, so no rank ever waits for a forward the others have not been
 told to join.
 
+Layout: this file is the front; what runs inside a rank is `dp_rank.py`.
+
 Process model: `spawn` (safe with CUDA), gloo default group through a file rendezvous, the device
 group NCCL on CUDA (one GPU per rank, `cuda:rank`) and gloo on the CPU. Children ignore SIGINT (the
 front aborts them through a message) and die with the front (daemon processes).
@@ -26,25 +28,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
-import queue
 import random
 import shutil
-import signal
 import tempfile
-import threading
 import time
-import traceback
 from collections import deque
-from concurrent.futures import Future
-from datetime import timedelta
 from multiprocessing import connection
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from deepinfer_model.models.deepseek_v41.yoco import check_prompt_logprobs
 
@@ -53,6 +46,7 @@ from ..engine_args import EngineArgs
 from ..outputs import RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
 from ..tokenizer import load_tokenizer, load_tokenizer_config
+from .dp_rank import DataParallelRank, _rank_main
 from .llm_engine import EngineStats
 from .structured import StructuredOutputs
 from .truncation import settings_from_env
@@ -63,383 +57,6 @@ logger = logging.getLogger("deepinfer")
 # machines do not support it, and a communicator that tries it fails at creation.
 CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 POLL_S = 1.0  # how often the front checks that its ranks are alive while it waits
-HEARTBEAT_S = 5.0  # a running rank reports (its stats) at least this often, so silence means trouble
-
-
-# ---------------------------------------------------------------------------- inside a rank
-@dataclasses.dataclass
-class EplbRunStats:
-    """What the EPLB of one EP group did (the same on every rank of the group, except `seconds`)."""
-
-    steps: int = 0  # EplbState.step calls: one per forward, real or idle
-    prompt_steps: int = 0  # of which prefill steps (a prefill chunk on some rank of the group)
-    rebalances: int = 0
-    layers_changed: int = 0  # summed over the rebalances
-    bytes_moved: int = 0  # expert weight bytes received over the EP group, summed over the rebalances
-    seconds: float = 0.0  # time in rearrange() (plan + shuffle) on this rank
-    # the last rebalance's planned peak / mean rank load on its window, old and new placement
-    imbalance_before: float = 0.0
-    imbalance_after: float = 0.0
-    # measured moe_lb (sum over (step, layer) of the max over ranks / of the mean over ranks of the
-    # routed rows): over the steps before the first rebalance (the initial placement), and over the
-    # steps since (EPLB's placements; all-gathered every DEEPINFER_MOE_LB_STAT_INTERVAL steps)
-    moe_lb_initial: float = 0.0
-    moe_lb: float = 0.0
-
-    def as_dict(self) -> dict:
-        return {f"eplb_{k}": v for k, v in dataclasses.asdict(self).items()}
-
-
-class ExpertCollectives:
-    """The model's `moe_fn` on an EP rank: an `ExpertParallelMoE` plus a record of the MoE layers the
-    current forward has entered, so that every forward, even one that failed before its last layer or
-    had no tokens, joins every layer's all-to-all exactly once (`finish`).
-
-    With `eplb` (a `deepinfer_parallel.EplbState` attached to the MoE), `finish` also runs the EPLB
-    step of the forward: every forward of every EP rank, real or idle, ends there, so the ranks step
-    in lockstep and a rebalance (a collective: counts all-reduced, weights shuffled in place) happens
-    on all of them between the same two forwards. Under the async loop that is the worker thread,
-    which runs the forwards one after the other, so no forward sees half-moved weights."""
-
-    def __init__(self, moe, blocks: list, hidden_size: int, device: torch.device, eplb=None):
-        self.moe, self.blocks, self.hidden_size, self.device = moe, blocks, hidden_size, device
-        self.next_layer = 0
-        self.eplb = eplb
-        self.is_prompt = False  # this rank's part of the current forward has a prefill chunk
-        self.eplb_stats = EplbRunStats()
-
-    def __call__(self, layer: int, blk, y: torch.Tensor, *rest) -> torch.Tensor:
-        self.next_layer = layer  # if this call fails before its dispatch, the layer is still owed
-        out = self.moe(layer, blk, y, *rest)
-        self.next_layer = layer + 1
-        return out
-
-    def begin(self, is_prompt: bool = False) -> None:
-        self.next_layer = 0
-        self.is_prompt = is_prompt
-
-    def finish(self) -> None:
-        """Join the all-to-alls of the layers the forward did not reach (none after a full forward),
-        then the forward's EPLB step."""
-        if self.next_layer > len(self.blocks):
-            raise RuntimeError(f"a forward entered {self.next_layer} MoE layers of {len(self.blocks)}")
-        empty = torch.zeros(0, self.hidden_size, dtype=torch.float64, device=self.device)
-        no_ids = torch.zeros(0, dtype=torch.long, device=self.device)
-        for layer in range(self.next_layer, len(self.blocks)):
-            self.moe(layer, self.blocks[layer], empty, no_ids)
-        self.next_layer = 0
-        if self.eplb is not None:
-            self._eplb_step()
-
-    def idle(self) -> None:
-        """A forward without tokens (ExpertParallelMoE.idle_step): this rank has nothing scheduled."""
-        self.begin()
-        self.finish()
-
-    def _eplb_step(self) -> None:
-        # The ranks of a group batch different requests: one may prefill while another decodes or
-        # idles. The forward counts as a prefill step (ignored by a NORMAL engine's EPLB unless
-        # DEEPINFER_REARRANGE_AFTER_PREFILL_IN_NORMAL_ENGINE) if any rank's part of it prefills;
-        # agreeing on it keeps every rank's step counter, window and rebalance schedule identical,
-        # which the rebalance's collectives need. On the device group, in order with the all-to-alls
-        # (the gloo cpu_ep group belongs to the main thread's vote).
-        flag = torch.tensor([int(self.is_prompt)], dtype=torch.int64, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.moe.group)
-        is_prompt = bool(flag.item())
-        self.is_prompt = False
-        report = self.eplb.step(is_prompt=is_prompt)
-        st = self.eplb_stats
-        st.steps += 1
-        st.prompt_steps += int(is_prompt)
-        lb = self.eplb.load_stats
-        if report is not None:
-            if st.rebalances == 0:
-                # Every rank rebalanced at this step (same counters), so this gather is matched too:
-                # the measured balance of the initial placement, then a fresh count for EPLB's.
-                if lb.filled:
-                    lb.flush()
-                st.moe_lb_initial = lb.moe_lb
-                lb.reset()
-            st.rebalances += 1
-            st.layers_changed += report.layers_changed
-            st.bytes_moved += report.bytes_moved_total
-            st.seconds += report.seconds
-            st.imbalance_before, st.imbalance_after = report.imbalance_before, report.imbalance_after
-        st.moe_lb = lb.moe_lb
-
-
-class DataParallelRank:
-    """What one DP rank's `LLMEngine` needs: the EP model and the per-step vote (`agree`)."""
-
-    def __init__(self, state, device: torch.device):
-        self.state = state  # deepinfer_parallel.ParallelState
-        self.rank, self.world = state.rank, state.sizes.world
-        self.ep_size = state.ep.size
-        self.device = device
-        # With ep == 1 no collective couples the ranks' forwards: each runs on its own, no vote.
-        self.vote_group = state.cpu_ep.group if self.ep_size > 1 else None
-        self.collectives: ExpertCollectives | None = None
-        self.launched = 0  # forwards (real and idle) submitted to this rank's model so far
-        self.messages = 0  # front messages (sent to every rank) this rank has taken in so far
-        self.any_busy = False  # result of the last vote: does any rank of the EP group have work
-        self._idle_futures: deque[Future] = deque()
-
-    def load_model(self, path: Path, dtype: torch.dtype, device: torch.device):
-        """This rank's model: whole with ep == 1, else the routed experts of its slots only."""
-        from deepinfer_model import load_model
-
-        if self.ep_size == 1:
-            return load_model(path, dtype, device=device)
-        import deepinfer_parallel as par
-        from deepinfer_model.parallel import ExpertParallelMoE, load_v41_ep, shard_experts
-
-        group, ep_rank = self.state.ep.group, self.state.ep.rank_in_group
-        model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
-        if model_type == "deepseek_v41":
-            from deepinfer_model.models.deepseek_v41 import DeepseekV41Config
-
-            cfg = DeepseekV41Config.from_file(path)
-            extra = par.num_redundant_experts(cfg.n_routed_experts, self.ep_size)
-            layout = par.RedundantExpertLayout(
-                cfg.n_routed_experts, extra, self.ep_size, cfg.num_hidden_layers, device=device
-            )
-            # Draft blocks keep all their experts on every rank: drafting then needs no collective, so
-            # ranks may draft different amounts (or not at all) in a step.
-            model = load_v41_ep(path, layout, group, act_dtype=dtype, device=device)
-            moe, blocks = model.moe_fn, model.weights.layers
-        else:  # the public V4: loaded whole, then cut to this rank's slots
-            model = load_model(path, dtype, device=device)
-            cfg = model.config
-            extra = par.num_redundant_experts(cfg.n_routed_experts, self.ep_size)
-            layout = par.RedundantExpertLayout(
-                cfg.n_routed_experts, extra, self.ep_size, cfg.num_hidden_layers, device=device
-            )
-            shard_experts(model.layers, layout, ep_rank)
-            moe, blocks = ExpertParallelMoE(cfg, layout, group, model.dtype), model.layers
-        eplb = None
-        config = par.EplbConfig.from_env(normal_engine=True)
-        if config.interval > 0:  # run-time EPLB: counts from every dispatch, rebalance + in-place shuffle
-            eplb = par.EplbState(layout, config, moe.expert_tensors(blocks), group=group)
-            moe.attach_eplb(eplb)
-        self.collectives = ExpertCollectives(moe, blocks, cfg.hidden_size, torch.device(device), eplb)
-        model.moe_fn = self.collectives
-        return model
-
-    def eplb_stats(self) -> dict:
-        """The EPLB counters of this rank's group (`EplbRunStats`, keys prefixed `eplb_`); {} without EPLB."""
-        coll = self.collectives
-        if coll is None or coll.eplb is None:
-            return {}
-        # forwards: real and idle ones submitted (all completed when a run ends), one EPLB step each
-        return {
-            **coll.eplb_stats.as_dict(),
-            "ep_rank": self.state.ep.rank_in_group,
-            "forwards": self.launched,
-        }
-
-    def attach_deepep(self, max_tokens: int, backend: str) -> bool:
-        """Route the EP MoE's dispatch / combine through DeepEP (``backend``: auto / torch / deepep, from
-        $DEEPINFER_EP_BACKEND). auto takes DeepEP on CUDA when `deep_ep` imports; the torch all-to-all
-        (exact) otherwise. ``max_tokens``: the most tokens one forward of this rank can carry."""
-        import deepinfer_parallel as par
-
-        if backend not in ("auto", "torch", "deepep"):
-            raise ValueError(f"DEEPINFER_EP_BACKEND must be auto, torch or deepep, got {backend!r}")
-        if self.collectives is None or backend == "torch":
-            return False
-        usable = self.device.type == "cuda" and par.deep_ep_available()
-        if backend == "deepep" and not usable:
-            raise ValueError("DEEPINFER_EP_BACKEND=deepep needs a CUDA device and an importable deep_ep")
-        if not usable:
-            return False
-        moe = self.collectives.moe
-        cfg = moe.config
-        moe.deepep = par.DeepEPDispatcher(
-            self.state.ep.group, cfg.hidden_size, moe.top_k, moe.layout.num_physical, max_tokens
-        )
-        return True
-
-    def close(self) -> None:
-        """Release the DeepEP buffer (before the process groups go away)."""
-        moe = self.collectives.moe if self.collectives is not None else None
-        if moe is not None and moe.deepep is not None:
-            moe.deepep.destroy()
-            moe.deepep = None
-
-    def wait_idle_forwards(self) -> None:
-        """Wait for the idle forwards queued on the worker (async loop) at the end of a run: every
-        rank of the group has submitted the forwards they join, so they all complete."""
-        while self._idle_futures:
-            self._idle_futures.popleft().result()
-
-    def agree(self, busy: bool, launching: int, idle_inline: bool, run_idle, submit_idle=None) -> None:
-        """The step's vote. `busy`: this rank has requests or forwards in flight; `launching`: real
-        forwards it will run inline right after (sync loop: 0 or 1; the async loop counts its launches
-        as it submits them). Idle forwards bring this rank up to the group's maximum: run inline
-        (`run_idle`) or submitted behind the queued forwards (`submit_idle() -> Future`)."""
-        while self._idle_futures and self._idle_futures[0].done():
-            self._idle_futures.popleft().result()  # an idle forward that failed: the world is broken
-        if self.vote_group is None:
-            self.launched += launching
-            self.any_busy = busy
-            return
-        mine = self.launched + launching
-        # The messages count (max and -min): a rank that has not yet taken in a message the others
-        # took in (possibly with no requests for it) must stay in the loop until it has, else it
-        # would wait for that message while the others vote.
-        vote = torch.tensor([mine, int(busy), self.messages, -self.messages], dtype=torch.int64)
-        dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self.vote_group)
-        most = int(vote[0])
-        self.any_busy = bool(vote[1]) or int(vote[2]) != -int(vote[3])
-        for _ in range(most - mine):
-            if idle_inline:
-                run_idle()
-            else:
-                self._idle_futures.append(submit_idle())
-        self.launched = most
-
-
-class _Outbox:
-    """Messages to the front, sent by a thread: the rank never blocks on a full pipe and keeps reading
-    the front's messages (a front sending a large batch while this rank's unread outputs fill the
-    other direction would otherwise deadlock)."""
-
-    def __init__(self, conn):
-        self._conn, self._queue = conn, queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="deepinfer-dp-outbox", daemon=True)
-        self._thread.start()
-
-    def send(self, msg) -> None:
-        self._queue.put(msg)
-
-    def _run(self) -> None:
-        while (msg := self._queue.get()) is not None:
-            self._conn.send(msg)
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Send what is queued, then stop."""
-        self._queue.put(None)
-        self._thread.join(timeout=timeout_s)
-
-
-def _rank_main(rank: int, world: int, init_file: str, args: EngineArgs, conn, timeout_s: float) -> None:
-    """Entry point of one DP rank's process: build the engine, then serve the front's messages."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front, which aborts by message
-    engine = dp = None
-    outbox = _Outbox(conn)
-    try:
-        from deepinfer_parallel import init_parallel
-
-        from .llm_engine import LLMEngine
-
-        if args.num_threads is None:  # the ranks share the host's cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        ep, device = args.expert_parallel_size, args.torch_device
-        cuda = device.type == "cuda"
-        if cuda:  # one GPU per rank
-            device = torch.device("cuda", rank)
-            torch.cuda.set_device(device)
-        # The rank's engine is one process on one device; the world's sizes live in DataParallelRank
-        # (EngineArgs refuses `cuda:N` with data_parallel_size > 1: that check is for the user's choice).
-        args = dataclasses.replace(args, device=str(device), data_parallel_size=1, expert_parallel_size=1)
-        dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-            timeout=timedelta(seconds=timeout_s),
-        )  # fmt: skip
-        state = init_parallel(dp=world, cp=1, ep=ep, backend="nccl" if cuda else "gloo")
-        dp = DataParallelRank(state, device)
-        engine = LLMEngine(args, dp=dp)
-        outbox.send(
-            (
-                "ready",
-                rank,
-                {
-                    "vocab_size": engine.vocab_size,
-                    "max_model_len": engine.max_model_len,
-                    "bos_token_id": engine.bos_token_id,
-                    "eos_token_id": engine.eos_token_id,
-                },
-            )
-        )
-        _serve(engine, dp, conn, outbox)
-    except BaseException:  # noqa: BLE001 - every failure goes to the front as text, then the rank exits
-        outbox.send(("error", rank, traceback.format_exc()))
-        outbox.close()
-        raise SystemExit(1) from None
-    finally:
-        outbox.close()
-        if engine is not None:
-            with contextlib.suppress(Exception):
-                engine.close()
-        if dp is not None:
-            with contextlib.suppress(Exception):
-                dp.close()
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-
-
-def _serve(engine, dp: DataParallelRank, conn, outbox: _Outbox) -> None:
-    """Wait for a message; run engine steps until no rank of the EP group has work; repeat.
-
-    The front sends every batch to every rank (possibly empty), so all ranks of a group start a run
-    together; messages arriving during a run are handled between steps (the vote sees the new work,
-    and the count of messages taken in, so that no rank leaves the run with a message unread that
-    another rank already acted on).
-    """
-    while True:
-        if not _handle(engine, dp.rank, conn.recv(), outbox):
-            return
-        dp.messages += 1
-        last_sent = time.monotonic()
-        while True:
-            while conn.poll():
-                if not _handle(engine, dp.rank, conn.recv(), outbox):
-                    return
-                dp.messages += 1
-            done = engine.step()
-            if done or time.monotonic() - last_sent > HEARTBEAT_S:
-                outbox.send(("outputs", dp.rank, done, _stats(engine)))
-                last_sent = time.monotonic()
-            if not dp.any_busy:
-                break
-        dp.wait_idle_forwards()  # so the counters sent below cover every forward of the run
-        outbox.send(("idle", dp.rank, [], _stats(engine), dp.messages))
-
-
-def _handle(engine, rank: int, msg, outbox: _Outbox) -> bool:
-    """Apply one front message; False on close."""
-    kind = msg[0]
-    if kind == "close":
-        return False
-    if kind == "add":
-        failed = []
-        for rid, prompt, ids, params, seeds in msg[1]:
-            try:
-                engine.add_request(rid, prompt, params, prompt_token_ids=ids, seeds=seeds)
-            except ValueError as e:  # this request alone fails; the others and the world go on
-                failed.append(RequestOutput(rid, prompt, ids or [], [], RequestMetrics(0.0), error=str(e)))
-        if failed:
-            outbox.send(("outputs", rank, failed, _stats(engine)))
-    elif kind == "abort":
-        # Not abort_all: it waits for the forwards in flight, which the other ranks join only at
-        # the next vote. The step loop settles them instead.
-        for rid in list(engine.requests):
-            engine.abort_request(rid)
-    else:
-        raise ValueError(f"unknown message {kind!r} from the front process")
-    return True
-
-
-def _stats(engine) -> dict:
-    out = {
-        f.name: getattr(engine.stats, f.name)
-        for f in dataclasses.fields(engine.stats)
-        if isinstance(getattr(engine.stats, f.name), int | float)
-    }
-    if engine.dp is not None:
-        out.update(engine.dp.eplb_stats())
-    return out
 
 
 # ---------------------------------------------------------------------------- the front process
@@ -760,11 +377,4 @@ class DataParallelEngine:
             raise RuntimeError(f"the data-parallel engine cannot be used: {self._failed}")
 
 
-__all__ = [
-    "DataParallelEngine",
-    "DataParallelRank",
-    "DataParallelStats",
-    "EplbRunStats",
-    "ExpertCollectives",
-    "assign_ranks",
-]
+__all__ = ["DataParallelEngine", "DataParallelRank", "DataParallelStats", "assign_ranks"]

@@ -52,7 +52,7 @@ from .truncation import Truncation, settings_from_env
 from .worker import ModelWorker, StepResult, VerifyStepResult
 
 if TYPE_CHECKING:
-    from .data_parallel import DataParallelRank
+    from .dp_rank import DataParallelRank
 
 logger = logging.getLogger("deepinfer")
 
