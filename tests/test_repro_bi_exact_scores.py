@@ -61,7 +61,30 @@ def _decode_case(b, nh, tiles, gen):
     return q, keys, visible, sinks
 
 
-@pytest.mark.parametrize("nh", [4, 12])
+def test_half_pv_tile_rows_equal_the_full_tile(threads):
+    """The kernel property the one-query P.V relies on for at most `PV_HALF_ROWS` heads: each row of a
+    [4, KT] x [KT, D + 1] product (inexact products: exp values times FP32 keys) has the bits of the same
+    row in the [8, KT] tile it is half of, whichever half, with zero or nonzero other rows, for any
+    number of matrices per bmm call."""
+    gen = torch.Generator().manual_seed(9)
+    for n in (1, 3, 8, 37):
+        for d in (64, 128):
+            p = torch.exp(-20.0 * torch.rand(n, bi.TILE_ROWS, KT, generator=gen, dtype=torch.float64))
+            p[torch.rand(n, bi.TILE_ROWS, KT, generator=gen) < 0.3] = 0.0  # hidden keys
+            v = torch.cat((_fp32(n, KT, d, gen=gen), torch.ones(n, KT, 1, dtype=torch.float64)), dim=-1)
+            full = torch.bmm(p, v)
+            h = bi.PV_HALF_ROWS
+            for lo in (0, h):
+                half = torch.bmm(p[:, lo : lo + h].contiguous(), v)
+                assert torch.equal(_bits(half), _bits(full[:, lo : lo + h])), (n, d, lo)
+            zero_rest = p.clone()
+            zero_rest[:, h:] = 0.0  # a decode tile: the heads' rows, then zero rows
+            assert torch.equal(
+                _bits(torch.bmm(p[:, :h].contiguous(), v)), _bits(torch.bmm(zero_rest, v)[:, :h])
+            )
+
+
+@pytest.mark.parametrize("nh", [2, 3, 4, 12])
 def test_one_query_attention_is_the_tile_computation(nh, threads):
     gen = torch.Generator().manual_seed(3 + nh)
     for b, tiles in ((1, 1), (3, 2), (8, 5)):

@@ -69,6 +69,7 @@ DENSE_FRACTION = 0.5  # attention plans seeing more of their tiles than this tak
 SCORE_COLS = 4  # `row_scores`: query rows (GEMM columns) padded to a multiple of this (odd counts differ)
 GATHER_CHUNK = 4096  # gathered tile products per bmm call in attention (bounds the gathered copies)
 EXACT_BLOCK_QUERIES = 64  # queries per block of `_exact_attention_blocks` (each scores its band of key tiles)
+PV_HALF_ROWS = 4  # `_one_query_attention`: P.V tile rows for at most this many heads (CPU, see there)
 
 
 # The setting for the model step that is running (`numerics.resolved`), None outside one.
@@ -281,6 +282,7 @@ def row_gemm(x: torch.Tensor, w_t: torch.Tensor, fp32_valued: bool = False) -> t
 # in-place version counters (as `_ROW_MAJOR`); None where they are not FP32-valued or over the budget.
 _STACKS: dict[tuple[int, ...], tuple[tuple, tuple[int, ...], torch.Tensor | None]] = {}
 LOOP_ROWS = 32  # rows per non-empty group above which `grouped_gemm` takes one call per group
+LOOP_GROUPS = 16  # non-empty groups up to which `grouped_gemm` takes one call per group at any row count
 GEMM_NAIVE_ELEMENTS = 400  # torch's CPU bmm takes a naive loop kernel below this many M*N*K (not MKL)
 
 
@@ -352,9 +354,12 @@ def grouped_gemm(
     SwiGLU output of the down projection) adds the product of its lo, computed as one more row of its
     group; an FP32-valued row never sees that term (not even as +0, which would turn a -0 into +0).
 
-    Groups of more than `LOOP_ROWS` rows on average (prefill) instead take one `torch.mm` per group on
-    its contiguous rows (hi and lo rows in one call): the padding, scatter and gather of the single call
-    cost more there than the calls. The same bits either way (`loop` forces one; tested).
+    Groups of more than `LOOP_ROWS` rows on average (prefill), or at most `LOOP_GROUPS` non-empty groups
+    (a shared expert, the tiny model's 8 experts), instead take one `torch.mm` per group on its
+    contiguous hi rows (and one on its lo rows): the padding, scatter and gather of the single call
+    cost more there than the calls (measured at decode, 8 experts, 16 rows: 80 vs 120 us for gate/up,
+    140 vs 180 us for the down projection, 42 vs 129 us for a shared expert's). The same bits either
+    way (`loop` forces one; tested).
 
     `fp32_valued`: the caller knows every row is FP32-valued (`marked_fp32_valued`): no lo terms, and
     equal groups (the attention's grouped output projection) are one bmm of the rows as they are."""
@@ -371,7 +376,8 @@ def grouped_gemm(
     hi, lo = (x, None) if fp32_valued else (x.float().double(), None)
     if not fp32_valued:
         lo = x - hi
-    if loop if loop is not None else r > LOOP_ROWS * sum(1 for c in counts if c):
+    used_groups = sum(1 for c in counts if c)
+    if loop if loop is not None else used_groups <= LOOP_GROUPS or r > LOOP_ROWS * used_groups:
         return _grouped_loop(hi, lo, counts, parts)
     if lo is None:
         wide = torch.zeros(0, dtype=torch.long)
@@ -412,28 +418,30 @@ def grouped_gemm(
 def _grouped_loop(
     hi: torch.Tensor, lo: torch.Tensor | None, counts: list[int], parts: torch.Tensor
 ) -> torch.Tensor:
-    """`grouped_gemm` as one mm per non-empty group: [hi; lo] rows of the group (lo only if some row of
-    the group has one; None: no row has) against `parts[e]`; a row adds its lo product only if its own
-    lo is not zero."""
-    out = hi.new_empty(hi.shape[0], parts.shape[2])
-    start = 0
-    for e, c in enumerate(counts):
-        if not c:
-            continue
-        end = start + c
-        if lo is None:
-            torch.mm(hi[start:end], parts[e], out=out[start:end])
-            start = end
-            continue
-        lo_e = lo[start:end]
-        has_lo = lo_e.ne(0).any(dim=1, keepdim=True)
-        if bool(has_lo.any()):
-            prod = torch.mm(torch.cat((hi[start:end], lo_e)), parts[e])
-            out[start:end] = torch.where(has_lo, prod[:c] + prod[c:], prod[:c])
-        else:
-            torch.mm(hi[start:end], parts[e], out=out[start:end])
-        start = end
-    return out
+    """`grouped_gemm` as one mm per non-empty group of its hi rows against `parts[e]` and, where some row
+    has a lo part (None: no row has), one more per group of its lo rows; a row adds its lo product only
+    if its own lo is not zero. Separate calls give each row the bits of one call of [hi; lo] rows (a
+    row's exact-product GEMM result does not depend on M or on its index, see `exact_gemm`), without
+    copying them into one operand."""
+
+    def products(rows: torch.Tensor) -> torch.Tensor:
+        out = rows.new_empty(rows.shape[0], parts.shape[2])
+        start = 0
+        for e, c in enumerate(counts):
+            if c:
+                torch.mm(rows[start : start + c], parts[e], out=out[start : start + c])
+                start += c
+        return out
+
+    out = products(hi)
+    if lo is None:
+        return out
+    has_lo = lo.ne(0).any(dim=1, keepdim=True)  # (NaN rows too: lo is NaN)
+    if not bool(has_lo.any()):
+        return out
+    if bool(has_lo.all()):  # (the SwiGLU output: every row has more than 24 significant bits)
+        return out + products(lo)
+    return torch.where(has_lo, out + products(lo), out)
 
 
 def matmul(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
@@ -768,7 +776,8 @@ def _one_query_attention(
       every exp runs in whole SIMD vectors, as there);
     - P.[K | 1]: the same fixed [TILE_ROWS, KEY_TILE] x [KEY_TILE, D + 1] products of contiguous tiles
       (head h is row h % TILE_ROWS of row tile h // TILE_ROWS, as `_row_tiles` lays out a query's heads;
-      the other rows zero), all in one bmm, and the tile partials added in tile order from +0 (cumsum).
+      the other rows zero; with at most `PV_HALF_ROWS` heads, tiles of that many rows, whose rows have
+      the same bits), all in one bmm, and the tile partials added in tile order from +0 (cumsum).
     Tested against `_sink_attention_full` (`test_one_query_attention_is_the_tile_computation`)."""
     bsz, _, nh, d = q.shape
     s = keys.shape[1]
@@ -782,16 +791,26 @@ def _one_query_attention(
     # the sink's exp in a whole tile per sequence (columns past nh: exp(-inf) = 0, unused)
     width = rt * TILE_ROWS * KEY_TILE
     sk = q.new_full((bsz, width), float("-inf"), dtype=torch.float64)
-    sk[:, :nh] = sink
-    e_sink = torch.exp(sk - torch.cat((mx, mx.new_zeros(bsz, width - nh)), dim=1))[:, :nh]
-    # P tiles [B, T, Rt * 8, KT]: row h = head h, padding rows zero
-    pt = e.new_zeros(bsz, n_tiles, rt * TILE_ROWS, KEY_TILE)
-    pt[:, :, :nh] = e.view(bsz, n_tiles, KEY_TILE, nh).transpose(2, 3)
+    sk[:, :nh] = sink - mx  # (the same subtraction as on the whole tile: -inf - 0 is -inf)
+    e_sink = torch.exp(sk)[:, :nh]
+    # P tiles [B, T, Rt * rows, KT]: row h = head h, padding rows zero. With at most `PV_HALF_ROWS` heads
+    # the tiles have that many rows instead of TILE_ROWS: the rows of a [4, KT] x [KT, D + 1] product
+    # have the bits of the same rows of the [8, KT] tile (MKL computes a row of a full 4-row register
+    # block the same way; measured, and tested: `test_half_pv_tile_rows_equal_the_full_tile`), and a
+    # 4-head decode row would otherwise multiply 4 zero rows per tile
+    rows = PV_HALF_ROWS if nh <= PV_HALF_ROWS else TILE_ROWS
+    rt_pv = -(-nh // rows)
+    ev = e.view(bsz, n_tiles, KEY_TILE, nh).transpose(2, 3)
+    if rt_pv * rows == nh:
+        pt = ev.contiguous()
+    else:
+        pt = e.new_zeros(bsz, n_tiles, rt_pv * rows, KEY_TILE)
+        pt[:, :, :nh] = ev
     vals = torch.cat((keys, keys.new_ones(bsz, s, 1)), dim=-1).view(bsz, n_tiles, 1, KEY_TILE, d + 1)
-    if rt > 1:
-        vals = vals.expand(-1, -1, rt, -1, -1)
+    if rt_pv > 1:
+        vals = vals.expand(-1, -1, rt_pv, -1, -1)
     vals = vals.reshape(-1, KEY_TILE, d + 1)
-    part = bmm(pt.view(-1, TILE_ROWS, KEY_TILE), vals).view(bsz, n_tiles, rt * TILE_ROWS, d + 1)
+    part = bmm(pt.view(-1, rows, KEY_TILE), vals).view(bsz, n_tiles, rt_pv * rows, d + 1)
     if q.device.type == "cpu":  # a sequential sum from +0 in tile order (see `sink_attention`)
         acc = torch.cumsum(part, dim=1)[:, -1, :nh]
     else:
