@@ -20,7 +20,7 @@ FATBIN_MAGIC = 0xBA55ED50
 
 def sections(data: bytes) -> dict[str, tuple[int, int]]:
     """ELF64 section name -> (file offset, size)."""
-    shoff, = struct.unpack_from("<Q", data, 0x28)
+    (shoff,) = struct.unpack_from("<Q", data, 0x28)
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
     headers = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
     str_off = headers[shstrndx][4]
@@ -48,7 +48,7 @@ def _prune_section(data: bytearray, pos: int, end: int, keep_arch: int, seen: co
         entry, container_end = pos + header_size, pos + header_size + fat_size
         while entry < container_end:
             kind, _u, entry_header, payload = struct.unpack_from("<HHIQ", data, entry)
-            arch, = struct.unpack_from("<I", data, entry + 28)
+            (arch,) = struct.unpack_from("<I", data, entry + 28)
             body = entry + entry_header
             kept = arch == keep_arch
             seen[(("ptx" if kind == 1 else "sass"), arch, kept)] += payload
@@ -59,10 +59,14 @@ def _prune_section(data: bytearray, pos: int, end: int, keep_arch: int, seen: co
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("src")
     parser.add_argument("dst")
-    parser.add_argument("--keep-arch", type=int, default=90, help="SM version whose code is kept (default 90)")
+    parser.add_argument(
+        "--keep-arch", type=int, default=90, help="SM version whose code is kept (default 90)"
+    )
     args = parser.parse_args()
     with open(args.src, "rb") as f:
         data = bytearray(f.read())

@@ -59,10 +59,17 @@ def _worker(rank, world, tokens_per_rank):
 
     torch_out = dispatch_combine(x.float(), ids, weights, expert, layout.layer(0))
     count = torch.zeros(layout.slots_per_rank, dtype=torch.int64, device=dev)
-    disp = DeepEPDispatcher(None, HIDDEN, TOP_K, layout.num_physical, max_tokens_per_rank=max(tokens_per_rank))
+    disp = DeepEPDispatcher(
+        None, HIDDEN, TOP_K, layout.num_physical, max_tokens_per_rank=max(tokens_per_rank)
+    )
     try:
         deepep_out = disp.dispatch_combine(
-            x, ids, weights, lambda s, r, w: (expert(s, r) * w.unsqueeze(1)).bfloat16(), layout.layer(0), count
+            x,
+            ids,
+            weights,
+            lambda s, r, w: (expert(s, r) * w.unsqueeze(1)).bfloat16(),
+            layout.layer(0),
+            count,
         )
         assert deepep_out.shape == (t, HIDDEN) and deepep_out.dtype == torch.bfloat16
         if t:

@@ -128,7 +128,9 @@ class DeepEPDispatcher:
         start = 0
         for slot, n in enumerate(per_slot):
             if n:
-                out[start : start + n] = expert_fn(slot, rows[start : start + n], row_weights[start : start + n])
+                out[start : start + n] = expert_fn(
+                    slot, rows[start : start + n], row_weights[start : start + n]
+                )
             start += n
         if expert_count is not None:
             expert_count += torch.tensor(per_slot, dtype=expert_count.dtype, device=expert_count.device)
