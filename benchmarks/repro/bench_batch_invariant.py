@@ -1,4 +1,6 @@
-"""Cost of batch-invariant mode (DEEPINFER_BATCH_INVARIANT=1) against the default mode, on the CPU.
+"""Cost of batch-invariant mode (DEEPINFER_BATCH_INVARIANT=1) against the default mode (CPU, or `--device
+cuda`: the model, KV pools and steps on the GPU, wall clock; every step reads its tokens back, so it ends
+synchronised).
 
 The default deepinfer-tiny model on the paged runner: for each batch size, one prefill step of
 `--prompt-len` tokens per sequence, then `--decode-steps` decode steps of one token per sequence.
@@ -69,6 +71,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    ap.add_argument(
+        "--out", type=Path, default=None, help=f"results JSON (default {RESULTS.name}, _cuda on a GPU)"
+    )
     ap.add_argument(
         "--clock",
         choices=("wall", "cpu"),
@@ -77,9 +83,12 @@ def main() -> None:
         "the time other processes hold the core (on a shared, loaded host the wall-clock pairs scatter)",
     )
     args = ap.parse_args()
+    device = torch.device(args.device)
+    if device.type != "cpu" and args.clock == "cpu":
+        ap.error("--clock cpu measures host CPU time: use --clock wall with --device cuda")
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
-    model = load_model(resolve_model(None)[0], torch.float32)
+    model = load_model(resolve_model(None)[0], torch.float32, device=device)
     before = os.environ.get("DEEPINFER_BATCH_INVARIANT")
     samples: dict[tuple, list[float]] = {}
     count: dict[tuple, int] = {}
@@ -125,6 +134,7 @@ def main() -> None:
                         "prompt_len": args.prompt_len,
                         "threads": args.threads,
                         "clock": args.clock,
+                        "device": device.type,
                         "tokens": count[(b, mode, phase)],
                         "tok_per_s": count[(b, mode, phase)] / sec,
                         "ms_per_step": 1e3 * sec / (1 if phase == "prefill" else args.decode_steps),
@@ -135,7 +145,7 @@ def main() -> None:
                         "same_greedy_tokens": same_tokens[b],
                     }
                 )
-    table = Table(title="batch-invariant mode vs default (paged runner, deepinfer-tiny, CPU)")
+    table = Table(title=f"batch-invariant mode vs default (paged runner, deepinfer-tiny, {device})")
     for col in ("phase", "batch", "mode", "tok/s", "ms/step", "cost % (median)", "spread", "same tokens"):
         table.add_column(col, justify="right")
     for r in records:
@@ -150,9 +160,12 @@ def main() -> None:
             str(r["same_greedy_tokens"]),
         )
     Console().print(table)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(records, indent=1) + "\n")
-    print(f"wrote {RESULTS}")
+    out = args.out or (
+        RESULTS if device.type == "cpu" else RESULTS.with_name(f"{RESULTS.stem}_{device.type}.json")
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(records, indent=1) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
