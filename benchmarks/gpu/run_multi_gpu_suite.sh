@@ -8,7 +8,8 @@
 # Single-GPU steps that need no kernel bundle (torch ops on CUDA; the tilelang / DeepGEMM kernels are
 # run_engine_suite.sh's): graphs (the CUDA-graph gpu tests, on GPU 1 beside the engine step), enginecuda (the
 # engine's tests with DEEPINFER_DEVICE=cuda on GPU 1, beside the engine step), graphbench
-# (medium decode with decode CUDA graphs on GPU 0 and with DEEPINFER_ENFORCE_EAGER=1 on GPU 1, side by side).
+# (medium decode with decode CUDA graphs on GPU 0 and with DEEPINFER_ENFORCE_EAGER=1 on GPU 1, side by side),
+# bicost (batch-invariant mode vs default on GPU 0: benchmarks/repro/bench_batch_invariant.py --device cuda).
 # Results: $OUT (device tool) or benchmarks/results; logs in multi_gpu_logs.tar.gz.
 set -uo pipefail
 final=${OUT:-benchmarks/results}
@@ -43,7 +44,7 @@ else
 fi
 cp "$DEEPINFER_SITE/build_deep_ep.log" "$out/" 2>/dev/null; head -5 "$out/build_deep_ep.log"
 export PYTHONPATH="/tmp/sched-site:${src}$PYTHONPATH"
-if has engine || has graphs || has graphbench || has enginecuda; then
+if has engine || has graphs || has graphbench || has enginecuda || has bicost; then
   el "building deepinfer-sched"
   [ -d /tmp/sched-site/deepinfer_sched ] || python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/sched-site packages/deepinfer-sched > "$out/sched_build.log" 2>&1 \
     || tail -20 "$out/sched_build.log"
@@ -104,5 +105,11 @@ if has bench; then
   timeout "${BENCH_LIMIT_S:-420}" python3 benchmarks/parallel/bench_multi_gpu.py --model "$medium" --device cuda \
     ${BENCH_ARGS:-} --out "$final" 2>&1 | tee "$out/bench_multi_gpu.log" > "$final/bench_multi_gpu.log"  # partial
   tail -40 "$out/bench_multi_gpu.log"; collect  # records land in $final (the call's $OUT) as they come
+fi
+if has bicost; then
+  el "bench: batch-invariant cost on the GPU"
+  CUDA_VISIBLE_DEVICES=0 timeout "${BICOST_LIMIT_S:-240}" python3 benchmarks/repro/bench_batch_invariant.py --device cuda \
+    --clock wall --repeats 11 --out "$out/bench_batch_invariant_cuda.json" > "$out/bench_bi_cuda.log" 2>&1
+  tail -14 "$out/bench_bi_cuda.log"; collect
 fi
 el "done"
