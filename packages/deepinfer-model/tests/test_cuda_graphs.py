@@ -209,29 +209,13 @@ def test_placeholders_write_only_the_dummy_block(model):
     assert graphed and torch.equal(a, b)
 
 
-def _decode_batch(pair, seqs: list[dict]) -> RunnerBatch:
-    """A one-token decode step of `seqs` (blocks allocated from `pair.free` as their next token needs)."""
-    for s in seqs:
-        while len(s["table"]) * BLOCK < s["n"] + 1:
-            s["table"].append(pair.free.pop())
-    ones = np.ones(len(seqs), dtype=np.int64)
-    return RunnerBatch(
-        seq_ids=np.array([s["id"] for s in seqs]),
-        start_positions=np.array([s["n"] for s in seqs]),
-        query_lens=ones,
-        block_tables=[np.array(s["table"], dtype=np.int32) for s in seqs],
-        input_ids=np.array([s["tokens"][s["n"]] for s in seqs]),
-        logits_lens=ones,
-    )
-
-
 def test_static_decode_makes_no_host_sync(model):
     """The static decode forward under `no_host_sync` (fails on item / nonzero / bool-mask indexing /
     host tensors made from data); the eager decode step trips it (the checker is not vacuous)."""
     pair, _ = _run_mixed(model, steps=1)
     runner = pair.static
     seqs = pair.seqs[:3]
-    batch = _decode_batch(pair, seqs)
+    batch = pair.batch(seqs, [1] * len(seqs))  # one token each
     from deepinfer_model.runtime.metadata import StepMetadata
 
     meta = StepMetadata.build(batch, BLOCK, NUM_BLOCKS, vocab_size=256)
@@ -330,7 +314,7 @@ def test_host_ops_per_decode_step(model):
 
     pair, _ = _run_mixed(model, steps=1)
     seqs = pair.seqs[:4]
-    batch = _decode_batch(pair, seqs)
+    batch = pair.batch(seqs, [1] * len(seqs))  # one token each
     meta = StepMetadata.build(batch, BLOCK, NUM_BLOCKS, vocab_size=256)
     pair.eager.cache.write("token_ids", meta.write_slots, meta.input_ids)
     with count_ops() as eager:
