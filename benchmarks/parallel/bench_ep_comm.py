@@ -33,8 +33,6 @@ from deepinfer_parallel.launch import run_distributed
 from rich.console import Console
 from rich.table import Table
 
-NVLINK_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
 
 class _Timer:
     """Median wall time of a callable: CUDA events on the GPU, perf_counter on the CPU (after a barrier)."""
@@ -158,7 +156,6 @@ def main() -> None:
         raise SystemExit(
             "deep_ep is not importable here (build it: source benchmarks/gpu/setup_ep.sh) or pass --no-deepep"
         )
-    os.environ.update(NVLINK_ENV)  # children inherit it: NVLink multicast stays off (GPU machine's notes)
     configs = [
         {"tokens_per_rank": t, "hidden": h, "top_k": args.top_k, "experts": args.experts}
         for h in args.hidden

@@ -203,7 +203,6 @@ def run(
     from deepinfer_parallel.launch import run_distributed
 
     os.environ["DEEPINFER_NUMERICS"] = s.numerics  # read at every call, here and in the ranks
-    lib.env_for_ranks(s.device)
     Path(s.work_dir).mkdir(parents=True, exist_ok=True)
     settings_path = Path(s.work_dir) / "settings.json"
     s.save(settings_path)

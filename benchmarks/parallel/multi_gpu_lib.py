@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,14 +20,6 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 import torch.distributed as dist
-
-# NVLink multicast (NVLS) stays off: the lent multi-GPU machines do not support it (see the device
-# notes); set before the ranks are spawned so that NCCL, torch symmetric memory and NVSHMEM all see it.
-NO_MULTICAST_ENV = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
 
 # The model's activation (rounding-point) dtypes; its FP64 arithmetic is `--numerics exact` (the carrier).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -600,9 +591,3 @@ def _decode_record(variant, batch, run, s: Settings, group, gathered, base, redu
         eplb_window_lb_after=reb[1].imbalance_after if reb else float("nan"),
     )
     return rec
-
-
-def env_for_ranks(device: str) -> None:
-    """Environment the ranks inherit (spawned children copy os.environ)."""
-    if device == "cuda":
-        os.environ.update(NO_MULTICAST_ENV)

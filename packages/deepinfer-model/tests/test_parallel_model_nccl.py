@@ -37,7 +37,6 @@ pytestmark = [
 ]
 
 REL_TOL = 1e-5
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 KEYS = ("logits", "hidden", "features", "main_keys")
 DRAFT_KEYS = ("tokens", "logits", "confidence", "hidden")
 
@@ -51,7 +50,6 @@ def _device(kind: str, rank: int) -> torch.device:
 
 def _run(worker, world: int, *args, device: str = "cuda") -> None:
     if device == "cuda":
-        os.environ.update(NO_MULTICAST)  # inherited by the spawned ranks
         run_distributed(worker, world, *args, device, backend="nccl", start_method="spawn", timeout_s=600)
     else:
         run_distributed(worker, world, *args, device, timeout_s=600)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -72,3 +74,17 @@ def _groups_worker(rank, world):
 @pytest.mark.distributed
 def test_dp_cp_ep_groups_on_gloo():
     run_distributed(_groups_worker, 4)
+
+
+def _multicast_env_worker(rank, world):
+    from deepinfer_cluster.launch import NO_MULTICAST_ENV
+
+    for key, value in NO_MULTICAST_ENV.items():
+        assert os.environ.get(key) == value, (key, os.environ.get(key))
+
+
+def test_ranks_start_with_nvlink_multicast_off_and_the_caller_keeps_its_environment(monkeypatch):
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    monkeypatch.delenv("NVSHMEM_DISABLE_NVLS", raising=False)
+    run_distributed(_multicast_env_worker, 2)
+    assert os.environ["NCCL_NVLS_ENABLE"] == "1" and "NVSHMEM_DISABLE_NVLS" not in os.environ

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import importlib.util
 import logging
 import os
@@ -40,6 +41,23 @@ NO_MULTICAST_ENV = {
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     "NVSHMEM_DISABLE_NVLS": "1",
 }
+
+
+@contextlib.contextmanager
+def no_multicast_environment():
+    """`NO_MULTICAST_ENV` in `os.environ` while child processes start (spawn and fork copy the parent's
+    environment), the caller's own values restored after: for code that starts ranks with
+    multiprocessing rather than through `launch`."""
+    before = {k: os.environ.get(k) for k in NO_MULTICAST_ENV}
+    os.environ.update(NO_MULTICAST_ENV)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -39,6 +39,7 @@ from multiprocessing import connection
 from pathlib import Path
 
 import torch.multiprocessing as mp
+from deepinfer_cluster.launch import no_multicast_environment
 from deepinfer_model.models.deepseek_v41.yoco import check_prompt_logprobs
 
 from ..default_model import resolve_model
@@ -53,9 +54,6 @@ from .truncation import settings_from_env
 
 logger = logging.getLogger("deepinfer")
 
-# NVLink multicast (NVLS / symmetric-memory multicast) is off on every rank: the lent multi-GPU
-# machines do not support it, and a communicator that tries it fails at creation.
-CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 POLL_S = 1.0  # how often the front checks that its ranks are alive while it waits
 
 
@@ -92,21 +90,6 @@ def assign_ranks(costs: list[int], world: int) -> list[int]:
         out[i] = r
         load[r] += costs[i]
     return out
-
-
-@contextlib.contextmanager
-def _child_environment():
-    """CHILD_ENV set while the children start (spawn copies os.environ), the front's own restored."""
-    before = {k: os.environ.get(k) for k in CHILD_ENV}
-    os.environ.update(CHILD_ENV)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 class DataParallelEngine:
@@ -151,7 +134,7 @@ class DataParallelEngine:
         ctx = mp.get_context("spawn")
         self._conns, self._procs = [], []
         try:
-            with _child_environment():
+            with no_multicast_environment():  # NVLink multicast off in every rank
                 for rank in range(self.world):
                     ours, theirs = ctx.Pipe()
                     p = ctx.Process(
