@@ -152,13 +152,15 @@ class ExpertParallelMoE:
             y.dtype
         )
 
-    def idle_step(self, blocks: list) -> None:
-        """Join every layer's dispatch / combine with no tokens: what an EP rank without work this step
-        (e.g. an idle DP rank) must call so the other ranks' all-to-alls complete."""
+    def idle_step(self, blocks: list, start: int = 0) -> None:
+        """Join the dispatch / combine of layers `start`.. with no tokens: what an EP rank without work this
+        step (e.g. an idle DP rank), or a forward that stopped before its last MoE layer, must call so the
+        other ranks' all-to-alls complete."""
         dev = blocks[0].moe.experts.w1.device if blocks else torch.device("cpu")
         empty = torch.zeros(0, self.config.hidden_size, dtype=torch.float64, device=dev)
-        for layer, blk in enumerate(blocks):
-            self(layer, blk, empty, torch.zeros(0, dtype=torch.long, device=dev))
+        no_ids = torch.zeros(0, dtype=torch.long, device=dev)
+        for layer in range(start, len(blocks)):
+            self(layer, blocks[layer], empty, no_ids)
 
     def expert_tensors(self, blocks: list) -> list[list[torch.Tensor]]:
         """Per layer `[w1, w3, w2]` (each `[S, ...]`): what `EplbState` shuffles in place."""

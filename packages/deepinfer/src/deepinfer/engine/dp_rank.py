@@ -66,8 +66,8 @@ class ExpertCollectives:
     on all of them between the same two forwards. Under the async loop that is the worker thread,
     which runs the forwards one after the other, so no forward sees half-moved weights."""
 
-    def __init__(self, moe, blocks: list, hidden_size: int, device: torch.device, eplb=None):
-        self.moe, self.blocks, self.hidden_size, self.device = moe, blocks, hidden_size, device
+    def __init__(self, moe, blocks: list, device: torch.device, eplb=None):
+        self.moe, self.blocks, self.device = moe, blocks, device
         self.next_layer = 0
         self.eplb = eplb
         self.is_prompt = False  # this rank's part of the current forward has a prefill chunk
@@ -88,10 +88,7 @@ class ExpertCollectives:
         then the forward's EPLB step."""
         if self.next_layer > len(self.blocks):
             raise RuntimeError(f"a forward entered {self.next_layer} MoE layers of {len(self.blocks)}")
-        empty = torch.zeros(0, self.hidden_size, dtype=torch.float64, device=self.device)
-        no_ids = torch.zeros(0, dtype=torch.long, device=self.device)
-        for layer in range(self.next_layer, len(self.blocks)):
-            self.moe(layer, self.blocks[layer], empty, no_ids)
+        self.moe.idle_step(self.blocks, start=self.next_layer)
         self.next_layer = 0
         if self.eplb is not None:
             self._eplb_step()
@@ -186,7 +183,7 @@ class DataParallelRank:
         if config.interval > 0:  # run-time EPLB: counts from every dispatch, rebalance + in-place shuffle
             eplb = par.EplbState(layout, config, moe.expert_tensors(blocks), group=group)
             moe.attach_eplb(eplb)
-        self.collectives = ExpertCollectives(moe, blocks, cfg.hidden_size, torch.device(device), eplb)
+        self.collectives = ExpertCollectives(moe, blocks, torch.device(device), eplb)
         model.moe_fn = self.collectives
         return model
 
