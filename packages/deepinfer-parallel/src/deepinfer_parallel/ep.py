@@ -22,6 +22,15 @@ from .layout import LayerExpertLayout
 LocalExpertFn = Callable[[int, torch.Tensor], torch.Tensor]
 
 
+def slot_ranges(rows_per_slot: list[int]):
+    """`(slot, lo, hi)` of every local slot with rows, for rows grouped slot after slot (both backends)."""
+    lo = 0
+    for slot, n in enumerate(rows_per_slot):
+        if n:
+            yield slot, lo, lo + n
+        lo += n
+
+
 def _all_to_all(tensor: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
     out = tensor.new_empty((sum(recv_splits), *tensor.shape[1:]))
     dist.all_to_all_single(out, tensor.contiguous(), recv_splits, send_splits, group=group)
@@ -108,13 +117,8 @@ def dispatch_combine(
         expert_count += slot_rows.to(expert_count.dtype)
     grouped = recv_hidden[by_slot]
     grouped_out = torch.zeros_like(grouped)
-    start = 0
-    for slot, n in enumerate(slot_rows.tolist()):
-        if n:
-            grouped_out[start : start + n] = local_expert_fn(slot, grouped[start : start + n]).to(
-                grouped.dtype
-            )
-        start += n
+    for slot, lo, hi in slot_ranges(slot_rows.tolist()):
+        grouped_out[lo:hi] = local_expert_fn(slot, grouped[lo:hi]).to(grouped.dtype)
     recv_out = torch.empty_like(grouped_out)
     recv_out[by_slot] = grouped_out
 

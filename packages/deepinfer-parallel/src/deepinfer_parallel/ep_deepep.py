@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from .ep import slot_ranges
 from .layout import LayerExpertLayout
 
 # expert_fn(local_slot, tokens[n, H] bf16, weights[n] fp32) -> weighted outputs [n, H]
@@ -125,13 +126,8 @@ class DeepEPDispatcher:
         physical = layout.physical_of(topk_ids, self.ep_rank)
         rows, row_weights, per_slot, handle = self.dispatch(hidden, physical, topk_weights)
         out = torch.zeros_like(rows)
-        start = 0
-        for slot, n in enumerate(per_slot):
-            if n:
-                out[start : start + n] = expert_fn(
-                    slot, rows[start : start + n], row_weights[start : start + n]
-                )
-            start += n
+        for slot, lo, hi in slot_ranges(per_slot):
+            out[lo:hi] = expert_fn(slot, rows[lo:hi], row_weights[lo:hi])
         if expert_count is not None:
             expert_count += torch.tensor(per_slot, dtype=expert_count.dtype, device=expert_count.device)
         return self.combine(out, handle, hidden.shape[0]).to(hidden.dtype)
