@@ -4,8 +4,10 @@ platform's entries under the file lock. The lock is tested with concurrent write
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,11 +18,14 @@ from deepinfer.default_model import resolve_model
 from deepinfer.reproducibility import (
     CPU_WORKLOADS,
     GPU_WORKLOADS,
+    SCALED_SUFFIX,
     BaselineFile,
+    PplWorkload,
     compare,
     current_platform,
     decode_ppl,
     model_tag,
+    nextn_decode,
     run_workload,
     tolerance,
     workloads_for,
@@ -28,6 +33,7 @@ from deepinfer.reproducibility import (
 from deepinfer.reproducibility import baseline as baseline_module
 
 BASELINE = Path(__file__).parent / "models" / "offline_decode_ppl.json"
+LONG_TINY_SCRIPT = Path(__file__).parents[1] / "benchmarks" / "gpu" / "make_long_tiny_checkpoint.py"
 HAS_CUDA = torch.cuda.is_available()
 
 
@@ -132,14 +138,92 @@ def test_platform_key_follows_the_device():
 
 
 def test_gpu_workloads_scale_to_a_short_model_context():
+    """A GPU workload too long for the model runs at the CPU's size under its own name, so scaled and
+    full-size baselines of one platform never share an entry; the CPU keeps the plain names."""
     assert workloads_for("cpu") == CPU_WORKLOADS
+    assert [w.name for w in CPU_WORKLOADS] == ["short", "long_context"]
     assert workloads_for("nvidia-sm90") == GPU_WORKLOADS == workloads_for("nvidia-sm90", 65_536)
     tiny = workloads_for("nvidia-sm90", 256)
-    assert [w.name for w in tiny] == [w.name for w in GPU_WORKLOADS] and tiny == CPU_WORKLOADS
+    assert [w.name for w in tiny] == ["short.cpu_size", "long_context.cpu_size"]
+    for scaled, cpu in zip(tiny, CPU_WORKLOADS, strict=True):  # the CPU's shape and prompts, renamed
+        assert scaled.name == cpu.name + SCALED_SUFFIX
+        assert scaled.describe() | {"name": cpu.name} == cpu.describe()
+        assert scaled.prompts(129_280) == cpu.prompts(129_280)
     mixed = workloads_for("nvidia-sm90", 2048)  # short fits, long_context does not
-    assert mixed == (GPU_WORKLOADS[0], CPU_WORKLOADS[1])
+    assert mixed[0] == GPU_WORKLOADS[0] and mixed[1] == tiny[1]
+    names = {w.name for w in GPU_WORKLOADS}
+    assert not names & {w.name for w in tiny}  # a full-size entry is never the scaled run's baseline
     with pytest.raises(ValueError, match="max_model_len must be >= 1"):
         workloads_for("nvidia-sm90", 0)
+
+
+def test_baseline_file_keeps_scaled_and_full_size_gpu_entries_apart():
+    """The checked-in file: CPU entries under the plain names; the tiny model's GPU entries under the
+    scaled names with the CPU's shapes; any full-size GPU entry has the full-size shape."""
+    data = json.loads(BASELINE.read_text())
+    full = {w.name: w for w in GPU_WORKLOADS}
+    assert set(data["cpu"]) == {w.name for w in CPU_WORKLOADS}
+    for platform, entries in data.items():
+        if platform == "cpu":
+            continue
+        for name, record in entries.items():
+            if name.endswith(SCALED_SUFFIX):
+                expected = next(w for w in workloads_for(platform, 256) if w.name == name)
+            else:
+                expected = full[name]
+            for key in ("num_prompts", "input_len", "output_len", "nextn"):
+                assert record[key] == getattr(expected, key), (platform, name, key)
+    assert {f"short{SCALED_SUFFIX}", f"long_context{SCALED_SUFFIX}"} <= set(data["nvidia-sm90"])
+
+
+def _load_long_tiny_script():
+    spec = importlib.util.spec_from_file_location("make_long_tiny_checkpoint", LONG_TINY_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_long_context_checkpoint_gets_the_full_size_workloads(tmp_path, monkeypatch):
+    """benchmarks/gpu/make_long_tiny_checkpoint.py's config (config.json only: the weights are the tiny
+    model's) parses, keeps YaRN consistent, and the GPU test then picks the full-size workloads."""
+    from deepinfer_model.models.deepseek_v41.config import DeepseekV41Config
+
+    config = _load_long_tiny_script().long_tiny_config(32_768)
+    text = config["text_config"]
+    rope = text["rope_scaling"]
+    assert (
+        rope["original_max_position_embeddings"] * rope["factor"] == text["max_position_embeddings"] == 32_768
+    )
+    DeepseekV41Config.from_dict(config)  # a valid V4.1 config
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    monkeypatch.setenv("DEEPINFER_HF_MODEL_DIR", str(tmp_path))
+    assert _model_max_len() == 32_768
+    assert workloads_for("nvidia-sm90", _model_max_len()) == GPU_WORKLOADS
+    longest = max(w.input_len + w.output_len + w.nextn for w in GPU_WORKLOADS)
+    assert longest <= 32_768  # room for the drafts of the last verify step too
+    with pytest.raises(ValueError, match="max_position_embeddings must be a multiple"):
+        _load_long_tiny_script().long_tiny_config(1000)
+
+
+def test_the_engine_drafts_as_many_tokens_as_the_workload_says(llm_factory):
+    """The engine fixes its draft count when it is built: nextn_decode must wrap the LLM's construction,
+    and run_workload refuses an engine whose draft count differs from the workload's (its record would
+    name a nextn that did not run)."""
+    before = os.environ.get("DEEPINFER_USE_NEXTN_DECODE")
+    with nextn_decode(0):
+        assert os.environ["DEEPINFER_USE_NEXTN_DECODE"] == "0"  # set, not left unset (real checkpoints: 5)
+        with nextn_decode(3):
+            assert os.environ["DEEPINFER_USE_NEXTN_DECODE"] == "3"
+            llm = llm_factory()
+        assert os.environ["DEEPINFER_USE_NEXTN_DECODE"] == "0"
+    assert os.environ.get("DEEPINFER_USE_NEXTN_DECODE") == before
+    assert llm.engine.num_speculative_tokens == 3
+    with pytest.raises(ValueError, match="nextn is 0 but the engine drafts 3"):
+        run_workload(llm, PplWorkload("x", num_prompts=1, input_len=4, output_len=2))
+    llm.close()
+    with pytest.raises(ValueError, match="n must be an int >= 0"):
+        with nextn_decode(-1):
+            pass
 
 
 # --------------------------------------------------------------------------- against the baseline
@@ -173,7 +257,8 @@ def test_decode_ppl_matches_the_platform_baseline(
 ):
     need = workload.input_len + workload.output_len
     extra = {"max_model_len": need} if need > 4096 else {}  # the engine's default context is 4096
-    llm = llm_factory(async_scheduling=True, device=device, max_num_seqs=workload.num_prompts, **extra)
+    with nextn_decode(workload.nextn):  # the engine fixes its draft count when built
+        llm = llm_factory(async_scheduling=True, device=device, max_num_seqs=workload.num_prompts, **extra)
     assert current_platform(llm) == platform  # the key follows where the model really runs
     measured = run_workload(llm, workload)
     assert measured["model"] == model_tag(llm)

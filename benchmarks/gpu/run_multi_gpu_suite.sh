@@ -9,7 +9,11 @@
 # run_engine_suite.sh's): graphs (the CUDA-graph gpu tests, on GPU 1 beside the engine step), enginecuda (the
 # engine's tests with DEEPINFER_DEVICE=cuda on GPU 1, beside the engine step), graphbench
 # (medium decode with decode CUDA graphs on GPU 0 and with DEEPINFER_ENFORCE_EAGER=1 on GPU 1, side by side),
-# bicost (batch-invariant mode vs default on GPU 0: benchmarks/repro/bench_batch_invariant.py --device cuda).
+# bicost (batch-invariant mode vs default on GPU 0: benchmarks/repro/bench_batch_invariant.py --device cuda),
+# ppl (decode-PPL baselines on GPU 0, in the background beside the GPU-1 steps, waited for before bench / bicost:
+# the tiny model's scaled workloads `*.cpu_size`, then the full sizes on /tmp/tiny-long-v41, written by
+# make_long_tiny_checkpoint.py; each --refresh-ppl-baseline, then checked by a second run = a restarted engine
+# reproduces it; PPL_PASSES="check" only checks the checked-in file; tests/models/offline_decode_ppl.json -> $OUT).
 # Results: $OUT (device tool) or benchmarks/results; logs in multi_gpu_logs.tar.gz.
 set -uo pipefail
 final=${OUT:-benchmarks/results}
@@ -44,7 +48,7 @@ else
 fi
 cp "$DEEPINFER_SITE/build_deep_ep.log" "$out/" 2>/dev/null; head -5 "$out/build_deep_ep.log"
 export PYTHONPATH="/tmp/sched-site:${src}$PYTHONPATH"
-if has engine || has graphs || has graphbench || has enginecuda || has bicost; then
+if has engine || has graphs || has graphbench || has enginecuda || has bicost || has ppl; then
   el "building deepinfer-sched"
   [ -d /tmp/sched-site/deepinfer_sched ] || python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/sched-site packages/deepinfer-sched > "$out/sched_build.log" 2>&1 \
     || tail -20 "$out/sched_build.log"
@@ -84,6 +88,28 @@ if has graphs; then  # in the background on GPU 1, beside the engine step
       packages/deepinfer-model/tests/test_cuda_graphs.py --junitxml "$out/graphs_tests.xml" > "$out/graphs_tests.log" 2>&1 ) &
   graphs_pid=$!
 fi
+if has ppl; then  # in the background on GPU 0 (deterministic: load beside it changes its time, not its results)
+  (
+    long=/tmp/tiny-long-v41
+    [ -f "$long/config.json" ] || python3 benchmarks/gpu/make_long_tiny_checkpoint.py "$long" > "$out/ppl_long_checkpoint.log" 2>&1
+    # $1: a name for the logs, then the pytest options; the variant ids of the GPU runs contain "cuda"
+    ppl_run() {
+      local name=$1; shift
+      CUDA_VISIBLE_DEVICES=0 timeout "${PPL_LIMIT_S:-420}" python3 -m pytest -q -p no:cacheprovider -m gpu \
+        tests/test_repro_ppl_baseline.py -k cuda "$@" --junitxml "$out/ppl_$name.xml" > "$out/ppl_$name.log" 2>&1
+      echo "ppl $name: $(tail -1 "$out/ppl_$name.log")"
+    }
+    for pass in ${PPL_PASSES:-refresh check}; do  # the tiny model (seconds): short.cpu_size, long_context.cpu_size
+      ppl_run "tiny_$pass" $([ "$pass" = refresh ] && echo --refresh-ppl-baseline)
+    done
+    cp tests/models/offline_decode_ppl.json "$out/"
+    for pass in ${PPL_PASSES:-refresh check}; do  # full sizes: short 16x512/512, long_context 16,389/4,096, nextn 5
+      DEEPINFER_HF_MODEL_DIR=$long ppl_run "full_$pass" $([ "$pass" = refresh ] && echo --refresh-ppl-baseline)
+      cp tests/models/offline_decode_ppl.json "$out/"  # the refreshed entries come back even if the check times out
+    done
+  ) > "$out/ppl_step.log" 2>&1 &
+  ppl_pid=$!
+fi
 if has enginecuda; then  # the whole engine test suite on GPU 1 (decode CUDA graphs on by default now)
   ( CUDA_VISIBLE_DEVICES=1 DEEPINFER_DEVICE=cuda timeout "$lim" python3 -m pytest -q -p no:cacheprovider -n 6 \
       -m "not slow and not long_context and not distributed" packages/deepinfer/tests --junitxml "$out/engine_cuda.xml" \
@@ -99,6 +125,9 @@ if has engine; then
 fi
 if has graphs; then wait "$graphs_pid"; echo "== graphs"; tail -6 "$out/graphs_tests.log"; fi
 if has enginecuda; then wait "$engine_cuda_pid"; echo "== engine tests on cuda"; tail -12 "$out/engine_cuda.log"; fi
+if has ppl; then  # before the timing steps that use GPU 0 (bench, bicost)
+  el "waiting for the decode-PPL baselines"; wait "$ppl_pid"; echo "== ppl"; cat "$out/ppl_step.log"; collect
+fi
 if has bench; then
   [ -n "$medium_pid" ] && wait "$medium_pid" 2>/dev/null
   el "bench: medium EP=N / EPLB / CP=N vs one GPU (N = the GPU count)"

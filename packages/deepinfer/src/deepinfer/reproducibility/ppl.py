@@ -33,11 +33,12 @@ def tokens_digest(token_ids: Sequence[int]) -> str:
 
 
 @contextmanager
-def _nextn(n: int):
-    """DEEPINFER_USE_NEXTN_DECODE=n while the workload runs (greedy verification keeps the output)."""
-    if n == 0:
-        yield
-        return
+def nextn_decode(n: int):
+    """DEEPINFER_USE_NEXTN_DECODE=n while the block runs. The engine fixes its draft count when it is
+    built, so build the workload's `LLM` inside this block: `with nextn_decode(w.nextn): llm = LLM(...)`.
+    0 is set explicitly too: a checkpoint with draft blocks drafts 5 tokens when the variable is unset."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be an int >= 0, got {n!r}")
     before = os.environ.get("DEEPINFER_USE_NEXTN_DECODE")
     os.environ["DEEPINFER_USE_NEXTN_DECODE"] = str(n)
     try:
@@ -50,9 +51,18 @@ def _nextn(n: int):
 
 
 def run_workload(llm, workload: PplWorkload) -> dict:
-    """Generate the workload with `llm` (a `deepinfer.LLM`); returns the baseline record:
-    the workload's shape, per-sample `ppl`, and per-sample digests of the generated token ids."""
+    """Generate the workload with `llm` (a `deepinfer.LLM` built under `nextn_decode(workload.nextn)`);
+    returns the baseline record: the workload's shape, per-sample `ppl`, and per-sample digests of the
+    generated token ids. Raises ValueError when the engine drafts a different number of tokens than the
+    workload says (the record would name a draft count that did not run)."""
     from ..sampling_params import SamplingParams
+
+    drafts = getattr(llm.engine, "num_speculative_tokens", None)  # None: an engine that cannot tell
+    if drafts is not None and drafts != workload.nextn:
+        raise ValueError(
+            f"workload {workload.name}: nextn is {workload.nextn} but the engine drafts {drafts} tokens "
+            f"per step: build the LLM inside nextn_decode({workload.nextn})"
+        )
 
     vocab = int(llm.engine.vocab_size)
     prompts = workload.prompts(vocab)
@@ -66,8 +76,7 @@ def run_workload(llm, workload: PplWorkload) -> dict:
         )
         for i in range(len(prompts))
     ]
-    with _nextn(workload.nextn):
-        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     ppl, digests = [], []
     for out in outputs:
         if out.error is not None:
