@@ -13,7 +13,8 @@
 # ppl (decode-PPL baselines on GPU 0, in the background beside the GPU-1 steps, waited for before bench / bicost:
 # the tiny model's scaled workloads `*.cpu_size`, then the full sizes on /tmp/tiny-long-v41, written by
 # make_long_tiny_checkpoint.py; each --refresh-ppl-baseline, then checked by a second run = a restarted engine
-# reproduces it; PPL_PASSES="check" only checks the checked-in file; tests/models/offline_decode_ppl.json -> $OUT).
+# reproduces it; PPL_LIMIT_S (420) per pytest run; PPL_PASSES=refresh / check splits the passes over two calls;
+# tests/models/offline_decode_ppl.json -> $OUT).
 # Results: $OUT (device tool) or benchmarks/results; logs in multi_gpu_logs.tar.gz.
 set -uo pipefail
 final=${OUT:-benchmarks/results}
@@ -96,7 +97,7 @@ if has ppl; then  # in the background on GPU 0 (deterministic: load beside it ch
     ppl_run() {
       local name=$1; shift
       CUDA_VISIBLE_DEVICES=0 timeout "${PPL_LIMIT_S:-420}" python3 -m pytest -q -p no:cacheprovider -m gpu \
-        tests/test_repro_ppl_baseline.py -k cuda "$@" --junitxml "$out/ppl_$name.xml" > "$out/ppl_$name.log" 2>&1
+        tests/test_repro_ppl_baseline.py -k cuda --durations=5 "$@" --junitxml "$out/ppl_$name.xml" > "$out/ppl_$name.log" 2>&1
       echo "ppl $name: $(tail -1 "$out/ppl_$name.log")"
     }
     for pass in ${PPL_PASSES:-refresh check}; do  # the tiny model (seconds): short.cpu_size, long_context.cpu_size
