@@ -27,3 +27,32 @@ def test_linear_follows_in_place_updates_and_distinct_tensors():
     del w
     w2 = torch.randn(5, 4)
     torch.testing.assert_close(linear(x, w2), (x.double() @ w2.double().t()).float().double(), rtol=0, atol=0)
+
+
+def test_inference_tensors_are_converted_marked_and_stacked_without_a_version_counter():
+    # Under torch.inference_mode (the public V4 forward, or a caller's own block) tensors keep no version
+    # counter and reading it raises: the caches guarded by it must convert afresh instead of failing, and
+    # still follow a change in place.
+    from deepinfer_model import batch_invariant
+
+    with torch.inference_mode():
+        w = torch.randn(64, 32)
+        x = torch.randn(3, 32)
+        assert batch_invariant.version_of(w) is None
+        assert torch.equal(weight_fp64(w), w.double())
+        w.mul_(2.0)
+        assert torch.equal(weight_fp64(w), w.double())  # never a stale copy
+        marked = batch_invariant.mark_fp32_valued(x)
+        assert marked is x and not batch_invariant.marked_fp32_valued(x)  # no mark without a version
+        experts = torch.randn(2, 64, 32).float()
+        parts = batch_invariant.stacked_parts(experts)
+        assert parts is not None and torch.equal(parts[:, :, :64], experts.transpose(1, 2).double())
+        experts.add_(1.0)
+        again = batch_invariant.stacked_parts(experts)
+        assert torch.equal(again[:, :, :64], experts.transpose(1, 2).double())
+    y = torch.randn(2, 4)
+    assert batch_invariant.version_of(y) == y._version
+    batch_invariant.mark_fp32_valued(y)
+    assert batch_invariant.marked_fp32_valued(y)
+    y.add_(1.0)
+    assert not batch_invariant.marked_fp32_valued(y)  # a change in place voids the mark

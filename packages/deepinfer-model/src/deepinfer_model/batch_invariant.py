@@ -184,9 +184,7 @@ def _row_major(w_t: torch.Tensor) -> list[torch.Tensor]:
     """`_parts` of `w_t` (any float dtype; a view such as `weight.t()` or `experts.w1[e].t()`), cached per
     view of its owner."""
     owner = w_t._base if w_t._base is not None else w_t
-    if owner.is_inference():
-        # no version counter, so an in-place change (an EPLB weight shuffle) could not be seen: no cache
-        # (seen on 2 H200s: weights created under inference_mode in a data-parallel rank)
+    if version_of(owner) is None:  # an in-place change (an EPLB weight shuffle) could not be seen: no cache
         return _parts(w_t)
     if owner.numel() != w_t.numel() and _part_bytes.get(id(owner), 0) + 8 * w_t.numel() > PART_CACHE_BYTES:
         # a part of a larger tensor (one expert of a stack, taken anew per call) past the budget:
@@ -199,7 +197,7 @@ def _row_major(w_t: torch.Tensor) -> list[torch.Tensor]:
         entry = None
     if entry is not None:
         hit = entry[1].get(sub)
-        if hit is not None and hit[0] == owner._version:
+        if hit is not None and hit[0] == version_of(owner):
             return hit[1]
     else:
         entry = (weakref.ref(owner), {})
@@ -209,7 +207,7 @@ def _row_major(w_t: torch.Tensor) -> list[torch.Tensor]:
     parts = _parts(w_t)
     if owner.numel() != w_t.numel() and sub not in entry[1]:
         _part_bytes[id(owner)] = _part_bytes.get(id(owner), 0) + sum(8 * p.numel() for p in parts)
-    entry[1][sub] = (owner._version, parts)
+    entry[1][sub] = (version_of(owner), parts)
     return parts
 
 
@@ -302,12 +300,14 @@ def stacked_parts(*weights: torch.Tensor, groups: int | None = None) -> torch.Te
                 f"stacked_parts: groups = {groups} needs one 2-D weight whose rows it divides, got "
                 f"{[tuple(w.shape) for w in weights]}"
             )
+    versions = tuple(version_of(w) for w in weights)
+    cache = None not in versions  # inference tensors: built per call (a change in place would go unseen)
     key = tuple(id(w) for w in weights) + ((-groups,) if groups is not None else ())
-    hit = _STACKS.get(key)
+    hit = _STACKS.get(key) if cache else None
     if hit is not None and all(r() is w for r, w in zip(hit[0], weights, strict=True)):
-        if hit[1] == tuple(w._version for w in weights):
+        if hit[1] == versions:
             return hit[2]
-    elif hit is None:
+    elif hit is None and cache:
         for w in weights:
             weakref.finalize(w, _STACKS.pop, key, None)
     if groups is not None:
@@ -329,7 +329,8 @@ def stacked_parts(*weights: torch.Tensor, groups: int | None = None) -> torch.Te
         for s in stacks:
             out[:, :, col : col + s.shape[1]] = s.transpose(1, 2)  # exact widening
             col += s.shape[1]
-    _STACKS[key] = (tuple(weakref.ref(w) for w in weights), tuple(w._version for w in weights), out)
+    if cache:
+        _STACKS[key] = (tuple(weakref.ref(w) for w in weights), versions, out)
     return out
 
 
@@ -519,6 +520,12 @@ def _hull(flags: np.ndarray | None, n: int) -> tuple[int, int]:
     return (int(idx[0]), int(idx[-1]) + 1) if len(idx) else (0, 0)
 
 
+def version_of(t: torch.Tensor) -> int | None:
+    """`t`'s in-place version counter, or None for an inference tensor (made under `torch.inference_mode`,
+    which keeps none: reading `_version` raises): caches and marks guarded by it skip such tensors."""
+    return None if t.is_inference() else t._version
+
+
 # Key tensors known to hold FP32-valued entries (read from an FP32 / BF16 / FP8 cache pool), marked by
 # the paged runtime where it reads them: checking every element costs as much as the fast paths save.
 _FP32_MARK = "_deepinfer_fp32_valued"
@@ -528,15 +535,18 @@ def mark_fp32_valued(t: torch.Tensor) -> torch.Tensor:
     """Mark `t` (returned) as holding only FP32-valued entries: the caller knows (e.g. it was read from an
     FP32 or narrower cache pool, or rounded to FP32 / BF16 by `numerics.round_to`). Derived tensors are
     not marked. The mark holds the tensor's in-place version: an in-place change afterwards (which may
-    write other values) voids it."""
-    setattr(t, _FP32_MARK, t._version)
+    write other values) voids it. Inference tensors (made under `torch.inference_mode`) keep no version,
+    so they are left unmarked (their values get tested where it matters)."""
+    version = version_of(t)
+    if version is not None:
+        setattr(t, _FP32_MARK, version)
     return t
 
 
 def marked_fp32_valued(t: torch.Tensor) -> bool:
     """Whether `t` itself was marked by `mark_fp32_valued` and not changed in place since."""
     mark = getattr(t, _FP32_MARK, None)
-    return mark is not None and mark == t._version
+    return mark is not None and mark == version_of(t)
 
 
 def exact_scores_apply(q: torch.Tensor, keys: torch.Tensor) -> bool:

@@ -111,14 +111,17 @@ _WEIGHTS: dict[tuple[int, torch.dtype], tuple[weakref.ref, int, torch.Tensor]] =
 
 
 def _cached_copy(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    version = batch_invariant.version_of(weight)
+    if version is None:  # an inference tensor keeps no version: a cached copy could go stale unseen
+        return weight.to(dtype)
     key = (id(weight), dtype)
     cached = _WEIGHTS.get(key)
-    if cached is not None and cached[0]() is weight and cached[1] == weight._version:
+    if cached is not None and cached[0]() is weight and cached[1] == version:
         return cached[2]
     copy = weight.to(dtype)
     if cached is None or cached[0]() is not weight:
         weakref.finalize(weight, _WEIGHTS.pop, key, None)
-    _WEIGHTS[key] = (weakref.ref(weight), weight._version, copy)
+    _WEIGHTS[key] = (weakref.ref(weight), version, copy)
     return copy
 
 
