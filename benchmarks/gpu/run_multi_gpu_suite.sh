@@ -15,7 +15,7 @@
 # make_long_tiny_checkpoint.py; each --refresh-ppl-baseline, then checked by a second run = a restarted engine
 # reproduces it; PPL_LIMIT_S (420) per pytest run; PPL_PASSES=refresh / check splits the passes over two calls;
 # tests/models/offline_decode_ppl.json -> $OUT).
-# Results: $OUT (device tool) or benchmarks/results; logs in multi_gpu_logs.tar.gz.
+# ENGINE_K: a pytest -k filter for the engine step (e.g. deepep). Results: $OUT (device tool) or benchmarks/results; logs in multi_gpu_logs.tar.gz.
 set -uo pipefail
 final=${OUT:-benchmarks/results}
 out=/tmp/multi-gpu-out
@@ -121,7 +121,7 @@ if has engine; then
   el "tests: data-parallel engine on cuda"
   # torch all-to-all + batch-invariant mode: the DP ranks' batches differ from the single engine's, so bitwise
   # equality on the GPU needs batch invariance; the DeepEP test sets its own backend (BF16 tolerance)
-  DEEPINFER_EP_BACKEND=torch DEEPINFER_BATCH_INVARIANT=1 DEEPINFER_DEVICE=cuda pyt packages/deepinfer/tests/test_data_parallel.py packages/deepinfer/tests/test_data_parallel_eplb.py --junitxml "$out/engine_dp.xml" > "$out/engine_dp.log" 2>&1
+  DEEPINFER_EP_BACKEND=torch DEEPINFER_BATCH_INVARIANT=1 DEEPINFER_DEVICE=cuda pyt packages/deepinfer/tests/test_data_parallel.py packages/deepinfer/tests/test_data_parallel_eplb.py ${ENGINE_K:+-k "$ENGINE_K"} --junitxml "$out/engine_dp.xml" > "$out/engine_dp.log" 2>&1
   tail -8 "$out/engine_dp.log"
 fi
 if has graphs; then wait "$graphs_pid"; echo "== graphs"; tail -6 "$out/graphs_tests.log"; fi

@@ -27,21 +27,21 @@ pytestmark = [
     ),
 ]
 
-HIDDEN, INTER, EXPERTS, TOP_K, REDUNDANT = 512, 256, 16, 6, 2
+INTER, EXPERTS, TOP_K, REDUNDANT = 256, 16, 6, 2
 
 
-def _worker(rank, world, tokens_per_rank):
+def _worker(rank, world, tokens_per_rank, hidden):
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
     g = torch.Generator().manual_seed(7)  # same weights on every rank
-    w1 = (torch.randn(EXPERTS, INTER, HIDDEN, generator=g) * HIDDEN**-0.5).to(dev)
-    w2 = (torch.randn(EXPERTS, HIDDEN, INTER, generator=g) * INTER**-0.5).to(dev)
+    w1 = (torch.randn(EXPERTS, INTER, hidden, generator=g) * hidden**-0.5).to(dev)
+    w2 = (torch.randn(EXPERTS, hidden, INTER, generator=g) * INTER**-0.5).to(dev)
     layout = RedundantExpertLayout(EXPERTS, REDUNDANT, world, num_layers=1, device=dev)
     local = torch.tensor(layout.local_logical(0, rank), device=dev)
     lw1, lw2 = w1[local], w2[local]
     t = tokens_per_rank[rank]
     gen = torch.Generator().manual_seed(100 + rank)
-    x = torch.randn(t, HIDDEN, generator=gen).to(dev).bfloat16()
+    x = torch.randn(t, hidden, generator=gen).to(dev).bfloat16()
     scores = torch.rand(t, EXPERTS, generator=gen).to(dev)
     scores[:, :3] += 1.0  # skewed: experts 0-2 hot (their replicas spread the load)
     weights, ids = scores.topk(TOP_K, dim=1)
@@ -51,7 +51,7 @@ def _worker(rank, world, tokens_per_rank):
         return torch.relu(rows.float() @ lw1[slot].T) @ lw2[slot].T
 
     # float64 reference over the full (logical) expert set, this rank's tokens
-    ref = torch.zeros(t, HIDDEN, dtype=torch.float64, device=dev)
+    ref = torch.zeros(t, hidden, dtype=torch.float64, device=dev)
     for k in range(TOP_K):
         e = ids[:, k]
         h = torch.relu(torch.einsum("th,tih->ti", x.double(), w1[e].double()))
@@ -60,7 +60,7 @@ def _worker(rank, world, tokens_per_rank):
     torch_out = dispatch_combine(x.float(), ids, weights, expert, layout.layer(0))
     count = torch.zeros(layout.slots_per_rank, dtype=torch.int64, device=dev)
     disp = DeepEPDispatcher(
-        None, HIDDEN, TOP_K, layout.num_physical, max_tokens_per_rank=max(tokens_per_rank)
+        None, hidden, TOP_K, layout.num_physical, max_tokens_per_rank=max(tokens_per_rank)
     )
     try:
         deepep_out = disp.dispatch_combine(
@@ -71,7 +71,7 @@ def _worker(rank, world, tokens_per_rank):
             layout.layer(0),
             count,
         )
-        assert deepep_out.shape == (t, HIDDEN) and deepep_out.dtype == torch.bfloat16
+        assert deepep_out.shape == (t, hidden) and deepep_out.dtype == torch.bfloat16
         if t:
             scale = ref.abs().max().item()
             torch_err = (torch_out.double() - ref).abs().max().item() / scale
@@ -86,6 +86,10 @@ def _worker(rank, world, tokens_per_rank):
         disp.destroy()
 
 
-@pytest.mark.parametrize("tokens", [(37, 64), (0, 128)], ids=["uneven", "idle-rank"])
-def test_deepep_matches_torch_backend_and_float64(tokens):
-    run_distributed(_worker, 2, list(tokens), backend="nccl", start_method="spawn", timeout_s=600)
+@pytest.mark.parametrize(
+    ("tokens", "hidden"),
+    [((37, 64), 512), ((0, 128), 512), ((37, 64), 200)],
+    ids=["uneven", "idle-rank", "unaligned-hidden"],  # 200: rows travel zero-padded to 256 columns
+)
+def test_deepep_matches_torch_backend_and_float64(tokens, hidden):
+    run_distributed(_worker, 2, list(tokens), hidden, backend="nccl", start_method="spawn", timeout_s=600)

@@ -12,7 +12,10 @@ Differences that matter to a caller:
 * the expert function gets each row's routing weight and returns the *weighted* output
   (``expert_fn(slot, tokens[n, H], weights[n]) -> [n, H]``): V4.1 scales the SwiGLU output before the down
   projection (v41-model §6.2), the public V4 after it; the combine is then a plain sum;
-* at most ``max_tokens_per_rank`` tokens per call (fixed when the buffer is built; every rank must agree).
+* at most ``max_tokens_per_rank`` tokens per call (fixed when the buffer is built; every rank must agree);
+* DeepEP's combine kernel moves a row in units of ``HIDDEN_ALIGN`` BF16 values (32 lanes x 16 bytes), so a
+  hidden size that is not a multiple of it (small test models; real ones are: 4096, 7168) travels
+  zero-padded to the next multiple, and the caller sees only its own columns.
 
 The expanded layout (``do_expand=True``) puts the rows of local expert slot ``s`` contiguously, slot after
 slot; the CPU-side counts come from the dispatch's receive-count sync (one host sync per call).
@@ -29,6 +32,7 @@ from .ep import slot_ranges
 from .layout import LayerExpertLayout
 
 # expert_fn(local_slot, tokens[n, H] bf16, weights[n] fp32) -> weighted outputs [n, H]
+HIDDEN_ALIGN = 32 * 16 // 2  # DeepEP combine: hidden % (32 lanes * sizeof(int4) / sizeof(bf16)) == 0
 WeightedExpertFn = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -70,6 +74,7 @@ class DeepEPDispatcher:
         if num_physical % size:
             raise ValueError(f"num_physical={num_physical} must be a multiple of the EP group size {size}")
         self.group, self.hidden, self.top_k = group, hidden, top_k
+        self.wire_hidden = -(-hidden // HIDDEN_ALIGN) * HIDDEN_ALIGN  # row width on the wire
         self.num_physical, self.max_tokens_per_rank = num_physical, max_tokens_per_rank
         self.ep_rank = dist.get_rank(group)
         self.slots_per_rank = num_physical // size
@@ -77,7 +82,7 @@ class DeepEPDispatcher:
         self.buffer = deep_ep.EPBuffer(
             group if group is not None else dist.group.WORLD,
             num_max_tokens_per_rank=max_tokens_per_rank,
-            hidden=hidden,
+            hidden=self.wire_hidden,
             num_topk=top_k,
             explicitly_destroy=True,
         )
@@ -92,7 +97,7 @@ class DeepEPDispatcher:
         row_weights [N] fp32, rows_per_slot: list[int] (local slots, in order), handle)``."""
         self._check(hidden, physical, weights)
         recv_x, _recv_idx, recv_w, handle, _event = self.buffer.dispatch(
-            hidden.to(torch.bfloat16).contiguous(),
+            self._to_wire(hidden),
             topk_idx=physical.to(self.index_dtype).contiguous(),
             topk_weights=weights.to(torch.float32).contiguous(),
             num_experts=self.num_physical,
@@ -100,12 +105,20 @@ class DeepEPDispatcher:
             expert_alignment=1,
             do_expand=True,
         )
-        return recv_x, recv_w, list(handle.num_recv_tokens_per_expert_list), handle
+        return recv_x[:, : self.hidden], recv_w, list(handle.num_recv_tokens_per_expert_list), handle
 
     def combine(self, rows: torch.Tensor, handle, num_tokens: int) -> torch.Tensor:
         """Sum the (already weighted) expert outputs back into each token's own rank: ``[T, H]`` bf16."""
-        combined, _weights, _event = self.buffer.combine(rows.to(torch.bfloat16).contiguous(), handle)
-        return combined[:num_tokens]
+        combined, _weights, _event = self.buffer.combine(self._to_wire(rows), handle)
+        return combined[:num_tokens, : self.hidden]
+
+    def _to_wire(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows [n, hidden]`` as the contiguous BF16 ``[n, wire_hidden]`` the buffer moves (zero columns
+        appended when hidden is not a multiple of HIDDEN_ALIGN)."""
+        rows = rows.to(torch.bfloat16)
+        if self.wire_hidden != self.hidden:
+            return torch.nn.functional.pad(rows, (0, self.wire_hidden - self.hidden))
+        return rows.contiguous()
 
     def dispatch_combine(
         self,
