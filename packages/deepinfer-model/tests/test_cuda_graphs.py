@@ -18,6 +18,7 @@ from deepinfer_model.runtime.cuda_graphs import (
     build_graph_batch_sizes,
     decode_graph_settings,
 )
+from deepinfer_model.runtime.metadata import StepMetadata
 from deepinfer_model.runtime.pools import PagedKVCache
 from deepinfer_model.testing.no_sync import HostSyncError, count_ops, no_host_sync
 
@@ -545,3 +546,91 @@ def test_index_scoring_follows_context_tier(model, monkeypatch):
         assert widths == expect, (min_tier, widths, expect)
         assert any(w == tier // 1 for w in widths)  # a ratio-1 source: MAX_CTX keys without tiers
     assert torch.equal(logits[MIN_TIER], logits[MAX_CTX])
+
+
+# ------------------------------------------------------------------ batch-invariant mode (issues #13 + #16)
+# With DEEPINFER_BATCH_INVARIANT=1 the static decode / verification step (what a CUDA graph replays) gives
+# logits bitwise equal to the eager batch-invariant paged step, makes no host sync, and a sequence's row
+# does not depend on the other rows of the step; the runner replays it. The replay on CUDA:
+# test_cuda_graphs_gpu.py::test_graph_replay_equals_eager_batch_invariant.
+
+
+@pytest.fixture
+def bi(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
+
+
+@pytest.mark.parametrize("numerics", ["fp32", "engine"])
+def test_static_decode_equals_eager_batch_invariant(model, engine_numerics, numerics, bi):
+    """Decode steps of 7, 5, 3, 1 sequences (padded buckets, contexts up to 80 with candidate-restricted
+    selection) replay the static step and equal the eager BI step bit for bit; a mixed prefill step
+    runs eagerly afterwards and still matches (it reads the static steps' cache writes)."""
+    pair, out = _run_mixed(model if numerics == "fp32" else engine_numerics, steps=4)
+    assert pair.static.graphs.replays == 4
+    for a, b in out:
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("numerics", ["fp32", "engine"])
+def test_static_verify_equals_eager_batch_invariant(model, engine_numerics, numerics, bi):
+    """Verification steps (1 + k rows per sequence, k in 0 .. 3, padded buckets up to 16 tokens): every
+    row bitwise the eager BI step's (whose rows of a sequence share a tile layout and query blocks)."""
+    _, out, _ = _run_verify(model if numerics == "fp32" else engine_numerics, steps=3, seed=2)
+    for a, b in out:
+        assert torch.equal(a, b)
+
+
+def _static_logits(pair, seqs, qlens, rows):
+    """The static forward of the step feeding `qlens` tokens of `seqs` (no state advanced), rows `rows`."""
+    batch = pair.batch(seqs, qlens, qlens)
+    meta = StepMetadata.build(batch, BLOCK, NUM_BLOCKS, vocab_size=256)
+    g = pair.static.graphs
+    assert g.problem(meta) is None
+    key = g.key(meta)
+    g._fill(*key, meta, batch.input_ids)
+    with no_host_sync():
+        out = g.forward(pair.static.model, g.meta(*key), pair.static.cache)
+    return out[rows], batch
+
+
+def test_static_batch_invariant_no_host_sync_and_alone_vs_batch(engine_numerics, bi):
+    """A sequence's static-step logits (decode row and a verification block) are the same alone and among
+    3 others with other contexts (another context tier, another bucket), under `no_host_sync`; equal to
+    the eager BI step; the eager BI step itself trips the checker (not vacuous)."""
+    pair, _, _ = _run_verify(engine_numerics, steps=1, seed=4)
+    seqs = pair.seqs[:4]  # contexts from a few tokens to ~75 (tiers 16 .. 128)
+    for s in seqs:
+        s["tokens"] = s["tokens"][: s["n"] + 1] + [9, 10, 11]
+    short = min(seqs, key=lambda s: s["n"])
+    others = [s for s in seqs if s is not short]
+    alone, _ = _static_logits(pair, [short], [1], slice(0, 1))
+    mixed, batch = _static_logits(pair, [others[0], short, *others[1:]], [1] * 4, slice(0, 4))
+    assert pair.static.graphs.key(StepMetadata.build(batch, BLOCK, NUM_BLOCKS, vocab_size=256)) != (1, 8)
+    assert torch.equal(alone[0], mixed[1])
+    assert torch.equal(mixed, pair.eager.execute(batch))
+    # a verification block of 4 rows: alone vs after two other sequences' blocks
+    v_alone, _ = _static_logits(pair, [short], [4], slice(0, 4))
+    v_mixed, batch = _static_logits(pair, [others[0], others[1], short], [2, 3, 4], slice(5, 9))
+    assert torch.equal(v_alone, v_mixed)
+    assert torch.equal(v_mixed, pair.eager.execute(batch)[5:9])
+    with pytest.raises(HostSyncError):
+        with no_host_sync():
+            pair.eager.execute(batch)
+
+
+def test_batch_invariant_mode_switch_runs_eagerly(model, monkeypatch):
+    """Steps replay in BI mode; a runner whose graphs were captured under one (numerics, BI) mode sends a
+    step under another to the eager path (the BI layout is baked into a captured graph)."""
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
+    pair = Pair(model)
+    seqs = [pair.add(n) for n in (5, 9)]
+    pair.step(seqs, [5, 9])
+    a, b, graphed = pair.step(seqs, [1, 1])
+    assert graphed and torch.equal(a, b)
+    g = pair.static.graphs
+    batch = pair.batch(seqs, [1, 1])
+    meta = StepMetadata.build(batch, BLOCK, NUM_BLOCKS, vocab_size=256)
+    g.mode = ("exact", False)  # as after a capture outside BI mode (no capture on the CPU)
+    assert "DEEPINFER_BATCH_INVARIANT=0" in g.problem(meta)
+    g.mode = ("exact", True)
+    assert g.problem(meta) is None

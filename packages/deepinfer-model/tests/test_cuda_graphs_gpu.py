@@ -189,3 +189,29 @@ def test_verify_graph_replay_equals_eager(path, native, monkeypatch):
         else:
             torch.testing.assert_close(g, a, rtol=1e-6, atol=1e-6)
     graphs.close()
+
+
+@pytest.mark.parametrize("engine_numerics", [False, True])
+def test_graph_replay_equals_eager_batch_invariant(path, engine_numerics, monkeypatch):
+    """DEEPINFER_BATCH_INVARIANT=1 (issues #13 + #16): decode graph replays (padded buckets, context
+    tiers 16 .. 128) and verification replays (nextn 3) equal the eager batch-invariant step bit for bit,
+    so a row's logits do not depend on whether its step was replayed; FP32 and BF16 + quantised KV."""
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
+    model = _model(path, engine_numerics=engine_numerics)
+    eager = PagedRunner(model, NUM_BLOCKS, BLOCK)
+    graphs = PagedRunner(
+        model, NUM_BLOCKS, BLOCK, decode_graphs=DecodeGraphSettings(8, MAX_CTX, 4, min_context_tier=16)
+    )
+    results = _drive([eager, graphs])
+    assert graphs.graphs.replays == len(SIZES) and graphs.graphs.mode == ("exact", True)
+    for n, (a, g) in zip(SIZES, results):
+        assert torch.equal(g, a), f"BI graph replay != eager BI step at {n} tokens"
+    graphs.close()
+    kw = dict(max_query_len=1 + NEXTN)
+    eager = PagedRunner(model, NUM_BLOCKS, BLOCK)
+    graphs = PagedRunner(model, NUM_BLOCKS, BLOCK, decode_graphs=DecodeGraphSettings(16, MAX_CTX, 4, **kw))
+    results = _drive_verify([eager, graphs])
+    assert graphs.graphs.verify_replays == len(VERIFY_KS)
+    for ks, (a, g) in zip(VERIFY_KS, results):
+        assert torch.equal(g, a), f"BI graph replay != eager BI step, drafts {ks}"
+    graphs.close()

@@ -54,6 +54,7 @@ others share its call. Checked on the GPU by the `gpu`-marked tests in tests/tes
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 
@@ -74,6 +75,24 @@ PV_HALF_ROWS = 4  # `_one_query_attention`: P.V tile rows for at most this many 
 
 # The setting for the model step that is running (`numerics.resolved`), None outside one.
 _PINNED: bool | None = None
+# Within `sync_free()` (the graph-safe decode step): the CPU paths below take no data-dependent branch
+# (no host read), computing both sides where the eager step picks one from the values.
+_SYNC_FREE = False
+
+
+@contextlib.contextmanager
+def sync_free():
+    """Within the block, the CPU row paths (`row_gemm`, `exact_gemm`, `grouped_gemm`) make no host read:
+    where the eager path tests the values to skip work (rows with more than FP32's bits, lo parts that are
+    zero), they compute every candidate and pick per row with `torch.where`, which gives each row the bits
+    of the branch the eager path takes (each row's result depends on that row only). The graph-safe decode
+    step runs in it (`no_host_sync` proves it on the CPU)."""
+    global _SYNC_FREE
+    outer, _SYNC_FREE = _SYNC_FREE, True
+    try:
+        yield
+    finally:
+        _SYNC_FREE = outer
 
 
 def enabled() -> bool:
@@ -232,7 +251,7 @@ def exact_gemm(a: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
     out = mm(hi, parts[0])
     for p in parts[1:]:
         out = out + mm(hi, p)
-    if bool(lo.any()):  # (one cheap test first: most GEMM inputs are FP32/BF16 values)
+    if _SYNC_FREE or bool(lo.any()):  # (one cheap test first: most GEMM inputs are FP32/BF16 values)
         has_lo = lo.ne(0).any(dim=-1, keepdim=True)
         low = mm(lo, parts[0])
         for p in parts[1:]:
@@ -262,6 +281,9 @@ def row_gemm(x: torch.Tensor, w_t: torch.Tensor, fp32_valued: bool = False) -> t
         out = x @ parts[0]
         return out if out.shape[1] == n else out[:, :n]
     fp32 = x.float().double()
+    if _SYNC_FREE:  # both paths for every row, each row takes its own (see `sync_free`)
+        wide = x.ne(fp32).any(dim=-1, keepdim=True)
+        return torch.where(wide, tiled_matmul(x, parts[0]), x @ parts[0])[:, :n]
     if torch.equal(x, fp32):  # every row FP32-valued (the common case: one test, one host read)
         out = x @ parts[0]
         return out if out.shape[1] == n else out[:, :n]
@@ -378,7 +400,9 @@ def grouped_gemm(
     if not fp32_valued:
         lo = x - hi
     used_groups = sum(1 for c in counts if c)
-    if loop if loop is not None else used_groups <= LOOP_GROUPS or r > LOOP_ROWS * used_groups:
+    if _SYNC_FREE or (
+        loop if loop is not None else used_groups <= LOOP_GROUPS or r > LOOP_ROWS * used_groups
+    ):
         return _grouped_loop(hi, lo, counts, parts)
     if lo is None:
         wide = torch.zeros(0, dtype=torch.long)
@@ -438,6 +462,8 @@ def _grouped_loop(
     if lo is None:
         return out
     has_lo = lo.ne(0).any(dim=1, keepdim=True)  # (NaN rows too: lo is NaN)
+    if _SYNC_FREE:  # (see `sync_free`: the same bits as either branch below, per row)
+        return torch.where(has_lo, out + products(lo), out)
     if not bool(has_lo.any()):
         return out
     if bool(has_lo.all()):  # (the SwiGLU output: every row has more than 24 significant bits)

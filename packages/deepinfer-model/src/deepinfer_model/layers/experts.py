@@ -204,6 +204,16 @@ def experts_forward_static(
     if method == "grouped" and not native():
         raise ValueError("method='grouped' needs DEEPINFER_NUMERICS=native (no FP64 grouped GEMM)")
     project = _pair_linear if method == "gather" else _grouped_linear
+    bi = batch_invariant.enabled()
+    if bi and x.device.type == "cpu":
+        bi_parts = _bi_grouped((experts.w1, experts.w3), (experts.w2,))
+        if bi_parts is None:
+            raise ValueError(
+                "batch-invariant mode on the CPU: the graph-safe expert path needs FP32-valued expert "
+                "weights within batch_invariant.PART_CACHE_BYTES (batch_invariant.stacked_parts)"
+            )
+    elif bi:
+        project = _pair_tiled
     if method == "grouped":
         order = torch.argsort(pairs, stable=True)
         # group ends: how many pairs have an expert id <= e (no bincount: CUDA's reads back its max)
@@ -215,13 +225,17 @@ def experts_forward_static(
         plan = pairs
     xs = x.repeat_interleave(k, dim=0)  # row p = token p // k
     ws = weights.reshape(-1).to(carrier()).unsqueeze(-1)
-    h = clamped_swiglu(
-        project(xs, experts.w1, plan, act_dtype), project(xs, experts.w3, plan, act_dtype), limit
-    )
-    if weight_before_down:
-        y = project(h * ws, experts.w2, plan, act_dtype)
+    if bi and x.device.type == "cpu":
+        fp32 = batch_invariant.marked_fp32_valued(x)
+        y = _bi_pair_swiglu(xs, pairs, ws, *bi_parts, limit, act_dtype, weight_before_down, fp32)
     else:
-        y = project(h, experts.w2, plan, act_dtype) * ws
+        h = clamped_swiglu(
+            project(xs, experts.w1, plan, act_dtype), project(xs, experts.w3, plan, act_dtype), limit
+        )
+        if weight_before_down:
+            y = project(h * ws, experts.w2, plan, act_dtype)
+        else:
+            y = project(h, experts.w2, plan, act_dtype) * ws
     ys = y.view(t, k, -1)
     out = torch.zeros(t, x.shape[1], dtype=carrier(), device=x.device)
     for slot in range(k):  # slot order from zeros, as `experts_forward`
@@ -229,6 +243,65 @@ def experts_forward_static(
     if shared is not None:
         out += mlp(x, shared, limit, act_dtype)
     return round_to(out, act_dtype)
+
+
+def _pair_exact(x: torch.Tensor, w: torch.Tensor, fp32_valued: bool) -> torch.Tensor:
+    """Row p of FP64 `x` [P, K] times `w[p]` ([P, K, N], FP64 parts of at most 24 significant bits) with
+    every product exact, as `batch_invariant.grouped_gemm` computes the row (hi = the row rounded to FP32,
+    plus the lo rest's product where the row has one), one matrix per row: an exact-product row has the
+    same bits for every M (see `batch_invariant.exact_gemm`)."""
+    hi = x if fp32_valued else x.float().double()
+    out = torch.bmm(hi.unsqueeze(1), w).squeeze(1)
+    if fp32_valued:
+        return out
+    lo = x - hi
+    has_lo = lo.ne(0).any(dim=1, keepdim=True)
+    return torch.where(has_lo, out + torch.bmm(lo.unsqueeze(1), w).squeeze(1), out)
+
+
+def _bi_pair_swiglu(
+    xs: torch.Tensor,
+    pairs: torch.Tensor,
+    ws: torch.Tensor,
+    p13: torch.Tensor,
+    p2: torch.Tensor,
+    inter: int,
+    hidden: int,
+    limit: float,
+    act_dtype: torch.dtype,
+    weight_before_down: bool,
+    fp32_valued: bool,
+) -> torch.Tensor:
+    """`_bi_swiglu` (batch-invariant mode on the CPU) graph-safe: each (token, slot) pair on its own row
+    against its expert's gathered grouped operands, the same roundings; bitwise `_bi_swiglu`'s row."""
+    gu = _pair_exact(xs.double(), p13[pairs], fp32_valued)
+    h = clamped_swiglu(
+        round_to(gu[:, :inter], act_dtype), round_to(gu[:, inter : 2 * inter], act_dtype), limit
+    )
+    if weight_before_down:
+        h = h * ws
+    y = round_to(_pair_exact(h, p2[pairs], False)[:, :hidden], act_dtype)
+    return y if weight_before_down else y * ws
+
+
+def _pair_tiled(
+    x: torch.Tensor, w: torch.Tensor, pairs: torch.Tensor, act_dtype: torch.dtype
+) -> torch.Tensor:
+    """Batch-invariant mode off the CPU: row p of `x` times expert `pairs[p]`'s matrix of `w` as `linear`
+    computes it there (`batch_invariant.tiled_matmul`): the row in a fixed [TILE_ROWS, K] tile (the
+    other rows zero), against the FP64 weight in its transposed layout, `DEVICE_BATCH` matrices per bmm
+    call; rounded to act_dtype."""
+    rows, k = x.shape
+    chunk, tile = batch_invariant.DEVICE_BATCH, batch_invariant.TILE_ROWS
+    pad = (-rows) % chunk
+    wp = w[pairs].to(torch.float64)  # [P, N, K] gathered first: no FP64 copy of every expert
+    if pad:
+        wp = torch.cat((wp, wp.new_zeros(pad, *wp.shape[1:])))
+    wt = wp.transpose(1, 2)  # [P, K, N] views with `weight.t()`'s layout
+    a = x.new_zeros(rows + pad, tile, k, dtype=torch.float64)
+    a[:rows, 0] = x.double()
+    out = torch.cat([torch.bmm(a[i : i + chunk], wt[i : i + chunk]) for i in range(0, rows + pad, chunk)])
+    return round_to(out[:rows, 0], act_dtype)
 
 
 def _pair_linear(

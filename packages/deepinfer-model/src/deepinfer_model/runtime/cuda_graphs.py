@@ -14,6 +14,12 @@ qualifies when every sequence feeds at most `max_query_len` tokens (1 + nextn). 
 than that, steps above the largest bucket or past `max_context`, and everything under
 `DEEPINFER_ENFORCE_EAGER=1` (read by the engine) run eagerly.
 
+Batch-invariant mode (`DEEPINFER_BATCH_INVARIANT=1`) replays graphs too: the static step then lays out
+its window keys and selected compressed entries in the eager step's aligned key tiles and computes every
+tile product instead of the host-planned subset, so a row's logits are bitwise the eager BI step's
+whether its step was replayed or not (tests/test_cuda_graphs_batch_invariant.py). Graphs are captured
+under one (numerics mode, batch-invariant mode); a step under another runs eagerly.
+
 Buckets are token counts (`build_graph_batch_sizes`, max = max_num_seqs x (1 + nextn)); context tiers
 are context lengths (`build_context_tiers`: min_context_tier, doubling, then max_context). A step of n
 tokens whose longest context (tokens after the step) is c replays the graph of the smallest bucket
@@ -190,7 +196,7 @@ class DecodeGraphRunner:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.logits: torch.Tensor | None = None  # every graph's output rows [largest bucket, vocab]
         self.pool = None
-        self.mode = None  # (numerics mode) the graphs were captured under
+        self.mode = None  # (numerics mode, batch-invariant mode) the graphs were captured under
         self.replays = 0  # steps run through a graph (graph replays, or static steps without capture)
         self.verify_replays = 0  # those of them with a sequence feeding more than one token (drafts)
 
@@ -225,11 +231,25 @@ class DecodeGraphRunner:
             return f"{n} tokens > the largest bucket {self.buckets[-1]}"
         if int(meta.ends.max()) > self.tiers[-1]:
             return f"context {int(meta.ends.max())} > max_context {self.tiers[-1]}"
-        if batch_invariant.enabled():
-            return "batch-invariant mode has its own attention layout (not graph-safe)"
-        if self.mode is not None and numerics.mode() != self.mode:
-            return f"graphs were captured with DEEPINFER_NUMERICS={self.mode}"
+        if batch_invariant.enabled() and self.device.type == "cpu":
+            from ..models.deepseek_v41.paged import static_batch_invariant_problem
+
+            problem = static_batch_invariant_problem(self.runner.model)
+            if problem:
+                return problem
+        if self.mode is not None and self._mode() != self.mode:
+            numerics_mode, bi = self.mode
+            return (
+                f"graphs were captured with DEEPINFER_NUMERICS={numerics_mode}, "
+                f"{batch_invariant.ENV}={int(bi)}"
+            )
         return None
+
+    @staticmethod
+    def _mode() -> tuple[str, bool]:
+        """What a captured graph has baked in: the numerics mode and batch-invariant mode (each picks
+        other kernels and layouts at capture)."""
+        return numerics.mode(), batch_invariant.enabled()
 
     def select(self, n: int) -> int:
         """The smallest bucket >= n tokens."""
@@ -317,7 +337,7 @@ class DecodeGraphRunner:
         """Warm up on the capture stream (caches that allocate fill first), then capture (b, tier) into
         the shared pool; the graph copies its logits into rows 0 .. b-1 of the shared `logits`."""
         if self.pool is None:
-            self.mode = numerics.mode()
+            self.mode = self._mode()
             self.pool = torch.cuda.graph_pool_handle()
             self._stream = torch.cuda.Stream(self.device)
             # outside the pool (it outlives every capture), FP32 as the static step's logits

@@ -20,7 +20,7 @@ from ..layers.compressor import CompressorWeights, compress
 from ..layers.indexer import selection_mask
 from ..layers.rope import apply_rope, cos_sin
 from ..numerics import attention_operands, bmm_f32, bmm_operand, carrier, native, round_to
-from .metadata import StepMetadata
+from .metadata import StaticDecodeMetadata, StepMetadata
 from .pools import PagedKVCache
 
 SCORE_BLOCK_ELEMENTS = 1 << 27  # FP64 attention scores held at once by `attend` (1 GiB)
@@ -252,11 +252,16 @@ def attend(
             visible = torch.cat((visible, vis_e), dim=1)
         visible = visible.view(*gq, -1)
         plan = None
+        all_tiles = False
         q_rows = q[g.rows]
         if batch_invariant.marked_fp32_valued(q):  # (rounded to FP32 / BF16: no test of every value)
             batch_invariant.mark_fp32_valued(q_rows)
         if gq[1] == 1 and batch_invariant.exact_scores_apply(q_rows, keys):
             pass  # decode: `sink_attention` takes its one-query path, which needs no tile plan
+        elif isinstance(meta, StaticDecodeMetadata):
+            # the graph-safe step plans nothing on the host: every tile product is computed (the
+            # skipped ones of a plan are exact +0 partials, so the bits are the eager step's)
+            all_tiles = True
         elif extra is None or extra[1].dtype == torch.bool:
             # which key tiles each row tile sees: the same for every layer with this window and these
             # entries, so planned once per step (the entry mask is kept in the entry, so its id is not
@@ -268,7 +273,9 @@ def attend(
             )
             if extra is not None and held is not extra[1]:
                 plan = None
-        out = batch_invariant.sink_attention(q_rows, keys, visible, sinks, scale, plan=plan)
+        # (all_tiles passed only when set: tests wrap sink_attention to force the full computation)
+        tiles = {"all_tiles": True} if all_tiles else {}
+        out = batch_invariant.sink_attention(q_rows, keys, visible, sinks, scale, plan=plan, **tiles)
         return g.real(out.reshape(-1, *out.shape[2:]))
     if swa.visible is not None:
         raise ValueError("attend: window keys in the batch-invariant layout outside batch-invariant mode")

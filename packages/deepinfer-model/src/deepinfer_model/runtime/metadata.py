@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .. import batch_invariant
 from ..runner.batch import RunnerBatch
 from .device import to_device
 
@@ -272,6 +273,15 @@ def _static_swa(meta: StaticDecodeMetadata, _group: int, window: int, floor: boo
     if floor:
         raise ValueError("the graph-safe decode step does not run YOCO truncation")
     p = meta.positions[:, None]
+    if batch_invariant.enabled():
+        # the eager layout (`groups._swa_index`): whole key tiles aligned to absolute positions, so a key
+        # sits in the same tile column as there; one fixed width covers any window start (W + KT - 1)
+        lo = (p - window + 1).clamp(min=0)
+        start = lo - lo % batch_invariant.KEY_TILE
+        width = batch_invariant.key_tiles(window + batch_invariant.KEY_TILE - 1)
+        k_pos = start + torch.arange(width, device=meta.device)[None, :]
+        visible = (k_pos >= lo) & (k_pos <= p)
+        return meta.dev_token_slots(torch.minimum(torch.maximum(k_pos, lo), p)), visible, None, None, None
     start = p - window + 1
     pos = torch.clamp(
         start + torch.arange(window, device=meta.device)[None, :], min=start.clamp(min=0), max=p
@@ -295,6 +305,8 @@ def _static_comp(meta: StaticDecodeMetadata, _group: int, ratio: int):
     """`groups._entry_index` over `max_entries(ratio)` columns: entry j of a query at p is real and
     visible iff j < (p + 1) // ratio; the rest re-read entry min(j, n - 1) and are zeroed / masked."""
     width = meta.max_entries(ratio)
+    if batch_invariant.enabled():  # whole key tiles, entry j in column j (`groups._entry_index`)
+        width = batch_invariant.key_tiles(width)
     n = torch.div(meta.positions + 1, ratio, rounding_mode="floor")[:, None]
     j = torch.arange(width, device=meta.device)[None, :]
     safe_j = torch.minimum(j, (n - 1).clamp(min=0))

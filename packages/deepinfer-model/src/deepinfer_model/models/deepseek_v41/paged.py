@@ -23,10 +23,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ... import batch_invariant
 from ...layers.attention import project_latent, project_output, project_query
 from ...layers.embedding import embed
 from ...layers.experts import ExpertWeights, experts_forward_static
-from ...layers.indexer import index_queries, select_topk
+from ...layers.indexer import index_queries, select_topk, selection_mask
 from ...layers.rope import cos_sin
 from ...layers.router import route_topk
 from ...numerics import carrier, linear, round_to
@@ -35,6 +36,7 @@ from ...ops.model_calls import hc_read, rms_norm
 from ...runtime.groups import (
     Group,
     NewEntries,
+    _mark_pool_values,
     attend,
     compress_new,
     compressed_entries,
@@ -53,6 +55,8 @@ from .engram import engram_inject
 from .engram_hash import engram_hash
 from .model import DeepseekV41ForCausalLM
 from .sparse import candidate_blocks, candidate_mask, index_keys
+
+KT = batch_invariant.KEY_TILE
 
 
 def v41_cache_specs(model: DeepseekV41ForCausalLM, block_size: int) -> list[PoolSpec]:
@@ -181,7 +185,10 @@ def _attention(
                         scores, valid, topo.candidate_block_size, topo.candidate_topk_blocks
                     )
             selected = st.selection[topo.index_source[layer]][slots]
-            if static:
+            if static and batch_invariant.enabled():
+                comp = f"comp.{topo.kv_source[layer]}"
+                extra = _static_selected_tiles(cache, qmeta, comp, ratio, selected, n)
+            elif static:
                 extra = _static_selected(cache, qmeta, f"comp.{topo.kv_source[layer]}", ratio, selected)
             else:
                 extra = (entries, selected)  # attend gathers the selected entries only
@@ -203,6 +210,43 @@ def _static_selected(
     k = selected.shape[1]
     own = torch.arange(k, device=selected.device).expand_as(selected)
     return picked, torch.where(none, selected, own)
+
+
+def _frame_tiles(entries: torch.Tensor, n_tiles: int, cap: int) -> torch.Tensor:
+    """The distinct key tiles (entry // KEY_TILE) of each row's `entries` [N, m] (-1 = none), ascending,
+    the first `cap` of them (a row has at most min(m, n_tiles)), `n_tiles` where a row has fewer: long
+    [N, cap]. Device-only (two sorts, no unique)."""
+    t = torch.where(entries >= 0, torch.div(entries, KT, rounding_mode="floor"), n_tiles)
+    t = torch.sort(t, dim=1).values
+    dup = torch.zeros_like(t, dtype=torch.bool)
+    dup[:, 1:] = t[:, 1:] == t[:, :-1]
+    t = torch.sort(t.masked_fill(dup, n_tiles), dim=1).values[:, :cap]
+    if t.shape[1] < cap:
+        t = torch.cat((t, t.new_full((t.shape[0], cap - t.shape[1]), n_tiles)), dim=1)
+    return t
+
+
+def _tile_entries(tiles: torch.Tensor) -> torch.Tensor:
+    """Entry ids of whole key tiles `tiles` [N, T] -> [N, T * KEY_TILE] (tile order, then column)."""
+    return (tiles[:, :, None] * KT + torch.arange(KT, device=tiles.device)).flatten(1)
+
+
+def _static_selected_tiles(
+    cache: PagedKVCache, meta: StaticDecodeMetadata, pool: str, ratio: int, selected: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attend`'s `extra` for the graph-safe step in batch-invariant mode: the whole key tiles that hold a
+    selected entry (ascending), each entry in its own tile column, as the eager step lays out every entry
+    (`groups._entry_index`: entry j in column j of whole tiles) -> (keys [N, T * KEY_TILE, D], visible
+    bool [N, T * KEY_TILE]) with T = min(top-k, tiles of `width` entries) fixed. The tiles the eager step
+    has besides these hold no visible entry: their P.V partials are exact +0, so dropping them from the
+    tile-order sum changes no bit; tiles past a row's last are all invisible (zero keys)."""
+    n_tiles = width // KT
+    tiles = _frame_tiles(selected, n_tiles, min(selected.shape[1], n_tiles))
+    ent = _tile_entries(tiles)
+    chosen = selection_mask(selected, width + KT)  # (+ one tile: the padding tiles' columns)
+    visible = chosen.gather(1, ent.clamp(max=width + KT - 1))
+    keys = cache.read(pool, meta.dev_entry_slots(ent.clamp(max=width - 1), ratio))
+    return _mark_pool_values(cache, pool, keys.masked_fill(~visible[..., None], 0.0)), visible
 
 
 def _static_candidate_topk(
@@ -227,6 +271,22 @@ def _static_candidate_topk(
     block = topo.candidate_block_size
     entry = (candidates.clamp(min=0)[:, :, None] * block + torch.arange(block, device=meta.device)).flatten(1)
     klen = torch.div(meta.positions + 1, ratio, rounding_mode="floor")[:, None]
+    if batch_invariant.enabled():
+        # the eager layout: each entry in its own column of whole key tiles (ascending), the tiles that
+        # hold a candidate entry only (at most 2 per candidate block of <= KEY_TILE entries)
+        width = meta.cached(("comp", g.index, ratio), None)[2].shape[1]
+        n_tiles = width // KT
+        per = (block + KT - 2) // KT + 1  # tiles a run of `block` consecutive entries can touch
+        listed = torch.where((candidates >= 0).repeat_interleave(block, dim=1), entry, -1)
+        tiles = _frame_tiles(listed, n_tiles, min(candidates.shape[1] * per, n_tiles))
+        entry = _tile_entries(tiles)
+        cand = candidate_mask(candidates, width + KT, block)
+        allowed = cand.gather(1, entry.clamp(max=width + KT - 1)) & (entry < klen)
+        keys = cache.read(pool, meta.dev_entry_slots(entry.clamp(max=width - 1), ratio))
+        keys = _mark_pool_values(cache, pool, keys.masked_fill(~allowed[..., None], 0.0))
+        scores = round_to(grouped_index_scores(qi, keys, head_w, g, False, act), act)
+        local = select_topk(scores, allowed, topk)
+        return torch.where(local >= 0, entry.gather(1, local.clamp(min=0)), local)
     allowed = (candidates >= 0).repeat_interleave(block, dim=1) & (entry < klen)
     keys = cache.read(pool, meta.dev_entry_slots(entry, ratio)).masked_fill(~allowed[..., None], 0.0)
     scores = round_to(grouped_index_scores(qi, keys, head_w, g, False, act), act)
@@ -386,6 +446,19 @@ def static_decode_problem(model) -> str | None:
     return None
 
 
+def static_batch_invariant_problem(model: DeepseekV41ForCausalLM) -> str | None:
+    """Why the graph-safe step cannot run this model in batch-invariant mode on the CPU (None: it can):
+    its expert path reproduces the eager step's grouped exact-product GEMMs, which need FP32-valued
+    expert weights held in FP64 (`batch_invariant.stacked_parts`)."""
+    from ...layers.experts import _bi_grouped
+
+    for layer, blk in enumerate(model.weights.layers):
+        ex = blk.moe.experts
+        if _bi_grouped((ex.w1, ex.w3), (ex.w2,)) is None:
+            return f"layer {layer}: batch-invariant experts without grouped FP64 operands (not graph-safe)"
+    return None
+
+
 @torch.no_grad()
 def v41_static_decode_forward(
     model: DeepseekV41ForCausalLM, meta: StaticDecodeMetadata, cache: PagedKVCache
@@ -401,7 +474,8 @@ def v41_static_decode_forward(
     meta.reset()
     if TOKEN_IDS in cache.pools:
         cache.write(TOKEN_IDS, meta.write_slots, meta.input_ids)
-    return v41_paged_forward(model, meta, cache, moe_fn=static_moe(model))
+    with batch_invariant.sync_free():  # (batch-invariant mode's CPU paths: no value-dependent branch)
+        return v41_paged_forward(model, meta, cache, moe_fn=static_moe(model))
 
 
 def v41_paged_draft(
