@@ -200,14 +200,17 @@ def test_graph_replay_equals_eager_batch_invariant(path, engine_numerics, monkey
     model = _model(path, engine_numerics=engine_numerics)
     eager = PagedRunner(model, NUM_BLOCKS, BLOCK)
     graphs = PagedRunner(
-        model, NUM_BLOCKS, BLOCK, decode_graphs=DecodeGraphSettings(8, MAX_CTX, 4, min_context_tier=16)
+        model,
+        NUM_BLOCKS,
+        BLOCK,
+        decode_graphs=DecodeGraphSettings(8, MAX_CTX, 4, min_context_tier=16, batch_invariant=True),
     )
     results = _drive([eager, graphs])
     assert graphs.graphs.replays == len(SIZES) and graphs.graphs.mode == ("exact", True)
     for n, (a, g) in zip(SIZES, results):
         assert torch.equal(g, a), f"BI graph replay != eager BI step at {n} tokens"
     graphs.close()
-    kw = dict(max_query_len=1 + NEXTN)
+    kw = dict(max_query_len=1 + NEXTN, batch_invariant=True)
     eager = PagedRunner(model, NUM_BLOCKS, BLOCK)
     graphs = PagedRunner(model, NUM_BLOCKS, BLOCK, decode_graphs=DecodeGraphSettings(16, MAX_CTX, 4, **kw))
     results = _drive_verify([eager, graphs])

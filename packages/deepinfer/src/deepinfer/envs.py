@@ -125,6 +125,13 @@ _VARS = [
         "capture every decode CUDA-graph bucket at start (default: each bucket on its first use)",
     ),
     EnvVar(
+        "DEEPINFER_CUDAGRAPH_BATCH_INVARIANT",
+        _bool,
+        False,
+        "replay decode CUDA graphs in batch-invariant mode too (bitwise the eager step on the CPU; off until "
+        "its replay test has passed on a GPU: eager otherwise)",
+    ),
+    EnvVar(
         "DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL",
         int,
         8,

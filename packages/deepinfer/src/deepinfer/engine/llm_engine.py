@@ -183,6 +183,7 @@ class LLMEngine:
                 enforce_eager=envs.DEEPINFER_ENFORCE_EAGER or (dp is not None and dp.ep_size > 1),
                 interval=envs.DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL,
                 capture_all=envs.DEEPINFER_CUDAGRAPH_CAPTURE_ALL,
+                batch_invariant=envs.DEEPINFER_CUDAGRAPH_BATCH_INVARIANT,
                 nextn=nextn,
             ),
         )
