@@ -96,7 +96,9 @@ if has ppl; then  # in the background on GPU 0 (deterministic: load beside it ch
     # $1: a name for the logs, then the pytest options; the variant ids of the GPU runs contain "cuda"
     ppl_run() {
       local name=$1; shift
-      CUDA_VISIBLE_DEVICES=0 timeout "${PPL_LIMIT_S:-420}" python3 -m pytest -q -p no:cacheprovider -m gpu \
+      # batch-invariant decode through CUDA graphs (opt-in until test_graph_replay_equals_eager_batch_invariant
+      # has passed on a GPU: run the graphs step in the same call); PPL_BI_GRAPHS=0 keeps those steps eager
+      CUDA_VISIBLE_DEVICES=0 DEEPINFER_CUDAGRAPH_BATCH_INVARIANT=${PPL_BI_GRAPHS:-1} timeout "${PPL_LIMIT_S:-420}" python3 -m pytest -q -p no:cacheprovider -m gpu \
         tests/test_repro_ppl_baseline.py -k cuda --durations=5 "$@" --junitxml "$out/ppl_$name.xml" > "$out/ppl_$name.log" 2>&1
       echo "ppl $name: $(tail -1 "$out/ppl_$name.log")"
     }
@@ -141,5 +143,9 @@ if has bicost; then
   CUDA_VISIBLE_DEVICES=0 timeout "${BICOST_LIMIT_S:-240}" python3 benchmarks/repro/bench_batch_invariant.py --device cuda \
     --clock wall --repeats 11 --out "$out/bench_batch_invariant_cuda.json" > "$out/bench_bi_cuda.log" 2>&1
   tail -14 "$out/bench_bi_cuda.log"; collect
+  el "bench: batch-invariant cost on the GPU, decode through CUDA graphs in both modes"
+  CUDA_VISIBLE_DEVICES=0 timeout "${BICOST_LIMIT_S:-240}" python3 benchmarks/repro/bench_batch_invariant.py --device cuda \
+    --cuda-graphs --clock wall --repeats 11 --out "$out/bench_batch_invariant_cuda_graphs.json" > "$out/bench_bi_cuda_graphs.log" 2>&1
+  tail -14 "$out/bench_bi_cuda_graphs.log"; collect
 fi
 el "done"

@@ -9,7 +9,9 @@ repeat) so machine load hits both alike. `cost_pct` = the median over repeats of
 (invariant / default - 1) * 100 for the same phase and batch size (goal < 15), with the spread of the
 paired values (`cost_pct_min` / `cost_pct_max`); `ms_per_step` is the median. Also checks that both
 modes gave the same greedy tokens. `--clock cpu` times the process's CPU time instead of wall time
-(on a shared, loaded host the wall-clock pairs scatter widely).
+(on a shared, loaded host the wall-clock pairs scatter widely). `--cuda-graphs` (CUDA): decode steps
+replay CUDA graphs in both modes (one runner per batch size and mode, captured in the warm-up; the
+batch-invariant graphs are the opt-in `DecodeGraphSettings.batch_invariant`), prefill stays eager.
 Prints a table and writes benchmarks/results/bench_batch_invariant.json.
 """
 
@@ -35,11 +37,20 @@ RESULTS = Path(__file__).resolve().parents[1] / "results" / "bench_batch_invaria
 MODES = {"default": "0", "batch_invariant": "1"}
 
 
+def _runner(model, batch: int, prompt_len: int, decode_steps: int, block_size: int, graphs: bool):
+    per_seq = -(-(prompt_len + decode_steps) // block_size)
+    settings = None
+    if graphs:
+        from deepinfer_model.runtime.cuda_graphs import DecodeGraphSettings
+
+        settings = DecodeGraphSettings(batch, per_seq * block_size, batch_invariant=True)
+    return PagedRunner(model, num_blocks=batch * per_seq, block_size=block_size, decode_graphs=settings)
+
+
 def _once(
-    model, batch: int, prompt_len: int, decode_steps: int, block_size: int, clock=time.perf_counter
+    runner, batch: int, prompt_len: int, decode_steps: int, block_size: int, clock=time.perf_counter
 ) -> tuple[dict, list]:
     per_seq = -(-(prompt_len + decode_steps) // block_size)
-    runner = PagedRunner(model, num_blocks=batch * per_seq, block_size=block_size)
     tables = [np.arange(i * per_seq, (i + 1) * per_seq, dtype=np.int32) for i in range(batch)]
     ids = np.random.default_rng(0).integers(1000, 90_000, (batch, prompt_len))
     times, tokens, ctx = {}, [], 0
@@ -73,6 +84,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     ap.add_argument(
+        "--cuda-graphs", action="store_true", help="decode through CUDA graphs in both modes (CUDA)"
+    )
+    ap.add_argument(
         "--out", type=Path, default=None, help=f"results JSON (default {RESULTS.name}, _cuda on a GPU)"
     )
     ap.add_argument(
@@ -86,6 +100,8 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type != "cpu" and args.clock == "cpu":
         ap.error("--clock cpu measures host CPU time: use --clock wall with --device cuda")
+    if args.cuda_graphs and device.type != "cuda":
+        ap.error("--cuda-graphs needs --device cuda")
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     model = load_model(resolve_model(None)[0], torch.float32, device=device)
@@ -99,12 +115,23 @@ def main() -> None:
     ]
     try:
         outs = {}
-        for mode in MODES:  # warm-up (not timed): weight caches of both modes, allocator, first-call costs
-            os.environ["DEEPINFER_BATCH_INVARIANT"] = MODES[mode]
-            _once(model, max(args.batch_sizes), args.prompt_len, args.decode_steps, args.block_size)
+        shape = (args.prompt_len, args.decode_steps, args.block_size)
+        # graphs are captured under one mode: a runner per (batch, mode) then; else one per call
+        runners = {
+            (b, mode): _runner(model, b, *shape, args.cuda_graphs) for b in args.batch_sizes for mode in MODES
+        } if args.cuda_graphs else None  # fmt: skip
+
+        def runner_for(b, mode):
+            return runners[(b, mode)] if runners else _runner(model, b, *shape, False)
+
+        # warm-up (not timed): weight caches of both modes, allocator, first-call costs, graph captures
+        for b in args.batch_sizes if runners else [max(args.batch_sizes)]:
+            for mode in MODES:
+                os.environ["DEEPINFER_BATCH_INVARIANT"] = MODES[mode]
+                _once(runner_for(b, mode), b, *shape)
         for b, _r, mode in tqdm(work, desc="bench", unit="run"):
             os.environ["DEEPINFER_BATCH_INVARIANT"] = MODES[mode]
-            times, tokens = _once(model, b, args.prompt_len, args.decode_steps, args.block_size, clock)
+            times, tokens = _once(runner_for(b, mode), b, *shape, clock)
             outs[(b, mode)] = tokens
             for phase, (sec, n) in times.items():
                 key = (b, mode, phase)
@@ -135,6 +162,7 @@ def main() -> None:
                         "threads": args.threads,
                         "clock": args.clock,
                         "device": device.type,
+                        "cuda_graphs": args.cuda_graphs,
                         "tokens": count[(b, mode, phase)],
                         "tok_per_s": count[(b, mode, phase)] / sec,
                         "ms_per_step": 1e3 * sec / (1 if phase == "prefill" else args.decode_steps),
@@ -145,7 +173,8 @@ def main() -> None:
                         "same_greedy_tokens": same_tokens[b],
                     }
                 )
-    table = Table(title=f"batch-invariant mode vs default (paged runner, deepinfer-tiny, {device})")
+    graphs = ", decode CUDA graphs" if args.cuda_graphs else ""
+    table = Table(title=f"batch-invariant mode vs default (paged runner, deepinfer-tiny, {device}{graphs})")
     for col in ("phase", "batch", "mode", "tok/s", "ms/step", "cost % (median)", "spread", "same tokens"):
         table.add_column(col, justify="right")
     for r in records:
@@ -160,9 +189,8 @@ def main() -> None:
             str(r["same_greedy_tokens"]),
         )
     Console().print(table)
-    out = args.out or (
-        RESULTS if device.type == "cpu" else RESULTS.with_name(f"{RESULTS.stem}_{device.type}.json")
-    )
+    suffix = "" if device.type == "cpu" else f"_{device.type}" + ("_graphs" if args.cuda_graphs else "")
+    out = args.out or RESULTS.with_name(f"{RESULTS.stem}{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(records, indent=1) + "\n")
     print(f"wrote {out}")
