@@ -9,7 +9,8 @@
 # run_engine_suite.sh's): graphs (the CUDA-graph gpu tests, on GPU 1 beside the engine step), enginecuda (the
 # engine's tests with DEEPINFER_DEVICE=cuda on GPU 1, beside the engine step), graphbench
 # (medium decode with decode CUDA graphs on GPU 0 and with DEEPINFER_ENFORCE_EAGER=1 on GPU 1, side by side),
-# bicost (batch-invariant mode vs default on GPU 0: benchmarks/repro/bench_batch_invariant.py --device cuda),
+# bicost (batch-invariant mode vs default on GPU 0: benchmarks/repro/bench_batch_invariant.py --device cuda, eager and
+# --cuda-graphs),
 # ppl (decode-PPL baselines on GPU 0, in the background beside the GPU-1 steps, waited for before bench / bicost:
 # the tiny model's scaled workloads `*.cpu_size`, then the full sizes on /tmp/tiny-long-v41, written by
 # make_long_tiny_checkpoint.py; each --refresh-ppl-baseline, then checked by a second run = a restarted engine
