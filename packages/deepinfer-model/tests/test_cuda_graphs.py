@@ -254,9 +254,13 @@ def test_no_host_sync_catches_each_kind():
 
 def test_static_experts_equal_loop_exact():
     """The per-pair expert path equals the per-expert loop bitwise in exact mode (FP32 and BF16
-    roundings), including repeated experts, unused experts and routing weight before / after w2."""
+    roundings), including repeated experts, unused experts and routing weight before / after w2; 90 pairs:
+    more than one `PAIR_CHUNK` of gathered weights, the last chunk partial."""
+    from deepinfer_model.layers.experts import PAIR_CHUNK
+
     g = torch.Generator().manual_seed(0)
-    e, inter, hidden, t, k = 6, 16, 24, 9, 3
+    e, inter, hidden, t, k = 6, 16, 24, 30, 3
+    assert PAIR_CHUNK < t * k < 2 * PAIR_CHUNK
     ex = ExpertWeights(
         *(torch.randn(e, *s, generator=g) for s in ((inter, hidden), (inter, hidden), (hidden, inter)))
     )

@@ -161,6 +161,8 @@ def _bi_swiglu(
 # Pairs whose gathered expert weights `experts_forward_static` may hold at once on the per-pair path
 # (elements of w1 + w3 + w2 per pair times pairs); above it, native mode takes the grouped GEMM.
 GATHER_ELEMENTS = 1 << 26
+# Pairs per bmm call of the exact per-pair path (`_gathered_bmm`): bounds its FP64 weight copies.
+PAIR_CHUNK = 64
 
 
 def experts_forward_static(
@@ -284,6 +286,18 @@ def _bi_pair_swiglu(
     return y if weight_before_down else y * ws
 
 
+def _gathered_bmm(a: torch.Tensor, w: torch.Tensor, pairs: torch.Tensor, chunk: int) -> torch.Tensor:
+    """`a[p] @ w[pairs[p]].T` in FP64 for `a` [P, R, K] (P a multiple of `chunk`), `chunk` pairs per bmm
+    call, each call gathering (and widening) only its own experts' matrices: one FP64 copy per pair of
+    the whole step would take batch x top-k x N x K x 8 bytes (16 GB per projection at 512 pairs of a
+    4096 x 1024 expert). The [K, N] operands are views with `weight.t()`'s layout, as `linear` uses."""
+    out = [
+        torch.bmm(a[i : i + chunk], w[pairs[i : i + chunk]].to(torch.float64).transpose(1, 2))
+        for i in range(0, a.shape[0], chunk)
+    ]
+    return torch.cat(out)
+
+
 def _pair_tiled(
     x: torch.Tensor, w: torch.Tensor, pairs: torch.Tensor, act_dtype: torch.dtype
 ) -> torch.Tensor:
@@ -294,13 +308,11 @@ def _pair_tiled(
     rows, k = x.shape
     chunk, tile = batch_invariant.DEVICE_BATCH, batch_invariant.TILE_ROWS
     pad = (-rows) % chunk
-    wp = w[pairs].to(torch.float64)  # [P, N, K] gathered first: no FP64 copy of every expert
-    if pad:
-        wp = torch.cat((wp, wp.new_zeros(pad, *wp.shape[1:])))
-    wt = wp.transpose(1, 2)  # [P, K, N] views with `weight.t()`'s layout
+    if pad:  # padding pairs use expert 0 against zero rows
+        pairs = torch.cat((pairs, pairs.new_zeros(pad)))
     a = x.new_zeros(rows + pad, tile, k, dtype=torch.float64)
     a[:rows, 0] = x.double()
-    out = torch.cat([torch.bmm(a[i : i + chunk], wt[i : i + chunk]) for i in range(0, rows + pad, chunk)])
+    out = _gathered_bmm(a, w, pairs, chunk)
     return round_to(out[:rows, 0], act_dtype)
 
 
@@ -312,8 +324,8 @@ def _pair_linear(
     if native():
         wp = weight_as(w, act_dtype)[pairs]  # the stack converted once (cached), then gathered
         return torch.bmm(x.to(act_dtype).unsqueeze(1), wp.transpose(1, 2)).squeeze(1).to(torch.float32)
-    wp = w[pairs].to(torch.float64)  # gathered first: no FP64 copy of every expert
-    return round_to(torch.bmm(x.double().unsqueeze(1), wp.transpose(1, 2)).squeeze(1), act_dtype)
+    out = _gathered_bmm(x.double().unsqueeze(1), w, pairs, PAIR_CHUNK)
+    return round_to(out.squeeze(1), act_dtype)
 
 
 def _grouped_linear(x: torch.Tensor, w: torch.Tensor, plan, act_dtype: torch.dtype) -> torch.Tensor:
