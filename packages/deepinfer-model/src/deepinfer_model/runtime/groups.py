@@ -273,9 +273,9 @@ def attend(
             )
             if extra is not None and held is not extra[1]:
                 plan = None
-        # (all_tiles passed only when set: tests wrap sink_attention to force the full computation)
-        tiles = {"all_tiles": True} if all_tiles else {}
-        out = batch_invariant.sink_attention(q_rows, keys, visible, sinks, scale, plan=plan, **tiles)
+        out = batch_invariant.sink_attention(
+            q_rows, keys, visible, sinks, scale, plan=plan, all_tiles=all_tiles
+        )
         return g.real(out.reshape(-1, *out.shape[2:]))
     if swa.visible is not None:
         raise ValueError("attend: window keys in the batch-invariant layout outside batch-invariant mode")
