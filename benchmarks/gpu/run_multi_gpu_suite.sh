@@ -32,6 +32,9 @@ export PYTHONUNBUFFERED=1 HOME=${HOME:-/root} LC_ALL=C
 t0=$(date +%s)
 el() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
 nvidia-smi topo -m | head -4
+# the GPU of the side steps (graphs, enginecuda, graphbench's eager half): 1, or 0 on a one-GPU machine (then
+# graphbench runs its two halves one after the other)
+side=$([ "$(nvidia-smi -L | wc -l)" -gt 1 ] && echo 1 || echo 0)
 medium=/tmp/medium-v41
 repo=$PWD
 src=$(ls -d "$repo"/packages/*/src | grep -v deepinfer-sched | tr '\n' ':')
@@ -78,14 +81,15 @@ if has graphbench; then
   el "bench: medium decode, CUDA graphs (GPU 0) vs eager (GPU 1)"
   dec="--model $medium --max-model-len 1024 --decode-context 128 --device cuda --dtype bfloat16 --batches 1,8,64 --nextn 0 --measure-steps 6 --no-progress --results-dir $out"
   for mode in graphs eager; do
-    gpu=$([ $mode = graphs ] && echo 0 || echo 1); eager=$([ $mode = eager ] && echo 1 || echo 0)
+    gpu=$([ $mode = graphs ] && echo 0 || echo "$side"); eager=$([ $mode = eager ] && echo 1 || echo 0)
     CUDA_VISIBLE_DEVICES=$gpu DEEPINFER_ENFORCE_EAGER=$eager DEEPINFER_CUDAGRAPH_CAPTURE_ALL=1 DEEPINFER_NUMERICS=native timeout "${GRAPH_BENCH_LIMIT_S:-240}" \
       python3 -m deepinfer.cli bench decode $dec --name bench_medium_gpu_decode_$mode > "$out/bench_decode_$mode.log" 2>&1 &
+    [ "$side" = 0 ] && wait $!  # one GPU: not side by side
   done
   wait; for mode in graphs eager; do echo "== $mode"; tail -10 "$out/bench_decode_$mode.log"; done; collect
 fi
 if has graphs; then  # in the background on GPU 1, beside the engine step
-  ( CUDA_VISIBLE_DEVICES=1 timeout "$lim" python3 -m pytest -q -p no:cacheprovider -m gpu \
+  ( CUDA_VISIBLE_DEVICES=$side timeout "$lim" python3 -m pytest -q -p no:cacheprovider -m gpu \
       packages/deepinfer-model/tests/test_cuda_graphs_gpu.py packages/deepinfer/tests/test_engine_cuda_graphs.py \
       packages/deepinfer-model/tests/test_cuda_graphs.py --junitxml "$out/graphs_tests.xml" > "$out/graphs_tests.log" 2>&1 ) &
   graphs_pid=$!
@@ -115,7 +119,7 @@ if has ppl; then  # in the background on GPU 0 (deterministic: load beside it ch
   ppl_pid=$!
 fi
 if has enginecuda; then  # the whole engine test suite on GPU 1 (decode CUDA graphs on by default now)
-  ( CUDA_VISIBLE_DEVICES=1 DEEPINFER_DEVICE=cuda timeout "$lim" python3 -m pytest -q -p no:cacheprovider -n 6 \
+  ( CUDA_VISIBLE_DEVICES=$side DEEPINFER_DEVICE=cuda timeout "$lim" python3 -m pytest -q -p no:cacheprovider -n 6 \
       -m "not slow and not long_context and not distributed" packages/deepinfer/tests --junitxml "$out/engine_cuda.xml" \
       > "$out/engine_cuda.log" 2>&1 ) &
   engine_cuda_pid=$!
