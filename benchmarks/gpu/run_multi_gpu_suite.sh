@@ -43,10 +43,11 @@ if { has bench || has graphbench; } && [ ! -f "$medium/config.json" ]; then  # k
   PYTHONPATH="${src}/tmp/pysite:${PYTHONPATH:-}" python3 benchmarks/gpu/make_medium_checkpoint.py "$medium" > "$out/medium_checkpoint.log" 2>&1 &
   medium_pid=$!
 else medium_pid=; fi
-if [ "${NO_DEEPEP:-0}" = 1 ]; then  # torch's own NCCL, no DeepEP: only the pure-Python extras
+if [ "${NO_DEEPEP:-0}" = 1 ]; then  # torch's own NCCL, no DeepEP: only the Python extras (xgrammar, pydantic, ...)
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 DEEPINFER_SITE=/tmp/deepinfer-ep
   mkdir -p "$DEEPINFER_SITE" && tar -C /tmp -xJf .gpu-ep/pysite.tar.xz && tar -C /tmp -xJf .gpu-ep/rpds312.tar.xz
-  export PYTHONPATH="/tmp/pysite${PYTHONPATH:+:$PYTHONPATH}"
+  [ -d "$DEEPINFER_SITE/site" ] || tar -C "$DEEPINFER_SITE" -xJf .gpu-ep/ep.tar.xz site
+  export PYTHONPATH="$DEEPINFER_SITE/site:/tmp/pysite${PYTHONPATH:+:$PYTHONPATH}"
 else
   el "DeepEP: NCCL 2.32.3 + build"
   source benchmarks/gpu/setup_ep.sh || { echo "DeepEP setup failed" >&2; }
