@@ -225,7 +225,10 @@ class PagedRunner:
         `next_tokens[k]`, the token the target produced at its last position — or at
         `last_positions[k]` (absolute), the last ACCEPTED position of a verification step, so that
         rejected draft rows are never read. Equal to
-        `model.forward(tokens[: last + 1], num_draft_tokens=n, next_token=g).draft`."""
+        `model.forward(tokens[: last + 1], num_draft_tokens=n, next_token=g).draft`. Every sequence
+        drafts in one batched forward; `sampler`: one per sequence (a list), or one shared callable
+        that keeps no state across sequences (it is called for draft s of every sequence before
+        draft s + 1); default greedy."""
         from ..models.deepseek_v41.drafter import greedy
         from ..models.deepseek_v41.paged import v41_paged_draft
 

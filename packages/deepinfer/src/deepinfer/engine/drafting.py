@@ -130,30 +130,37 @@ class ModelDrafter:
 class PagedDrafter:
     """The checkpoint's DSpark draft blocks read from the paged runner's cached drafter keys: no extra
     forward of the target. Drafts after each sequence's last accepted position of the step just run
-    (equal to `ModelDrafter`'s stateless drafts, tested); a sequence that was not in that step falls
-    back to `ModelDrafter`."""
+    (equal to `ModelDrafter`'s stateless drafts, tested); the requests with the same draft count draft
+    in one batched forward; a sequence that was not in that step falls back to `ModelDrafter`."""
 
     def __init__(self, runner, model) -> None:
         self.runner = runner
         self.fallback = ModelDrafter(model)
 
     def propose(self, requests: list[DraftRequest]) -> list[Drafts]:
-        out = []
-        for req in requests:
+        out: list = [None] * len(requests)
+        groups: dict[int, list[tuple[int, int]]] = {}  # num_drafts -> (request, batch index)
+        for r, req in enumerate(requests):
             index = self.runner.last_step_index(req.seq_id)
             if index is None:
-                out.append(self.fallback.draft(req))
-                continue
-            sampler = _DraftSampler(req)
-            (d,) = self.runner.draft(
-                [req.next_token],
-                req.num_drafts,
-                seq_indices=[index],
-                sampler=sampler,
-                last_positions=[len(req.context) - 1],
+                out[r] = self.fallback.draft(req)
+            else:
+                groups.setdefault(req.num_drafts, []).append((r, index))
+        # one batched draft forward per draft length (a block's length changes its bidirectional
+        # attention, so blocks of different lengths cannot share a forward), each request its sampler
+        for num_drafts, members in groups.items():
+            reqs = [requests[r] for r, _ in members]
+            samplers = [_DraftSampler(req) for req in reqs]
+            drafts = self.runner.draft(
+                [req.next_token for req in reqs],
+                num_drafts,
+                seq_indices=[index for _, index in members],
+                sampler=samplers,
+                last_positions=[len(req.context) - 1 for req in reqs],
             )
-            probs = torch.stack(sampler.probs) if sampler.probs else None
-            out.append((d.tokens, d.confidence, probs))
+            for (r, _), d, sampler in zip(members, drafts, samplers):
+                probs = torch.stack(sampler.probs) if sampler.probs else None
+                out[r] = (d.tokens, d.confidence, probs)
         return _to_host(out)
 
 

@@ -9,11 +9,13 @@ logits with a Markov correction on the previous draft token, plus a confidence p
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from ... import batch_invariant
 from ...layers.attention import project_latent, project_output, project_query, sink_attention
 from ...layers.norm import rms_norm
 from ...layers.rope import cos_sin
@@ -28,6 +30,8 @@ from .weights import BlockWeights, DrafterWeights
 # (fp32 logits [V], draft step) -> token id: an int, or a 0-d long tensor on the logits' device (which
 # keeps the draft loop free of host syncs; `greedy` does that)
 Sampler = Callable[[torch.Tensor, int], "int | torch.Tensor"]
+# (draft block index, its weights, normed input rows [T, H]) -> MoE output rows [T, H]
+MoEFn = Callable[[int, BlockWeights, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -75,34 +79,133 @@ def draft_block(
     temperatures: torch.Tensor | float = 1.0,
     act_dtype: torch.dtype = torch.float32,
     kvq: KVQuant = EXACT_KV,
-    moe_fn: Callable[[int, BlockWeights, torch.Tensor], torch.Tensor] | None = None,
+    moe_fn: MoEFn | None = None,
 ) -> DraftOutput:
-    """Draft `num_draft_tokens` tokens after `next_token` (at `last_position + 1`).
-
-    `moe_fn(block_index, block, y)` replaces the draft blocks' MoE (e.g. expert parallel).
+    """Draft `num_draft_tokens` tokens after `next_token` (at `last_position + 1`): `draft_blocks` for
+    one sequence.
 
     `keys_main` [Ld, >= last_position + 1, D] are the main keys of positions 0..last_position (§7.2);
     each block attends to the last `W` of them plus the block's own draft keys.
     """
+    a = last_position
+    window = keys_main[:, None, max(0, a - cfg.sliding_window + 1) : a + 1]  # [Ld, 1, L, D]
+    (out,) = draft_blocks(
+        cfg,
+        w,
+        embed,
+        head,
+        window,
+        [next_token],
+        [a],
+        num_draft_tokens,
+        sampler,
+        temperatures,
+        act_dtype,
+        kvq,
+        moe_fn,
+    )
+    return out
+
+
+def _key_layout(last: np.ndarray, lens: np.ndarray, bd: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """(columns [N, S] into `cat(window [N, width], draft keys [N, bd])`, visible [N, S]) of each
+    sequence's key set: positions lo .. last + bd (lo = last - len + 1, the window then the block's own
+    keys, in position order) starting at column 0, or, in batch-invariant mode, at column lo mod
+    KEY_TILE of whole key tiles aligned to absolute positions (`batch_invariant.aligned_span`: a key's
+    tile column depends on its position only). Other columns re-read window column 0 (a real, finite
+    key) and are invisible: their scores are -inf, so they add exact zeros to the softmax and P.V."""
+    lo, hi = last - lens + 1, last + bd + 1
+    if batch_invariant.enabled():
+        start, span = batch_invariant.aligned_span(lo, hi)
+    else:
+        start, span = lo, int((hi - lo).max())
+    pos = start[:, None] + np.arange(span)[None, :]
+    win, own = (pos >= lo[:, None]) & (pos <= last[:, None]), (pos > last[:, None]) & (pos < hi[:, None])
+    cols = np.where(win, pos - lo[:, None], np.where(own, width + pos - last[:, None] - 1, 0))
+    return cols, win | own
+
+
+def draft_blocks(
+    cfg: DeepseekV41Config,
+    w: DrafterWeights,
+    embed: torch.Tensor,
+    head: torch.Tensor,
+    windows: torch.Tensor,
+    next_tokens: Sequence[int] | torch.Tensor,
+    last_positions: Sequence[int],
+    num_draft_tokens: int,
+    sampler: Sampler | Sequence[Sampler] = greedy,
+    temperatures: torch.Tensor | float = 1.0,
+    act_dtype: torch.dtype = torch.float32,
+    kvq: KVQuant = EXACT_KV,
+    moe_fn: MoEFn | None = None,
+) -> list[DraftOutput]:
+    """One drafted block per sequence, every sequence in one forward: `num_draft_tokens` tokens after
+    `next_tokens[k]` (at `last_positions[k] + 1`) for each of N sequences.
+
+    `windows` [Ld, N, >= L_k, D]: sequence k's main keys of positions `last_k - L_k + 1 .. last_k` in
+    columns `0 .. L_k - 1`, with `L_k = min(last_k + 1, W)` (the last `W` main keys, §7.2); later
+    columns (padding to the longest window) must be finite and are never read. `sampler`: one per
+    sequence (a list), or one callable for all, then called step by step for every sequence (draft s
+    of every sequence before draft s + 1), so it must keep no state across sequences (greedy and
+    keyed samplers do not); `sampler(logits, s)` gets one sequence's FP32 logits [V] of draft s.
+    `moe_fn(block_index, block, y)` replaces the draft blocks' MoE (e.g. expert parallel).
+
+    Rows are flattened sequence-major ([N * Bd]): every projection, the MoE, the mHC and the heads run
+    on all of them at once; only attention mixes rows, and it stays per sequence: each sequence's key
+    set (its window and its own block) is laid out in its own row of a padded [N, S, D] tensor, the
+    padding masked (`_key_layout`). Exact numerics: each row's values are those `draft_block` gets for
+    the sequence alone (FP64 accumulation rounded once: only FP64 summation orders depend on the batch);
+    batch-invariant mode: bitwise independent of the batch (row-invariant GEMMs, aligned key tiles).
+    """
     ds, eps, W = cfg.dspark, cfg.rms_norm_eps, cfg.sliding_window
-    a, bd = last_position, num_draft_tokens
-    dev = embed.device
-    positions = torch.arange(a + 1, a + 1 + bd, device=dev)
-    tokens = torch.full((bd,), ds.noise_token_id, dtype=torch.long, device=dev)
-    tokens[0] = next_token
+    n, bd, dev = len(last_positions), num_draft_tokens, embed.device
+    last = np.asarray(last_positions, dtype=np.int64).reshape(-1)
+    if len(next_tokens) != n or windows.dim() != 4 or windows.shape[1] != n:
+        raise ValueError(
+            f"draft_blocks: next_tokens ({len(next_tokens)}) and windows [Ld, N, L, D] "
+            f"({tuple(windows.shape)}) must hold one entry per last position ({n})"
+        )
+    samplers = list(sampler) if isinstance(sampler, Sequence) else None
+    if samplers is not None and len(samplers) != n:
+        raise ValueError(f"draft_blocks: got {len(samplers)} samplers for {n} sequences (one per sequence)")
+    lens = np.minimum(last + 1, W)
+    if n == 0:
+        return []
+    if last.min() < 0 or windows.shape[2] < lens.max():
+        raise ValueError(
+            f"draft_blocks: last positions must be >= 0 and windows must hold min(last + 1, {W}) keys "
+            f"(got last {last.tolist()}, {windows.shape[2]} columns)"
+        )
+    cols, vis = _key_layout(last, lens, bd, windows.shape[2])
+    rows_n = torch.arange(n, device=dev)[:, None]
+    cols = torch.as_tensor(cols, device=dev)
+    visible = torch.as_tensor(vis, device=dev)  # [N, S]
+    positions = torch.as_tensor(last[:, None] + 1 + np.arange(bd)[None, :], device=dev).reshape(-1)
+    tokens = torch.full((n, bd), ds.noise_token_id, dtype=torch.long, device=dev)
+    tokens[:, 0] = torch.as_tensor(next_tokens, dtype=torch.long, device=dev)
     cos, sin = cos_sin(cfg.main_rope(), positions)
-    window = keys_main[:, max(0, a - W + 1) : a + 1]
-    hc = ShiftedHC(embed[tokens].to(carrier()), cfg)
+    nh, d = cfg.num_attention_heads, cfg.head_dim
+    invariant = batch_invariant.enabled()
+    if invariant:
+        visible = visible[:, None, :].expand(n, bd, -1)
+        plan = batch_invariant.plan_attention(visible, nh)
+    hc = ShiftedHC(embed[tokens.reshape(-1)].to(carrier()), cfg)
     for i, blk in enumerate(w.blocks):
 
         def attention(y, blk=blk, i=i):
-            q, _ = project_query(y, blk.attn, cfg.num_attention_heads, cos, sin, eps, False, act_dtype)
+            q, _ = project_query(y, blk.attn, nh, cos, sin, eps, False, act_dtype)
             kd = kvq.swa(project_latent(y, blk.attn, cos, sin, eps, act_dtype))  # FP8 ring, like main keys
-            keys = torch.cat((window[i], kd), dim=0)
-            visible = torch.ones(
-                bd, keys.shape[0], dtype=torch.bool, device=dev
-            )  # bidirectional in the block
-            o = sink_attention(q, keys, visible, blk.attn.sinks, cfg.head_dim**-0.5, act_dtype)
+            own = torch.cat((windows[i].to(kd.dtype), kd.view(n, bd, -1)), dim=1)
+            keys = own[rows_n, cols]  # [N, S, D]: each sequence's window and block (bidirectional)
+            if invariant:
+                o = batch_invariant.sink_attention(
+                    q.view(n, bd, nh, d), keys, visible, blk.attn.sinks, d**-0.5, plan=plan
+                )
+            else:  # a sequence's Bd queries folded into its heads: one key set per sequence
+                sinks = blk.attn.sinks.repeat(bd)
+                o = sink_attention(q.view(n, bd * nh, d), keys, visible, sinks, d**-0.5, act_dtype)
+            o = o.reshape(n * bd, nh, d)
             return project_output(round_to(o, act_dtype), blk.attn, cfg.o_groups, cos, sin, act_dtype)
 
         hc.sublayer(blk.hc_attn, blk.attn_norm, attention, act_dtype)
@@ -117,22 +220,33 @@ def draft_block(
     hidden = hc.final(act_dtype)
     # shared LM head (FP32 logits, in the carrier for the Markov correction)
     base = head_logits(rms_norm(hidden, w.norm, eps, act_dtype), head, act_dtype).to(carrier())
+    base, hidden = base.view(n, bd, -1), hidden.view(n, bd, -1)
     temps = torch.as_tensor(temperatures, dtype=torch.float32, device=dev).expand(bd)
     out_tokens, out_logits, out_conf = [], [], []
-    prev = tokens[:1]  # next_token, already on the device
+    prev = tokens[:, 0]  # the next tokens, already on the device
     for s in range(bd):  # sequential only through the Markov term: the drafted token feeds the next step
-        logits, e = markov_correction(base[s : s + 1], prev, w.markov, act_dtype)
-        out_conf.append(confidence(hidden[s : s + 1], e, w.confidence_proj, temps[s]))
-        tok = sampler(logits[0], s)
-        # an int sampler (e.g. the engine's seeded one) costs one host-to-device copy per draft step;
-        # a tensor sampler none
-        prev = torch.as_tensor(tok, dtype=torch.long, device=dev).reshape(1)
+        logits, e = markov_correction(base[:, s], prev, w.markov, act_dtype)  # [N, V]
+        out_conf.append(confidence(hidden[:, s], e, w.confidence_proj, temps[s]))
+        if samplers is None and sampler is greedy:
+            prev = torch.argmax(logits, dim=-1)  # every row's `greedy` in one call
+        else:
+            # an int sampler (e.g. the engine's seeded one) costs one host-to-device copy per sequence
+            # and draft step; a tensor sampler none
+            picks = [(samplers[k] if samplers else sampler)(logits[k], s) for k in range(n)]
+            prev = torch.stack([torch.as_tensor(t, dtype=torch.long, device=dev).reshape(()) for t in picks])
         out_tokens.append(prev)
-        out_logits.append(logits[0])
-    return DraftOutput(
-        tokens=torch.cat(out_tokens),
-        logits=torch.stack(out_logits).float(),
-        confidence=torch.cat(out_conf).float(),
-        hidden=hidden,
-        positions=positions,
-    )
+        out_logits.append(logits)
+    tokens_all = torch.stack(out_tokens, dim=1)  # [N, Bd]
+    logits_all = torch.stack(out_logits, dim=1).float()  # [N, Bd, V]
+    conf_all = torch.stack(out_conf, dim=1).float()
+    positions = positions.view(n, bd)
+    return [
+        DraftOutput(
+            tokens=tokens_all[k],
+            logits=logits_all[k],
+            confidence=conf_all[k],
+            hidden=hidden[k],
+            positions=positions[k],
+        )
+        for k in range(n)
+    ]

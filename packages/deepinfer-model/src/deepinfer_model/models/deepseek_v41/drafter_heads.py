@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ... import batch_invariant
 from ...numerics import carrier, round_to, weight_carrier
 
 _CONF_CLAMP = 60.0
@@ -40,7 +41,9 @@ def markov_correction(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits + head · embed[prev] in FP32 [S, V], the embeddings e [S, rank] in act_dtype)."""
     e = round_to(markov.embed[prev_tokens.long()], act_dtype)
-    return round_to(logits.to(carrier()) + e @ weight_carrier(markov.head).t(), torch.float32), e
+    # (batch-invariant mode: the rows' bits do not depend on how many sequences draft together)
+    correction = batch_invariant.matmul(e, weight_carrier(markov.head).t())
+    return round_to(logits.to(carrier()) + correction, torch.float32), e
 
 
 def confidence(
@@ -51,7 +54,10 @@ def confidence(
 ) -> torch.Tensor:
     """Per-draft acceptance confidence [S] = sigmoid(clamp(proj · [h ; e] / T, ±60)); `proj` [1, H + rank]."""
     feats = torch.cat((hidden.to(carrier()), markov_embed.to(carrier())), dim=-1)
-    z = feats @ proj.to(carrier()).reshape(-1)
+    if batch_invariant.enabled():  # a row-invariant GEMM (a GEMV's row bits may depend on the row count)
+        z = batch_invariant.matmul(feats, weight_carrier(proj).reshape(1, -1).t())[:, 0]
+    else:
+        z = feats @ proj.to(carrier()).reshape(-1)
     temp = torch.as_tensor(temperature, dtype=carrier(), device=z.device).clamp(min=_MIN_TEMPERATURE)
     return round_to(torch.sigmoid((z / temp).clamp(-_CONF_CLAMP, _CONF_CLAMP)), torch.float32)
 

@@ -49,7 +49,7 @@ from ...runtime.metadata import StaticDecodeMetadata, StepMetadata, entries_per_
 from ...runtime.pools import TOKEN_IDS, PagedKVCache, PoolSpec
 from ...runtime.yoco_step import YocoStep
 from .blocks import ShiftedHC
-from .drafter import DraftOutput, Sampler, draft_block, greedy, main_keys
+from .drafter import DraftOutput, Sampler, draft_blocks, greedy, main_keys
 from .drafter_heads import confidence_temperatures, target_features
 from .engram import engram_inject
 from .engram_hash import engram_hash
@@ -485,13 +485,14 @@ def v41_paged_draft(
     seqs: list[int],
     next_tokens: list[int],
     num_draft_tokens: int,
-    sampler: Sampler = greedy,
+    sampler: Sampler | list[Sampler] = greedy,
     last_positions: list[int] | None = None,
 ) -> list[DraftOutput]:
     """One drafted block after the last position of each listed sequence of the step `meta` describes
     (which must have run), or after `last_positions[k]` (a position of that step or before it: the last
     accepted one of a verification step), starting from the token the target produced there; the
-    drafter's main keys come from the `draft_main.*` pools (the last `sliding_window` positions)."""
+    drafter's main keys come from the `draft_main.*` pools (the last `sliding_window` positions). All
+    sequences draft in one batched forward (`draft_blocks`); `sampler` is one per sequence or shared."""
     cfg, w = model.config, model.weights
     if w.drafter is None:
         raise ValueError(
@@ -499,37 +500,36 @@ def v41_paged_draft(
         )
     if not 1 <= num_draft_tokens <= 32:
         raise ValueError(f"num_draft_tokens = {num_draft_tokens} must lie in [1, 32]")
-    n_blocks = len(w.drafter.blocks)
-    out = []
-    for k, (i, g) in enumerate(zip(seqs, next_tokens)):
+    seq_arr = np.asarray(seqs, dtype=np.int64).reshape(-1)
+    last = meta.ends[seq_arr].astype(np.int64) - 1
+    for k, g in enumerate(next_tokens):
         if not 0 <= g < cfg.vocab_size:
             raise ValueError(f"next_token = {g} must lie in [0, vocab_size={cfg.vocab_size})")
-        last = int(meta.ends[i]) - 1
         if last_positions is not None:
-            if not 0 <= last_positions[k] <= last:
-                raise ValueError(f"last_positions[{k}] = {last_positions[k]} must lie in [0, {last}]")
-            last = last_positions[k]
-        lo = max(0, last - cfg.sliding_window + 1)
-        slots = meta.token_slots(i, lo, last + 1)
-        # draft_block indexes main keys by absolute position and reads only [lo, last]
-        keys = torch.zeros(n_blocks, last + 1, cfg.head_dim, dtype=carrier(), device=meta.device)
-        for b in range(n_blocks):
-            keys[b, lo:] = cache.read(f"draft_main.{b}", slots)
-        out.append(
-            draft_block(
-                cfg,
-                w.drafter,
-                w.embed,
-                w.head,
-                keys,
-                int(g),
-                last,
-                num_draft_tokens,
-                sampler,
-                confidence_temperatures(num_draft_tokens),
-                model.act_dtype,
-                model.kvq,
-                getattr(model, "draft_moe_fn", None),
-            )
-        )
-    return out
+            if not 0 <= last_positions[k] <= last[k]:
+                raise ValueError(f"last_positions[{k}] = {last_positions[k]} must lie in [0, {last[k]}]")
+            last[k] = last_positions[k]
+    if not len(seq_arr):
+        return []
+    # each sequence's window of main keys in columns 0 .. L - 1 (positions lo .. last); the columns past
+    # a shorter window re-read its last key (finite, never visible: `draft_blocks` masks them)
+    lo = np.maximum(last - cfg.sliding_window + 1, 0)
+    width = int((last - lo).max()) + 1
+    pos = np.minimum(lo[:, None] + np.arange(width)[None, :], last[:, None])
+    slots = meta.dev(meta.token_slots_of(seq_arr[:, None], pos))
+    windows = torch.stack([cache.read(f"draft_main.{b}", slots) for b in range(len(w.drafter.blocks))])
+    return draft_blocks(
+        cfg,
+        w.drafter,
+        w.embed,
+        w.head,
+        windows,
+        [int(g) for g in next_tokens],
+        last.tolist(),
+        num_draft_tokens,
+        sampler,
+        confidence_temperatures(num_draft_tokens),
+        model.act_dtype,
+        model.kvq,
+        getattr(model, "draft_moe_fn", None),
+    )
