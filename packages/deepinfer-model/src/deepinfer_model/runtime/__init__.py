@@ -14,6 +14,7 @@ from .cuda_graphs import (
     build_graph_batch_sizes,
     decode_graph_settings,
 )
+from .draft_graphs import DraftGraphRunner
 from .metadata import StaticDecodeMetadata, StepMetadata
 from .pools import PagedKVCache, PoolSpec, blocks_for_budget
 from .runner import RUNNERS, PagedRunner, cache_specs, make_runner
@@ -23,6 +24,7 @@ __all__ = [
     "RUNNERS",
     "DecodeGraphRunner",
     "DecodeGraphSettings",
+    "DraftGraphRunner",
     "StaticDecodeMetadata",
     "build_context_tiers",
     "build_graph_batch_sizes",

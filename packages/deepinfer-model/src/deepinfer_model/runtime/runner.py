@@ -100,6 +100,7 @@ class PagedRunner:
         self._forward = _forward(model)
         self.metadata_s = 0.0  # cumulative time building step metadata (benchmarks read it)
         self.graphs = None
+        self.draft_graphs = None  # greedy draft steps through CUDA graphs (`draft_graphs`)
         if decode_graphs is not None:
             from ..models.deepseek_v41.paged import static_decode_problem
             from .cuda_graphs import DecodeGraphRunner
@@ -110,9 +111,26 @@ class PagedRunner:
             else:
                 self.graphs = DecodeGraphRunner(self, decode_graphs)
                 self.graphs.capture()
+                self._make_draft_graphs(decode_graphs)
+
+    def _make_draft_graphs(self, settings) -> None:
+        """Draft graphs next to the decode graphs when the step drafts (max_query_len = 1 + nextn > 1)
+        and the model's drafter has a graph-safe path; otherwise drafts stay eager."""
+        if settings.max_query_len < 2 or getattr(self.model.weights, "drafter", None) is None:
+            return
+        from ..models.deepseek_v41.paged import static_draft_problem
+        from .draft_graphs import DraftGraphRunner
+
+        problem = static_draft_problem(self.model)
+        if problem:
+            log.warning("draft CUDA graphs off: %s", problem)
+        else:
+            self.draft_graphs = DraftGraphRunner(self, settings)
 
     def close(self) -> None:
         """Free the decode CUDA graphs (if any): call before process groups are destroyed."""
+        if self.draft_graphs is not None:
+            self.draft_graphs.destroy()
         if self.graphs is not None:
             self.graphs.destroy()
 
@@ -218,7 +236,13 @@ class PagedRunner:
         return resume_problem(self.cache, meta, step, self.model.config.sliding_window)
 
     def draft(
-        self, next_tokens, num_draft_tokens: int, seq_indices=None, sampler=None, last_positions=None
+        self,
+        next_tokens,
+        num_draft_tokens: int,
+        seq_indices=None,
+        sampler=None,
+        last_positions=None,
+        tokens_only: bool = False,
     ) -> list:
         """V4.1 drafter outputs after the last `execute`: for each sequence of that step (or the batch
         indices `seq_indices`), one `DraftOutput` of `num_draft_tokens` tokens drafted after
@@ -228,9 +252,14 @@ class PagedRunner:
         `model.forward(tokens[: last + 1], num_draft_tokens=n, next_token=g).draft`. Every sequence
         drafts in one batched forward; `sampler`: one per sequence (a list), or one shared callable
         that keeps no state across sequences (it is called for draft s of every sequence before
-        draft s + 1); default greedy."""
+        draft s + 1); default greedy.
+
+        `tokens_only`: the caller reads `tokens`, `confidence` and `positions` only (the engine). A
+        greedy draft (`sampler` None, `greedy`, or a list of `greedy`) of the decode graphs' draft count
+        then replays a draft CUDA graph (`draft_graphs`: bitwise the eager draft) where the runner has
+        them; its outputs have `logits` and `hidden` None. Everything else runs eagerly."""
         from ..models.deepseek_v41.drafter import greedy
-        from ..models.deepseek_v41.paged import v41_paged_draft
+        from ..models.deepseek_v41.paged import draft_last_positions, v41_paged_draft
 
         if not hasattr(self.model, "weights"):
             raise ValueError("drafting needs a DeepSeek-V4.1 model with draft blocks")
@@ -250,6 +279,14 @@ class PagedRunner:
                     f"last_positions must hold one position per drafted sequence ({len(seqs)}), "
                     f"got {len(last_positions)}"
                 )
+        all_greedy = sampler is None or sampler is greedy
+        if not all_greedy and isinstance(sampler, (list, tuple)):
+            all_greedy = len(sampler) > 0 and all(s is greedy for s in sampler)
+        g = self.draft_graphs
+        if tokens_only and all_greedy and g is not None and g.problem(len(seqs), num_draft_tokens) is None:
+            seq_arr = np.asarray(seqs, dtype=np.int64)
+            last = draft_last_positions(self.model, meta, seq_arr, tokens, last_positions)
+            return g.run(meta, seq_arr, tokens, last)
         return v41_paged_draft(
             self.model, meta, self.cache, seqs, tokens, num_draft_tokens, sampler or greedy, last_positions
         )

@@ -131,7 +131,8 @@ class PagedDrafter:
     """The checkpoint's DSpark draft blocks read from the paged runner's cached drafter keys: no extra
     forward of the target. Drafts after each sequence's last accepted position of the step just run
     (equal to `ModelDrafter`'s stateless drafts, tested); the requests with the same draft count draft
-    in one batched forward; a sequence that was not in that step falls back to `ModelDrafter`."""
+    in one batched forward (a greedy group through the runner's draft CUDA graph when it has one); a
+    sequence that was not in that step falls back to `ModelDrafter`."""
 
     def __init__(self, runner, model) -> None:
         self.runner = runner
@@ -150,16 +151,21 @@ class PagedDrafter:
         # attention, so blocks of different lengths cannot share a forward), each request its sampler
         for num_drafts, members in groups.items():
             reqs = [requests[r] for r, _ in members]
-            samplers = [_DraftSampler(req) for req in reqs]
+            # a group of greedy requests drafts with the greedy marker (sampler None: the argmax of
+            # every row on the device, no q to keep), which lets the runner replay its draft CUDA
+            # graph; the engine reads tokens and confidences only
+            greedy = all(req.params.greedy for req in reqs)
+            samplers = None if greedy else [_DraftSampler(req) for req in reqs]
             drafts = self.runner.draft(
                 [req.next_token for req in reqs],
                 num_drafts,
                 seq_indices=[index for _, index in members],
                 sampler=samplers,
                 last_positions=[len(req.context) - 1 for req in reqs],
+                tokens_only=True,
             )
-            for (r, _), d, sampler in zip(members, drafts, samplers):
-                probs = torch.stack(sampler.probs) if sampler.probs else None
+            for j, ((r, _), d) in enumerate(zip(members, drafts)):
+                probs = None if greedy or not samplers[j].probs else torch.stack(samplers[j].probs)
                 out[r] = (d.tokens, d.confidence, probs)
         return _to_host(out)
 

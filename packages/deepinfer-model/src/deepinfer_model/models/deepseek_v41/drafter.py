@@ -37,12 +37,14 @@ MoEFn = Callable[[int, BlockWeights, torch.Tensor], torch.Tensor]
 @dataclass
 class DraftOutput:
     """One drafted block: `tokens` [Bd], `logits` [Bd, V] FP32 (after the Markov correction),
-    `confidence` [Bd] in (0, 1), `hidden` [Bd, H] (pre-norm final hidden), `positions` [Bd]."""
+    `confidence` [Bd] in (0, 1), `hidden` [Bd, H] (pre-norm final hidden), `positions` [Bd].
+    `logits` and `hidden` are None from a greedy draft CUDA graph (`runtime.draft_graphs`, asked for
+    with `PagedRunner.draft(..., tokens_only=True)`)."""
 
     tokens: torch.Tensor
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     confidence: torch.Tensor
-    hidden: torch.Tensor
+    hidden: torch.Tensor | None
     positions: torch.Tensor
 
 
@@ -125,6 +127,81 @@ def _key_layout(last: np.ndarray, lens: np.ndarray, bd: int, width: int) -> tupl
     return cols, win | own
 
 
+def _static_key_layout(last: torch.Tensor, window: int, bd: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_key_layout` on the device with a width fixed by the model (no host sync, graph-safe): each
+    sequence's windows hold `window` (= W) columns, and every sequence gets S = W + Bd key columns
+    starting at lo, or in batch-invariant mode whole key tiles from lo aligned down (S = the tiles of
+    W + Bd + KEY_TILE - 1 columns, enough for any lo). The key set of every sequence, its order and
+    its (tile) columns are `_key_layout`'s; only the count of masked padding columns differs (exact
+    +0 contributions, see `_key_layout`)."""
+    lens = torch.clamp(last + 1, max=window)
+    lo, hi = last - lens + 1, last + bd + 1
+    if batch_invariant.enabled():
+        kt = batch_invariant.KEY_TILE
+        start, span = lo - lo % kt, batch_invariant.key_tiles(window + bd + kt - 1)
+    else:
+        start, span = lo, window + bd
+    pos = start[:, None] + torch.arange(span, device=last.device)[None, :]
+    lo, last, hi = lo[:, None], last[:, None], hi[:, None]
+    win, own = (pos >= lo) & (pos <= last), (pos > last) & (pos < hi)
+    zero = torch.zeros((), dtype=pos.dtype, device=pos.device)
+    cols = torch.where(win, pos - lo, torch.where(own, window + pos - last - 1, zero))
+    return cols, win | own
+
+
+def draft_blocks_static(
+    cfg: DeepseekV41Config,
+    w: DrafterWeights,
+    embed: torch.Tensor,
+    head: torch.Tensor,
+    windows: torch.Tensor,
+    next_tokens: torch.Tensor,
+    last_positions: torch.Tensor,
+    num_draft_tokens: int,
+    temperatures: torch.Tensor,
+    act_dtype: torch.dtype = torch.float32,
+    kvq: KVQuant = EXACT_KV,
+    moe_fn: MoEFn | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`draft_blocks` with a greedy sampler, graph-safe: every input a device tensor, every shape fixed
+    by N, Bd and the model, no host sync (CUDA-graph capturable). `windows` [Ld, N, W, D]: sequence k's
+    main keys of positions `last_k - L_k + 1 .. last_k` in columns `0 .. L_k - 1` (L_k = min(last_k + 1,
+    W)), later columns finite (never read); `next_tokens`, `last_positions` long [N]; `temperatures`
+    [Bd] (device). -> (tokens long [N, Bd], FP32 logits [N, Bd, V], FP32 confidence [N, Bd], hidden
+    [N, Bd, H], positions long [N, Bd]), each row bitwise `draft_blocks`' (greedy) for the sequence
+    (the layout differs only in masked padding columns, `_static_key_layout`; batch-invariant mode
+    computes every key tile product instead of a host-planned subset)."""
+    bd, W = num_draft_tokens, cfg.sliding_window
+    n = next_tokens.shape[0]
+    if windows.dim() != 4 or windows.shape[1] != n or windows.shape[2] != W or last_positions.shape != (n,):
+        raise ValueError(
+            f"draft_blocks_static: windows [Ld, N, W={W}, D] ({tuple(windows.shape)}) and last_positions "
+            f"[N] ({tuple(last_positions.shape)}) must hold one entry per next token (N = {n})"
+        )
+    cols, visible = _static_key_layout(last_positions, W, bd)
+    positions = last_positions[:, None] + 1 + torch.arange(bd, device=last_positions.device)[None, :]
+    temps = temperatures.to(torch.float32).expand(bd)
+    tokens, logits, conf, hidden = _draft_rows(
+        cfg,
+        w,
+        embed,
+        head,
+        windows,
+        next_tokens,
+        positions.reshape(-1),
+        cols,
+        visible,
+        bd,
+        _greedy_rows,
+        temps,
+        act_dtype,
+        kvq,
+        moe_fn,
+        all_tiles=True,
+    )
+    return tokens, logits, conf, hidden, positions
+
+
 def draft_blocks(
     cfg: DeepseekV41Config,
     w: DrafterWeights,
@@ -158,7 +235,7 @@ def draft_blocks(
     the sequence alone (FP64 accumulation rounded once: only FP64 summation orders depend on the batch);
     batch-invariant mode: bitwise independent of the batch (row-invariant GEMMs, aligned key tiles).
     """
-    ds, eps, W = cfg.dspark, cfg.rms_norm_eps, cfg.sliding_window
+    W = cfg.sliding_window
     n, bd, dev = len(last_positions), num_draft_tokens, embed.device
     last = np.asarray(last_positions, dtype=np.int64).reshape(-1)
     if len(next_tokens) != n or windows.dim() != 4 or windows.shape[1] != n:
@@ -178,18 +255,80 @@ def draft_blocks(
             f"(got last {last.tolist()}, {windows.shape[2]} columns)"
         )
     cols, vis = _key_layout(last, lens, bd, windows.shape[2])
-    rows_n = torch.arange(n, device=dev)[:, None]
     cols = torch.as_tensor(cols, device=dev)
     visible = torch.as_tensor(vis, device=dev)  # [N, S]
     positions = torch.as_tensor(last[:, None] + 1 + np.arange(bd)[None, :], device=dev).reshape(-1)
+    first = torch.as_tensor(next_tokens, dtype=torch.long, device=dev)
+    temps = torch.as_tensor(temperatures, dtype=torch.float32, device=dev).expand(bd)
+    if samplers is None and sampler is greedy:
+        pick = _greedy_rows
+    else:
+
+        def pick(logits, s):
+            # an int sampler (e.g. the engine's seeded one) costs one host-to-device copy per sequence
+            # and draft step; a tensor sampler none
+            picks = [(samplers[k] if samplers else sampler)(logits[k], s) for k in range(n)]
+            return torch.stack([torch.as_tensor(t, dtype=torch.long, device=dev).reshape(()) for t in picks])
+
+    tokens_all, logits_all, conf_all, hidden = _draft_rows(
+        cfg, w, embed, head, windows, first, positions, cols, visible, bd, pick, temps, act_dtype, kvq, moe_fn
+    )
+    positions = positions.view(n, bd)
+    return [
+        DraftOutput(
+            tokens=tokens_all[k],
+            logits=logits_all[k],
+            confidence=conf_all[k],
+            hidden=hidden[k],
+            positions=positions[k],
+        )
+        for k in range(n)
+    ]
+
+
+def _greedy_rows(logits: torch.Tensor, step: int) -> torch.Tensor:
+    """Every row's `greedy` in one call: [N, V] -> [N] (lowest id on ties)."""
+    return torch.argmax(logits, dim=-1)
+
+
+def _draft_rows(
+    cfg: DeepseekV41Config,
+    w: DrafterWeights,
+    embed: torch.Tensor,
+    head: torch.Tensor,
+    windows: torch.Tensor,
+    first: torch.Tensor,
+    positions: torch.Tensor,
+    cols: torch.Tensor,
+    visible: torch.Tensor,
+    bd: int,
+    pick: Callable[[torch.Tensor, int], torch.Tensor],
+    temps: torch.Tensor,
+    act_dtype: torch.dtype,
+    kvq: KVQuant,
+    moe_fn: MoEFn | None,
+    all_tiles: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The batched draft forward on device inputs (shared by the eager `draft_blocks` and the graph-safe
+    `draft_blocks_static`): `first` [N] the next tokens, `positions` [N * Bd], the key layout `cols` /
+    `visible` [N, S] into `cat(windows[i] [N, width], draft keys [N, Bd])`, `pick(logits [N, V], s)`
+    -> [N] draft s of every row, `temps` [Bd] confidence temperatures. `all_tiles` (batch-invariant
+    mode): every key tile product instead of a host-planned subset (the skipped products are exact +0,
+    so the bits are the same; `batch_invariant.sink_attention`). -> (tokens [N, Bd], FP32 logits
+    [N, Bd, V], FP32 confidence [N, Bd], hidden [N, Bd, H])."""
+    ds, eps = cfg.dspark, cfg.rms_norm_eps
+    n, dev = first.shape[0], embed.device
+    rows_n = torch.arange(n, device=dev)[:, None]
     tokens = torch.full((n, bd), ds.noise_token_id, dtype=torch.long, device=dev)
-    tokens[:, 0] = torch.as_tensor(next_tokens, dtype=torch.long, device=dev)
+    tokens[:, 0] = first
     cos, sin = cos_sin(cfg.main_rope(), positions)
     nh, d = cfg.num_attention_heads, cfg.head_dim
     invariant = batch_invariant.enabled()
+    plan = None
     if invariant:
         visible = visible[:, None, :].expand(n, bd, -1)
-        plan = batch_invariant.plan_attention(visible, nh)
+        if not all_tiles:
+            plan = batch_invariant.plan_attention(visible, nh)
     hc = ShiftedHC(embed[tokens.reshape(-1)].to(carrier()), cfg)
     for i, blk in enumerate(w.blocks):
 
@@ -200,7 +339,7 @@ def draft_blocks(
             keys = own[rows_n, cols]  # [N, S, D]: each sequence's window and block (bidirectional)
             if invariant:
                 o = batch_invariant.sink_attention(
-                    q.view(n, bd, nh, d), keys, visible, blk.attn.sinks, d**-0.5, plan=plan
+                    q.view(n, bd, nh, d), keys, visible, blk.attn.sinks, d**-0.5, all_tiles, plan=plan
                 )
             else:  # a sequence's Bd queries folded into its heads: one key set per sequence
                 sinks = blk.attn.sinks.repeat(bd)
@@ -221,32 +360,15 @@ def draft_blocks(
     # shared LM head (FP32 logits, in the carrier for the Markov correction)
     base = head_logits(rms_norm(hidden, w.norm, eps, act_dtype), head, act_dtype).to(carrier())
     base, hidden = base.view(n, bd, -1), hidden.view(n, bd, -1)
-    temps = torch.as_tensor(temperatures, dtype=torch.float32, device=dev).expand(bd)
     out_tokens, out_logits, out_conf = [], [], []
-    prev = tokens[:, 0]  # the next tokens, already on the device
+    prev = first  # the next tokens, already on the device
     for s in range(bd):  # sequential only through the Markov term: the drafted token feeds the next step
         logits, e = markov_correction(base[:, s], prev, w.markov, act_dtype)  # [N, V]
         out_conf.append(confidence(hidden[:, s], e, w.confidence_proj, temps[s]))
-        if samplers is None and sampler is greedy:
-            prev = torch.argmax(logits, dim=-1)  # every row's `greedy` in one call
-        else:
-            # an int sampler (e.g. the engine's seeded one) costs one host-to-device copy per sequence
-            # and draft step; a tensor sampler none
-            picks = [(samplers[k] if samplers else sampler)(logits[k], s) for k in range(n)]
-            prev = torch.stack([torch.as_tensor(t, dtype=torch.long, device=dev).reshape(()) for t in picks])
+        prev = pick(logits, s)
         out_tokens.append(prev)
         out_logits.append(logits)
     tokens_all = torch.stack(out_tokens, dim=1)  # [N, Bd]
     logits_all = torch.stack(out_logits, dim=1).float()  # [N, Bd, V]
     conf_all = torch.stack(out_conf, dim=1).float()
-    positions = positions.view(n, bd)
-    return [
-        DraftOutput(
-            tokens=tokens_all[k],
-            logits=logits_all[k],
-            confidence=conf_all[k],
-            hidden=hidden[k],
-            positions=positions[k],
-        )
-        for k in range(n)
-    ]
+    return tokens_all, logits_all, conf_all, hidden

@@ -49,7 +49,7 @@ from ...runtime.metadata import StaticDecodeMetadata, StepMetadata, entries_per_
 from ...runtime.pools import TOKEN_IDS, PagedKVCache, PoolSpec
 from ...runtime.yoco_step import YocoStep
 from .blocks import ShiftedHC
-from .drafter import DraftOutput, Sampler, draft_blocks, greedy, main_keys
+from .drafter import DraftOutput, Sampler, draft_blocks, draft_blocks_static, greedy, main_keys
 from .drafter_heads import confidence_temperatures, target_features
 from .engram import engram_inject
 from .engram_hash import engram_hash
@@ -501,22 +501,10 @@ def v41_paged_draft(
     if not 1 <= num_draft_tokens <= 32:
         raise ValueError(f"num_draft_tokens = {num_draft_tokens} must lie in [1, 32]")
     seq_arr = np.asarray(seqs, dtype=np.int64).reshape(-1)
-    last = meta.ends[seq_arr].astype(np.int64) - 1
-    for k, g in enumerate(next_tokens):
-        if not 0 <= g < cfg.vocab_size:
-            raise ValueError(f"next_token = {g} must lie in [0, vocab_size={cfg.vocab_size})")
-        if last_positions is not None:
-            if not 0 <= last_positions[k] <= last[k]:
-                raise ValueError(f"last_positions[{k}] = {last_positions[k]} must lie in [0, {last[k]}]")
-            last[k] = last_positions[k]
+    last = draft_last_positions(model, meta, seq_arr, next_tokens, last_positions)
     if not len(seq_arr):
         return []
-    # each sequence's window of main keys in columns 0 .. L - 1 (positions lo .. last); the columns past
-    # a shorter window re-read its last key (finite, never visible: `draft_blocks` masks them)
-    lo = np.maximum(last - cfg.sliding_window + 1, 0)
-    width = int((last - lo).max()) + 1
-    pos = np.minimum(lo[:, None] + np.arange(width)[None, :], last[:, None])
-    slots = meta.dev(meta.token_slots_of(seq_arr[:, None], pos))
+    slots = meta.dev(draft_window_slots(meta, seq_arr, last, cfg.sliding_window))
     windows = torch.stack([cache.read(f"draft_main.{b}", slots) for b in range(len(w.drafter.blocks))])
     return draft_blocks(
         cfg,
@@ -533,3 +521,113 @@ def v41_paged_draft(
         model.kvq,
         getattr(model, "draft_moe_fn", None),
     )
+
+
+def draft_last_positions(
+    model: DeepseekV41ForCausalLM,
+    meta: StepMetadata,
+    seqs: np.ndarray,
+    next_tokens,
+    last_positions=None,
+) -> np.ndarray:
+    """The position each listed sequence of the step `meta` drafts after (its last position, or
+    `last_positions[k]`), validated with the next tokens (host ints)."""
+    cfg = model.config
+    last = meta.ends[seqs].astype(np.int64) - 1
+    for k, g in enumerate(next_tokens):
+        if not 0 <= g < cfg.vocab_size:
+            raise ValueError(f"next_token = {g} must lie in [0, vocab_size={cfg.vocab_size})")
+        if last_positions is not None:
+            if not 0 <= last_positions[k] <= last[k]:
+                raise ValueError(f"last_positions[{k}] = {last_positions[k]} must lie in [0, {last[k]}]")
+            last[k] = last_positions[k]
+    return last
+
+
+def draft_window_slots(
+    meta: StepMetadata, seqs: np.ndarray, last: np.ndarray, window: int, width: int | None = None
+) -> np.ndarray:
+    """Cache slots [N, width] (host) of each sequence's window of main keys in columns 0 .. L - 1
+    (positions lo .. last, L = min(last + 1, window)); the columns past a shorter window re-read its
+    last key (finite, never visible: the drafter masks them). `width`: default the longest L."""
+    lo = np.maximum(last - window + 1, 0)
+    width = int((last - lo).max()) + 1 if width is None else width
+    pos = np.minimum(lo[:, None] + np.arange(width)[None, :], last[:, None])
+    return meta.token_slots_of(seqs[:, None], pos)
+
+
+def static_draft_moe(model: DeepseekV41ForCausalLM):
+    """The draft blocks' in-process MoE (`blocks.moe_ffn` with the drafter's top-k) on the graph-safe
+    expert path `experts_forward_static` (as `static_moe` for the backbone), called with the draft
+    block index."""
+    cfg = model.config
+    top_k = cfg.dspark.num_experts_per_tok
+
+    def moe(block: int, blk, y: torch.Tensor) -> torch.Tensor:
+        w = blk.moe
+        logits = linear(y, w.gate, torch.float32)
+        weights, ids = route_topk(logits, w.bias, top_k, cfg.routed_scaling_factor)
+        return experts_forward_static(
+            y, weights, ids, w.experts, w.shared, cfg.swiglu_limit, model.act_dtype, weight_before_down=True
+        )
+
+    return moe
+
+
+def static_draft_problem(model) -> str | None:
+    """Why `v41_static_draft` cannot run this model (None: it can)."""
+    if not isinstance(model, DeepseekV41ForCausalLM) or model.weights.drafter is None:
+        return "the graph-safe draft needs a DeepSeek-V4.1 model with draft blocks"
+    if getattr(model, "draft_moe_fn", None) is not None:
+        return "the graph-safe draft needs the drafter's in-process MoE (expert parallel is not graph-safe)"
+    for i, blk in enumerate(model.weights.drafter.blocks):
+        if blk.moe.tid2eid is not None:
+            return f"draft block {i}: hash-routed MoE has no graph-safe path"
+        if not isinstance(blk.moe.experts, ExpertWeights):
+            return f"draft block {i}: {type(blk.moe.experts).__name__} experts have no graph-safe path"
+    return None
+
+
+def static_draft_batch_invariant_problem(model: DeepseekV41ForCausalLM) -> str | None:
+    """`static_batch_invariant_problem` for the draft blocks' experts (CPU, batch-invariant mode)."""
+    from ...layers.experts import _bi_grouped
+
+    for i, blk in enumerate(model.weights.drafter.blocks):
+        ex = blk.moe.experts
+        if _bi_grouped((ex.w1, ex.w3), (ex.w2,)) is None:
+            return f"draft block {i}: batch-invariant experts without grouped FP64 operands (not graph-safe)"
+    return None
+
+
+@torch.no_grad()
+def v41_static_draft(
+    model: DeepseekV41ForCausalLM,
+    cache: PagedKVCache,
+    next_tokens: torch.Tensor,
+    last_positions: torch.Tensor,
+    window_slots: torch.Tensor,
+    num_draft_tokens: int,
+    temperatures: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The graph-safe greedy draft (`drafter.draft_blocks_static`): every input a device tensor of fixed
+    shape, no host sync. `next_tokens`, `last_positions` long [N]; `window_slots` long [N, W] the
+    `draft_main.*` slots of each sequence's window (`draft_window_slots(..., width=W)`); `temperatures`
+    [k] the confidence temperatures. Each row equals `v41_paged_draft` with a greedy sampler for the
+    same sequence, last position and next token. -> (tokens, logits, confidence, hidden, positions)."""
+    cfg, w = model.config, model.weights
+    windows = torch.stack([cache.read(f"draft_main.{b}", window_slots) for b in range(len(w.drafter.blocks))])
+    with batch_invariant.sync_free():  # (batch-invariant mode's CPU paths: no value-dependent branch)
+        return draft_blocks_static(
+            cfg,
+            w.drafter,
+            w.embed,
+            w.head,
+            windows,
+            next_tokens,
+            last_positions,
+            num_draft_tokens,
+            temperatures,
+            model.act_dtype,
+            model.kvq,
+            static_draft_moe(model),
+        )

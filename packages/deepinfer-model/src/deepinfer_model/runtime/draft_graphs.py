@@ -1,0 +1,213 @@
+"""CUDA graphs for the paged runtime's greedy DSpark draft step, one per bucket of drafting sequences.
+
+With decode / verification steps replayed from graphs (`cuda_graphs.DecodeGraphRunner`), an eager
+drafter would leave speculative decoding host-bound. A greedy draft (argmax at every draft step:
+temperature-0 requests) of the engine's draft count k = max_query_len - 1 replays the graph-safe
+`models.deepseek_v41.paged.v41_static_draft` instead: its inputs are one int64 row per sequence in a
+preallocated buffer (next token, last position, the `draft_main.*` slots of its window of
+`sliding_window` positions, built on the host and copied in one transfer), its shapes are fixed by
+the bucket, it makes no host sync and selects every draft on the device. The window slots replace a
+block table (a draft reads only its window), so there is no context tier.
+
+Buckets are sequence counts (`build_graph_batch_sizes(max_num_seqs, interval)`); a draft of n
+sequences replays the smallest bucket b >= n, rows n .. b-1 being placeholders (token 0 drafting after
+position 0 of the reserved dummy block, whose slot 0 the runner initialises with finite keys): each
+row's attention reads its own window and block only, every other op is row-wise, so a placeholder
+never changes a real row. Graphs are captured on first use, in the decode graphs' memory pool when
+that exists (the two are never replayed concurrently), under one (numerics mode, batch-invariant
+mode). `capture=False` (CPU tests) runs the same static step without a graph.
+
+The graph outputs tokens, confidence and positions only (what the engine reads; FP32 logits of every
+draft would cost bucket x k x vocab floats): a `DraftOutput` from here has `logits` and `hidden` None.
+Batch-invariant mode replays only where the decode graphs do (`DecodeGraphSettings.batch_invariant`
+on CUDA; on the CPU when the drafter's experts have the grouped FP64 operands): the static draft
+then computes every key tile product, bitwise the eager batch-invariant draft (tested on the CPU).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .. import batch_invariant, numerics
+from .cuda_graphs import PLACEHOLDER_TOKEN, DecodeGraphSettings, build_graph_batch_sizes
+
+
+class DraftGraphRunner:
+    """Static input / output buffers and one graph (or, with `capture=False`, the uncaptured static
+    draft) per bucket of drafting sequences. `runner` is the `PagedRunner` (its cache holds the dummy
+    block `num_blocks`); `settings` its decode graph settings (draft count = max_query_len - 1)."""
+
+    def __init__(self, runner, settings: DecodeGraphSettings) -> None:
+        from ..models.deepseek_v41.paged import static_draft_problem, v41_static_draft
+
+        problem = static_draft_problem(runner.model)
+        if problem:
+            raise ValueError(problem)
+        if settings.max_query_len < 2:
+            raise ValueError(
+                f"draft graphs need max_query_len >= 2 (1 + nextn), got {settings.max_query_len}"
+            )
+        self.runner = runner
+        self.settings = settings
+        self.device = runner.device
+        if settings.capture and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, the model is on {self.device}")
+        self.forward = v41_static_draft
+        self.num_draft_tokens = settings.max_query_len - 1
+        self.buckets = build_graph_batch_sizes(
+            max(1, settings.max_batch_size // settings.max_query_len), settings.interval
+        )
+        self.window = int(runner.model.config.sliding_window)
+        self.width = 2 + self.window  # one row: next token, last position, window slots
+        self.dummy_slot = runner.num_blocks * runner.block_size
+        size = self.buckets[-1] * self.width
+        self.inputs = torch.zeros(size, dtype=torch.long, device=self.device)
+        pin = self.device.type == "cuda"
+        self.staging = torch.zeros(size, dtype=torch.long, device="cpu", pin_memory=pin)
+        self._staged = None  # event of the last copy out of `staging` (CUDA)
+        self.temperatures = torch.empty(self.num_draft_tokens, dtype=torch.float32, device=self.device)
+        self._temps_host: torch.Tensor | None = None
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # tokens, conf, pos
+        self.pool = None
+        self.mode = None
+        self.replays = 0  # drafts run through the static path (graph replays, or uncaptured)
+        # the placeholders' window key: finite (a never-written pool slot is NaN); nothing real reads
+        # the dummy block, and decode placeholders only ever write finite keys there
+        cache = runner.cache
+        for i in range(len(runner.model.weights.drafter.blocks)):
+            name = f"draft_main.{i}"
+            cache.pools[name][self.dummy_slot].zero_()
+
+    def _view(self, buf: torch.Tensor, b: int) -> torch.Tensor:
+        return buf[: b * self.width].view(b, self.width)
+
+    @staticmethod
+    def _mode() -> tuple[str, bool]:
+        return numerics.mode(), batch_invariant.enabled()
+
+    def problem(self, num_seqs: int, num_draft_tokens: int) -> str | None:
+        """Why a greedy draft of `num_seqs` sequences and `num_draft_tokens` tokens runs eagerly (None:
+        it replays a bucket's graph)."""
+        if num_draft_tokens != self.num_draft_tokens:
+            return f"draft count {num_draft_tokens} != the graphs' {self.num_draft_tokens}"
+        if not 1 <= num_seqs <= self.buckets[-1]:
+            return f"{num_seqs} drafting sequences outside [1, {self.buckets[-1]}]"
+        if batch_invariant.enabled():
+            if self.settings.capture and not self.settings.batch_invariant:
+                return "batch-invariant graphs are off (DecodeGraphSettings.batch_invariant)"
+            if self.device.type == "cpu":
+                from ..models.deepseek_v41.paged import static_draft_batch_invariant_problem
+
+                problem = static_draft_batch_invariant_problem(self.runner.model)
+                if problem:
+                    return problem
+        if self.mode is not None and self._mode() != self.mode:
+            return "draft graphs were captured under another numerics / batch-invariant mode"
+        return None
+
+    def select(self, n: int) -> int:
+        """The smallest bucket >= n sequences."""
+        i = int(np.searchsorted(self.buckets, n))
+        if i == len(self.buckets):
+            raise ValueError(f"{n} sequences exceed the largest draft-graph bucket {self.buckets[-1]}")
+        return self.buckets[i]
+
+    def _fill(self, b: int, tokens=None, last=None, slots=None) -> None:
+        """Rows 0 .. n-1 from the draft, n .. b-1 placeholders, into the bucket-b view of `inputs`; the
+        confidence temperatures (env, read per draft) into their buffer when they changed."""
+        from ..models.deepseek_v41.drafter_heads import confidence_temperatures
+
+        temps = confidence_temperatures(self.num_draft_tokens)
+        if self._temps_host is None or not torch.equal(temps, self._temps_host):
+            self.temperatures.copy_(temps)  # rare (an env change): a plain synchronous copy
+            self._temps_host = temps
+        host = self.staging if self.device.type == "cuda" else self.inputs
+        if self._staged is not None:
+            self._staged.synchronize()  # the previous draft's copy has read `staging`
+        buf = self._view(host, b).numpy()
+        buf[:, 0] = PLACEHOLDER_TOKEN
+        buf[:, 1] = 0
+        buf[:, 2:] = self.dummy_slot
+        if tokens is not None:
+            n = len(tokens)
+            buf[:n, 0] = tokens
+            buf[:n, 1] = last
+            buf[:n, 2:] = slots
+        if host is not self.inputs:
+            self.inputs[: buf.size].copy_(host[: buf.size], non_blocking=True)
+            self._staged = torch.cuda.Event()
+            self._staged.record()
+
+    def _static(self, b: int):
+        """The static draft of bucket b on the views of `inputs` (fixed addresses for a graph)."""
+        v = self._view(self.inputs, b)
+        return self.forward(
+            self.runner.model,
+            self.runner.cache,
+            v[:, 0],
+            v[:, 1],
+            v[:, 2:],
+            self.num_draft_tokens,
+            self.temperatures,
+        )
+
+    def run(self, meta, seqs: np.ndarray, tokens: list[int], last: np.ndarray) -> list:
+        """`DraftOutput`s (tokens, confidence, positions; logits and hidden None) of an eligible greedy
+        draft (`problem` None): sequences `seqs` of the step `meta`, after positions `last` (validated)."""
+        from ..models.deepseek_v41.drafter import DraftOutput
+        from ..models.deepseek_v41.paged import draft_window_slots
+
+        n = len(seqs)
+        b = self.select(n)
+        if self.settings.capture and b not in self.graphs:
+            self._capture(b)
+        slots = draft_window_slots(meta, np.asarray(seqs, dtype=np.int64), last, self.window, self.window)
+        self._fill(b, np.asarray(tokens, dtype=np.int64), last, slots)
+        self.replays += 1
+        graph = self.graphs.get(b)
+        if graph is not None:
+            graph.replay()
+            tok, conf, pos = (t[:n] for t in self.outputs)
+        else:
+            tok, _, conf, _, pos = self._static(b)
+            tok, conf, pos = tok[:n], conf[:n], pos[:n]
+        tok, conf, pos = tok.clone(), conf.clone(), pos.clone()  # the next replay overwrites the outputs
+        return [DraftOutput(tok[k], None, conf[k], None, pos[k]) for k in range(n)]
+
+    def _capture(self, b: int) -> None:
+        """Warm up on the capture stream, then capture bucket b into the (decode graphs') pool; the graph
+        copies its tokens, confidence and positions into rows 0 .. b-1 of the shared outputs."""
+        if self.pool is None:
+            self.mode = self._mode()
+            decode = self.runner.graphs
+            self.pool = getattr(decode, "pool", None) or torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream(self.device)
+            bmax, k = self.buckets[-1], self.num_draft_tokens
+            self.outputs = (
+                torch.zeros(bmax, k, dtype=torch.long, device=self.device),
+                torch.zeros(bmax, k, dtype=torch.float32, device=self.device),
+                torch.zeros(bmax, k, dtype=torch.long, device=self.device),
+            )
+        stream = self._stream
+        self._fill(b)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._static(b)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: see DecodeGraphRunner._capture (other engine threads may issue CUDA work)
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
+            tok, _, conf, _, pos = self._static(b)
+            for out, val in zip(self.outputs, (tok, conf, pos)):
+                out[:b].copy_(val)
+        self.graphs[b] = graph
+
+    def destroy(self) -> None:
+        """Free the graphs and their outputs (before process groups are destroyed)."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.pool = None
+        self.outputs = None

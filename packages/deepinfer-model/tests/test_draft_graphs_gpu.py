@@ -1,0 +1,76 @@
+"""Greedy draft CUDA graphs on the GPU (`runtime.draft_graphs`): a graph replay equals the same static
+draft run without a graph and the eager batched draft bit for bit (exact numerics), through padded
+sequence buckets captured on first use and replayed again with other inputs; in native numerics the
+replay equals the uncaptured static draft bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from deepinfer_model.models.deepseek_v41 import DeepseekV41ForCausalLM, load_v41, make_v41_checkpoint  # noqa: E402
+from deepinfer_model.runner import RunnerBatch  # noqa: E402
+from deepinfer_model.runtime import PagedRunner  # noqa: E402
+from deepinfer_model.runtime.cuda_graphs import DecodeGraphSettings  # noqa: E402
+
+DEV = torch.device("cuda")
+BLOCK, MAX_CTX, K = 4, 64, 3
+LENGTHS = (3, 21, 8, 14, 5, 30, 2)
+CASES = ([1], [4, 0, 2], [0, 1, 2, 3, 4], [6, 5, 1, 3, 0, 2, 4], [2, 3], [0, 4, 1])  # buckets 1, 4, 8, 2
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return make_v41_checkpoint(tmp_path_factory.mktemp("v41draftgraphs_gpu"), seed=5)
+
+
+def _runner(model, capture):
+    settings = DecodeGraphSettings(8 * (1 + K), MAX_CTX, 4, capture=capture, max_query_len=1 + K)
+    need = [-(-n // BLOCK) for n in LENGTHS]
+    tables = np.split(np.random.default_rng(0).permutation(sum(need)).astype(np.int32), np.cumsum(need)[:-1])
+    runner = PagedRunner(model, num_blocks=sum(need), block_size=BLOCK, decode_graphs=settings)
+    runner.execute(
+        RunnerBatch(
+            seq_ids=np.arange(len(LENGTHS)),
+            start_positions=np.zeros(len(LENGTHS), dtype=np.int64),
+            query_lens=np.asarray(LENGTHS),
+            block_tables=list(tables),
+            input_ids=np.random.default_rng(1).integers(4, 256, sum(LENGTHS)),
+            logits_lens=np.ones(len(LENGTHS), dtype=np.int64),
+        )
+    )
+    return runner
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_draft_graph_replay_equals_static_and_eager(path, native, monkeypatch):
+    if native:
+        monkeypatch.setenv("DEEPINFER_NUMERICS", "native")
+    model = load_v41(path, device=DEV)
+    if native:
+        model = DeepseekV41ForCausalLM(
+            model.config, model.weights, model.engram.vocab, act_dtype=torch.bfloat16, quantize_kv=True
+        )
+    graphed, static = _runner(model, True), _runner(model, False)
+    for i, seqs in enumerate(CASES):
+        rng = np.random.default_rng(i)
+        tokens = [int(t) for t in rng.integers(4, 256, len(seqs))]
+        lasts = [int(rng.integers(0, LENGTHS[s])) for s in seqs] if i % 2 else None
+        kw = dict(seq_indices=seqs, last_positions=lasts, tokens_only=True)
+        g, s = graphed.draft(tokens, K, **kw), static.draft(tokens, K, **kw)
+        e = static.draft(tokens, K, seq_indices=seqs, last_positions=lasts)
+        for a, b, c in zip(g, s, e):
+            assert a.tokens.device.type == "cuda"
+            assert torch.equal(a.tokens, b.tokens) and torch.equal(a.confidence, b.confidence), (native, seqs)
+            assert torch.equal(a.positions, c.positions)
+            if not native:  # native: padding changes FP32 sums, so only the tokens mostly agree
+                assert torch.equal(a.tokens, c.tokens) and torch.equal(a.confidence, c.confidence), seqs
+    assert graphed.draft_graphs.replays == len(CASES) == static.draft_graphs.replays
+    assert sorted(graphed.draft_graphs.graphs) == [1, 2, 4, 8]
+    graphed.close()
+    assert not graphed.draft_graphs.graphs
