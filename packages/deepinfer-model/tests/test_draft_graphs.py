@@ -186,3 +186,12 @@ def test_ineligible_drafts_run_eagerly(fp32, monkeypatch):
     # no draft graphs without drafting (nextn 0) or without decode graphs
     assert _prefilled(fp32, DecodeGraphSettings(8, MAX_CTX, 4, capture=False)).draft_graphs is None
     assert PagedRunner(fp32, num_blocks=4, block_size=BLOCK).draft_graphs is None
+    # where graphs are captured (CUDA) draft graphs are opt-in (`draft`, the engine's
+    # DEEPINFER_CUDAGRAPH_DRAFT) until their replay is checked on a GPU
+    plain = PagedRunner(fp32, num_blocks=4, block_size=BLOCK)
+    plain._make_draft_graphs(DecodeGraphSettings(8 * (1 + K), MAX_CTX, 4, max_query_len=1 + K))
+    assert plain.draft_graphs is None
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):  # asked for: built (CUDA only)
+        plain._make_draft_graphs(
+            DecodeGraphSettings(8 * (1 + K), MAX_CTX, 4, max_query_len=1 + K, draft=True)
+        )

@@ -132,6 +132,13 @@ _VARS = [
         "its replay test has passed on a GPU: eager otherwise)",
     ),
     EnvVar(
+        "DEEPINFER_CUDAGRAPH_DRAFT",
+        _bool,
+        False,
+        "greedy DSpark drafts through CUDA graphs too (bitwise the eager draft on the CPU; off until its replay "
+        "test has passed on a GPU: eager otherwise)",
+    ),
+    EnvVar(
         "DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL",
         int,
         8,

@@ -117,7 +117,9 @@ class DecodeGraphSettings:
     with drafting the bucket list reaches max_num_seqs x (1 + nextn) tokens (195 buckets at 256 x 6),
     most of which a given workload never uses. `batch_invariant`: replay graphs in batch-invariant mode
     too (the static step is bitwise the eager batch-invariant step on the CPU; on CUDA it stays off until
-    its replay test has passed on a GPU, so such steps run eagerly by default)."""
+    its replay test has passed on a GPU, so such steps run eagerly by default). `draft`: greedy DSpark drafts
+    through CUDA graphs as well (`draft_graphs.DraftGraphRunner`; bitwise the eager draft on the CPU; off on
+    CUDA by default until its replay test has passed on a GPU)."""
 
     max_batch_size: int
     max_context: int
@@ -127,6 +129,7 @@ class DecodeGraphSettings:
     capture_all: bool = False
     min_context_tier: int = DEFAULT_MIN_CONTEXT_TIER
     batch_invariant: bool = False
+    draft: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -152,6 +155,7 @@ def decode_graph_settings(
     nextn: int = 0,
     capture_all: bool = False,
     batch_invariant: bool = False,
+    draft: bool = False,
 ) -> DecodeGraphSettings | None:
     """The engine's settings: graphs on CUDA devices unless `enforce_eager`; None (eager) elsewhere.
     With `nextn` drafts per step, buckets go up to max_num_seqs x (1 + nextn) tokens and a sequence may
@@ -168,6 +172,7 @@ def decode_graph_settings(
         max_query_len=q,
         capture_all=capture_all,
         batch_invariant=batch_invariant,
+        draft=draft,
     )
 
 

@@ -114,9 +114,12 @@ class PagedRunner:
                 self._make_draft_graphs(decode_graphs)
 
     def _make_draft_graphs(self, settings) -> None:
-        """Draft graphs next to the decode graphs when the step drafts (max_query_len = 1 + nextn > 1)
-        and the model's drafter has a graph-safe path; otherwise drafts stay eager."""
+        """Draft graphs next to the decode graphs when the step drafts (max_query_len = 1 + nextn > 1),
+        the model's drafter has a graph-safe path and, where graphs are captured, `settings.draft` asks for
+        them (opt-in until their replay is checked on a GPU); otherwise drafts stay eager."""
         if settings.max_query_len < 2 or getattr(self.model.weights, "drafter", None) is None:
+            return
+        if settings.capture and not settings.draft:
             return
         from ..models.deepseek_v41.paged import static_draft_problem
         from .draft_graphs import DraftGraphRunner

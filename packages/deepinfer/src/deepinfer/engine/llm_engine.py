@@ -184,6 +184,7 @@ class LLMEngine:
                 interval=envs.DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL,
                 capture_all=envs.DEEPINFER_CUDAGRAPH_CAPTURE_ALL,
                 batch_invariant=envs.DEEPINFER_CUDAGRAPH_BATCH_INVARIANT,
+                draft=envs.DEEPINFER_CUDAGRAPH_DRAFT,
                 nextn=nextn,
             ),
         )
