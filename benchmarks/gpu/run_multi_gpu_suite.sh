@@ -92,7 +92,8 @@ fi
 if has graphs; then  # in the background on GPU 1, beside the engine step
   ( CUDA_VISIBLE_DEVICES=$side timeout "$lim" python3 -m pytest -q -p no:cacheprovider -m gpu \
       packages/deepinfer-model/tests/test_cuda_graphs_gpu.py packages/deepinfer/tests/test_engine_cuda_graphs.py \
-      packages/deepinfer-model/tests/test_cuda_graphs.py --junitxml "$out/graphs_tests.xml" > "$out/graphs_tests.log" 2>&1 ) &
+      packages/deepinfer-model/tests/test_cuda_graphs.py packages/deepinfer-model/tests/test_draft_graphs_gpu.py \
+      packages/deepinfer-model/tests/test_draft_graphs.py --junitxml "$out/graphs_tests.xml" > "$out/graphs_tests.log" 2>&1 ) &
   graphs_pid=$!
 fi
 if has ppl; then  # in the background on GPU 0 (deterministic: load beside it changes its time, not its results)
@@ -102,9 +103,9 @@ if has ppl; then  # in the background on GPU 0 (deterministic: load beside it ch
     # $1: a name for the logs, then the pytest options; the variant ids of the GPU runs contain "cuda"
     ppl_run() {
       local name=$1; shift
-      # batch-invariant decode through CUDA graphs (opt-in until test_graph_replay_equals_eager_batch_invariant
-      # has passed on a GPU: run the graphs step in the same call); PPL_BI_GRAPHS=0 keeps those steps eager
-      CUDA_VISIBLE_DEVICES=0 DEEPINFER_CUDAGRAPH_BATCH_INVARIANT=${PPL_BI_GRAPHS:-1} timeout "${PPL_LIMIT_S:-420}" python3 -m pytest -q -p no:cacheprovider -m gpu \
+      # batch-invariant decode and greedy drafts through CUDA graphs (opt-in until their replay tests have
+      # passed on a GPU: run the graphs step in the same call); PPL_BI_GRAPHS=0 keeps those steps eager
+      CUDA_VISIBLE_DEVICES=0 DEEPINFER_CUDAGRAPH_BATCH_INVARIANT=${PPL_BI_GRAPHS:-1} DEEPINFER_CUDAGRAPH_DRAFT=${PPL_BI_GRAPHS:-1} timeout "${PPL_LIMIT_S:-420}" python3 -m pytest -q -p no:cacheprovider -m gpu \
         tests/test_repro_ppl_baseline.py -k cuda --durations=5 "$@" --junitxml "$out/ppl_$name.xml" > "$out/ppl_$name.log" 2>&1
       echo "ppl $name: $(tail -1 "$out/ppl_$name.log")"
     }
