@@ -176,6 +176,21 @@ def decode_graph_settings(
     )
 
 
+def warm_and_capture(step, stream: torch.cuda.Stream, pool, device: torch.device) -> torch.cuda.CUDAGraph:
+    """Run `step()` once on `stream` (caches that allocate on first use fill outside the graph), then
+    capture it into a new graph in `pool` on that stream."""
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: a graph captured on first use may be captured while another thread of the engine
+    # (async loop, structured-output masks) issues its own CUDA work, which "global" mode forbids
+    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+        step()
+    return graph
+
+
 class DecodeGraphRunner:
     """Static input buffers, one graph (or, with `capture=False`, one static metadata) per (bucket, tier).
 
@@ -360,19 +375,14 @@ class DecodeGraphRunner:
             # outside the pool (it outlives every capture), FP32 as the static step's logits
             vocab = self.runner.vocab_size
             self.logits = torch.empty(self.buckets[-1], vocab, dtype=torch.float32, device=self.device)
-        stream, model, cache = self._stream, self.runner.model, self.runner.cache
+        model, cache = self.runner.model, self.runner.cache
         self._fill(b, tier, None, None)
         meta = self.meta(b, tier)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self.forward(model, meta, cache)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: a graph captured on first use may be captured while another thread of the engine
-        # (async loop, structured-output masks) issues its own CUDA work, which "global" mode forbids
-        with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
+
+        def step():
             self.logits[:b].copy_(self.forward(model, meta, cache))
-        self.graphs[(b, tier)] = graph
+
+        self.graphs[(b, tier)] = warm_and_capture(step, self._stream, self.pool, self.device)
 
     def destroy(self) -> None:
         """Free the graphs, their pool and the shared output (required before destroying process groups)."""

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from .. import batch_invariant, numerics
-from .cuda_graphs import PLACEHOLDER_TOKEN, DecodeGraphSettings, build_graph_batch_sizes
+from .cuda_graphs import PLACEHOLDER_TOKEN, DecodeGraphSettings, build_graph_batch_sizes, warm_and_capture
 
 
 class DraftGraphRunner:
@@ -190,19 +190,14 @@ class DraftGraphRunner:
                 torch.zeros(bmax, k, dtype=torch.float32, device=self.device),
                 torch.zeros(bmax, k, dtype=torch.long, device=self.device),
             )
-        stream = self._stream
         self._fill(b)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self._static(b)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: see DecodeGraphRunner._capture (other engine threads may issue CUDA work)
-        with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
+
+        def step():
             tok, _, conf, _, pos = self._static(b)
             for out, val in zip(self.outputs, (tok, conf, pos)):
                 out[:b].copy_(val)
-        self.graphs[b] = graph
+
+        self.graphs[b] = warm_and_capture(step, self._stream, self.pool, self.device)
 
     def destroy(self) -> None:
         """Free the graphs and their outputs (before process groups are destroyed)."""
