@@ -109,44 +109,43 @@ def draft_block(
     return out
 
 
-def _key_layout(last: np.ndarray, lens: np.ndarray, bd: int, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """(columns [N, S] into `cat(window [N, width], draft keys [N, bd])`, visible [N, S]) of each
-    sequence's key set: positions lo .. last + bd (lo = last - len + 1, the window then the block's own
-    keys, in position order) starting at column 0, or, in batch-invariant mode, at column lo mod
-    KEY_TILE of whole key tiles aligned to absolute positions (`batch_invariant.aligned_span`: a key's
-    tile column depends on its position only). Other columns re-read window column 0 (a real, finite
-    key) and are invisible: their scores are -inf, so they add exact zeros to the softmax and P.V."""
-    lo, hi = last - lens + 1, last + bd + 1
-    if batch_invariant.enabled():
-        start, span = batch_invariant.aligned_span(lo, hi)
-    else:
-        start, span = lo, int((hi - lo).max())
-    pos = start[:, None] + np.arange(span)[None, :]
-    win, own = (pos >= lo[:, None]) & (pos <= last[:, None]), (pos > last[:, None]) & (pos < hi[:, None])
-    cols = np.where(win, pos - lo[:, None], np.where(own, width + pos - last[:, None] - 1, 0))
-    return cols, win | own
-
-
-def _static_key_layout(last: torch.Tensor, window: int, bd: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_key_layout` on the device with a width fixed by the model (no host sync, graph-safe): each
-    sequence's windows hold `window` (= W) columns, and every sequence gets S = W + Bd key columns
-    starting at lo, or in batch-invariant mode whole key tiles from lo aligned down (S = the tiles of
-    W + Bd + KEY_TILE - 1 columns, enough for any lo). The key set of every sequence, its order and
-    its (tile) columns are `_key_layout`'s; only the count of masked padding columns differs (exact
-    +0 contributions, see `_key_layout`)."""
+def _key_layout(
+    last: torch.Tensor, window: int, width: int, bd: int, span: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(columns [N, span] into `cat(windows [N, width], draft keys [N, bd])`, visible [N, span]) of each
+    sequence's key set, on `last`'s device without a host read: positions lo .. last + bd (lo = last -
+    min(last + 1, window) + 1; the window, then the block's own keys, in position order) starting at
+    column 0, or, in batch-invariant mode, at column lo mod KEY_TILE of whole key tiles aligned to
+    absolute positions (a key's tile column depends on its position only). Other columns re-read window
+    column 0 (a real, finite key) and are invisible: their scores are -inf, so they add exact zeros to
+    the softmax and P.V. `span` must cover every sequence: the eager draft passes its batch's own
+    (`_batch_span`), the graph-safe one a span fixed by the model (`_fixed_span`)."""
     lens = torch.clamp(last + 1, max=window)
     lo, hi = last - lens + 1, last + bd + 1
-    if batch_invariant.enabled():
-        kt = batch_invariant.KEY_TILE
-        start, span = lo - lo % kt, batch_invariant.key_tiles(window + bd + kt - 1)
-    else:
-        start, span = lo, window + bd
+    start = lo - lo % batch_invariant.KEY_TILE if batch_invariant.enabled() else lo
     pos = start[:, None] + torch.arange(span, device=last.device)[None, :]
     lo, last, hi = lo[:, None], last[:, None], hi[:, None]
     win, own = (pos >= lo) & (pos <= last), (pos > last) & (pos < hi)
     zero = torch.zeros((), dtype=pos.dtype, device=pos.device)
-    cols = torch.where(win, pos - lo, torch.where(own, window + pos - last - 1, zero))
+    cols = torch.where(win, pos - lo, torch.where(own, width + pos - last - 1, zero))
     return cols, win | own
+
+
+def _batch_span(last: np.ndarray, window: int, bd: int) -> int:
+    """Key columns `_key_layout` needs for these sequences (host positions): the longest key set, or in
+    batch-invariant mode the whole aligned tiles that cover every sequence's."""
+    lo, hi = last - np.minimum(last + 1, window) + 1, last + bd + 1
+    if batch_invariant.enabled():
+        return batch_invariant.aligned_span(lo, hi)[1]
+    return int((hi - lo).max())
+
+
+def _fixed_span(window: int, bd: int) -> int:
+    """Key columns enough for any sequence (graph-safe: no host positions): window + bd, or in
+    batch-invariant mode the whole tiles of window + bd + KEY_TILE - 1 columns (any alignment of lo)."""
+    if batch_invariant.enabled():
+        return batch_invariant.key_tiles(window + bd + batch_invariant.KEY_TILE - 1)
+    return window + bd
 
 
 def draft_blocks_static(
@@ -169,7 +168,7 @@ def draft_blocks_static(
     W)), later columns finite (never read); `next_tokens`, `last_positions` long [N]; `temperatures`
     [Bd] (device). -> (tokens long [N, Bd], FP32 logits [N, Bd, V], FP32 confidence [N, Bd], hidden
     [N, Bd, H], positions long [N, Bd]), each row bitwise `draft_blocks`' (greedy) for the sequence
-    (the layout differs only in masked padding columns, `_static_key_layout`; batch-invariant mode
+    (the layout differs only in masked padding columns, `_fixed_span`; batch-invariant mode
     computes every key tile product instead of a host-planned subset)."""
     bd, W = num_draft_tokens, cfg.sliding_window
     n = next_tokens.shape[0]
@@ -178,7 +177,7 @@ def draft_blocks_static(
             f"draft_blocks_static: windows [Ld, N, W={W}, D] ({tuple(windows.shape)}) and last_positions "
             f"[N] ({tuple(last_positions.shape)}) must hold one entry per next token (N = {n})"
         )
-    cols, visible = _static_key_layout(last_positions, W, bd)
+    cols, visible = _key_layout(last_positions, W, W, bd, _fixed_span(W, bd))
     positions = last_positions[:, None] + 1 + torch.arange(bd, device=last_positions.device)[None, :]
     temps = temperatures.to(torch.float32).expand(bd)
     tokens, logits, conf, hidden = _draft_rows(
@@ -254,9 +253,8 @@ def draft_blocks(
             f"draft_blocks: last positions must be >= 0 and windows must hold min(last + 1, {W}) keys "
             f"(got last {last.tolist()}, {windows.shape[2]} columns)"
         )
-    cols, vis = _key_layout(last, lens, bd, windows.shape[2])
-    cols = torch.as_tensor(cols, device=dev)
-    visible = torch.as_tensor(vis, device=dev)  # [N, S]
+    span = _batch_span(last, W, bd)
+    cols, visible = _key_layout(torch.as_tensor(last, device=dev), W, windows.shape[2], bd, span)  # [N, S]
     positions = torch.as_tensor(last[:, None] + 1 + np.arange(bd)[None, :], device=dev).reshape(-1)
     first = torch.as_tensor(next_tokens, dtype=torch.long, device=dev)
     temps = torch.as_tensor(temperatures, dtype=torch.float32, device=dev).expand(bd)
