@@ -98,9 +98,9 @@ class DraftGraphRunner:
             if self.settings.capture and not self.settings.batch_invariant:
                 return "batch-invariant graphs are off (DecodeGraphSettings.batch_invariant)"
             if self.device.type == "cpu":
-                from ..models.deepseek_v41.paged import static_draft_batch_invariant_problem
+                from ..models.deepseek_v41.paged import static_batch_invariant_problem
 
-                problem = static_draft_batch_invariant_problem(self.runner.model)
+                problem = static_batch_invariant_problem(self.runner.model, drafter=True)
                 if problem:
                     return problem
         if self.mode is not None and self._mode() != self.mode:

@@ -416,15 +416,18 @@ def _static_engram_rows(
     }
 
 
-def static_moe(model: DeepseekV41ForCausalLM):
+def static_moe(model: DeepseekV41ForCausalLM, top_k: int | None = None):
     """`model.local_moe` (`blocks.moe_ffn`) with the graph-safe expert path `experts_forward_static`:
-    the same router (FP32 logits, score top-k), routing weight before `w2`, same roundings."""
+    the same router (FP32 logits, score top-k), routing weight before `w2`, same roundings. `top_k`:
+    the backbone's `num_experts_per_tok` by default (the draft blocks pass their own); the returned
+    function takes (layer or draft block index, its weights, input rows)."""
     cfg = model.config
+    top_k = cfg.num_experts_per_tok if top_k is None else top_k
 
     def moe(layer: int, blk, y: torch.Tensor) -> torch.Tensor:
         w = blk.moe
         logits = linear(y, w.gate, torch.float32)
-        weights, ids = route_topk(logits, w.bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor)
+        weights, ids = route_topk(logits, w.bias, top_k, cfg.routed_scaling_factor)
         return experts_forward_static(
             y, weights, ids, w.experts, w.shared, cfg.swiglu_limit, model.act_dtype, weight_before_down=True
         )
@@ -438,24 +441,33 @@ def static_decode_problem(model) -> str | None:
         return f"graph-safe decode is implemented for DeepSeek-V4.1 only, not {type(model).__name__}"
     if model.moe_fn != model.local_moe:
         return "graph-safe decode needs the in-process MoE (expert parallel MoE is not graph-safe here)"
-    for layer, blk in enumerate(model.weights.layers):
+    return _moe_blocks_problem(model.weights.layers, "layer")
+
+
+def _moe_blocks_problem(blocks, what: str) -> str | None:
+    """Why the graph-safe expert path (`static_moe`) cannot run these blocks' MoE (None: it can);
+    `what` names a block in the message ("layer", "draft block")."""
+    for i, blk in enumerate(blocks):
         if blk.moe.tid2eid is not None:
-            return f"layer {layer}: hash-routed MoE has no graph-safe path"
+            return f"{what} {i}: hash-routed MoE has no graph-safe path"
         if not isinstance(blk.moe.experts, ExpertWeights):
-            return f"layer {layer}: {type(blk.moe.experts).__name__} experts have no graph-safe path"
+            return f"{what} {i}: {type(blk.moe.experts).__name__} experts have no graph-safe path"
     return None
 
 
-def static_batch_invariant_problem(model: DeepseekV41ForCausalLM) -> str | None:
-    """Why the graph-safe step cannot run this model in batch-invariant mode on the CPU (None: it can):
-    its expert path reproduces the eager step's grouped exact-product GEMMs, which need FP32-valued
-    expert weights held in FP64 (`batch_invariant.stacked_parts`)."""
+def static_batch_invariant_problem(model: DeepseekV41ForCausalLM, drafter: bool = False) -> str | None:
+    """Why the graph-safe step (`drafter`: the graph-safe draft) cannot run this model in batch-invariant
+    mode on the CPU (None: it can): its expert path reproduces the eager step's grouped exact-product
+    GEMMs, which need FP32-valued expert weights held in FP64 (`batch_invariant.stacked_parts`)."""
     from ...layers.experts import _bi_grouped
 
-    for layer, blk in enumerate(model.weights.layers):
+    blocks, what = (
+        (model.weights.drafter.blocks, "draft block") if drafter else (model.weights.layers, "layer")
+    )
+    for i, blk in enumerate(blocks):
         ex = blk.moe.experts
         if _bi_grouped((ex.w1, ex.w3), (ex.w2,)) is None:
-            return f"layer {layer}: batch-invariant experts without grouped FP64 operands (not graph-safe)"
+            return f"{what} {i}: batch-invariant experts without grouped FP64 operands (not graph-safe)"
     return None
 
 
@@ -556,47 +568,13 @@ def draft_window_slots(
     return meta.token_slots_of(seqs[:, None], pos)
 
 
-def static_draft_moe(model: DeepseekV41ForCausalLM):
-    """The draft blocks' in-process MoE (`blocks.moe_ffn` with the drafter's top-k) on the graph-safe
-    expert path `experts_forward_static` (as `static_moe` for the backbone), called with the draft
-    block index."""
-    cfg = model.config
-    top_k = cfg.dspark.num_experts_per_tok
-
-    def moe(block: int, blk, y: torch.Tensor) -> torch.Tensor:
-        w = blk.moe
-        logits = linear(y, w.gate, torch.float32)
-        weights, ids = route_topk(logits, w.bias, top_k, cfg.routed_scaling_factor)
-        return experts_forward_static(
-            y, weights, ids, w.experts, w.shared, cfg.swiglu_limit, model.act_dtype, weight_before_down=True
-        )
-
-    return moe
-
-
 def static_draft_problem(model) -> str | None:
     """Why `v41_static_draft` cannot run this model (None: it can)."""
     if not isinstance(model, DeepseekV41ForCausalLM) or model.weights.drafter is None:
         return "the graph-safe draft needs a DeepSeek-V4.1 model with draft blocks"
     if getattr(model, "draft_moe_fn", None) is not None:
         return "the graph-safe draft needs the drafter's in-process MoE (expert parallel is not graph-safe)"
-    for i, blk in enumerate(model.weights.drafter.blocks):
-        if blk.moe.tid2eid is not None:
-            return f"draft block {i}: hash-routed MoE has no graph-safe path"
-        if not isinstance(blk.moe.experts, ExpertWeights):
-            return f"draft block {i}: {type(blk.moe.experts).__name__} experts have no graph-safe path"
-    return None
-
-
-def static_draft_batch_invariant_problem(model: DeepseekV41ForCausalLM) -> str | None:
-    """`static_batch_invariant_problem` for the draft blocks' experts (CPU, batch-invariant mode)."""
-    from ...layers.experts import _bi_grouped
-
-    for i, blk in enumerate(model.weights.drafter.blocks):
-        ex = blk.moe.experts
-        if _bi_grouped((ex.w1, ex.w3), (ex.w2,)) is None:
-            return f"draft block {i}: batch-invariant experts without grouped FP64 operands (not graph-safe)"
-    return None
+    return _moe_blocks_problem(model.weights.drafter.blocks, "draft block")
 
 
 @torch.no_grad()
@@ -629,5 +607,5 @@ def v41_static_draft(
             temperatures,
             model.act_dtype,
             model.kvq,
-            static_draft_moe(model),
+            static_moe(model, cfg.dspark.num_experts_per_tok),
         )
