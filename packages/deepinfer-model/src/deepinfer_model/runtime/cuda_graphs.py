@@ -176,6 +176,46 @@ def decode_graph_settings(
     )
 
 
+def graph_mode() -> tuple[str, bool]:
+    """What a captured graph has baked in: the numerics mode and batch-invariant mode (each picks other
+    kernels and layouts at capture); a graph replays only under the mode it was captured in."""
+    return numerics.mode(), batch_invariant.enabled()
+
+
+def smallest_at_least(sizes: list[int], n: int, what: str) -> int:
+    """The smallest of the ascending `sizes` >= n; ValueError naming `what` if none is."""
+    i = int(np.searchsorted(sizes, n))
+    if i == len(sizes):
+        raise ValueError(f"{n} {what} exceed the largest CUDA-graph bucket {sizes[-1]}")
+    return sizes[i]
+
+
+class StagedInputs:
+    """A graph runner's flat int64 inputs on the device and, on CUDA, a pinned host copy: a step is
+    written into `writable()` and sent with one asynchronous copy (`send`); the host copy is rewritten
+    only after the previous copy has read it. On the CPU the host copy is the inputs themselves."""
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        self.inputs = torch.zeros(size, dtype=torch.long, device=device)
+        cuda = device.type == "cuda"
+        self.host = (
+            torch.zeros(size, dtype=torch.long, device="cpu", pin_memory=True) if cuda else self.inputs
+        )
+        self._sent = None  # event of the last copy out of `host` (CUDA)
+
+    def writable(self) -> torch.Tensor:
+        if self._sent is not None:
+            self._sent.synchronize()  # the previous step's copy has read `host`
+        return self.host
+
+    def send(self, size: int) -> None:
+        """Copy the first `size` values of `host` to `inputs` (nothing to do on the CPU)."""
+        if self.host is not self.inputs:
+            self.inputs[:size].copy_(self.host[:size], non_blocking=True)
+            self._sent = torch.cuda.Event()
+            self._sent.record()
+
+
 def warm_and_capture(step, stream: torch.cuda.Stream, pool, device: torch.device) -> torch.cuda.CUDAGraph:
     """Run `step()` once on `stream` (caches that allocate on first use fill outside the graph), then
     capture it into a new graph in `pool` on that stream."""
@@ -218,10 +258,8 @@ class DecodeGraphRunner:
         # one int64 row per token: id, position, write slot, block table (blocks(tier) columns); flat, so
         # that the (bucket, tier) view is the buffer's first bucket x width values (one contiguous copy)
         size = self.buckets[-1] * (3 + self.max_blocks)
-        self.inputs = torch.zeros(size, dtype=torch.long, device=self.device)
-        pin = self.device.type == "cuda"
-        self.staging = torch.zeros(size, dtype=torch.long, device="cpu", pin_memory=pin)
-        self._staged = None  # event of the last copy out of `staging` (CUDA)
+        self.staged = StagedInputs(size, self.device)
+        self.inputs = self.staged.inputs
         self.metas: dict[tuple[int, int], StaticDecodeMetadata] = {}  # (bucket, tier), made on first use
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.logits: torch.Tensor | None = None  # every graph's output rows [largest bucket, vocab]
@@ -269,7 +307,7 @@ class DecodeGraphRunner:
             problem = static_batch_invariant_problem(self.runner.model)
             if problem:
                 return problem
-        if self.mode is not None and self._mode() != self.mode:
+        if self.mode is not None and graph_mode() != self.mode:
             numerics_mode, bi = self.mode
             return (
                 f"graphs were captured with DEEPINFER_NUMERICS={numerics_mode}, "
@@ -277,18 +315,9 @@ class DecodeGraphRunner:
             )
         return None
 
-    @staticmethod
-    def _mode() -> tuple[str, bool]:
-        """What a captured graph has baked in: the numerics mode and batch-invariant mode (each picks
-        other kernels and layouts at capture)."""
-        return numerics.mode(), batch_invariant.enabled()
-
     def select(self, n: int) -> int:
         """The smallest bucket >= n tokens."""
-        i = int(np.searchsorted(self.buckets, n))
-        if i == len(self.buckets):
-            raise ValueError(f"{n} tokens exceed the largest CUDA-graph bucket {self.buckets[-1]}")
-        return self.buckets[i]
+        return smallest_at_least(self.buckets, n, "tokens")
 
     def select_tier(self, context: int) -> int:
         """The smallest context tier >= `context` tokens."""
@@ -303,9 +332,7 @@ class DecodeGraphRunner:
 
     def _fill(self, b: int, tier: int, meta: StepMetadata | None, input_ids) -> None:
         """Rows 0 .. n-1 from the step, n .. b-1 placeholders, into the (b, tier) view of `inputs`."""
-        host = self.staging if self.device.type == "cuda" else self.inputs
-        if self._staged is not None:
-            self._staged.synchronize()  # the previous step's copy has read `staging`
+        host = self.staged.writable()
         buf = self._view(host, b, tier).numpy()
         buf[:, 0] = PLACEHOLDER_TOKEN
         buf[:, 1] = 0
@@ -321,11 +348,7 @@ class DecodeGraphRunner:
             t = meta.tables[:, :cols]
             seq_of = np.repeat(np.arange(len(meta.query_lens)), meta.query_lens)  # row -> its sequence
             buf[:n, 3 : 3 + cols] = np.where(t >= 0, t, self.dummy_block)[seq_of]
-        if host is not self.inputs:
-            size = buf.size
-            self.inputs[:size].copy_(host[:size], non_blocking=True)
-            self._staged = torch.cuda.Event()
-            self._staged.record()
+        self.staged.send(buf.size)
 
     def run(self, meta: StepMetadata, input_ids) -> torch.Tensor:
         """FP32 logits [len(meta.logits_rows), vocab] of an eligible step (`problem(meta)` is None): the
@@ -369,7 +392,7 @@ class DecodeGraphRunner:
         """Warm up on the capture stream (caches that allocate fill first), then capture (b, tier) into
         the shared pool; the graph copies its logits into rows 0 .. b-1 of the shared `logits`."""
         if self.pool is None:
-            self.mode = self._mode()
+            self.mode = graph_mode()
             self.pool = torch.cuda.graph_pool_handle()
             self._stream = torch.cuda.Stream(self.device)
             # outside the pool (it outlives every capture), FP32 as the static step's logits

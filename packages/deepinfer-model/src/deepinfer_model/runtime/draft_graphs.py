@@ -29,8 +29,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .. import batch_invariant, numerics
-from .cuda_graphs import PLACEHOLDER_TOKEN, DecodeGraphSettings, build_graph_batch_sizes, warm_and_capture
+from .. import batch_invariant
+from .cuda_graphs import (
+    PLACEHOLDER_TOKEN,
+    DecodeGraphSettings,
+    StagedInputs,
+    build_graph_batch_sizes,
+    graph_mode,
+    smallest_at_least,
+    warm_and_capture,
+)
 
 
 class DraftGraphRunner:
@@ -62,10 +70,8 @@ class DraftGraphRunner:
         self.width = 2 + self.window  # one row: next token, last position, window slots
         self.dummy_slot = runner.num_blocks * runner.block_size
         size = self.buckets[-1] * self.width
-        self.inputs = torch.zeros(size, dtype=torch.long, device=self.device)
-        pin = self.device.type == "cuda"
-        self.staging = torch.zeros(size, dtype=torch.long, device="cpu", pin_memory=pin)
-        self._staged = None  # event of the last copy out of `staging` (CUDA)
+        self.staged = StagedInputs(size, self.device)
+        self.inputs = self.staged.inputs
         self.temperatures = torch.empty(self.num_draft_tokens, dtype=torch.float32, device=self.device)
         self._temps_host: torch.Tensor | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -83,10 +89,6 @@ class DraftGraphRunner:
     def _view(self, buf: torch.Tensor, b: int) -> torch.Tensor:
         return buf[: b * self.width].view(b, self.width)
 
-    @staticmethod
-    def _mode() -> tuple[str, bool]:
-        return numerics.mode(), batch_invariant.enabled()
-
     def problem(self, num_seqs: int, num_draft_tokens: int) -> str | None:
         """Why a greedy draft of `num_seqs` sequences and `num_draft_tokens` tokens runs eagerly (None:
         it replays a bucket's graph)."""
@@ -103,16 +105,13 @@ class DraftGraphRunner:
                 problem = static_batch_invariant_problem(self.runner.model, drafter=True)
                 if problem:
                     return problem
-        if self.mode is not None and self._mode() != self.mode:
+        if self.mode is not None and graph_mode() != self.mode:
             return "draft graphs were captured under another numerics / batch-invariant mode"
         return None
 
     def select(self, n: int) -> int:
         """The smallest bucket >= n sequences."""
-        i = int(np.searchsorted(self.buckets, n))
-        if i == len(self.buckets):
-            raise ValueError(f"{n} sequences exceed the largest draft-graph bucket {self.buckets[-1]}")
-        return self.buckets[i]
+        return smallest_at_least(self.buckets, n, "sequences")
 
     def _fill(self, b: int, tokens=None, last=None, slots=None) -> None:
         """Rows 0 .. n-1 from the draft, n .. b-1 placeholders, into the bucket-b view of `inputs`; the
@@ -123,9 +122,7 @@ class DraftGraphRunner:
         if self._temps_host is None or not torch.equal(temps, self._temps_host):
             self.temperatures.copy_(temps)  # rare (an env change): a plain synchronous copy
             self._temps_host = temps
-        host = self.staging if self.device.type == "cuda" else self.inputs
-        if self._staged is not None:
-            self._staged.synchronize()  # the previous draft's copy has read `staging`
+        host = self.staged.writable()
         buf = self._view(host, b).numpy()
         buf[:, 0] = PLACEHOLDER_TOKEN
         buf[:, 1] = 0
@@ -135,10 +132,7 @@ class DraftGraphRunner:
             buf[:n, 0] = tokens
             buf[:n, 1] = last
             buf[:n, 2:] = slots
-        if host is not self.inputs:
-            self.inputs[: buf.size].copy_(host[: buf.size], non_blocking=True)
-            self._staged = torch.cuda.Event()
-            self._staged.record()
+        self.staged.send(buf.size)
 
     def _static(self, b: int):
         """The static draft of bucket b on the views of `inputs` (fixed addresses for a graph)."""
@@ -180,7 +174,7 @@ class DraftGraphRunner:
         """Warm up on the capture stream, then capture bucket b into the (decode graphs') pool; the graph
         copies its tokens, confidence and positions into rows 0 .. b-1 of the shared outputs."""
         if self.pool is None:
-            self.mode = self._mode()
+            self.mode = graph_mode()
             decode = self.runner.graphs
             self.pool = getattr(decode, "pool", None) or torch.cuda.graph_pool_handle()
             self._stream = torch.cuda.Stream(self.device)
