@@ -61,6 +61,15 @@ def share_loaded_models():
 
 
 @pytest.fixture
+def deep_ep():
+    """Skips the test unless DeepEP can run here (`deep_ep` imports and CUDA is present)."""
+    from deepinfer_parallel import deep_ep_available
+
+    if not deep_ep_available():
+        pytest.skip("deep_ep is not importable")
+
+
+@pytest.fixture
 def first_token_close():
     """Checker for runs that differ by BF16 rounding (DeepEP's BF16 rows and combine): every request's
     first token was chosen on the same context in both runs, so its top log-probabilities must mostly

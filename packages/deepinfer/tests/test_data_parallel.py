@@ -283,13 +283,10 @@ def test_an_unfinished_forward_joins_the_remaining_all_to_alls(micro_checkpoint,
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.usefixtures("deep_ep")
 def test_dp2_ep2_deepep_on_cuda_close_to_single_process(micro_checkpoint, monkeypatch, first_token_close):
     # DeepEP sends BF16 rows and combines in BF16: the first token's log-probabilities (same context in
     # both runs) agree to a BF16-sized tolerance rather than bitwise; greedy tokens may flip after that.
-    from deepinfer_parallel import deep_ep_available
-
-    if not deep_ep_available():
-        pytest.skip("deep_ep is not importable")
     params = [SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=5) for _ in PROMPTS]
     with LLM(str(micro_checkpoint), device="cuda", async_scheduling=False) as llm:
         want = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)

@@ -112,14 +112,11 @@ def test_eplb_async_loop_after_prefill_mode_greedy_and_sampled(skewed_checkpoint
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.usefixtures("deep_ep")
 def test_eplb_counts_and_rebalance_through_deepep_on_cuda(skewed_checkpoint, monkeypatch, first_token_close):
     # DeepEP's dispatch fills the EPLB counts (per local slot, from its receive counts): a rebalance
     # that moves weights needs them. BF16 rows and combine: the first token's logprobs (same context
     # in both runs) agree to a BF16-sized tolerance, not bitwise.
-    from deepinfer_parallel import deep_ep_available
-
-    if not deep_ep_available():
-        pytest.skip("deep_ep is not importable")
     params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5) for _ in PROMPTS]
     with LLM(str(skewed_checkpoint), device="cuda", async_scheduling=False) as llm:
         want = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)
