@@ -5,7 +5,9 @@
 # Steps: check / medium (whole model on the GPU vs the CPU: tiny / medium), gputests (every `gpu`-marked test),
 # engine (the deepinfer package's tests with DEEPINFER_DEVICE=cuda), ppl (refresh the nvidia-sm90 decode PPL
 # baselines), bench (decode / prefill sweep of the medium config against the roofline; benchtiny: the tiny one too),
-# gap (bench_offline.py on the GPU: the device's idle gap per decode step, sync vs async loop, from CUDA events).
+# gap (bench_offline.py on the GPU: the device's idle gap per decode step, sync vs async loop, from CUDA events),
+# graphs (the CUDA-graph gpu tests with the NVIDIA ops), profstep (profile_decode_step.py with the kernel bundle: the graphed decode step's replay time and kernel
+# breakdown, tiny default vs batch-invariant, medium native at batch 1 / 8).
 # Results: $OUT (device tool) or benchmarks/results; logs in engine_logs.tar.gz.
 set -uo pipefail
 final=${OUT:-benchmarks/results}
@@ -19,12 +21,17 @@ trap collect EXIT
 steps=${*:-check gputests engine ppl medium bench}
 has() { [[ " $steps " == *" $1 "* ]]; }
 export PYTHONUNBUFFERED=1 HOME=${HOME:-/root} OMP_NUM_THREADS=16
+# the NVIDIA build: deepinfer-sched records it and the op registry serves CUDA tensors with the NVIDIA ops
+# (TileLang norm / RoPE / mHC, DeepGEMM); DEEPINFER_ACCELERATOR=cpu runs the torch reference ops on CUDA
+export DEEPINFER_ACCELERATOR=${DEEPINFER_ACCELERATOR:-nvidia}
 t0=$(date +%s)
 el() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
 source .gpu/setup.sh || { echo "bundle setup failed" >&2; exit 1; }
 for t in .gpu/pysite.tar.xz .gpu/rpds312.tar.xz; do [ -f "$t" ] && tar -C /tmp -xJf "$t"; done
 repo=$PWD
-(  # DeepGEMM (fp8 linears, grouped experts) from its sdist, in the background
+(  # DeepGEMM (fp8 linears, grouped experts) from its sdist, in the background (NO_DEEP_GEMM=1: not built, e.g.
+  # for timings of the dequantised models, which do not use it, without the build's 16 compile jobs beside them)
+  [ "${NO_DEEP_GEMM:-0}" = 1 ] && exit 0
   set -e; mkdir -p "$DEEPINFER_SITE/build" && cd "$DEEPINFER_SITE/build"
   tar xzf "$DEEPINFER_SITE"/extra/deepinfer_gemm-*.tar.gz && cd deepinfer_gemm-*
   python3 "$repo/benchmarks/gpu/patch_deep_gemm.py" . && python3 -m pip install -q --no-build-isolation --no-deps --target "$DEEPINFER_SITE/site" .
@@ -33,7 +40,7 @@ deep_gemm_pid=$!
 medium=/tmp/medium-v41
 src=$(ls -d "$repo"/packages/*/src | grep -v deepinfer-sched | tr '\n' ':')
 export PYTHONPATH="/tmp/sched-site:${src}/tmp/pysite:$PYTHONPATH"
-if has medium || has bench || has profile; then
+if has medium || has bench || has profile || has profstep; then
   python3 benchmarks/gpu/make_medium_checkpoint.py "$medium" > "$out/medium_checkpoint.log" 2>&1 &
   medium_pid=$!
 fi
@@ -58,7 +65,8 @@ if has gputests; then  # after the DeepGEMM build (~2 min), so its tests run too
   pids+=($!)
 fi
 if has engine; then
-  DEEPINFER_DEVICE=cuda timeout "$lim" python3 -m pytest -q -p no:cacheprovider -n 6 -m "not slow and not long_context" \
+  # (not distributed: the data-parallel engine needs a GPU per rank; run_multi_gpu_suite.sh's engine step runs it)
+  DEEPINFER_DEVICE=cuda timeout "$lim" python3 -m pytest -q -p no:cacheprovider -n 6 -m "not slow and not long_context and not distributed" \
     --junitxml "$out/engine_tests.xml" packages/deepinfer/tests > "$out/engine_tests.log" 2>&1 &
   pids+=($!)
 fi
@@ -72,7 +80,7 @@ if has ppl; then
   DEEPINFER_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_repro_ppl_baseline.py > "$out/ppl_check.log" 2>&1
   tail -3 "$out/ppl_check.log"; cp tests/models/offline_decode_ppl.json "$out/offline_decode_ppl.json"
 fi
-if has medium || has bench || has profile; then
+if has medium || has bench || has profile || has profstep; then
   wait "$medium_pid"; cat "$out/medium_checkpoint.log"
 fi
 if has medium; then
@@ -90,11 +98,13 @@ if has bench; then
     if [ $m = medium ]; then model="--model $medium"; dec="--max-model-len 1024 --decode-context 128"
       pre="--max-model-len 20480 --max-num-seqs 1 --chunks 4096,16384 --prefill-repeats 2"
     else model=""; dec="--max-model-len 256 --decode-context 64"; pre="--max-model-len 256 --chunks 64,128"; fi
+    if ! has nodecode; then  # (nodecode / noprefill: only the other half)
     el "bench decode: $m $num"
     DEEPINFER_NUMERICS=$num timeout "${BENCH_LIMIT_S:-200}" python3 -m deepinfer.cli bench decode $model $dec --device cuda \
       --dtype bfloat16 --batches 1,8,64,256 --nextn 0 --measure-steps 6 --no-progress \
       --results-dir "$out" --name "bench_${m}_gpu_decode_$num" > "$out/bench_${m}_decode_$num.log" 2>&1
     tail -12 "$out/bench_${m}_decode_$num.log"; collect  # results out at once: a later step may hit the call's limit
+    fi
     has noprefill || [ "$num" = exact ] && continue  # exact prefill: measured in an earlier run
     el "bench prefill: $m $num"
     DEEPINFER_NUMERICS=$num timeout "${BENCH_LIMIT_S:-200}" python3 -m deepinfer.cli bench prefill $model $pre --device cuda \
@@ -119,5 +129,21 @@ if has gap; then
   DEEPINFER_DEVICE=cuda timeout "${GAP_LIMIT_S:-300}" python3 benchmarks/engine/bench_offline.py --num-requests 32 \
     --repeats 3 --output-json "$out/bench_offline_gpu_gap.json" > "$out/bench_offline_gap.log" 2>&1
   tail -12 "$out/bench_offline_gap.log"
+fi
+if has graphs; then  # the CUDA-graph gpu tests with the NVIDIA ops (TileLang kernels captured in the graphs)
+  el "tests: CUDA graphs with the NVIDIA ops"
+  timeout "$lim" python3 -m pytest -q -p no:cacheprovider -m gpu packages/deepinfer-model/tests/test_cuda_graphs_gpu.py \
+    packages/deepinfer-model/tests/test_draft_graphs_gpu.py packages/deepinfer/tests/test_engine_cuda_graphs.py \
+    --junitxml "$out/graphs_nvidia.xml" > "$out/graphs_nvidia.log" 2>&1; tail -6 "$out/graphs_nvidia.log"
+fi
+if has profstep; then
+  el "profile: graphed decode step with the kernel bundle (tiny default vs batch-invariant; medium native)"
+  timeout "${PROFSTEP_LIMIT_S:-200}" python3 benchmarks/gpu/profile_decode_step.py --batches 1 8 \
+    --out "$out/profile_decode_step_kernels_tiny.json" > "$out/profile_decode_step_kernels_tiny.log" 2>&1
+  tail -8 "$out/profile_decode_step_kernels_tiny.log"
+  DEEPINFER_NUMERICS=native timeout "${PROFSTEP_LIMIT_S:-200}" python3 benchmarks/gpu/profile_decode_step.py --model "$medium" \
+    --dtype bfloat16 --modes default --batches 1 8 --context 128 \
+    --out "$out/profile_decode_step_kernels_medium.json" > "$out/profile_decode_step_kernels_medium.log" 2>&1
+  tail -8 "$out/profile_decode_step_kernels_medium.log"; collect
 fi
 el "done"

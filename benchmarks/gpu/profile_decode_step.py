@@ -1,0 +1,217 @@
+"""Where a graphed decode step's time goes on the GPU, per mode (default / batch-invariant) and batch size.
+
+For each (batch, mode): a `PagedRunner` with decode CUDA graphs prefills `--context` tokens per sequence,
+then decodes. Reported per step:
+  * `execute_ms`: `runner.execute` + the greedy token read-back (what an engine step pays; median);
+  * `replay_ms`: one `CUDAGraph.replay()` alone, timed with CUDA events (the device's share; median);
+  * `kernels`, `kernel_ms`: kernel launches and summed kernel time of one static step (the graph's body run
+    uncaptured under the torch profiler), so `replay_ms - kernel_ms` is the launch gaps inside the graph;
+  * the top kernels by time (`--top`), in `<out>.txt`.
+The two modes alternate within one process (same model, same inputs); `replay_cost_pct` compares the
+batch-invariant replay with the default one of the same batch.
+
+    python benchmarks/gpu/profile_decode_step.py [--model PATH] [--numerics exact] [--batches 1 8]
+writes benchmarks/results/profile_decode_step.json (flat records) and profile_decode_step.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+MODES = {"default": "0", "batch_invariant": "1"}
+
+
+def _batch(b: int, start: int, q: int, tables, ids):
+    from deepinfer_model.runner import RunnerBatch
+
+    return RunnerBatch(
+        seq_ids=np.arange(b, dtype=np.int64),
+        start_positions=np.full(b, start, dtype=np.int64),
+        query_lens=np.full(b, q, dtype=np.int64),
+        block_tables=tables,
+        input_ids=np.ascontiguousarray(ids).reshape(-1).astype(np.int64),
+        logits_lens=np.ones(b, dtype=np.int64),
+    )
+
+
+def _median_ms(fn, n: int, cuda: bool) -> float:
+    """Median time of `fn()`: CUDA events on a GPU, the host clock on the CPU (the script's dry run)."""
+    times = []
+    for _ in range(n):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(times))
+
+
+def _kernel_table(prof, steps: int, cuda: bool):
+    """(kernel count per step, kernel ms per step, [(name, ms per step, calls per step)] by time); on the
+    CPU the ATen ops' self time stands in for kernels."""
+    rows = []
+    for evt in prof.key_averages():
+        if cuda:
+            if "CUDA" not in str(getattr(evt, "device_type", "CUDA")):
+                continue
+            us = getattr(evt, "device_time_total", None)
+            us = getattr(evt, "cuda_time_total", 0.0) if us is None else us
+        else:
+            us = evt.self_cpu_time_total
+        if us > 0:
+            rows.append((evt.key, us / 1e3 / steps, evt.count / steps))
+    rows.sort(key=lambda r: -r[1])
+    return sum(r[2] for r in rows), sum(r[1] for r in rows), rows
+
+
+def profile_one(model, b: int, mode: str, args) -> tuple[dict, list]:
+    from deepinfer_model.runtime import DecodeGraphSettings, PagedRunner
+
+    os.environ["DEEPINFER_BATCH_INVARIANT"] = MODES[mode]
+    cuda = args.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    block = 16
+    per_seq = -(-(args.context + args.steps + 2) // block)
+    settings = DecodeGraphSettings(b, per_seq * block, capture=cuda)  # CPU: the uncaptured static step
+    runner = PagedRunner(model, num_blocks=b * per_seq, block_size=block, decode_graphs=settings)
+    tables = [np.arange(i * per_seq, (i + 1) * per_seq, dtype=np.int32) for i in range(b)]
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(1000, 90_000, (b, args.context))
+    logits = runner.execute(_batch(b, 0, args.context, tables, prompt))
+    tok = torch.argmax(logits, -1).cpu().numpy()[:, None]
+    pos = args.context
+    walls = []
+    for i in range(args.steps):  # the first step captures its graph
+        sync()
+        t0 = time.perf_counter()
+        logits = runner.execute(_batch(b, pos, 1, tables, tok))
+        tok = np.array(torch.argmax(logits, -1).tolist())[:, None]
+        if i > 0:
+            walls.append((time.perf_counter() - t0) * 1e3)
+        pos += 1
+    g = runner.graphs
+    assert g.replays == args.steps, f"{g.replays} of {args.steps} decode steps replayed a graph"
+    key = (g.select(b), g.select_tier(pos))
+    meta = g.meta(*key)
+
+    def body():
+        from deepinfer_model import numerics
+
+        with numerics.resolved():
+            g.forward(runner.model, meta, runner.cache)
+
+    replay_ms = _median_ms(g.graphs[key].replay if cuda else body, args.replays, cuda)
+    body()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(args.profile_steps):
+        body()
+    sync()
+    eager_ms = (time.perf_counter() - t0) * 1e3 / args.profile_steps
+    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+    with torch.profiler.profile(activities=[activity]) as prof:
+        for _ in range(args.profile_steps):
+            body()
+        sync()
+    kernels, kernel_ms, rows = _kernel_table(prof, args.profile_steps, cuda)
+    runner.close()
+    rec = {
+        "model": args.model_name,
+        "numerics": os.environ.get("DEEPINFER_NUMERICS", "exact") or "exact",
+        "mode": mode,
+        "batch": b,
+        "context": args.context,
+        "bucket": key[0],
+        "tier": key[1],
+        "execute_ms": float(np.median(walls)),
+        "replay_ms": replay_ms,
+        "uncaptured_static_ms": eager_ms,
+        "kernels_per_step": round(kernels, 1),
+        "kernel_ms": kernel_ms,
+        "launch_gap_ms": replay_ms - kernel_ms,
+    }
+    return rec, rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="checkpoint directory (default: deepinfer-tiny)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--context", type=int, default=64, help="prompt tokens per sequence before decoding")
+    ap.add_argument("--steps", type=int, default=12, help="decode steps through runner.execute")
+    ap.add_argument("--replays", type=int, default=50, help="graph replays timed with CUDA events")
+    ap.add_argument("--profile-steps", type=int, default=3, help="uncaptured static steps under the profiler")
+    ap.add_argument("--top", type=int, default=15, help="kernels listed per configuration")
+    ap.add_argument("--device", default="cuda", help="cuda[:N]; cpu: a dry run of the script (no graphs)")
+    ap.add_argument("--out", type=Path, default=RESULTS / "profile_decode_step.json")
+    args = ap.parse_args()
+    args.device = torch.device(args.device)
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch sees no CUDA device")
+    from deepinfer.default_model import resolve_model
+    from deepinfer_model import load_model
+
+    path = Path(args.model) if args.model else resolve_model(None)[0]
+    args.model_name = path.name
+    model = load_model(path, getattr(torch, args.dtype), device=args.device)
+    records, text = [], []
+    for b in args.batches:
+        for mode in args.modes:
+            rec, rows = profile_one(model, b, mode, args)
+            records.append(rec)
+            block = [
+                f"== {args.model_name} {rec['numerics']} {mode} batch {b}: replay {rec['replay_ms']:.2f} ms, "
+                f"{rec['kernels_per_step']:.0f} kernels {rec['kernel_ms']:.2f} ms"
+            ] + [f"{ms:9.3f} ms {calls:7.1f}x  {name[:140]}" for name, ms, calls in rows[: args.top]]
+            print("\n".join(block), flush=True)
+            text += block
+    base = {r["batch"]: r["replay_ms"] for r in records if r["mode"] == "default"}
+    for r in records:
+        if r["batch"] in base:
+            r["replay_cost_pct"] = (r["replay_ms"] / base[r["batch"]] - 1) * 100
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"decode step on the GPU ({args.model_name}, {records[0]['numerics']})")
+    cols = [
+        "mode",
+        "batch",
+        "execute_ms",
+        "replay_ms",
+        "replay_cost_pct",
+        "kernels_per_step",
+        "kernel_ms",
+        "launch_gap_ms",
+        "uncaptured_static_ms",
+    ]
+    for c in cols:
+        table.add_column(c, justify="right")
+    for r in records:
+        table.add_row(
+            *[f"{r.get(c, 0):.2f}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols]
+        )
+    Console(width=160).print(table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(records, indent=1))
+    args.out.with_suffix(".txt").write_text("\n".join(text) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
