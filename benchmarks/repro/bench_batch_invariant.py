@@ -10,8 +10,8 @@ repeat) so machine load hits both alike. `cost_pct` = the median over repeats of
 paired values (`cost_pct_min` / `cost_pct_max`); `ms_per_step` is the median. Also checks that both
 modes gave the same greedy tokens. `--clock cpu` times the process's CPU time instead of wall time
 (on a shared, loaded host the wall-clock pairs scatter widely). `--cuda-graphs` (CUDA): decode steps
-replay CUDA graphs in both modes (one runner per batch size and mode, captured in the warm-up; the
-batch-invariant graphs are the opt-in `DecodeGraphSettings.batch_invariant`), prefill stays eager.
+replay CUDA graphs in both modes (one runner per batch size and mode, captured in the warm-up), prefill
+stays eager.
 Prints a table and writes benchmarks/results/bench_batch_invariant.json.
 """
 
@@ -43,7 +43,7 @@ def _runner(model, batch: int, prompt_len: int, decode_steps: int, block_size: i
     if graphs:
         from deepinfer_model.runtime.cuda_graphs import DecodeGraphSettings
 
-        settings = DecodeGraphSettings(batch, per_seq * block_size, batch_invariant=True)
+        settings = DecodeGraphSettings(batch, per_seq * block_size)
     return PagedRunner(model, num_blocks=batch * per_seq, block_size=block_size, decode_graphs=settings)
 
 

@@ -640,10 +640,9 @@ def test_batch_invariant_mode_switch_runs_eagerly(model, monkeypatch):
     assert g.problem(meta) is None
 
 
-def test_batch_invariant_graphs_are_opt_in_where_graphs_are_captured(model, monkeypatch):
-    """On CUDA (capture=True) batch-invariant steps replay graphs only with `batch_invariant=True` (the
-    engine's DEEPINFER_CUDAGRAPH_BATCH_INVARIANT) until the replay is checked on a GPU; the engine passes
-    the variable through."""
+def test_batch_invariant_graphs_can_be_turned_off(model, monkeypatch):
+    """Batch-invariant steps replay graphs by default (`batch_invariant=True`, the engine's
+    DEEPINFER_CUDAGRAPH_BATCH_INVARIANT); with False they run eagerly, captured or not."""
     from deepinfer_model.runtime.cuda_graphs import DecodeGraphRunner
 
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
@@ -652,12 +651,17 @@ def test_batch_invariant_graphs_are_opt_in_where_graphs_are_captured(model, monk
     seqs = [pair.add(n) for n in (5, 9)]
     pair.step(seqs, [len(s["tokens"]) for s in seqs])  # prefill (eager)
     meta = StepMetadata.build(pair.batch(seqs, [1, 1]), BLOCK, NUM_BLOCKS, vocab_size=256)
-    assert runner.problem(meta) is None  # capture=False (the CPU's static path): allowed
+    assert runner.problem(meta) is None  # the default, uncaptured (the CPU's static path): allowed
     captured = object.__new__(DecodeGraphRunner)
     captured.__dict__.update(runner.__dict__)
-    captured.settings = DecodeGraphSettings(8, MAX_CTX, 4, min_context_tier=MIN_TIER)
-    assert "batch-invariant graphs are off" in captured.problem(meta)
-    captured.settings = DecodeGraphSettings(8, MAX_CTX, 4, min_context_tier=MIN_TIER, batch_invariant=True)
-    assert captured.problem(meta) is None
-    assert decode_graph_settings("cuda", 8, 64, batch_invariant=True).batch_invariant
-    assert not decode_graph_settings("cuda", 8, 64).batch_invariant
+    for capture in (True, False):
+        captured.settings = DecodeGraphSettings(8, MAX_CTX, 4, capture=capture, min_context_tier=MIN_TIER)
+        assert captured.problem(meta) is None
+        captured.settings = DecodeGraphSettings(
+            8, MAX_CTX, 4, capture=capture, min_context_tier=MIN_TIER, batch_invariant=False
+        )
+        assert "batch-invariant graphs are off" in captured.problem(meta)
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "0")
+    assert captured.problem(meta) is None  # the switch matters only in batch-invariant mode
+    assert decode_graph_settings("cuda", 8, 64).batch_invariant and decode_graph_settings("cuda", 8, 64).draft
+    assert not decode_graph_settings("cuda", 8, 64, batch_invariant=False).batch_invariant

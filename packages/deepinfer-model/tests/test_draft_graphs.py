@@ -179,19 +179,22 @@ def test_ineligible_drafts_run_eagerly(fp32, monkeypatch):
         d = runner.draft([5, 6, 7], k, seq_indices=seqs, tokens_only=True)
         assert g.replays == 0 and d[0].tokens.shape == (k,) and d[0].logits is not None
     assert "draft count" in g.problem(3, K + 1) and "sequences" in g.problem(9, K)
-    # batch-invariant mode with graphs captured (CUDA) but batch-invariant graphs off: refused
+    # batch-invariant mode with batch-invariant graphs turned off: refused
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
-    g.settings = DecodeGraphSettings(8 * (1 + K), MAX_CTX, 4, capture=True, max_query_len=1 + K)
+    g.settings = DecodeGraphSettings(
+        8 * (1 + K), MAX_CTX, 4, capture=True, max_query_len=1 + K, batch_invariant=False
+    )
     assert "batch-invariant" in g.problem(3, K)
     # no draft graphs without drafting (nextn 0) or without decode graphs
     assert _prefilled(fp32, DecodeGraphSettings(8, MAX_CTX, 4, capture=False)).draft_graphs is None
     assert PagedRunner(fp32, num_blocks=4, block_size=BLOCK).draft_graphs is None
-    # where graphs are captured (CUDA) draft graphs are opt-in (`draft`, the engine's
-    # DEEPINFER_CUDAGRAPH_DRAFT) until their replay is checked on a GPU
+    # draft graphs are on by default (`draft`, the engine's DEEPINFER_CUDAGRAPH_DRAFT); draft=False keeps
+    # drafts eager, with or without capture
     plain = PagedRunner(fp32, num_blocks=4, block_size=BLOCK)
-    plain._make_draft_graphs(DecodeGraphSettings(8 * (1 + K), MAX_CTX, 4, max_query_len=1 + K))
-    assert plain.draft_graphs is None
-    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):  # asked for: built (CUDA only)
+    for capture in (True, False):
         plain._make_draft_graphs(
-            DecodeGraphSettings(8 * (1 + K), MAX_CTX, 4, max_query_len=1 + K, draft=True)
+            DecodeGraphSettings(8 * (1 + K), MAX_CTX, 4, capture=capture, max_query_len=1 + K, draft=False)
         )
+        assert plain.draft_graphs is None
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):  # the default: built (CUDA only)
+        plain._make_draft_graphs(DecodeGraphSettings(8 * (1 + K), MAX_CTX, 4, max_query_len=1 + K))

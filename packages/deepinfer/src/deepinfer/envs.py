@@ -127,16 +127,16 @@ _VARS = [
     EnvVar(
         "DEEPINFER_CUDAGRAPH_BATCH_INVARIANT",
         _bool,
-        False,
-        "replay decode CUDA graphs in batch-invariant mode too (bitwise the eager step on the CPU; off until "
-        "its replay test has passed on a GPU: eager otherwise)",
+        True,
+        "replay decode CUDA graphs in batch-invariant mode too (bitwise the eager step on the CPU, replay "
+        "checked on an H200); 0: such steps run eagerly",
     ),
     EnvVar(
         "DEEPINFER_CUDAGRAPH_DRAFT",
         _bool,
-        False,
-        "greedy DSpark drafts through CUDA graphs too (bitwise the eager draft on the CPU; off until its replay "
-        "test has passed on a GPU: eager otherwise)",
+        True,
+        "greedy DSpark drafts through CUDA graphs too (bitwise the eager draft on the CPU, replay checked on "
+        "an H200); 0: they run eagerly",
     ),
     EnvVar(
         "DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL",

@@ -17,8 +17,8 @@ than that, steps above the largest bucket or past `max_context`, and everything 
 Batch-invariant mode (`DEEPINFER_BATCH_INVARIANT=1`) replays graphs too: the static step then lays out
 its window keys and selected compressed entries in the eager step's aligned key tiles and computes every
 tile product instead of the host-planned subset, so a row's logits are bitwise the eager BI step's
-whether its step was replayed or not (the batch-invariant tests of test_cuda_graphs.py). Until the
-replay has been checked on a GPU this is opt-in on CUDA (`DecodeGraphSettings.batch_invariant`). Graphs are captured
+whether its step was replayed or not (the batch-invariant tests of test_cuda_graphs.py; the replay on an
+H200: test_cuda_graphs_gpu.py). `DecodeGraphSettings.batch_invariant=False` runs such steps eagerly. Graphs are captured
 under one (numerics mode, batch-invariant mode); a step under another runs eagerly.
 
 Buckets are token counts (`build_graph_batch_sizes`, max = max_num_seqs x (1 + nextn)); context tiers
@@ -116,10 +116,10 @@ class DecodeGraphSettings:
     at start (the reference's warm-up); False (default) captures a bucket the first time a step needs it:
     with drafting the bucket list reaches max_num_seqs x (1 + nextn) tokens (195 buckets at 256 x 6),
     most of which a given workload never uses. `batch_invariant`: replay graphs in batch-invariant mode
-    too (the static step is bitwise the eager batch-invariant step on the CPU; on CUDA it stays off until
-    its replay test has passed on a GPU, so such steps run eagerly by default). `draft`: greedy DSpark drafts
-    through CUDA graphs as well (`draft_graphs.DraftGraphRunner`; bitwise the eager draft on the CPU; off on
-    CUDA by default until its replay test has passed on a GPU)."""
+    too (the static step is bitwise the eager batch-invariant step on the CPU, and its replay the static
+    step on an H200: `test_cuda_graphs_gpu.py`); False runs such steps eagerly. `draft`: greedy DSpark
+    drafts through CUDA graphs as well (`draft_graphs.DraftGraphRunner`; bitwise the eager draft on the
+    CPU, replay checked on an H200: `test_draft_graphs_gpu.py`); False keeps them eager."""
 
     max_batch_size: int
     max_context: int
@@ -128,8 +128,8 @@ class DecodeGraphSettings:
     max_query_len: int = 1
     capture_all: bool = False
     min_context_tier: int = DEFAULT_MIN_CONTEXT_TIER
-    batch_invariant: bool = False
-    draft: bool = False
+    batch_invariant: bool = True
+    draft: bool = True
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -154,8 +154,8 @@ def decode_graph_settings(
     interval: int = DEFAULT_INTERVAL,
     nextn: int = 0,
     capture_all: bool = False,
-    batch_invariant: bool = False,
-    draft: bool = False,
+    batch_invariant: bool = True,
+    draft: bool = True,
 ) -> DecodeGraphSettings | None:
     """The engine's settings: graphs on CUDA devices unless `enforce_eager`; None (eager) elsewhere.
     With `nextn` drafts per step, buckets go up to max_num_seqs x (1 + nextn) tokens and a sequence may
@@ -299,8 +299,8 @@ class DecodeGraphRunner:
             return f"{n} tokens > the largest bucket {self.buckets[-1]}"
         if int(meta.ends.max()) > self.tiers[-1]:
             return f"context {int(meta.ends.max())} > max_context {self.tiers[-1]}"
-        if batch_invariant.enabled() and self.settings.capture and not self.settings.batch_invariant:
-            return "batch-invariant graphs are off (DecodeGraphSettings.batch_invariant; engine: DEEPINFER_CUDAGRAPH_BATCH_INVARIANT)"
+        if batch_invariant.enabled() and not self.settings.batch_invariant:
+            return "batch-invariant graphs are off (DecodeGraphSettings.batch_invariant; engine: DEEPINFER_CUDAGRAPH_BATCH_INVARIANT=0)"
         if batch_invariant.enabled() and self.device.type == "cpu":
             from ..models.deepseek_v41.paged import static_batch_invariant_problem
 

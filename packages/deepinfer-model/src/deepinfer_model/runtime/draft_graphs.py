@@ -19,8 +19,8 @@ mode). `capture=False` (CPU tests) runs the same static step without a graph.
 
 The graph outputs tokens, confidence and positions only (what the engine reads; FP32 logits of every
 draft would cost bucket x k x vocab floats): a `DraftOutput` from here has `logits` and `hidden` None.
-Batch-invariant mode replays only where the decode graphs do (`DecodeGraphSettings.batch_invariant`
-on CUDA; on the CPU when the drafter's experts have the grouped FP64 operands): the static draft
+Batch-invariant mode replays only where the decode graphs do (`DecodeGraphSettings.batch_invariant`, the
+default; on the CPU also only when the drafter's experts have the grouped FP64 operands): the static draft
 then computes every key tile product, bitwise the eager batch-invariant draft (tested on the CPU).
 """
 
@@ -97,7 +97,7 @@ class DraftGraphRunner:
         if not 1 <= num_seqs <= self.buckets[-1]:
             return f"{num_seqs} drafting sequences outside [1, {self.buckets[-1]}]"
         if batch_invariant.enabled():
-            if self.settings.capture and not self.settings.batch_invariant:
+            if not self.settings.batch_invariant:
                 return "batch-invariant graphs are off (DecodeGraphSettings.batch_invariant)"
             if self.device.type == "cpu":
                 from ..models.deepseek_v41.paged import static_batch_invariant_problem

@@ -115,11 +115,13 @@ class PagedRunner:
 
     def _make_draft_graphs(self, settings) -> None:
         """Draft graphs next to the decode graphs when the step drafts (max_query_len = 1 + nextn > 1),
-        the model's drafter has a graph-safe path and, where graphs are captured, `settings.draft` asks for
-        them (opt-in until their replay is checked on a GPU); otherwise drafts stay eager."""
-        if settings.max_query_len < 2 or getattr(self.model.weights, "drafter", None) is None:
-            return
-        if settings.capture and not settings.draft:
+        the model's drafter has a graph-safe path and `settings.draft` asks for them (the default); otherwise
+        drafts stay eager."""
+        if (
+            settings.max_query_len < 2
+            or not settings.draft
+            or getattr(self.model.weights, "drafter", None) is None
+        ):
             return
         from ..models.deepseek_v41.paged import static_draft_problem
         from .draft_graphs import DraftGraphRunner
