@@ -263,6 +263,57 @@ def test_chunked_bmm_is_the_plain_bmm():
         batch_invariant.bmm(a, b, chunk=0)
 
 
+def test_chunked_tiled_matmul_is_the_tile_products():
+    """`tiled_matmul` with chunks (the accelerators' path, run on the CPU), which pads the rows once to
+    whole chunks of tiles: each row is its fixed-tile product, the same as without chunks, any row count."""
+    g = torch.Generator().manual_seed(4)
+    w_t = torch.randn(48, 20, generator=g, dtype=torch.float64)
+    x = torch.randn(300, 48, generator=g, dtype=torch.float64)
+    for m in (0, 1, 7, 8, 9, 127, 128, 129, 300):
+        plain = batch_invariant.tiled_matmul(x[:m], w_t)
+        assert plain.shape == (m, 20)
+        assert torch.equal(batch_invariant.tiled_matmul(x[:m], w_t, chunk=16), plain), m
+
+
+def test_batched_tile_products_equal_the_per_tile_loop(monkeypatch):
+    """The accelerators' `_tile_products` (all key tiles in one bmm list per sequence / row tile, chunked
+    as off the CPU) gives bitwise the products of the per-tile loop, for shared (Ta = 1) and per-tile left
+    operands, more row tiles than sequences and fewer."""
+    g = torch.Generator().manual_seed(5)
+    for bsz, r, t in ((1, 1, 5), (1, 3, 4), (6, 1, 5), (4, 2, 3), (2, 5, 1)):
+        for ta in (1, t):
+            a = torch.randn(bsz, r, ta, 8, 12, generator=g, dtype=torch.float64)
+            b = torch.randn(bsz, t, 12, 7, generator=g, dtype=torch.float64)
+            loop = batch_invariant._tile_products(a, b, batched=False)
+            assert loop.shape == (bsz, r, t, 8, 7)
+            with monkeypatch.context() as m:  # calls of 16 matrices, as on a GPU
+                m.setattr(
+                    batch_invariant, "bmm", lambda x, y, chunk=None, bmm=batch_invariant.bmm: bmm(x, y, 16)
+                )
+                batched = batch_invariant._tile_products(a, b, batched=True)
+            assert torch.equal(batched, loop), (bsz, r, t, ta)
+    with pytest.raises(ValueError, match="seen must be None"):
+        batch_invariant._tile_products(a, b, np.ones((bsz, r, t), dtype=bool), batched=True)
+
+
+def test_zero_padding_is_one_kernel_of_zeros():
+    """`_pad0` appends exact zeros (from one cached zero, read by the cat) and returns its input unpadded."""
+    x = torch.randn(3, 5, dtype=torch.float64)
+    assert batch_invariant._pad0(x, 0) is x
+    y = batch_invariant._pad0(x, 2, dim=1)
+    assert (
+        y.shape == (3, 7)
+        and torch.equal(y[:, :5], x)
+        and torch.equal(y[:, 5:], torch.zeros(3, 2, dtype=x.dtype))
+    )
+    assert not torch.signbit(y[:, 5:]).any()  # +0, as new_zeros gave
+    from deepinfer_model.testing.no_sync import count_ops
+
+    with count_ops() as ops:
+        batch_invariant._pad0(x, 4)
+    assert ops.ops <= 2  # the expand view and the cat; no fill
+
+
 def test_default_attention_row_depends_on_padding(monkeypatch):
     """Why the kernel exists: the default path's FP64 row changes with the key padding around it."""
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "0")

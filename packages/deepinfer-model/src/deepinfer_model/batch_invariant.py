@@ -108,9 +108,37 @@ def read_env() -> bool:
     return os.environ.get(ENV, "") not in ("", "0", "false", "False")
 
 
+# One zero scalar per (device, dtype): padding is its stride-0 expansion, which `torch.cat` reads, so a
+# zero-padded operand costs one kernel (the cat) instead of two (a fill, then the cat). On a GPU the
+# batch-invariant step is launch-bound and pads many small operands (measured on an H200, tiny model:
+# 453 fills and 415 cats in one graphed decode step).
+_ZERO: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _zero(x: torch.Tensor) -> torch.Tensor:
+    key = (x.device, x.dtype)
+    zero = _ZERO.get(key)
+    if zero is None:
+        zero = torch.zeros((), dtype=x.dtype, device=x.device)
+        # made during a CUDA-graph capture it would live in the graph's pool: keep only ones made outside
+        if not (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _ZERO[key] = zero
+    return zero
+
+
+def _pad0(x: torch.Tensor, pad: int, dim: int = 0) -> torch.Tensor:
+    """`x` with `pad` zero slices appended along `dim` (itself when pad is 0), in one kernel."""
+    if not pad:
+        return x
+    shape = list(x.shape)
+    shape[dim] = pad
+    return torch.cat((x, _zero(x).expand(shape)), dim)
+
+
 def bmm(a: torch.Tensor, b: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
     """torch.bmm whose per-matrix results do not depend on the batch count on any device (see above):
-    calls of exactly `chunk` matrices (default: none on the CPU, `DEVICE_BATCH` elsewhere)."""
+    calls of exactly `chunk` matrices (default: none on the CPU, `DEVICE_BATCH` elsewhere), the last one
+    zero-padded."""
     if chunk is None:
         if a.device.type == "cpu":
             return torch.bmm(a, b)
@@ -123,32 +151,27 @@ def bmm(a: torch.Tensor, b: torch.Tensor, chunk: int | None = None) -> torch.Ten
     pad = (-n) % chunk
     shared = b.stride(0) == 0  # one broadcast matrix (a weight): stays a stride-0 view, never copied
     # one memory layout for every call (a strided view and its padded copy would differ)
-    a = a.contiguous()
-    if not shared:
-        b = b.contiguous()
-    if pad:
-        a = torch.cat((a, a.new_zeros(pad, *a.shape[1:])))
-        if not shared:
-            b = torch.cat((b, b.new_zeros(pad, *b.shape[1:])))
-    if shared:
-        b = b[:1].expand(chunk, *b.shape[1:])
-        out = [torch.bmm(a[i : i + chunk], b) for i in range(0, n + pad, chunk)]
-    else:
-        out = [torch.bmm(a[i : i + chunk], b[i : i + chunk]) for i in range(0, n + pad, chunk)]
+    a = _pad0(a.contiguous(), pad)
+    b = b[:1].expand(chunk, *b.shape[1:]) if shared else _pad0(b.contiguous(), pad)
+    if n + pad == chunk:  # one call: its output is the result (no concatenation)
+        return torch.bmm(a, b)[:n]
+    out = [torch.bmm(a[i : i + chunk], b if shared else b[i : i + chunk]) for i in range(0, n + pad, chunk)]
     return torch.cat(out)[:n]
 
 
-def tiled_matmul(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
-    """`x @ w_t` for 2-D `x` [M, K], computed as fixed [TILE_ROWS, K] @ [K, N] products (one bmm).
-    The path for accelerators (and for CPU dtypes other than FP64)."""
+def tiled_matmul(x: torch.Tensor, w_t: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+    """`x @ w_t` for 2-D `x` [M, K], computed as fixed [TILE_ROWS, K] @ [K, N] products (one bmm of
+    `chunk` tiles per call, as `bmm`). The path for accelerators (and for CPU dtypes other than FP64).
+    With chunks (off the CPU) the rows are padded at once to whole chunks of tiles (the zero tiles `bmm`
+    would append): one copy of `x`."""
+    if chunk is None and x.device.type != "cpu":
+        chunk = DEVICE_BATCH
     m, k = x.shape
-    pad = (-m) % TILE_ROWS
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad, k)])
+    x = _pad0(x, (-m) % (TILE_ROWS * (chunk or 1)))
     tiles = x.reshape(-1, TILE_ROWS, k)
     # bmm runs one GEMM per tile (the weight is broadcast, not copied); a 3-D @ 2-D matmul would be
     # folded back into one [M, K] GEMM, which is exactly what must not happen.
-    out = bmm(tiles, w_t.unsqueeze(0).expand(tiles.shape[0], -1, -1))
+    out = bmm(tiles, w_t.unsqueeze(0).expand(tiles.shape[0], -1, -1), chunk)
     return out.reshape(-1, w_t.shape[1])[:m]
 
 
@@ -502,13 +525,12 @@ def aligned_span(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, int]:
 def _row_tiles(x: torch.Tensor) -> torch.Tensor:
     """[B, R, C] -> [B, ceil(R / TILE_ROWS), TILE_ROWS, C] (zero rows appended)."""
     b, r, c = x.shape
-    pad = (-r) % TILE_ROWS
-    if pad:
-        x = torch.cat((x, x.new_zeros(b, pad, c)), dim=1)
-    return x.view(b, -1, TILE_ROWS, c)
+    return _pad0(x, (-r) % TILE_ROWS, dim=1).view(b, -1, TILE_ROWS, c)
 
 
-def _tile_products(a: torch.Tensor, b: torch.Tensor, seen: np.ndarray | None = None) -> torch.Tensor:
+def _tile_products(
+    a: torch.Tensor, b: torch.Tensor, seen: np.ndarray | None = None, batched: bool | None = None
+) -> torch.Tensor:
     """All products a[i, r, t] @ b[i, t]: a [B, R, Ta, m, k] (Ta = T, or 1 = the same for every t),
     b [B, T, k, n] -> [B, R, T, m, n]. Every product is one [m, k] x [k, n] GEMM of contiguous
     matrices; calls loop over (the smaller of B and R) x T and batch the larger, with the shared
@@ -518,7 +540,17 @@ def _tile_products(a: torch.Tensor, b: torch.Tensor, seen: np.ndarray | None = N
     contiguous hull of the batched index where `seen` holds is computed; the rest stay exact +0, which
     is also what a GEMM gives for them (an all-zero P tile times any keys: every product is ±0, summed
     from +0 -> +0; a masked score is replaced by -inf anyway), so skipping them changes no bit. This is
-    the band restriction of the sliding window: a query row tile computes only the key tiles it sees."""
+    the band restriction of the sliding window: a query row tile computes only the key tiles it sees.
+
+    `batched` (default: off the CPU, where the step is launch-bound, when every product is computed): the
+    products of all key tiles go into one `bmm` list per sequence or row tile (`_tile_products_batched`)
+    instead of one call per tile; every product is still one fixed [m, k] x [k, n] GEMM."""
+    if batched is None:
+        batched = seen is None and a.device.type != "cpu"
+    if batched:
+        if seen is not None:
+            raise ValueError("batched tile products compute every product: seen must be None")
+        return _tile_products_batched(a, b)
     bsz, r_count, ta = a.shape[:3]
     t_count = b.shape[1]
     alloc = a.new_empty if seen is None else a.new_zeros
@@ -536,6 +568,30 @@ def _tile_products(a: torch.Tensor, b: torch.Tensor, seen: np.ndarray | None = N
                 if hi > lo:
                     out[lo:hi, r, t] = bmm(a[lo:hi, r, at], b[lo:hi, t])
     return out
+
+
+def _tile_products_batched(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Every product of `_tile_products` (same shapes, same results), batched over the key tiles: where
+    there are at least as many row tiles as sequences, one `bmm` list per sequence (its R x T products,
+    its key tiles repeated per row tile); otherwise one per row tile (the B x T products of all
+    sequences, their key tiles as they lie)."""
+    bsz, r_count, ta, m, k = a.shape
+    t_count, n = b.shape[1], b.shape[-1]
+    if r_count >= bsz:
+        per_seq = [
+            bmm(
+                a[i].expand(r_count, t_count, m, k).reshape(-1, m, k),
+                b[i].unsqueeze(0).expand(r_count, t_count, k, n).reshape(-1, k, n),
+            ).view(r_count, t_count, m, n)
+            for i in range(bsz)
+        ]
+        return per_seq[0].unsqueeze(0) if bsz == 1 else torch.stack(per_seq)
+    flat_b = b.reshape(-1, k, n)
+    per_row = [
+        bmm(a[:, r].expand(bsz, t_count, m, k).reshape(-1, m, k), flat_b).view(bsz, t_count, m, n)
+        for r in range(r_count)
+    ]
+    return per_row[0].unsqueeze(1) if r_count == 1 else torch.stack(per_row, dim=1)
 
 
 def _hull(flags: np.ndarray | None, n: int) -> tuple[int, int]:

@@ -295,7 +295,7 @@ def _gathered_bmm(a: torch.Tensor, w: torch.Tensor, pairs: torch.Tensor, chunk: 
         torch.bmm(a[i : i + chunk], w[pairs[i : i + chunk]].to(torch.float64).transpose(1, 2))
         for i in range(0, a.shape[0], chunk)
     ]
-    return torch.cat(out)
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
 def _pair_tiled(
