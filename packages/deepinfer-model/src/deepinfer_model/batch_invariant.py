@@ -71,6 +71,12 @@ SCORE_COLS = 4  # `row_scores`: query rows (GEMM columns) padded to a multiple o
 GATHER_CHUNK = 4096  # gathered tile products per bmm call in attention (bounds the gathered copies)
 EXACT_BLOCK_QUERIES = 64  # queries per block of `_exact_attention_blocks` (each scores its band of key tiles)
 PV_HALF_ROWS = 4  # `_one_query_attention`: P.V tile rows for at most this many heads (CPU, see there)
+# CPU GEMMs of exact products get at least this many rows (zero rows appended): MKL's FP64 kernels for
+# fewer rows can sum over K in another order. Measured on an AVX-512 host (torch 2.15): with K >= 512, rows
+# of M = 1..4 (FP32-valued rows, one GEMM) and M = 1..15 (the hi / lo parts of `exact_gemm`) differed in
+# their last bits from the same rows among 300; from 16 rows on they agreed (on the host of earlier
+# sessions every M agreed).
+MIN_GEMM_ROWS = 16
 
 
 # The setting for the model step that is running (`numerics.resolved`), None outside one.
@@ -253,6 +259,15 @@ def _row_major(w_t: torch.Tensor) -> list[torch.Tensor]:
     return parts
 
 
+def _cpu_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`a @ b` (2-D, or 3-D as a bmm) on the CPU with at least `MIN_GEMM_ROWS` rows per matrix."""
+    mm = torch.mm if a.dim() == 2 else torch.bmm
+    m = a.shape[-2]
+    if m >= MIN_GEMM_ROWS:
+        return mm(a, b)
+    return mm(_pad0(a, MIN_GEMM_ROWS - m, dim=a.dim() - 2), b)[..., :m, :]
+
+
 def exact_gemm(a: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
     """`a @ sum(parts)` on the CPU (2-D, or 3-D as a bmm) for FP64 `a` and FP64 `parts` of at most 24
     significant bits each (contiguous, last dim a multiple of `COL_PAD`), with every product exact.
@@ -267,18 +282,17 @@ def exact_gemm(a: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
     whose lo is not zero (decided per row from the row itself, so a row of FP32 values never sees those
     terms, not even as a +0 that would turn a -0 into +0). Activations are FP32/BF16-valued at most
     GEMM inputs: one GEMM per weight part there."""
-    mm = torch.mm if a.dim() == 2 else torch.bmm
     a = a.contiguous()
     hi = a.float().double()
     lo = a - hi
-    out = mm(hi, parts[0])
+    out = _cpu_gemm(hi, parts[0])
     for p in parts[1:]:
-        out = out + mm(hi, p)
+        out = out + _cpu_gemm(hi, p)
     if _SYNC_FREE or bool(lo.any()):  # (one cheap test first: most GEMM inputs are FP32/BF16 values)
         has_lo = lo.ne(0).any(dim=-1, keepdim=True)
-        low = mm(lo, parts[0])
+        low = _cpu_gemm(lo, parts[0])
         for p in parts[1:]:
-            low = low + mm(lo, p)
+            low = low + _cpu_gemm(lo, p)
         out = torch.where(has_lo, out + low, out)
     return out
 
@@ -301,21 +315,21 @@ def row_gemm(x: torch.Tensor, w_t: torch.Tensor, fp32_valued: bool = False) -> t
         out = exact_gemm(x, parts)
         return out if out.shape[1] == n else out[:, :n]
     if fp32_valued:  # the caller knows every row is FP32-valued (`marked_fp32_valued`): no test
-        out = x @ parts[0]
+        out = _cpu_gemm(x, parts[0])
         return out if out.shape[1] == n else out[:, :n]
     fp32 = x.float().double()
     if _SYNC_FREE:  # both paths for every row, each row takes its own (see `sync_free`)
         wide = x.ne(fp32).any(dim=-1, keepdim=True)
-        return torch.where(wide, tiled_matmul(x, parts[0]), x @ parts[0])[:, :n]
+        return torch.where(wide, tiled_matmul(x, parts[0]), _cpu_gemm(x, parts[0]))[:, :n]
     if torch.equal(x, fp32):  # every row FP32-valued (the common case: one test, one host read)
-        out = x @ parts[0]
+        out = _cpu_gemm(x, parts[0])
         return out if out.shape[1] == n else out[:, :n]
     wide = x.ne(fp32).any(dim=-1)  # rows with more than FP32's 24 significant bits (NaN rows too)
     if bool(wide.all()):
         return tiled_matmul(x, parts[0])[:, :n]
     out = x.new_empty(m, n)
     short = ~wide
-    out[short] = (x[short] @ parts[0])[:, :n]
+    out[short] = _cpu_gemm(x[short], parts[0])[:, :n]
     out[wide] = tiled_matmul(x[wide], parts[0])[:, :n]
     return out
 
@@ -417,7 +431,7 @@ def grouped_gemm(
         raise ValueError(f"grouped_gemm: counts {counts} do not describe {r} rows of {parts.shape[0]} groups")
     x = x.contiguous()
     if fp32_valued and not loop and len(set(counts)) == 1 and k * n * counts[0] >= GEMM_NAIVE_ELEMENTS:
-        return torch.bmm(x.view(len(counts), counts[0], k), parts).view(r, n)
+        return _cpu_gemm(x.view(len(counts), counts[0], k), parts).reshape(r, n)
     # FP32-valued rows (known, or found here) have no lo part
     hi, lo = (x, None) if fp32_valued else (x.float().double(), None)
     if not fp32_valued:
@@ -442,7 +456,7 @@ def grouped_gemm(
         total += n_wide
     used = np.flatnonzero(cnt)
     first, last = int(used[0]), int(used[-1]) + 1
-    mmax = int(total.max())
+    mmax = max(int(total.max()), MIN_GEMM_ROWS)
     if k * n * mmax < GEMM_NAIVE_ELEMENTS:
         raise ValueError(
             f"grouped_gemm: K * N = {k * n} is below GEMM_NAIVE_ELEMENTS = {GEMM_NAIVE_ELEMENTS}"
@@ -477,7 +491,10 @@ def _grouped_loop(
         start = 0
         for e, c in enumerate(counts):
             if c:
-                torch.mm(rows[start : start + c], parts[e], out=out[start : start + c])
+                if c >= MIN_GEMM_ROWS:
+                    torch.mm(rows[start : start + c], parts[e], out=out[start : start + c])
+                else:
+                    out[start : start + c] = _cpu_gemm(rows[start : start + c], parts[e])
                 start += c
         return out
 
