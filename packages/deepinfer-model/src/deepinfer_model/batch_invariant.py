@@ -272,9 +272,10 @@ def exact_gemm(a: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
     """`a @ sum(parts)` on the CPU (2-D, or 3-D as a bmm) for FP64 `a` and FP64 `parts` of at most 24
     significant bits each (contiguous, last dim a multiple of `COL_PAD`), with every product exact.
 
-    Why: MKL's FP64 kernels sum over K in the same order for every M (measured: operands whose products
-    are exact gave bitwise equal rows for M = 1..2048 at any row offset, K up to 7168, 1 and 2
-    threads), but rows in full register blocks and the other rows (the GEMV of M = 1, a tail of M mod 4
+    Why: MKL's FP64 kernels sum over K in the same order for every M of at least `MIN_GEMM_ROWS` rows
+    (measured: operands whose products are exact gave bitwise equal rows for M = 1..2048 at any row
+    offset, K up to 7168, 1 and 2 threads, on one host; on an AVX-512 host only from 16 rows on, so fewer
+    rows are padded to that), but rows in full register blocks and the other rows (the GEMV of M = 1, a tail of M mod 4
     rows) differ in fused vs separate multiply-add: with inexact products a row's bits then depend on
     M and on its index. A product of a 24-bit and a 29-bit significand fits FP64's 53 bits, so `a` is
     split into hi = `a` rounded to FP32 and lo = a - hi (exact, at most 29 significant bits; `a` within
@@ -406,8 +407,8 @@ def grouped_gemm(
 
     Why it is invariant: every product is exact (as in `exact_gemm`: a row is split into hi = its FP32
     rounding and lo = the rest, at most 29 significant bits, against weights of at most 24), and MKL's
-    FP64 GEMM sums exact products in the same K order for every M and every row index, in `torch.bmm`
-    as in `torch.mm` (measured, and tested: `test_grouped_gemm_rows_do_not_depend_on_the_batch`). So
+    FP64 GEMM sums exact products in the same K order for every M (of at least `MIN_GEMM_ROWS` rows: groups
+    are padded to that) and every row index, in `torch.bmm` as in `torch.mm` (measured, and tested: `test_grouped_gemm_rows_do_not_depend_on_the_batch`). So
     all groups go into one bmm over [E', Mmax, K] (groups zero-padded to the longest; E' = the groups
     from the first to the last non-empty one, which are views of `parts`), instead of one call or one
     set of fixed row tiles per group. A row whose lo is not zero (decided from the row itself: the
