@@ -217,3 +217,37 @@ def test_failing_kernel_falls_back_to_torch_once_and_is_recorded(caplog):
         assert fn(1) == 2
     assert fn(2) == 3 and calls == {"kernel": 2, "torch": 2}
     assert "nvcc failed" in nvidia.TILELANG_FALLBACKS.pop("test_op") and "nvcc failed" in caplog.text
+
+
+def test_batch_invariant_mixes_take_the_reference_on_every_device(monkeypatch):
+    """In batch-invariant mode `model_calls.hc_mixes` uses the cpu (reference) table even where another
+    backend serves the tensor's device: the NVIDIA op projects with a cuBLAS GEMM whose kernel follows the
+    token count. Outside the mode the device's table serves it."""
+    from deepinfer_model.layers.mhc import HCParams
+    from deepinfer_model.ops import model_calls
+
+    m, hidden = 4, 16
+    g = torch.Generator().manual_seed(0)
+    trunk = torch.randn(3, m, hidden, generator=g, dtype=torch.float64).float().double()
+    params = HCParams(
+        torch.randn((2 + m) * m, m * hidden, generator=g),
+        torch.randn((2 + m) * m, generator=g),
+        torch.rand(3, generator=g),
+    )
+
+    class Other:  # stands in for the table of a GPU backend
+        calls = 0
+
+        def hc_mixes(self, *args):
+            Other.calls += 1
+            return get_ops("cpu").hc_mixes(*args)
+
+    monkeypatch.setattr(model_calls, "ops_for", lambda x: Other())
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "0")
+    ref = model_calls.hc_mixes(trunk, params, 1e-6, 1e-6, 20)
+    assert Other.calls == 1
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
+    got = model_calls.hc_mixes(trunk, params, 1e-6, 1e-6, 20)
+    assert Other.calls == 1  # the reference, not the device's table
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
