@@ -1,6 +1,9 @@
 """The paged drafter (drafts read from the paged runner's cached drafter keys, no extra forward) must
 propose exactly what the stateless `ModelDrafter` proposes, also after verification steps that
-rejected drafts (their rows are in the cache but must never be read)."""
+rejected drafts (their rows are in the cache but must never be read). Bitwise where the model computes
+with the reference ops (the CPU, or CUDA with DEEPINFER_ACCELERATOR=cpu); with the NVIDIA ops (TileLang
+kernels, cuBLAS projections whose kernel follows the token count) the same tokens and confidences within
+FP32 rounding (seen on an H200: one ulp)."""
 
 import pytest
 import torch
@@ -9,6 +12,7 @@ from deepinfer.engine.drafting import ModelDrafter, PagedDrafter
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine_args import EngineArgs
 from deepinfer_model.models.deepseek_v41 import make_v41_checkpoint
+from deepinfer_model.ops import get_ops
 
 PROMPTS = [[0, 17, 99, 4, 250, 61, 8, 130], [5, 6, 7, 8], [100, 3, 42]]
 
@@ -19,6 +23,7 @@ class CrossCheck:
     def __init__(self, engine):
         self.paged = PagedDrafter(engine.runner, engine.model)
         self.stateless = ModelDrafter(engine.model)
+        self.bitwise = torch.device(engine.device).type == "cpu" or get_ops().backend == "cpu"
         self.checked = 0
         self.after_rejection = 0
 
@@ -27,10 +32,15 @@ class CrossCheck:
         want = self.stateless.propose(requests)
         for req, g, w in zip(requests, got, want):
             assert g.tokens == w.tokens, req.seq_id
-            assert g.confidences == w.confidences, req.seq_id
             assert (g.probs is None) == (w.probs is None)
-            if g.probs is not None:
-                assert torch.equal(g.probs, w.probs)
+            if self.bitwise:
+                assert g.confidences == w.confidences, req.seq_id
+                if g.probs is not None:
+                    assert torch.equal(g.probs, w.probs)
+            else:
+                assert g.confidences == pytest.approx(w.confidences, rel=1e-5, abs=1e-7), req.seq_id
+                if g.probs is not None:
+                    torch.testing.assert_close(g.probs, w.probs, rtol=1e-5, atol=1e-7)
             self.checked += 1
             # a verification step whose drafts were not all accepted left rejected rows in the cache
             self.after_rejection += req.num_accepted < 3
