@@ -144,6 +144,27 @@ def test_cpu_row_gemm_rows_do_not_depend_on_the_batch(threads):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_gemm_rows_of_deep_wide_weights_do_not_depend_on_m(threads):
+    """FP32-valued rows against a deep, wide FP32 weight (K = 1024, N = 256), all in the exact-product
+    GEMM: a row's bits are the same for M = 1 .. 600. On an AVX-512 host a single MKL GEMM gave other bits
+    below ~192 rows than above (K split at M-dependent points), and for one or two rows; the K blocks and
+    minimum rows of `_cpu_gemm` fix that."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(12)
+        w_t = torch.randn(256, 1024, generator=g).t()
+        x = torch.randn(600, 1024, generator=g).double()
+        full = batch_invariant.row_gemm(x, w_t, fp32_valued=True)
+        for m in (1, 2, 3, 5, 64, 191, 192, 193, 400):
+            for start in (0, 5):
+                out = batch_invariant.row_gemm(x[start : start + m], w_t, fp32_valued=True)
+                assert torch.equal(out, full[start : start + m]), (m, start)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
 def test_grouped_gemm_rows_do_not_depend_on_the_batch(threads):
     """`grouped_gemm` (all experts of a projection in one bmm, groups zero-padded to the longest): a row's
     FP64 result is the same whether it is computed alone (M = 1) or among M = 3, 8, 37 rows spread

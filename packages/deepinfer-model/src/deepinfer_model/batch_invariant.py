@@ -71,12 +71,16 @@ SCORE_COLS = 4  # `row_scores`: query rows (GEMM columns) padded to a multiple o
 GATHER_CHUNK = 4096  # gathered tile products per bmm call in attention (bounds the gathered copies)
 EXACT_BLOCK_QUERIES = 64  # queries per block of `_exact_attention_blocks` (each scores its band of key tiles)
 PV_HALF_ROWS = 4  # `_one_query_attention`: P.V tile rows for at most this many heads (CPU, see there)
-# CPU GEMMs of exact products get at least this many rows (zero rows appended): MKL's FP64 kernels for
-# fewer rows can sum over K in another order. Measured on an AVX-512 host (torch 2.15): with K >= 512, rows
-# of M = 1..4 (FP32-valued rows, one GEMM) and M = 1..15 (the hi / lo parts of `exact_gemm`) differed in
-# their last bits from the same rows among 300; from 16 rows on they agreed (on the host of earlier
-# sessions every M agreed).
-MIN_GEMM_ROWS = 16
+# CPU GEMMs of exact products (`_cpu_gemm`) run over K in blocks of at most GEMM_K_BLOCK columns, their
+# results added in block order, and with more than one intra-op thread with at least MIN_GEMM_ROWS rows
+# (zero rows appended): MKL's FP64 kernels split a longer K at points that depend on M, and its threaded
+# GEMV splits one row's work. Measured on an AVX-512 host (torch 2.15): FP32-valued rows with K >= 512
+# differed in their last bits between M = 1..2 and more rows, with K >= 1024 and N >= 256 between M < ~192
+# and more, and with 2 threads M = 1 differed from M > 1 already at K = 129; 256-column blocks agreed for
+# every M up to 700 (K up to 4096, N up to 16,160) with 1 thread, and from 3 rows on with 2 threads (the
+# host of earlier sessions agreed for every M at any K). One thread keeps a decode row's GEMV.
+GEMM_K_BLOCK = 256
+MIN_GEMM_ROWS = 4
 
 
 # The setting for the model step that is running (`numerics.resolved`), None outside one.
@@ -260,22 +264,28 @@ def _row_major(w_t: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _cpu_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """`a @ b` (2-D, or 3-D as a bmm) on the CPU with at least `MIN_GEMM_ROWS` rows per matrix."""
+    """`a @ b` (2-D, or 3-D as a bmm) on the CPU as GEMMs over K blocks of `GEMM_K_BLOCK` columns, summed in
+    block order, of at least `MIN_GEMM_ROWS` rows where torch runs several threads: each block's sum then has
+    one order for every M (see `GEMM_K_BLOCK`)."""
     mm = torch.mm if a.dim() == 2 else torch.bmm
-    m = a.shape[-2]
-    if m >= MIN_GEMM_ROWS:
-        return mm(a, b)
-    return mm(_pad0(a, MIN_GEMM_ROWS - m, dim=a.dim() - 2), b)[..., :m, :]
+    m, k = a.shape[-2], a.shape[-1]
+    pad = MIN_GEMM_ROWS - m if torch.get_num_threads() > 1 else 0
+    if pad > 0:
+        a = _pad0(a, pad, dim=a.dim() - 2)
+    out = mm(a[..., :GEMM_K_BLOCK], b[..., :GEMM_K_BLOCK, :])
+    for k0 in range(GEMM_K_BLOCK, k, GEMM_K_BLOCK):
+        out += mm(a[..., k0 : k0 + GEMM_K_BLOCK], b[..., k0 : k0 + GEMM_K_BLOCK, :])
+    return out[..., :m, :] if pad > 0 else out
 
 
 def exact_gemm(a: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
     """`a @ sum(parts)` on the CPU (2-D, or 3-D as a bmm) for FP64 `a` and FP64 `parts` of at most 24
     significant bits each (contiguous, last dim a multiple of `COL_PAD`), with every product exact.
 
-    Why: MKL's FP64 kernels sum over K in the same order for every M of at least `MIN_GEMM_ROWS` rows
-    (measured: operands whose products are exact gave bitwise equal rows for M = 1..2048 at any row
-    offset, K up to 7168, 1 and 2 threads, on one host; on an AVX-512 host only from 16 rows on, so fewer
-    rows are padded to that), but rows in full register blocks and the other rows (the GEMV of M = 1, a tail of M mod 4
+    Why: MKL's FP64 kernels sum over K in the same order for every M (measured: operands whose products
+    are exact gave bitwise equal rows for M = 1..2048 at any row offset, K up to 7168, 1 and 2 threads,
+    on one host; on an AVX-512 host only over K blocks of at most `GEMM_K_BLOCK` columns and, with several
+    threads, from `MIN_GEMM_ROWS` rows on, which `_cpu_gemm` therefore runs), but rows in full register blocks and the other rows (the GEMV of M = 1, a tail of M mod 4
     rows) differ in fused vs separate multiply-add: with inexact products a row's bits then depend on
     M and on its index. A product of a 24-bit and a 29-bit significand fits FP64's 53 bits, so `a` is
     split into hi = `a` rounded to FP32 and lo = a - hi (exact, at most 29 significant bits; `a` within
@@ -407,8 +417,8 @@ def grouped_gemm(
 
     Why it is invariant: every product is exact (as in `exact_gemm`: a row is split into hi = its FP32
     rounding and lo = the rest, at most 29 significant bits, against weights of at most 24), and MKL's
-    FP64 GEMM sums exact products in the same K order for every M (of at least `MIN_GEMM_ROWS` rows: groups
-    are padded to that) and every row index, in `torch.bmm` as in `torch.mm` (measured, and tested: `test_grouped_gemm_rows_do_not_depend_on_the_batch`). So
+    FP64 GEMM sums exact products in the same K order for every M (over K blocks of `GEMM_K_BLOCK`, see
+    `_cpu_gemm`) and every row index, in `torch.bmm` as in `torch.mm` (measured, and tested: `test_grouped_gemm_rows_do_not_depend_on_the_batch`). So
     all groups go into one bmm over [E', Mmax, K] (groups zero-padded to the longest; E' = the groups
     from the first to the last non-empty one, which are views of `parts`), instead of one call or one
     set of fixed row tiles per group. A row whose lo is not zero (decided from the row itself: the
@@ -457,21 +467,21 @@ def grouped_gemm(
         total += n_wide
     used = np.flatnonzero(cnt)
     first, last = int(used[0]), int(used[-1]) + 1
-    mmax = max(int(total.max()), MIN_GEMM_ROWS)
+    mmax = int(total.max())
     if k * n * mmax < GEMM_NAIVE_ELEMENTS:
         raise ValueError(
             f"grouped_gemm: K * N = {k * n} is below GEMM_NAIVE_ELEMENTS = {GEMM_NAIVE_ELEMENTS}"
         )
     w = parts[first:last]  # a view: the groups in range, empty ones included (their rows are zeros)
     if not len(wide) and bool((cnt[first:last] == mmax).all()):  # every group full: no padding needed
-        return torch.bmm(hi.view(last - first, mmax, k), w).view(r, n)
+        return _cpu_gemm(hi.view(last - first, mmax, k), w).reshape(r, n)
     dest = torch.from_numpy((group - first) * mmax + np.arange(r) - (np.cumsum(cnt) - cnt)[group])
     a = x.new_zeros((last - first) * mmax, k)
     a[dest] = hi
     if len(wide):
         lo_dest = torch.from_numpy((wg - first) * mmax + lo_slot)
         a[lo_dest] = lo[wide]
-    prod = torch.bmm(a.view(last - first, mmax, k), w).view(-1, n)
+    prod = _cpu_gemm(a.view(last - first, mmax, k), w).reshape(-1, n)
     out = prod[dest]
     if len(wide):
         out[wide] = out[wide] + prod[lo_dest]
@@ -492,10 +502,7 @@ def _grouped_loop(
         start = 0
         for e, c in enumerate(counts):
             if c:
-                if c >= MIN_GEMM_ROWS:
-                    torch.mm(rows[start : start + c], parts[e], out=out[start : start + c])
-                else:
-                    out[start : start + c] = _cpu_gemm(rows[start : start + c], parts[e])
+                out[start : start + c] = _cpu_gemm(rows[start : start + c], parts[e])
                 start += c
         return out
 
