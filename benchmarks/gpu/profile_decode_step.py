@@ -29,19 +29,6 @@ RESULTS = Path(__file__).resolve().parents[1] / "results"
 MODES = {"default": "0", "batch_invariant": "1"}
 
 
-def _batch(b: int, start: int, q: int, tables, ids):
-    from deepinfer_model.runner import RunnerBatch
-
-    return RunnerBatch(
-        seq_ids=np.arange(b, dtype=np.int64),
-        start_positions=np.full(b, start, dtype=np.int64),
-        query_lens=np.full(b, q, dtype=np.int64),
-        block_tables=tables,
-        input_ids=np.ascontiguousarray(ids).reshape(-1).astype(np.int64),
-        logits_lens=np.ones(b, dtype=np.int64),
-    )
-
-
 def _median_ms(fn, n: int, cuda: bool) -> float:
     """Median time of `fn()`: CUDA events on a GPU, the host clock on the CPU (the script's dry run)."""
     times = []
@@ -79,6 +66,7 @@ def _kernel_table(prof, steps: int, cuda: bool):
 
 
 def profile_one(model, b: int, mode: str, args) -> tuple[dict, list]:
+    from deepinfer_model.runner import RunnerBatch
     from deepinfer_model.runtime import DecodeGraphSettings, PagedRunner
 
     os.environ["DEEPINFER_BATCH_INVARIANT"] = MODES[mode]
@@ -91,14 +79,14 @@ def profile_one(model, b: int, mode: str, args) -> tuple[dict, list]:
     tables = [np.arange(i * per_seq, (i + 1) * per_seq, dtype=np.int32) for i in range(b)]
     rng = np.random.default_rng(0)
     prompt = rng.integers(1000, 90_000, (b, args.context))
-    logits = runner.execute(_batch(b, 0, args.context, tables, prompt))
+    logits = runner.execute(RunnerBatch.lockstep(tables, 0, prompt))
     tok = torch.argmax(logits, -1).cpu().numpy()[:, None]
     pos = args.context
     walls = []
     for i in range(args.steps):  # the first step captures its graph
         sync()
         t0 = time.perf_counter()
-        logits = runner.execute(_batch(b, pos, 1, tables, tok))
+        logits = runner.execute(RunnerBatch.lockstep(tables, pos, tok))
         tok = np.array(torch.argmax(logits, -1).tolist())[:, None]
         if i > 0:
             walls.append((time.perf_counter() - t0) * 1e3)

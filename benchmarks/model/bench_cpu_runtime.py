@@ -47,14 +47,7 @@ def _run(model, kind: str, batch: int, prompt_len: int, decode_steps: int, block
             t0 = time.perf_counter()
             q = prompt_len if phase == "prefill" else 1
             start = ctx - q
-            step = RunnerBatch(
-                seq_ids=np.arange(batch, dtype=np.int64),
-                start_positions=np.full(batch, start, dtype=np.int64),
-                query_lens=np.full(batch, q, dtype=np.int64),
-                block_tables=tables,
-                input_ids=seqs[:, start:ctx].reshape(-1),
-                logits_lens=np.ones(batch, dtype=np.int64),
-            )
+            step = RunnerBatch.lockstep(tables, start, seqs[:, start:ctx])
             meta0 = getattr(runner, "metadata_s", 0.0)
             t1 = time.perf_counter()
             logits = runner.execute(step)

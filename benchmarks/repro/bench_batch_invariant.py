@@ -58,16 +58,7 @@ def _once(
         t0 = clock()
         for _ in range(steps):
             step_ids = ids[:, ctx : ctx + q] if phase == "prefill" else np.array(tokens[-1])[:, None]
-            logits = runner.execute(
-                RunnerBatch(
-                    seq_ids=np.arange(batch, dtype=np.int64),
-                    start_positions=np.full(batch, ctx, dtype=np.int64),
-                    query_lens=np.full(batch, q, dtype=np.int64),
-                    block_tables=tables,
-                    input_ids=np.ascontiguousarray(step_ids).reshape(-1).astype(np.int64),
-                    logits_lens=np.ones(batch, dtype=np.int64),
-                )
-            )
+            logits = runner.execute(RunnerBatch.lockstep(tables, ctx, step_ids))
             tokens.append(torch.argmax(logits, dim=-1).tolist())
             ctx += q
         times[phase] = (clock() - t0, steps * batch * q)

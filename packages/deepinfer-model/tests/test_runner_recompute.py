@@ -131,3 +131,22 @@ def test_executes_a_real_scheduler_output(model):
             tokens.append(tok)
             row += 1
         sched.update_from_output(out, np.array(tokens, dtype=np.int32))
+
+
+def test_lockstep_batch_is_every_sequence_at_one_position():
+    """`RunnerBatch.lockstep`: sequence i feeds row i of the ids from `start`, one logits row each."""
+    tables = [
+        np.array([0, 1], dtype=np.int32),
+        np.array([2, 3], dtype=np.int32),
+        np.array([4], dtype=np.int32),
+    ]
+    ids = np.array([[5, 6], [7, 8], [9, 10]])
+    b = RunnerBatch.lockstep(tables, 3, ids)
+    assert b.seq_ids.tolist() == [0, 1, 2] and b.start_positions.tolist() == [3, 3, 3]
+    assert b.query_lens.tolist() == [2, 2, 2] and b.logits_lens.tolist() == [1, 1, 1]
+    assert b.input_ids.tolist() == [5, 6, 7, 8, 9, 10] and b.input_ids.dtype == np.int64
+    assert b.block_tables[2] is tables[2]
+    one = RunnerBatch.lockstep(tables, 5, [[1], [2], [3]])  # a decode step
+    assert one.query_lens.tolist() == [1, 1, 1] and one.input_ids.tolist() == [1, 2, 3]
+    with pytest.raises(ValueError):
+        RunnerBatch.lockstep(tables, 0, np.arange(7))  # not one row per sequence

@@ -58,6 +58,21 @@ class RunnerBatch:
             logits_lens=np.asarray(out.emits_tokens, dtype=bool).astype(np.int64),
         )
 
+    @classmethod
+    def lockstep(cls, block_tables: list[np.ndarray], start: int, input_ids) -> RunnerBatch:
+        """A step in which every sequence i (row i of `input_ids` [B, q]) computes q tokens from position
+        `start`, with one logits row: the lock-step batches of benchmarks and tools."""
+        ids = np.asarray(input_ids, dtype=np.int64).reshape(len(block_tables), -1)
+        b, q = ids.shape
+        return cls(
+            seq_ids=np.arange(b, dtype=np.int64),
+            start_positions=np.full(b, start, dtype=np.int64),
+            query_lens=np.full(b, q, dtype=np.int64),
+            block_tables=list(block_tables),
+            input_ids=np.ascontiguousarray(ids).reshape(-1),
+            logits_lens=np.ones(b, dtype=np.int64),
+        )
+
     @property
     def num_logits_rows(self) -> int:
         return int(self.logits_lens.sum())
