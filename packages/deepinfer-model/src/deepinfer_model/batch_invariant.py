@@ -285,9 +285,9 @@ def exact_gemm(a: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
     Why: MKL's FP64 kernels sum over K in the same order for every M (measured: operands whose products
     are exact gave bitwise equal rows for M = 1..2048 at any row offset, K up to 7168, 1 and 2 threads,
     on one host; on an AVX-512 host only over K blocks of at most `GEMM_K_BLOCK` columns and, with several
-    threads, from `MIN_GEMM_ROWS` rows on, which `_cpu_gemm` therefore runs), but rows in full register blocks and the other rows (the GEMV of M = 1, a tail of M mod 4
-    rows) differ in fused vs separate multiply-add: with inexact products a row's bits then depend on
-    M and on its index. A product of a 24-bit and a 29-bit significand fits FP64's 53 bits, so `a` is
+    threads, from `MIN_GEMM_ROWS` rows on, which `_cpu_gemm` therefore runs), but rows in full register
+    blocks and the other rows (the GEMV of M = 1, a tail of M mod 4 rows) differ in fused vs separate
+    multiply-add: with inexact products a row's bits then depend on M and on its index. A product of a 24-bit and a 29-bit significand fits FP64's 53 bits, so `a` is
     split into hi = `a` rounded to FP32 and lo = a - hi (exact, at most 29 significant bits; `a` within
     FP32's normal range). The result is the sum over parts of hi @ part, then of lo @ part for the rows
     whose lo is not zero (decided per row from the row itself, so a row of FP32 values never sees those
@@ -418,7 +418,8 @@ def grouped_gemm(
     Why it is invariant: every product is exact (as in `exact_gemm`: a row is split into hi = its FP32
     rounding and lo = the rest, at most 29 significant bits, against weights of at most 24), and MKL's
     FP64 GEMM sums exact products in the same K order for every M (over K blocks of `GEMM_K_BLOCK`, see
-    `_cpu_gemm`) and every row index, in `torch.bmm` as in `torch.mm` (measured, and tested: `test_grouped_gemm_rows_do_not_depend_on_the_batch`). So
+    `_cpu_gemm`) and every row index, in `torch.bmm` as in `torch.mm` (measured, and tested:
+    `test_grouped_gemm_rows_do_not_depend_on_the_batch`). So
     all groups go into one bmm over [E', Mmax, K] (groups zero-padded to the longest; E' = the groups
     from the first to the last non-empty one, which are views of `parts`), instead of one call or one
     set of fixed row tiles per group. A row whose lo is not zero (decided from the row itself: the

@@ -18,8 +18,8 @@ Batch-invariant mode (`DEEPINFER_BATCH_INVARIANT=1`) replays graphs too: the sta
 its window keys and selected compressed entries in the eager step's aligned key tiles and computes every
 tile product instead of the host-planned subset, so a row's logits are bitwise the eager BI step's
 whether its step was replayed or not (the batch-invariant tests of test_cuda_graphs.py; the replay on an
-H200: test_cuda_graphs_gpu.py). `DecodeGraphSettings.batch_invariant=False` runs such steps eagerly. Graphs are captured
-under one (numerics mode, batch-invariant mode); a step under another runs eagerly.
+H200: test_cuda_graphs_gpu.py). `DecodeGraphSettings.batch_invariant=False` runs such steps eagerly.
+Graphs are captured under one (numerics mode, batch-invariant mode); a step under another runs eagerly.
 
 Buckets are token counts (`build_graph_batch_sizes`, max = max_num_seqs x (1 + nextn)); context tiers
 are context lengths (`build_context_tiers`: min_context_tier, doubling, then max_context). A step of n
@@ -300,7 +300,10 @@ class DecodeGraphRunner:
         if int(meta.ends.max()) > self.tiers[-1]:
             return f"context {int(meta.ends.max())} > max_context {self.tiers[-1]}"
         if batch_invariant.enabled() and not self.settings.batch_invariant:
-            return "batch-invariant graphs are off (DecodeGraphSettings.batch_invariant; engine: DEEPINFER_CUDAGRAPH_BATCH_INVARIANT=0)"
+            return (
+                "batch-invariant graphs are off "
+                "(DecodeGraphSettings.batch_invariant; engine: DEEPINFER_CUDAGRAPH_BATCH_INVARIANT=0)"
+            )
         if batch_invariant.enabled() and self.device.type == "cpu":
             from ..models.deepseek_v41.paged import static_batch_invariant_problem
 
