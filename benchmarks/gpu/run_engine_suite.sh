@@ -6,8 +6,9 @@
 # engine (the deepinfer package's tests with DEEPINFER_DEVICE=cuda), ppl (refresh the nvidia-sm90 decode PPL
 # baselines), bench (decode / prefill sweep of the medium config against the roofline; benchtiny: the tiny one too),
 # gap (bench_offline.py on the GPU: the device's idle gap per decode step, sync vs async loop, from CUDA events),
-# graphs (the CUDA-graph gpu tests with the NVIDIA ops), profstep (profile_decode_step.py with the kernel bundle: the graphed decode step's replay time and kernel
-# breakdown, tiny default vs batch-invariant, medium native at batch 1 / 8).
+# graphs (the CUDA-graph gpu tests with the NVIDIA ops), profstep (profile_decode_step.py with the kernel bundle:
+# the graphed decode step's replay time and kernel breakdown, tiny default vs batch-invariant, medium native at
+# batch 1 / 8). Modifiers: nodecode / noprefill (bench: only the other half).
 # Results: $OUT (device tool) or benchmarks/results; logs in engine_logs.tar.gz.
 set -uo pipefail
 final=${OUT:-benchmarks/results}
