@@ -297,8 +297,7 @@ def test_chunked_tiled_matmul_is_the_tile_products():
 
 
 def test_batched_tile_products_equal_the_per_tile_loop(monkeypatch):
-    """The accelerators' `_tile_products` (all key tiles in one bmm list per sequence / row tile, chunked
-    as off the CPU) gives bitwise the products of the per-tile loop, for shared (Ta = 1) and per-tile left
+    """The accelerators' `_tile_products` (every product in one gathered list, chunked as off the CPU) gives bitwise the products of the per-tile loop, for shared (Ta = 1) and per-tile left
     operands, more row tiles than sequences and fewer."""
     g = torch.Generator().manual_seed(5)
     for bsz, r, t in ((1, 1, 5), (1, 3, 4), (6, 1, 5), (4, 2, 3), (2, 5, 1)):
@@ -313,8 +312,13 @@ def test_batched_tile_products_equal_the_per_tile_loop(monkeypatch):
                 )
                 batched = batch_invariant._tile_products(a, b, batched=True)
             assert torch.equal(batched, loop), (bsz, r, t, ta)
-    with pytest.raises(ValueError, match="seen must be None"):
-        batch_invariant._tile_products(a, b, np.ones((bsz, r, t), dtype=bool), batched=True)
+    # with `seen`, the loop skips the unseen products (+0) and the batched list computes them: the seen
+    # ones are the same bits
+    seen = np.random.default_rng(0).random((bsz, r, t)) < 0.5
+    skipped = batch_invariant._tile_products(a, b, seen, batched=False)
+    every = batch_invariant._tile_products(a, b, seen, batched=True)
+    assert torch.equal(every[torch.from_numpy(seen)], skipped[torch.from_numpy(seen)])
+    assert not skipped[torch.from_numpy(~seen)].any()
 
 
 def test_zero_padding_is_one_kernel_of_zeros():

@@ -8,7 +8,8 @@
 # gap (bench_offline.py on the GPU: the device's idle gap per decode step, sync vs async loop, from CUDA events),
 # graphs (the CUDA-graph gpu tests with the NVIDIA ops), profstep (profile_decode_step.py with the kernel bundle:
 # the graphed decode step's replay time and kernel breakdown, tiny default vs batch-invariant, medium native at
-# batch 1 / 8). Modifiers: nodecode / noprefill (bench: only the other half).
+# batch 1 / 8), bi (batch-invariant mode with the NVIDIA ops: the Triton row kernels' and the invariance gpu
+# tests, bench_batch_invariant.py eager and with graphs, the decode- and prefill-step profiles). Modifiers: nodecode / noprefill (bench: only the other half).
 # Results: $OUT (device tool) or benchmarks/results; logs in engine_logs.tar.gz.
 set -uo pipefail
 final=${OUT:-benchmarks/results}
@@ -146,5 +147,25 @@ if has profstep; then
     --dtype bfloat16 --modes default --batches 1 8 --context 128 \
     --out "$out/profile_decode_step_kernels_medium.json" > "$out/profile_decode_step_kernels_medium.log" 2>&1
   tail -8 "$out/profile_decode_step_kernels_medium.log"; collect
+fi
+if has bi; then  # batch-invariant mode with the NVIDIA ops (Triton row GEMMs, TileLang mixes): tests, then cost
+  el "batch-invariant mode with the NVIDIA ops: row-kernel and invariance tests"
+  timeout "$lim" python3 -m pytest -q -p no:cacheprovider -m gpu -n 3 packages/deepinfer-model/tests/test_triton_rows.py \
+    packages/deepinfer-model/tests/test_cuda_graphs_gpu.py \
+    packages/deepinfer-model/tests/test_draft_graphs_gpu.py tests/test_repro_paged_batch_invariant.py \
+    tests/test_repro_engine_batch_invariant.py --junitxml "$out/bi_tests.xml" > "$out/bi_tests.log" 2>&1
+  tail -15 "$out/bi_tests.log"
+  el "batch-invariant cost: bench_batch_invariant.py on the GPU (eager, then decode through graphs)"
+  for g in "" --cuda-graphs; do
+    timeout "${BICOST_LIMIT_S:-150}" python3 benchmarks/repro/bench_batch_invariant.py --device cuda --clock wall \
+      --repeats 11 $g --out "$out/bench_batch_invariant_cuda_nvidia${g:+_graphs}.json" > "$out/bicost$g.log" 2>&1
+    tail -14 "$out/bicost$g.log"
+  done
+  timeout "${PROFSTEP_LIMIT_S:-200}" python3 benchmarks/gpu/profile_decode_step.py --batches 1 8 \
+    --out "$out/profile_decode_step_nvidia_tiny.json" > "$out/profile_decode_step_nvidia_tiny.log" 2>&1
+  tail -8 "$out/profile_decode_step_nvidia_tiny.log"
+  timeout "${PROFSTEP_LIMIT_S:-200}" python3 benchmarks/gpu/profile_prefill_step.py --batches 1 8 \
+    --out "$out/profile_prefill_step_nvidia_tiny.json" > "$out/profile_prefill_step_nvidia_tiny.log" 2>&1
+  tail -8 "$out/profile_prefill_step_nvidia_tiny.log"; collect
 fi
 el "done"

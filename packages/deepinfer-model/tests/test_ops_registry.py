@@ -219,35 +219,58 @@ def test_failing_kernel_falls_back_to_torch_once_and_is_recorded(caplog):
     assert "nvcc failed" in nvidia.TILELANG_FALLBACKS.pop("test_op") and "nvcc failed" in caplog.text
 
 
-def test_batch_invariant_mixes_take_the_reference_on_every_device(monkeypatch):
-    """In batch-invariant mode `model_calls.hc_mixes` uses the cpu (reference) table even where another
-    backend serves the tensor's device: the NVIDIA op projects with a cuBLAS GEMM whose kernel follows the
-    token count. Outside the mode the device's table serves it."""
-    from deepinfer_model.layers.mhc import HCParams
-    from deepinfer_model.ops import model_calls
+def test_torch_fallbacks_are_served_by_the_reference_in_batch_invariant_mode(monkeypatch):
+    """The NVIDIA backend's torch FP32 versions (used without TileLang, or after a kernel failed) reduce
+    with torch / cuBLAS splits that follow the token count, so in batch-invariant mode the cpu reference
+    serves them instead; outside the mode the torch version runs."""
+    from deepinfer_model.backends import nvidia
 
-    m, hidden = 4, 16
-    g = torch.Generator().manual_seed(0)
-    trunk = torch.randn(3, m, hidden, generator=g, dtype=torch.float64).float().double()
-    params = HCParams(
-        torch.randn((2 + m) * m, m * hidden, generator=g),
-        torch.randn((2 + m) * m, generator=g),
-        torch.rand(3, generator=g),
-    )
+    calls = []
 
-    class Other:  # stands in for the table of a GPU backend
-        calls = 0
+    def torch_version(*args):
+        calls.append(args)
+        return "torch"
 
-        def hc_mixes(self, *args):
-            Other.calls += 1
-            return get_ops("cpu").hc_mixes(*args)
-
-    monkeypatch.setattr(model_calls, "ops_for", lambda x: Other())
+    fn = nvidia._reference_in_bi_mode("rms_norm", torch_version)
+    x = torch.randn(3, 16, dtype=torch.float64).float().double()
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "0")
-    ref = model_calls.hc_mixes(trunk, params, 1e-6, 1e-6, 20)
-    assert Other.calls == 1
+    assert fn(x, None, 1e-6, torch.float32) == "torch" and len(calls) == 1
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
-    got = model_calls.hc_mixes(trunk, params, 1e-6, 1e-6, 20)
-    assert Other.calls == 1  # the reference, not the device's table
-    for a, b in zip(got, ref, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    got = fn(x, None, 1e-6, torch.float32)
+    assert len(calls) == 1
+    assert torch.equal(got, get_ops("cpu").rms_norm(x, None, 1e-6, torch.float32))
+
+
+def test_rows_matmul_reference_is_row_invariant():
+    """The cpu `rows_matmul` / `pair_rows_matmul` entries (the reference the NVIDIA Triton kernels
+    replace): x @ weight.T within FP64 rounding of a float64 naive product, a row's bits the same at every
+    batch size and row index, and a pair row bitwise the shared-weight row of its expert."""
+    ops = get_ops("cpu")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 40, 300, generator=g)  # [E, N, K] stored FP32
+    x = torch.randn(37, 300, generator=g, dtype=torch.float64)
+    full = ops.rows_matmul(x, w[1])
+    naive = torch.einsum("mk,nk->mn", x, w[1].double())
+    torch.testing.assert_close(full, naive, rtol=1e-12, atol=1e-12)
+    for lo, hi in ((0, 1), (5, 6), (3, 12), (36, 37)):
+        assert torch.equal(ops.rows_matmul(x[lo:hi], w[1]), full[lo:hi])
+    pairs = torch.tensor([1, 0, 2, 1, 1])
+    got = ops.pair_rows_matmul(x[:5], w, pairs)
+    for p, e in enumerate(pairs.tolist()):
+        assert torch.equal(got[p], ops.rows_matmul(x[p : p + 1], w[e])[0])
+    with pytest.raises(ValueError, match="float64"):
+        ops.pair_rows_matmul(x[:5].float(), w, pairs)
+
+
+def test_tile_bmm_reference():
+    """The cpu `tile_bmm` (what batch-invariant attention tiles use where no kernel replaces it): torch.bmm
+    per matrix, the indexed form gathering first, and both indices or neither."""
+    ops = get_ops("cpu")
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(5, 8, 12, generator=g, dtype=torch.float64)
+    b = torch.randn(5, 12, 7, generator=g, dtype=torch.float64)
+    assert torch.equal(ops.tile_bmm(a, b, None, None), torch.bmm(a, b))
+    ia, ib = torch.tensor([4, 0, 4]), torch.tensor([1, 1, 3])
+    assert torch.equal(ops.tile_bmm(a, b, ia, ib), torch.bmm(a[ia], b[ib]))
+    with pytest.raises(ValueError, match="both index tensors"):
+        ops.tile_bmm(a, b, ia, None)

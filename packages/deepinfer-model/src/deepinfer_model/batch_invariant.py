@@ -42,14 +42,19 @@ Not changed (and why it is still invariant): norms, router top-k, quantisation a
 within one row; the sampler draws from a keyed stream. The indexer's scores use the same tiled dot
 products (`tiled_scores`). Not covered: the stateless `model.forward` keeps the default attention
 (its FP64 results may differ from the paged runtime's in the last bits; FP32 logits agreed in every
-test), and NVIDIA backend ops that bypass `numerics.linear`.
+test), and NVIDIA backend ops that bypass `numerics.linear` (the FP8 linears and grouped experts).
 
 Device-agnostic: everything here allocates on the inputs' device and uses only torch ops (bmm, exp,
 max) that exist on every backend. The CPU's bmm is one GEMM per matrix (measured: batch-count
 independent). cuBLAS chooses its kernel (tile shape, split-K) from the whole problem, batch count
 included, so on other devices every bmm call gets exactly `DEVICE_BATCH` matrices (zero-padded, in
 chunks): each call then has one shape, one kernel, and a matrix's result does not depend on which
-others share its call. Checked on the GPU by the `gpu`-marked tests in tests/test_repro_*batch_invariant*.
+others share its call. That is the reference (`cpu` table) behaviour of the registry ops `tile_bmm` and
+`rows_matmul` which `bmm`, `_products` and `device_rows` call off the CPU; the NVIDIA backend serves them
+with Triton kernels (`backends/nvidia/triton_rows.py`) that fix the order per matrix / per row for any
+count, so there is no padding and one launch per call (measured on an H200, tiny model, decode through
+graphs: the mode's cost fell from +166% to +11.5% at batch 1). Checked on the GPU by the `gpu`-marked
+tests in tests/test_repro_*batch_invariant* and packages/deepinfer-model/tests/test_triton_rows.py.
 """
 
 from __future__ import annotations
@@ -146,13 +151,20 @@ def _pad0(x: torch.Tensor, pad: int, dim: int = 0) -> torch.Tensor:
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
-    """torch.bmm whose per-matrix results do not depend on the batch count on any device (see above):
-    calls of exactly `chunk` matrices (default: none on the CPU, `DEVICE_BATCH` elsewhere), the last one
-    zero-padded."""
+    """torch.bmm whose per-matrix results do not depend on the batch count on any device (see above): on
+    the CPU torch.bmm itself; elsewhere the backend's `tile_bmm` op (NVIDIA: one Triton kernel for any
+    count; the reference: calls of exactly `DEVICE_BATCH` matrices, the last one zero-padded); with an
+    explicit `chunk`, calls of exactly `chunk` matrices on any device."""
     if chunk is None:
         if a.device.type == "cpu":
             return torch.bmm(a, b)
-        chunk = DEVICE_BATCH
+        return _device_ops().tile_bmm(a, b, None, None)
+    return chunked_bmm(a, b, chunk)
+
+
+def chunked_bmm(a: torch.Tensor, b: torch.Tensor, chunk: int = DEVICE_BATCH) -> torch.Tensor:
+    """torch.bmm in calls of exactly `chunk` matrices (the last one zero-padded): one problem shape per
+    call, so one cuBLAS kernel, and a matrix's result does not depend on which others share its call."""
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     n = a.shape[0]
@@ -167,6 +179,23 @@ def bmm(a: torch.Tensor, b: torch.Tensor, chunk: int | None = None) -> torch.Ten
         return torch.bmm(a, b)[:n]
     out = [torch.bmm(a[i : i + chunk], b if shared else b[i : i + chunk]) for i in range(0, n + pad, chunk)]
     return torch.cat(out)[:n]
+
+
+def gathered_chunked_bmm(
+    a: torch.Tensor, b: torch.Tensor, ia: torch.Tensor, ib: torch.Tensor
+) -> torch.Tensor:
+    """a[ia[j]] @ b[ib[j]] for every j as `bmm` calls of gathered (contiguous) matrices, at most
+    `GATHER_CHUNK` per call (memory): the reference `tile_bmm` with indices."""
+    out = []
+    for c in range(0, len(ia), GATHER_CHUNK):
+        out.append(bmm(a[ia[c : c + GATHER_CHUNK]], b[ib[c : c + GATHER_CHUNK]]))
+    return torch.cat(out) if len(out) != 1 else out[0]
+
+
+def _device_ops():
+    from .ops.registry import get_ops  # (the registry loads the backends, which import this module)
+
+    return get_ops()
 
 
 def tiled_matmul(x: torch.Tensor, w_t: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
@@ -528,9 +557,18 @@ def matmul(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
     flat = x.reshape(-1, x.shape[-1])
     if flat.device.type == "cpu" and flat.dtype == torch.float64 and w_t.dtype == torch.float64:
         out = row_gemm(flat, w_t, marked_fp32_valued(x))
-    else:
+    elif flat.device.type == "cpu":
         out = tiled_matmul(flat, w_t)
+    else:
+        out = device_rows(flat, w_t.t())
     return out.reshape(*lead, w_t.shape[1])
+
+
+def device_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The mode's `x @ weight.T` off the CPU for 2-D `x` (FP64 or FP32) and a weight [N, K] as stored: the
+    `rows_matmul` op of the device's backend (the reference: `tiled_matmul` against the weight widened to
+    `x.dtype`; NVIDIA: a Triton kernel that costs one row of work per row, no padded tiles)."""
+    return _device_ops().rows_matmul(x.contiguous(), weight)
 
 
 # ------------------------------------------------------------------------------------------ attention
@@ -568,14 +606,13 @@ def _tile_products(
     from +0 -> +0; a masked score is replaced by -inf anyway), so skipping them changes no bit. This is
     the band restriction of the sliding window: a query row tile computes only the key tiles it sees.
 
-    `batched` (default: off the CPU, where the step is launch-bound, when every product is computed): the
-    products of all key tiles go into one `bmm` list per sequence or row tile (`_tile_products_batched`)
-    instead of one call per tile; every product is still one fixed [m, k] x [k, n] GEMM."""
+    `batched` (default: off the CPU, where the step is launch-bound): every product, `seen` or not, goes
+    into one gathered product list (`_tile_products_batched`) instead of one call per tile; an unseen
+    product is masked to -inf (scores) or is the +0 of an all-zero P tile (P.V), so computing it changes
+    no bit; every product is still one fixed [m, k] x [k, n] GEMM."""
     if batched is None:
-        batched = seen is None and a.device.type != "cpu"
-    if batched:
-        if seen is not None:
-            raise ValueError("batched tile products compute every product: seen must be None")
+        batched = a.device.type != "cpu"
+    if batched:  # every product, `seen` or not: an unseen one is masked (scores) or +0 (P.V) anyway
         return _tile_products_batched(a, b)
     bsz, r_count, ta = a.shape[:3]
     t_count = b.shape[1]
@@ -597,27 +634,42 @@ def _tile_products(
 
 
 def _tile_products_batched(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Every product of `_tile_products` (same shapes, same results), batched over the key tiles: where
-    there are at least as many row tiles as sequences, one `bmm` list per sequence (its R x T products,
-    its key tiles repeated per row tile); otherwise one per row tile (the B x T products of all
-    sequences, their key tiles as they lie)."""
+    """Every product of `_tile_products` (same shapes, same results) as one gathered product list
+    (`_products`): product (i, r, t) = a[i, r, min(t, Ta - 1)] @ b[i, t], indexed into the flat operands
+    (no expanded copies where the backend gathers in its kernel)."""
     bsz, r_count, ta, m, k = a.shape
     t_count, n = b.shape[1], b.shape[-1]
-    if r_count >= bsz:
-        per_seq = [
-            bmm(
-                a[i].expand(r_count, t_count, m, k).reshape(-1, m, k),
-                b[i].unsqueeze(0).expand(r_count, t_count, k, n).reshape(-1, k, n),
-            ).view(r_count, t_count, m, n)
-            for i in range(bsz)
-        ]
-        return per_seq[0].unsqueeze(0) if bsz == 1 else torch.stack(per_seq)
-    flat_b = b.reshape(-1, k, n)
-    per_row = [
-        bmm(a[:, r].expand(bsz, t_count, m, k).reshape(-1, m, k), flat_b).view(bsz, t_count, m, n)
-        for r in range(r_count)
-    ]
-    return per_row[0].unsqueeze(1) if r_count == 1 else torch.stack(per_row, dim=1)
+    ia, ib = _product_indices(bsz, r_count, ta, t_count, a.device)
+    out = _products(a.reshape(-1, m, k), b.reshape(-1, k, n), ia, ib)
+    return out.view(bsz, r_count, t_count, m, n)
+
+
+# (B, R, Ta, T, device) -> the index tensors of `_tile_products_batched`: functions of the shapes only, made
+# once on the host (a decode step would otherwise launch ~8 small kernels per call to build them); made
+# on the device, uncached, inside a CUDA-graph capture (no host copy there; the warm-up run before a
+# capture fills the cache for its shapes).
+_PRODUCT_INDICES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+PRODUCT_INDEX_CACHE = 512
+
+
+def _product_indices(bsz: int, r_count: int, ta: int, t_count: int, dev: torch.device):
+    key = (bsz, r_count, ta, t_count, dev)
+    hit = _PRODUCT_INDICES.get(key)
+    if hit is not None:
+        return hit
+    capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    xp = (lambda n: torch.arange(n, device=dev)) if capturing else np.arange
+    i, r, t = xp(bsz), xp(r_count), xp(t_count)
+    t_a = t.clip(max=ta - 1) if capturing else np.minimum(t, ta - 1)
+    ia = ((i[:, None, None] * r_count + r[None, :, None]) * ta + t_a[None, None, :]).reshape(-1)
+    ib = (i[:, None, None] * t_count + t[None, None, :] + 0 * r[None, :, None]).reshape(-1)
+    if capturing:
+        return ia, ib
+    out = (torch.from_numpy(ia).to(dev), torch.from_numpy(ib).to(dev))
+    if len(_PRODUCT_INDICES) >= PRODUCT_INDEX_CACHE:
+        _PRODUCT_INDICES.clear()
+    _PRODUCT_INDICES[key] = out
+    return out
 
 
 def _hull(flags: np.ndarray | None, n: int) -> tuple[int, int]:
@@ -718,13 +770,12 @@ def tiled_scores(
 
 
 def _products(a: torch.Tensor, b: torch.Tensor, ia: torch.Tensor, ib: torch.Tensor) -> torch.Tensor:
-    """a[ia[j]] @ b[ib[j]] for every j: a [Na, m, k], b [Nb, k, n] -> [len(ia), m, n], as bmm calls of
-    gathered (contiguous) matrices, at most `GATHER_CHUNK` per call (memory). Each product is one
-    [m, k] x [k, n] GEMM whatever else shares its call (see `bmm`), so the chunking changes no bit."""
-    out = []
-    for c in range(0, len(ia), GATHER_CHUNK):
-        out.append(bmm(a[ia[c : c + GATHER_CHUNK]], b[ib[c : c + GATHER_CHUNK]]))
-    return torch.cat(out) if len(out) != 1 else out[0]
+    """a[ia[j]] @ b[ib[j]] for every j: a [Na, m, k], b [Nb, k, n] -> [len(ia), m, n]. Each product is one
+    [m, k] x [k, n] GEMM whatever else shares its call (see `bmm`): off the CPU the backend's `tile_bmm`
+    with the indices (NVIDIA: one kernel, no gathered copies), on the CPU `gathered_chunked_bmm`."""
+    if a.device.type != "cpu":
+        return _device_ops().tile_bmm(a, b, ia, ib)
+    return gathered_chunked_bmm(a, b, ia, ib)
 
 
 def _seen_from_queries(q_seen: np.ndarray, heads: int, row_tiles: int) -> np.ndarray:
@@ -793,8 +844,9 @@ class AttentionPlan:
 
 
 def _plan_products(plan: AttentionPlan, a: torch.Tensor, ia: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a[ia[j]] @ b[plan.key_tile[j]] for every seen tile j (see `_products`)."""
-    if plan.by_key is None:
+    """a[ia[j]] @ b[plan.key_tile[j]] for every seen tile j (see `_products`; on the CPU with many row
+    tiles per key tile one call per key tile, the key tile broadcast)."""
+    if plan.by_key is None or a.device.type != "cpu":
         return _products(a, b, ia, plan.key_tile)
     out = a.new_empty(plan.n_sel, a.shape[1], b.shape[2])
     for kt, idx in plan.by_key:

@@ -204,11 +204,21 @@ def bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _row_invariant(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Batch-invariant mode on the CPU: FP64 `x @ weight.T` whose rows do not depend on the batch
-    (`batch_invariant.row_gemm`, against a row-major FP64 copy made straight from `weight`)."""
-    fp32 = x.dtype in (torch.float32, torch.bfloat16, torch.float16) or batch_invariant.marked_fp32_valued(x)
-    flat = batch_invariant.row_gemm(x.double().reshape(-1, x.shape[-1]), weight.t(), fp32)
-    return flat.reshape(*x.shape[:-1], weight.shape[0])
+    """Batch-invariant mode: FP64 `x @ weight.T` whose rows do not depend on the batch. On the CPU
+    `batch_invariant.row_gemm` against a row-major FP64 copy made straight from `weight`; elsewhere the
+    backend's `rows_matmul` op on the weight as stored (`batch_invariant.device_rows`), which the
+    graph-safe expert path's `pair_rows_matmul` matches row for row when handed the same stored weights."""
+    flat = x.double().reshape(-1, x.shape[-1])
+    if x.device.type == "cpu":
+        fp32 = x.dtype in (
+            torch.float32,
+            torch.bfloat16,
+            torch.float16,
+        ) or batch_invariant.marked_fp32_valued(x)
+        out = batch_invariant.row_gemm(flat, weight.t(), fp32)
+    else:
+        out = batch_invariant.device_rows(flat, weight)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, act_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -219,10 +229,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, act_dtype: torch.dtype = torch
     """
     if native():
         return (x.to(act_dtype) @ weight_as(weight, act_dtype).t()).to(torch.float32)
-    if batch_invariant.enabled() and x.device.type == "cpu":
+    if batch_invariant.enabled():
         return round_to(_row_invariant(x, weight), act_dtype)
-    # batch_invariant.matmul: plain `@`, or fixed row tiles under DEEPINFER_BATCH_INVARIANT=1
-    return round_to(batch_invariant.matmul(x.double(), weight_fp64(weight).t()), act_dtype)
+    return round_to(x.double() @ weight_fp64(weight).t(), act_dtype)
 
 
 def logits(x: torch.Tensor, weight: torch.Tensor, act_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -232,6 +241,6 @@ def logits(x: torch.Tensor, weight: torch.Tensor, act_dtype: torch.dtype = torch
     """
     if native():
         return _mm_f32(x.to(act_dtype), weight_as(weight, act_dtype).t())
-    if batch_invariant.enabled() and x.device.type == "cpu":
+    if batch_invariant.enabled():
         return _row_invariant(x, weight).float()
-    return batch_invariant.matmul(x.double(), weight_fp64(weight).t()).float()
+    return (x.double() @ weight_fp64(weight).t()).float()

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from .. import batch_invariant
 from ..layers import attention, mhc, norm, rope
-from ..layers.experts import clamped_swiglu
-from ..numerics import linear, round_to
+from ..layers.experts import clamped_swiglu, pair_tiled_products
+from ..numerics import linear, round_to, weight_as
 from ..ops.kv_format import store_fp8_tokens, unpack_fp8_tokens
 from ..ops.registry import register
 from ..quant import dequant_fp8_block, fake_quant_fp8
@@ -126,6 +127,42 @@ def grouped_expert_mlp(
             y = linear(hq, dequant_fp8_block(w2[e], s2[e].float(), (FP8_BLOCK, FP8_BLOCK)), torch.bfloat16)
             out[rows] += y if weight_before_down else round_to(y * wr, torch.float32)
     return out.float()
+
+
+def _rows_operand(x: torch.Tensor) -> None:
+    if x.dim() != 2 or x.dtype not in (torch.float64, torch.float32):
+        raise ValueError(f"x must be a 2-D float64 or float32 tensor, got {x.dtype} {tuple(x.shape)}")
+
+
+@register("cpu", "rows_matmul")
+def rows_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Fixed [TILE_ROWS, K] row tiles (`batch_invariant.tiled_matmul`) against the weight widened to
+    x.dtype (a cached copy): the mode's device-agnostic path."""
+    _rows_operand(x)
+    return batch_invariant.tiled_matmul(x, weight_as(weight, x.dtype).t())
+
+
+@register("cpu", "pair_rows_matmul")
+def pair_rows_matmul(x: torch.Tensor, weights: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+    """`rows_matmul`'s tiles, one expert's weight gathered per row (FP64: the exact mode's carrier)."""
+    if x.dim() != 2 or x.dtype != torch.float64:
+        raise ValueError(f"x must be a 2-D float64 tensor, got {x.dtype} {tuple(x.shape)}")
+    return pair_tiled_products(x, weights, pairs)
+
+
+@register("cpu", "tile_bmm")
+def tile_bmm(
+    a: torch.Tensor, b: torch.Tensor, ia: torch.Tensor | None = None, ib: torch.Tensor | None = None
+) -> torch.Tensor:
+    """torch.bmm on the CPU (one GEMM per matrix); elsewhere calls of exactly `DEVICE_BATCH` matrices
+    (`batch_invariant.chunked_bmm`), the indexed matrices gathered first."""
+    if (ia is None) != (ib is None):
+        raise ValueError("tile_bmm: give both index tensors or neither")
+    if ia is not None:
+        return batch_invariant.gathered_chunked_bmm(a, b, ia, ib)
+    if a.device.type == "cpu":
+        return torch.bmm(a, b)
+    return batch_invariant.chunked_bmm(a, b)
 
 
 @register("cpu", "kv_store_fp8")

@@ -8,6 +8,7 @@ import torch
 
 from .. import batch_invariant
 from ..numerics import carrier, linear, native, round_to, weight_as
+from ..ops.registry import get_ops
 
 
 @dataclass
@@ -298,13 +299,11 @@ def _gathered_bmm(a: torch.Tensor, w: torch.Tensor, pairs: torch.Tensor, chunk: 
     return out[0] if len(out) == 1 else torch.cat(out)
 
 
-def _pair_tiled(
-    x: torch.Tensor, w: torch.Tensor, pairs: torch.Tensor, act_dtype: torch.dtype
-) -> torch.Tensor:
-    """Batch-invariant mode off the CPU: row p of `x` times expert `pairs[p]`'s matrix of `w` as `linear`
-    computes it there (`batch_invariant.tiled_matmul`): the row in a fixed [TILE_ROWS, K] tile (the
-    other rows zero), against the FP64 weight in its transposed layout, `DEVICE_BATCH` matrices per bmm
-    call; rounded to act_dtype."""
+def pair_tiled_products(x: torch.Tensor, w: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+    """The reference `pair_rows_matmul` op (batch-invariant mode off the CPU): FP64 row p of `x` times
+    expert `pairs[p]`'s matrix of `w` [E, N, K] as `batch_invariant.tiled_matmul` computes a row of
+    `linear` there: the row in a fixed [TILE_ROWS, K] tile (the other rows zero), against the FP64 weight
+    in its transposed layout, `DEVICE_BATCH` matrices per bmm call."""
     rows, k = x.shape
     chunk, tile = batch_invariant.DEVICE_BATCH, batch_invariant.TILE_ROWS
     pad = (-rows) % chunk
@@ -312,8 +311,15 @@ def _pair_tiled(
         pairs = torch.cat((pairs, pairs.new_zeros(pad)))
     a = x.new_zeros(rows + pad, tile, k, dtype=torch.float64)
     a[:rows, 0] = x.double()
-    out = _gathered_bmm(a, w, pairs, chunk)
-    return round_to(out[:rows, 0], act_dtype)
+    return _gathered_bmm(a, w, pairs, chunk)[:rows, 0]
+
+
+def _pair_tiled(
+    x: torch.Tensor, w: torch.Tensor, pairs: torch.Tensor, act_dtype: torch.dtype
+) -> torch.Tensor:
+    """Batch-invariant mode off the CPU: row p of `x` times expert `pairs[p]`'s matrix of `w`, with the
+    bits `linear` gives that row there (the backend's `pair_rows_matmul`), rounded to act_dtype."""
+    return round_to(get_ops().pair_rows_matmul(x.double().contiguous(), w, pairs), act_dtype)
 
 
 def _pair_linear(

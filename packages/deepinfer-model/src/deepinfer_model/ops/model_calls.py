@@ -47,11 +47,9 @@ def hc_mixes(
     trunk: torch.Tensor, params, hc_eps: float, rms_eps: float, iters: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`layers.mhc.mixes(trunk, params, ...)` through the registry (FP32 values, returned as FP64). In
-    batch-invariant mode the reference serves every device: the NVIDIA op's projection is a cuBLAS GEMM
-    over all the step's tokens, whose kernel (and a row's bits) follows the token count; the reference
-    projects through `numerics.linear`, which the mode makes row-invariant. (The other NVIDIA ops are
-    row-local: one CTA or thread per token, a configuration fixed by the hidden size.)"""
-    table = get_ops("cpu") if batch_invariant.enabled() else ops_for(trunk)
+    batch-invariant mode every backend keeps each token's result independent of the others (the NVIDIA
+    op projects through the Triton row kernels there, see `backends/nvidia/tilelang_mhc.py`)."""
+    table = ops_for(trunk)
     pre, post, comb = table.hc_mixes(trunk, params.fn, params.base, params.scale, hc_eps, rms_eps, iters)
     return pre.to(carrier()), post.to(carrier()), comb.to(carrier())
 

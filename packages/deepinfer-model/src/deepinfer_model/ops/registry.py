@@ -27,10 +27,19 @@ OP_SPECS: dict[str, str] = {
     "apply_rope": "apply_rope(x [T, ..., C], cos [T, r/2], sin [T, r/2], inverse=False, out_dtype=None) "
     "-> out_dtype or x.dtype; interleaved pairs of the last r channels",
     "hc_mixes": "hc_mixes(trunk [T, m, H], fn [(2+m)m, mH], base, scale [3], hc_eps, rms_eps, iters) "
-    "-> (pre [T, m], post [T, m], comb [T, m, m]) FP32",
+    "-> (pre [T, m], post [T, m], comb [T, m, m]) FP32; in batch-invariant mode each token's result depends "
+    "on that token only",
     "hc_read": "hc_read(trunk [T, m, H], weights [T, m], out_dtype=None) -> [T, H] out_dtype or trunk.dtype",
     "hc_write": "hc_write(y [T, H], trunk [T, m, H], post [T, m], comb [T, m, m], out_dtype=None) "
     "-> [T, m, H] out_dtype or trunk.dtype",
+    "rows_matmul": "rows_matmul(x [M, K] float64 | float32, weight [N, K] any float dtype) -> [M, N] x.dtype = "
+    "x @ weight.T accumulated in x.dtype, each row's bits a function of that row and the weight only (never "
+    "of M or the row index): batch-invariant mode's projections off the CPU",
+    "pair_rows_matmul": "pair_rows_matmul(x [P, K] float64 | float32, weights [E, N, K], pairs [P] long) -> "
+    "[P, N] x.dtype; row p = rows_matmul(x[p:p+1], weights[pairs[p]]) bit for bit (the graph-safe expert path)",
+    "tile_bmm": "tile_bmm(a [Na, m, k] float64, b [Nb, k, n] float64, ia [N] long | None, ib [N] long | None) -> "
+    "[N, m, n] = a[ia[j]] @ b[ib[j]] (None: j itself, Na = Nb = N); each product's bits a function of its two "
+    "matrices only (never of N or of the other products): batch-invariant mode's attention tiles off the CPU",
     "fp8_block_linear": "fp8_block_linear(x [T, K] bf16, w [N, K] e4m3, w_scale [ceil(N/128), ceil(K/128)]) "
     "-> [T, N] bf16; x quantised per token in 1x128 groups (power-of-two scales), FP32 accumulation",
     "grouped_expert_mlp": "grouped_expert_mlp(x [T, H] bf16, topk_weights [T, k] fp32, topk_ids [T, k] int, "

@@ -8,6 +8,7 @@
 | hc_read, hc_write | TileLang kernels (`tilelang_mhc.py`) |
 | fp8_block_linear | DeepGEMM `fp8_gemm_nt` if `deep_gemm` imports and `DEEPINFER_DEEP_GEMM` != 0, else dequantise + BF16 GEMM |
 | grouped_expert_mlp | DeepGEMM `m_grouped_fp8_gemm_nt_contiguous` (same condition), else per-expert dequantised BF16 GEMMs (`moe.py`) |
+| rows_matmul, pair_rows_matmul, tile_bmm | Triton row / tile kernels (`triton_rows.py`) if `triton` imports and `DEEPINFER_TRITON` != 0, else the reference tiles |
 | sparse_decode_attention | torch FP32 gather + softmax with sink (FlashMLA's SM90 kernel rejects the V41 format) |
 | kv_store_fp8 | not registered: the device-agnostic torch reference serves it |
 
@@ -15,7 +16,8 @@
 ones not yet checked there, `0` none. Without TileLang every such op uses its torch FP32 version in
 `torch_cuda.py`. A TileLang kernel that fails to compile or launch (anything but a ValueError about
 its inputs) is logged once at WARNING and replaced by its torch version for the rest of the process;
-`TILELANG_FALLBACKS` records which and why.
+`TILELANG_FALLBACKS` records which and why. In batch-invariant mode the torch versions are replaced by
+the `cpu` reference (their reductions are not row-invariant); the TileLang kernels are.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import logging
 import os
 from collections.abc import Callable
 
+from ... import batch_invariant
 from ...ops.registry import register
 from . import gemm, moe, torch_cuda
 
@@ -53,7 +56,7 @@ def _kernel_or_torch(name: str, kernel: Callable, fallback: Callable) -> Callabl
             if current[0] is fallback:
                 raise
             logger.warning(
-                "%s: TileLang kernel failed (%s: %s); using the torch version", name, type(exc).__name__, exc
+                "%s: kernel failed (%s: %s); using the torch version", name, type(exc).__name__, exc
             )
             TILELANG_FALLBACKS[name] = f"{type(exc).__name__}: {exc}"[:500]
             current[0] = fallback
@@ -94,7 +97,25 @@ if _has("tilelang") and _TILELANG_MODE != "0":
         _kernels = {k: v for k, v in _kernels.items() if k in VERIFIED_TILELANG}
 else:
     logger.warning("tilelang unavailable or DEEPINFER_TILELANG=0: norm, RoPE and mHC use torch FP32 versions")
+
+
+def _reference_in_bi_mode(name: str, fn: Callable) -> Callable:
+    """`fn` (a torch FP32 version), served by the `cpu` reference in batch-invariant mode: its torch
+    reductions and cuBLAS GEMMs choose their split from the token count, the reference's go through the
+    mode's fixed orders (the TileLang kernels are row-local: one CTA or thread per token)."""
+    from .. import cpu as reference
+
+    ref = getattr(reference, name)
+
+    def call(*args, **kwargs):
+        return (ref if batch_invariant.enabled() else fn)(*args, **kwargs)
+
+    call.__name__ = f"{name}_torch_or_reference"
+    return call
+
+
 for _name, _fn in _TORCH.items():
+    _fn = _reference_in_bi_mode(_name, _fn)
     if _name in _kernels:
         register("nvidia", _name)(_kernel_or_torch(_name, _kernels[_name], _fn))
     else:
@@ -109,6 +130,22 @@ if _has("deep_gemm") and os.environ.get("DEEPINFER_DEEP_GEMM", "1") != "0":
     register("nvidia", "grouped_expert_mlp")(moe.grouped_expert_mlp_deep_gemm)
 else:
     register("nvidia", "grouped_expert_mlp")(moe.grouped_expert_mlp_dequant)
+
+# Batch-invariant mode's GEMMs. A failure at the first call (a Triton compile error) falls back to the
+# reference tiles for the rest of the process, so every step of a run still uses one kind of kernel.
+if _has("triton") and os.environ.get("DEEPINFER_TRITON", "1") != "0":
+    from .. import cpu as _reference
+    from . import triton_rows
+
+    register("nvidia", "rows_matmul")(
+        _kernel_or_torch("rows_matmul", triton_rows.rows_matmul, _reference.rows_matmul)
+    )
+    register("nvidia", "pair_rows_matmul")(
+        _kernel_or_torch("pair_rows_matmul", triton_rows.pair_rows_matmul, _reference.pair_rows_matmul)
+    )
+    register("nvidia", "tile_bmm")(_kernel_or_torch("tile_bmm", triton_rows.tile_bmm, _reference.tile_bmm))
+else:
+    logger.warning("triton unavailable or DEEPINFER_TRITON=0: batch-invariant GEMMs use the padded tiles")
 
 # FlashMLA's SM90 (legacy) sparse decode supports the V3.2 and V4 cache formats but not V41's 528-byte
 # one (measured on an H200, 2026-11-29: "required but not supported: V41_KVCACHE_FORMAT"), so

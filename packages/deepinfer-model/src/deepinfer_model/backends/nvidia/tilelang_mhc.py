@@ -2,7 +2,8 @@
 
 * `hc_read`: `y[t] = sum_i w[t, i] * R[t, i]`, one CTA per (token, channel block).
 * `hc_write`: `R'[t, j] = post[t, j] * y[t] + sum_i comb[t, i, j] * R[t, i]`, same grid.
-* `hc_mixes`: the `[T, mH] x [mH, (2+m)m]` projection and the row norms stay cuBLAS FP32 GEMMs (TF32 off);
+* `hc_mixes`: the `[T, mH] x [mH, (2+m)m]` projection and the row norms stay cuBLAS FP32 GEMMs (TF32 off;
+  in batch-invariant mode the Triton row kernels of `triton_rows.py`, whose rows do not depend on T);
   everything after them - scaling, sigmoids, the row softmax and all Sinkhorn iterations, ~4 + 2*iters
   small torch launches - is one kernel with one thread per token.
 Compiled per (m, H or iters, dtypes); the token count is dynamic. Plain `.py` (TileLang reads the source).
@@ -17,6 +18,8 @@ import functools
 import tilelang
 import tilelang.language as T
 import torch
+
+from ... import batch_invariant
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _THREADS = 128
@@ -202,9 +205,16 @@ def hc_mixes(
     if iters < 1:
         raise ValueError(f"hc_mixes: iters must be >= 1, got {iters}")
     t, m = trunk.shape[0], trunk.shape[1]
-    flat = trunk.float().flatten(1)
-    rstd = torch.rsqrt(flat.square().mean(-1) + rms_eps).contiguous()
-    z = (flat @ fn.float().t()).contiguous()  # FP32 GEMM (torch keeps TF32 off unless asked)
+    flat = trunk.float().flatten(1).contiguous()
+    if batch_invariant.enabled():
+        # cuBLAS and torch's reductions pick their split from the token count: the row kernels do not
+        from . import triton_rows
+
+        rstd = torch.rsqrt(triton_rows.row_sum_squares(flat) / flat.shape[1] + rms_eps)
+        z = triton_rows.rows_matmul(flat, fn)
+    else:
+        rstd = torch.rsqrt(flat.square().mean(-1) + rms_eps).contiguous()
+        z = (flat @ fn.float().t()).contiguous()  # FP32 GEMM (torch keeps TF32 off unless asked)
     pre = torch.empty(t, m, dtype=torch.float32, device=trunk.device)
     post, comb = torch.empty_like(pre), torch.empty(t, m, m, dtype=torch.float32, device=trunk.device)
     if t:

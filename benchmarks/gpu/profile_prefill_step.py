@@ -1,0 +1,145 @@
+"""Where an eager prefill step's time goes on the GPU, default vs batch-invariant mode, per batch size.
+
+For each (batch, mode): a `PagedRunner` prefills `--context` tokens per sequence (`--repeats` timed steps on
+the same block tables, after a warm-up). Reported per step: `step_ms` (wall clock, the step ends with the
+logits read back; median), kernel launches and summed kernel time (torch profiler), host-side ATen calls,
+and the ops with the most calls and the most host time (in `<out>.txt`); `step_cost_pct` compares the
+batch-invariant step with the default one of the same batch.
+
+    python benchmarks/gpu/profile_prefill_step.py [--model PATH] [--batches 1 8] [--context 64]
+writes benchmarks/results/profile_prefill_step.json (flat records) and profile_prefill_step.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_decode_step import MODES, RESULTS, _kernel_table  # noqa: E402
+
+
+def _host_table(prof, steps: int):
+    rows = [(e.key, e.self_cpu_time_total / 1e3 / steps, e.count / steps) for e in prof.key_averages()]
+    rows = [r for r in rows if r[0].startswith("aten::")]
+    return sum(r[2] for r in rows), rows
+
+
+def profile_one(model, b: int, mode: str, args) -> tuple[dict, list, list]:
+    from deepinfer_model.runner import RunnerBatch
+    from deepinfer_model.runtime import PagedRunner
+
+    os.environ["DEEPINFER_BATCH_INVARIANT"] = MODES[mode]
+    cuda = args.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    block = 16
+    per_seq = -(-args.context // block)
+    runner = PagedRunner(model, num_blocks=b * per_seq, block_size=block)
+    tables = [np.arange(i * per_seq, (i + 1) * per_seq, dtype=np.int32) for i in range(b)]
+    prompt = np.random.default_rng(0).integers(1000, 90_000, (b, args.context))
+
+    def step():
+        torch.argmax(runner.execute(RunnerBatch.lockstep(tables, 0, prompt)), -1).tolist()
+
+    step()  # warm-up: weight caches, kernel compiles
+    walls = []
+    for _ in range(args.repeats):
+        sync()
+        t0 = time.perf_counter()
+        step()
+        walls.append((time.perf_counter() - t0) * 1e3)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        step()
+        sync()
+    kernels, kernel_ms, krows = _kernel_table(prof, 1, cuda)
+    calls, hrows = _host_table(prof, 1)
+    runner.close()
+    rec = {
+        "model": args.model_name,
+        "mode": mode,
+        "batch": b,
+        "context": args.context,
+        "step_ms": float(np.median(walls)),
+        "kernels_per_step": round(kernels, 1),
+        "kernel_ms": kernel_ms,
+        "aten_calls_per_step": round(calls, 1),
+    }
+    return rec, krows, hrows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="checkpoint directory (default: deepinfer-tiny)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--context", type=int, default=64, help="prompt tokens per sequence")
+    ap.add_argument("--repeats", type=int, default=5, help="timed prefill steps per configuration")
+    ap.add_argument("--top", type=int, default=20, help="ops listed per configuration")
+    ap.add_argument("--device", default="cuda", help="cuda[:N]; cpu: a dry run of the script")
+    ap.add_argument("--out", type=Path, default=RESULTS / "profile_prefill_step.json")
+    args = ap.parse_args()
+    args.device = torch.device(args.device)
+    from deepinfer.default_model import resolve_model
+    from deepinfer_model import load_model
+    from rich.console import Console
+    from rich.table import Table
+
+    path = args.model or resolve_model(None)[0]
+    args.model_name = Path(path).name
+    model = load_model(path, getattr(torch, args.dtype), device=args.device)
+    before = os.environ.get("DEEPINFER_BATCH_INVARIANT")
+    records, text = [], []
+    try:
+        for b in args.batches:
+            for mode in MODES:
+                rec, krows, hrows = profile_one(model, b, mode, args)
+                records.append(rec)
+                text.append(f"== {args.model_name} {mode} batch {b}: {rec['step_ms']:.2f} ms, "
+                            f"{rec['kernels_per_step']:.0f} kernels {rec['kernel_ms']:.2f} ms, "
+                            f"{rec['aten_calls_per_step']:.0f} aten calls")  # fmt: skip
+                text += [
+                    f"  kernel {ms:8.3f} ms {n:7.1f}x  {name[:140]}" for name, ms, n in krows[: args.top]
+                ]
+                for name, ms, n in sorted(hrows, key=lambda r: -r[2])[: args.top]:
+                    text.append(f"  calls  {ms:8.3f} ms {n:7.1f}x  {name}")
+    finally:
+        if before is None:
+            os.environ.pop("DEEPINFER_BATCH_INVARIANT", None)
+        else:
+            os.environ["DEEPINFER_BATCH_INVARIANT"] = before
+    for rec in records:
+        base = next(r for r in records if r["batch"] == rec["batch"] and r["mode"] == "default")
+        rec["step_cost_pct"] = 100.0 * (rec["step_ms"] / base["step_ms"] - 1.0)
+    table = Table(title=f"eager prefill step ({args.model_name}, {args.device}, context {args.context})")
+    cols = (
+        "mode",
+        "batch",
+        "step_ms",
+        "step_cost_pct",
+        "kernels_per_step",
+        "kernel_ms",
+        "aten_calls_per_step",
+    )
+    for c in cols:
+        table.add_column(c, justify="right")
+    for r in records:
+        table.add_row(*(f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in cols))
+    Console().print(table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(records, indent=1) + "\n")
+    args.out.with_suffix(".txt").write_text("\n".join(text) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""Row-invariant GEMMs for batch-invariant mode on CUDA, as Triton kernels.
+
+Why: cuBLAS picks its kernel (tile shape, split-K) from the whole problem, so a row's bits follow the
+token count of the step. The reference path (`batch_invariant.tiled_matmul`) therefore multiplies every
+row in a fixed [8, K] tile, 16 tiles per bmm call, which pads a decode row to 128 rows: the LM head of a
+one-sequence decode step did 128 rows of FP64 work (0.51 ms of a 9.4 ms tiny-model step on an H200).
+
+Here one program computes one row against a block of `BLOCK_N` columns, summing `BLOCK_K`-wide
+products in K order. The compiled kernel is fixed by the dtypes and the block sizes, never by the row
+count (`m` is not specialised), so a row's result is a function of that row and the weight alone, at any
+batch size and any row index, and costs one row of work. `rows_matmul` (one shared weight, the
+projections and the LM head) and `pair_rows_matmul` (row p against expert `pairs[p]`, the graph-safe
+expert path) run the same kernel and differ only in the weight's base address, so a row gets the same
+bits from either as long as the weight is passed in the same dtype and layout (both callers pass the
+stored weight, widened in the kernel). `row_sum_squares` is the row-local statistic of the mHC norm.
+
+Not fast for large M (each row re-reads the weight through L2): batch-invariant prefill of a large model
+pays for it; decode is one pass over the weight. Plain `.py` (Triton reads the source).
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 16  # small column blocks: decode rows of small projections still spread over many programs
+BLOCK_K = 128  # wide K blocks: few loop iterations (a step of the tiny model is latency-bound)
+SUMSQ_BLOCK = 1024
+TILE_N = 32  # `tile_bmm`: output columns per program (a key tile's 32 scores; P.V in blocks of 32)
+TILE_K = 16
+_ACC = {torch.float64: tl.float64, torch.float32: tl.float32}
+
+
+# One compiled kernel per dtype combination: no argument is specialised on its value (Triton otherwise
+# compiles variants for arguments equal to 1 or divisible by 16) or on its alignment (pointers aligned to
+# 16 bytes or not), since a variant may lay out and reduce the tile in another order. K is contiguous in
+# both operands (checked by the callers), which keeps the loads coalesced without alignment hints.
+_INTS = ["m", "n", "k", "stride_xm", "stride_idx", "stride_we", "stride_wn", "stride_om"]
+_PTRS = ["x_ptr", "w_ptr", "idx_ptr", "out_ptr"]
+
+
+@triton.jit(do_not_specialize=_INTS, do_not_specialize_on_alignment=_PTRS)
+def _rows_kernel(
+    x_ptr,
+    w_ptr,
+    idx_ptr,
+    out_ptr,
+    m,
+    n,
+    k,
+    stride_xm,
+    stride_idx,
+    stride_we,
+    stride_wn,
+    stride_om,
+    ACC: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    # row `row` of x times the weight at w_ptr + idx[row * stride_idx] * stride_we: one shared weight
+    # (stride_idx = stride_we = 0) and one expert per row are the same kernel, so the same bits
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    ks = tl.arange(0, BK)
+    w_base = w_ptr + tl.load(idx_ptr + row * stride_idx).to(tl.int64) * stride_we
+    x_row = x_ptr + row * stride_xm
+    acc = tl.zeros((BN,), dtype=ACC)
+    for k0 in range(0, k, BK):
+        kk = k0 + ks
+        a = tl.load(x_row + kk, mask=kk < k, other=0.0).to(ACC)
+        b_ptrs = w_base + kk[:, None] + cols[None, :].to(tl.int64) * stride_wn
+        b = tl.load(b_ptrs, mask=(kk[:, None] < k) & (cols[None, :] < n), other=0.0).to(ACC)
+        acc += tl.sum(a[:, None] * b, axis=0)
+    tl.store(out_ptr + row * stride_om + cols, acc, mask=cols < n)
+
+
+@triton.jit(do_not_specialize=["m", "k", "stride_xm"], do_not_specialize_on_alignment=["x_ptr", "out_ptr"])
+def _sumsq_kernel(x_ptr, out_ptr, m, k, stride_xm, BK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    ks = tl.arange(0, BK)
+    acc = tl.zeros((BK,), dtype=tl.float32)
+    for k0 in range(0, k, BK):
+        kk = k0 + ks
+        a = tl.load(x_ptr + row * stride_xm + kk, mask=kk < k, other=0.0).to(tl.float32)
+        acc += a * a
+    tl.store(out_ptr + row, tl.sum(acc, axis=0))
+
+
+_TILE_INTS = ["n_out", "m", "k", "n", "stride_ia", "step_a", "stride_ib", "step_b", "sa_b", "sa_m", "sb_b", "sb_k",
+              "so_b", "so_m"]  # fmt: skip
+
+
+@triton.jit(
+    do_not_specialize=_TILE_INTS,
+    do_not_specialize_on_alignment=["a_ptr", "b_ptr", "ia_ptr", "ib_ptr", "out_ptr"],
+)
+def _tiles_kernel(
+    a_ptr, b_ptr, ia_ptr, ib_ptr, out_ptr, n_out, m, k, n,
+    stride_ia, step_a, stride_ib, step_b, sa_b, sa_m, sb_b, sb_k, so_b, so_m,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    # product j = a[ia[j * stride_ia] + j * step_a] @ b[ib[j * stride_ib] + j * step_b]: indexed and direct
+    # products (index = a zero, stride 0, step 1) are the same kernel
+    j = tl.program_id(0).to(tl.int64)
+    mat_a = tl.load(ia_ptr + j * stride_ia).to(tl.int64) + j * step_a
+    mat_b = tl.load(ib_ptr + j * stride_ib).to(tl.int64) + j * step_b
+    rows = tl.arange(0, BM)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    ks = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float64)
+    for k0 in range(0, k, BK):
+        kk = k0 + ks
+        a = tl.load(
+            a_ptr + mat_a * sa_b + rows[:, None] * sa_m + kk[None, :],
+            mask=(rows[:, None] < m) & (kk[None, :] < k), other=0.0,
+        )  # fmt: skip
+        b = tl.load(
+            b_ptr + mat_b * sb_b + kk[:, None] * sb_k + cols[None, :],
+            mask=(kk[:, None] < k) & (cols[None, :] < n), other=0.0,
+        )  # fmt: skip
+        acc += tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+    out = out_ptr + j * so_b + rows[:, None] * so_m + cols[None, :]
+    tl.store(out, acc, mask=(rows[:, None] < m) & (cols[None, :] < n))
+
+
+# One zero expert index per device: the shared-weight calls read it for every row (stride 0). Made
+# outside a CUDA-graph capture only (one made during a capture would live in that graph's pool).
+_ZERO_IDX: dict[torch.device, torch.Tensor] = {}
+
+
+def _zero_idx(device: torch.device) -> torch.Tensor:
+    idx = _ZERO_IDX.get(device)
+    if idx is None:
+        idx = torch.zeros(1, dtype=torch.int64, device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _ZERO_IDX[device] = idx
+    return idx
+
+
+def _acc_dtype(x: torch.Tensor) -> torch.dtype:
+    if x.dtype not in _ACC:
+        raise ValueError(f"rows_matmul: x must be float64 or float32 (the accumulator dtype), got {x.dtype}")
+    return x.dtype
+
+
+def _launch(
+    x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, stride_idx: int, stride_we: int
+) -> torch.Tensor:
+    acc = _acc_dtype(x)
+    if w.stride(-1) != 1 or (x.numel() and x.stride(1) != 1):
+        raise ValueError("rows_matmul: x and the weight need contiguous rows (K contiguous)")
+    m, k = x.shape
+    n = w.shape[-2]
+    out = torch.empty(m, n, dtype=acc, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    grid = (m, triton.cdiv(n, BLOCK_N))
+    _rows_kernel[grid](
+        x, w, idx, out, m, n, k, x.stride(0), stride_idx, stride_we, w.stride(-2), out.stride(0),
+        ACC=_ACC[acc], BN=BLOCK_N, BK=BLOCK_K,
+    )  # fmt: skip
+    return out
+
+
+def rows_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`x @ weight.T` for `x` [M, K] (FP64 or FP32: the accumulator and output dtype) and `weight` [N, K]
+    (any float dtype, K contiguous; widened in the kernel), each row independent of M."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"rows_matmul: x [M, K] and weight [N, K] expected, got {tuple(x.shape)}, {tuple(weight.shape)}"
+        )
+    _acc_dtype(x)
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()  # (the same values, so the same bits)
+    return _launch(x.contiguous(), weight, _zero_idx(x.device), 0, 0)
+
+
+def pair_rows_matmul(x: torch.Tensor, w: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+    """Row p of `x` [P, K] times `w[pairs[p]].T` (`w` [E, N, K], any float dtype), each row as
+    `rows_matmul(x[p:p+1], w[pairs[p]])` computes it (the same kernel)."""
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2] or pairs.shape != (x.shape[0],):
+        raise ValueError(
+            f"pair_rows_matmul: x [P, K], w [E, N, K], pairs [P] expected, got {tuple(x.shape)}, "
+            f"{tuple(w.shape)}, {tuple(pairs.shape)}"
+        )
+    _acc_dtype(x)
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    return _launch(x.contiguous(), w, pairs.to(torch.int64).contiguous(), 1, w.stride(0))
+
+
+def tile_bmm(
+    a: torch.Tensor, b: torch.Tensor, ia: torch.Tensor | None = None, ib: torch.Tensor | None = None
+) -> torch.Tensor:
+    """FP64 a[ia[j]] @ b[ib[j]] (a [Na, m, k], b [Nb, k, n]; no indices: a[j] @ b[j]) in one launch, each
+    product one program per column block with one fixed order over k: a product's bits depend on its two
+    matrices only, for any number of products (cuBLAS picks its kernel from the batch count)."""
+    if (
+        a.dim() != 3
+        or b.dim() != 3
+        or a.shape[2] != b.shape[1]
+        or a.dtype != torch.float64
+        or b.dtype != a.dtype
+    ):
+        raise ValueError(
+            f"tile_bmm: float64 a [Na, m, k] and b [Nb, k, n] expected, got {a.dtype} {tuple(a.shape)}, "
+            f"{b.dtype} {tuple(b.shape)}"
+        )
+    if (ia is None) != (ib is None):
+        raise ValueError("tile_bmm: give both index tensors or neither")
+    if ia is None and a.shape[0] != b.shape[0]:
+        raise ValueError(f"tile_bmm: {a.shape[0]} and {b.shape[0]} matrices without indices")
+    a = a if a.stride(-1) == 1 else a.contiguous()
+    b = b if b.stride(-1) == 1 else b.contiguous()
+    _, m, k = a.shape
+    n = b.shape[2]
+    count = a.shape[0] if ia is None else ia.shape[0]
+    out = torch.empty(count, m, n, dtype=torch.float64, device=a.device)
+    if count == 0 or m == 0 or n == 0:
+        return out
+    if ia is None:
+        zero = _zero_idx(a.device)
+        ia = ib = zero
+        idx_args = (0, 1, 0, 1)
+    else:
+        ia, ib = ia.to(torch.int64).contiguous(), ib.to(torch.int64).contiguous()
+        idx_args = (1, 0, 1, 0)
+    grid = (count, triton.cdiv(n, TILE_N))
+    _tiles_kernel[grid](
+        a, b, ia, ib, out, count, m, k, n, *idx_args, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        out.stride(0), out.stride(1), BM=triton.next_power_of_2(m), BN=TILE_N, BK=TILE_K,
+    )  # fmt: skip
+    return out
+
+
+def row_sum_squares(x: torch.Tensor) -> torch.Tensor:
+    """FP32 `(x.float() ** 2).sum(-1)` of contiguous-row `x` [M, K], one fixed order per row at any M."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"row_sum_squares: x [M, K] with contiguous rows expected, got {tuple(x.shape)}")
+    m, k = x.shape
+    out = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m:
+        _sumsq_kernel[(m,)](x, out, m, k, x.stride(0), BK=_sumsq_block(k))
+    return out
+
+
+@functools.cache
+def _sumsq_block(k: int) -> int:
+    return min(SUMSQ_BLOCK, triton.next_power_of_2(max(k, 16)))
