@@ -43,6 +43,24 @@ _VARS = [
     ),
     EnvVar("DEEPINFER_ACCELERATOR", str, "cpu", "kernel backend: cpu (reference) or nvidia"),
     EnvVar(
+        "DEEPINFER_TILELANG",
+        str,
+        "1",
+        "NVIDIA backend: 1 the TileLang kernels verified on an H200, all every TileLang kernel, 0 none (torch)",
+    ),
+    EnvVar(
+        "DEEPINFER_DEEP_GEMM",
+        str,
+        "1",
+        "NVIDIA backend: 0 keeps DeepGEMM out (FP8 linears / experts dequantise to BF16 GEMMs)",
+    ),
+    EnvVar(
+        "DEEPINFER_TRITON",
+        str,
+        "1",
+        "NVIDIA backend: 0 keeps the Triton row / tile GEMMs of batch-invariant mode out (reference tiles serve)",
+    ),
+    EnvVar(
         "DEEPINFER_DEVICE",
         str,
         "auto",
