@@ -65,6 +65,26 @@ def _kernel_table(prof, steps: int, cuda: bool):
     return sum(r[2] for r in rows), sum(r[1] for r in rows), rows
 
 
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The options the step profilers share: which checkpoint, in which dtype, at which batch sizes."""
+    ap.add_argument("--model", default=None, help="checkpoint directory (default: deepinfer-tiny)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+
+
+def load_profiled_model(args, ap: argparse.ArgumentParser):
+    """`args.device` as a torch device (CUDA checked), `args.model_name`, and the loaded model."""
+    args.device = torch.device(args.device)
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch sees no CUDA device")
+    from deepinfer.default_model import resolve_model
+    from deepinfer_model import load_model
+
+    path = Path(args.model) if args.model else resolve_model(None)[0]
+    args.model_name = path.name
+    return load_model(path, getattr(torch, args.dtype), device=args.device)
+
+
 def profile_one(model, b: int, mode: str, args) -> tuple[dict, list]:
     from deepinfer_model import numerics
     from deepinfer_model.runner import RunnerBatch
@@ -136,9 +156,7 @@ def profile_one(model, b: int, mode: str, args) -> tuple[dict, list]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="checkpoint directory (default: deepinfer-tiny)")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    add_model_args(ap)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--context", type=int, default=64, help="prompt tokens per sequence before decoding")
     ap.add_argument("--steps", type=int, default=12, help="decode steps through runner.execute")
@@ -148,15 +166,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cuda[:N]; cpu: a dry run of the script (no graphs)")
     ap.add_argument("--out", type=Path, default=RESULTS / "profile_decode_step.json")
     args = ap.parse_args()
-    args.device = torch.device(args.device)
-    if args.device.type == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda: torch sees no CUDA device")
-    from deepinfer.default_model import resolve_model
-    from deepinfer_model import load_model
-
-    path = Path(args.model) if args.model else resolve_model(None)[0]
-    args.model_name = path.name
-    model = load_model(path, getattr(torch, args.dtype), device=args.device)
+    model = load_profiled_model(args, ap)
     records, text = [], []
     for b in args.batches:
         for mode in args.modes:

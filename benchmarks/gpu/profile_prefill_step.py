@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from profile_decode_step import MODES, RESULTS, _kernel_table  # noqa: E402
+from profile_decode_step import MODES, RESULTS, _kernel_table, add_model_args, load_profiled_model  # noqa: E402
 
 
 def _host_table(prof, steps: int):
@@ -79,24 +79,17 @@ def profile_one(model, b: int, mode: str, args) -> tuple[dict, list, list]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="checkpoint directory (default: deepinfer-tiny)")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    add_model_args(ap)
     ap.add_argument("--context", type=int, default=64, help="prompt tokens per sequence")
     ap.add_argument("--repeats", type=int, default=5, help="timed prefill steps per configuration")
     ap.add_argument("--top", type=int, default=20, help="ops listed per configuration")
     ap.add_argument("--device", default="cuda", help="cuda[:N]; cpu: a dry run of the script")
     ap.add_argument("--out", type=Path, default=RESULTS / "profile_prefill_step.json")
     args = ap.parse_args()
-    args.device = torch.device(args.device)
-    from deepinfer.default_model import resolve_model
-    from deepinfer_model import load_model
+    model = load_profiled_model(args, ap)
     from rich.console import Console
     from rich.table import Table
 
-    path = args.model or resolve_model(None)[0]
-    args.model_name = Path(path).name
-    model = load_model(path, getattr(torch, args.dtype), device=args.device)
     before = os.environ.get("DEEPINFER_BATCH_INVARIANT")
     records, text = [], []
     try:
