@@ -219,6 +219,31 @@ def test_failing_kernel_falls_back_to_torch_once_and_is_recorded(caplog):
     assert "nvcc failed" in nvidia.TILELANG_FALLBACKS.pop("test_op") and "nvcc failed" in caplog.text
 
 
+def test_batch_invariant_kernels_fall_back_only_before_their_first_success():
+    """The batch-invariant GEMMs' wrappers fall back to the reference only when the kernel never ran (a
+    compile error); a failure after a success (an out-of-memory) is raised, so a run never switches kernels
+    (and bits) part-way."""
+    from deepinfer_model.backends import nvidia
+
+    state = {"fail": True}
+
+    def kernel(x):
+        if state["fail"]:
+            raise RuntimeError("compile error")
+        return "kernel"
+
+    fn = nvidia._kernel_or_torch("test_bi_op", kernel, lambda x: "reference", True)
+    assert fn(0) == "reference" and fn(0) == "reference"  # fell back for good before any success
+    nvidia.TILELANG_FALLBACKS.pop("test_bi_op")
+    state["fail"] = False
+    fn = nvidia._kernel_or_torch("test_bi_op", kernel, lambda x: "reference", True)
+    assert fn(0) == "kernel"
+    state["fail"] = True
+    with pytest.raises(RuntimeError, match="compile error"):
+        fn(0)
+    assert "test_bi_op" not in nvidia.TILELANG_FALLBACKS
+
+
 def test_torch_fallbacks_are_served_by_the_reference_in_batch_invariant_mode(monkeypatch):
     """The NVIDIA backend's torch FP32 versions (used without TileLang, or after a kernel failed) reduce
     with torch / cuBLAS splits that follow the token count, so in batch-invariant mode the cpu reference

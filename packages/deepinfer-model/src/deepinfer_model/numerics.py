@@ -210,12 +210,8 @@ def _row_invariant(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     graph-safe expert path's `pair_rows_matmul` matches row for row when handed the same stored weights."""
     flat = x.double().reshape(-1, x.shape[-1])
     if x.device.type == "cpu":
-        fp32 = x.dtype in (
-            torch.float32,
-            torch.bfloat16,
-            torch.float16,
-        ) or batch_invariant.marked_fp32_valued(x)
-        out = batch_invariant.row_gemm(flat, weight.t(), fp32)
+        narrow = x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        out = batch_invariant.row_gemm(flat, weight.t(), narrow or batch_invariant.marked_fp32_valued(x))
     else:
         out = batch_invariant.device_rows(flat, weight)
     return out.reshape(*x.shape[:-1], weight.shape[0])

@@ -43,17 +43,26 @@ def _has(module: str) -> bool:
         return False
 
 
-def _kernel_or_torch(name: str, kernel: Callable, fallback: Callable) -> Callable:
-    """`kernel`, replaced by `fallback` for good after its first failure other than a ValueError."""
+def _kernel_or_torch(
+    name: str, kernel: Callable, fallback: Callable, until_first_success: bool = False
+) -> Callable:
+    """`kernel`, replaced by `fallback` for good after its first failure other than a ValueError.
+
+    `until_first_success`: only a failure before the kernel ever ran falls back (a compile error); later
+    failures (an out-of-memory) are raised. For batch-invariant mode's GEMMs, whose bits must not change
+    kernels in the middle of a run."""
     current = [kernel]
+    succeeded = [False]
 
     def call(*args, **kwargs):
         try:
-            return current[0](*args, **kwargs)
+            out = current[0](*args, **kwargs)
+            succeeded[0] = True
+            return out
         except ValueError:
             raise
         except Exception as exc:  # noqa: BLE001 - a JIT/compile failure must not take the model down
-            if current[0] is fallback:
+            if current[0] is fallback or (until_first_success and succeeded[0]):
                 raise
             logger.warning(
                 "%s: kernel failed (%s: %s); using the torch version", name, type(exc).__name__, exc
@@ -131,19 +140,16 @@ if _has("deep_gemm") and os.environ.get("DEEPINFER_DEEP_GEMM", "1") != "0":
 else:
     register("nvidia", "grouped_expert_mlp")(moe.grouped_expert_mlp_dequant)
 
-# Batch-invariant mode's GEMMs. A failure at the first call (a Triton compile error) falls back to the
-# reference tiles for the rest of the process, so every step of a run still uses one kind of kernel.
+# Batch-invariant mode's GEMMs. A failure before a kernel first ran (a Triton compile error) falls back to
+# the reference tiles for the rest of the process; a later one is raised, so a run never changes kernels
+# (and bits) part-way.
 if _has("triton") and os.environ.get("DEEPINFER_TRITON", "1") != "0":
     from .. import cpu as _reference
     from . import triton_rows
 
-    register("nvidia", "rows_matmul")(
-        _kernel_or_torch("rows_matmul", triton_rows.rows_matmul, _reference.rows_matmul)
-    )
-    register("nvidia", "pair_rows_matmul")(
-        _kernel_or_torch("pair_rows_matmul", triton_rows.pair_rows_matmul, _reference.pair_rows_matmul)
-    )
-    register("nvidia", "tile_bmm")(_kernel_or_torch("tile_bmm", triton_rows.tile_bmm, _reference.tile_bmm))
+    for _name in ("rows_matmul", "pair_rows_matmul", "tile_bmm"):
+        _op = _kernel_or_torch(_name, getattr(triton_rows, _name), getattr(_reference, _name), True)
+        register("nvidia", _name)(_op)
 else:
     logger.warning("triton unavailable or DEEPINFER_TRITON=0: batch-invariant GEMMs use the padded tiles")
 
