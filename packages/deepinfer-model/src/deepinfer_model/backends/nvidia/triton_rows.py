@@ -1,4 +1,5 @@
-"""Row-invariant GEMMs for batch-invariant mode on CUDA, as Triton kernels.
+"""Batch-invariant mode's GEMMs on CUDA, as Triton kernels: row GEMMs and tile products whose bits do not
+depend on how many rows or products share the call.
 
 Why: cuBLAS picks its kernel (tile shape, split-K) from the whole problem, so a row's bits follow the
 token count of the step. The reference path (`batch_invariant.tiled_matmul`) therefore multiplies every
@@ -13,6 +14,10 @@ projections and the LM head) and `pair_rows_matmul` (row p against expert `pairs
 expert path) run the same kernel and differ only in the weight's base address, so a row gets the same
 bits from either as long as the weight is passed in the same dtype and layout (both callers pass the
 stored weight, widened in the kernel). `row_sum_squares` is the row-local statistic of the mHC norm.
+`tile_bmm` is the attention's fixed-shape tile products ([8, D] x [D, 32] scores, [8, 32] x [32, D + 1]
+P.[K | 1]) for any number of products, direct or gathered by index, in one launch (the reference issues
+cuBLAS calls of exactly 16 matrices, one per key tile in prefill: ~10,000 extra ATen calls per tiny-model
+prefill step at batch 8).
 
 Not fast for large M (each row re-reads the weight through L2): batch-invariant prefill of a large model
 pays for it; decode is one pass over the weight. Plain `.py` (Triton reads the source).
