@@ -515,3 +515,23 @@ def test_target_logits_identical_across_neighbours_splits_and_prefix_hits(model,
     ref = model.forward(torch.tensor(target, device=model_device(model))).logits.float()
     diff = [p for p in sorted(alone) if not torch.equal(alone[p], ref[p])]
     assert not diff, f"paged runner differs from the stateless forward at positions {diff}"
+
+
+def test_product_indices_used_by_a_graph_capture_are_never_evicted(monkeypatch):
+    """`_tile_products_batched`'s cached index tensors: an entry a CUDA-graph capture reads is kept for good
+    (the graph reads that memory at every replay), while the eager cache is emptied when full."""
+    dev = torch.device("cuda")  # (only the key: the entry below is seeded by hand, nothing is allocated there)
+    key = (2, 3, 1, 4, dev)
+    seeded = (torch.arange(24), torch.arange(24))
+    monkeypatch.setattr(batch_invariant, "_PRODUCT_INDICES", {key: seeded})
+    monkeypatch.setattr(batch_invariant, "_CAPTURED_INDICES", {})
+    monkeypatch.setattr(batch_invariant, "PRODUCT_INDEX_CACHE", 2)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert batch_invariant._product_indices(2, 3, 1, 4, dev) is seeded
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    cpu = torch.device("cpu")
+    for n in range(1, 6):  # fills and empties the eager cache
+        ia, ib = batch_invariant._product_indices(1, 1, 1, n, cpu)
+        assert ia.tolist() == [0] * n and ib.tolist() == list(range(n))
+    assert key not in batch_invariant._PRODUCT_INDICES
+    assert batch_invariant._product_indices(2, 3, 1, 4, dev) is seeded

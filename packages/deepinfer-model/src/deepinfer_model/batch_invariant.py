@@ -645,19 +645,23 @@ def _tile_products_batched(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 # (B, R, Ta, T, device) -> the index tensors of `_tile_products_batched`: functions of the shapes only, made
-# once on the host (a decode step would otherwise launch ~8 small kernels per call to build them); made
-# on the device, uncached, inside a CUDA-graph capture (no host copy there; the warm-up run before a
-# capture fills the cache for its shapes).
+# once on the host (a decode step would otherwise launch ~8 small kernels per call to build them). Inside a
+# CUDA-graph capture nothing is copied from the host: a cached entry (the warm-up run before a capture
+# fills the cache for its shapes) is moved to `_CAPTURED_INDICES`, which is never evicted (the graph reads
+# that memory at every replay); a missing one is made on the device, in the graph's own pool.
 _PRODUCT_INDICES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-PRODUCT_INDEX_CACHE = 512
+_CAPTURED_INDICES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+PRODUCT_INDEX_CACHE = 512  # entries of `_PRODUCT_INDICES` before it is emptied (prefill shapes vary)
 
 
 def _product_indices(bsz: int, r_count: int, ta: int, t_count: int, dev: torch.device):
     key = (bsz, r_count, ta, t_count, dev)
-    hit = _PRODUCT_INDICES.get(key)
-    if hit is not None:
-        return hit
     capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    hit = _CAPTURED_INDICES.get(key) or _PRODUCT_INDICES.get(key)
+    if hit is not None:
+        if capturing:
+            _CAPTURED_INDICES[key] = hit
+        return hit
     xp = (lambda n: torch.arange(n, device=dev)) if capturing else np.arange
     i, r, t = xp(bsz), xp(r_count), xp(t_count)
     t_a = t.clip(max=ta - 1) if capturing else np.minimum(t, ta - 1)
