@@ -520,7 +520,9 @@ def test_target_logits_identical_across_neighbours_splits_and_prefix_hits(model,
 def test_product_indices_used_by_a_graph_capture_are_never_evicted(monkeypatch):
     """`_tile_products_batched`'s cached index tensors: an entry a CUDA-graph capture reads is kept for good
     (the graph reads that memory at every replay), while the eager cache is emptied when full."""
-    dev = torch.device("cuda")  # (only the key: the entry below is seeded by hand, nothing is allocated there)
+    dev = torch.device(
+        "cuda"
+    )  # (only the key: the entry below is seeded by hand, nothing is allocated there)
     key = (2, 3, 1, 4, dev)
     seeded = (torch.arange(24), torch.arange(24))
     monkeypatch.setattr(batch_invariant, "_PRODUCT_INDICES", {key: seeded})
