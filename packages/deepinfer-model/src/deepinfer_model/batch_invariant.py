@@ -837,11 +837,12 @@ class AttentionPlan:
         self.order = torch.from_numpy(order).to(dev)
         self.heads = torch.from_numpy(np.arange(rt * TILE_ROWS) % heads).to(dev)
         self.real = torch.from_numpy(real.reshape(-1)).to(dev)
-        # many row tiles per key tile (prefill): one call per key tile, the key tile broadcast (a gathered
-        # copy per row tile would cost more than the products); few (decode): one gathered call
+        # on the CPU with many row tiles per key tile (prefill): one call per key tile, the key tile
+        # broadcast (a gathered copy per row tile would cost more than the products); few (decode), and
+        # off the CPU (`tile_bmm` gathers in one call): one gathered call
         kflat = bi * n_tiles + ti
         self.by_key: list[tuple[int, torch.Tensor]] | None = None
-        if n_sel >= 4 * len(np.unique(kflat)):
+        if dev.type == "cpu" and n_sel >= 4 * len(np.unique(kflat)):
             srt = np.argsort(kflat, kind="stable")
             cuts = np.flatnonzero(np.diff(kflat[srt])) + 1
             self.by_key = [(int(kflat[g[0]]), torch.from_numpy(g).to(dev)) for g in np.split(srt, cuts)]
@@ -850,7 +851,7 @@ class AttentionPlan:
 def _plan_products(plan: AttentionPlan, a: torch.Tensor, ia: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a[ia[j]] @ b[plan.key_tile[j]] for every seen tile j (see `_products`; on the CPU with many row
     tiles per key tile one call per key tile, the key tile broadcast)."""
-    if plan.by_key is None or a.device.type != "cpu":
+    if plan.by_key is None:
         return _products(a, b, ia, plan.key_tile)
     out = a.new_empty(plan.n_sel, a.shape[1], b.shape[2])
     for kt, idx in plan.by_key:
