@@ -517,6 +517,27 @@ def test_target_logits_identical_across_neighbours_splits_and_prefix_hits(model,
     assert not diff, f"paged runner differs from the stateless forward at positions {diff}"
 
 
+def test_row_blocked_long_step_gives_the_same_bits(model, monkeypatch):
+    """A step longer than a query block runs the query side of attention per row block (the 64k prefill
+    path): the target's attention and logits keep every bit, the block edges cutting its prompt and the
+    boundary to a neighbour's chunk."""
+    rng = np.random.default_rng(7)
+    target, neigh = _stream(rng, TARGET_PROMPT), _stream(rng, 50)
+    sim = _Sim(model, monkeypatch)
+    sim.add(0, target)
+    whole = sim.step([(0, TARGET_PROMPT, TARGET_PROMPT)])[0]
+    cfg = model.config
+    monkeypatch.setattr(paged, "QUERY_BLOCK_ELEMENTS", 7 * cfg.num_attention_heads * cfg.head_dim)
+    blocked_sim = _Sim(model, monkeypatch)
+    blocked_sim.add(1, neigh)
+    blocked_sim.add(0, target)
+    blocked = blocked_sim.step([(1, 12, 1), (0, TARGET_PROMPT, TARGET_PROMPT)])[0]  # blocks of 7 rows
+    for p in range(TARGET_PROMPT):
+        same = [torch.equal(x, y) for x, y in zip(sim.attention[p], blocked_sim.attention[p], strict=True)]
+        assert all(same), f"position {p}: row blocks changed the FP64 attention output (layers {same})"
+    assert torch.equal(whole, blocked)
+
+
 def test_product_indices_used_by_a_graph_capture_are_never_evicted(monkeypatch):
     """`_tile_products_batched`'s cached index tensors: an entry a CUDA-graph capture reads is kept for good
     (the graph reads that memory at every replay), while the eager cache is emptied when full."""

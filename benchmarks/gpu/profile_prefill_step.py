@@ -80,6 +80,7 @@ def profile_one(model, b: int, mode: str, args) -> tuple[dict, list, list]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--context", type=int, default=64, help="prompt tokens per sequence")
     ap.add_argument("--repeats", type=int, default=5, help="timed prefill steps per configuration")
     ap.add_argument("--top", type=int, default=20, help="ops listed per configuration")
@@ -94,7 +95,7 @@ def main() -> None:
     records, text = [], []
     try:
         for b in args.batches:
-            for mode in MODES:
+            for mode in args.modes:
                 rec, krows, hrows = profile_one(model, b, mode, args)
                 records.append(rec)
                 text.append(f"== {args.model_name} {mode} batch {b}: {rec['step_ms']:.2f} ms, "
@@ -111,8 +112,9 @@ def main() -> None:
         else:
             os.environ["DEEPINFER_BATCH_INVARIANT"] = before
     for rec in records:
-        base = next(r for r in records if r["batch"] == rec["batch"] and r["mode"] == "default")
-        rec["step_cost_pct"] = 100.0 * (rec["step_ms"] / base["step_ms"] - 1.0)
+        base = [r for r in records if r["batch"] == rec["batch"] and r["mode"] == "default"]
+        if base:  # (--modes without default: no cost column)
+            rec["step_cost_pct"] = 100.0 * (rec["step_ms"] / base[0]["step_ms"] - 1.0)
     table = Table(title=f"eager prefill step ({args.model_name}, {args.device}, context {args.context})")
     cols = (
         "mode",
@@ -126,7 +128,8 @@ def main() -> None:
     for c in cols:
         table.add_column(c, justify="right")
     for r in records:
-        table.add_row(*(f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in cols))
+        cells = (r.get(c, "-") for c in cols)
+        table.add_row(*(f"{v:.2f}" if isinstance(v, float) else str(v) for v in cells))
     Console().print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(records, indent=1) + "\n")

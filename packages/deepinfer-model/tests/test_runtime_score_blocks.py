@@ -1,9 +1,11 @@
 """Long prefill chunks attend in query blocks (bounded score memory): the logits must not change."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
-from deepinfer_model.models.deepseek_v41 import load_v41, make_v41_checkpoint
+from deepinfer_model.models.deepseek_v41 import load_v41, make_v41_checkpoint, paged
 from deepinfer_model.runner import RunnerBatch
 from deepinfer_model.runtime import PagedRunner, groups
 
@@ -32,6 +34,20 @@ def test_query_blocked_attention_gives_the_same_logits(model, monkeypatch, eleme
     ids = np.random.default_rng(0).integers(4, model.config.vocab_size, 44)
     whole = _prefill_logits(model, ids)
     monkeypatch.setattr(groups, "SCORE_BLOCK_ELEMENTS", elements)  # 1: one query slot per block
+    blocked = _prefill_logits(model, ids)
+    assert torch.isfinite(blocked).all()
+    assert torch.equal(whole, blocked)
+
+
+@pytest.mark.parametrize("elements", [1, 3000, 9000])
+def test_row_blocked_query_side_gives_the_same_logits(model, monkeypatch, elements):
+    """A long step runs queries, index scores, attention and output projection per block of rows (1: one
+    row per block; the others cut both sequences and the boundary between them)."""
+    ids = np.random.default_rng(1).integers(4, model.config.vocab_size, 44)
+    whole = _prefill_logits(model, ids)
+    monkeypatch.setattr(paged, "QUERY_BLOCK_ELEMENTS", elements)
+    step = SimpleNamespace(num_seqs=2, ends=np.array([44, 39]))
+    assert paged.query_block_rows(model, step) < 39  # more than one block per sequence
     blocked = _prefill_logits(model, ids)
     assert torch.isfinite(blocked).all()
     assert torch.equal(whole, blocked)

@@ -11,7 +11,7 @@ keys computed for another prompt length is refused.
 import numpy as np
 import pytest
 import torch
-from deepinfer_model.models.deepseek_v41 import DeepseekV41ForCausalLM, load_v41, make_v41_checkpoint
+from deepinfer_model.models.deepseek_v41 import DeepseekV41ForCausalLM, load_v41, make_v41_checkpoint, paged
 from deepinfer_model.models.deepseek_v41.yoco import YocoMode, YocoSettings
 from deepinfer_model.runner import RunnerBatch
 from deepinfer_model.runtime import PagedRunner
@@ -372,3 +372,12 @@ def test_chunk_before_rect_lo_batched_with_a_wider_window(model, mode):
     got_a, got_b = drv.step([(a, 4, 3, n), (b, 29, 3, 3)])
     check_rows(a, 4, 3, got_a, reference(model, a["tokens"], 21, mode))
     check_rows(b, 29, 3, got_b, reference(model, b["tokens"], 40, mode))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_row_blocked_query_side_equals_stateless(model, monkeypatch, mode):
+    """Steps longer than a query block (3 rows here) run the consumer half's queries per row block of the
+    kept rows (compact) or of every row (mask): still the stateless truncated forward, bit for bit."""
+    cfg = model.config
+    monkeypatch.setattr(paged, "QUERY_BLOCK_ELEMENTS", 3 * cfg.num_attention_heads * cfg.head_dim)
+    assert run_random(model, mode, np.random.default_rng(11), 3) > 0

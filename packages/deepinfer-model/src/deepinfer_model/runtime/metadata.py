@@ -107,6 +107,38 @@ class StepMetadata:
             ids_checked=vocab_size is not None,
         )
 
+    def row_block(self, lo: int, hi: int) -> StepMetadata:
+        """The queries of packed rows lo .. hi-1 as a step of their own whose keys were written before it:
+        each sequence's rows in the range, starting where they start, ending at the block's last query
+        (`ends` = last position + 1), the rest of each sequence's step counted as not there yet. Exactly
+        the metadata of a prefill chunk that ends at row `hi`, so the query side of attention can run per
+        row block of a long step once the whole step's keys are in the pools. No logits rows."""
+        first, last = self.offsets[:-1], self.offsets[1:]
+        shift = np.clip(lo - first, 0, self.query_lens)
+        qlens = np.clip(np.minimum(last, hi) - np.maximum(first, lo), 0, None)
+        offsets = np.zeros_like(self.offsets)
+        np.cumsum(qlens, out=offsets[1:])
+        starts = self.starts + shift
+        rows = slice(lo, hi)
+        host = lambda a: None if a is None else a[rows]  # noqa: E731
+        return StepMetadata(
+            block_size=self.block_size,
+            starts=starts,
+            query_lens=qlens,
+            ends=starts + qlens,
+            offsets=offsets,
+            tables=self.tables,
+            input_ids=self.input_ids[rows],
+            positions=self.positions[rows],
+            write_slots=self.write_slots[rows],
+            logits_rows=self.logits_rows[:0],
+            device=self.device,
+            host_positions=host(self.host_positions),
+            host_write_slots=host(self.host_write_slots),
+            host_logits_rows=None if self.host_logits_rows is None else self.host_logits_rows[:0],
+            ids_checked=self.ids_checked,
+        )
+
     def dev(self, array) -> torch.Tensor:
         """A host array of this step on the step's device (one copy per call; see `cached`)."""
         return to_device(array, self.device)

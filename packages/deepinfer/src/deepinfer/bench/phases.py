@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from . import accounting
 from .engine_driver import Driver, profiled
 from .intervals import FlagCounter, Interval, summarize, timed
@@ -59,6 +61,7 @@ def run_prefill(driver: Driver, cfg: PrefillConfig, flags: FlagCounter | None, p
         raise ValueError("prefill: need repeats >= 1, warmup >= 0, context >= 0")
     rows = []
     for chunk in cfg.chunks:
+        _reset_peak_memory()
         for _ in range(cfg.warmup):
             _one_chunk(driver, chunk, cfg.context, flags, timed_run=False)
         intervals = [
@@ -78,6 +81,9 @@ def run_prefill(driver: Driver, cfg: PrefillConfig, flags: FlagCounter | None, p
             "dp": cfg.dp,
             "cp": cfg.cp,
         }
+        peak = _peak_memory_gib()
+        if peak is not None:  # what a chunk of this size needs on the device (weights and KV pool included)
+            row["peak_device_memory_gib"] = peak
         if cfg.context:
             row["prefix_cache_hit_rate_cumulative"] = float(
                 driver.engine.scheduler_stats().get("prefix_cache_hit_rate", 0.0)
@@ -91,6 +97,18 @@ def run_prefill(driver: Driver, cfg: PrefillConfig, flags: FlagCounter | None, p
         if progress:
             progress.update(1)
     return rows
+
+
+def _reset_peak_memory() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_memory_gib() -> float | None:
+    """Peak memory torch allocated on the current CUDA device since the last reset (None: no CUDA in use)."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    return torch.cuda.max_memory_allocated() / 2**30
 
 
 def _one_chunk(driver: Driver, chunk: int, context: int, flags, timed_run: bool) -> Interval | None:

@@ -18,6 +18,7 @@ PREFILL_COLUMNS = [
     ("tok/s/GPU", lambda r: f"{r['non_cached_tok_per_s_per_gpu']:.1f}"),
     ("roofline tok/s/GPU", lambda r: f"{r['roofline_tok_per_s_per_gpu']:.3g}"),
     ("of roof", lambda r: f"{r['fraction_of_roofline']:.2%}"),
+    ("peak GiB", lambda r: f"{r['peak_device_memory_gib']:.1f}" if "peak_device_memory_gib" in r else "-"),
 ]
 DECODE_COLUMNS = [
     ("batch", lambda r: str(r["batch"])),

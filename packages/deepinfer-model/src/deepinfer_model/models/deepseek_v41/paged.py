@@ -81,18 +81,54 @@ def v41_cache_specs(model: DeepseekV41ForCausalLM, block_size: int) -> list[Pool
     return specs
 
 
+# Elements of one query-shaped tensor (queries and outputs [rows, heads, head_dim], index scores and masks
+# [rows, entries]) an attention layer holds at once: a step with more rows runs the query side of attention
+# per block of rows. A 64k-token prefill chunk of the real head shape (64 x 512) would otherwise hold
+# several 8 GiB FP32 query tensors per layer and [T, T] index scores at ratio 1.
+QUERY_BLOCK_ELEMENTS = 1 << 28
+
+
+def query_block_rows(model: DeepseekV41ForCausalLM, meta: StepMetadata) -> int:
+    """Rows per query block of `_attention` for this step (>= every row: one block)."""
+    cfg = model.config
+    widest = cfg.num_attention_heads * cfg.head_dim
+    ratios = [r for r in cfg.compress_ratios[: cfg.topology.num_layers] if r]
+    if ratios and meta.num_seqs:  # entries a query of the longest sequence may score
+        widest = max(widest, int(meta.ends.max()) // min(ratios))
+    return max(1, QUERY_BLOCK_ELEMENTS // widest)
+
+
 class _StepState:
     """Cross-layer values of this step (the paged counterpart of `CrossLayerState`), packed per token."""
 
-    def __init__(self, meta: StepMetadata, yoco: YocoStep | None = None) -> None:
-        self.groups = _static_groups(meta) if isinstance(meta, StaticDecodeMetadata) else make_groups(meta)
-        self.yoco = yoco
-        # consumer-half queries (YOCO compact: the kept rows only)
-        self.consumer_groups = make_groups(yoco.qmeta) if yoco and yoco.drops_rows else self.groups
+    def __init__(
+        self, meta: StepMetadata, yoco: YocoStep | None = None, block_rows: int | None = None
+    ) -> None:
+        self.meta, self.yoco, self.block_rows = meta, yoco, block_rows
+        self._blocks: dict[int, list] = {}  # id(query metadata) -> its query blocks
         self.fresh: dict[int, NewEntries | None] = {}  # kv source -> entries completed in this step
         self.selection: dict[int, torch.Tensor] = {}  # index source -> top-k [N, index_topk]
         self.candidates: torch.Tensor | None = None  # [N, candidate_topk_blocks]
         self.shared_hidden: torch.Tensor | None = None
+
+    def query_blocks(self, consumer: bool) -> list[tuple[int, int, StepMetadata, list[Group]]]:
+        """(first row, end row, metadata, groups) of each query block of the step's rows (the consumer
+        half's rows with YOCO truncation, which are the step's unless compact mode drops some): the whole
+        step when it has at most `block_rows` rows (always for the graph-safe step), else consecutive
+        row blocks as `StepMetadata.row_block` steps. Built once per step: their index tensors are shared
+        by every layer."""
+        qmeta = self.yoco.qmeta if consumer and self.yoco is not None else self.meta
+        key = id(qmeta)
+        if key not in self._blocks:
+            if isinstance(qmeta, StaticDecodeMetadata):
+                self._blocks[key] = [(0, qmeta.positions.shape[0], qmeta, _static_groups(qmeta))]
+                return self._blocks[key]
+            n = int(qmeta.offsets[-1])
+            step = n if self.block_rows is None else max(1, self.block_rows)
+            spans = [(lo, min(lo + step, n)) for lo in range(0, n, step)] or [(0, 0)]
+            metas = [qmeta] if len(spans) == 1 else [qmeta.row_block(lo, hi) for lo, hi in spans]
+            self._blocks[key] = [(lo, hi, m, make_groups(m)) for (lo, hi), m in zip(spans, metas)]
+        return self._blocks[key]
 
 
 def _attention(
@@ -103,6 +139,8 @@ def _attention(
     cache: PagedKVCache,
     st: _StepState,
 ) -> torch.Tensor:
+    """One attention layer over the step's rows: the keys of every row first (SWA latents, compressed and
+    index keys into the pools), then the query side (`_attend_rows`), per row block of a long step."""
     cfg, topo, act, kvq = model.config, model.config.topology, model.act_dtype, model.kvq
     w = model.weights.layers[layer]
     ratio = cfg.compress_ratios[layer]
@@ -111,9 +149,8 @@ def _attention(
     # YOCO truncation: consumer queries are `qmeta`'s rows and see no SWA key below their rect_lo;
     # compressed KV / index keys (from S) stay built over every row of `meta`.
     yoco = st.yoco if topo.is_consumer_half(layer) else None
-    qmeta, groups = (yoco.qmeta, st.consumer_groups) if yoco else (meta, st.groups)
+    qmeta = yoco.qmeta if yoco else meta
     cos, sin = cos_sin(rope, qmeta.positions)
-    q, q_lat = project_query(y, w.attn, cfg.num_attention_heads, cos, sin, eps, False, act)
     latent = kvq.swa(project_latent(y, w.attn, cos, sin, eps, act))
     if yoco is None:
         cache.write(f"swa.{layer}", meta.write_slots, latent)
@@ -136,19 +173,48 @@ def _attention(
         if new is not None:
             k = index_keys(new.pre_rope, new.positions, w.indexer.wk, w.indexer.k_norm, rope, eps, act)
             cache.write(f"index_k.{layer}", new.slots, kvq.index(k))
-    index_source = ratio and topo.is_index_source(layer)
-    if index_source:
-        qi = kvq.index(index_queries(q_lat, w.indexer, cfg.index_n_heads, cos, sin, act))
-        head_w = linear(y, w.indexer.weights_proj, act)
+    if ratio and topo.is_index_source(layer):
         st.selection[layer] = torch.full((n_tok, cfg.index_topk), -1, dtype=torch.long, device=y.device)
         if layer == topo.candidate_source:
             st.candidates = torch.full(
                 (n_tok, topo.candidate_topk_blocks), -1, dtype=torch.long, device=y.device
             )
-    out = torch.empty(n_tok, cfg.num_attention_heads, cfg.head_dim, dtype=carrier(), device=y.device)
+    outs = [
+        _attend_rows(model, layer, y[lo:hi], cos[lo:hi], sin[lo:hi], bmeta, groups, lo, cache, st, yoco)
+        for lo, hi, bmeta, groups in st.query_blocks(yoco is not None)
+    ]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _attend_rows(
+    model: DeepseekV41ForCausalLM,
+    layer: int,
+    y: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    qmeta: StepMetadata,
+    groups: list[Group],
+    row0: int,
+    cache: PagedKVCache,
+    st: _StepState,
+    yoco: YocoStep | None,
+) -> torch.Tensor:
+    """The query side of one attention layer for the rows `qmeta` describes (the step's rows from `row0`
+    on; their keys are in the pools): queries, index scores and top-k selection (into the step's
+    cross-layer state), attention over the window and the selected entries, output projection."""
+    cfg, topo, act, kvq = model.config, model.config.topology, model.act_dtype, model.kvq
+    w = model.weights.layers[layer]
+    ratio = cfg.compress_ratios[layer]
+    q, q_lat = project_query(y, w.attn, cfg.num_attention_heads, cos, sin, cfg.rms_norm_eps, False, act)
+    index_source = ratio and topo.is_index_source(layer)
+    if index_source:
+        qi = kvq.index(index_queries(q_lat, w.indexer, cfg.index_n_heads, cos, sin, act))
+        head_w = linear(y, w.indexer.weights_proj, act)
+    out = torch.empty(y.shape[0], cfg.num_attention_heads, cfg.head_dim, dtype=carrier(), device=y.device)
     static = isinstance(qmeta, StaticDecodeMetadata)
     for g in groups:
         slots = g.slot_rows  # every (padded) query slot; padding duplicates its sequence's last query
+        step_slots = slots if row0 == 0 else slots + row0  # the same slots among the step's rows
         floor = None if yoco is None else yoco.rect_lo[g.seqs]
         window = swa_keys(cache, qmeta, g, f"swa.{layer}", cfg.sliding_window, floor)
         extra = None
@@ -178,13 +244,13 @@ def _attention(
                 scores = round_to(grouped_index_scores(qi, ik, head_w, g, False, act), act)
                 allowed = valid
                 if topo.restricted_to_candidates(layer):
-                    allowed = valid & candidate_mask(st.candidates[slots], n, topo.candidate_block_size)
-                st.selection[layer][slots] = select_topk(scores, allowed, cfg.index_topk)
+                    allowed = valid & candidate_mask(st.candidates[step_slots], n, topo.candidate_block_size)
+                st.selection[layer][step_slots] = select_topk(scores, allowed, cfg.index_topk)
                 if layer == topo.candidate_source:
-                    st.candidates[slots] = candidate_blocks(
+                    st.candidates[step_slots] = candidate_blocks(
                         scores, valid, topo.candidate_block_size, topo.candidate_topk_blocks
                     )
-            selected = st.selection[topo.index_source[layer]][slots]
+            selected = st.selection[topo.index_source[layer]][step_slots]
             if static and batch_invariant.enabled():
                 comp = f"comp.{topo.kv_source[layer]}"
                 extra = _static_selected_tiles(cache, qmeta, comp, ratio, selected, n)
@@ -347,7 +413,7 @@ def v41_paged_forward(
     moe_fn = moe_fn or model.moe_fn
     static = isinstance(meta, StaticDecodeMetadata)
     rows = (_static_engram_rows if static else _engram_rows)(model, meta, cache) if model.engram else {}
-    st = _StepState(meta, yoco)
+    st = _StepState(meta, yoco, None if static else query_block_rows(model, meta))
     compact = yoco is not None and yoco.drops_rows
     targets = cfg.dspark.target_layer_ids if (cfg.dspark and w.drafter is not None) else ()
     feats = {}
