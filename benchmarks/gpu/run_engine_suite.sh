@@ -9,7 +9,11 @@
 # graphs (the CUDA-graph gpu tests with the NVIDIA ops), profstep (profile_decode_step.py with the kernel bundle:
 # the graphed decode step's replay time and kernel breakdown, tiny default vs batch-invariant, medium native at
 # batch 1 / 8), bi (batch-invariant mode with the NVIDIA ops: the Triton row kernels' and the invariance gpu
-# tests, bench_batch_invariant.py eager and with graphs, the decode- and prefill-step profiles). Modifiers: nodecode / noprefill (bench: only the other half).
+# tests, bench_batch_invariant.py eager and with graphs, the decode- and prefill-step profiles), long (medium native
+# prefill at chunks of 4k / 16k / 64k tokens in one 65,536-position sequence, the 16k chunk again with DEEPINFER_FLASH_MLA=0 DEEPINFER_TRITON=0,
+# the row-block invariance, NVIDIA-op and native-numerics gpu tests),
+# profprefill (profile_prefill_step.py: the medium native eager prefill step at PROF_CONTEXT tokens, default 16k).
+# Modifiers: nodecode / noprefill (bench: only the other half).
 # Results: $OUT (device tool) or benchmarks/results; logs in engine_logs.tar.gz.
 set -uo pipefail
 final=${OUT:-benchmarks/results}
@@ -42,7 +46,7 @@ deep_gemm_pid=$!
 medium=/tmp/medium-v41
 src=$(ls -d "$repo"/packages/*/src | grep -v deepinfer-sched | tr '\n' ':')
 export PYTHONPATH="/tmp/sched-site:${src}/tmp/pysite:$PYTHONPATH"
-if has medium || has bench || has profile || has profstep; then
+if has medium || has bench || has profile || has profstep || has long || has profprefill; then
   python3 benchmarks/gpu/make_medium_checkpoint.py "$medium" > "$out/medium_checkpoint.log" 2>&1 &
   medium_pid=$!
 fi
@@ -82,7 +86,7 @@ if has ppl; then
   DEEPINFER_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_repro_ppl_baseline.py > "$out/ppl_check.log" 2>&1
   tail -3 "$out/ppl_check.log"; cp tests/models/offline_decode_ppl.json "$out/offline_decode_ppl.json"
 fi
-if has medium || has bench || has profile || has profstep; then
+if has medium || has bench || has profile || has profstep || has long || has profprefill; then
   wait "$medium_pid"; cat "$out/medium_checkpoint.log"
 fi
 if has medium; then
@@ -167,5 +171,29 @@ if has bi; then  # batch-invariant mode with the NVIDIA ops (Triton row GEMMs, T
   timeout "${PROFSTEP_LIMIT_S:-200}" python3 benchmarks/gpu/profile_prefill_step.py --batches 1 8 \
     --out "$out/profile_prefill_step_nvidia_tiny.json" > "$out/profile_prefill_step_nvidia_tiny.log" 2>&1
   tail -8 "$out/profile_prefill_step_nvidia_tiny.log"; collect
+fi
+if has long; then  # the 64k chunk runs the attention's query side in row blocks (models/deepseek_v41/paged.py)
+  el "long prefill: medium native, chunks 4k / 16k / 64k"
+  DEEPINFER_NUMERICS=native PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${LONG_LIMIT_S:-300}" \
+    python3 -m deepinfer.cli bench prefill --model "$medium" --max-model-len 65536 --max-num-seqs 1 \
+    --chunks 4096,16384,65280 --prefill-repeats 2 --device cuda --dtype bfloat16 --no-progress \
+    --results-dir "$out" --name bench_medium_gpu_prefill_long_native > "$out/bench_medium_prefill_long.log" 2>&1
+  tail -12 "$out/bench_medium_prefill_long.log"; collect
+  el "in-run baseline: the 16k chunk without FlashMLA and the index-score kernel (the torch paths)"
+  DEEPINFER_FLASH_MLA=0 DEEPINFER_TRITON=0 DEEPINFER_NUMERICS=native timeout 200 python3 -m deepinfer.cli bench prefill --model "$medium" \
+    --max-model-len 20480 --max-num-seqs 1 --chunks 16384 --prefill-repeats 2 --device cuda --dtype bfloat16 \
+    --no-progress --no-plot --results-dir "$out" --name bench_medium_gpu_prefill_native_torch_attention \
+    > "$out/bench_medium_prefill_torch_attention.log" 2>&1; tail -7 "$out/bench_medium_prefill_torch_attention.log"; collect
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu packages/deepinfer-model/tests/test_ops_nvidia.py \
+    packages/deepinfer-model/tests/test_numerics_native.py > "$out/long_tests.log" 2>&1; tail -6 "$out/long_tests.log"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_repro_paged_batch_invariant.py -k row_blocked \
+    > "$out/row_block_tests.log" 2>&1; tail -3 "$out/row_block_tests.log"
+fi
+if has profprefill; then
+  el "profile: medium native eager prefill step, ${PROF_CONTEXT:-16384} tokens"
+  DEEPINFER_NUMERICS=native timeout "${PROFSTEP_LIMIT_S:-200}" python3 benchmarks/gpu/profile_prefill_step.py --model "$medium" \
+    --dtype bfloat16 --modes default --batches 1 --context "${PROF_CONTEXT:-16384}" --repeats 2 --top 40 \
+    --out "$out/profile_prefill_step_medium_native.json" > "$out/profile_prefill_step_medium.log" 2>&1
+  tail -8 "$out/profile_prefill_step_medium.log"; collect
 fi
 el "done"

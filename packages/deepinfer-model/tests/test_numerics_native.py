@@ -372,6 +372,69 @@ def test_native_band_attention_takes_bf16_operands():
     assert rel(ref_p, got.double()) <= P_ROUNDED_RTOL
     assert rel(ref_exact, got.double()) >= P_UNROUNDED_MIN
     assert rel(ref_exact, got32.double()) <= 1e-6
+    # the same attention as one listed-keys call (`listed_attention`, FlashMLA's form on the GPU) through
+    # the reference `sparse_prefill_attention`: the same P-rounded result up to its BF16 output rounding
+    # (half a BF16 ulp, 2^-8 relative, per element; measured 2.4e-3 in norm), with the YOCO floor too
+    from deepinfer_model.backends import cpu as reference
+
+    op = reference.sparse_prefill_attention
+    with numerics_mode("native"):
+        listed = g.real(groups.listed_attention(op, q, wk, g, sinks, d**-0.5, meta, (entries, selected)))
+        floor = np.array([60, 31])
+        wf = groups.swa_keys(cache, meta, g, "swa.0", window, floor)
+        band_f = groups.attend(q, wf, g, sinks, d**-0.5, meta, (entries, selected), torch.bfloat16)
+        listed_f = g.real(groups.listed_attention(op, q, wf, g, sinks, d**-0.5, meta, (entries, selected)))
+        no_entries = g.real(groups.listed_attention(op, q, wk, g, sinks, d**-0.5, meta))
+        band_only = groups.attend(q, wk, g, sinks, d**-0.5, meta, None, torch.bfloat16)
+    assert listed.dtype is torch.float32 and listed.shape == got.shape
+    assert rel(ref_p, listed.double()) <= 2**-8
+    assert rel(band_f.double(), listed_f.double()) <= 2**-8
+    assert rel(band_only.double(), no_entries.double()) <= 2**-8
+    assert rel(band_f.double(), got.double()) > 1e-2  # (the floor hides keys: a different result)
+
+
+def test_native_grouped_index_scores_through_the_fused_op(monkeypatch):
+    """`groups.grouped_index_scores` in native BF16 as one `index_scores` op call (how a backend kernel
+    serves it; here the reference op) against its own torch path and float64 math on the BF16 operands,
+    for a padded group of two prefill chunks with their own index keys."""
+    from deepinfer_model.backends import cpu as reference
+    from deepinfer_model.runtime import groups
+    from deepinfer_model.runtime.metadata import StepMetadata
+
+    gen = torch.Generator().manual_seed(9)
+    qlens, n_i, d_i, n = np.array([37, 42]), 8, 32, 45
+    batch = RunnerBatch(
+        seq_ids=np.arange(2, dtype=np.int64),
+        start_positions=np.array([3, 0]),
+        query_lens=qlens,
+        block_tables=[np.arange(3, dtype=np.int32), np.arange(3, 6, dtype=np.int32)],
+        input_ids=np.zeros(int(qlens.sum()), dtype=np.int64),
+        logits_lens=np.ones(2, dtype=np.int64),
+    )
+    meta = StepMetadata.build(batch, 16, num_blocks=6)
+    (g,) = groups.make_groups(meta)
+    qi, hw = (
+        _bf16_values(int(qlens.sum()), n_i, d_i, gen=gen),
+        torch.randn(int(qlens.sum()), n_i, generator=gen),
+    )
+    keys = _bf16_values(2, n, d_i, gen=gen)
+    ref = (torch.relu(torch.einsum("gqhd,gnd->gqhn", qi[g.rows].double(), keys.double()))
+           * hw[g.rows].double()[..., None]).sum(2).reshape(-1, n)  # fmt: skip
+    with numerics_mode("native"):
+        torch_path = groups.grouped_index_scores(qi, keys, hw, g, False, torch.bfloat16)
+        calls = []
+
+        def fused(name, x, *shape):
+            calls.append((name, shape))
+            return reference.index_scores if name == "index_scores" else None
+
+        monkeypatch.setattr(groups, "fused_kernel", fused)
+        op_path = groups.grouped_index_scores(qi, keys, hw, g, False, torch.bfloat16)
+        scaled = groups.grouped_index_scores(qi, keys, hw, g, True, torch.bfloat16)  # (V4's scaled scores)
+    assert calls == [("index_scores", (n_i, d_i))]  # the scaled form keeps the torch path
+    assert op_path.shape == torch_path.shape == (g.rows.numel(), n) and op_path.dtype is torch.float32
+    assert rel(ref, op_path.double()) <= 1e-6 and rel(torch_path.double(), op_path.double()) <= 1e-6
+    assert rel(ref, scaled.double() * (d_i * n_i) ** 0.5) <= 1e-6
 
 
 def test_paged_runner_native_bf16_matches_stateless_native_bf16(v41):

@@ -127,6 +127,47 @@ def test_sparse_decode_attention(gpu, cpu, b, h, topk, blocks):
     assert rel_err(out, ref) < 1e-2
 
 
+@pytest.mark.parametrize("t, h, topk, s_kv", [(1, 64, 128, 300), (777, 64, 640, 5000), (300, 128, 200, 2048)])
+def test_sparse_prefill_attention(gpu, cpu, t, h, topk, s_kv):
+    """FlashMLA's SM90 sparse prefill (top-k padded to its multiple of 128) against the gather reference:
+    listed keys with repeats and -1 holes, a sink per head; one row lists nothing (output 0: sink only)."""
+    if gpu.sources["sparse_prefill_attention"] != "nvidia":
+        pytest.skip("flash_mla does not import here")
+    assert gpu.sparse_prefill_attention.supports(h, 512) and not gpu.sparse_prefill_attention.supports(4, 512)
+    g = torch.Generator().manual_seed(t)
+    q = torch.randn(t, h, 512, generator=g).bfloat16()
+    kv = torch.randn(s_kv, 512, generator=g).bfloat16()
+    idx = torch.randint(0, s_kv, (t, topk), generator=g, dtype=torch.int32)
+    idx[torch.rand(t, topk, generator=g) < 0.3] = -1
+    idx[0] = -1
+    sinks = torch.randn(h, generator=g)
+    ref = cpu.sparse_prefill_attention(q, kv, idx, sinks, 512**-0.5)
+    assert float(ref[0].abs().max()) == 0.0
+    poison()
+    out = gpu.sparse_prefill_attention(q.to(DEV), kv.to(DEV), idx.to(DEV), sinks.to(DEV), 512**-0.5)
+    assert out.shape == (t, h, 512) and out.dtype == torch.bfloat16
+    assert rel_err(out, ref) <= tol(torch.bfloat16)  # measured 2.1e-3 (BF16 output)
+
+
+@pytest.mark.parametrize(
+    "gs, t, h, d, n", [(1, 1, 32, 128, 5), (1, 999, 32, 128, 3000), (5, 3, 64, 128, 130), (2, 17, 4, 32, 77)]
+)
+def test_index_scores(gpu, cpu, gs, t, h, d, n):
+    """The Triton weighted-ReLU index scores against the reference (BF16 operands: exact FP32 products;
+    the sums differ in order only)."""
+    if gpu.sources["index_scores"] != "nvidia":
+        pytest.skip("triton does not import here")
+    g = torch.Generator().manual_seed(t + n)
+    q = torch.randn(gs, t, h, d, generator=g).bfloat16()
+    keys = torch.randn(gs, n, d, generator=g).bfloat16()
+    w = torch.randn(gs, t, h, generator=g)
+    ref = cpu.index_scores(q, keys, w)
+    poison()
+    out = gpu.index_scores(q.to(DEV), keys.to(DEV), w.to(DEV))
+    assert out.shape == (gs, t, n) and out.dtype == torch.float32
+    assert rel_err(out, ref) <= 1e-4
+
+
 def test_kv_store_on_gpu_matches_cpu(gpu, cpu):
     lat = torch.randn(100, 512) * 5
     slots = torch.randperm(4 * 64)[:100]

@@ -58,7 +58,14 @@ _VARS = [
         "DEEPINFER_TRITON",
         str,
         "1",
-        "NVIDIA backend: 0 keeps the Triton row / tile GEMMs of batch-invariant mode out (reference tiles serve)",
+        "NVIDIA backend: 0 keeps the Triton kernels out: batch-invariant mode's row / tile GEMMs (reference "
+        "tiles serve) and the indexer's fused scores (torch path)",
+    ),
+    EnvVar(
+        "DEEPINFER_FLASH_MLA",
+        str,
+        "1",
+        "NVIDIA backend: 0 keeps FlashMLA's sparse prefill out (native prefill attention takes the torch band path)",
     ),
     EnvVar(
         "DEEPINFER_DEVICE",

@@ -170,6 +170,47 @@ def kv_store_fp8(latent: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     store_fp8_tokens(latent, kv_cache, slots)
 
 
+@register("cpu", "index_scores")
+def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Token blocks: FP32 scores of the BF16 values (exact products), ReLU, weighted sum over the heads."""
+    gs, t, h, d = q.shape
+    n = keys.shape[1]
+    out = torch.empty(gs, t, n, dtype=torch.float32, device=q.device)
+    step = max(1, SPARSE_PREFILL_ELEMENTS // max(gs * h * n, 1))
+    k = keys.float().transpose(1, 2)
+    for lo in range(0, t, step):
+        b = q[:, lo : lo + step].shape[1]
+        s = torch.relu(torch.bmm(q[:, lo : lo + step].float().reshape(gs, b * h, d), k)).view(gs, b, h, n)
+        out[:, lo : lo + step] = (s * weights[:, lo : lo + step].float()[..., None]).sum(dim=2)
+    return out
+
+
+# Gathered keys [rows, k, D] FP32 held at once by the reference sparse prefill attention (1 GiB).
+SPARSE_PREFILL_ELEMENTS = 1 << 28
+
+
+@register("cpu", "sparse_prefill_attention")
+def sparse_prefill_attention(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Row blocks: gather each row's keys, FP32 scores of the BF16 values (exact products), softmax with
+    the sink, P rounded to BF16 for the weighted sum (as a BF16 attention kernel feeds its P.V product)."""
+    t, k = indices.shape
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+    step = max(1, SPARSE_PREFILL_ELEMENTS // max(k * kv.shape[1], 1))
+    sink = sinks.float()[None, :, None]
+    for lo in range(0, t, step):
+        idx = indices[lo : lo + step]
+        keys = kv[idx.long().clamp(min=0)].float()  # [b, k, D]; unlisted (-1) columns masked below
+        s = torch.bmm(q[lo : lo + step].float(), keys.transpose(1, 2)) * scale  # [b, h, k]
+        s = s.masked_fill((idx < 0)[:, None, :], float("-inf"))
+        top = torch.maximum(s.amax(-1, keepdim=True), sink)
+        p = torch.exp(s - top)
+        denom = p.sum(-1, keepdim=True) + torch.exp(sink - top)
+        out[lo : lo + step] = (torch.bmm(p.bfloat16().float(), keys) / denom).bfloat16()
+    return out
+
+
 @register("cpu", "sparse_decode_attention")
 def sparse_decode_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float

@@ -79,3 +79,16 @@ def grouped_expert_mlp(
         x, weights.float(), ids, experts.w13, experts.s13, experts.w2, experts.s2, limit, weight_before_down
     )
     return out.to(carrier())
+
+
+def fused_kernel(name: str, x: torch.Tensor, *shape: int):
+    """The backend's op `name` (`sparse_prefill_attention`, `index_scores`) for tensors on `x`'s device when
+    a kernel serves this shape (its `supports(*shape)`), else None. These ops replace a longer torch path
+    of the caller; their `cpu` reference is a plain gather / loop, slower than that path, so it is never
+    chosen for speed (the caller keeps its own path)."""
+    table = ops_for(x)
+    if table.sources.get(name, "cpu") == "cpu":
+        return None
+    fn = table[name]
+    supports = getattr(fn, "supports", None)
+    return fn if supports is None or supports(*shape) else None

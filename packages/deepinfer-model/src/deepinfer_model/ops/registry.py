@@ -50,6 +50,13 @@ OP_SPECS: dict[str, str] = {
     "adds the shared expert before the one bf16 rounding); Q8 = per-token 1x128 power-of-two FP8",
     "kv_store_fp8": "kv_store_fp8(latent [T, 512], kv_cache uint8 [blocks, page, 1, 528], slots [T]) -> None; "
     "V4.1 FP8 cache format (spec v41-model 4.9), slot = block * page + offset",
+    "index_scores": "index_scores(q [G, T, h, d] bf16, keys [G, n, d] bf16, weights [G, T, h] FP32) -> [G, T, n] FP32 "
+    "= sum over h of weights * relu(q . k): BF16 products accumulated in FP32, FP32 weighting and head sum (the "
+    "indexer's scores in native mode)",
+    "sparse_prefill_attention": "sparse_prefill_attention(q [T, h, D] bf16, kv [S, D] bf16, indices [T, k] int32 "
+    "(-1 = none), sinks [h] FP32, scale) -> [T, h, D] bf16; each query row over its listed keys (values = keys): "
+    "BF16 products accumulated in FP32, FP32 softmax with the head's sink logit in the denominator, P rounded to "
+    "BF16 for P.V (native-mode prefill attention over the window and the selected entries)",
     "sparse_decode_attention": "sparse_decode_attention(q [B, h, 512] bf16, kv_cache uint8 [blocks, page, 1, 528], "
     "indices [B, k] int32 (-1 = none), sinks [h] FP32, scale) -> [B, h, 512] bf16",
 }

@@ -20,6 +20,7 @@ from ..layers.compressor import CompressorWeights, compress
 from ..layers.indexer import selection_mask
 from ..layers.rope import apply_rope, cos_sin
 from ..numerics import attention_operands, bmm_f32, bmm_operand, carrier, native, round_to
+from ..ops.model_calls import fused_kernel
 from .metadata import StaticDecodeMetadata, StepMetadata
 from .pools import PagedKVCache
 
@@ -279,6 +280,9 @@ def attend(
         return g.real(out.reshape(-1, *out.shape[2:]))
     if swa.visible is not None:
         raise ValueError("attend: window keys in the batch-invariant layout outside batch-invariant mode")
+    kernel = _listed_kernel(q, swa, meta, extra, act_dtype)
+    if kernel is not None:
+        return g.real(listed_attention(kernel, q, swa, g, sinks, scale, meta, extra))
     c = carrier()
     op = attention_operands(act_dtype)
     if native():  # operands converted once per call (CPU: BF16-rounded values held in FP32, `bmm_operand`)
@@ -344,6 +348,51 @@ def attend(
     return g.real(out.reshape(-1, *out.shape[2:]))
 
 
+def _listed_kernel(q, swa: WindowKeys, meta: StepMetadata, extra, act_dtype: torch.dtype):
+    """The backend's fused sparse attention for this call, or None (then the band path below runs): native
+    BF16 numerics (the kernel's products), an eager step (the graph-safe step keeps its own fixed-shape
+    path) and top-k selected entries or none (a visibility mask over every entry has no index list)."""
+    if not native() or act_dtype != torch.bfloat16 or isinstance(meta, StaticDecodeMetadata):
+        return None
+    if extra is not None and extra[1].dtype != torch.long:
+        return None
+    return fused_kernel("sparse_prefill_attention", q, q.shape[1], swa.keys.shape[2])
+
+
+def listed_attention(
+    kernel, q, swa: WindowKeys, g: Group, sinks, scale, meta: StepMetadata, extra=None
+) -> torch.Tensor:
+    """`attend` (default layout) as one `sparse_prefill_attention` call: the group's window keys and entries
+    stacked into one key list, each query slot's visible window columns and selected entries listed as
+    indices into it (-1 = none). Same scores, softmax and sink as the band path; one kernel per group
+    instead of a dozen tensor ops per block of 2W rows. -> FP32 [G*Q, nh, D], every slot."""
+    gs, qn = g.rows.shape
+    width = swa.keys.shape[1]
+    window = meta.cached(("listed_window", *swa.index_key), lambda: _window_lists(meta, g, swa))
+    keys, lists = [swa.keys.reshape(gs * width, -1)], [window]
+    if extra is not None:
+        entries, selected = extra
+        n = entries.shape[1]
+        keys.append(entries.reshape(gs * n, -1))
+        first = gs * width + n * torch.arange(gs, device=selected.device)  # entry 0 of each sequence
+        sel = selected.view(gs, qn, -1)
+        lists.append(torch.where(sel >= 0, sel + first[:, None, None], -1).view(gs * qn, -1))
+    kv = torch.cat(keys).to(torch.bfloat16)
+    indices = torch.cat(lists, dim=1).to(torch.int32)
+    rows = q.to(torch.bfloat16)[g.slot_rows]  # [G*Q, nh, D]
+    return kernel(rows, kv, indices, sinks, scale).to(carrier())
+
+
+def _window_lists(meta: StepMetadata, g: Group, wk: WindowKeys) -> torch.Tensor:
+    """int32 [G*Q, W]: for each query slot the flat window-key rows (sequence i's column c at i * S + c) of
+    positions p - W + 1 .. p it sees (at or above its sequence's lowest visible position), -1 elsewhere."""
+    gs, width = wk.keys.shape[0], wk.keys.shape[1]
+    kp = g.q_pos[:, :, None] - torch.arange(wk.window, device=g.q_pos.device)  # [G, Q, W] key positions
+    base, low = meta.dev(wk.base)[:, None, None], meta.dev(wk.low)[:, None, None]
+    flat = (kp - base) + width * torch.arange(gs, device=kp.device)[:, None, None]
+    return torch.where(kp >= low, flat, -1).to(torch.int32).reshape(-1, wk.window)
+
+
 def _shared_keys(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """Native products against one matrix per sequence: x [G, b, h, i] @ m [G, i, j] -> FP32 [G, b, h, j]
     (one batched GEMM of b*h rows per sequence)."""
@@ -391,6 +440,12 @@ def grouped_index_scores(
     nat = native()
     op = attention_operands(act_dtype)
     keys = bmm_operand(keys, op) if nat else keys.to(carrier())
+    kernel = None
+    if nat and not scaled and op == torch.bfloat16:  # the backend's fused kernel: no [G, Q, n_i, n] scores
+        kernel = fused_kernel("index_scores", qi, n_heads, head_dim)
+    if kernel is not None:
+        w = head_w[g.rows].to(carrier())
+        return kernel(bmm_operand(qi, op)[g.rows], keys, w).reshape(-1, keys.shape[1])
     block = max(1, SCORE_BLOCK_ELEMENTS // max(g.rows.shape[0] * n_heads * keys.shape[1], 1))
     out = []
     for lo in range(0, g.rows.shape[1], block):

@@ -9,6 +9,8 @@
 | fp8_block_linear | DeepGEMM `fp8_gemm_nt` if `deep_gemm` imports and `DEEPINFER_DEEP_GEMM` != 0, else dequantise + BF16 GEMM |
 | grouped_expert_mlp | DeepGEMM `m_grouped_fp8_gemm_nt_contiguous` (same condition), else per-expert dequantised BF16 GEMMs (`moe.py`) |
 | rows_matmul, pair_rows_matmul, tile_bmm | Triton row / tile kernels (`triton_rows.py`) if `triton` imports and `DEEPINFER_TRITON` != 0, else the reference tiles |
+| index_scores | Triton kernel (`triton_index.py`; power-of-two heads and head dim) if `triton` imports and `DEEPINFER_TRITON` != 0, else the reference |
+| sparse_prefill_attention | FlashMLA's legacy SM90 sparse prefill (`attention.py`; 64 / 128 heads of 512) if `flash_mla` imports and `DEEPINFER_FLASH_MLA` != 0, else the reference |
 | sparse_decode_attention | torch FP32 gather + softmax with sink (FlashMLA's SM90 kernel rejects the V41 format) |
 | kv_store_fp8 | not registered: the device-agnostic torch reference serves it |
 
@@ -152,6 +154,33 @@ if _has("triton") and os.environ.get("DEEPINFER_TRITON", "1") != "0":
         register("nvidia", _name)(_op)
 else:
     logger.warning("triton unavailable or DEEPINFER_TRITON=0: batch-invariant GEMMs use the padded tiles")
+
+# The indexer's scores in native mode (`runtime.groups.grouped_index_scores`): the core asks `supports(heads,
+# dim)` first and keeps its own path for other shapes.
+if _has("triton") and os.environ.get("DEEPINFER_TRITON", "1") != "0":
+    from .. import cpu as _reference
+    from . import triton_index
+
+    _op = _kernel_or_torch("index_scores", triton_index.index_scores, _reference.index_scores)
+    _op.supports = triton_index.supports
+    register("nvidia", "index_scores")(_op)
+
+# Native-mode prefill attention (`runtime.groups.attend`): FlashMLA for the head shapes it takes. The core
+# asks `supports(heads, dim)` first and keeps its own band path for the others; the reference (a gather)
+# stands in only after a kernel failure.
+if _has("flash_mla") and os.environ.get("DEEPINFER_FLASH_MLA", "1") != "0":
+    from .. import cpu as _reference
+    from . import attention as _attention
+
+    _op = _kernel_or_torch(
+        "sparse_prefill_attention", _attention.sparse_prefill_attention, _reference.sparse_prefill_attention
+    )
+    _op.supports = _attention.sparse_prefill_supports
+    register("nvidia", "sparse_prefill_attention")(_op)
+else:
+    logger.warning(
+        "flash_mla unavailable or DEEPINFER_FLASH_MLA=0: prefill attention uses the torch band path"
+    )
 
 # FlashMLA's SM90 (legacy) sparse decode supports the V3.2 and V4 cache formats but not V41's 528-byte
 # one (measured on an H200, 2026-11-29: "required but not supported: V41_KVCACHE_FORMAT"), so
