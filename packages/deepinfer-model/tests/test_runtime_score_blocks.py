@@ -45,7 +45,7 @@ def test_row_blocked_query_side_gives_the_same_logits(model, monkeypatch, elemen
     row per block; the others cut both sequences and the boundary between them)."""
     ids = np.random.default_rng(1).integers(4, model.config.vocab_size, 44)
     whole = _prefill_logits(model, ids)
-    monkeypatch.setattr(paged, "QUERY_BLOCK_ELEMENTS", elements)
+    monkeypatch.setattr(groups, "QUERY_BLOCK_ELEMENTS", elements)
     step = SimpleNamespace(num_seqs=2, ends=np.array([44, 39]))
     assert paged.query_block_rows(model, step) < 39  # more than one block per sequence
     blocked = _prefill_logits(model, ids)

@@ -29,7 +29,8 @@ from ..runtime.groups import (
     compress_new,
     compressed_entries,
     grouped_index_scores,
-    make_groups,
+    query_block_rows,
+    row_blocks,
     swa_keys,
 )
 from ..runtime.incremental import new_entries
@@ -73,34 +74,48 @@ def _attention(
     y: torch.Tensor,
     meta: StepMetadata,
     cache: PagedKVCache,
-    groups: list,
+    blocks: list,
     w: LayerWeights,
     spec: AttentionSpec,
     cfg: ModelConfig,
     act: torch.dtype,
 ) -> torch.Tensor:
+    """One attention layer: every row's keys into the pools first, then the query side per row block
+    (`blocks`, `runtime.groups.row_blocks`: one block unless the step is long)."""
     eps = cfg.rms_norm_eps
     cos, sin = cos_sin(spec.rope, meta.positions)
-    q, q_lat = attn.project_query(y, w.attn, cfg.num_attention_heads, cos, sin, eps, cfg.q_head_norm, act)
     cache.write(f"swa.{layer}", meta.write_slots, attn.project_latent(y, w.attn, cos, sin, eps, act))
-    compressed = w.compressor is not None
-    if compressed:
-        r = spec.compress_ratio
+    if w.compressor is not None:
         cache.write(f"hidden.{layer}", meta.write_slots, y)
         if spec.overlap:
             _write_overlapping_entries(layer, y, meta, cache, w, spec, eps, act)
         else:
+            r = spec.compress_ratio
             new = compress_new(cache, meta, f"hidden.{layer}", y, w.compressor, r, spec.rope, eps, act)
             if new is not None:
                 cache.write(f"comp.{layer}", new.slots, new.keys)
-        if w.indexer is not None:
-            qi = index_queries(q_lat, w.indexer, cfg.index_n_heads, cos, sin, act)
-            head_w = linear(y, w.indexer.weights_proj, act)
+    outs = [
+        _attend_rows(layer, y[lo:hi], cos[lo:hi], sin[lo:hi], bmeta, groups, cache, w, spec, cfg, act)
+        for lo, hi, bmeta, groups in blocks
+    ]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _attend_rows(layer, y, cos, sin, meta: StepMetadata, groups, cache, w, spec, cfg, act) -> torch.Tensor:
+    """The query side for the rows `meta` describes (their keys are in the pools): queries, the indexer's
+    top-k (CSA), attention over the window and the compressed entries, output projection."""
+    eps = cfg.rms_norm_eps
+    q, q_lat = attn.project_query(y, w.attn, cfg.num_attention_heads, cos, sin, eps, cfg.q_head_norm, act)
+    compressed = w.compressor is not None
+    if compressed and w.indexer is not None:
+        qi = index_queries(q_lat, w.indexer, cfg.index_n_heads, cos, sin, act)
+        head_w = linear(y, w.indexer.weights_proj, act)
     out = torch.empty(y.shape[0], cfg.num_attention_heads, cfg.head_dim, dtype=carrier(), device=y.device)
     for g in groups:
         window = swa_keys(cache, meta, g, f"swa.{layer}", cfg.sliding_window)
         extra = None
         if compressed:
+            r = spec.compress_ratio
             entries, comp_visible = compressed_entries(cache, meta, g, f"comp.{layer}", r)
             if w.indexer is not None:
                 index_k = compressed_entries(cache, meta, g, f"index_k.{layer}", r)[0]
@@ -119,11 +134,13 @@ def v4_paged_forward(model: DeepseekV4Model, meta: StepMetadata, cache: PagedKVC
     ids = meta.input_ids
     trunk = mhc.expand(round_to(embed(ids, model.embed, checked=meta.ids_checked), act), cfg.hc_mult)
     hc_args = (cfg.hc_eps, cfg.rms_norm_eps, cfg.hc_sinkhorn_iters)
-    groups = make_groups(meta)
+    ratios = [spec.compress_ratio for spec in cfg.attention if spec.kind != SLIDING]
+    rows = query_block_rows(meta, cfg.num_attention_heads, cfg.head_dim, min(ratios, default=None))
+    blocks = row_blocks(meta, rows)
     for layer, (spec, w) in enumerate(zip(cfg.attention, model.layers)):
         pre, post, comb = hc_mixes(trunk, w.attn_hc, *hc_args)
         y = rms_norm(hc_read(trunk, pre, act), w.attn_norm, cfg.rms_norm_eps, act)
-        a = _attention(layer, y, meta, cache, groups, w, spec, cfg, act)
+        a = _attention(layer, y, meta, cache, blocks, w, spec, cfg, act)
         trunk = hc_write(a, trunk, post, comb, act)
         pre, post, comb = hc_mixes(trunk, w.ffn_hc, *hc_args)
         y = rms_norm(hc_read(trunk, pre, act), w.ffn_norm, cfg.rms_norm_eps, act)

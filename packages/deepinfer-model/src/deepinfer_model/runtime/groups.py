@@ -31,6 +31,34 @@ SCORE_BLOCK_ELEMENTS = 1 << 27  # FP64 attention scores held at once by `attend`
 BAND_BLOCK_ROWS = 64
 
 
+# Elements of one query-shaped tensor (queries and outputs [rows, heads, head_dim], index scores and masks
+# [rows, entries]) an attention layer holds at once: a step with more rows runs the query side of attention
+# per block of rows (`row_blocks`). A 64k-token prefill chunk of the real head shape (64 x 512) would
+# otherwise hold several 8 GiB FP32 query tensors per layer and [T, T] index scores at ratio 1.
+QUERY_BLOCK_ELEMENTS = 1 << 28
+
+
+def query_block_rows(meta: StepMetadata, heads: int, head_dim: int, min_ratio: int | None) -> int:
+    """Rows per query block for this step: the query row ([heads, head_dim]) or the entry row a query of
+    the longest sequence may score (compressed at `min_ratio`, None: no compressed layer) is the width."""
+    widest = heads * head_dim
+    if min_ratio and meta.num_seqs:
+        widest = max(widest, int(meta.ends.max()) // min_ratio)
+    return max(1, QUERY_BLOCK_ELEMENTS // widest)
+
+
+def row_blocks(meta: StepMetadata, rows: int | None) -> list[tuple[int, int, StepMetadata, list[Group]]]:
+    """(first row, end row, metadata, groups) of each query block of `meta`'s packed rows: the whole step
+    (its own groups) when it has at most `rows` rows (None: always), else consecutive blocks of `rows`
+    rows as `StepMetadata.row_block` steps. The query side of attention runs per block once every row's
+    keys are in the pools; build them once per step (their index tensors are shared by every layer)."""
+    n = int(meta.offsets[-1])
+    step = n if rows is None else max(1, rows)
+    spans = [(lo, min(lo + step, n)) for lo in range(0, n, step)] or [(0, 0)]
+    metas = [meta] if len(spans) == 1 else [meta.row_block(lo, hi) for lo, hi in spans]
+    return [(lo, hi, m, make_groups(m)) for (lo, hi), m in zip(spans, metas, strict=True)]
+
+
 def ranges(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Flatten the integer ranges [lo[k], hi[k]) -> (range index of each element, element value)."""
     n = np.maximum(hi - lo, 0)

@@ -3,7 +3,8 @@
 * `hc_read`: `y[t] = sum_i w[t, i] * R[t, i]`, one CTA per (token, channel block).
 * `hc_write`: `R'[t, j] = post[t, j] * y[t] + sum_i comb[t, i, j] * R[t, i]`, same grid.
 * `hc_mixes`: the `[T, mH] x [mH, (2+m)m]` projection and the row norms stay cuBLAS FP32 GEMMs (TF32 off;
-  in batch-invariant mode the Triton row kernels of `triton_rows.py`, whose rows do not depend on T);
+  in batch-invariant mode the Triton row kernels of `triton_rows.py`, whose rows do not depend on T; with
+  Triton absent or `DEEPINFER_TRITON=0` the mode's mixes are the reference's, as its GEMM ops are);
   everything after them - scaling, sigmoids, the row softmax and all Sinkhorn iterations, ~4 + 2*iters
   small torch launches - is one kernel with one thread per token.
 Compiled per (m, H or iters, dtypes); the token count is dynamic. Plain `.py` (TileLang reads the source).
@@ -14,6 +15,8 @@ Compiled per (m, H or iters, dtypes); the token count is dynamic. Plain `.py` (T
 # (e.g. the input dtype) raised NameError on the H200 (2026-11-29). Eager annotations avoid that.
 
 import functools
+import importlib.util
+import os
 
 import tilelang
 import tilelang.language as T
@@ -22,6 +25,10 @@ import torch
 from ... import batch_invariant
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+# batch-invariant mode's row kernels, under the switch the GEMM ops of `__init__` follow (read once, as there)
+_TRITON_ROWS = (
+    importlib.util.find_spec("triton") is not None and os.environ.get("DEEPINFER_TRITON", "1") != "0"
+)
 _THREADS = 128
 
 
@@ -204,6 +211,10 @@ def hc_mixes(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if iters < 1:
         raise ValueError(f"hc_mixes: iters must be >= 1, got {iters}")
+    if batch_invariant.enabled() and not _TRITON_ROWS:
+        from .. import cpu as reference
+
+        return reference.hc_mixes(trunk, fn, base, scale, hc_eps, rms_eps, iters)
     t, m = trunk.shape[0], trunk.shape[1]
     flat = trunk.float().flatten(1).contiguous()
     if batch_invariant.enabled():

@@ -41,10 +41,11 @@ from ...runtime.groups import (
     compress_new,
     compressed_entries,
     grouped_index_scores,
-    make_groups,
     ranges,
+    row_blocks,
     swa_keys,
 )
+from ...runtime.groups import query_block_rows as groups_query_block_rows
 from ...runtime.metadata import StaticDecodeMetadata, StepMetadata, entries_per_block
 from ...runtime.pools import TOKEN_IDS, PagedKVCache, PoolSpec
 from ...runtime.yoco_step import YocoStep
@@ -81,21 +82,11 @@ def v41_cache_specs(model: DeepseekV41ForCausalLM, block_size: int) -> list[Pool
     return specs
 
 
-# Elements of one query-shaped tensor (queries and outputs [rows, heads, head_dim], index scores and masks
-# [rows, entries]) an attention layer holds at once: a step with more rows runs the query side of attention
-# per block of rows. A 64k-token prefill chunk of the real head shape (64 x 512) would otherwise hold
-# several 8 GiB FP32 query tensors per layer and [T, T] index scores at ratio 1.
-QUERY_BLOCK_ELEMENTS = 1 << 28
-
-
 def query_block_rows(model: DeepseekV41ForCausalLM, meta: StepMetadata) -> int:
     """Rows per query block of `_attention` for this step (>= every row: one block)."""
     cfg = model.config
-    widest = cfg.num_attention_heads * cfg.head_dim
     ratios = [r for r in cfg.compress_ratios[: cfg.topology.num_layers] if r]
-    if ratios and meta.num_seqs:  # entries a query of the longest sequence may score
-        widest = max(widest, int(meta.ends.max()) // min(ratios))
-    return max(1, QUERY_BLOCK_ELEMENTS // widest)
+    return groups_query_block_rows(meta, cfg.num_attention_heads, cfg.head_dim, min(ratios, default=None))
 
 
 class _StepState:
@@ -122,12 +113,8 @@ class _StepState:
         if key not in self._blocks:
             if isinstance(qmeta, StaticDecodeMetadata):
                 self._blocks[key] = [(0, qmeta.positions.shape[0], qmeta, _static_groups(qmeta))]
-                return self._blocks[key]
-            n = int(qmeta.offsets[-1])
-            step = n if self.block_rows is None else max(1, self.block_rows)
-            spans = [(lo, min(lo + step, n)) for lo in range(0, n, step)] or [(0, 0)]
-            metas = [qmeta] if len(spans) == 1 else [qmeta.row_block(lo, hi) for lo, hi in spans]
-            self._blocks[key] = [(lo, hi, m, make_groups(m)) for (lo, hi), m in zip(spans, metas)]
+            else:
+                self._blocks[key] = row_blocks(qmeta, self.block_rows)
         return self._blocks[key]
 
 
