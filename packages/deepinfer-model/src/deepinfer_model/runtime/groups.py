@@ -407,7 +407,7 @@ def listed_attention(
         lists.append(torch.where(sel >= 0, sel + first[:, None, None], -1).view(gs * qn, -1))
     kv = torch.cat(keys).to(torch.bfloat16)
     indices = torch.cat(lists, dim=1).to(torch.int32)
-    rows = q.to(torch.bfloat16)[g.slot_rows]  # [G*Q, nh, D]
+    rows = q[g.slot_rows].to(torch.bfloat16)  # [G*Q, nh, D] (the group's rows only: a step has several groups)
     return kernel(rows, kv, indices, sinks, scale).to(carrier())
 
 
@@ -473,7 +473,7 @@ def grouped_index_scores(
         kernel = fused_kernel("index_scores", qi, n_heads, head_dim)
     if kernel is not None:
         w = head_w[g.rows].to(carrier())
-        return kernel(bmm_operand(qi, op)[g.rows], keys, w).reshape(-1, keys.shape[1])
+        return kernel(bmm_operand(qi[g.rows], op), keys, w).reshape(-1, keys.shape[1])
     block = max(1, SCORE_BLOCK_ELEMENTS // max(g.rows.shape[0] * n_heads * keys.shape[1], 1))
     out = []
     for lo in range(0, g.rows.shape[1], block):
