@@ -407,7 +407,7 @@ def listed_attention(
         lists.append(torch.where(sel >= 0, sel + first[:, None, None], -1).view(gs * qn, -1))
     kv = torch.cat(keys).to(torch.bfloat16)
     indices = torch.cat(lists, dim=1).to(torch.int32)
-    rows = q[g.slot_rows].to(torch.bfloat16)  # [G*Q, nh, D] (the group's rows only: a step has several groups)
+    rows = q[g.slot_rows].to(torch.bfloat16)  # [G*Q, nh, D]: this group's rows only (a step has several)
     return kernel(rows, kv, indices, sinks, scale).to(carrier())
 
 
