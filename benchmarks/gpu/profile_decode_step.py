@@ -66,10 +66,12 @@ def _kernel_table(prof, steps: int, cuda: bool):
 
 
 def add_model_args(ap: argparse.ArgumentParser) -> None:
-    """The options the step profilers share: which checkpoint, in which dtype, at which batch sizes."""
+    """The options the step profilers share: which checkpoint, in which dtype, at which batch sizes, in
+    which modes (default / batch-invariant)."""
     ap.add_argument("--model", default=None, help="checkpoint directory (default: deepinfer-tiny)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
 
 
 def load_profiled_model(args, ap: argparse.ArgumentParser):
@@ -157,7 +159,6 @@ def profile_one(model, b: int, mode: str, args) -> tuple[dict, list]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--context", type=int, default=64, help="prompt tokens per sequence before decoding")
     ap.add_argument("--steps", type=int, default=12, help="decode steps through runner.execute")
     ap.add_argument("--replays", type=int, default=50, help="graph replays timed with CUDA events")

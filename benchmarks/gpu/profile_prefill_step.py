@@ -80,7 +80,6 @@ def profile_one(model, b: int, mode: str, args) -> tuple[dict, list, list]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--context", type=int, default=64, help="prompt tokens per sequence")
     ap.add_argument("--repeats", type=int, default=5, help="timed prefill steps per configuration")
     ap.add_argument("--top", type=int, default=20, help="ops listed per configuration")
