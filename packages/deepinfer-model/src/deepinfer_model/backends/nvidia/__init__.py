@@ -145,7 +145,8 @@ else:
 # Batch-invariant mode's GEMMs. A failure before a kernel first ran (a Triton compile error) falls back to
 # the reference tiles for the rest of the process; a later one is raised, so a run never changes kernels
 # (and bits) part-way.
-if _has("triton") and os.environ.get("DEEPINFER_TRITON", "1") != "0":
+_TRITON = _has("triton") and os.environ.get("DEEPINFER_TRITON", "1") != "0"
+if _TRITON:
     from .. import cpu as _reference
     from . import triton_rows
 
@@ -157,7 +158,7 @@ else:
 
 # The indexer's scores in native mode (`runtime.groups.grouped_index_scores`): the core asks `supports(heads,
 # dim)` first and keeps its own path for other shapes.
-if _has("triton") and os.environ.get("DEEPINFER_TRITON", "1") != "0":
+if _TRITON:
     from .. import cpu as _reference
     from . import triton_index
 
