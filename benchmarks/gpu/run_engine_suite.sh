@@ -12,7 +12,9 @@
 # tests, bench_batch_invariant.py eager and with graphs, the decode- and prefill-step profiles), long (medium native
 # prefill at chunks of 4k / 16k / 64k tokens in one 65,536-position sequence, the 16k chunk again with DEEPINFER_FLASH_MLA=0 DEEPINFER_TRITON=0,
 # the row-block invariance, NVIDIA-op and native-numerics gpu tests),
-# profprefill (profile_prefill_step.py: the medium native eager prefill step at PROF_CONTEXT tokens, default 16k).
+# profprefill (profile_prefill_step.py: the medium native eager prefill step at PROF_CONTEXT tokens, default 16k),
+# compile (profile_decode_step.py: the medium graphed decode step as written vs compiled by inductor, and the
+# compiled-graph gpu test), benchcompile (engine decode with DEEPINFER_CUDAGRAPH_COMPILE=inductor, then none).
 # Modifiers: nodecode / noprefill (bench: only the other half).
 # Results: $OUT (device tool) or benchmarks/results; logs in engine_logs.tar.gz.
 set -uo pipefail
@@ -46,7 +48,7 @@ deep_gemm_pid=$!
 medium=/tmp/medium-v41
 src=$(ls -d "$repo"/packages/*/src | grep -v deepinfer-sched | tr '\n' ':')
 export PYTHONPATH="/tmp/sched-site:${src}/tmp/pysite:$PYTHONPATH"
-if has medium || has bench || has profile || has profstep || has long || has profprefill; then
+if has medium || has bench || has profile || has profstep || has long || has profprefill || has compile || has benchcompile; then
   python3 benchmarks/gpu/make_medium_checkpoint.py "$medium" > "$out/medium_checkpoint.log" 2>&1 &
   medium_pid=$!
 fi
@@ -86,7 +88,7 @@ if has ppl; then
   DEEPINFER_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_repro_ppl_baseline.py > "$out/ppl_check.log" 2>&1
   tail -3 "$out/ppl_check.log"; cp tests/models/offline_decode_ppl.json "$out/offline_decode_ppl.json"
 fi
-if has medium || has bench || has profile || has profstep || has long || has profprefill; then
+if has medium || has bench || has profile || has profstep || has long || has profprefill || has compile || has benchcompile; then
   wait "$medium_pid"; cat "$out/medium_checkpoint.log"
 fi
 if has medium; then
@@ -188,6 +190,27 @@ if has long; then  # the 64k chunk runs the attention's query side in row blocks
     packages/deepinfer-model/tests/test_numerics_native.py > "$out/long_tests.log" 2>&1; tail -6 "$out/long_tests.log"
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_repro_paged_batch_invariant.py -k row_blocked \
     > "$out/row_block_tests.log" 2>&1; tail -3 "$out/row_block_tests.log"
+fi
+if has compile; then  # the graphed decode step compiled by torch.compile (runtime/compiled.py) vs as written
+  el "tests: compiled decode graphs vs the uncompiled ones"
+  timeout "${COMPILE_TEST_LIMIT_S:-300}" python3 -m pytest -q -p no:cacheprovider -m gpu \
+    packages/deepinfer-model/tests/test_cuda_graphs_gpu.py -k compiled > "$out/compiled_tests.log" 2>&1
+  tail -4 "$out/compiled_tests.log"
+  el "profile: medium native graphed decode step, as written vs inductor-compiled"
+  DEEPINFER_NUMERICS=native timeout "${COMPILE_LIMIT_S:-420}" python3 benchmarks/gpu/profile_decode_step.py --model "$medium" \
+    --dtype bfloat16 --modes default --compile none inductor --batches ${COMPILE_BATCHES:-1 8} --context 128 --top 25 \
+    --out "$out/profile_decode_step_compiled_medium.json" > "$out/profile_decode_step_compiled_medium.log" 2>&1
+  tail -12 "$out/profile_decode_step_compiled_medium.log"; collect
+fi
+if has benchcompile; then  # engine decode with the compiled step, and without it in the same call
+  for c in inductor none; do
+    el "bench decode: medium native, DEEPINFER_CUDAGRAPH_COMPILE=$c"
+    DEEPINFER_CUDAGRAPH_COMPILE=$c DEEPINFER_NUMERICS=native timeout "${BENCH_LIMIT_S:-300}" python3 -m deepinfer.cli bench decode \
+      --model "$medium" --max-model-len 1024 --decode-context 128 --device cuda --dtype bfloat16 --batches 1,8,64,256 \
+      --nextn 0 --measure-steps 6 --no-progress --results-dir "$out" --name "bench_medium_gpu_decode_native_compile_$c" \
+      > "$out/bench_medium_decode_compile_$c.log" 2>&1
+    tail -10 "$out/bench_medium_decode_compile_$c.log"; collect
+  done
 fi
 if has profprefill; then
   el "profile: medium native eager prefill step, ${PROF_CONTEXT:-16384} tokens"

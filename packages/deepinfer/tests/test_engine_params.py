@@ -76,6 +76,23 @@ def test_envs_typed_and_unknown_warned(monkeypatch):
     assert any("DEEPINFER_TYPO_VARIABLE" in str(w.message) for w in caught)
 
 
+def test_cudagraph_compile_backend_named_or_rejected(monkeypatch):
+    """DEEPINFER_CUDAGRAPH_COMPILE: off by default and for none; a torch.compile backend of
+    runtime/compiled.py is passed on; anything else is an error naming the variable and the choices."""
+    from deepinfer_model.runtime import decode_graph_settings
+
+    assert envs.DEEPINFER_CUDAGRAPH_COMPILE is None
+    monkeypatch.setenv("DEEPINFER_CUDAGRAPH_COMPILE", "none")
+    assert envs.DEEPINFER_CUDAGRAPH_COMPILE is None
+    monkeypatch.setenv("DEEPINFER_CUDAGRAPH_COMPILE", "inductor")
+    assert envs.DEEPINFER_CUDAGRAPH_COMPILE == "inductor"
+    settings = decode_graph_settings("cuda", 4, 64, compile=envs.DEEPINFER_CUDAGRAPH_COMPILE)
+    assert settings.compile == "inductor"
+    monkeypatch.setenv("DEEPINFER_CUDAGRAPH_COMPILE", "tensorrt")
+    with pytest.raises(ValueError, match="DEEPINFER_CUDAGRAPH_COMPILE must be none or one of inductor"):
+        _ = envs.DEEPINFER_CUDAGRAPH_COMPILE
+
+
 def test_token_blacklist_syntax():
     assert envs.parse_token_ranges("1..3,7, 9..9") == [1, 2, 3, 7, 9]
     with pytest.raises(ValueError, match="BLACKLIST"):

@@ -687,6 +687,8 @@ def _hull(flags: np.ndarray | None, n: int) -> tuple[int, int]:
 def version_of(t: torch.Tensor) -> int | None:
     """`t`'s in-place version counter, or None for an inference tensor (made under `torch.inference_mode`,
     which keeps none: reading `_version` raises): caches and marks guarded by it skip such tensors."""
+    if torch.compiler.is_compiling():  # a traced step cannot read versions: it keeps no marks or caches
+        return None
     return None if t.is_inference() else t._version
 
 

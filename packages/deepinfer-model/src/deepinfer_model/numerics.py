@@ -32,6 +32,7 @@ import weakref
 import torch
 
 from . import batch_invariant
+from .compile_boundary import outside_compiled_graph
 
 ENV = "DEEPINFER_NUMERICS"
 MODES = ("exact", "native")
@@ -135,6 +136,11 @@ def weight_as(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """
     if weight.dtype == dtype:
         return weight
+    return _converted_weight(weight, dtype)
+
+
+@outside_compiled_graph  # a compiled step takes the cached copy instead of converting every weight
+def _converted_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     base = weight._base
     if base is not None and dtype != torch.float64 and base.is_contiguous():
         full = _cached_copy(base, dtype)  # contiguous, so it has the base's strides

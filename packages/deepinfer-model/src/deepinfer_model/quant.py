@@ -12,6 +12,8 @@ import functools
 
 import torch
 
+from .compile_boundary import outside_compiled_graph
+
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device="cpu")
@@ -20,6 +22,7 @@ MXFP4_BLOCK = 32
 _E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device="cpu")
 
 
+@outside_compiled_graph  # traced, the cache is skipped: a host-to-device copy in the graph
 @functools.lru_cache(maxsize=16)
 def _on(table: str, device: torch.device) -> torch.Tensor:
     """A constant table on `device`, copied there once (quantisation runs where its input lives)."""

@@ -18,6 +18,20 @@ def _bool(v: str) -> bool:
     return v not in ("", "0", "false", "False")
 
 
+_COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+def _compile_backend(v: str) -> str | None:
+    """none / "" -> None (the step as written), else a torch.compile backend of `runtime.compiled`."""
+    if v in ("", "0", "none"):
+        return None
+    if v not in _COMPILE_BACKENDS:
+        raise ValueError(
+            f"DEEPINFER_CUDAGRAPH_COMPILE must be none or one of {', '.join(_COMPILE_BACKENDS)}, got {v!r}"
+        )
+    return v
+
+
 @dataclass(frozen=True)
 class EnvVar:
     name: str
@@ -162,6 +176,13 @@ _VARS = [
         True,
         "greedy DSpark drafts through CUDA graphs too (bitwise the eager draft on the CPU, replay checked on "
         "an H200); 0: they run eagerly",
+    ),
+    EnvVar(
+        "DEEPINFER_CUDAGRAPH_COMPILE",
+        _compile_backend,
+        None,
+        "torch.compile backend for the graphed decode step before capture: inductor fuses the elementwise "
+        "ops between the GEMMs (default mode only; batch-invariant steps run as written); none",
     ),
     EnvVar(
         "DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL",

@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from ..compile_boundary import outside_compiled_graph
 from ..config import RopeSpec
 from ..numerics import carrier
 
@@ -21,6 +22,7 @@ def inv_freq(spec: RopeSpec, device: torch.device | str = "cpu") -> torch.Tensor
     return _inv_freq(spec, torch.device(device))
 
 
+@outside_compiled_graph  # traced, the cache is skipped: a host-to-device copy in the graph
 @functools.lru_cache(maxsize=64)
 def _inv_freq(spec: RopeSpec, device: torch.device) -> torch.Tensor:
     return _host_inv_freq(spec).to(device)

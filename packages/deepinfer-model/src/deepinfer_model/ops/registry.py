@@ -13,6 +13,8 @@ import logging
 import os
 from collections.abc import Callable
 
+from ..compile_boundary import outside_compiled_graph
+
 logger = logging.getLogger("deepinfer_model.ops")
 
 BACKENDS = ("cpu", "nvidia")
@@ -135,7 +137,8 @@ class OpTable:
         self._fns: dict[str, Callable] = {}
         for name in OP_SPECS:
             if name in _IMPLS[backend]:
-                self._fns[name], self.sources[name] = _IMPLS[backend][name], backend
+                # an accelerator kernel is one opaque call inside a compiled step (runtime/compiled.py)
+                self._fns[name], self.sources[name] = outside_compiled_graph(_IMPLS[backend][name]), backend
             elif name in _IMPLS["cpu"]:
                 self._fns[name], self.sources[name] = _IMPLS["cpu"][name], "cpu"
                 if backend != "cpu":

@@ -119,7 +119,9 @@ class DecodeGraphSettings:
     too (the static step is bitwise the eager batch-invariant step on the CPU, and its replay the static
     step on an H200: `test_cuda_graphs_gpu.py`); False runs such steps eagerly. `draft`: greedy DSpark
     drafts through CUDA graphs as well (`draft_graphs.DraftGraphRunner`; bitwise the eager draft on the
-    CPU, replay checked on an H200: `test_draft_graphs_gpu.py`); False keeps them eager."""
+    CPU, replay checked on an H200: `test_draft_graphs_gpu.py`); False keeps them eager. `compile`: a
+    `torch.compile` backend ("inductor" on CUDA; `runtime.compiled`) for the static step of the default
+    mode before it is captured (fuses the elementwise ops between the GEMMs); None runs it as written."""
 
     max_batch_size: int
     max_context: int
@@ -130,8 +132,13 @@ class DecodeGraphSettings:
     min_context_tier: int = DEFAULT_MIN_CONTEXT_TIER
     batch_invariant: bool = True
     draft: bool = True
+    compile: str | None = None
 
     def __post_init__(self) -> None:
+        from .compiled import BACKENDS
+
+        if self.compile is not None and self.compile not in BACKENDS:
+            raise ValueError(f"compile must be None or one of {BACKENDS}, got {self.compile!r}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.max_context < 1:
@@ -156,6 +163,7 @@ def decode_graph_settings(
     capture_all: bool = False,
     batch_invariant: bool = True,
     draft: bool = True,
+    compile: str | None = None,
 ) -> DecodeGraphSettings | None:
     """The engine's settings: graphs on CUDA devices unless `enforce_eager`; None (eager) elsewhere.
     With `nextn` drafts per step, buckets go up to max_num_seqs x (1 + nextn) tokens and a sequence may
@@ -173,6 +181,7 @@ def decode_graph_settings(
         capture_all=capture_all,
         batch_invariant=batch_invariant,
         draft=draft,
+        compile=compile,
     )
 
 
@@ -249,7 +258,7 @@ class DecodeGraphRunner:
         self.device = runner.device
         if settings.capture and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the model is on {self.device}")
-        self.forward = v41_static_decode_forward
+        self.plain_forward = v41_static_decode_forward
         self.buckets = build_graph_batch_sizes(settings.max_batch_size, settings.interval)
         self.tiers = build_context_tiers(settings.max_context, settings.min_context_tier)
         self.block_size = runner.block_size
@@ -267,6 +276,16 @@ class DecodeGraphRunner:
         self.mode = None  # (numerics mode, batch-invariant mode) the graphs were captured under
         self.replays = 0  # steps run through a graph (graph replays, or static steps without capture)
         self.verify_replays = 0  # those of them with a sequence feeding more than one token (drafts)
+
+    @property
+    def forward(self):
+        """The static step a graph captures under the current modes: compiled (`settings.compile`) in the
+        default mode, as written in batch-invariant mode (`runtime.compiled`: no bitwise guarantee)."""
+        if self.settings.compile is None or batch_invariant.enabled():
+            return self.plain_forward
+        from .compiled import compiled_static_forward
+
+        return compiled_static_forward(self.settings.compile)
 
     def blocks(self, tier: int) -> int:
         """Block-table columns of context tier `tier`."""

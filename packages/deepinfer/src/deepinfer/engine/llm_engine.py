@@ -185,6 +185,7 @@ class LLMEngine:
                 capture_all=envs.DEEPINFER_CUDAGRAPH_CAPTURE_ALL,
                 batch_invariant=envs.DEEPINFER_CUDAGRAPH_BATCH_INVARIANT,
                 draft=envs.DEEPINFER_CUDAGRAPH_DRAFT,
+                compile=envs.DEEPINFER_CUDAGRAPH_COMPILE,
                 nextn=nextn,
             ),
         )

@@ -1,0 +1,113 @@
+"""The static decode step under torch.compile (`runtime/compiled.py`, issue #13) on the CPU: traced by
+Dynamo (the `aot_eager` backend: the captured graphs run as ATen ops, no generated kernels), it gives
+bitwise the plain static step's logits across buckets in the engine's numerics; once shapes have gone
+symbolic, a bucket reuses the compiled graphs; the weights' converted copies still come from the cache
+(not converted inside the graph on every step); batch-invariant steps run the plain step. Inductor's
+kernels, replayed from CUDA graphs over several buckets, tiers and verification steps on an H200:
+test_cuda_graphs_gpu.py."""
+
+import numpy as np
+import pytest
+import torch
+from deepinfer_model import batch_invariant, numerics
+from deepinfer_model.compile_boundary import outside_compiled_graph
+from deepinfer_model.models.deepseek_v41 import DeepseekV41ForCausalLM, load_v41, make_v41_checkpoint
+from deepinfer_model.models.deepseek_v41.paged import v41_static_decode_forward
+from deepinfer_model.runner import RunnerBatch
+from deepinfer_model.runtime import PagedRunner
+from deepinfer_model.runtime.compiled import compiled_static_forward
+from deepinfer_model.runtime.cuda_graphs import DecodeGraphSettings
+
+BLOCK, NUM_BLOCKS, MAX_CTX = 4, 64, 64
+
+
+@pytest.fixture(scope="module")
+def engine_model(tmp_path_factory):
+    m = load_v41(make_v41_checkpoint(tmp_path_factory.mktemp("v41compiled"), seed=0))
+    return DeepseekV41ForCausalLM(
+        m.config, m.weights, m.engram.vocab, act_dtype=torch.bfloat16, quantize_kv=True
+    )
+
+
+def _runners(model, **kw):
+    def settings(compile):
+        return DecodeGraphSettings(8, MAX_CTX, 4, capture=False, min_context_tier=16, compile=compile, **kw)
+
+    return PagedRunner(model, NUM_BLOCKS, BLOCK, decode_graphs=settings(None)), PagedRunner(
+        model, NUM_BLOCKS, BLOCK, decode_graphs=settings("aot_eager")
+    )
+
+
+def _batch(seqs, qlens):
+    return RunnerBatch(
+        seq_ids=np.array([s["id"] for s in seqs]),
+        start_positions=np.array([s["n"] for s in seqs]),
+        query_lens=np.array(qlens),
+        block_tables=[np.array(s["table"], dtype=np.int32) for s in seqs],
+        input_ids=np.array([t for s, q in zip(seqs, qlens) for t in s["tokens"][s["n"] : s["n"] + q]]),
+        logits_lens=np.array(qlens),
+    )
+
+
+def test_settings_reject_unknown_backend():
+    with pytest.raises(ValueError, match="compile must be None or one of"):
+        DecodeGraphSettings(8, 64, compile="tensorrt")
+    with pytest.raises(ValueError, match="compile backend must be one of"):
+        compiled_static_forward("tensorrt")
+
+
+def test_compiled_static_step_equals_plain_bitwise(engine_model, monkeypatch):
+    """Native numerics, engine model (FP32 master weights, BF16 activations, quantised KV): bucket 8
+    compiles, bucket 4 recompiles with symbolic sizes, bucket 8 again reuses a graph; every step's logits
+    are the plain static step's bit for bit. A traced `numerics.weight_as` would convert every master
+    weight to BF16 inside the graph on every step: the compiled step must take the cached copies from
+    outside its graph instead (the spy sees the conversions called at run time, never traced)."""
+    monkeypatch.setenv("DEEPINFER_NUMERICS", "native")
+    conversions = []
+    real = numerics._converted_weight.__wrapped__
+
+    def spy(weight, dtype):
+        conversions.append(torch.compiler.is_compiling())
+        return real(weight, dtype)
+
+    monkeypatch.setattr(numerics, "_converted_weight", outside_compiled_graph(spy))
+    torch._dynamo.reset()  # trace anew with the spy in place
+    compiled_static_forward.cache_clear()
+    try:
+        plain, compiled = _runners(engine_model)
+        assert compiled.graphs.forward is compiled_static_forward("aot_eager")
+        assert plain.graphs.forward is v41_static_decode_forward
+        rng = np.random.default_rng(0)
+        seqs = []
+        for i in range(7):  # 9 blocks (36 positions) each, scattered
+            blocks = [int(b) for b in rng.permutation(9) + 9 * i]
+            seqs.append({"id": i, "tokens": list(rng.integers(3, 256, 36)), "table": blocks, "n": 0})
+        prompt = [10 + i % 3 for i in range(7)]
+        for r in (plain, compiled):
+            r.execute(_batch(seqs, prompt))  # eager prefills
+        for s, n in zip(seqs, prompt):
+            s["n"] = n
+        torch._dynamo.utils.counters.clear()
+        graphs = []
+        for live in (7, 3, 5):  # buckets 8, 4, 8
+            batch = _batch(seqs[:live], [1] * live)
+            conversions.clear()
+            a, b = plain.execute(batch), compiled.execute(batch)
+            assert compiled.graphs.replays == plain.graphs.replays  # both ran the static step
+            assert torch.equal(a, b), f"compiled static step != plain one ({live} sequences)"
+            assert conversions and not any(conversions), "weights converted inside the traced graph"
+            for s in seqs[:live]:
+                s["n"] += 1
+            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        assert 0 < graphs[0] < graphs[1] == graphs[2], graphs  # compiled, recompiled, reused
+    finally:
+        torch._dynamo.reset()
+        compiled_static_forward.cache_clear()
+
+
+def test_batch_invariant_steps_run_the_plain_step(engine_model, monkeypatch):
+    _, compiled = _runners(engine_model)
+    monkeypatch.setenv(batch_invariant.ENV, "1")
+    assert compiled.graphs.forward is v41_static_decode_forward
+    monkeypatch.setenv(batch_invariant.ENV, "0")
+    assert compiled.graphs.forward is compiled_static_forward("aot_eager")
