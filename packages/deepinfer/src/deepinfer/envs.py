@@ -18,16 +18,15 @@ def _bool(v: str) -> bool:
     return v not in ("", "0", "false", "False")
 
 
-_COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
-
-
 def _compile_backend(v: str) -> str | None:
     """none / "" -> None (the step as written), else a torch.compile backend of `runtime.compiled`."""
+    from deepinfer_model.runtime.compiled import BACKENDS
+
     if v in ("", "0", "none"):
         return None
-    if v not in _COMPILE_BACKENDS:
+    if v not in BACKENDS:
         raise ValueError(
-            f"DEEPINFER_CUDAGRAPH_COMPILE must be none or one of {', '.join(_COMPILE_BACKENDS)}, got {v!r}"
+            f"DEEPINFER_CUDAGRAPH_COMPILE must be none or one of {', '.join(BACKENDS)}, got {v!r}"
         )
     return v
 

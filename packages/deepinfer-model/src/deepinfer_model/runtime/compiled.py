@@ -12,7 +12,7 @@ Shapes: the first bucket compiles for its shapes; the next one recompiles with t
 block-table width) symbolic, after which every bucket and context tier reuses that graph.
 
 Batch-invariant mode never uses it: generated reductions may split differently per shape, which would
-break the bitwise guarantee, so BI steps run the plain static step (`DecodeGraphRunner.forward_for`).
+break the bitwise guarantee, so BI steps run the plain static step (`DecodeGraphRunner.forward`).
 """
 
 from __future__ import annotations
