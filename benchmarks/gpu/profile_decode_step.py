@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from deepinfer_model.runtime.compiled import BACKENDS
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 MODES = {"default": "0", "batch_invariant": "1"}
@@ -174,7 +175,7 @@ def main() -> None:
         "--compile",
         nargs="+",
         default=["none"],
-        choices=["none", "inductor", "aot_eager"],
+        choices=["none", *BACKENDS],
         help="torch.compile backends of the static step to profile (none: as written; runtime/compiled.py)",
     )
     ap.add_argument("--device", default="cuda", help="cuda[:N]; cpu: a dry run of the script (no graphs)")

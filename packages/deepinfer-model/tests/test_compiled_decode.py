@@ -3,8 +3,7 @@ Dynamo (the `aot_eager` backend: the captured graphs run as ATen ops, no generat
 bitwise the plain static step's logits across buckets in the engine's numerics; once shapes have gone
 symbolic, a bucket reuses the compiled graphs; the weights' converted copies still come from the cache
 (not converted inside the graph on every step); batch-invariant steps run the plain step. Inductor's
-kernels, replayed from CUDA graphs over several buckets, tiers and verification steps on an H200:
-test_cuda_graphs_gpu.py."""
+kernels, replayed from CUDA graphs over several buckets on an H200: test_cuda_graphs_gpu.py."""
 
 import numpy as np
 import pytest
@@ -29,9 +28,9 @@ def engine_model(tmp_path_factory):
     )
 
 
-def _runners(model, **kw):
+def _runners(model):
     def settings(compile):
-        return DecodeGraphSettings(8, MAX_CTX, 4, capture=False, min_context_tier=16, compile=compile, **kw)
+        return DecodeGraphSettings(8, MAX_CTX, 4, capture=False, min_context_tier=16, compile=compile)
 
     return PagedRunner(model, NUM_BLOCKS, BLOCK, decode_graphs=settings(None)), PagedRunner(
         model, NUM_BLOCKS, BLOCK, decode_graphs=settings("aot_eager")
