@@ -14,7 +14,8 @@
 # the row-block invariance, NVIDIA-op and native-numerics gpu tests),
 # profprefill (profile_prefill_step.py: the medium native eager prefill step at PROF_CONTEXT tokens, default 16k),
 # compile (profile_decode_step.py: the medium graphed decode step as written vs compiled by inductor, and the
-# compiled-graph gpu test), benchcompile (engine decode with DEEPINFER_CUDAGRAPH_COMPILE=inductor, then none).
+# compiled-graph gpu test; COMPILE_BATCHES= runs the test only), benchcompile (engine decode with
+# DEEPINFER_CUDAGRAPH_COMPILE=inductor, then none; BENCH_COMPILE_MODES picks them).
 # Modifiers: nodecode / noprefill (bench: only the other half).
 # Results: $OUT (device tool) or benchmarks/results; logs in engine_logs.tar.gz.
 set -uo pipefail
@@ -196,14 +197,17 @@ if has compile; then  # the graphed decode step compiled by torch.compile (runti
   timeout "${COMPILE_TEST_LIMIT_S:-300}" python3 -m pytest -q -p no:cacheprovider -m gpu \
     packages/deepinfer-model/tests/test_cuda_graphs_gpu.py -k compiled > "$out/compiled_tests.log" 2>&1
   tail -4 "$out/compiled_tests.log"
-  el "profile: medium native graphed decode step, as written vs inductor-compiled"
-  DEEPINFER_NUMERICS=native timeout "${COMPILE_LIMIT_S:-420}" python3 benchmarks/gpu/profile_decode_step.py --model "$medium" \
-    --dtype bfloat16 --modes default --compile none inductor --batches ${COMPILE_BATCHES:-1 8} --context 128 --top 25 \
-    --out "$out/profile_decode_step_compiled_medium.json" > "$out/profile_decode_step_compiled_medium.log" 2>&1
-  tail -12 "$out/profile_decode_step_compiled_medium.log"; collect
+  if [ -n "${COMPILE_BATCHES-1 8}" ]; then  # COMPILE_BATCHES= (empty): the tests only
+    el "profile: medium native graphed decode step, as written vs inductor-compiled"
+    DEEPINFER_NUMERICS=native timeout "${COMPILE_LIMIT_S:-420}" python3 benchmarks/gpu/profile_decode_step.py --model "$medium" \
+      --dtype bfloat16 --modes default --compile none inductor --batches ${COMPILE_BATCHES:-1 8} --context 128 --top 25 \
+      --out "$out/profile_decode_step_compiled_medium.json" > "$out/profile_decode_step_compiled_medium.log" 2>&1
+    tail -12 "$out/profile_decode_step_compiled_medium.log"
+  fi
+  collect
 fi
 if has benchcompile; then  # engine decode with the compiled step, and without it in the same call
-  for c in inductor none; do
+  for c in ${BENCH_COMPILE_MODES:-inductor none}; do
     el "bench decode: medium native, DEEPINFER_CUDAGRAPH_COMPILE=$c"
     DEEPINFER_CUDAGRAPH_COMPILE=$c DEEPINFER_NUMERICS=native timeout "${BENCH_LIMIT_S:-300}" python3 -m deepinfer.cli bench decode \
       --model "$medium" --max-model-len 1024 --decode-context 128 --device cuda --dtype bfloat16 --batches 1,8,64,256 \

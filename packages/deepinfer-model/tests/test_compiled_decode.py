@@ -12,10 +12,10 @@ from deepinfer_model import batch_invariant, numerics
 from deepinfer_model.compile_boundary import outside_compiled_graph
 from deepinfer_model.models.deepseek_v41 import DeepseekV41ForCausalLM, load_v41, make_v41_checkpoint
 from deepinfer_model.models.deepseek_v41.paged import v41_static_decode_forward
-from deepinfer_model.runner import RunnerBatch
 from deepinfer_model.runtime import PagedRunner
 from deepinfer_model.runtime.compiled import compiled_static_forward
 from deepinfer_model.runtime.cuda_graphs import DecodeGraphSettings
+from deepinfer_model.testing import batch_of
 
 BLOCK, NUM_BLOCKS, MAX_CTX = 4, 64, 64
 
@@ -34,17 +34,6 @@ def _runners(model):
 
     return PagedRunner(model, NUM_BLOCKS, BLOCK, decode_graphs=settings(None)), PagedRunner(
         model, NUM_BLOCKS, BLOCK, decode_graphs=settings("aot_eager")
-    )
-
-
-def _batch(seqs, qlens):
-    return RunnerBatch(
-        seq_ids=np.array([s["id"] for s in seqs]),
-        start_positions=np.array([s["n"] for s in seqs]),
-        query_lens=np.array(qlens),
-        block_tables=[np.array(s["table"], dtype=np.int32) for s in seqs],
-        input_ids=np.array([t for s, q in zip(seqs, qlens) for t in s["tokens"][s["n"] : s["n"] + q]]),
-        logits_lens=np.array(qlens),
     )
 
 
@@ -83,13 +72,13 @@ def test_compiled_static_step_equals_plain_bitwise(engine_model, monkeypatch):
             seqs.append({"id": i, "tokens": list(rng.integers(3, 256, 36)), "table": blocks, "n": 0})
         prompt = [10 + i % 3 for i in range(7)]
         for r in (plain, compiled):
-            r.execute(_batch(seqs, prompt))  # eager prefills
+            r.execute(batch_of(seqs, prompt, prompt))  # eager prefills
         for s, n in zip(seqs, prompt):
             s["n"] = n
         torch._dynamo.utils.counters.clear()
         graphs = []
         for live in (7, 3, 5):  # buckets 8, 4, 8
-            batch = _batch(seqs[:live], [1] * live)
+            batch = batch_of(seqs[:live], [1] * live)
             conversions.clear()
             a, b = plain.execute(batch), compiled.execute(batch)
             assert compiled.graphs.replays == plain.graphs.replays  # both ran the static step

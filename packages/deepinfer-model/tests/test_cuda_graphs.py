@@ -10,7 +10,6 @@ import torch
 from deepinfer_model.layers.experts import ExpertWeights, MLPWeights, experts_forward, experts_forward_static
 from deepinfer_model.models.deepseek_v41 import DeepseekV41ForCausalLM, load_v41, make_v41_checkpoint
 from deepinfer_model.models.deepseek_v41.paged import static_decode_problem
-from deepinfer_model.runner import RunnerBatch
 from deepinfer_model.runtime import PagedRunner
 from deepinfer_model.runtime.cuda_graphs import (
     DecodeGraphSettings,
@@ -20,6 +19,7 @@ from deepinfer_model.runtime.cuda_graphs import (
 )
 from deepinfer_model.runtime.metadata import StepMetadata
 from deepinfer_model.runtime.pools import PagedKVCache
+from deepinfer_model.testing import batch_of, grow_tables
 from deepinfer_model.testing.no_sync import HostSyncError, count_ops, no_host_sync
 
 BLOCK, NUM_BLOCKS, MAX_CTX = 4, 96, 128
@@ -90,17 +90,8 @@ class Pair:
         return seq
 
     def batch(self, seqs, qlens, llens=None):
-        for s, q in zip(seqs, qlens):
-            while len(s["table"]) * BLOCK < s["n"] + q:
-                s["table"].append(self.free.pop())
-        return RunnerBatch(
-            seq_ids=np.array([s["id"] for s in seqs]),
-            start_positions=np.array([s["n"] for s in seqs]),
-            query_lens=np.array(qlens),
-            block_tables=[np.array(s["table"], dtype=np.int32) for s in seqs],
-            input_ids=np.array([t for s, q in zip(seqs, qlens) for t in s["tokens"][s["n"] : s["n"] + q]]),
-            logits_lens=np.ones(len(seqs), dtype=np.int64) if llens is None else np.array(llens),
-        )
+        grow_tables(seqs, qlens, self.free, BLOCK)
+        return batch_of(seqs, qlens, llens)
 
     def verify(self, seqs, ks):
         """A verification step: sequence i feeds its next token and ks[i] drafts (random ids: the runner

@@ -14,9 +14,9 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from deepinfer_model.models.deepseek_v41 import DeepseekV41ForCausalLM, load_v41, make_v41_checkpoint  # noqa: E402
-from deepinfer_model.runner import RunnerBatch  # noqa: E402
 from deepinfer_model.runtime import PagedRunner  # noqa: E402
 from deepinfer_model.runtime.cuda_graphs import DecodeGraphSettings  # noqa: E402
+from deepinfer_model.testing import batch_of, grow_tables  # noqa: E402
 
 DEV = torch.device("cuda")
 BLOCK, NUM_BLOCKS, MAX_CTX = 4, 96, 128
@@ -47,17 +47,8 @@ def _drive(runners, steps=SIZES, seed=0):
     ]
 
     def step(live, qlens):
-        for s, q in zip(live, qlens):
-            while len(s["table"]) * BLOCK < s["n"] + q:
-                s["table"].append(free.pop())
-        batch = RunnerBatch(
-            seq_ids=np.array([s["id"] for s in live]),
-            start_positions=np.array([s["n"] for s in live]),
-            query_lens=np.array(qlens),
-            block_tables=[np.array(s["table"], dtype=np.int32) for s in live],
-            input_ids=np.array([t for s, q in zip(live, qlens) for t in s["tokens"][s["n"] : s["n"] + q]]),
-            logits_lens=np.ones(len(live), dtype=np.int64),
-        )
+        grow_tables(live, qlens, free, BLOCK)
+        batch = batch_of(live, qlens)
         outs = [r.execute(batch) for r in runners]
         for i, (s, q) in enumerate(zip(live, qlens)):
             s["n"] += q
@@ -127,17 +118,8 @@ def _drive_verify(runners, seed=0):
     ]
 
     def batch(live, qlens, llens):
-        for s, q in zip(live, qlens):
-            while len(s["table"]) * BLOCK < s["n"] + q:
-                s["table"].append(free.pop())
-        return RunnerBatch(
-            seq_ids=np.array([s["id"] for s in live]),
-            start_positions=np.array([s["n"] for s in live]),
-            query_lens=np.array(qlens),
-            block_tables=[np.array(s["table"], dtype=np.int32) for s in live],
-            input_ids=np.array([t for s, q in zip(live, qlens) for t in s["tokens"][s["n"] : s["n"] + q]]),
-            logits_lens=np.array(llens),
-        )
+        grow_tables(live, qlens, free, BLOCK)
+        return batch_of(live, qlens, llens)
 
     b = batch(seqs, [len(s["tokens"]) for s in seqs], [1] * len(seqs))
     first = [r.execute(b) for r in runners][0]

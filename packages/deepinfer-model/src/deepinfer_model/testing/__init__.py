@@ -2,13 +2,16 @@
 
 from .checkpoint import copy_tokenizer, make_checkpoint, tiny_config
 from .no_sync import HostSyncError, count_ops, no_host_sync
+from .sequences import batch_of, grow_tables
 from .strict_device import StrictDevice, strict_device
 
 __all__ = [
     "HostSyncError",
     "StrictDevice",
+    "batch_of",
     "copy_tokenizer",
     "count_ops",
+    "grow_tables",
     "make_checkpoint",
     "no_host_sync",
     "strict_device",
