@@ -6,7 +6,12 @@ hand-built steps (chunks, decodes, verify blocks); these two functions are the b
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from ..runner import RunnerBatch
 
 
 def grow_tables(seqs: list[dict], query_lens: list[int], free: list[int], block_size: int) -> None:
@@ -20,7 +25,8 @@ def grow_tables(seqs: list[dict], query_lens: list[int], free: list[int], block_
 def batch_of(seqs: list[dict], query_lens: list[int], logits_lens: list[int] | None = None) -> RunnerBatch:
     """The step that feeds sequence i its next `query_lens[i]` tokens (from position `n`), with logits
     for `logits_lens[i]` rows of it (default: one, the last)."""
-    # imported here: `deepinfer_model.runner` imports the runtime, which must not load with `testing`
+    # imported here: the model package imports `testing` (checkpoint.py), and the runner imports the
+    # runtime, which imports the model: at module level this would close an import cycle
     from ..runner import RunnerBatch
 
     return RunnerBatch(
