@@ -12,6 +12,8 @@
 # tests, bench_batch_invariant.py eager and with graphs, the decode- and prefill-step profiles), long (medium native
 # prefill at chunks of 4k / 16k / 64k tokens in one 65,536-position sequence, the 16k chunk again with DEEPINFER_FLASH_MLA=0 DEEPINFER_TRITON=0,
 # the row-block invariance, NVIDIA-op and native-numerics gpu tests),
+# bihost (profile_batch_invariant_host.py: batch-invariant mode's host time per function and per launch, then
+# bench_batch_invariant.py eager and with graphs; BIHOST_MODES=eager runs one),
 # profprefill (profile_prefill_step.py: the medium native eager prefill step at PROF_CONTEXT tokens, default 16k),
 # compile (profile_decode_step.py: the medium graphed decode step as written vs compiled by inductor, and the
 # compiled-graph gpu test; COMPILE_BATCHES= runs the test only), benchcompile (engine decode with
@@ -174,6 +176,19 @@ if has bi; then  # batch-invariant mode with the NVIDIA ops (Triton row GEMMs, T
   timeout "${PROFSTEP_LIMIT_S:-200}" python3 benchmarks/gpu/profile_prefill_step.py --batches 1 8 \
     --out "$out/profile_prefill_step_nvidia_tiny.json" > "$out/profile_prefill_step_nvidia_tiny.log" 2>&1
   tail -8 "$out/profile_prefill_step_nvidia_tiny.log"; collect
+fi
+if has bihost; then  # batch-invariant mode's host time on the GPU: per-function own-time changes, launch costs, cost
+  el "batch-invariant host profile (profile_batch_invariant_host.py), then bench_batch_invariant.py eager"
+  timeout "${BIHOST_LIMIT_S:-150}" python3 benchmarks/repro/profile_batch_invariant_host.py --device cuda --launches \
+    --top 30 --out "$out/profile_batch_invariant_host_cuda.json" > "$out/bihost.log" 2>&1
+  cat "$out/bihost.log" | grep -v "profile:" | head -150
+  for m in ${BIHOST_MODES:-eager graphs}; do
+    g=""; [ "$m" = graphs ] && g=--cuda-graphs
+    timeout "${BICOST_LIMIT_S:-150}" python3 benchmarks/repro/bench_batch_invariant.py --device cuda --clock wall \
+      --repeats "${BICOST_REPEATS:-11}" $g --out "$out/bench_batch_invariant_cuda_nvidia${g:+_graphs}.json" > "$out/bicost$g.log" 2>&1
+    tail -14 "$out/bicost$g.log"
+  done
+  collect
 fi
 if has long; then  # the 64k chunk runs the attention's query side in row blocks (models/deepseek_v41/paged.py)
   el "long prefill: medium native, chunks 4k / 16k / 64k"

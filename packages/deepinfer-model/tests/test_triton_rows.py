@@ -142,3 +142,48 @@ def test_tile_bmm_products_do_not_depend_on_their_neighbours(m, k, n):
         triton_rows.tile_bmm(a, shared)[7:9], triton_rows.tile_bmm(a[7:9], b[:1].expand(2, -1, -1))
     )
     assert torch.equal(triton_rows.tile_bmm(a[3:4], b[:1]), triton_rows.tile_bmm(a, shared)[3:4])
+
+
+def test_direct_launches_give_the_jit_launch_bits():
+    """Repeated launches skip the JIT's binding (triton_launch.DirectLaunch): they are taken, and every
+    kernel gives bitwise what a launch through the JIT gives (a fresh launcher with the direct path off)."""
+    from deepinfer_model.backends.nvidia.triton_launch import DirectLaunch
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(37, 300, generator=g, dtype=torch.float64).to(DEV)
+    w = torch.randn(129, 300, generator=g).to(DEV)
+    a = torch.randn(50, 8, 32, generator=g, dtype=torch.float64).to(DEV)
+    b = torch.randn(50, 32, 129, generator=g, dtype=torch.float64).to(DEV)
+    idx = torch.randint(0, 50, (70,), generator=g).to(DEV)
+    calls = {
+        "_ROWS": lambda: triton_rows.rows_matmul(x, w),
+        "_TILES": lambda: triton_rows.tile_bmm(a, b, idx, idx.flip(0)),
+        "_SUMSQ": lambda: triton_rows.row_sum_squares(x.float()),
+    }
+    for name, call in calls.items():
+        launcher = getattr(triton_rows, name)
+        call()  # compiled (or found) through the JIT, then kept
+        before = launcher.direct_launches
+        poison()
+        direct = call()
+        assert launcher.direct_launches == before + 1, name
+        jit_only = DirectLaunch(launcher.fn)
+        jit_only.enabled = False
+        setattr(triton_rows, name, jit_only)
+        try:
+            poison()
+            assert torch.equal(call(), direct), name
+        finally:
+            setattr(triton_rows, name, launcher)
+    # a new variant (other dtypes) is compiled through the JIT, not served by another one's kernel
+    fresh = DirectLaunch(triton_rows._rows_kernel)
+    launcher, triton_rows._ROWS = triton_rows._ROWS, fresh
+    try:
+        wide = triton_rows.rows_matmul(x, w)
+        narrow = triton_rows.rows_matmul(x.float(), w)
+        assert fresh.direct_launches == 0 and narrow.dtype == torch.float32
+        assert torch.equal(triton_rows.rows_matmul(x, w), wide) and fresh.direct_launches == 1
+    finally:
+        triton_rows._ROWS = launcher
+    ref = x.float().double() @ w.double().t()
+    assert torch.allclose(narrow.double(), ref, rtol=1e-4, atol=1e-4)

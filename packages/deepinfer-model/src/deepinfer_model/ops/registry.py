@@ -159,9 +159,17 @@ class OpTable:
         return f"OpTable(backend={self.backend!r}, sources={self.sources})"
 
 
+# get_ops() runs per op call on hot paths (~250 times per eager batch-invariant step on a GPU): the resolved
+# backend is kept per (request, $DEEPINFER_ACCELERATOR) and the probes it used (tests replace them).
+_RESOLVED: dict[tuple, str] = {}
+
+
 def get_ops(backend: str | None = None) -> OpTable:
     """The op table of `backend` (default: `resolve_backend()`), built once per backend."""
-    name = resolve_backend(backend)
+    key = (backend, os.environ.get("DEEPINFER_ACCELERATOR"), _cuda_available, _build_accelerator)
+    name = _RESOLVED.get(key)
+    if name is None:
+        name = _RESOLVED[key] = resolve_backend(backend)
     if name not in _TABLES:
         _TABLES[name] = OpTable(name)
     return _TABLES[name]
