@@ -178,7 +178,12 @@ if has bi; then  # batch-invariant mode with the NVIDIA ops (Triton row GEMMs, T
   tail -8 "$out/profile_prefill_step_nvidia_tiny.log"; collect
 fi
 if has bihost; then  # batch-invariant mode's host time on the GPU: per-function own-time changes, launch costs, cost
-  el "batch-invariant host profile (profile_batch_invariant_host.py), then bench_batch_invariant.py eager"
+  el "Triton row kernels' and batch-invariance gpu tests, host profile, bench_batch_invariant.py"
+  timeout "$lim" python3 -m pytest -q -p no:cacheprovider -m gpu -n 3 packages/deepinfer-model/tests/test_triton_rows.py \
+    packages/deepinfer-model/tests/test_cuda_graphs_gpu.py::test_graph_replay_equals_eager_batch_invariant \
+    tests/test_repro_paged_batch_invariant.py tests/test_repro_engine_batch_invariant.py \
+    --junitxml "$out/bihost_tests.xml" > "$out/bihost_tests.log" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$out/bihost_tests.log" | tail -8
   timeout "${BIHOST_LIMIT_S:-150}" python3 benchmarks/repro/profile_batch_invariant_host.py --device cuda --launches \
     --top 30 --out "$out/profile_batch_invariant_host_cuda.json" > "$out/bihost.log" 2>&1
   cat "$out/bihost.log" | grep -v "profile:" | head -150

@@ -7,7 +7,8 @@ steps. Each mode runs `--repeats` times under cProfile, the modes alternating; a
 `bi_ms` are its own time per step (a torch op called from Python counts as a built-in function of its own;
 `x @ w` and other operators do not, so their time is their caller's). On a GPU the step is bound by host
 time (launches, Python), which is what this ranks; `--launches` also times one launch of each Triton kernel
-of the mode against a torch op of the same shape (the launch overhead the step pays per kernel).
+of the mode against a torch op of the same shape (the host time the step pays per kernel), and the LM
+head's product at batch 8 on the device (the row kernel against cuBLAS).
 
     python benchmarks/repro/profile_batch_invariant_host.py [--device cuda] [--batch-sizes 1 8] [--top 25]
 Prints a table per (phase, batch) and writes benchmarks/results/profile_batch_invariant_host[_cuda].json.
@@ -93,7 +94,24 @@ def _time_launches(device: torch.device, n: int = 200) -> list[dict]:
             fn()
         host = (time.perf_counter() - t0) / n
         torch.cuda.synchronize()
-        out.append({"record": "launch", "op": name, "host_us_per_call": 1e6 * host})
+        out.append({"record": "launch", "op": name, "clock": "host", "us_per_call": 1e6 * host})
+    # device time of the LM head's product at decode (8 rows, the tiny model's [129280, 128] head)
+    head = torch.randn(129_280, 128, device=device)
+    rows8 = torch.randn(8, 128, dtype=torch.float64, device=device)
+    head64 = head.double()
+    for name, fn in {
+        "rows_matmul LM head [8,128]x[128,129280] (device)": lambda: ops.rows_matmul(rows8, head),
+        "torch mm LM head [8,128]x[128,129280] fp64 (device)": lambda: rows8 @ head64.t(),
+    }.items():
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            fn()
+        end.record()
+        end.synchronize()
+        us = 1e3 * start.elapsed_time(end) / 20
+        out.append({"record": "launch", "op": name, "clock": "device", "us_per_call": us})
     return out
 
 
@@ -190,11 +208,12 @@ def main() -> None:
             console.print(table)
     if args.launches:
         launches = _time_launches(device)
-        table = Table(title="host time per launch (tiny shapes)")
+        table = Table(title="time per call: host (tiny shapes: the launch) and device (the LM head)")
         table.add_column("op", justify="left")
+        table.add_column("clock", justify="left")
         table.add_column("us / call", justify="right")
         for r in launches:
-            table.add_row(r["op"], f"{r['host_us_per_call']:.1f}")
+            table.add_row(r["op"], r["clock"], f"{r['us_per_call']:.1f}")
         console.print(table)
         records += launches
     out = args.out or RESULTS.with_name(
