@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
@@ -29,12 +28,18 @@ from deepinfer.default_model import resolve_model
 from deepinfer_model import load_model
 from deepinfer_model.runner import RunnerBatch
 from deepinfer_model.runtime import PagedRunner
+from paired_modes import (  # (this folder: the script's path)
+    MODES,
+    add_workload_args,
+    paired_work,
+    restored_mode,
+    set_mode,
+)
 from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "bench_batch_invariant.json"
-MODES = {"default": "0", "batch_invariant": "1"}
 
 
 def _runner(model, batch: int, prompt_len: int, decode_steps: int, block_size: int, graphs: bool):
@@ -67,13 +72,8 @@ def _once(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--decode-steps", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=3)
+    add_workload_args(ap)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     ap.add_argument(
         "--cuda-graphs", action="store_true", help="decode through CUDA graphs in both modes (CUDA)"
     )
@@ -96,15 +96,11 @@ def main() -> None:
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     model = load_model(resolve_model(None)[0], torch.float32, device=device)
-    before = os.environ.get("DEEPINFER_BATCH_INVARIANT")
     samples: dict[tuple, list[float]] = {}
     count: dict[tuple, int] = {}
     same_tokens = {}
-    order = list(MODES)
-    work = [
-        (b, r, m) for b in args.batch_sizes for r in range(args.repeats) for m in order[:: 1 - 2 * (r % 2)]
-    ]
-    try:
+    work = paired_work(args.batch_sizes, args.repeats)
+    with restored_mode():
         outs = {}
         shape = (args.prompt_len, args.decode_steps, args.block_size)
         # graphs are captured under one mode: a runner per (batch, mode) then; else one per call
@@ -118,10 +114,10 @@ def main() -> None:
         # warm-up (not timed): weight caches of both modes, allocator, first-call costs, graph captures
         for b in args.batch_sizes if runners else [max(args.batch_sizes)]:
             for mode in MODES:
-                os.environ["DEEPINFER_BATCH_INVARIANT"] = MODES[mode]
+                set_mode(mode)
                 _once(runner_for(b, mode), b, *shape)
         for b, _r, mode in tqdm(work, desc="bench", unit="run"):
-            os.environ["DEEPINFER_BATCH_INVARIANT"] = MODES[mode]
+            set_mode(mode)
             times, tokens = _once(runner_for(b, mode), b, *shape, clock)
             outs[(b, mode)] = tokens
             for phase, (sec, n) in times.items():
@@ -130,11 +126,6 @@ def main() -> None:
                 count[key] = n
         for b in args.batch_sizes:
             same_tokens[b] = outs[(b, "default")] == outs[(b, "batch_invariant")]
-    finally:
-        if before is None:
-            os.environ.pop("DEEPINFER_BATCH_INVARIANT", None)
-        else:
-            os.environ["DEEPINFER_BATCH_INVARIANT"] = before
 
     records = []
     for b in args.batch_sizes:

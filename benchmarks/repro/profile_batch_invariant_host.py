@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
-import os
 import pstats
 import time
 from pathlib import Path
@@ -30,12 +29,18 @@ from deepinfer.default_model import resolve_model
 from deepinfer_model import load_model
 from deepinfer_model.runner import RunnerBatch
 from deepinfer_model.runtime import PagedRunner
+from paired_modes import (  # (this folder: the script's path)
+    MODES,
+    add_workload_args,
+    paired_work,
+    restored_mode,
+    set_mode,
+)
 from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "profile_batch_invariant_host.json"
-MODES = {"default": "0", "batch_invariant": "1"}
 PHASES = ("prefill", "decode")
 
 
@@ -117,13 +122,8 @@ def _time_launches(device: torch.device, n: int = 200) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--decode-steps", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=3)
+    add_workload_args(ap)
     ap.add_argument("--top", type=int, default=25, help="functions per table (by |change|)")
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     ap.add_argument("--launches", action="store_true", help="also time single Triton / torch launches (CUDA)")
     ap.add_argument(
         "--out", type=Path, default=None, help=f"results JSON (default {RESULTS.name}, _cuda on a GPU)"
@@ -134,32 +134,21 @@ def main() -> None:
         ap.error("--launches needs --device cuda")
     torch.set_num_threads(args.threads)
     model = load_model(resolve_model(None)[0], torch.float32, device=device)
-    before = os.environ.get("DEEPINFER_BATCH_INVARIANT")
     shape = (args.prompt_len, args.decode_steps)
     totals: dict[tuple, dict[str, float]] = {}
-    try:
+    with restored_mode():
         for mode in MODES:  # warm-up (not profiled): weight caches of both modes, kernels compiled
-            os.environ["DEEPINFER_BATCH_INVARIANT"] = MODES[mode]
+            set_mode(mode)
             _steps(model, max(args.batch_sizes), *shape, {})
-        work = [
-            (b, r, m)
-            for b in args.batch_sizes
-            for r in range(args.repeats)
-            for m in list(MODES)[:: 1 - 2 * (r % 2)]
-        ]
+        work = paired_work(args.batch_sizes, args.repeats)
         for b, _r, mode in tqdm(work, desc="profile", unit="run"):
-            os.environ["DEEPINFER_BATCH_INVARIANT"] = MODES[mode]
+            set_mode(mode)
             profs = {phase: cProfile.Profile() for phase in PHASES}
             _steps(model, b, *shape, profs)
             for phase, prof in profs.items():
                 acc = totals.setdefault((b, mode, phase), {})
                 for k, v in _own_times(prof).items():
                     acc[k] = acc.get(k, 0.0) + v
-    finally:
-        if before is None:
-            os.environ.pop("DEEPINFER_BATCH_INVARIANT", None)
-        else:
-            os.environ["DEEPINFER_BATCH_INVARIANT"] = before
 
     records = []
     console = Console()

@@ -67,7 +67,9 @@ def test_ctrl_c_during_generate_exits_cleanly(micro_checkpoint, tmp_path):
 
     src = tmp_path / "many.jsonl"
     # 64 x 200 tokens: ~12 s of generation on a fast host (8 requests once finished before the signal)
-    src.write_text("".join(json.dumps({"prompt_token_ids": [0, 5, 6, 7, 8, 9 + i]}) + "\n" for i in range(64)))
+    src.write_text(
+        "".join(json.dumps({"prompt_token_ids": [0, 5, 6, 7, 8, 9 + i]}) + "\n" for i in range(64))
+    )
     cmd = [
         sys.executable,
         "-m",

@@ -1,0 +1,44 @@
+"""What the batch-invariant benchmarks share: the two modes, the order in which paired runs alternate them,
+and setting the mode's environment variable for a run (restored afterwards)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+ENV = "DEEPINFER_BATCH_INVARIANT"
+MODES = {"default": "0", "batch_invariant": "1"}
+
+
+def paired_work(batch_sizes, repeats: int) -> list[tuple[int, int, str]]:
+    """(batch, repeat, mode) in run order: both modes back to back per repeat, the first mode alternating
+    repeat by repeat, so machine load drifting during a run hits both alike."""
+    order = list(MODES)
+    return [(b, r, m) for b in batch_sizes for r in range(repeats) for m in order[:: 1 - 2 * (r % 2)]]
+
+
+@contextlib.contextmanager
+def restored_mode():
+    """Within the block `set_mode` may switch the mode freely; the variable's value before is restored."""
+    before = os.environ.get(ENV)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = before
+
+
+def set_mode(mode: str) -> None:
+    os.environ[ENV] = MODES[mode]
+
+
+def add_workload_args(ap) -> None:
+    """The workload options both scripts take (deepinfer-tiny on the paged runner)."""
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--decode-steps", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
