@@ -4,10 +4,13 @@ synchronised).
 
 The default deepinfer-tiny model on the paged runner: for each batch size, one prefill step of
 `--prompt-len` tokens per sequence, then `--decode-steps` decode steps of one token per sequence.
-Each repeat runs both modes back to back (same process, same inputs; the order alternates repeat by
-repeat) so machine load hits both alike. `cost_pct` = the median over repeats of the paired
-(invariant / default - 1) * 100 for the same phase and batch size (goal < 15), with the spread of the
-paired values (`cost_pct_min` / `cost_pct_max`); `ms_per_step` is the median. Also checks that both
+Both modes run step by step side by side (same process, same inputs, a runner and KV cache each): every
+step runs in the default and then in the invariant mode or the other way round (alternating), so load that
+comes and goes on the machine hits both steps of a pair alike (pairing whole runs instead scattered the
+batch-8 decode pairs from -25% to +54% on the shared CPU host). `cost_pct` = the median over all pairs
+(one per prefill step, one per decode step, of every repeat) of (invariant / default - 1) * 100 for the
+same phase and batch size (goal < 15), with the spread of the paired values (`cost_pct_min` /
+`cost_pct_max`); `ms_per_step` is the median step time. Also checks that both
 modes gave the same greedy tokens. `--clock cpu` times the process's CPU time instead of wall time
 (on a shared, loaded host the wall-clock pairs scatter widely). `--cuda-graphs` (CUDA): decode steps
 replay CUDA graphs in both modes (one runner per batch size and mode, captured in the warm-up), prefill
@@ -31,7 +34,6 @@ from deepinfer_model.runtime import PagedRunner
 from paired_modes import (  # (this folder: the script's path)
     MODES,
     add_workload_args,
-    paired_work,
     restored_mode,
     set_mode,
 )
@@ -52,21 +54,28 @@ def _runner(model, batch: int, prompt_len: int, decode_steps: int, block_size: i
     return PagedRunner(model, num_blocks=batch * per_seq, block_size=block_size, decode_graphs=settings)
 
 
-def _once(
-    runner, batch: int, prompt_len: int, decode_steps: int, block_size: int, clock=time.perf_counter
-) -> tuple[dict, list]:
+def _lockstep(
+    runners: dict, batch: int, prompt_len: int, decode_steps: int, block_size: int, clock, flip: int
+):
+    """One prefill step and `decode_steps` decode steps in both modes, paired step by step: each step runs in
+    the default and in the invariant runner back to back (which first alternates step by step, `flip`
+    shifts it), each runner on its own KV cache and its own greedy tokens. A step is timed up to its
+    tokens read back (a GPU step ends synchronised). -> ({mode: {phase: [seconds per step]}}, {mode: tokens})"""
     per_seq = -(-(prompt_len + decode_steps) // block_size)
     tables = [np.arange(i * per_seq, (i + 1) * per_seq, dtype=np.int32) for i in range(batch)]
     ids = np.random.default_rng(0).integers(1000, 90_000, (batch, prompt_len))
-    times, tokens, ctx = {}, [], 0
-    for phase, q, steps in (("prefill", prompt_len, 1), ("decode", 1, decode_steps)):
-        t0 = clock()
-        for _ in range(steps):
-            step_ids = ids[:, ctx : ctx + q] if phase == "prefill" else np.array(tokens[-1])[:, None]
-            logits = runner.execute(RunnerBatch.lockstep(tables, ctx, step_ids))
-            tokens.append(torch.argmax(logits, dim=-1).tolist())
-            ctx += q
-        times[phase] = (clock() - t0, steps * batch * q)
+    times = {m: {"prefill": [], "decode": []} for m in MODES}
+    tokens: dict[str, list] = {m: [] for m in MODES}
+    order, ctx = list(MODES), 0
+    for step, (phase, q) in enumerate([("prefill", prompt_len)] + [("decode", 1)] * decode_steps):
+        for mode in order if (step + flip) % 2 == 0 else order[::-1]:
+            set_mode(mode)
+            step_ids = ids if phase == "prefill" else np.array(tokens[mode][-1])[:, None]
+            t0 = clock()
+            logits = runners[mode].execute(RunnerBatch.lockstep(tables, ctx, step_ids))
+            tokens[mode].append(torch.argmax(logits, dim=-1).tolist())
+            times[mode][phase].append(clock() - t0)
+        ctx += q
     return times, tokens
 
 
@@ -97,44 +106,37 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = load_model(resolve_model(None)[0], torch.float32, device=device)
     samples: dict[tuple, list[float]] = {}
-    count: dict[tuple, int] = {}
     same_tokens = {}
-    work = paired_work(args.batch_sizes, args.repeats)
+    shape = (args.prompt_len, args.decode_steps, args.block_size)
     with restored_mode():
-        outs = {}
-        shape = (args.prompt_len, args.decode_steps, args.block_size)
-        # graphs are captured under one mode: a runner per (batch, mode) then; else one per call
-        runners = {
+        # graphs are captured under one mode: a runner per (batch, mode), kept; eager: fresh runners per repeat
+        kept = {
             (b, mode): _runner(model, b, *shape, args.cuda_graphs) for b in args.batch_sizes for mode in MODES
         } if args.cuda_graphs else None  # fmt: skip
 
-        def runner_for(b, mode):
-            return runners[(b, mode)] if runners else _runner(model, b, *shape, False)
+        def runners_for(b):
+            return {m: kept[(b, m)] if kept else _runner(model, b, *shape, False) for m in MODES}
 
         # warm-up (not timed): weight caches of both modes, allocator, first-call costs, graph captures
-        for b in args.batch_sizes if runners else [max(args.batch_sizes)]:
+        for b in args.batch_sizes if kept else [max(args.batch_sizes)]:
+            _lockstep(runners_for(b), b, *shape, clock, 0)
+        work = [(b, r) for b in args.batch_sizes for r in range(args.repeats)]
+        for b, r in tqdm(work, desc="bench", unit="run"):
+            times, tokens = _lockstep(runners_for(b), b, *shape, clock, r)
+            same_tokens[b] = same_tokens.get(b, True) and tokens["default"] == tokens["batch_invariant"]
             for mode in MODES:
-                set_mode(mode)
-                _once(runner_for(b, mode), b, *shape)
-        for b, _r, mode in tqdm(work, desc="bench", unit="run"):
-            set_mode(mode)
-            times, tokens = _once(runner_for(b, mode), b, *shape, clock)
-            outs[(b, mode)] = tokens
-            for phase, (sec, n) in times.items():
-                key = (b, mode, phase)
-                samples.setdefault(key, []).append(sec)
-                count[key] = n
-        for b in args.batch_sizes:
-            same_tokens[b] = outs[(b, "default")] == outs[(b, "batch_invariant")]
+                for phase, secs in times[mode].items():
+                    samples.setdefault((b, mode, phase), []).extend(secs)
 
     records = []
     for b in args.batch_sizes:
         for phase in ("prefill", "decode"):
             base = np.array(samples[(b, "default", phase)])
             for mode in MODES:
-                runs = np.array(samples[(b, mode, phase)])
+                runs = np.array(samples[(b, mode, phase)])  # seconds per step
                 sec = float(np.median(runs))
                 paired = 100.0 * (runs / base - 1.0)
+                tokens_per_step = b * (args.prompt_len if phase == "prefill" else 1)
                 records.append(
                     {
                         "mode": mode,
@@ -145,13 +147,14 @@ def main() -> None:
                         "clock": args.clock,
                         "device": device.type,
                         "cuda_graphs": args.cuda_graphs,
-                        "tokens": count[(b, mode, phase)],
-                        "tok_per_s": count[(b, mode, phase)] / sec,
-                        "ms_per_step": 1e3 * sec / (1 if phase == "prefill" else args.decode_steps),
+                        "tokens_per_step": tokens_per_step,
+                        "tok_per_s": tokens_per_step / sec,
+                        "ms_per_step": 1e3 * sec,
                         "cost_pct": float(np.median(paired)),
                         "cost_pct_min": float(paired.min()),
                         "cost_pct_max": float(paired.max()),
-                        "repeats": len(runs),
+                        "repeats": args.repeats,
+                        "pairs": len(runs),
                         "same_greedy_tokens": same_tokens[b],
                     }
                 )
