@@ -68,14 +68,16 @@ class DirectLaunch:
         if key is not None and self.enabled and hasattr(kernel, "run") and hasattr(kernel, "packed_metadata"):
             params = self.fn.params
             names = tuple(p.name for p in params if p.is_constexpr)
-            if len(params) != len(tensors) + len(ints) + len(names) or set(names) != set(constexprs):
-                raise ValueError(f"{self.fn.__name__}: tensors, then integers, then constexprs expected")
-            # a value- or alignment-specialised parameter would select variants the key does not see
-            fixed = all(
-                getattr(p, "do_not_specialize_on_alignment", False) for p in params[: len(tensors)]
-            ) and all(
-                getattr(p, "do_not_specialize", False)
-                for p in params[len(tensors) : len(tensors) + len(ints)]
+            # tensors, then integers, then constexprs; no value- or alignment-specialised parameter (it would
+            # select variants the key does not see). Otherwise every launch stays with the JIT.
+            layout = len(params) == len(tensors) + len(ints) + len(names) and set(names) == set(constexprs)
+            fixed = (
+                layout
+                and all(getattr(p, "do_not_specialize_on_alignment", False) for p in params[: len(tensors)])
+                and all(
+                    getattr(p, "do_not_specialize", False)
+                    for p in params[len(tensors) : len(tensors) + len(ints)]
+                )
             )
             if not fixed:
                 self.enabled = False
