@@ -6,7 +6,8 @@ from __future__ import annotations
 import contextlib
 import os
 
-ENV = "DEEPINFER_BATCH_INVARIANT"
+from deepinfer_model.batch_invariant import ENV  # the variable the mode reads
+
 MODES = {"default": "0", "batch_invariant": "1"}
 
 
