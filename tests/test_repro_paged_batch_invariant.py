@@ -165,6 +165,30 @@ def test_cpu_gemm_rows_of_deep_wide_weights_do_not_depend_on_m(threads):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_row_gemm_rows_of_a_wide_weight_do_not_depend_on_m(threads):
+    """A weight of at least `WIDE_BYTES` in FP64 (the LM head's case): 4..32 FP32-valued rows take the NT
+    GEMM against the stored layout, other counts the NN GEMM; a row gets the same bits from both, so it
+    is the same for every M and position, and it is the matrix product. K = 300 spans three K blocks."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(13)
+        k = 300
+        n = batch_invariant.WIDE_BYTES // (8 * k) + 5  # just over the threshold, N not a multiple of COL_PAD
+        w = torch.randn(n, k, generator=g)
+        x = torch.randn(80, k, generator=g).double()
+        assert batch_invariant._row_major(w.t())[1] is not None  # the NT copy exists: both layouts run
+        full = batch_invariant.row_gemm(x, w.t(), fp32_valued=True)
+        for m in (1, 2, 3, 4, 5, 7, 8, 9, 13, 31, 32, 33, 70):
+            for start in (0, 3):
+                out = batch_invariant.row_gemm(x[start : start + m], w.t(), fp32_valued=True)
+                assert torch.equal(out, full[start : start + m]), (m, start)
+        torch.testing.assert_close(full, x @ w.double().t(), rtol=1e-12, atol=1e-12)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
 def test_grouped_gemm_rows_do_not_depend_on_the_batch(threads):
     """`grouped_gemm` (all experts of a projection in one bmm, groups zero-padded to the longest): a row's
     FP64 result is the same whether it is computed alone (M = 1) or among M = 3, 8, 37 rows spread

@@ -42,7 +42,13 @@ def _rows_stay_equal(fn, x: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize(
-    "k,n,w_dtype", [(256, 1000, torch.float32), (4096, 129, torch.float32), (1024, 512, torch.bfloat16)]
+    "k,n,w_dtype",
+    [
+        (256, 1000, torch.float32),
+        (4096, 129, torch.float32),
+        (1024, 512, torch.bfloat16),
+        (128, triton_rows.WIDE_N + 77, torch.bfloat16),  # the wide blocks of an LM head
+    ],
 )
 def test_rows_matmul_fp64(k, n, w_dtype):
     g = torch.Generator().manual_seed(k + n)

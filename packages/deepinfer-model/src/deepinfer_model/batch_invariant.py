@@ -86,6 +86,19 @@ PV_HALF_ROWS = 4  # `_one_query_attention`: P.V tile rows for at most this many 
 # host of earlier sessions agreed for every M at any K). One thread keeps a decode row's GEMV.
 GEMM_K_BLOCK = 256
 MIN_GEMM_ROWS = 4
+# Wide weights (`row_gemm`, e.g. the LM head): MKL's row-major "NN" FP64 GEMM of a few rows against a
+# weight larger than the caches ran ~1.5x slower than the "NT" GEMM against the weight as stored [N, K]
+# that the default mode runs (measured, 1 thread, K = 128, N = 129,280: 8 rows 39.5 vs 26.4 ms; for
+# weights under ~16 MiB and from ~64 rows on NN was as fast or faster). The two layouts give the same
+# bits when both run over K blocks of at most WIDE_K_BLOCK columns and NT gets a multiple of
+# NT_ROW_MULTIPLE rows (zero rows appended; measured on the AVX-512 host: M = 1..300, K up to 1024, N up
+# to 129,280, 1 and 2 threads; with 256-column blocks they differed from K = 200 on for narrow N, and
+# NT's own GEMV for M = 1 sums in another order). So weights of at least WIDE_BYTES (FP64) keep a second
+# cached copy in the stored layout (twice the memory for those weights), and NT_ROWS rows take it.
+WIDE_BYTES = 16 << 20
+WIDE_K_BLOCK = 128
+NT_ROWS = range(4, 33)
+NT_ROW_MULTIPLE = 4
 
 
 # The setting for the model step that is running (`numerics.resolved`), None outside one.
@@ -219,7 +232,9 @@ def tiled_matmul(x: torch.Tensor, w_t: torch.Tensor, chunk: int | None = None) -
 # the tensor that owns the storage (callers pass fresh `.t()` views of a cached FP64 weight) plus the
 # view's geometry, guarded by a weak reference to the owner and its in-place version counter (shared
 # by all its views), like `numerics.weight_fp64`.
-_ROW_MAJOR: dict[int, tuple[weakref.ref, dict[tuple, tuple[int, list[torch.Tensor]]]]] = {}
+_ROW_MAJOR: dict[
+    int, tuple[weakref.ref, dict[tuple, tuple[int, list[torch.Tensor], torch.Tensor | None]]]
+] = {}
 # Bytes of cached copies of parts of one owner (experts of a stack); past PART_CACHE_BYTES per stack the
 # remaining parts are converted per call instead (the conversion cost the mode ~1 ms per expert call on
 # the tiny model; a large checkpoint's experts in FP64 would not fit in memory).
@@ -261,17 +276,18 @@ def _short_parts(b: torch.Tensor, fp32_valued: bool | None = None) -> list[torch
     return [p0, p1, p2]
 
 
-def _row_major(w_t: torch.Tensor) -> list[torch.Tensor]:
+def _row_major(w_t: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """`_parts` of `w_t` (any float dtype; a view such as `weight.t()` or `experts.w1[e].t()`), cached per
-    view of its owner."""
+    view of its owner, and for a cached wide FP32-valued weight (at least `WIDE_BYTES` in FP64) its [N_pad,
+    K] copy for `_cpu_gemm`'s `b_nt` (else None)."""
     owner = w_t._base if w_t._base is not None else w_t
     if version_of(owner) is None:  # an in-place change (an EPLB weight shuffle) could not be seen: no cache
-        return _parts(w_t)
+        return _parts(w_t), None
     if owner.numel() != w_t.numel() and _part_bytes.get(id(owner), 0) + 8 * w_t.numel() > PART_CACHE_BYTES:
         # a part of a larger tensor (one expert of a stack, taken anew per call) past the budget:
         # converted per call like `numerics.weight_fp64` does (FP64 copies of every expert of a large
         # checkpoint would not fit); below it (small models) converted once, like whole weights
-        return _parts(w_t)
+        return _parts(w_t), None
     sub = (w_t.storage_offset(), tuple(w_t.shape), tuple(w_t.stride()))
     entry = _ROW_MAJOR.get(id(owner))
     if entry is not None and entry[0]() is not owner:
@@ -279,31 +295,45 @@ def _row_major(w_t: torch.Tensor) -> list[torch.Tensor]:
     if entry is not None:
         hit = entry[1].get(sub)
         if hit is not None and hit[0] == version_of(owner):
-            return hit[1]
+            return hit[1], hit[2]
     else:
         entry = (weakref.ref(owner), {})
         _ROW_MAJOR[id(owner)] = entry
         weakref.finalize(owner, _ROW_MAJOR.pop, id(owner), None)
         weakref.finalize(owner, _part_bytes.pop, id(owner), None)
     parts = _parts(w_t)
+    nt = parts[0].t().contiguous() if len(parts) == 1 and 8 * parts[0].numel() >= WIDE_BYTES else None
     if owner.numel() != w_t.numel() and sub not in entry[1]:
         _part_bytes[id(owner)] = _part_bytes.get(id(owner), 0) + sum(8 * p.numel() for p in parts)
-    entry[1][sub] = (version_of(owner), parts)
-    return parts
+    entry[1][sub] = (version_of(owner), parts, nt)
+    return parts, nt
 
 
-def _cpu_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _cpu_gemm(a: torch.Tensor, b: torch.Tensor, b_nt: torch.Tensor | None = None) -> torch.Tensor:
     """`a @ b` (2-D, or 3-D as a bmm) on the CPU as GEMMs over K blocks of `GEMM_K_BLOCK` columns, summed in
     block order, of at least `MIN_GEMM_ROWS` rows where torch runs several threads: each block's sum then has
-    one order for every M (see `GEMM_K_BLOCK`)."""
+    one order for every M (see `GEMM_K_BLOCK`).
+
+    `b_nt` (2-D only): the same weight as a contiguous [N, K] copy (a wide weight, see `WIDE_BYTES`). Then
+    the blocks are `WIDE_K_BLOCK` columns, and `NT_ROWS` rows multiply `b_nt` transposed, padded to a
+    multiple of `NT_ROW_MULTIPLE` rows: the same bits as `b`, faster."""
     mm = torch.mm if a.dim() == 2 else torch.bmm
     m, k = a.shape[-2], a.shape[-1]
+    k_block = GEMM_K_BLOCK
+    if b_nt is not None:
+        k_block = WIDE_K_BLOCK
+        if m in NT_ROWS:
+            a = _pad0(a, (-m) % NT_ROW_MULTIPLE)
+            out = torch.mm(a[:, :k_block], b_nt[:, :k_block].t())
+            for k0 in range(k_block, k, k_block):
+                out += torch.mm(a[:, k0 : k0 + k_block], b_nt[:, k0 : k0 + k_block].t())
+            return out[:m] if out.shape[0] != m else out
     pad = MIN_GEMM_ROWS - m if torch.get_num_threads() > 1 else 0
     if pad > 0:
         a = _pad0(a, pad, dim=a.dim() - 2)
-    out = mm(a[..., :GEMM_K_BLOCK], b[..., :GEMM_K_BLOCK, :])
-    for k0 in range(GEMM_K_BLOCK, k, GEMM_K_BLOCK):
-        out += mm(a[..., k0 : k0 + GEMM_K_BLOCK], b[..., k0 : k0 + GEMM_K_BLOCK, :])
+    out = mm(a[..., :k_block], b[..., :k_block, :])
+    for k0 in range(k_block, k, k_block):
+        out += mm(a[..., k0 : k0 + k_block], b[..., k0 : k0 + k_block, :])
     return out[..., :m, :] if pad > 0 else out
 
 
@@ -345,31 +375,32 @@ def row_gemm(x: torch.Tensor, w_t: torch.Tensor, fp32_valued: bool = False) -> t
     product exact, see `exact_gemm`; zero columns up to a multiple of `COL_PAD`: an odd N, a scalar
     column tail, changed row bits too); a row with more bits (e.g. the SwiGLU output) goes through the
     fixed 8-row tiles of `tiled_matmul`, cheaper than `exact_gemm`'s second GEMM for it. Weights that
-    are not FP32-valued take `exact_gemm` (split in parts) for every row."""
+    are not FP32-valued take `exact_gemm` (split in parts) for every row. A wide weight (the LM head)
+    gives 4..32 FP32-valued rows to the faster NT GEMM, with the same bits (see `WIDE_BYTES`)."""
     m, n = x.shape[0], w_t.shape[1]
     if m == 0:
         return x.new_empty(0, n)
-    parts = _row_major(w_t)
+    parts, nt = _row_major(w_t)
     x = x.contiguous()
     if len(parts) > 1:
         out = exact_gemm(x, parts)
         return out if out.shape[1] == n else out[:, :n]
     if fp32_valued:  # the caller knows every row is FP32-valued (`marked_fp32_valued`): no test
-        out = _cpu_gemm(x, parts[0])
+        out = _cpu_gemm(x, parts[0], nt)
         return out if out.shape[1] == n else out[:, :n]
     fp32 = x.float().double()
     if _SYNC_FREE:  # both paths for every row, each row takes its own (see `sync_free`)
         wide = x.ne(fp32).any(dim=-1, keepdim=True)
-        return torch.where(wide, tiled_matmul(x, parts[0]), _cpu_gemm(x, parts[0]))[:, :n]
+        return torch.where(wide, tiled_matmul(x, parts[0]), _cpu_gemm(x, parts[0], nt))[:, :n]
     if torch.equal(x, fp32):  # every row FP32-valued (the common case: one test, one host read)
-        out = _cpu_gemm(x, parts[0])
+        out = _cpu_gemm(x, parts[0], nt)
         return out if out.shape[1] == n else out[:, :n]
     wide = x.ne(fp32).any(dim=-1)  # rows with more than FP32's 24 significant bits (NaN rows too)
     if bool(wide.all()):
         return tiled_matmul(x, parts[0])[:, :n]
     out = x.new_empty(m, n)
     short = ~wide
-    out[short] = _cpu_gemm(x[short], parts[0])[:, :n]
+    out[short] = _cpu_gemm(x[short], parts[0], nt)[:, :n]
     out[wide] = tiled_matmul(x[wide], parts[0])[:, :n]
     return out
 
@@ -942,6 +973,16 @@ def sink_attention(
     return acc[..., :d] / den[..., None]
 
 
+def _masked_exp(x: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """`exp(x)` for `x` that is -inf exactly where `visible` (a 0/1 FP64 tensor, broadcast against `x`) is 0,
+    bit for bit `torch.exp(x)` for finite visible entries: the -inf entries take exp(0) and are multiplied by
+    0, the visible ones by 1 (exact; NaN stays NaN). Why not `torch.exp(x)`: on the AVX-512 host the exp of
+    an argument out of its range (-inf included) ran several times slower than of one in range (measured:
+    [8, 128, 256] FP64 with 88% of it -inf, 1.8 vs 0.2 ms), and most of a prefill chunk's scores are masked.
+    (Only a visible -inf, from an infinite key, would differ: exp(0) = 1 instead of 0.)"""
+    return torch.exp(x.nan_to_num_(nan=float("nan"), posinf=float("inf"), neginf=0.0)).mul_(visible)
+
+
 def _one_query_attention(
     q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor, scale: float
 ) -> torch.Tensor:
@@ -961,14 +1002,16 @@ def _one_query_attention(
     n_tiles = s // KEY_TILE
     rt = -(-nh // TILE_ROWS)
     sc = row_scores(q.reshape(bsz, nh, d), keys).transpose(1, 2) * scale  # [B, S, nh], contiguous
-    sc = sc.masked_fill_(~visible.reshape(bsz, s, 1), float("-inf"))
+    vis = visible.reshape(bsz, s, 1)
+    sc = sc.masked_fill_(~vis, float("-inf"))
     sink = sinks.to(q.device, torch.float64)
     mx = torch.maximum(sc.amax(dim=1), sink)  # [B, nh] (max is exact in any order)
-    e = torch.exp(sc - mx[:, None, :])  # [B, S, nh]
-    # the sink's exp in a whole tile per sequence (columns past nh: exp(-inf) = 0, unused)
+    e = _masked_exp(sc - mx[:, None, :], vis.double())  # [B, S, nh]
+    # the sink's exp in a whole tile per sequence (columns past nh: exp(0), unused; not -inf, whose exp is
+    # slow, see `_masked_exp`)
     width = rt * TILE_ROWS * KEY_TILE
-    sk = q.new_full((bsz, width), float("-inf"), dtype=torch.float64)
-    sk[:, :nh] = sink - mx  # (the same subtraction as on the whole tile: -inf - 0 is -inf)
+    sk = q.new_zeros((bsz, width), dtype=torch.float64)
+    sk[:, :nh] = sink - mx
     e_sink = torch.exp(sk)[:, :nh]
     # P tiles [B, T, Rt * rows, KT]: row h = head h, padding rows zero. With at most `PV_HALF_ROWS` heads
     # the tiles have that many rows instead of TILE_ROWS: the rows of a [4, KT] x [KT, D + 1] product
@@ -1071,11 +1114,11 @@ def _exact_attention(
     r = m * nh
     rt = -(-r // TILE_ROWS)
     sc = row_scores(q.reshape(bsz, r, d), keys).transpose(1, 2) * scale  # [B, S, R], contiguous
-    hidden = ~visible.transpose(1, 2)  # [B, S, M]
-    sc = sc.view(bsz, s, m, nh).masked_fill_(hidden[..., None], float("-inf")).view(bsz, s, r)
+    vis = visible.transpose(1, 2).contiguous()[..., None]  # [B, S, M, 1]
+    sc = sc.view(bsz, s, m, nh).masked_fill_(~vis, float("-inf")).view(bsz, s, r)
     sink = sinks.to(q.device, torch.float64)
     mx = torch.maximum(sc.amax(dim=1).view(bsz, m, nh), sink).view(bsz, 1, r)  # (max is exact in any order)
-    e = torch.exp(sc - mx)  # [B, S, R]
+    e = _masked_exp((sc - mx).view(bsz, s, m, nh), vis.double()).view(bsz, s, r)  # [B, S, R]
     # the sinks' exps in whole tiles (numel a multiple of KEY_TILE)
     n_sk = bsz * r
     sk = q.new_zeros(n_sk + (-n_sk) % KEY_TILE, dtype=torch.float64)

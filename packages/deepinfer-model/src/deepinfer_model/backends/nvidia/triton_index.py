@@ -105,7 +105,11 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> 
     weights = weights.float()
     weights = weights if weights.stride(-1) == 1 else weights.contiguous()
     block_t = max(1, ROWS // h)
-    grid = (triton.cdiv(t, block_t), triton.cdiv(n, BLOCK_N), gs)
+    grid = (
+        -(-t // block_t),
+        -(-n // BLOCK_N),
+        gs,
+    )  # (not triton.cdiv: a constexpr function, slow on the host)
     _index_scores_kernel[grid](
         q,
         keys,

@@ -9,7 +9,8 @@ eager steps are host-bound with ~250 such launches each.
 `DirectLaunch` calls the JIT once per variant (the argument dtypes, the integer widths the JIT would give
 the unspecialised integers, the constexpr values, the device), keeps the compiled kernel it returns and
 afterwards calls that kernel's launcher with the same arguments, in the same order, as the JIT itself
-passes them (launch metadata and hooks included, so profilers still see each launch). The compiled code is
+passes them (launch metadata and hooks included, so profilers still see each launch; with no hook
+registered, none and no metadata). The compiled code is
 the JIT's, so the results are its bits. The kernels it serves specialise no integer on its value and no
 pointer on its alignment (their `do_not_specialize` lists), so nothing else selects a variant. Where the
 Triton version has no `knobs` (older than 3.4), or once a direct call is refused, every launch goes
@@ -18,14 +19,24 @@ through the JIT.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 _I32 = (-(2**31), 2**31 - 1)
+_dtype = operator.attrgetter("dtype")
 
 try:  # (Triton >= 3.4: the launch hooks live in `triton.knobs`)
     from triton import knobs as _knobs
 except ImportError:  # pragma: no cover - older Triton: no direct launches
     _knobs = None
+
+
+def _no_hook(hook) -> bool:
+    """Whether a launch hook calls nothing: None, or an empty `HookChain` (Triton >= 3.6 keeps chains, empty
+    unless a profiler adds to them, and the launcher calls them, with metadata built for them, at every
+    launch). The launcher skips a None hook."""
+    return hook is None or getattr(hook, "calls", None) == []
 
 
 class DirectLaunch:
@@ -42,23 +53,25 @@ class DirectLaunch:
     def __call__(self, grid: tuple[int, ...], tensors: tuple, ints: tuple, **constexprs) -> None:
         key = None
         if self.enabled:
-            widths = tuple(_I32[0] <= v <= _I32[1] for v in ints)
-            key = (
-                tuple(t.dtype for t in tensors),
-                widths,
-                tuple(constexprs.items()),
-                tensors[0].device.index,
-            )
+            # the integer widths: one flag when every integer fits in 32 bits (every call of the row
+            # kernels so far), else one per integer (a key of its own, never a wrong variant)
+            small = not ints or (_I32[0] <= min(ints) and max(ints) <= _I32[1])
+            widths = True if small else tuple(_I32[0] <= v <= _I32[1] for v in ints)
+            device = tensors[0].get_device()
+            key = (tuple(map(_dtype, tensors)), widths, tuple(constexprs.items()), device)
             kernel = self._kernels.get(key)
             if kernel is not None:
                 g = (*grid, 1, 1)
-                stream = torch._C._cuda_getCurrentRawStream(tensors[0].device.index)
+                stream = torch._C._cuda_getCurrentRawStream(device)
                 args = (*tensors, *ints, *(constexprs[name] for name in self._constexprs))
-                hooks = _knobs.runtime
+                enter, leave = _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook
+                if _no_hook(enter) and _no_hook(leave):  # nothing would see the metadata: skip building it
+                    enter = leave = meta = None
+                else:
+                    meta = kernel.launch_metadata(grid, stream, *args)
                 try:
-                    kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata,
-                               kernel.launch_metadata(grid, stream, *args), hooks.launch_enter_hook,
-                               hooks.launch_exit_hook, *args)  # fmt: skip
+                    kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, meta, enter,
+                               leave, *args)  # fmt: skip
                     self.direct_launches += 1
                     return
                 except TypeError:  # a launcher of another signature: the JIT from now on

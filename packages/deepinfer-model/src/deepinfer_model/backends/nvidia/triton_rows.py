@@ -6,8 +6,8 @@ token count of the step. The reference path (`batch_invariant.tiled_matmul`) the
 row in a fixed [8, K] tile, 16 tiles per bmm call, which pads a decode row to 128 rows: the LM head of a
 one-sequence decode step did 128 rows of FP64 work (0.51 ms of a 9.4 ms tiny-model step on an H200).
 
-Here one program computes one row against a block of `BLOCK_N` columns, summing `BLOCK_K`-wide
-products in K order. The compiled kernel is fixed by the dtypes and the block sizes, never by the row
+Here one program computes one row against a block of `BLOCK_N` columns (`WIDE_BLOCK_N` for a weight of
+at least `WIDE_N` columns), summing `BLOCK_K`-wide products in K order. The compiled kernel is fixed by the dtypes and the block sizes, never by the row
 count (`m` is not specialised), so a row's result is a function of that row and the weight alone, at any
 batch size and any row index, and costs one row of work. `rows_matmul` (one shared weight, the
 projections and the LM head) and `pair_rows_matmul` (row p against expert `pairs[p]`, the graph-safe
@@ -33,6 +33,13 @@ from .triton_launch import DirectLaunch
 
 BLOCK_N = 16  # small column blocks: decode rows of small projections still spread over many programs
 BLOCK_K = 128  # wide K blocks: few loop iterations (a step of the tiny model is latency-bound)
+# Weights of at least WIDE_N columns (the LM head) take wider column blocks: with 16 columns the LM head's
+# 129,280 columns made 8,080 programs per row, 64,640 at batch 8, in ~30 waves of short programs (299 us at
+# batch 8 on the H200 against 40 us for cuBLAS). The blocks are a function of N alone, so a weight gets one
+# compiled variant, whatever the row count (and `pair_rows_matmul` the same one as `rows_matmul`).
+WIDE_N = 8192
+WIDE_BLOCK_N = 128
+WIDE_BLOCK_K = 32  # (a [32, 128] FP64 product tile per step: 32 registers per thread, as [128, 16])
 SUMSQ_BLOCK = 1024
 TILE_N = 32  # `tile_bmm`: output columns per program (a key tile's 32 scores; P.V in blocks of 32)
 TILE_K = 16
@@ -131,6 +138,13 @@ def _tiles_kernel(
     tl.store(out, acc, mask=(rows[:, None] < m) & (cols[None, :] < n))
 
 
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1). Plain Python: `triton.next_power_of_2` and `triton.cdiv` are
+    constexpr functions, whose host calls unwrap their arguments first (~1 ms per batch-invariant eager step
+    on the H200, cProfile)."""
+    return 1 << (n - 1).bit_length()
+
+
 # repeated launches skip the JIT's per-call binding (triton_launch.py): the mode's eager steps are host-bound
 _ROWS, _TILES, _SUMSQ = DirectLaunch(_rows_kernel), DirectLaunch(_tiles_kernel), DirectLaunch(_sumsq_kernel)
 
@@ -163,13 +177,14 @@ def _launch(
         raise ValueError("rows_matmul: x and the weight need contiguous rows (K contiguous)")
     m, k = x.shape
     n = w.shape[-2]
-    out = torch.empty(m, n, dtype=acc, device=x.device)
+    out = x.new_empty((m, n))  # (x's dtype is the accumulator's)
     if m == 0 or n == 0:
         return out
-    grid = (m, triton.cdiv(n, BLOCK_N))
+    bn, bk = (WIDE_BLOCK_N, WIDE_BLOCK_K) if n >= WIDE_N else (BLOCK_N, BLOCK_K)
+    grid = (m, -(-n // bn))
     _ROWS(
         grid, (x, w, idx, out), (m, n, k, x.stride(0), stride_idx, stride_we, w.stride(-2), out.stride(0)),
-        ACC=_ACC[acc], BN=BLOCK_N, BK=BLOCK_K,
+        ACC=_ACC[acc], BN=bn, BK=bk,
     )  # fmt: skip
     return out
 
@@ -235,11 +250,11 @@ def tile_bmm(
     else:
         ia, ib = ia.to(torch.int64).contiguous(), ib.to(torch.int64).contiguous()
         idx_args = (1, 0, 1, 0)
-    grid = (count, triton.cdiv(n, TILE_N))
+    grid = (count, -(-n // TILE_N))
     _TILES(
         grid, (a, b, ia, ib, out),
         (count, m, k, n, *idx_args, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1)),
-        BM=triton.next_power_of_2(m), BN=TILE_N, BK=TILE_K,
+        BM=_pow2(m), BN=TILE_N, BK=TILE_K,
     )  # fmt: skip
     return out
 
@@ -257,4 +272,4 @@ def row_sum_squares(x: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _sumsq_block(k: int) -> int:
-    return min(SUMSQ_BLOCK, triton.next_power_of_2(max(k, 16)))
+    return min(SUMSQ_BLOCK, _pow2(max(k, 16)))
