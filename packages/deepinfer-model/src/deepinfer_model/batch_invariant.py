@@ -319,22 +319,24 @@ def _cpu_gemm(a: torch.Tensor, b: torch.Tensor, b_nt: torch.Tensor | None = None
     multiple of `NT_ROW_MULTIPLE` rows: the same bits as `b`, faster."""
     mm = torch.mm if a.dim() == 2 else torch.bmm
     m, k = a.shape[-2], a.shape[-1]
-    k_block = GEMM_K_BLOCK
-    if b_nt is not None:
-        k_block = WIDE_K_BLOCK
-        if m in NT_ROWS:
-            a = _pad0(a, (-m) % NT_ROW_MULTIPLE)
-            out = torch.mm(a[:, :k_block], b_nt[:, :k_block].t())
-            for k0 in range(k_block, k, k_block):
-                out += torch.mm(a[:, k0 : k0 + k_block], b_nt[:, k0 : k0 + k_block].t())
-            return out[:m] if out.shape[0] != m else out
-    pad = MIN_GEMM_ROWS - m if torch.get_num_threads() > 1 else 0
-    if pad > 0:
-        a = _pad0(a, pad, dim=a.dim() - 2)
-    out = mm(a[..., :k_block], b[..., :k_block, :])
+    k_block = GEMM_K_BLOCK if b_nt is None else WIDE_K_BLOCK
+    if b_nt is not None and m in NT_ROWS:
+        a = _pad0(a, (-m) % NT_ROW_MULTIPLE)
+
+        def block(lo: int, hi: int) -> torch.Tensor:
+            return torch.mm(a[:, lo:hi], b_nt[:, lo:hi].t())
+    else:
+        a = _pad0(
+            a, MIN_GEMM_ROWS - m if torch.get_num_threads() > 1 and m < MIN_GEMM_ROWS else 0, a.dim() - 2
+        )
+
+        def block(lo: int, hi: int) -> torch.Tensor:
+            return mm(a[..., lo:hi], b[..., lo:hi, :])
+
+    out = block(0, k_block)
     for k0 in range(k_block, k, k_block):
-        out += mm(a[..., k0 : k0 + k_block], b[..., k0 : k0 + k_block, :])
-    return out[..., :m, :] if pad > 0 else out
+        out += block(k0, k0 + k_block)
+    return out if out.shape[-2] == m else out[..., :m, :]
 
 
 def exact_gemm(a: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:

@@ -105,11 +105,8 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> 
     weights = weights.float()
     weights = weights if weights.stride(-1) == 1 else weights.contiguous()
     block_t = max(1, ROWS // h)
-    grid = (
-        -(-t // block_t),
-        -(-n // BLOCK_N),
-        gs,
-    )  # (not triton.cdiv: a constexpr function, slow on the host)
+    # (not triton.cdiv: a constexpr function, slow on the host)
+    grid = (-(-t // block_t), -(-n // BLOCK_N), gs)
     _index_scores_kernel[grid](
         q,
         keys,
