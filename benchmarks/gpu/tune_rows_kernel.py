@@ -2,10 +2,11 @@
 
 Why: at batch 8 the mode's row kernel (`backends/nvidia/triton_rows.py`) takes 284 us for the tiny model's LM
 head ([8, 128] x [128, 129,280], FP64 accumulation) where cuBLAS's FP64 GEMM takes 75 us; wider column blocks
-barely changed it. This times the kernel's own code at other column / K block sizes and warp counts, and the
-same per-row computation with the weight transposed ([K, N], N contiguous, so a thread can keep K to
-itself), for the weight dtypes the model may store. Every variant is checked first: a row's bits must be the
-same at M = 1 and M = 8 (the property the mode relies on), and its values close to an FP64 product.
+barely changed it. This times a copy of the kernel's body that takes both weight strides as arguments (the
+shipped kernel fixes K's stride to 1), at other column / K block sizes and warp counts, with the weight as
+stored and transposed ([K, N], N contiguous, so a thread can keep K to itself), for the weight dtypes the
+model may store. Each variant also records whether a row's bits are the same at M = 1 and M = 8 (the
+property the mode relies on) and its largest error against an FP64 product.
 
     python benchmarks/gpu/tune_rows_kernel.py [--rows 8] [--n 129280] [--k 128]
 
