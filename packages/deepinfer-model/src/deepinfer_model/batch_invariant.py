@@ -619,6 +619,84 @@ def aligned_span(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, int]:
     return start, key_tiles(int((np.asarray(hi) - start).max()))
 
 
+OWN_COLS = 8  # a query's own (top-k selected) key list is padded to a multiple of this many columns
+
+
+def own_layout(k: int) -> tuple[int, int]:
+    """(tile columns, total columns) of a query's own key list for a top-k of `k` entries: `k` rounded up
+    to a multiple of `OWN_COLS`, in tiles of at most `KEY_TILE` columns (whole tiles)."""
+    width = -(-max(int(k), 1) // OWN_COLS) * OWN_COLS
+    tile = min(KEY_TILE, width)
+    return tile, -(-width // tile) * tile
+
+
+def own_order(selected: torch.Tensor) -> torch.Tensor:
+    """Top-k selections [R, k] (entry ids, -1 = none) -> [R, `own_layout(k)[1]`]: each row's entries in
+    ascending order, then -1 (none) to the full width. The column of a selected entry in its query's own
+    key list: a function of the selected set only (the order `select_topk` returned does not matter)."""
+    k = selected.shape[-1]
+    width = own_layout(k)[1]
+    big = torch.iinfo(selected.dtype).max
+    out = torch.sort(torch.where(selected < 0, big, selected), dim=-1).values
+    out = torch.where(out == big, -1, out)
+    if width > k:
+        out = torch.cat((out, out.new_full((*out.shape[:-1], width - k), -1)), dim=-1)
+    return out
+
+
+def _own_scores(q: torch.Tensor, own: tuple[torch.Tensor, torch.Tensor], scale: float) -> torch.Tensor:
+    """Scaled scores of every query [B, M, nh, D] against its own keys (own = (keys [B, M, Ko, D], visible
+    bool [B, M, Ko])): FP64 [B, M, nh, Ko], -inf where not visible. One [nh, D] x [D, Ko] product per query
+    (`bmm`: its bits do not depend on how many queries share the call), the same in every path."""
+    keys, vis = own
+    b, m, nh, d = q.shape
+    ko = keys.shape[2]
+    kt = keys.double().reshape(b * m, ko, d).transpose(1, 2).contiguous()  # [B*M, D, Ko]
+    sc = bmm(q.double().reshape(b * m, nh, d).contiguous(), kt).view(b, m, nh, ko) * scale
+    return sc.masked_fill_(~vis[:, :, None, :], float("-inf"))
+
+
+def _own_partials(scores: torch.Tensor, mx: torch.Tensor, own: tuple[torch.Tensor, torch.Tensor]):
+    """Unnormalised P.[K | 1] of every query's own keys, per own tile: exp(scores - mx) (mx [B, M, nh], each
+    row's max over all its keys and the sink; the exp on whole tiles, see `_whole_exp`) times the tile's
+    [K | 1], one [nh, tile] x [tile, D + 1] product per (query, own tile) -> FP64 [B, M, To, nh, D + 1]."""
+    keys, vis = own
+    b, m, nh, ko = scores.shape
+    d = keys.shape[-1]
+    tile = min(KEY_TILE, ko)
+    to = ko // tile
+    e = _whole_exp((scores - mx[..., None]).nan_to_num_(nan=float("nan"), posinf=float("inf"), neginf=0.0))
+    e = e.mul_(vis[:, :, None, :].double())  # (masked entries: exp(0) * 0, see `_masked_exp`)
+    pt = e.view(b * m, nh, to, tile).transpose(1, 2).contiguous().view(-1, nh, tile)
+    vals = torch.cat((keys.double(), keys.new_ones((b, m, ko, 1), dtype=torch.float64)), dim=-1)
+    return bmm(pt, vals.view(-1, tile, d + 1)).view(b, m, to, nh, d + 1)
+
+
+def _whole_exp(x: torch.Tensor) -> torch.Tensor:
+    """exp of a contiguous tensor computed as a flat vector whose length is a multiple of `KEY_TILE`
+    (zero-padded when it is not): every element takes the vector exp, never a scalar tail."""
+    n = x.numel()
+    if n % KEY_TILE == 0:
+        return torch.exp(x)
+    flat = x.new_zeros(n + (-n) % KEY_TILE)
+    flat[:n] = x.reshape(-1)
+    return torch.exp(flat)[:n].view(x.shape)
+
+
+def _with_own(acc: torch.Tensor, part: torch.Tensor | None) -> torch.Tensor:
+    """acc [B, M, nh, D + 1] (a row's shared-tile partials summed in tile order) plus its own tiles'
+    partials `part` [B, M, To, nh, D + 1] added after them, one tile at a time in own tile order."""
+    if part is not None:
+        for t in range(part.shape[2]):
+            acc = acc + part[:, :, t]
+    return acc
+
+
+def _own_max(mx: torch.Tensor, own_scores: torch.Tensor | None) -> torch.Tensor:
+    """mx [B, M, nh] (max over the shared keys and the sink) with the own keys' max included."""
+    return mx if own_scores is None else torch.maximum(mx, own_scores.amax(dim=-1))
+
+
 def _row_tiles(x: torch.Tensor) -> torch.Tensor:
     """[B, R, C] -> [B, ceil(R / TILE_ROWS), TILE_ROWS, C] (zero rows appended)."""
     b, r, c = x.shape
@@ -907,6 +985,7 @@ def sink_attention(
     scale: float,
     all_tiles: bool = False,
     plan: AttentionPlan | None = None,
+    own: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Sink attention (K = V) with a batch-independent reduction order; FP64 [B, M, nh, D].
 
@@ -921,16 +1000,23 @@ def sink_attention(
     they do not change a row's max, exp 0, and a P.V partial of +0 (an all-zero P tile: the GEMM sums
     products of +0 from a +0 accumulator; measured), which leaves the tile-order sum unchanged wherever
     it is added (x + 0 = x for every x but -0, and no partial is ever -0 for the same reason).
+
+    `own` (optional): each query's own keys after the shared ones, (keys [B, M, Ko, D], visible bool
+    [B, M, Ko]) with Ko from `own_layout` (the top-k selected compressed entries in `own_order`): scored
+    per query (`_own_scores`), in the softmax with the shared keys, and their P.V partials per own tile
+    added after the shared tiles' (`_own_partials`, `_with_own`). Why not the selected entries as columns
+    of shared entry tiles: a decode query then scores every entry tile (nearly all are seen), 10x the
+    keys the selection holds.
     """
     if all_tiles:
-        return _sink_attention_full(q, keys, visible, sinks, scale)
+        return _sink_attention_full(q, keys, visible, sinks, scale, own=own)
     bsz, m, nh, d = q.shape
-    if exact_scores_apply(q, keys):
+    if exact_scores_apply(q, keys):  # (own scores take the same products on every path)
         vis = visible if visible is not None else plan.visible
         if m == 1:  # decode: one query per key set
-            return _one_query_attention(q, keys, vis, sinks, scale)
+            return _one_query_attention(q, keys, vis, sinks, scale, own)
         seen = plan.seen if plan is not None else None
-        return _exact_attention_blocks(q, keys, vis, sinks, scale, seen)
+        return _exact_attention_blocks(q, keys, vis, sinks, scale, seen, own)
     if plan is None:
         plan = AttentionPlan(visible, nh)
     if plan.shape[:3] != (bsz, m, nh) or plan.shape[3] * KEY_TILE != keys.shape[1]:
@@ -938,7 +1024,7 @@ def sink_attention(
             f"attention plan for {plan.shape} does not fit q {tuple(q.shape)}, keys {tuple(keys.shape)}"
         )
     if plan.dense:
-        return _sink_attention_full(q, keys, plan.visible, sinks, scale, plan.seen)
+        return _sink_attention_full(q, keys, plan.visible, sinks, scale, plan.seen, own)
     n_tiles, rt = plan.shape[3:]
     dev = q.device
     # score products of the seen tiles only
@@ -955,6 +1041,12 @@ def sink_attention(
     # each row's max: over its seen tiles and the sink (max is exact: any grouping gives the same value)
     tile_mx = torch.cat((scores.amax(dim=-1), scores.new_full((1, TILE_ROWS), float("-inf"))))
     mx = torch.maximum(tile_mx[plan.order].amax(dim=1), sink[:, 0].view(bsz * rt, TILE_ROWS))
+    own_sc = None
+    if own is not None:  # the own keys' max per (query, head) row, in the row tile layout
+        own_sc = _own_scores(q, own, scale)
+        own_mx = q.new_full((bsz, rt * TILE_ROWS), float("-inf"), dtype=torch.float64)
+        own_mx[:, : m * nh] = own_sc.amax(dim=-1).view(bsz, m * nh)
+        mx = torch.maximum(mx, own_mx.view(bsz * rt, TILE_ROWS))
     e = torch.exp(scores - mx[plan.row_tile][:, :, None])  # [N, 8, KT]
     e_sink = torch.exp(sink - mx.view(-1, 1))[:, 0]  # [B*Rt*8]
     # unnormalised P.[K | 1] of the seen tiles: value sums and softmax denominator from one fixed GEMM
@@ -971,6 +1063,9 @@ def sink_attention(
         for k in range(1, plan.k_max):
             acc = acc + part[:, k]
     acc = acc.reshape(bsz, rt * TILE_ROWS, d + 1)[:, : m * nh].reshape(bsz, m, nh, d + 1)
+    if own is not None:
+        row_mx = mx.view(bsz, rt * TILE_ROWS)[:, : m * nh].reshape(bsz, m, nh)
+        acc = _with_own(acc, _own_partials(own_sc, row_mx, own))
     den = acc[..., d] + e_sink.reshape(bsz, rt * TILE_ROWS)[:, : m * nh].reshape(bsz, m, nh)
     return acc[..., :d] / den[..., None]
 
@@ -986,7 +1081,12 @@ def _masked_exp(x: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
 
 
 def _one_query_attention(
-    q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    visible: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
+    own: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`sink_attention` bit for bit for one query per key set (decode), q [B, 1, nh, D] and keys [B, S, D]
     FP32-valued (`exact_scores_apply`), without the tile plan's padding, gathers and per-tile calls:
@@ -1007,7 +1107,8 @@ def _one_query_attention(
     vis = visible.reshape(bsz, s, 1)
     sc = sc.masked_fill_(~vis, float("-inf"))
     sink = sinks.to(q.device, torch.float64)
-    mx = torch.maximum(sc.amax(dim=1), sink)  # [B, nh] (max is exact in any order)
+    own_sc = None if own is None else _own_scores(q, own, scale)  # [B, 1, nh, Ko]
+    mx = _own_max(torch.maximum(sc.amax(dim=1), sink)[:, None], own_sc)[:, 0]  # [B, nh] (max: exact)
     e = _masked_exp(sc - mx[:, None, :], vis.double())  # [B, S, nh]
     # the sink's exp in a whole tile per sequence (columns past nh: exp(0), unused; not -inf, whose exp is
     # slow, see `_masked_exp`)
@@ -1039,6 +1140,8 @@ def _one_query_attention(
         acc = part[:, 0, :nh]
         for t in range(1, n_tiles):
             acc = acc + part[:, t, :nh]
+    if own is not None:
+        acc = _with_own(acc[:, None], _own_partials(own_sc, mx[:, None], own))[:, 0]
     den = acc[..., d] + e_sink
     return (acc[..., :d] / den[..., None]).view(bsz, 1, nh, d)
 
@@ -1050,6 +1153,7 @@ def _exact_attention_blocks(
     sinks: torch.Tensor,
     scale: float,
     seen: np.ndarray | None = None,
+    own: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`sink_attention` bit for bit for M queries per key set (prefill chunks, verification blocks) with
     FP32-valued q and keys (`exact_scores_apply`): `_exact_attention` on blocks of queries, each against
@@ -1068,7 +1172,7 @@ def _exact_attention_blocks(
     align = TILE_ROWS // np.gcd(nh, TILE_ROWS)  # queries per block: a multiple of this
     block = max(align, (EXACT_BLOCK_QUERIES // align) * align)
     if block >= m:
-        return _exact_attention(q, keys, visible, sinks, scale, seen)
+        return _exact_attention(q, keys, visible, sinks, scale, seen, own)
     out = []
     for m0 in range(0, m, block):
         m1 = min(m, m0 + block)
@@ -1086,6 +1190,7 @@ def _exact_attention_blocks(
                 sinks,
                 scale,
                 seen[:, r0:r1, k0:k1],
+                None if own is None else (own[0][:, m0:m1], own[1][:, m0:m1]),
             )
         )
     return torch.cat(out, dim=1)
@@ -1098,6 +1203,7 @@ def _exact_attention(
     sinks: torch.Tensor,
     scale: float,
     seen: np.ndarray | None = None,
+    own: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`_sink_attention_full` bit for bit for FP32-valued q [B, M, nh, D] and keys [B, S, D]
     (`exact_scores_apply`), with the scores from `row_scores` (one NN bmm, keys as rows; the same bits as
@@ -1119,7 +1225,9 @@ def _exact_attention(
     vis = visible.transpose(1, 2).contiguous()[..., None]  # [B, S, M, 1]
     sc = sc.view(bsz, s, m, nh).masked_fill_(~vis, float("-inf")).view(bsz, s, r)
     sink = sinks.to(q.device, torch.float64)
-    mx = torch.maximum(sc.amax(dim=1).view(bsz, m, nh), sink).view(bsz, 1, r)  # (max is exact in any order)
+    own_sc = None if own is None else _own_scores(q, own, scale)
+    row_mx = _own_max(torch.maximum(sc.amax(dim=1).view(bsz, m, nh), sink), own_sc)  # (max: exact)
+    mx = row_mx.view(bsz, 1, r)
     e = _masked_exp((sc - mx).view(bsz, s, m, nh), vis.double()).view(bsz, s, r)  # [B, S, R]
     # the sinks' exps in whole tiles (numel a multiple of KEY_TILE)
     n_sk = bsz * r
@@ -1153,6 +1261,8 @@ def _exact_attention(
                 if r1 > r0:
                     acc[b, r0:r1] += torch.bmm(pt[b, t, r0:r1], vals[b, t].expand(r1 - r0, -1, -1))
     acc = acc.reshape(bsz, rt * TILE_ROWS, d + 1)[:, :r].view(bsz, m, nh, d + 1)
+    if own is not None:
+        acc = _with_own(acc, _own_partials(own_sc, row_mx, own))
     den = acc[..., d] + e_sink
     return acc[..., :d] / den[..., None]
 
@@ -1164,6 +1274,7 @@ def _sink_attention_full(
     sinks: torch.Tensor,
     scale: float,
     seen: np.ndarray | None = None,
+    own: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`sink_attention` with the mask / exp / max over every key column and every (row tile, key tile)
     product, or (`seen`, bool [B, Rt, T]) only the products of seen pairs (the others stay the +0 they
@@ -1179,7 +1290,9 @@ def _sink_attention_full(
     sink = scores.new_full((bsz, m, nh, KEY_TILE), float("-inf"))
     sink[..., 0] = sinks.to(sink.device, torch.float64)[None, None, :]
     logits = torch.cat((scores, sink), dim=-1)
-    e = torch.exp(logits - logits.max(dim=-1, keepdim=True).values)
+    own_sc = None if own is None else _own_scores(q, own, scale)
+    mx = _own_max(logits.amax(dim=-1), own_sc)  # [B, M, nh]
+    e = torch.exp(logits - mx[..., None])
     # unnormalised P·[K | 1]: the value sums and the softmax denominator from the same fixed GEMM
     kd = keys.double().view(bsz, n_tiles, KEY_TILE, d)
     vals = torch.cat((kd, kd.new_ones(bsz, n_tiles, KEY_TILE, 1)), dim=-1)  # [B, St, KT, D+1]
@@ -1193,5 +1306,7 @@ def _sink_attention_full(
     for t in range(1, n_tiles):  # tile order, one tile at a time: padding tiles add exact zeros
         acc = acc + part[:, :, t]
     acc = acc.reshape(bsz, -1, d + 1)[:, : m * nh].view(bsz, m, nh, d + 1)
+    if own is not None:
+        acc = _with_own(acc, _own_partials(own_sc, mx, own))
     den = acc[..., d] + e[..., s]
     return acc[..., :d] / den[..., None]

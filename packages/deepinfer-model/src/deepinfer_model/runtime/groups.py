@@ -17,7 +17,6 @@ import torch
 from .. import batch_invariant
 from ..config import RopeSpec
 from ..layers.compressor import CompressorWeights, compress
-from ..layers.indexer import selection_mask
 from ..layers.rope import apply_rope, cos_sin
 from ..numerics import attention_operands, bmm_f32, bmm_operand, carrier, native, round_to
 from ..ops.model_calls import fused_kernel
@@ -240,6 +239,42 @@ def _entry_index(meta: StepMetadata, g: Group, ratio: int):
     return slots, padding, valid.reshape(-1, width)
 
 
+def own_entries(entries: torch.Tensor, selected: torch.Tensor, gq: tuple[int, int]):
+    """Batch-invariant mode: the own keys of each query slot of a group [G, Q] from its entries [G, n, D]
+    and top-k selection [G*Q, k] (-1 = none): the selected entries in `own_order`, zero where none ->
+    (keys [G*Q, Ko, D], visible bool [G*Q, Ko]), marked FP32-valued where `entries` is."""
+    order = batch_invariant.own_order(selected)
+    none = order < 0
+    seq = torch.arange(gq[0], device=selected.device).repeat_interleave(gq[1])[:, None]
+    keys = entries[seq, order.clamp(min=0)].masked_fill(none[..., None], 0.0)
+    if batch_invariant.marked_fp32_valued(entries):
+        batch_invariant.mark_fp32_valued(keys)
+    return keys, ~none
+
+
+def selected_entries(cache: PagedKVCache, meta: StepMetadata, g: Group, pool: str, ratio: int, selected):
+    """`own_entries` read from `pool` directly (only the selected entries, not every entry of the group):
+    the same values, since an entry is read from the same slot. `selected` [G*Q, k] per query slot; the
+    graph-safe step (one query per row) maps entries to slots on the device."""
+    order = batch_invariant.own_order(selected)
+    none = order < 0
+    j = order.clamp(min=0)
+    if isinstance(meta, StaticDecodeMetadata):
+        slots = meta.dev_entry_slots(j, ratio)
+    else:
+        entry_slots = meta.cached(("comp", g.index, ratio), lambda: _entry_index(meta, g, ratio))[0]  # [G, n]
+        gq = g.rows.shape
+        seq = torch.arange(gq[0], device=selected.device).repeat_interleave(gq[1])[:, None]
+        slots = entry_slots[seq, j]
+    keys = cache.read(pool, slots).masked_fill(none[..., None], 0.0)
+    return _mark_pool_values(cache, pool, keys), ~none
+
+
+def entry_validity(meta: StepMetadata, g: Group, ratio: int) -> torch.Tensor:
+    """The `valid` [G*Q, n] of `compressed_entries` without reading the entries."""
+    return meta.cached(("comp", g.index, ratio), lambda: _entry_index(meta, g, ratio))[2]
+
+
 def attend(
     q: torch.Tensor,
     swa: WindowKeys,
@@ -249,6 +284,7 @@ def attend(
     meta: StepMetadata,
     extra: tuple[torch.Tensor, torch.Tensor] | None = None,
     act_dtype: torch.dtype = torch.float32,
+    own: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Sink attention (as `layers.attention.sink_attention`, batched over the group's sequences) over each
     query's sliding window `swa` plus, if given, `extra` = (entries [G, n, D] shared by a sequence's
@@ -261,6 +297,10 @@ def attend(
     softmax and weighted sum hold the same nonzero terms as a score over every key (summed in another
     order: FP64 rounding only).
 
+    Batch-invariant mode: `batch_invariant.sink_attention` over the window's aligned key tiles and, for a
+    bool `extra`, the entry tiles; a top-k `extra` becomes each query slot's own keys (`own_entries`), or
+    `own` (keys [G*Q, Ko, D], visible bool [G*Q, Ko], from `selected_entries`) gives them directly.
+
     Native mode: FP32 [rows, nh, D]; the score and P.V products take `attention_operands(act_dtype)`
     operands (BF16 for BF16 activations: q and the keys already hold BF16 values, P is rounded to BF16)
     with FP32 accumulation, the softmax and sink stay FP32 (as `layers.attention.sink_attention`).
@@ -270,10 +310,14 @@ def attend(
         raise ValueError(
             f"attend: extra visibility must be a bool mask or long indices, got {extra[1].dtype}"
         )
+    if own is not None and not batch_invariant.enabled():
+        raise ValueError("attend: own keys are the batch-invariant layout of a top-k selection")
     if batch_invariant.enabled():  # keys laid out in aligned tiles by swa_keys / compressed_entries
         keys, visible = swa.keys, swa.visible
+        if extra is not None and extra[1].dtype == torch.long:  # a top-k selection: each slot's own keys
+            own, extra = own_entries(extra[0], extra[1], gq), None
         if extra is not None:
-            vis_e = extra[1] if extra[1].dtype == torch.bool else selection_mask(extra[1], extra[0].shape[1])
+            vis_e = extra[1]
             fp32 = batch_invariant.marked_fp32_valued(keys) and batch_invariant.marked_fp32_valued(extra[0])
             keys = torch.cat((keys, extra[0]), dim=1)
             if fp32:
@@ -291,7 +335,7 @@ def attend(
             # the graph-safe step plans nothing on the host: every tile product is computed (the
             # skipped ones of a plan are exact +0 partials, so the bits are the eager step's)
             all_tiles = True
-        elif extra is None or extra[1].dtype == torch.bool:
+        else:
             # which key tiles each row tile sees: the same for every layer with this window and these
             # entries, so planned once per step (the entry mask is kept in the entry, so its id is not
             # reused by another tensor while the entry lives)
@@ -302,8 +346,13 @@ def attend(
             )
             if extra is not None and held is not extra[1]:
                 plan = None
+        if own is not None:
+            own_keys = own[0].view(*gq, *own[0].shape[1:])
+            if batch_invariant.marked_fp32_valued(own[0]):
+                batch_invariant.mark_fp32_valued(own_keys)
+            own = (own_keys, own[1].view(*gq, -1))
         out = batch_invariant.sink_attention(
-            q_rows, keys, visible, sinks, scale, plan=plan, all_tiles=all_tiles
+            q_rows, keys, visible, sinks, scale, plan=plan, all_tiles=all_tiles, own=own
         )
         return g.real(out.reshape(-1, *out.shape[2:]))
     if swa.visible is not None:

@@ -27,7 +27,7 @@ from ... import batch_invariant
 from ...layers.attention import project_latent, project_output, project_query
 from ...layers.embedding import embed
 from ...layers.experts import ExpertWeights, experts_forward_static
-from ...layers.indexer import index_queries, select_topk, selection_mask
+from ...layers.indexer import index_queries, select_topk
 from ...layers.rope import cos_sin
 from ...layers.router import route_topk
 from ...numerics import carrier, linear, round_to
@@ -40,9 +40,11 @@ from ...runtime.groups import (
     attend,
     compress_new,
     compressed_entries,
+    entry_validity,
     grouped_index_scores,
     ranges,
     row_blocks,
+    selected_entries,
     swa_keys,
 )
 from ...runtime.groups import query_block_rows as groups_query_block_rows
@@ -199,15 +201,18 @@ def _attend_rows(
         head_w = linear(y, w.indexer.weights_proj, act)
     out = torch.empty(y.shape[0], cfg.num_attention_heads, cfg.head_dim, dtype=carrier(), device=y.device)
     static = isinstance(qmeta, StaticDecodeMetadata)
+    invariant = batch_invariant.enabled()
     for g in groups:
         slots = g.slot_rows  # every (padded) query slot; padding duplicates its sequence's last query
         step_slots = slots if row0 == 0 else slots + row0  # the same slots among the step's rows
         floor = None if yoco is None else yoco.rect_lo[g.seqs]
         window = swa_keys(cache, qmeta, g, f"swa.{layer}", cfg.sliding_window, floor)
-        extra = None
+        extra = own = None
         if ratio:
             if static:  # the attention gathers the selected entries itself (below): no read of all of them
                 entries, valid = None, qmeta.cached(("comp", g.index, ratio), None)[2]
+            elif invariant:  # the selected entries only, as each query's own keys (below)
+                entries, valid = None, entry_validity(qmeta, g, ratio)
             else:
                 entries, valid = compressed_entries(cache, qmeta, g, f"comp.{topo.kv_source[layer]}", ratio)
             n = valid.shape[1]
@@ -238,14 +243,13 @@ def _attend_rows(
                         scores, valid, topo.candidate_block_size, topo.candidate_topk_blocks
                     )
             selected = st.selection[topo.index_source[layer]][step_slots]
-            if static and batch_invariant.enabled():
-                comp = f"comp.{topo.kv_source[layer]}"
-                extra = _static_selected_tiles(cache, qmeta, comp, ratio, selected, n)
+            if invariant:
+                own = selected_entries(cache, qmeta, g, f"comp.{topo.kv_source[layer]}", ratio, selected)
             elif static:
                 extra = _static_selected(cache, qmeta, f"comp.{topo.kv_source[layer]}", ratio, selected)
             else:
                 extra = (entries, selected)  # attend gathers the selected entries only
-        out[g.packed_rows] = attend(q, window, g, w.attn.sinks, cfg.head_dim**-0.5, qmeta, extra, act)
+        out[g.packed_rows] = attend(q, window, g, w.attn.sinks, cfg.head_dim**-0.5, qmeta, extra, act, own)
     return project_output(round_to(out, act), w.attn, cfg.o_groups, cos, sin, act)
 
 
@@ -282,24 +286,6 @@ def _frame_tiles(entries: torch.Tensor, n_tiles: int, cap: int) -> torch.Tensor:
 def _tile_entries(tiles: torch.Tensor) -> torch.Tensor:
     """Entry ids of whole key tiles `tiles` [N, T] -> [N, T * KEY_TILE] (tile order, then column)."""
     return (tiles[:, :, None] * KT + torch.arange(KT, device=tiles.device)).flatten(1)
-
-
-def _static_selected_tiles(
-    cache: PagedKVCache, meta: StaticDecodeMetadata, pool: str, ratio: int, selected: torch.Tensor, width: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`attend`'s `extra` for the graph-safe step in batch-invariant mode: the whole key tiles that hold a
-    selected entry (ascending), each entry in its own tile column, as the eager step lays out every entry
-    (`groups._entry_index`: entry j in column j of whole tiles) -> (keys [N, T * KEY_TILE, D], visible
-    bool [N, T * KEY_TILE]) with T = min(top-k, tiles of `width` entries) fixed. The tiles the eager step
-    has besides these hold no visible entry: their P.V partials are exact +0, so dropping them from the
-    tile-order sum changes no bit; tiles past a row's last are all invisible (zero keys)."""
-    n_tiles = width // KT
-    tiles = _frame_tiles(selected, n_tiles, min(selected.shape[1], n_tiles))
-    ent = _tile_entries(tiles)
-    chosen = selection_mask(selected, width + KT)  # (+ one tile: the padding tiles' columns)
-    visible = chosen.gather(1, ent.clamp(max=width + KT - 1))
-    keys = cache.read(pool, meta.dev_entry_slots(ent.clamp(max=width - 1), ratio))
-    return _mark_pool_values(cache, pool, keys.masked_fill(~visible[..., None], 0.0)), visible
 
 
 def _static_candidate_topk(
