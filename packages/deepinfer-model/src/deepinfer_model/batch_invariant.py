@@ -36,7 +36,12 @@ bits) and no plan is needed: `_one_query_attention` for decode, `_exact_attentio
 (query blocks against the key tiles they see, P.V on the same fixed tiles); both bitwise the tile path. Operands
 are made contiguous first: the GEMM kernel (and its rounding) depends on their layout too (a
 transposed view that `reshape` copied for one batch size but not another did change results).
-The exp runs on whole tiles (SIMD and scalar-tail exp differ in the last bit).
+The exp runs on whole tiles (SIMD and scalar-tail exp differ in the last bit). A sparse layer's top-k
+selected compressed entries are not columns of shared entry tiles (a decode query would score every
+entry tile, since its 8 selections spread over nearly all of them) but each query's own keys, in
+ascending entry order padded to `own_layout` (`own_order`): scored per query, in the same softmax as the
+shared window tiles, their P.V partials added after the shared tiles' one own tile at a time; a
+query's own list depends only on its selected set, so its bits do not depend on its neighbours.
 
 Not changed (and why it is still invariant): norms, router top-k, quantisation and sampling reduce
 within one row; the sampler draws from a keyed stream. The indexer's scores use the same tiled dot
@@ -619,6 +624,9 @@ def aligned_span(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, int]:
     return start, key_tiles(int((np.asarray(hi) - start).max()))
 
 
+# a top-k selected entry of a query that sees at most this many compressed entries is a column of its
+# sequence's first entry tiles, else one of the query's own keys (`runtime.groups.invariant_selection`)
+SHARED_ENTRY_COLS = 2 * KEY_TILE
 OWN_COLS = 8  # a query's own (top-k selected) key list is padded to a multiple of this many columns
 
 

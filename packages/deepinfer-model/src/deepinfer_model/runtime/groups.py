@@ -17,6 +17,7 @@ import torch
 from .. import batch_invariant
 from ..config import RopeSpec
 from ..layers.compressor import CompressorWeights, compress
+from ..layers.indexer import selection_mask
 from ..layers.rope import apply_rope, cos_sin
 from ..numerics import attention_operands, bmm_f32, bmm_operand, carrier, native, round_to
 from ..ops.model_calls import fused_kernel
@@ -268,6 +269,51 @@ def selected_entries(cache: PagedKVCache, meta: StepMetadata, g: Group, pool: st
         slots = entry_slots[seq, j]
     keys = cache.read(pool, slots).masked_fill(none[..., None], 0.0)
     return _mark_pool_values(cache, pool, keys), ~none
+
+
+def invariant_selection(
+    cache: PagedKVCache, meta: StepMetadata, g: Group, pool: str, ratio: int, selected: torch.Tensor
+):
+    """Batch-invariant mode: the top-k selected entries of a group's query slots (`selected` [G*Q, k])
+    laid out by how many entries each slot can see, a function of the slot alone (so its bits do not
+    depend on its neighbours): at most `batch_invariant.SHARED_ENTRY_COLS` -> columns of its sequence's
+    first entry tiles, shared by the sequence's queries (`attend`'s bool `extra`); more -> its own keys
+    (`selected_entries`, `attend`'s `own`). Why both: a short-context prefill chunk's queries share a few
+    entry tiles (one read), where own keys would copy k entries per query (measured on the CPU: +17% per
+    64-token prefill step at batch 8 with own keys only, vs +8%); a long context's query sees hundreds of
+    entries of which it selected k. A query's part in the layout it does not use is all invisible: +0
+    partials and -inf scores, which change no bit. -> (extra or None, own or None); the graph-safe step
+    always gets both (fixed shapes)."""
+    static = isinstance(meta, StaticDecodeMetadata)
+    cols = batch_invariant.SHARED_ENTRY_COLS
+    valid = entry_validity(meta, g, ratio)  # [G*Q, width]
+    if static:  # one query per row: its sequence's entries are the ones it sees
+        short = valid.sum(dim=-1) <= cols
+        any_short = any_long = True
+    else:  # decided on the host (no device sync): a slot at p sees (p + 1) // ratio entries
+
+        def make():  # once per step and group (every layer of this ratio shares it)
+            host_q = g.host_q_pos if g.host_q_pos is not None else g.q_pos.cpu().numpy()
+            host_short = (host_q.reshape(-1) + 1) // ratio <= cols
+            return bool(host_short.any()), not bool(host_short.all()), meta.dev(host_short)
+
+        any_short, any_long, short = meta.cached(("bi_short", g.index, ratio, cols), make)
+    extra = own = None
+    if any_short:
+        width = min(valid.shape[1], cols)
+        if static:
+            j = torch.arange(width, device=valid.device).expand(valid.shape[0], width)
+            slots, padding = meta.dev_entry_slots(j, ratio), ~valid[:, :width, None]
+        else:
+            slots, padding, _ = meta.cached(("comp", g.index, ratio), lambda: _entry_index(meta, g, ratio))
+            slots, padding = slots[:, :width], padding[:, :width]
+        keys = _mark_pool_values(cache, pool, cache.read(pool, slots).masked_fill_(padding, 0.0))
+        seen = selection_mask(torch.where(short[:, None], selected, -1), width)
+        extra = (keys, seen)
+    if any_long:
+        keys, visible = selected_entries(cache, meta, g, pool, ratio, selected)
+        own = (keys, visible & ~short[:, None])
+    return extra, own
 
 
 def entry_validity(meta: StepMetadata, g: Group, ratio: int) -> torch.Tensor:

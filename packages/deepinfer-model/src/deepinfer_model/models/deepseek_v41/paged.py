@@ -42,9 +42,9 @@ from ...runtime.groups import (
     compressed_entries,
     entry_validity,
     grouped_index_scores,
+    invariant_selection,
     ranges,
     row_blocks,
-    selected_entries,
     swa_keys,
 )
 from ...runtime.groups import query_block_rows as groups_query_block_rows
@@ -211,7 +211,7 @@ def _attend_rows(
         if ratio:
             if static:  # the attention gathers the selected entries itself (below): no read of all of them
                 entries, valid = None, qmeta.cached(("comp", g.index, ratio), None)[2]
-            elif invariant:  # the selected entries only, as each query's own keys (below)
+            elif invariant:  # the selected entries only (below)
                 entries, valid = None, entry_validity(qmeta, g, ratio)
             else:
                 entries, valid = compressed_entries(cache, qmeta, g, f"comp.{topo.kv_source[layer]}", ratio)
@@ -243,8 +243,9 @@ def _attend_rows(
                         scores, valid, topo.candidate_block_size, topo.candidate_topk_blocks
                     )
             selected = st.selection[topo.index_source[layer]][step_slots]
-            if invariant:
-                own = selected_entries(cache, qmeta, g, f"comp.{topo.kv_source[layer]}", ratio, selected)
+            if invariant:  # shared entry tiles for short contexts, own keys for long (see there)
+                comp = f"comp.{topo.kv_source[layer]}"
+                extra, own = invariant_selection(cache, qmeta, g, comp, ratio, selected)
             elif static:
                 extra = _static_selected(cache, qmeta, f"comp.{topo.kv_source[layer]}", ratio, selected)
             else:
