@@ -37,11 +37,14 @@ bits) and no plan is needed: `_one_query_attention` for decode, `_exact_attentio
 are made contiguous first: the GEMM kernel (and its rounding) depends on their layout too (a
 transposed view that `reshape` copied for one batch size but not another did change results).
 The exp runs on whole tiles (SIMD and scalar-tail exp differ in the last bit). A sparse layer's top-k
-selected compressed entries are not columns of shared entry tiles (a decode query would score every
-entry tile, since its 8 selections spread over nearly all of them) but each query's own keys, in
-ascending entry order padded to `own_layout` (`own_order`): scored per query, in the same softmax as the
-shared window tiles, their P.V partials added after the shared tiles' one own tile at a time; a
-query's own list depends only on its selected set, so its bits do not depend on its neighbours.
+selected compressed entries: for a query that sees at most `SHARED_ENTRY_COLS` entries, columns of its
+sequence's first entry tiles (shared by the chunk's queries: one read); for a longer context, the query's
+own keys, in ascending entry order padded to `own_layout` (`own_order`): scored per query, in the same
+softmax as the shared tiles, their P.V partials added after the shared tiles' one own tile at a time (as
+shared columns a long-context decode query would score every entry tile, since its selections spread
+over nearly all of them). Which layout a query takes depends on its own position only, and its own
+list on its selected set only, so neither depends on its neighbours
+(`runtime.groups.invariant_selection`).
 
 Not changed (and why it is still invariant): norms, router top-k, quantisation and sampling reduce
 within one row; the sampler draws from a keyed stream. The indexer's scores use the same tiled dot

@@ -345,7 +345,8 @@ def attend(
 
     Batch-invariant mode: `batch_invariant.sink_attention` over the window's aligned key tiles and, for a
     bool `extra`, the entry tiles; a top-k `extra` becomes each query slot's own keys (`own_entries`), or
-    `own` (keys [G*Q, Ko, D], visible bool [G*Q, Ko], from `selected_entries`) gives them directly.
+    `own` (keys [G*Q, Ko, D], visible bool [G*Q, Ko], from `invariant_selection`) gives them directly
+    (with or without a bool `extra`: `invariant_selection` lays short contexts out as entry tiles).
 
     Native mode: FP32 [rows, nh, D]; the score and P.V products take `attention_operands(act_dtype)`
     operands (BF16 for BF16 activations: q and the keys already hold BF16 values, P is rounded to BF16)
