@@ -73,6 +73,39 @@ def test_tile_skipping_is_bitwise_the_full_tile_computation(dense_fraction, monk
     assert expected <= paths, paths
 
 
+@pytest.mark.parametrize("dense_fraction", [1.0, -1.0])
+def test_plan_of_a_superset_narrowed_to_the_mask_gives_the_same_bits(dense_fraction, monkeypatch):
+    """`AttentionPlan.for_visible`: the paged runtime plans the tiles once per step from every entry a
+    query may select and narrows the plan to each layer's selection on the device. The extra tiles it
+    computes must change no bit against a plan of the exact mask (and against computing every tile)."""
+    monkeypatch.setattr(batch_invariant, "DENSE_FRACTION", dense_fraction)
+    g = torch.Generator().manual_seed(11)
+    narrowed_away = 0
+    for trial in range(12):
+        bsz, m, nh = (
+            int(torch.randint(1, 5, (1,), generator=g)),
+            int(torch.randint(1, 40, (1,), generator=g)),
+            4,
+        )
+        q, keys, may = _case(
+            g, bsz, m, nh, 64, int(torch.randint(1, 60, (1,), generator=g)), [1, 2][trial % 2]
+        )
+        vis = may & (torch.rand(may.shape, generator=g) < 0.3)  # a selection among the selectable keys
+        sinks = torch.randn(nh, generator=g)
+        exact = batch_invariant.sink_attention(
+            q, keys, vis, sinks, 0.09, plan=batch_invariant.plan_attention(vis, nh)
+        )
+        narrowed = batch_invariant.plan_attention(may, nh).for_visible(vis)
+        got = batch_invariant.sink_attention(q, keys, vis, sinks, 0.09, plan=narrowed)
+        assert torch.equal(got, exact), f"trial {trial}: the superset plan changed the FP64 attention output"
+        assert torch.equal(got, batch_invariant.sink_attention(q, keys, vis, sinks, 0.09, all_tiles=True))
+        # a real check: the superset plan computes tiles the exact mask does not see
+        narrowed_away += int((may.view(bsz, m, -1, KT).any(-1) & ~vis.view(bsz, m, -1, KT).any(-1)).sum())
+    assert narrowed_away > 0
+    with pytest.raises(ValueError, match="for_visible"):
+        narrowed.for_visible(vis[:, :1])
+
+
 def test_gathered_tile_scores_equal_the_per_tile_loop():
     g = torch.Generator().manual_seed(5)
     for bsz, r, tiles in [(1, 1, 1), (3, 13, 3), (8, 2, 5), (2, 70, 2)]:

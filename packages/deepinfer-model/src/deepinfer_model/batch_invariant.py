@@ -68,6 +68,7 @@ tests in tests/test_repro_*batch_invariant* and packages/deepinfer-model/tests/t
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import weakref
 
@@ -954,7 +955,8 @@ class AttentionPlan:
         qrow = np.minimum(rows, m - 1).reshape(rt, TILE_ROWS)
         real = (rows < m).reshape(rt, TILE_ROWS)
         idx = [torch.from_numpy(x).to(dev) for x in (bi[:, None], qrow[ri], ti[:, None])]
-        self.hidden = ~(vis_t[idx[0], idx[1], idx[2]] & torch.from_numpy(real[ri]).to(dev)[:, :, None])
+        self._tile_index = (*idx, torch.from_numpy(real[ri]).to(dev)[:, :, None])
+        self.hidden = self._hidden(vis_t)
         self.n_sel, self.k_max = n_sel, k_max
         self.row_tile = torch.from_numpy(br).to(dev)
         self.key_tile = torch.from_numpy(bi * n_tiles + ti).to(dev)
@@ -970,6 +972,25 @@ class AttentionPlan:
             srt = np.argsort(kflat, kind="stable")
             cuts = np.flatnonzero(np.diff(kflat[srt])) + 1
             self.by_key = [(int(kflat[g[0]]), torch.from_numpy(g).to(dev)) for g in np.split(srt, cuts)]
+
+    def _hidden(self, vis_t: torch.Tensor) -> torch.Tensor:
+        b, q, t, real = self._tile_index
+        return ~(vis_t[b, q, t] & real)
+
+    def for_visible(self, visible: torch.Tensor) -> AttentionPlan:
+        """This plan (built for a superset of `visible`, e.g. every entry a query may select) for the exact
+        mask `visible` [B, M, S]: the same tiles are computed, the ones no row of the exact mask sees give
+        exact +0 partials (see `sink_attention`), so the bits are those of a plan of `visible` itself.
+        Device ops only: `visible` (a top-k selection, on the GPU) is never read to the host."""
+        if visible.shape != self.visible.shape:
+            raise ValueError(
+                f"for_visible: mask {tuple(visible.shape)} for a plan of {tuple(self.visible.shape)}"
+            )
+        plan = copy.copy(self)
+        plan.visible = visible
+        if not self.dense:
+            plan.hidden = self._hidden(visible.view(*visible.shape[:2], -1, KEY_TILE))
+        return plan
 
 
 def _plan_products(plan: AttentionPlan, a: torch.Tensor, ia: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

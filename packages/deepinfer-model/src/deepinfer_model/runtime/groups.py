@@ -280,10 +280,11 @@ def invariant_selection(
     first entry tiles, shared by the sequence's queries (`attend`'s bool `extra`); more -> its own keys
     (`selected_entries`, `attend`'s `own`). Why both: a short-context prefill chunk's queries share a few
     entry tiles (one read), where own keys would copy k entries per query (measured on the CPU: +17% per
-    64-token prefill step at batch 8 with own keys only, vs +8%); a long context's query sees hundreds of
+    64-token prefill step at batch 8 with own keys only, +13% with this layout); a long context's query sees hundreds of
     entries of which it selected k. A query's part in the layout it does not use is all invisible: +0
-    partials and -inf scores, which change no bit. -> (extra or None, own or None); the graph-safe step
-    always gets both (fixed shapes)."""
+    partials and -inf scores, which change no bit. -> (extra or None, own or None), extra = (entry tiles,
+    bool selected, bool selectable: a superset `attend` plans the tiles from); the graph-safe step always
+    gets both (fixed shapes)."""
     static = isinstance(meta, StaticDecodeMetadata)
     cols = batch_invariant.SHARED_ENTRY_COLS
     valid = entry_validity(meta, g, ratio)  # [G*Q, width]
@@ -309,7 +310,13 @@ def invariant_selection(
             slots, padding = slots[:, :width], padding[:, :width]
         keys = _mark_pool_values(cache, pool, cache.read(pool, slots).masked_fill_(padding, 0.0))
         seen = selection_mask(torch.where(short[:, None], selected, -1), width)
-        extra = (keys, seen)
+        # what a short slot may select (known on the host): `attend` plans its tiles from it once per step,
+        # so the selection itself is never read back (a device sync per layer on the GPU)
+        if static:  # (computes every tile: no plan)
+            extra = (keys, seen)
+        else:
+            may = meta.cached(("bi_may", g.index, ratio, cols), lambda: valid[:, :width] & short[:, None])
+            extra = (keys, seen, may)
     if any_long:
         keys, visible = selected_entries(cache, meta, g, pool, ratio, selected)
         own = (keys, visible & ~short[:, None])
@@ -363,13 +370,16 @@ def attend(
         keys, visible = swa.keys, swa.visible
         if extra is not None and extra[1].dtype == torch.long:  # a top-k selection: each slot's own keys
             own, extra = own_entries(extra[0], extra[1], gq), None
+        plan_source = None  # (a superset of `visible` the tile plan is built from, its cache id)
         if extra is not None:
-            vis_e = extra[1]
             fp32 = batch_invariant.marked_fp32_valued(keys) and batch_invariant.marked_fp32_valued(extra[0])
             keys = torch.cat((keys, extra[0]), dim=1)
             if fp32:
                 batch_invariant.mark_fp32_valued(keys)
-            visible = torch.cat((visible, vis_e), dim=1)
+            if len(extra) == 3:  # (entries, selected, selectable): plan from the selectable superset
+                window_vis = visible
+                plan_source = (lambda: torch.cat((window_vis, extra[2]), dim=1).view(*gq, -1), extra[2])
+            visible = torch.cat((visible, extra[1]), dim=1)
         visible = visible.view(*gq, -1)
         plan = None
         all_tiles = False
@@ -386,13 +396,18 @@ def attend(
             # which key tiles each row tile sees: the same for every layer with this window and these
             # entries, so planned once per step (the entry mask is kept in the entry, so its id is not
             # reused by another tensor while the entry lives)
-            vis_key = None if extra is None else id(extra[1])
+            if plan_source is not None:
+                make_vis, held_by = plan_source
+            else:
+                make_vis, held_by = (lambda: visible), (None if extra is None else extra[1])
             held, plan = meta.cached(
-                ("bi_plan", *swa.index_key, vis_key, q.shape[1]),
-                lambda: (extra and extra[1], batch_invariant.plan_attention(visible, q.shape[1])),
+                ("bi_plan", *swa.index_key, None if held_by is None else id(held_by), q.shape[1]),
+                lambda: (held_by, batch_invariant.plan_attention(make_vis(), q.shape[1])),
             )
-            if extra is not None and held is not extra[1]:
+            if held is not held_by:
                 plan = None
+            elif plan_source is not None:
+                plan = plan.for_visible(visible)
         if own is not None:
             own_keys = own[0].view(*gq, *own[0].shape[1:])
             if batch_invariant.marked_fp32_valued(own[0]):
