@@ -474,10 +474,11 @@ def _target_logits(sim, plans):
     return by_pos
 
 
-@pytest.mark.parametrize("shared_cols", [batch_invariant.KEY_TILE, batch_invariant.SHARED_ENTRY_COLS])
+@pytest.mark.parametrize("shared_cols", [0, batch_invariant.KEY_TILE, batch_invariant.SHARED_ENTRY_COLS])
 def test_target_logits_identical_across_neighbours_splits_and_prefix_hits(model, monkeypatch, shared_cols):
     # shared_cols: the entry count up to which a query's selected entries are shared entry-tile columns
-    # rather than its own keys. One tile: the target's later positions take own keys (ratio-1 layers);
+    # rather than its own keys. None (the layout off the CPU): own keys only. One tile: the target's later
+    # positions take own keys (ratio-1 layers);
     # two (the default): the target stays shared over two entry tiles while its long neighbours take own
     # keys, so a layout chosen per step rather than per query changes its bits (checked: it fails then)
     monkeypatch.setattr(batch_invariant, "SHARED_ENTRY_COLS", shared_cols)

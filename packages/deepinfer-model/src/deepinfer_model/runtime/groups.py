@@ -284,9 +284,11 @@ def invariant_selection(
     entries of which it selected k. A query's part in the layout it does not use is all invisible: +0
     partials and -inf scores, which change no bit. -> (extra or None, own or None), extra = (entry tiles,
     bool selected, bool selectable: a superset `attend` plans the tiles from); the graph-safe step always
-    gets both (fixed shapes)."""
+    gets both (fixed shapes). The threshold depends on the device (`batch_invariant.shared_entry_cols`)."""
     static = isinstance(meta, StaticDecodeMetadata)
-    cols = batch_invariant.SHARED_ENTRY_COLS
+    cols = batch_invariant.shared_entry_cols(selected.device)
+    if cols == 0:  # every query takes own keys
+        return None, selected_entries(cache, meta, g, pool, ratio, selected)
     valid = entry_validity(meta, g, ratio)  # [G*Q, width]
     if static:  # one query per row: its sequence's entries are the ones it sees
         short = valid.sum(dim=-1) <= cols
