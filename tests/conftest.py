@@ -16,6 +16,15 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    """Run a test with 1 and with 2 intra-op threads (batch-invariant results must not depend on them)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def deterministic_env(monkeypatch):
     """What deterministic sampling requires (engine.md §5.4): batch invariance, varlen off."""

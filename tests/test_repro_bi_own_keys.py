@@ -17,14 +17,6 @@ def _fp32(*shape, scale=1.0, gen=None):
     return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).float().double()
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def _bits(x):
     return x.contiguous().view(torch.int64)
 
