@@ -240,14 +240,21 @@ def _entry_index(meta: StepMetadata, g: Group, ratio: int):
     return slots, padding, valid.reshape(-1, width)
 
 
+def _own_columns(selected: torch.Tensor, gq: tuple[int, int]):
+    """Batch-invariant mode: where each query slot's own keys come from, for a group [G, Q] and its
+    top-k selection [G*Q, k] (-1 = none): (entry index [G*Q, Ko] in `own_order`, 0 where none; none
+    bool [G*Q, Ko]; each slot's sequence [G*Q, 1])."""
+    order = batch_invariant.own_order(selected)
+    seq = torch.arange(gq[0], device=selected.device).repeat_interleave(gq[1])[:, None]
+    return order.clamp(min=0), order < 0, seq
+
+
 def own_entries(entries: torch.Tensor, selected: torch.Tensor, gq: tuple[int, int]):
     """Batch-invariant mode: the own keys of each query slot of a group [G, Q] from its entries [G, n, D]
     and top-k selection [G*Q, k] (-1 = none): the selected entries in `own_order`, zero where none ->
     (keys [G*Q, Ko, D], visible bool [G*Q, Ko]), marked FP32-valued where `entries` is."""
-    order = batch_invariant.own_order(selected)
-    none = order < 0
-    seq = torch.arange(gq[0], device=selected.device).repeat_interleave(gq[1])[:, None]
-    keys = entries[seq, order.clamp(min=0)].masked_fill(none[..., None], 0.0)
+    j, none, seq = _own_columns(selected, gq)
+    keys = entries[seq, j].masked_fill_(none[..., None], 0.0)  # (a gathered copy)
     if batch_invariant.marked_fp32_valued(entries):
         batch_invariant.mark_fp32_valued(keys)
     return keys, ~none
@@ -257,17 +264,13 @@ def selected_entries(cache: PagedKVCache, meta: StepMetadata, g: Group, pool: st
     """`own_entries` read from `pool` directly (only the selected entries, not every entry of the group):
     the same values, since an entry is read from the same slot. `selected` [G*Q, k] per query slot; the
     graph-safe step (one query per row) maps entries to slots on the device."""
-    order = batch_invariant.own_order(selected)
-    none = order < 0
-    j = order.clamp(min=0)
+    j, none, seq = _own_columns(selected, g.rows.shape)
     if isinstance(meta, StaticDecodeMetadata):
         slots = meta.dev_entry_slots(j, ratio)
     else:
         entry_slots = meta.cached(("comp", g.index, ratio), lambda: _entry_index(meta, g, ratio))[0]  # [G, n]
-        gq = g.rows.shape
-        seq = torch.arange(gq[0], device=selected.device).repeat_interleave(gq[1])[:, None]
         slots = entry_slots[seq, j]
-    keys = cache.read(pool, slots).masked_fill(none[..., None], 0.0)
+    keys = cache.read(pool, slots).masked_fill_(none[..., None], 0.0)  # (read returns a gathered copy)
     return _mark_pool_values(cache, pool, keys), ~none
 
 
@@ -280,11 +283,12 @@ def invariant_selection(
     first entry tiles, shared by the sequence's queries (`attend`'s bool `extra`); more -> its own keys
     (`selected_entries`, `attend`'s `own`). Why both: a short-context prefill chunk's queries share a few
     entry tiles (one read), where own keys would copy k entries per query (measured on the CPU: +17% per
-    64-token prefill step at batch 8 with own keys only, +13% with this layout); a long context's query sees hundreds of
-    entries of which it selected k. A query's part in the layout it does not use is all invisible: +0
-    partials and -inf scores, which change no bit. -> (extra or None, own or None), extra = (entry tiles,
-    bool selected, bool selectable: a superset `attend` plans the tiles from); the graph-safe step always
-    gets both (fixed shapes). The threshold depends on the device (`batch_invariant.shared_entry_cols`)."""
+    64-token prefill step at batch 8 with own keys only, +13% with this layout); a long context's query
+    sees hundreds of entries of which it selected k. A query's part in the layout it does not use is all
+    invisible: +0 partials and -inf scores, which change no bit. -> (extra or None, own or None), extra =
+    (entry tiles, bool selected, bool selectable: a superset `attend` plans the tiles from). The threshold
+    depends on the device (`batch_invariant.shared_entry_cols`: off the CPU, own keys only); where it is
+    not 0 the graph-safe step always gets both (fixed shapes)."""
     static = isinstance(meta, StaticDecodeMetadata)
     cols = batch_invariant.shared_entry_cols(selected.device)
     if cols == 0:  # every query takes own keys
