@@ -151,13 +151,13 @@ def test_models_route_hot_ops_through_the_cpu_registry(monkeypatch, tmp_path):
     table = get_ops("cpu")
     calls: dict[str, int] = {}
     for name in ("rms_norm", "apply_rope", "hc_mixes", "hc_read", "hc_write"):
-        fn = table._fns[name]
+        fn = table[name]
 
         def counted(*a, _fn=fn, _name=name, **k):
             calls[_name] = calls.get(_name, 0) + 1
             return _fn(*a, **k)
 
-        monkeypatch.setitem(table._fns, name, counted)
+        monkeypatch.setattr(table, name, counted)
     ids = torch.randint(4, 128, (12,), generator=torch.Generator().manual_seed(0))
     v41 = load_v41(make_v41_checkpoint(tmp_path / "v41", seed=0))
     ref41 = v41.forward(ids).logits
@@ -168,8 +168,8 @@ def test_models_route_hot_ops_through_the_cpu_registry(monkeypatch, tmp_path):
     assert calls["hc_write"] >= 2 * (layers41 + layers4)
     assert calls["rms_norm"] > 0 and calls["apply_rope"] > 0 and calls["hc_read"] > 0
     # a perturbed registry entry reaches the logits: the models really compute through the table
-    monkeypatch.setitem(
-        table._fns, "rms_norm", lambda x, w, eps, out_dtype=None: torch.zeros_like(x, dtype=out_dtype)
+    monkeypatch.setattr(
+        table, "rms_norm", lambda x, w, eps, out_dtype=None: torch.zeros_like(x, dtype=out_dtype)
     )
     assert not torch.equal(v41.forward(ids).logits, ref41)
     assert not torch.equal(v4.forward(ids), ref4)
@@ -285,6 +285,26 @@ def test_rows_matmul_reference_is_row_invariant():
         assert torch.equal(got[p], ops.rows_matmul(x[p : p + 1], w[e])[0])
     with pytest.raises(ValueError, match="float64"):
         ops.pair_rows_matmul(x[:5].float(), w, pairs)
+
+
+@pytest.mark.parametrize("round_to", [torch.float32, torch.bfloat16, torch.float16])
+def test_rows_matmul_reference_rounds_as_torch(round_to):
+    """`round_to=` of the cpu row ops: the product rounded to that dtype and widened back to x.dtype (what
+    the NVIDIA kernels must give bit for bit); any other dtype is refused by name."""
+    ops = get_ops("cpu")
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(3, 40, 300, generator=g)
+    x = torch.randn(9, 300, generator=g, dtype=torch.float64)
+    got = ops.rows_matmul(x, w[0], round_to)
+    assert got.dtype == torch.float64
+    assert torch.equal(got, ops.rows_matmul(x, w[0]).to(round_to).double())
+    assert not torch.equal(got, ops.rows_matmul(x, w[0]))  # (the rounding is applied)
+    pairs = torch.tensor([2, 0, 1, 1, 0, 2, 2, 0, 1])
+    assert torch.equal(
+        ops.pair_rows_matmul(x, w, pairs, round_to), ops.pair_rows_matmul(x, w, pairs).to(round_to).double()
+    )
+    with pytest.raises(ValueError, match="round_to"):
+        ops.rows_matmul(x, w[0], torch.int8)
 
 
 def test_tile_bmm_reference():

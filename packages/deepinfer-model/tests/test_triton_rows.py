@@ -89,6 +89,44 @@ def test_pair_rows_are_the_shared_weight_rows():
     _rows_stay_equal(lambda a, lo: triton_rows.pair_rows_matmul(a, w, pairs[lo : lo + a.shape[0]]), x[:17])
 
 
+def _rounding_cases() -> torch.Tensor:
+    """FP64 values that probe the FP64 -> FP32 -> 16-bit roundings torch applies: ties of BF16 / FP16 with
+    and without bits below FP32's precision (1 + 2^-8 + 2^-30 rounds up straight to BF16 but to 1 through
+    FP32, as torch rounds), FP32 / BF16 / FP16 subnormals, values past each type's largest finite, signs."""
+    t = 2.0**-30
+    special = [1 + 2**-8, 1 + 2**-8 + t, 1 + 3 * 2**-8, 1 + 3 * 2**-8 - t, 1 + 2**-11, 1 + 2**-11 + t,
+               1 + 2**-24, 1 + 2**-24 + 2**-52, 1 + 3 * 2**-24, 2.0**-130, 3 * 2.0**-149 / 2, 2.0**-140,
+               2.0**-20, 6.1e-5, 6e-8, 3.0e-8, 65504.0, 65520.0, 65519.99, 3.4e38, 3.4028235e38 * (1 + 2**-25),
+               3.5e38, 1e300, 0.0, 1.0, 0.1, 1 / 3]  # fmt: skip
+    values = torch.tensor(special, dtype=torch.float64)
+    return torch.cat((values, -values))
+
+
+@pytest.mark.parametrize("round_to", [torch.float32, torch.bfloat16, torch.float16])
+def test_rounding_in_the_kernel_is_torchs(round_to):
+    """`round_to=`: every output value bitwise what `.to(round_to).to(x.dtype)` gives, on values placed at
+    the roundings' edges (an identity x picks one weight entry per output: the sum is that entry exactly)
+    and on random products, for FP64 and FP32 rows, shared and per-expert weights."""
+    cases = _rounding_cases()
+    w = cases.view(-1, 1).repeat(1, 3).to(DEV)  # [N, 3]: row j holds case j three times
+    x = torch.zeros(3, 3, dtype=torch.float64, device=DEV)
+    x[0, 0] = x[1, 1] = x[2, 2] = 1.0
+    g = torch.Generator().manual_seed(11)
+    xr = torch.randn(40, 300, generator=g, dtype=torch.float64).to(DEV)
+    wr = torch.randn(3, 513, 300, generator=g).to(DEV)
+    pairs = torch.randint(0, 3, (40,), generator=g).to(DEV)
+    for a, b in ((x, w), (xr, wr[1]), (xr.float(), wr[2])):
+        poison()
+        got = triton_rows.rows_matmul(a, b, round_to)
+        want = triton_rows.rows_matmul(a, b).to(round_to).to(a.dtype)
+        assert got.dtype == a.dtype and torch.equal(got, want), (a.dtype, round_to)
+    poison()
+    got = triton_rows.pair_rows_matmul(xr, wr, pairs, round_to)
+    assert torch.equal(got, triton_rows.pair_rows_matmul(xr, wr, pairs).to(round_to).to(torch.float64))
+    with pytest.raises(ValueError, match="round_to"):
+        triton_rows.rows_matmul(xr, wr[0], torch.float64)
+
+
 def test_rows_matmul_rejects_bad_operands():
     x = torch.randn(3, 8, device=DEV)
     with pytest.raises(ValueError, match="rows_matmul"):

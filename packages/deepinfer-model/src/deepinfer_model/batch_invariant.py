@@ -214,10 +214,17 @@ def gathered_chunked_bmm(
     return torch.cat(out) if len(out) != 1 else out[0]
 
 
-def _device_ops():
-    from .ops.registry import get_ops  # (the registry loads the backends, which import this module)
+_GET_OPS = None  # `ops.registry.get_ops`, imported at first use (the registry loads the backends, which
+# import this module); kept, since an import statement per op call is host time the eager step pays
 
-    return get_ops()
+
+def _device_ops():
+    global _GET_OPS
+    if _GET_OPS is None:
+        from .ops.registry import get_ops
+
+        _GET_OPS = get_ops
+    return _GET_OPS()
 
 
 def tiled_matmul(x: torch.Tensor, w_t: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
@@ -606,11 +613,12 @@ def matmul(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
     return out.reshape(*lead, w_t.shape[1])
 
 
-def device_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def device_rows(x: torch.Tensor, weight: torch.Tensor, round_to: torch.dtype | None = None) -> torch.Tensor:
     """The mode's `x @ weight.T` off the CPU for 2-D `x` (FP64 or FP32) and a weight [N, K] as stored: the
     `rows_matmul` op of the device's backend (the reference: `tiled_matmul` against the weight widened to
-    `x.dtype`; NVIDIA: a Triton kernel that costs one row of work per row, no padded tiles)."""
-    return _device_ops().rows_matmul(x.contiguous(), weight)
+    `x.dtype`; NVIDIA: a Triton kernel that costs one row of work per row, no padded tiles), its output
+    rounded to `round_to` (FP32 / BF16 / FP16, or None) in x.dtype."""
+    return _device_ops().rows_matmul(x, weight, round_to)
 
 
 # ------------------------------------------------------------------------------------------ attention

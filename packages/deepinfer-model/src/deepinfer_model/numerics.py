@@ -209,18 +209,33 @@ def bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a, b)
 
 
-def _row_invariant(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Batch-invariant mode: FP64 `x @ weight.T` whose rows do not depend on the batch. On the CPU
-    `batch_invariant.row_gemm` against a row-major FP64 copy made straight from `weight`; elsewhere the
-    backend's `rows_matmul` op on the weight as stored (`batch_invariant.device_rows`), which the
-    graph-safe expert path's `pair_rows_matmul` matches row for row when handed the same stored weights."""
-    flat = x.double().reshape(-1, x.shape[-1])
+# act dtypes the mode's device row kernels round to as they store (`rows_matmul(..., round_to=)`, bit for
+# bit `round_to`): a projection is then one kernel instead of three (the eager step is launch-bound)
+KERNEL_ROUNDINGS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _row_invariant(
+    x: torch.Tensor, weight: torch.Tensor, act_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Batch-invariant mode: FP64 `x @ weight.T` whose rows do not depend on the batch, `round_to(...,
+    act_dtype)` when `act_dtype` is given. On the CPU `batch_invariant.row_gemm` against a row-major FP64
+    copy made straight from `weight`; elsewhere the backend's `rows_matmul` op on the weight as stored
+    (`batch_invariant.device_rows`, rounding in the kernel), which the graph-safe expert path's
+    `pair_rows_matmul` matches row for row when handed the same stored weights."""
+    flat = x.double()
+    if flat.dim() != 2:
+        flat = flat.reshape(-1, x.shape[-1])
+    fused = act_dtype in KERNEL_ROUNDINGS and x.device.type != "cpu"
     if x.device.type == "cpu":
         narrow = x.dtype in (torch.float32, torch.bfloat16, torch.float16)
         out = batch_invariant.row_gemm(flat, weight.t(), narrow or batch_invariant.marked_fp32_valued(x))
     else:
-        out = batch_invariant.device_rows(flat, weight)
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+        out = batch_invariant.device_rows(flat, weight, act_dtype if fused else None)
+    if x.dim() != 2:
+        out = out.reshape(*x.shape[:-1], weight.shape[0])
+    if fused:
+        return batch_invariant.mark_fp32_valued(out)  # (what `round_to` marks)
+    return out if act_dtype is None else round_to(out, act_dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, act_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -232,7 +247,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, act_dtype: torch.dtype = torch
     if native():
         return (x.to(act_dtype) @ weight_as(weight, act_dtype).t()).to(torch.float32)
     if batch_invariant.enabled():
-        return round_to(_row_invariant(x, weight), act_dtype)
+        return _row_invariant(x, weight, act_dtype)
     return round_to(x.double() @ weight_fp64(weight).t(), act_dtype)
 
 

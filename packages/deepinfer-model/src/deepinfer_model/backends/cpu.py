@@ -134,20 +134,35 @@ def _rows_operand(x: torch.Tensor) -> None:
         raise ValueError(f"x must be a 2-D float64 or float32 tensor, got {x.dtype} {tuple(x.shape)}")
 
 
+# the dtypes `rows_matmul` / `pair_rows_matmul` may round their outputs to (`round_to`)
+ROWS_ROUNDINGS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _rounded(out: torch.Tensor, round_to: torch.dtype | None) -> torch.Tensor:
+    if round_to is None:
+        return out
+    if round_to not in ROWS_ROUNDINGS:
+        raise ValueError(f"round_to must be None, float32, bfloat16 or float16, got {round_to}")
+    return out.to(round_to).to(out.dtype)
+
+
 @register("cpu", "rows_matmul")
-def rows_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def rows_matmul(x: torch.Tensor, weight: torch.Tensor, round_to: torch.dtype | None = None) -> torch.Tensor:
     """Fixed [TILE_ROWS, K] row tiles (`batch_invariant.tiled_matmul`) against the weight widened to
-    x.dtype (a cached copy): the mode's device-agnostic path."""
+    x.dtype (a cached copy): the mode's device-agnostic path. `round_to`: the output rounded to that
+    dtype and widened back to x.dtype."""
     _rows_operand(x)
-    return batch_invariant.tiled_matmul(x, weight_as(weight, x.dtype).t())
+    return _rounded(batch_invariant.tiled_matmul(x, weight_as(weight, x.dtype).t()), round_to)
 
 
 @register("cpu", "pair_rows_matmul")
-def pair_rows_matmul(x: torch.Tensor, weights: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+def pair_rows_matmul(
+    x: torch.Tensor, weights: torch.Tensor, pairs: torch.Tensor, round_to: torch.dtype | None = None
+) -> torch.Tensor:
     """`rows_matmul`'s tiles, one expert's weight gathered per row (FP64: the exact mode's carrier)."""
     if x.dim() != 2 or x.dtype != torch.float64:
         raise ValueError(f"x must be a 2-D float64 tensor, got {x.dtype} {tuple(x.shape)}")
-    return pair_tiled_products(x, weights, pairs)
+    return _rounded(pair_tiled_products(x, weights, pairs), round_to)
 
 
 @register("cpu", "tile_bmm")

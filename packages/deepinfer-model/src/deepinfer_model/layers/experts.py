@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import batch_invariant
-from ..numerics import carrier, linear, native, round_to, weight_as
+from ..numerics import KERNEL_ROUNDINGS, carrier, linear, native, round_to, weight_as
 from ..ops.registry import get_ops
 
 
@@ -319,6 +319,9 @@ def _pair_tiled(
 ) -> torch.Tensor:
     """Batch-invariant mode off the CPU: row p of `x` times expert `pairs[p]`'s matrix of `w`, with the
     bits `linear` gives that row there (the backend's `pair_rows_matmul`), rounded to act_dtype."""
+    if act_dtype in KERNEL_ROUNDINGS:  # rounded by the kernel (as `numerics.linear` has it rounded)
+        out = get_ops().pair_rows_matmul(x.double().contiguous(), w, pairs, act_dtype)
+        return batch_invariant.mark_fp32_valued(out)
     return round_to(get_ops().pair_rows_matmul(x.double().contiguous(), w, pairs), act_dtype)
 
 

@@ -34,11 +34,13 @@ OP_SPECS: dict[str, str] = {
     "hc_read": "hc_read(trunk [T, m, H], weights [T, m], out_dtype=None) -> [T, H] out_dtype or trunk.dtype",
     "hc_write": "hc_write(y [T, H], trunk [T, m, H], post [T, m], comb [T, m, m], out_dtype=None) "
     "-> [T, m, H] out_dtype or trunk.dtype",
-    "rows_matmul": "rows_matmul(x [M, K] float64 | float32, weight [N, K] any float dtype) -> [M, N] x.dtype = "
-    "x @ weight.T accumulated in x.dtype, each row's bits a function of that row and the weight only (never "
-    "of M or the row index): batch-invariant mode's projections off the CPU",
-    "pair_rows_matmul": "pair_rows_matmul(x [P, K] float64 | float32, weights [E, N, K], pairs [P] long) -> "
-    "[P, N] x.dtype; row p = rows_matmul(x[p:p+1], weights[pairs[p]]) bit for bit (the graph-safe expert path)",
+    "rows_matmul": "rows_matmul(x [M, K] float64 | float32, weight [N, K] any float dtype, round_to=None) -> "
+    "[M, N] x.dtype = x @ weight.T accumulated in x.dtype, each row's bits a function of that row and the "
+    "weight only (never of M or the row index); round_to (float32 | bfloat16 | float16): the output rounded to "
+    "it, bit for bit .to(round_to).to(x.dtype): batch-invariant mode's projections off the CPU",
+    "pair_rows_matmul": "pair_rows_matmul(x [P, K] float64 | float32, weights [E, N, K], pairs [P] long, "
+    "round_to=None) -> [P, N] x.dtype; row p = rows_matmul(x[p:p+1], weights[pairs[p]], round_to) bit for bit "
+    "(the graph-safe expert path)",
     "tile_bmm": "tile_bmm(a [Na, m, k] float64, b [Nb, k, n] float64, ia [N] long | None, ib [N] long | None) -> "
     "[N, m, n] = a[ia[j]] @ b[ib[j]] (None: j itself, Na = Nb = N); each product's bits a function of its two "
     "matrices only (never of N or of the other products): batch-invariant mode's attention tiles off the CPU",
@@ -126,7 +128,10 @@ def _load(backend: str) -> None:
 
 
 class OpTable:
-    """The resolved ops of one backend: `table.rms_norm(...)`, `table["rms_norm"]`, `table.sources`."""
+    """The resolved ops of one backend: `table.rms_norm(...)`, `table["rms_norm"]`, `table.sources`.
+
+    Each op is an instance attribute of its own, so `table.name` on the hot paths (ops are called per
+    layer) is a plain lookup; replacing an op (tests) is `setattr(table, name, fn)`, which both forms see."""
 
     def __init__(self, backend: str):
         _load("cpu")
@@ -134,26 +139,28 @@ class OpTable:
             _load(backend)
         self.backend = backend
         self.sources: dict[str, str] = {}
-        self._fns: dict[str, Callable] = {}
+        fns: dict[str, Callable] = {}
         for name in OP_SPECS:
             if name in _IMPLS[backend]:
                 # an accelerator kernel is one opaque call inside a compiled step (runtime/compiled.py)
-                self._fns[name], self.sources[name] = outside_compiled_graph(_IMPLS[backend][name]), backend
+                fns[name], self.sources[name] = outside_compiled_graph(_IMPLS[backend][name]), backend
             elif name in _IMPLS["cpu"]:
-                self._fns[name], self.sources[name] = _IMPLS["cpu"][name], "cpu"
+                fns[name], self.sources[name] = _IMPLS["cpu"][name], "cpu"
                 if backend != "cpu":
                     logger.info("op %s has no %s implementation: served by the cpu reference", name, backend)
+        clash = set(fns) & {"backend", "sources", "names"}
+        if clash:
+            raise RuntimeError(f"op names {sorted(clash)} clash with OpTable attributes")
+        self.names = frozenset(fns)
+        self.__dict__.update(fns)
 
     def __getitem__(self, name: str) -> Callable:
-        if name not in self._fns:
-            raise KeyError(f"op {name!r} is not implemented; ops are {sorted(self._fns)}")
-        return self._fns[name]
+        if name not in self.names:
+            raise KeyError(f"op {name!r} is not implemented; ops are {sorted(self.names)}")
+        return self.__dict__[name]
 
-    def __getattr__(self, name: str) -> Callable:
-        try:
-            return self.__dict__["_fns"][name]
-        except KeyError:
-            raise AttributeError(f"op {name!r} is not implemented; ops are {sorted(OP_SPECS)}") from None
+    def __getattr__(self, name: str) -> Callable:  # (only reached when the name is not an attribute)
+        raise AttributeError(f"op {name!r} is not implemented; ops are {sorted(OP_SPECS)}")
 
     def __repr__(self) -> str:
         return f"OpTable(backend={self.backend!r}, sources={self.sources})"

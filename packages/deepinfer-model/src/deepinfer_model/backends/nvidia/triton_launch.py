@@ -58,12 +58,12 @@ class DirectLaunch:
             small = not ints or (_I32[0] <= min(ints) and max(ints) <= _I32[1])
             widths = True if small else tuple(_I32[0] <= v <= _I32[1] for v in ints)
             device = tensors[0].get_device()
-            key = (tuple(map(_dtype, tensors)), widths, tuple(constexprs.items()), device)
+            key = (*map(_dtype, tensors), widths, *constexprs.items(), device)
             kernel = self._kernels.get(key)
             if kernel is not None:
                 g = (*grid, 1, 1)
                 stream = torch._C._cuda_getCurrentRawStream(device)
-                args = (*tensors, *ints, *(constexprs[name] for name in self._constexprs))
+                args = (*tensors, *ints, *map(constexprs.__getitem__, self._constexprs))
                 enter, leave = _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook
                 if _no_hook(enter) and _no_hook(leave):  # nothing would see the metadata: skip building it
                     enter = leave = meta = None

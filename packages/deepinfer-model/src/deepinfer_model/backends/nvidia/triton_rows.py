@@ -13,7 +13,9 @@ batch size and any row index, and costs one row of work. `rows_matmul` (one shar
 projections and the LM head) and `pair_rows_matmul` (row p against expert `pairs[p]`, the graph-safe
 expert path) run the same kernel and differ only in the weight's base address, so a row gets the same
 bits from either as long as the weight is passed in the same dtype and layout (both callers pass the
-stored weight, widened in the kernel). `row_sum_squares` is the row-local statistic of the mHC norm.
+stored weight, widened in the kernel). A projection's rounding to its activation dtype happens in the same kernel (`round_to`), as the value
+is stored: two elementwise kernels fewer per projection of a step. `row_sum_squares` is the row-local
+statistic of the mHC norm.
 `tile_bmm` is the attention's fixed-shape tile products ([8, D] x [D, 32] scores, [8, 32] x [32, D + 1]
 P.[K | 1]) for any number of products, direct or gathered by index, in one launch (the reference issues
 cuBLAS calls of exactly 16 matrices, one per key tile in prefill: ~10,000 extra ATen calls per tiny-model
@@ -45,6 +47,8 @@ SUMSQ_BLOCK = 1024
 TILE_N = 32  # `tile_bmm`: output columns per program (a key tile's 32 scores; P.V in blocks of 32)
 TILE_K = 16
 _ACC = {torch.float64: tl.float64, torch.float32: tl.float32}
+# `rows_matmul(..., round_to=)`: the kernel's ROUND constexpr per dtype (0: the sums as accumulated)
+_ROUND_CODES = {None: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 
 
 # One compiled kernel per dtype combination: no argument is specialised on its value (Triton otherwise
@@ -72,6 +76,7 @@ def _rows_kernel(
     ACC: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    ROUND: tl.constexpr,
 ):
     # row `row` of x times the weight at w_ptr + idx[row * stride_idx] * stride_we: one shared weight
     # (stride_idx = stride_we = 0) and one expert per row are the same kernel, so the same bits
@@ -87,6 +92,15 @@ def _rows_kernel(
         b_ptrs = w_base + kk[:, None] + cols[None, :].to(tl.int64) * stride_wn
         b = tl.load(b_ptrs, mask=(kk[:, None] < k) & (cols[None, :] < n), other=0.0).to(ACC)
         acc += tl.sum(a[:, None] * b, axis=0)
+    # ROUND (see `_ROUND_CODES`): each sum rounded to FP32 / BF16 / FP16 and stored widened again, the
+    # values torch's `.to(dtype).to(x.dtype)` gives (torch narrows FP64 to FP32 first, to nearest even,
+    # then to the 16-bit type: the same two conversions)
+    if ROUND == 1:
+        acc = acc.to(tl.float32).to(ACC)
+    elif ROUND == 2:
+        acc = acc.to(tl.float32).to(tl.bfloat16, fp_downcast_rounding="rtne").to(ACC)
+    elif ROUND == 3:
+        acc = acc.to(tl.float32).to(tl.float16, fp_downcast_rounding="rtne").to(ACC)
     tl.store(out_ptr + row * stride_om + cols, acc, mask=cols < n)
 
 
@@ -164,55 +178,62 @@ def _zero_idx(device: torch.device) -> torch.Tensor:
     return idx
 
 
-def _acc_dtype(x: torch.Tensor) -> torch.dtype:
-    if x.dtype not in _ACC:
-        raise ValueError(f"rows_matmul: x must be float64 or float32 (the accumulator dtype), got {x.dtype}")
-    return x.dtype
+def _round_code(round_to: torch.dtype | None, acc: torch.dtype) -> int:
+    code = _ROUND_CODES.get(round_to)
+    if code is None:
+        raise ValueError(f"rows_matmul: round_to must be None, float32, bfloat16 or float16, got {round_to}")
+    return 0 if code == 1 and acc == torch.float32 else code
 
 
 def _launch(
-    x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, stride_idx: int, stride_we: int
+    x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, stride_idx: int, stride_we: int, round_to
 ) -> torch.Tensor:
-    acc = _acc_dtype(x)
-    if w.stride(-1) != 1 or (x.numel() and x.stride(1) != 1):
-        raise ValueError("rows_matmul: x and the weight need contiguous rows (K contiguous)")
+    # (one pass over the operands: the mode's eager steps are host-bound, ~100 of these launches each)
+    acc = x.dtype
+    if acc not in _ACC:
+        raise ValueError(f"rows_matmul: x must be float64 or float32 (the accumulator dtype), got {acc}")
+    code = _round_code(round_to, acc)
+    if w.stride(-1) != 1:
+        w = w.contiguous()  # (the same values, so the same bits)
+    if not x.is_contiguous():
+        x = x.contiguous()
     m, k = x.shape
     n = w.shape[-2]
-    out = x.new_empty((m, n))  # (x's dtype is the accumulator's)
+    out = torch.empty((m, n), dtype=acc, device=x.device)  # (x's dtype is the accumulator's)
     if m == 0 or n == 0:
         return out
     bn, bk = (WIDE_BLOCK_N, WIDE_BLOCK_K) if n >= WIDE_N else (BLOCK_N, BLOCK_K)
-    grid = (m, -(-n // bn))
     _ROWS(
-        grid, (x, w, idx, out), (m, n, k, x.stride(0), stride_idx, stride_we, w.stride(-2), out.stride(0)),
-        ACC=_ACC[acc], BN=bn, BK=bk,
+        (m, -(-n // bn)), (x, w, idx, out), (m, n, k, k, stride_idx, stride_we, w.stride(-2), n),
+        ACC=_ACC[acc], BN=bn, BK=bk, ROUND=code,
     )  # fmt: skip
     return out
 
 
-def rows_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def rows_matmul(x: torch.Tensor, weight: torch.Tensor, round_to: torch.dtype | None = None) -> torch.Tensor:
     """`x @ weight.T` for `x` [M, K] (FP64 or FP32: the accumulator and output dtype) and `weight` [N, K]
-    (any float dtype, K contiguous; widened in the kernel), each row independent of M."""
+    (any float dtype, K contiguous; widened in the kernel), each row independent of M. `round_to` (FP32,
+    BF16 or FP16): every output value rounded to it as the kernel stores it, bit for bit
+    `rows_matmul(x, weight).to(round_to).to(x.dtype)` without the two extra kernels."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(
             f"rows_matmul: x [M, K] and weight [N, K] expected, got {tuple(x.shape)}, {tuple(weight.shape)}"
         )
-    _acc_dtype(x)
-    weight = weight if weight.stride(-1) == 1 else weight.contiguous()  # (the same values, so the same bits)
-    return _launch(x.contiguous(), weight, _zero_idx(x.device), 0, 0)
+    return _launch(x, weight, _zero_idx(x.device), 0, 0, round_to)
 
 
-def pair_rows_matmul(x: torch.Tensor, w: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+def pair_rows_matmul(
+    x: torch.Tensor, w: torch.Tensor, pairs: torch.Tensor, round_to: torch.dtype | None = None
+) -> torch.Tensor:
     """Row p of `x` [P, K] times `w[pairs[p]].T` (`w` [E, N, K], any float dtype), each row as
-    `rows_matmul(x[p:p+1], w[pairs[p]])` computes it (the same kernel)."""
+    `rows_matmul(x[p:p+1], w[pairs[p]], round_to)` computes it (the same kernel)."""
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2] or pairs.shape != (x.shape[0],):
         raise ValueError(
             f"pair_rows_matmul: x [P, K], w [E, N, K], pairs [P] expected, got {tuple(x.shape)}, "
             f"{tuple(w.shape)}, {tuple(pairs.shape)}"
         )
-    _acc_dtype(x)
     w = w if w.stride(-1) == 1 else w.contiguous()
-    return _launch(x.contiguous(), w, pairs.to(torch.int64).contiguous(), 1, w.stride(0))
+    return _launch(x, w, pairs.to(torch.int64).contiguous(), 1, w.stride(0), round_to)
 
 
 def tile_bmm(
