@@ -18,6 +18,8 @@
 # compile (profile_decode_step.py: the medium graphed decode step as written vs compiled by inductor, and the
 # compiled-graph gpu test; COMPILE_BATCHES= runs the test only), benchcompile (engine decode with
 # DEEPINFER_CUDAGRAPH_COMPILE=inductor, then none; BENCH_COMPILE_MODES picks them).
+# devfeed (the async loop's device-fed steps: their gpu tests, then medium native decode and the device's idle gap
+# per decode step with DEEPINFER_ASYNC_DEVICE_INPUTS=0 and =1 in the same call),
 # Modifiers: nodecode / noprefill (bench: only the other half).
 # Results: $OUT (device tool) or benchmarks/results; logs in engine_logs.tar.gz.
 set -uo pipefail
@@ -51,7 +53,7 @@ deep_gemm_pid=$!
 medium=/tmp/medium-v41
 src=$(ls -d "$repo"/packages/*/src | grep -v deepinfer-sched | tr '\n' ':')
 export PYTHONPATH="/tmp/sched-site:${src}/tmp/pysite:$PYTHONPATH"
-if has medium || has bench || has profile || has profstep || has long || has profprefill || has compile || has benchcompile; then
+if has medium || has bench || has profile || has profstep || has long || has profprefill || has compile || has benchcompile || has devfeed; then
   python3 benchmarks/gpu/make_medium_checkpoint.py "$medium" > "$out/medium_checkpoint.log" 2>&1 &
   medium_pid=$!
 fi
@@ -91,7 +93,7 @@ if has ppl; then
   DEEPINFER_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_repro_ppl_baseline.py > "$out/ppl_check.log" 2>&1
   tail -3 "$out/ppl_check.log"; cp tests/models/offline_decode_ppl.json "$out/offline_decode_ppl.json"
 fi
-if has medium || has bench || has profile || has profstep || has long || has profprefill || has compile || has benchcompile; then
+if has medium || has bench || has profile || has profstep || has long || has profprefill || has compile || has benchcompile || has devfeed; then
   wait "$medium_pid"; cat "$out/medium_checkpoint.log"
 fi
 if has medium; then
@@ -234,6 +236,26 @@ if has benchcompile; then  # engine decode with the compiled step, and without i
       --nextn 0 --measure-steps 6 --no-progress --results-dir "$out" --name "bench_medium_gpu_decode_native_compile_$c" \
       > "$out/bench_medium_decode_compile_$c.log" 2>&1
     tail -10 "$out/bench_medium_decode_compile_$c.log"; collect
+  done
+fi
+if has devfeed; then  # the async loop's device-fed steps (engine/step_pipeline.py), each mode in the same call
+  el "tests: engine CUDA graphs (device-fed steps launch without a sync), device timing"
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu packages/deepinfer/tests/test_engine_cuda_graphs.py \
+    packages/deepinfer/tests/test_device_timing.py > "$out/devfeed_tests.log" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$out/devfeed_tests.log" | tail -8
+  for f in ${DEVFEED_MODES:-0 1}; do  # 0: ids filled on the host once the step before is read (the baseline)
+    el "bench decode: medium native, graphs, DEEPINFER_ASYNC_DEVICE_INPUTS=$f"
+    DEEPINFER_ASYNC_DEVICE_INPUTS=$f DEEPINFER_NUMERICS=native timeout "${BENCH_LIMIT_S:-200}" python3 -m deepinfer.cli bench decode \
+      --model "$medium" --max-model-len 1024 --decode-context 128 --device cuda --dtype bfloat16 --batches "${DEVFEED_BATCHES:-1,8,64}" \
+      --nextn 0 --measure-steps 12 --no-progress --no-plot --results-dir "$out" --name "bench_medium_gpu_decode_native_device_inputs_$f" \
+      > "$out/bench_medium_decode_device_inputs_$f.log" 2>&1
+    tail -9 "$out/bench_medium_decode_device_inputs_$f.log"; collect
+    el "device idle gap per decode step: medium native, DEEPINFER_ASYNC_DEVICE_INPUTS=$f"
+    DEEPINFER_ASYNC_DEVICE_INPUTS=$f DEEPINFER_NUMERICS=native timeout "${GAP_LIMIT_S:-150}" python3 benchmarks/engine/bench_offline.py \
+      --model "$medium" --max-model-len 1024 --device cuda --dtype bfloat16 --num-requests 16 --min-output-len 32 \
+      --max-output-len 64 --loops "$([ "$f" = 0 ] && echo sync,async || echo async)" --repeats 2 \
+      --output-json "$out/bench_offline_gpu_gap_medium_device_inputs_$f.json" > "$out/bench_offline_gap_medium_$f.log" 2>&1
+    tail -8 "$out/bench_offline_gap_medium_$f.log"; collect
   done
 fi
 if has profprefill; then

@@ -34,3 +34,27 @@ def test_seed_must_be_int():
 def test_valid_edges_are_accepted():
     RowParams(temperature=0.0, top_p=1.0, top_k=-1, min_p=1.0, logprobs=MAX_LOGPROBS)
     RowParams(top_k=1, top_p=1e-9, min_p=0.0, logprobs=0)
+
+
+def test_a_row_with_no_token_left_raises_or_is_flagged():
+    """A sampled row whose every token is banned: ValueError by default; with `defer_checks` the sampler
+    reads nothing back, flags that row alone in `empty_rows` and still draws the other rows exactly as
+    they are drawn without it."""
+    import torch
+    from deepinfer_model.sampling import EMPTY_ROW_MESSAGE, Sampler
+
+    vocab = 50
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+    rows = [
+        RowParams(temperature=0.7, seed=1, position=4),
+        RowParams(temperature=0.9, seed=2, position=4, banned_token_ids=tuple(range(vocab))),
+        RowParams(temperature=0.0),
+    ]
+    sampler = Sampler()
+    with pytest.raises(ValueError, match="no token left"):
+        sampler(logits, rows)
+    out = sampler(logits, rows, defer_checks=True)
+    assert out.empty_rows.tolist() == [False, True, False]
+    alone = sampler(logits[[0, 2]], [rows[0], rows[2]])
+    assert out.token_ids[[0, 2]].tolist() == alone.token_ids.tolist()
+    assert alone.empty_rows is None and "no token left" in EMPTY_ROW_MESSAGE

@@ -54,6 +54,13 @@ _VARS = [
         None,
         "async (zero-overhead) scheduling; unset: EngineArgs.async_scheduling decides (on by default)",
     ),
+    EnvVar(
+        "DEEPINFER_ASYNC_DEVICE_INPUTS",
+        _bool,
+        True,
+        "async loop: a step's input ids that are the previous step's tokens are read on the device, so "
+        "the step is launched before those tokens reach the host; 0: filled on the host after it",
+    ),
     EnvVar("DEEPINFER_ACCELERATOR", str, "cpu", "kernel backend: cpu (reference) or nvidia"),
     EnvVar(
         "DEEPINFER_TILELANG",

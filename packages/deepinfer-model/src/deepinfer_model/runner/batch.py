@@ -7,6 +7,7 @@ recompute runner here and the paged runner later consume exactly the same thing.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -19,6 +20,10 @@ class RunnerBatch:
     block_tables: list[np.ndarray]  # per sequence, int32 block ids covering positions 0 .. start+q-1
     input_ids: np.ndarray  # int64 [sum(query_lens)]: the query tokens, sequence after sequence
     logits_lens: np.ndarray  # int64 [B]: trailing query positions that need logits (0: none, 1: last)
+    # (packed rows int64 [F], ids long tensor [F] on the model's device): input ids that are known only on
+    # the device (the asynchronous loop's tokens sampled by the step before, not yet read back); their
+    # entries of `input_ids` are placeholders. Runners that take them have `takes_device_input_ids`.
+    device_input_ids: tuple[np.ndarray, Any] | None = None
 
     def __post_init__(self) -> None:
         b = len(self.seq_ids)
@@ -37,6 +42,14 @@ class RunnerBatch:
             )
         if np.any(self.logits_lens > self.query_lens) or np.any(self.logits_lens < 0):
             raise ValueError("logits_lens must be in [0, query_lens] for every sequence")
+        if self.device_input_ids is not None:
+            rows, ids = self.device_input_ids
+            n = len(self.input_ids)
+            if len(rows) != len(ids) or (len(rows) and (int(np.min(rows)) < 0 or int(np.max(rows)) >= n)):
+                raise ValueError(
+                    f"device_input_ids: {len(rows)} rows in [0, {n}) with one id each expected, got "
+                    f"{len(ids)} ids for rows {np.asarray(rows).tolist()[:8]}"
+                )
 
     @classmethod
     def from_scheduler_output(cls, out, allow_unknown: bool = False) -> RunnerBatch:

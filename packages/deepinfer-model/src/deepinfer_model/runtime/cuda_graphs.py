@@ -371,6 +371,8 @@ class DecodeGraphRunner:
             seq_of = np.repeat(np.arange(len(meta.query_lens)), meta.query_lens)  # row -> its sequence
             buf[:n, 3 : 3 + cols] = np.where(t >= 0, t, self.dummy_block)[seq_of]
         self.staged.send(buf.size)
+        if meta is not None and meta.device_fed:  # ids sampled on the device: the host array has placeholders
+            self._view(self.inputs, b, tier)[: len(meta.input_ids), 0].copy_(meta.input_ids)
 
     def run(self, meta: StepMetadata, input_ids) -> torch.Tensor:
         """FP32 logits [len(meta.logits_rows), vocab] of an eligible step (`problem(meta)` is None): the

@@ -39,6 +39,9 @@ class StepMetadata:
     # True when `build` checked every input id against the vocabulary on the host: the embedding then
     # skips its device-side range check (two device->host reads per step)
     ids_checked: bool = False
+    # True when some of `input_ids` were filled on the device (`RunnerBatch.device_input_ids`): the host
+    # array the step was built from holds placeholders there, so consumers read `input_ids`
+    device_fed: bool = False
     # device copies of per-step index arrays (group gathers), built once and reused by every layer
     _cache: dict = field(default_factory=dict, repr=False)
 
@@ -62,8 +65,13 @@ class StepMetadata:
         if np.any(starts < 0) or np.any(qlens < 0):
             raise ValueError("start_positions and query_lens must be >= 0 for every sequence")
         input_ids = np.asarray(batch.input_ids, dtype=np.int64)
+        fed = getattr(batch, "device_input_ids", None)  # (rows, device ids): sampled on the device
         if vocab_size is not None:
-            _check_ids(input_ids, qlens, np.asarray(batch.seq_ids), int(vocab_size))
+            checked = input_ids
+            if fed is not None and len(fed[0]):  # (sampler outputs: in the vocabulary by construction)
+                checked = input_ids.copy()
+                checked[np.asarray(fed[0])] = 0
+            _check_ids(checked, qlens, np.asarray(batch.seq_ids), int(vocab_size))
         ends = starts + qlens
         offsets = np.zeros(len(qlens) + 1, dtype=np.int64)
         np.cumsum(qlens, out=offsets[1:])
@@ -89,6 +97,11 @@ class StepMetadata:
         # the last llens[i] packed rows of sequence i: offsets[i+1] - llens[i] + k, k < llens[i]
         k = np.arange(int(llens.sum())) - np.repeat(np.cumsum(llens) - llens, llens)
         logits_rows = np.repeat(offsets[1:] - llens, llens) + k
+        ids = to_device(input_ids, device)
+        if fed is not None and len(fed[0]):
+            if device.type == "cpu":
+                ids = ids.clone()  # (a view of the caller's array on the CPU)
+            ids[to_device(np.asarray(fed[0], dtype=np.int64), device)] = fed[1].to(device)
         return cls(
             block_size=block_size,
             starts=starts,
@@ -96,7 +109,7 @@ class StepMetadata:
             ends=ends,
             offsets=offsets,
             tables=tables,
-            input_ids=to_device(input_ids, device),
+            input_ids=ids,
             positions=to_device(positions, device),
             write_slots=to_device(slots, device),
             logits_rows=to_device(logits_rows, device),
@@ -105,6 +118,7 @@ class StepMetadata:
             host_write_slots=slots,
             host_logits_rows=logits_rows,
             ids_checked=vocab_size is not None,
+            device_fed=fed is not None and len(fed[0]) > 0,
         )
 
     def row_block(self, lo: int, hi: int) -> StepMetadata:

@@ -65,6 +65,10 @@ class PagedRunner:
     run the graph-safe static forward through per-bucket CUDA graphs (captured here); the cache then
     holds one reserved dummy block (id `num_blocks`) for the bucket padding. YOCO steps stay eager."""
 
+    # `execute` takes `RunnerBatch.device_input_ids` (ids known only on the device): the asynchronous loop
+    # may then launch a step before the previous step's tokens reach the host
+    takes_device_input_ids = True
+
     def __init__(
         self,
         model,

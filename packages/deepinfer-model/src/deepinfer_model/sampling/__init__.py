@@ -3,11 +3,12 @@
 from .bitmask import TokenBitmask, apply_token_bitmask_, disallowed_from_bitmask
 from .params import MAX_LOGPROBS, RowParams, normalize_seed, validate_sampling_fields
 from .random_stream import DRAFT_SEED_OFFSET, Purpose, stream_bits, stream_uniform
-from .sampler import Sampler, SamplerOutput, masked_logits
+from .sampler import EMPTY_ROW_MESSAGE, Sampler, SamplerOutput, masked_logits
 from .transform import filtered_probs
 
 __all__ = [
     "DRAFT_SEED_OFFSET",
+    "EMPTY_ROW_MESSAGE",
     "MAX_LOGPROBS",
     "Purpose",
     "RowParams",

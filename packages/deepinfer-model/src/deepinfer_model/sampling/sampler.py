@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from ..runtime.device import to_device
 from .bitmask import TokenBitmask, apply_token_bitmask_
 from .params import RowParams
 from .random_stream import Purpose, stream_uniform
@@ -20,6 +22,12 @@ class SamplerOutput:
     logprobs: torch.Tensor | None = None
     top_token_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
+    # `defer_checks=True`: bool [B], True for a sampled row left with no token of positive probability
+    # (its token is then meaningless); None when no row samples
+    empty_rows: torch.Tensor | None = None
+
+
+EMPTY_ROW_MESSAGE = "a sampled row has no token left with positive probability (all masked?)"
 
 
 class Sampler:
@@ -28,6 +36,11 @@ class Sampler:
     The draw is exact inverse-CDF sampling: u = uniform(seed, position, purpose) picks the token whose
     cumulative (float64, vocabulary order) probability interval contains u * total. u depends only on
     the row's key, and the CDF only on the row's logits, so the result is independent of the batch.
+
+    Nothing here waits for the device unless a check needs a value (`defer_checks=False`, the default,
+    reads whether a sampled row has any token left): row indices and per-row parameters reach the device
+    through pinned asynchronous copies, so the asynchronous loop can enqueue a step's sampling and the
+    next step before either has run.
     """
 
     def __call__(
@@ -37,12 +50,15 @@ class Sampler:
         allowed: torch.Tensor | TokenBitmask | None = None,
         purpose: Purpose = Purpose.SAMPLE,
         overwrite_logits: bool = False,
+        defer_checks: bool = False,
     ) -> SamplerOutput:
         """allowed: the tokens each row may produce (structured output): a bool [B, V] tensor, or a
         packed `TokenBitmask` for some of the rows (the cheap form: no dense mask is built).
         overwrite_logits: the caller is done with `logits`, so masking may write into them instead
         of into a copy (a whole [B, V] allocation less); ignored when a row asks for logprobs (they
-        are taken from the unmasked logits)."""
+        are taken from the unmasked logits).
+        defer_checks: instead of raising ValueError when a sampled row has no token left, flag it in
+        `empty_rows` (no host read here; the caller fails that row alone once it reads the tokens)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}")
         raw = logits.float()
@@ -50,29 +66,41 @@ class Sampler:
         # raw is our own copy when .float() converted; otherwise it is the caller's tensor
         inplace = not wants and (overwrite_logits or raw.data_ptr() != logits.data_ptr())
         masked = masked_logits(raw, rows, allowed, inplace=inplace)
-        tokens = torch.empty(len(rows), dtype=torch.int64, device=raw.device)
-
+        dev = raw.device
         greedy = [i for i, r in enumerate(rows) if r.greedy]
         sampled = [i for i, r in enumerate(rows) if not r.greedy]
-        if greedy:
-            tokens[greedy] = torch.argmax(masked[greedy], dim=-1)  # first maximum = lowest id
-        if sampled:
-            probs = filtered_probs(masked[sampled], [rows[i] for i in sampled]).double()
+        empty = None
+        if not sampled:  # (every row greedy: the decode benchmarks, temperature 0)
+            tokens = torch.argmax(masked, dim=-1)  # first maximum = lowest id
+        else:
+            tokens = torch.empty(len(rows), dtype=torch.int64, device=dev)
+            if greedy:
+                g = to_device(np.asarray(greedy, dtype=np.int64), dev)
+                tokens[g] = torch.argmax(masked[g], dim=-1)
+            idx = to_device(np.asarray(sampled, dtype=np.int64), dev) if greedy else None
+            probs = filtered_probs(
+                masked if idx is None else masked[idx], [rows[i] for i in sampled]
+            ).double()
             cdf = torch.cumsum(probs, dim=-1)
             total = cdf[:, -1]
-            if bool((total <= 0).any()) or not bool(torch.isfinite(total).all()):
-                raise ValueError("a sampled row has no token left with positive probability (all masked?)")
-            u = torch.tensor(
-                [stream_uniform(rows[i].seed, rows[i].position, purpose) for i in sampled],
-                dtype=torch.float64,
-                device=raw.device,
+            bad = (total <= 0) | ~torch.isfinite(total)
+            if not defer_checks and bool(bad.any()):
+                raise ValueError(EMPTY_ROW_MESSAGE)
+            u = to_device(
+                np.array([stream_uniform(rows[i].seed, rows[i].position, purpose) for i in sampled]), dev
             )
             picked = torch.searchsorted(cdf, (u * total)[:, None], right=True).squeeze(1)
             # u * total can round up to total; fall back to the last token with positive probability.
             last_nonzero = probs.shape[-1] - 1 - torch.argmax((probs.flip(-1) > 0).to(torch.int8), dim=-1)
-            tokens[sampled] = torch.minimum(picked, last_nonzero)
+            picked = torch.minimum(picked, last_nonzero)
+            if idx is None:
+                tokens, empty = picked, bad
+            else:
+                tokens[idx] = picked
+                empty = torch.zeros(len(rows), dtype=torch.bool, device=dev)
+                empty[idx] = bad
 
-        out = SamplerOutput(token_ids=tokens)
+        out = SamplerOutput(token_ids=tokens, empty_rows=empty if defer_checks else None)
         if wants:
             logprobs = torch.log_softmax(raw, dim=-1)
             out.logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
@@ -102,8 +130,8 @@ def masked_logits(
         return raw
     masked = raw if inplace else raw.clone()
     if banned:
-        row_idx, tok_idx = zip(*banned)
-        masked[list(row_idx), list(tok_idx)] = float("-inf")
+        row_idx, tok_idx = (to_device(np.asarray(v, dtype=np.int64), raw.device) for v in zip(*banned))
+        masked[row_idx, tok_idx] = float("-inf")
     if isinstance(allowed, TokenBitmask):
         apply_token_bitmask_(masked, allowed)
     elif allowed is not None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ..engine.device_timing import summarize_timings
 from . import accounting
 from .engine_driver import Driver, profiled
 from .intervals import FlagCounter, Interval, summarize, timed
@@ -151,12 +152,17 @@ def run_decode(driver: Driver, cfg: DecodeConfig, flags: FlagCounter | None, pro
             return engine.stats.generated_tokens - before
 
         spec_before = _spec_counts(engine)
+        engine.flush_device_timing()  # (before the window: the steps so far are not the window's)
+        timings_before, chained_before = len(engine.stats.device_timings), _chained(engine)
         intervals = []
         for _ in range(cfg.measure_steps):
             running = driver.running()
             iv, _ = timed(one_step, flags, lambda emitted: emitted, batch=running)
             intervals.append(iv)
         spec_after = _spec_counts(engine)
+        chained = _chained(engine) - chained_before
+        engine.flush_device_timing()
+        window = list(engine.stats.device_timings)[timings_before:]
         short = [iv.batch for iv in intervals if iv.batch != batch]
         if short:
             raise RuntimeError(
@@ -185,6 +191,10 @@ def run_decode(driver: Driver, cfg: DecodeConfig, flags: FlagCounter | None, pro
             "measured_accept_rate": (w.tokens / (w.steps * batch) - 1) / cfg.nextn if cfg.nextn else None,
             "dp": cfg.dp,
             "cp": cfg.cp,
+            # the device's side of the window (CUDA events; None on the CPU): each step's span, the idle gap
+            # before it, and how many steps the async loop launched behind the one before (device-fed ids)
+            **_device_keys(window),
+            "chained_launches": chained,
         }
         if spec_before is not None and spec_after is not None:
             # the engine's own verification counts over the whole window (flagged steps included)
@@ -202,6 +212,17 @@ def run_decode(driver: Driver, cfg: DecodeConfig, flags: FlagCounter | None, pro
         if progress:
             progress.update(1)
     return rows
+
+
+def _chained(engine) -> int:
+    pipeline = getattr(engine, "_pool", None)
+    return getattr(pipeline, "chained_launches", 0)
+
+
+def _device_keys(window) -> dict:
+    summary = summarize_timings(window, decode_only=True)
+    keys = ("idle_gap_us_median", "idle_gap_us_p90", "device_busy_us_median", "device_idle_fraction")
+    return {k: summary[k] for k in keys}
 
 
 def _spec_counts(engine) -> tuple[int, int] | None:

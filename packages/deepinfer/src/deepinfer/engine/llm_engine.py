@@ -4,7 +4,9 @@ One step (ARCHITECTURE.md): schedule -> runner forward -> sample -> scheduler.up
 detokenize / stop strings -> outputs. Asynchronous ("zero-overhead") mode runs the model on a
 worker thread: while step N runs, the main thread schedules step N+1 (the scheduler assumes every
 running sequence emits its token and marks the ids it cannot know as -1) and queues it behind N;
-the worker fills those ids from the tokens it sampled in N (`prev_rows`). The host then commits N
+the worker fills those ids from the tokens it sampled in N (`prev_rows`), on the device: N+1 is
+launched before N's tokens are read back (`step_pipeline.py`), so the device runs N+1 right behind N
+(DEEPINFER_ASYNC_DEVICE_INPUTS=0: filled on the host once N is read). The host then commits N
 (`update_from_output`) and detokenizes it while N+1 runs. Steps with structured-output rows instead
 wait for N, `reconcile`, and launch (their grammar masks need N's tokens). The sampler's draw
 depends only on (seed, position), and a runner's logits only on the sequence (the paged runner is
@@ -47,6 +49,7 @@ from .device_timing import StepTiming, device_timeline
 from .drafting import Drafter, DraftRequest, ModelDrafter, PagedDrafter
 from .request import RequestState, SeqState
 from .spec_decode import SpecDecoder, VerifyInput
+from .step_pipeline import StepPipeline
 from .structured import StructuredOutputs
 from .truncation import Truncation, settings_from_env
 from .worker import ModelWorker, StepResult, VerifyStepResult
@@ -197,9 +200,8 @@ class LLMEngine:
         )
         self.use_async = args.use_async
         self._pool = (
-            ThreadPoolExecutor(
-                max_workers=1,
-                thread_name_prefix="deepinfer-model",
+            StepPipeline(
+                self.worker,
                 # OpenMP thread counts and the current CUDA device are per thread: give the worker
                 # the caller's (a DP rank's collectives run on this thread, on its own GPU).
                 initializer=_init_worker_thread,
@@ -538,8 +540,8 @@ class LLMEngine:
         batch, rows, golden, allowed, prompt_lens = self._prepare(out, allow_unknown=fill_from_previous)
         prev_rows = scheduling.prev_rows(out) if fill_from_previous else None
         is_prompt = bool(scheduling.is_prefill(out).any())  # EPLB's prefill-step flag (data parallel)
-        future = self._pool.submit(
-            self.worker.run, batch, rows, golden, allowed, prev_rows, prompt_lens, is_prompt
+        future = self._pool.submit_step(
+            (batch, rows, golden, allowed, prev_rows, prompt_lens, is_prompt), chain=fill_from_previous
         )
         self._inflight.append((out, future))
         if self.dp is not None:

@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from deepinfer_model.runner import RunnerBatch
-from deepinfer_model.sampling import RowParams, Sampler, TokenBitmask
+from deepinfer_model.runtime.device import to_device
+from deepinfer_model.sampling import EMPTY_ROW_MESSAGE, RowParams, Sampler, SamplerOutput, TokenBitmask
 from deepinfer_spec import DraftVerifier
 
+from .. import envs
 from .device_timing import DeviceTimeline
 from .spec_decode import VerifyInput, VerifyOutcome, verify_logits
 
@@ -30,6 +32,31 @@ class StepResult:
     errors: dict[int, str] = field(default_factory=dict)  # batch index -> message (request failed alone)
     forward_s: float = 0.0
     sample_s: float = 0.0
+
+
+@dataclass
+class PendingStep:
+    """A step whose forward and sampling are enqueued on the device and whose tokens are not read back
+    yet (`ModelWorker.launch` -> `ModelWorker.finish`)."""
+
+    batch: RunnerBatch
+    rows: list[RowParams | None]
+    golden: list[int | None]
+    result: StepResult
+    index: int  # the worker's launch count when this step was launched
+    emitting: list[int] = field(default_factory=list)  # batch rows that sample a token
+    picked: torch.Tensor | None = None  # their logits rows
+    out: SamplerOutput | None = None
+    device_tokens: torch.Tensor | None = None  # long [rows]: each row's sampled token on the device, or -1
+    fed: np.ndarray | None = None  # bool [rows]: a next step may read the row's token in `device_tokens`
+    readback: tuple | None = None  # CUDA: pinned host copies of the tokens and the empty-row flags
+    done: torch.cuda.Event | None = None  # CUDA: recorded after the step's last work (copies included)
+    t0: float = 0.0
+    t1: float = 0.0
+
+    def complete(self) -> bool:
+        """Whether the device has finished the step (always, where the device is the host)."""
+        return self.done is None or self.done.query()
 
 
 @dataclass
@@ -58,8 +85,22 @@ class ModelWorker:
         self.runner = runner
         self.sampler = sampler or Sampler()
         self.timeline = timeline
+        self._cuda = torch.device(getattr(runner, "device", "cpu")).type == "cuda"
         self.collectives = collectives
         self._last_tokens: np.ndarray | None = None  # tokens of the step run last (per batch row)
+        self._launched = 0  # steps launched so far (PendingStep.index)
+        self.device_fed_steps = 0  # steps whose unknown inputs were read on the device (tests, stats)
+
+    @property
+    def feeds_device_inputs(self) -> bool:
+        """Whether a step may take the previous step's tokens on the device (`launch(..., prev=)`): the
+        runner takes `RunnerBatch.device_input_ids`, the process runs alone (a data-parallel rank's
+        forwards pair with the other ranks' one for one) and DEEPINFER_ASYNC_DEVICE_INPUTS is on."""
+        return (
+            getattr(self.runner, "takes_device_input_ids", False)
+            and self.collectives is None
+            and envs.DEEPINFER_ASYNC_DEVICE_INPUTS
+        )
 
     def run(
         self,
@@ -79,48 +120,96 @@ class ModelWorker:
         its unknown (-1) input id — the asynchronous loop's correction of a step scheduled ahead;
         prompt_lens[i]: sequence i's original prompt length (YoCo truncation only, else None);
         is_prompt: the step has a prefill chunk (data-parallel EPLB counts prefill steps apart)."""
+        return self.finish(self.launch(batch, rows, golden, allowed, prev_rows, prompt_lens, is_prompt))
+
+    def launch(
+        self,
+        batch: RunnerBatch,
+        rows: list[RowParams | None],
+        golden: list[int | None],
+        allowed: TokenBitmask | Callable[[], TokenBitmask | None] | None = None,
+        prev_rows: np.ndarray | None = None,
+        prompt_lens: list[int] | None = None,
+        is_prompt: bool = False,
+        prev: PendingStep | None = None,
+    ) -> PendingStep:
+        """`run` up to the read-back: the forward and the sampling are enqueued on the device, the tokens
+        stay there (`finish` reads them). prev: the step launched just before, not finished yet (only
+        when `feeds_device_inputs`): the unknown input ids are then its sampled tokens, read on the
+        device, and this step runs right behind it without waiting for the host."""
+        self._launched += 1  # (first: a step that fails to launch still outdates the tokens kept)
         if prev_rows is not None:
-            self._fill_unknown_inputs(batch, prev_rows)
+            if prev is not None:
+                self._feed_from_device(batch, prev_rows, prev)
+            else:
+                self._fill_unknown_inputs(batch, prev_rows)
         self._last_tokens = None  # never let a later step read tokens of a step before this one
         n = len(rows)
         result = StepResult(tokens=np.full(n, -1, dtype=np.int64), logprobs=[None] * n, top=[None] * n)
-        t0 = time.perf_counter()
+        pending = PendingStep(batch=batch, rows=rows, golden=golden, result=result, index=self._launched)
+        pending.t0 = time.perf_counter()
         self._timing_begin()
         logits, ok = self._forward(batch, result, prompt_lens, is_prompt)
-        t1 = time.perf_counter()
+        pending.t1 = time.perf_counter()
         if callable(allowed):
             allowed = allowed()
         emitting = [i for i in ok if rows[i] is not None]
         if emitting:
             # logits rows follow the batch order of sequences with logits_lens > 0
             row_of = {i: r for r, i in enumerate(j for j in ok if batch.logits_lens[j] > 0)}
-            picked = logits[[row_of[i] for i in emitting]]
+            # a gathered copy, so the sampler may mask it in place (the runner's logits may be inference
+            # tensors); the index reaches the device without waiting for it
+            take = to_device(np.asarray([row_of[i] for i in emitting], dtype=np.int64), logits.device)
+            picked = logits[take]
             # packed masks by batch row -> by picked row (rows of failed sequences dropped)
             mask = allowed.remap({i: k for k, i in enumerate(emitting)}) if allowed is not None else None
             try:
-                # picked is a gathered copy: the sampler may mask it in place (it keeps it when logprobs are asked)
-                out = self.sampler(picked, [rows[i] for i in emitting], allowed=mask, overwrite_logits=True)
+                # (the sampler keeps `picked` unmasked when logprobs are asked)
+                out = self.sampler(
+                    picked,
+                    [rows[i] for i in emitting],
+                    allowed=mask,
+                    overwrite_logits=True,
+                    defer_checks=True,
+                )
             except ValueError as e:
                 for i in emitting:
                     result.errors[i] = f"sampling failed: {e}"
                 emitting, out = [], None
-            self._timing_end(batch)  # sampling enqueued; the copy below waits for it
-            sampled = out.token_ids.tolist() if emitting else []  # one device-to-host copy per step
-            for k, i in enumerate(emitting):
+            pending.emitting, pending.picked, pending.out = emitting, picked, out
+            if emitting:
+                pending.device_tokens, pending.fed = self._device_tokens(n, emitting, golden, out, logits)
+                pending.readback = _start_readback(out)
+        self._timing_end(batch)  # sampling enqueued (prefill chunks: after the forward); nothing waited
+        if self._cuda:
+            pending.done = torch.cuda.Event()
+            pending.done.record()
+        return pending
+
+    def finish(self, pending: PendingStep) -> StepResult:
+        """The step's tokens, log-probabilities and errors (reads the sampled ids back: one copy)."""
+        result, rows, golden = pending.result, pending.rows, pending.golden
+        if pending.emitting:
+            out = pending.out
+            sampled, empty = _read_back(out, pending)
+            for k, i in enumerate(pending.emitting):
+                if empty is not None and empty[k]:
+                    result.errors[i] = f"sampling failed: {EMPTY_ROW_MESSAGE}"
+                    continue
                 token = sampled[k]
                 if golden[i] is not None:  # teacher forcing: emit the given token, report its logprob
                     token = golden[i]
                 result.tokens[i] = token
                 if rows[i].logprobs is not None:
-                    lp = torch.log_softmax(picked[k].float(), dim=-1)
+                    lp = torch.log_softmax(pending.picked[k].float(), dim=-1)
                     result.logprobs[i] = float(lp[token])
                     if rows[i].logprobs > 0:
                         top = out.top_token_ids[k, : rows[i].logprobs].tolist()
                         vals = out.top_logprobs[k, : rows[i].logprobs].tolist()
                         result.top[i] = dict(zip(top, vals))
-        self._timing_end(batch)  # steps without sampled rows (prefill chunks) end after the forward
-        result.forward_s, result.sample_s = t1 - t0, time.perf_counter() - t1
-        self._last_tokens = result.tokens
+        result.forward_s, result.sample_s = pending.t1 - pending.t0, time.perf_counter() - pending.t1
+        if pending.index == self._launched:  # (a step launched after this one owns the next fill)
+            self._last_tokens = result.tokens
         return result
 
     def run_verify(
@@ -215,6 +304,44 @@ class ModelWorker:
             decode = len(batch.query_lens) > 0 and bool(np.array_equal(batch.query_lens, batch.logits_lens))
             self.timeline.end(decode)
 
+    def _device_tokens(
+        self, n: int, emitting: list[int], golden: list[int | None], out: SamplerOutput, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, np.ndarray]:
+        """(long [n] on the device: row i's sampled token, -1 where none; bool [n]: the rows a next step
+        may read there, i.e. the sampled ones that teacher forcing does not override)."""
+        fed = np.zeros(n, dtype=bool)
+        fed[emitting] = True
+        forced = [i for i in emitting if golden[i] is not None]
+        fed[forced] = False  # (their next input is the given token, known on the host)
+        if emitting == list(range(n)):
+            return out.token_ids, fed
+        tokens = torch.full((n,), -1, dtype=torch.int64, device=logits.device)
+        tokens[to_device(np.asarray(emitting, dtype=np.int64), logits.device)] = out.token_ids
+        return tokens, fed
+
+    def _feed_from_device(self, batch: RunnerBatch, prev_rows: np.ndarray, prev: PendingStep) -> None:
+        """`_fill_unknown_inputs` from a step not finished yet: a given (teacher-forced) token is written
+        on the host, a sampled one is read on the device (`RunnerBatch.device_input_ids`). An input whose
+        sequence emitted nothing in `prev` (it failed) stays -1: the runner rejects that sequence alone."""
+        unknown = np.flatnonzero(batch.input_ids < 0)
+        if len(unknown) == 0:
+            return
+        owner = np.searchsorted(batch.query_offsets, unknown, side="right") - 1
+        rows = prev_rows[owner]
+        ok = rows >= 0
+        src = np.where(ok, rows, 0)
+        given = np.array([-1 if g is None else g for g in prev.golden], dtype=np.int64)
+        emitted = np.zeros(len(prev.rows), dtype=bool)
+        emitted[prev.emitting] = True
+        forced = ok & emitted[src] & (given[src] >= 0)
+        batch.input_ids[unknown[forced]] = given[src[forced]]
+        on_device = ok & prev.fed[src] if prev.fed is not None else np.zeros(len(unknown), dtype=bool)
+        if on_device.any():
+            tokens = prev.device_tokens
+            ids = tokens[to_device(src[on_device].astype(np.int64), tokens.device)]
+            batch.device_input_ids = (unknown[on_device], ids)
+            self.device_fed_steps += 1
+
     def _fill_unknown_inputs(self, batch: RunnerBatch, prev_rows: np.ndarray) -> None:
         unknown = np.flatnonzero(batch.input_ids < 0)
         if len(unknown) == 0:
@@ -257,3 +384,30 @@ class ModelWorker:
         return (
             torch.cat(rows) if rows else torch.empty(0, vocab, device=getattr(self.runner, "device", "cpu"))
         ), ok
+
+
+def _start_readback(out: SamplerOutput) -> tuple | None:
+    """On CUDA: the sampled ids (and empty-row flags) copied into pinned host memory behind the sampling;
+    None elsewhere (there the device is the host)."""
+    if out.token_ids.device.type != "cuda":
+        return None
+    copies = []
+    for t in (out.token_ids, out.empty_rows):
+        host = None
+        if t is not None:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+        copies.append(host)
+    return tuple(copies)
+
+
+def _read_back(out: SamplerOutput, pending: PendingStep) -> tuple[list[int], list[bool] | None]:
+    """(sampled ids, empty-row flags or None) as host lists. On CUDA it waits on the step's event, which
+    releases the interpreter lock while the device finishes, so the engine's thread commits and
+    schedules meanwhile, then reads the pinned copies."""
+    if pending.readback is None:
+        empty = out.empty_rows.tolist() if out.empty_rows is not None else None
+        return out.token_ids.tolist(), empty
+    pending.done.synchronize()
+    tokens, empty = pending.readback
+    return tokens.tolist(), None if empty is None else empty.tolist()
