@@ -250,6 +250,7 @@ if has devfeed; then  # the async loop's device-fed steps (engine/step_pipeline.
       --nextn 0 --measure-steps 12 --no-progress --no-plot --results-dir "$out" --name "bench_medium_gpu_decode_native_device_inputs_$f" \
       > "$out/bench_medium_decode_device_inputs_$f.log" 2>&1
     tail -9 "$out/bench_medium_decode_device_inputs_$f.log"; collect
+    [ "${DEVFEED_GAP:-1}" = 0 ] && continue  # (DEVFEED_GAP=0: the decode bench only)
     el "device idle gap per decode step: medium native, DEEPINFER_ASYNC_DEVICE_INPUTS=$f"
     DEEPINFER_ASYNC_DEVICE_INPUTS=$f DEEPINFER_NUMERICS=native timeout "${GAP_LIMIT_S:-150}" python3 benchmarks/engine/bench_offline.py \
       --model "$medium" --max-model-len 1024 --device cuda --dtype bfloat16 --num-requests 16 --min-output-len 32 \
