@@ -232,7 +232,7 @@ if has benchcompile; then  # engine decode with the compiled step, and without i
   for c in ${BENCH_COMPILE_MODES:-inductor none}; do
     el "bench decode: medium native, DEEPINFER_CUDAGRAPH_COMPILE=$c"
     DEEPINFER_CUDAGRAPH_COMPILE=$c DEEPINFER_NUMERICS=native timeout "${BENCH_LIMIT_S:-300}" python3 -m deepinfer.cli bench decode \
-      --model "$medium" --max-model-len 1024 --decode-context 128 --device cuda --dtype bfloat16 --batches 1,8,64,256 \
+      --model "$medium" --max-model-len 1024 --decode-context 128 --device cuda --dtype bfloat16 --batches "${BENCH_COMPILE_BATCHES:-1,8,64,256}" \
       --nextn 0 --measure-steps 6 --no-progress --results-dir "$out" --name "bench_medium_gpu_decode_native_compile_$c" \
       > "$out/bench_medium_decode_compile_$c.log" 2>&1
     tail -10 "$out/bench_medium_decode_compile_$c.log"; collect
