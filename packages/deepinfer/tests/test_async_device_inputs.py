@@ -57,7 +57,8 @@ def test_a_step_the_device_has_finished_is_read_before_the_next_launch(micro_che
     """On the CPU every step is finished when launched: the pipeline then reads it first and fills the
     next step on the host (the engine gets each result as early as possible), unless told to chain."""
     monkeypatch.setenv("DEEPINFER_ASYNC_DEVICE_INPUTS", "1")
-    with LLM(model=str(micro_checkpoint), async_scheduling=True, block_size=16, max_model_len=256) as llm:
+    kw = dict(async_scheduling=True, block_size=16, max_model_len=256, device="cpu")  # (a CPU property)
+    with LLM(model=str(micro_checkpoint), **kw) as llm:
         outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=_params(), use_tqdm=False)
         assert llm.engine._pool.chained_launches == 0 and llm.engine.worker.device_fed_steps == 0
     assert all(o.error is None for o in outs) and len(outs[0].outputs[0].token_ids) == 9
