@@ -102,25 +102,9 @@ class ModelWorker:
             and envs.DEEPINFER_ASYNC_DEVICE_INPUTS
         )
 
-    def run(
-        self,
-        batch: RunnerBatch,
-        rows: list[RowParams | None],
-        golden: list[int | None],
-        allowed: TokenBitmask | Callable[[], TokenBitmask | None] | None = None,
-        prev_rows: np.ndarray | None = None,
-        prompt_lens: list[int] | None = None,
-        is_prompt: bool = False,
-    ) -> StepResult:
-        """rows[i]: how sequence i samples (None: it emits nothing this step, e.g. a prefill chunk);
-        allowed: packed masks of the tokens the constrained sequences may produce (structured output),
-        addressed by sequence index; it may be a callable returning them (a mask fill running beside
-        the forward), called after it;
-        prev_rows[i]: sequence i's row in the step this worker ran last, whose sampled token fills
-        its unknown (-1) input id — the asynchronous loop's correction of a step scheduled ahead;
-        prompt_lens[i]: sequence i's original prompt length (YoCo truncation only, else None);
-        is_prompt: the step has a prefill chunk (data-parallel EPLB counts prefill steps apart)."""
-        return self.finish(self.launch(batch, rows, golden, allowed, prev_rows, prompt_lens, is_prompt))
+    def run(self, *args, **kwargs) -> StepResult:
+        """One step: `launch(*args, **kwargs)`, then `finish` (the synchronous loop, and tests)."""
+        return self.finish(self.launch(*args, **kwargs))
 
     def launch(
         self,
@@ -133,10 +117,20 @@ class ModelWorker:
         is_prompt: bool = False,
         prev: PendingStep | None = None,
     ) -> PendingStep:
-        """`run` up to the read-back: the forward and the sampling are enqueued on the device, the tokens
-        stay there (`finish` reads them). prev: the step launched just before, not finished yet (only
-        when `feeds_device_inputs`): the unknown input ids are then its sampled tokens, read on the
-        device, and this step runs right behind it without waiting for the host."""
+        """A step up to the read-back: the forward and the sampling are enqueued on the device, the tokens
+        stay there (`finish` reads them).
+
+        rows[i]: how sequence i samples (None: it emits nothing this step, e.g. a prefill chunk);
+        allowed: packed masks of the tokens the constrained sequences may produce (structured output),
+        addressed by sequence index; it may be a callable returning them (a mask fill running beside
+        the forward), called after it;
+        prev_rows[i]: sequence i's row in the step this worker ran last, whose sampled token fills
+        its unknown (-1) input id — the asynchronous loop's correction of a step scheduled ahead;
+        prompt_lens[i]: sequence i's original prompt length (YoCo truncation only, else None);
+        is_prompt: the step has a prefill chunk (data-parallel EPLB counts prefill steps apart);
+        prev: the step launched just before, not finished yet (only when `feeds_device_inputs`): the
+        unknown input ids are then its sampled tokens, read on the device, and this step runs right
+        behind it without waiting for the host."""
         self._launched += 1  # (first: a step that fails to launch still outdates the tokens kept)
         if prev_rows is not None:
             if prev is not None:
