@@ -39,7 +39,6 @@ class PendingStep:
     """A step whose forward and sampling are enqueued on the device and whose tokens are not read back
     yet (`ModelWorker.launch` -> `ModelWorker.finish`)."""
 
-    batch: RunnerBatch
     rows: list[RowParams | None]
     golden: list[int | None]
     result: StepResult
@@ -140,7 +139,7 @@ class ModelWorker:
         self._last_tokens = None  # never let a later step read tokens of a step before this one
         n = len(rows)
         result = StepResult(tokens=np.full(n, -1, dtype=np.int64), logprobs=[None] * n, top=[None] * n)
-        pending = PendingStep(batch=batch, rows=rows, golden=golden, result=result, index=self._launched)
+        pending = PendingStep(rows=rows, golden=golden, result=result, index=self._launched)
         pending.t0 = time.perf_counter()
         self._timing_begin()
         logits, ok = self._forward(batch, result, prompt_lens, is_prompt)
