@@ -12,7 +12,7 @@ import torch
 from .. import batch_invariant
 from ..layers import attention, mhc, norm, rope
 from ..layers.experts import clamped_swiglu, pair_tiled_products
-from ..numerics import linear, round_to, weight_as
+from ..numerics import KERNEL_ROUNDINGS, linear, round_to, weight_as
 from ..ops.kv_format import store_fp8_tokens, unpack_fp8_tokens
 from ..ops.registry import register
 from ..quant import dequant_fp8_block, fake_quant_fp8
@@ -134,14 +134,11 @@ def _rows_operand(x: torch.Tensor) -> None:
         raise ValueError(f"x must be a 2-D float64 or float32 tensor, got {x.dtype} {tuple(x.shape)}")
 
 
-# the dtypes `rows_matmul` / `pair_rows_matmul` may round their outputs to (`round_to`)
-ROWS_ROUNDINGS = (torch.float32, torch.bfloat16, torch.float16)
-
-
 def _rounded(out: torch.Tensor, round_to: torch.dtype | None) -> torch.Tensor:
+    """`out` rounded to `round_to` (one of `numerics.KERNEL_ROUNDINGS`, or None) and widened back."""
     if round_to is None:
         return out
-    if round_to not in ROWS_ROUNDINGS:
+    if round_to not in KERNEL_ROUNDINGS:
         raise ValueError(f"round_to must be None, float32, bfloat16 or float16, got {round_to}")
     return out.to(round_to).to(out.dtype)
 
