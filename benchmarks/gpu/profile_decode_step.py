@@ -142,6 +142,9 @@ def profile_one(model, b: int, mode: str, args, compile_backend: str | None = No
             body()
         sync()
     kernels, kernel_ms, rows = _kernel_table(prof, args.profile_steps, cuda)
+    if args.trace:  # the kernels in launch order (chrome://tracing, Perfetto)
+        args.trace.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(args.trace / f"decode_{mode}_{compile_backend or 'none'}_b{b}.json"))
     runner.close()
     rec = {
         "model": args.model_name,
@@ -179,6 +182,7 @@ def main() -> None:
         help="torch.compile backends of the static step to profile (none: as written; runtime/compiled.py)",
     )
     ap.add_argument("--device", default="cuda", help="cuda[:N]; cpu: a dry run of the script (no graphs)")
+    ap.add_argument("--trace", type=Path, default=None, help="write each profiled step's chrome trace here")
     ap.add_argument("--out", type=Path, default=RESULTS / "profile_decode_step.json")
     args = ap.parse_args()
     model = load_profiled_model(args, ap)

@@ -63,6 +63,16 @@ def profile_one(model, b: int, mode: str, args) -> tuple[dict, list, list]:
         sync()
     kernels, kernel_ms, krows = _kernel_table(prof, 1, cuda)
     calls, hrows = _host_table(prof, 1)
+    srows = []
+    if args.stacks:  # again, with Python stacks: which source lines the device time comes from
+        # (verbose: without it this torch leaves the events' stacks empty)
+        verbose = torch._C._profiler._ExperimentalConfig(verbose=True)
+        with torch.profiler.profile(
+            activities=activities, with_stack=True, experimental_config=verbose
+        ) as sprof:
+            step()
+            sync()
+        srows = _stack_table(sprof, args.stacks, cuda)
     runner.close()
     rec = {
         "model": args.model_name,
@@ -74,7 +84,23 @@ def profile_one(model, b: int, mode: str, args) -> tuple[dict, list, list]:
         "kernel_ms": kernel_ms,
         "aten_calls_per_step": round(calls, 1),
     }
-    return rec, krows, hrows
+    return rec, krows, hrows, srows
+
+
+def _stack_table(prof, depth: int, cuda: bool) -> list[tuple[str, float, float, str]]:
+    """(ATen op, self device ms, calls, the project's frames of its Python stack), most device time first
+    (on the CPU, the script's dry run: self host time)."""
+    rows = []
+    for e in prof.key_averages(group_by_stack_n=depth):
+        if cuda:
+            ms = (getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)) / 1e3
+        else:
+            ms = e.self_cpu_time_total / 1e3
+        if ms <= 0 or not e.key.startswith("aten::"):
+            continue
+        frames = [f.split("/src/")[-1] for f in e.stack if "deepinfer" in f and "profiler" not in f]
+        rows.append((e.key, ms, e.count, " < ".join(frames[:depth])))
+    return sorted(rows, key=lambda r: -r[1])
 
 
 def main() -> None:
@@ -84,6 +110,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="timed prefill steps per configuration")
     ap.add_argument("--top", type=int, default=20, help="ops listed per configuration")
     ap.add_argument("--device", default="cuda", help="cuda[:N]; cpu: a dry run of the script")
+    ap.add_argument(
+        "--stacks",
+        type=int,
+        default=0,
+        help="also profile one step with Python stacks and list the ATen ops with the most device time per "
+        "source location (this many frames; 0: off)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "profile_prefill_step.json")
     args = ap.parse_args()
     model = load_profiled_model(args, ap)
@@ -95,7 +128,7 @@ def main() -> None:
     try:
         for b in args.batches:
             for mode in args.modes:
-                rec, krows, hrows = profile_one(model, b, mode, args)
+                rec, krows, hrows, srows = profile_one(model, b, mode, args)
                 records.append(rec)
                 text.append(f"== {args.model_name} {mode} batch {b}: {rec['step_ms']:.2f} ms, "
                             f"{rec['kernels_per_step']:.0f} kernels {rec['kernel_ms']:.2f} ms, "
@@ -105,6 +138,8 @@ def main() -> None:
                 ]
                 for name, ms, n in sorted(hrows, key=lambda r: -r[2])[: args.top]:
                     text.append(f"  calls  {ms:8.3f} ms {n:7.1f}x  {name}")
+                for name, ms, n, where in srows[: args.top]:
+                    text.append(f"  source {ms:8.3f} ms {n:7.0f}x  {name}  {where}")
     finally:
         if before is None:
             os.environ.pop("DEEPINFER_BATCH_INVARIANT", None)

@@ -20,6 +20,8 @@
 # DEEPINFER_CUDAGRAPH_COMPILE=inductor, then none; BENCH_COMPILE_MODES picks them).
 # devfeed (the async loop's device-fed steps: their gpu tests, then medium native decode and the device's idle gap
 # per decode step with DEEPINFER_ASYNC_DEVICE_INPUTS=0 and =1 in the same call),
+# mhc (the hc_mixes kernels' gpu tests and bench_mhc_mixes.py), where (profile_prefill_step.py --stacks: the prefill
+# step's device time by source line; the inductor-compiled decode step's generated code and a kernel trace),
 # Modifiers: nodecode / noprefill (bench: only the other half).
 # Results: $OUT (device tool) or benchmarks/results; logs in engine_logs.tar.gz.
 set -uo pipefail
@@ -53,7 +55,7 @@ deep_gemm_pid=$!
 medium=/tmp/medium-v41
 src=$(ls -d "$repo"/packages/*/src | grep -v deepinfer-sched | tr '\n' ':')
 export PYTHONPATH="/tmp/sched-site:${src}/tmp/pysite:$PYTHONPATH"
-if has medium || has bench || has profile || has profstep || has long || has profprefill || has compile || has benchcompile || has devfeed; then
+if has medium || has bench || has profile || has profstep || has long || has profprefill || has compile || has benchcompile || has devfeed || has where; then
   python3 benchmarks/gpu/make_medium_checkpoint.py "$medium" > "$out/medium_checkpoint.log" 2>&1 &
   medium_pid=$!
 fi
@@ -93,7 +95,7 @@ if has ppl; then
   DEEPINFER_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_repro_ppl_baseline.py > "$out/ppl_check.log" 2>&1
   tail -3 "$out/ppl_check.log"; cp tests/models/offline_decode_ppl.json "$out/offline_decode_ppl.json"
 fi
-if has medium || has bench || has profile || has profstep || has long || has profprefill || has compile || has benchcompile || has devfeed; then
+if has medium || has bench || has profile || has profstep || has long || has profprefill || has compile || has benchcompile || has devfeed || has where; then
   wait "$medium_pid"; cat "$out/medium_checkpoint.log"
 fi
 if has medium; then
@@ -265,5 +267,28 @@ if has profprefill; then
     --dtype bfloat16 --modes default --batches 1 --context "${PROF_CONTEXT:-16384}" --repeats 2 --top 40 \
     --out "$out/profile_prefill_step_medium_native.json" > "$out/profile_prefill_step_medium.log" 2>&1
   tail -8 "$out/profile_prefill_step_medium.log"; collect
+fi
+if has mhc; then  # the mHC mixes kernels: their gpu tests, then torch / TileLang / Triton per token count
+  el "tests + bench: hc_mixes (torch, TileLang, Triton)"
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu packages/deepinfer-model/tests/test_ops_nvidia.py \
+    -k "mhc or hc_mixes" > "$out/mhc_tests.log" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$out/mhc_tests.log" | tail -8
+  timeout 120 python3 benchmarks/gpu/bench_mhc_mixes.py --out "$out/bench_mhc_mixes.json" > "$out/bench_mhc_mixes.log" 2>&1
+  tail -20 "$out/bench_mhc_mixes.log"; collect
+fi
+if has where; then  # where the device time goes: prefill ops by source line, the compiled decode step's code
+  el "profile: medium native eager prefill step by source line, ${PROF_CONTEXT:-16384} tokens"
+  DEEPINFER_NUMERICS=native timeout "${PROFSTEP_LIMIT_S:-240}" python3 benchmarks/gpu/profile_prefill_step.py --model "$medium" \
+    --dtype bfloat16 --modes default --batches 1 --context "${PROF_CONTEXT:-16384}" --repeats 1 --top 60 --stacks 5 \
+    --out "$out/profile_prefill_step_medium_native_sources.json" > "$out/where_prefill.log" 2>&1
+  tail -4 "$out/where_prefill.log"; collect
+  if [ -n "${WHERE_DECODE_BATCHES-1}" ]; then
+    el "profile: medium native graphed decode step compiled by inductor (its generated code, a trace)"
+    mkdir -p "$out/traces"
+    TORCH_LOGS=output_code DEEPINFER_NUMERICS=native timeout "${COMPILE_LIMIT_S:-300}" python3 benchmarks/gpu/profile_decode_step.py \
+      --model "$medium" --dtype bfloat16 --modes default --compile inductor --batches ${WHERE_DECODE_BATCHES:-1} --context 128 \
+      --top 40 --trace "$out/traces" --out "$out/profile_decode_step_compiled_where.json" > "$out/where_decode.log" 2> "$out/inductor_code.log"
+    tail -30 "$out/where_decode.log"; gzip -f "$out/inductor_code.log" "$out"/traces/*.json; collect
+  fi
 fi
 el "done"

@@ -240,6 +240,26 @@ def test_tilelang_mhc_kernels(cpu, dtype, t, m, h):
     assert got.dtype == dtype and rel_err(got, ref_write) < tol(dtype)
 
 
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+
+
+@needs_triton
+@pytest.mark.parametrize("t,m,h", [(1, 4, 128), (19, 4, 4096), (1000, 4, 4096), (5, 2, 256), (3, 3, 96)])
+@pytest.mark.parametrize("iters", [1, 20])
+def test_triton_mhc_mixes_kernel(cpu, t, m, h, iters):
+    from deepinfer_model.backends.nvidia import triton_mhc
+
+    trunk = (torch.randn(t, m, h) * 2).to(torch.bfloat16)
+    fn = torch.randn((2 + m) * m, m * h) * (m * h) ** -0.5
+    base, scale = torch.randn((2 + m) * m) * 0.1, torch.rand(3) + 0.5
+    refs = cpu.hc_mixes(trunk, fn, base, scale, 1e-6, 1e-6, iters)
+    poison()
+    outs = triton_mhc.hc_mixes(trunk.to(DEV), fn.to(DEV), base.to(DEV), scale.to(DEV), 1e-6, 1e-6, iters)
+    for o, r in zip(outs, refs, strict=True):
+        assert o.dtype == torch.float32 and o.shape == r.shape
+        assert rel_err(o, r) < 1e-5
+
+
 @needs_tilelang
 def test_hc_mixes_single_sinkhorn_iteration(cpu):
     trunk = torch.randn(7, 4, 256)

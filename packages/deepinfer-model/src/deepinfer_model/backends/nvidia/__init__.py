@@ -4,7 +4,7 @@
 | --- | --- |
 | rms_norm | TileLang kernel (`tilelang_norm.py`) |
 | apply_rope | TileLang kernel (`tilelang_rope.py`) |
-| hc_mixes | cuBLAS FP32 projection + TileLang epilogue (`tilelang_mhc.py`) |
+| hc_mixes | cuBLAS FP32 projection + Triton row norm and epilogue (`triton_mhc.py`); in batch-invariant mode, or without Triton, the TileLang epilogue (`tilelang_mhc.py`) |
 | hc_read, hc_write | TileLang kernels (`tilelang_mhc.py`) |
 | fp8_block_linear | DeepGEMM `fp8_gemm_nt` if `deep_gemm` imports and `DEEPINFER_DEEP_GEMM` != 0, else dequantise + BF16 GEMM |
 | grouped_expert_mlp | DeepGEMM `m_grouped_fp8_gemm_nt_contiguous` (same condition), else per-expert dequantised BF16 GEMMs (`moe.py`) |
@@ -125,12 +125,11 @@ def _reference_in_bi_mode(name: str, fn: Callable) -> Callable:
     return call
 
 
+_ROW_LOCAL: dict[str, Callable] = {}  # the ops registered here (kernels with their torch fallbacks)
 for _name, _fn in _TORCH.items():
     _fn = _reference_in_bi_mode(_name, _fn)
-    if _name in _kernels:
-        register("nvidia", _name)(_kernel_or_torch(_name, _kernels[_name], _fn))
-    else:
-        register("nvidia", _name)(_fn)
+    _ROW_LOCAL[_name] = _kernel_or_torch(_name, _kernels[_name], _fn) if _name in _kernels else _fn
+    register("nvidia", _name)(_ROW_LOCAL[_name])
 
 if _has("deep_gemm") and os.environ.get("DEEPINFER_DEEP_GEMM", "1") != "0":
     register("nvidia", "fp8_block_linear")(gemm.fp8_block_linear_deep_gemm)
@@ -155,6 +154,20 @@ if _TRITON:
         register("nvidia", _name)(_op)
 else:
     logger.warning("triton unavailable or DEEPINFER_TRITON=0: batch-invariant GEMMs use the padded tiles")
+
+# The mHC mixes outside batch-invariant mode: the projection, then one Triton program per token for the row
+# norm and the whole epilogue (`triton_mhc.py`; the TileLang epilogue runs a token's Sinkhorn iterations on one
+# thread). Batch-invariant mode keeps the op registered above (its projection and norm are the row kernels').
+if _TRITON:
+    from . import triton_mhc
+
+    _row_local_mixes = _ROW_LOCAL["hc_mixes"]
+    _fast_mixes = _kernel_or_torch("hc_mixes", triton_mhc.hc_mixes, _row_local_mixes)
+
+    def _hc_mixes(*args, **kwargs):
+        return (_row_local_mixes if batch_invariant.enabled() else _fast_mixes)(*args, **kwargs)
+
+    register("nvidia", "hc_mixes")(_hc_mixes)
 
 # The indexer's scores in native mode (`runtime.groups.grouped_index_scores`): the core asks `supports(heads,
 # dim)` first and keeps its own path for other shapes.

@@ -1,0 +1,114 @@
+"""The mHC mixes op on the GPU: torch FP32 version, TileLang epilogue and Triton kernel, per token count.
+
+Each implementation gets the same trunk [T, m, H] (BF16, the medium / flagship V4.1's m = 4, H = 4096) and
+is timed with CUDA events (median of `--repeats` calls after a warm-up). The torch version is the in-run
+baseline: `speedup_vs_torch` = its time over the row's. Every implementation is also checked against the
+CPU reference (relative error, FP64), so a fast wrong kernel shows up in the table.
+
+    python benchmarks/gpu/bench_mhc_mixes.py [--tokens 1 8 64 4096 16384] [--hidden 4096]
+writes benchmarks/results/bench_mhc_mixes.json (one flat record per implementation and token count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+
+
+def _median_us(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return float(np.median(times))
+
+
+def _implementations() -> dict:
+    from deepinfer_model.backends.nvidia import torch_cuda
+
+    impls = {"torch": torch_cuda.hc_mixes}
+    try:
+        from deepinfer_model.backends.nvidia import tilelang_mhc
+
+        impls["tilelang"] = tilelang_mhc.hc_mixes
+    except ImportError:
+        pass
+    try:
+        from deepinfer_model.backends.nvidia import triton_mhc
+
+        impls["triton"] = triton_mhc.hc_mixes
+    except ImportError:
+        pass
+    return impls
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 4096, 16384])
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--streams", type=int, default=4, help="m, the mHC stream count")
+    ap.add_argument("--iters", type=int, default=20, help="Sinkhorn iterations")
+    ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--out", type=Path, default=RESULTS / "bench_mhc_mixes.json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("needs CUDA")
+    from deepinfer_model.ops import get_ops
+    from rich.console import Console
+    from rich.table import Table
+
+    cpu, dev = get_ops("cpu"), torch.device("cuda")
+    m, h = args.streams, args.hidden
+    gen = torch.Generator().manual_seed(0)
+    fn = torch.randn((2 + m) * m, m * h, generator=gen) * (m * h) ** -0.5
+    base, scale = torch.randn((2 + m) * m, generator=gen) * 0.1, torch.rand(3, generator=gen) + 0.5
+    fn_d, base_d, scale_d = fn.to(dev), base.to(dev), scale.to(dev)
+    records = []
+    for t in args.tokens:
+        trunk = (torch.randn(t, m, h, generator=gen) * 2).to(torch.bfloat16)
+        check = trunk[: min(t, 64)]
+        refs = cpu.hc_mixes(check, fn, base, scale, 1e-6, 1e-6, args.iters)
+        trunk_d = trunk.to(dev)
+        for name, impl in _implementations().items():
+
+            def call(impl=impl, x=trunk_d):
+                return impl(x, fn_d, base_d, scale_d, 1e-6, 1e-6, args.iters)
+
+            outs = impl(trunk_d[: check.shape[0]], fn_d, base_d, scale_d, 1e-6, 1e-6, args.iters)
+            err = max(
+                float((o.double().cpu() - r.double()).norm() / r.double().norm()) for o, r in zip(outs, refs)
+            )
+            records.append({"impl": name, "tokens": t, "streams": m, "hidden": h, "iters": args.iters,
+                            "us_per_call": _median_us(call, args.repeats), "max_rel_err": err})  # fmt: skip
+    for r in records:
+        base_us = next(
+            x["us_per_call"] for x in records if x["tokens"] == r["tokens"] and x["impl"] == "torch"
+        )
+        r["speedup_vs_torch"] = base_us / r["us_per_call"]
+    table = Table(
+        title=f"hc_mixes on {torch.cuda.get_device_name()} (m={m}, H={h}, {args.iters} Sinkhorn iterations)"
+    )
+    for c in ("impl", "tokens", "us_per_call", "speedup_vs_torch", "max_rel_err"):
+        table.add_column(c, justify="right")
+    for r in records:
+        table.add_row(r["impl"], str(r["tokens"]), f"{r['us_per_call']:.1f}", f"{r['speedup_vs_torch']:.2f}",
+                      f"{r['max_rel_err']:.2e}")  # fmt: skip
+    Console().print(table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(records, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
