@@ -75,8 +75,9 @@ if has check; then
 fi
 if has gputests; then  # after the DeepGEMM build (~2 min), so its tests run too
   ( wait_pid() { while kill -0 "$1" 2>/dev/null; do sleep 2; done; }; wait_pid "$deep_gemm_pid"
+    # GPUTESTS_PATHS: the test files / folders (default: every package's tests)
     timeout "$lim" python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 --junitxml "$out/gputests.xml" \
-    packages/deepinfer-model/tests packages/deepinfer/tests packages/deepinfer-structured/tests tests > "$out/gputests.log" 2>&1 ) &
+    ${GPUTESTS_PATHS:-packages/deepinfer-model/tests packages/deepinfer/tests packages/deepinfer-structured/tests tests} > "$out/gputests.log" 2>&1 ) &
   pids+=($!)
 fi
 if has engine; then
@@ -270,9 +271,11 @@ if has profprefill; then
 fi
 if has mhc; then  # the mHC mixes kernels: their gpu tests, then torch / TileLang / Triton per token count
   el "tests + bench: hc_mixes (torch, TileLang, Triton)"
-  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu packages/deepinfer-model/tests/test_ops_nvidia.py \
-    -k "mhc or hc_mixes" > "$out/mhc_tests.log" 2>&1
-  grep -E "^(FAILED|ERROR)|passed|failed" "$out/mhc_tests.log" | tail -8
+  if ! has gputests; then  # (gputests runs them too)
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu packages/deepinfer-model/tests/test_ops_nvidia.py \
+      -k "mhc or hc_mixes" > "$out/mhc_tests.log" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed" "$out/mhc_tests.log" | tail -8
+  fi
   timeout 120 python3 benchmarks/gpu/bench_mhc_mixes.py --out "$out/bench_mhc_mixes.json" > "$out/bench_mhc_mixes.log" 2>&1
   tail -20 "$out/bench_mhc_mixes.log"; collect
 fi

@@ -319,3 +319,30 @@ def test_tile_bmm_reference():
     assert torch.equal(ops.tile_bmm(a, b, ia, ib), torch.bmm(a[ia], b[ib]))
     with pytest.raises(ValueError, match="both index tensors"):
         ops.tile_bmm(a, b, ia, None)
+
+
+def test_compiled_regions_trace_the_registered_torch_version_of_an_op():
+    """The NVIDIA table's norms / RoPE / mHC reads and writes run their kernels eagerly and their torch
+    versions inside a compiled region (one graph instead of a graph break per call); other accelerator ops
+    stay opaque calls there. The table is built on this CPU host: the kernels are never launched."""
+    from deepinfer_model.backends import nvidia
+
+    table = reg.OpTable("nvidia")
+    for name in nvidia.TRACED_IN_COMPILED:
+        assert reg._TRACED["nvidia"][name] is nvidia._TORCH[name]
+    calls = []
+
+    def kernel(x):
+        calls.append("kernel")
+        return x + 2
+
+    def traced(x):
+        calls.append("traced")
+        return x + 1
+
+    op = reg._traced_when_compiling(kernel, traced)
+    x = torch.zeros(3)
+    assert torch.equal(op(x), x + 2) and calls == ["kernel"]
+    compiled = torch.compile(lambda t: op(t) * 3, backend="eager", fullgraph=True)  # no graph break
+    assert torch.equal(compiled(x), (x + 1) * 3) and calls == ["kernel", "traced"]
+    assert table.sources["rms_norm"] == "nvidia"

@@ -103,13 +103,16 @@ def project_query(
     eps: float,
     head_norm: bool,
     act_dtype: torch.dtype = torch.float32,
+    narrow: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q [T, nh, D] with RoPE on its tail, q_lat [T, Rq] = normed low-rank query that the indexer reuses)."""
+    """(q [T, nh, D] with RoPE on its tail, q_lat [T, Rq] = normed low-rank query that the indexer reuses).
+    `narrow`: q as an act-dtype tensor where `numerics.narrow_act` (for callers whose attention takes it:
+    q is the largest activation of a prefill step, [T, 64, 512] on V4.1)."""
     q_lat = rms_norm(linear(y, w.wq_a, act_dtype), w.q_norm, eps, act_dtype)
-    q = linear(q_lat, w.wq_b, act_dtype).view(y.shape[0], num_heads, -1)
+    q = linear(q_lat, w.wq_b, act_dtype, narrow=narrow and not head_norm).view(y.shape[0], num_heads, -1)
     if head_norm:  # public V4 only: unweighted RMSNorm of every head
         q = rms_norm(q, None, eps, act_dtype)
-    return rope(q, cos, sin, act_dtype), q_lat
+    return rope(q, cos, sin, act_dtype, narrow=narrow), q_lat
 
 
 def project_latent(
@@ -135,7 +138,7 @@ def project_output(
 ) -> torch.Tensor:
     """Attention output [T, nh, D] -> [T, H]: conjugate RoPE on the tail, grouped wo_a, then wo_b."""
     t = o.shape[0]
-    o = rope(o, cos, sin, act_dtype, inverse=True)
+    o = rope(o, cos, sin, act_dtype, inverse=True, narrow=True)  # (the grouped GEMM's operand, below)
     grouped = o.reshape(t, o_groups, -1)  # group g = heads g*nh/G .. (g+1)*nh/G - 1
     # GEMM operands as in `linear`: FP64 (exact) or act_dtype (native: a BF16 GEMM, FP32 accumulation)
     gemm = act_dtype if native() else torch.float64

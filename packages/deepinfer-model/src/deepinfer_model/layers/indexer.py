@@ -71,11 +71,16 @@ def index_scores(
 
 @outside_compiled_graph  # inductor's generated sort of long rows is ~4x slower than ATen's radix sort
 def select_topk(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices [T, k] of the k best valid entries per row (ties -> lower index), ascending, -1 padded."""
+    """Indices [T, k] of the k best valid entries per row (ties -> lower index), ascending, -1 padded.
+
+    16-bit scores (native mode's act-dtype index scores, `numerics.round_narrow`) are sorted as they are:
+    the same order as their widened values, and the radix sort runs over 16-bit keys (half the passes: the
+    sort was ~40 of a 16k-token medium prefill step's 370 ms on the H200)."""
     t, n = scores.shape
     if n == 0:
         return torch.full((t, k), -1, dtype=torch.long, device=scores.device)
-    masked = scores.to(carrier()).masked_fill(~valid, float("-inf"))
+    narrow = scores.dtype in (torch.bfloat16, torch.float16)
+    masked = (scores if narrow else scores.to(carrier())).masked_fill(~valid, float("-inf"))
     order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :k]
     keep = valid.gather(1, order)
     picked = torch.where(keep, order, torch.full_like(order, n))  # n sorts after every real index

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .. import batch_invariant
-from ..numerics import carrier
+from ..numerics import carrier, narrow_act
 from .registry import OpTable, get_ops
 
 
@@ -37,10 +37,17 @@ def rms_norm(
 
 
 def rope(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, act_dtype: torch.dtype, inverse: bool = False
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    act_dtype: torch.dtype,
+    inverse: bool = False,
+    narrow: bool = False,
 ) -> torch.Tensor:
-    """`round_to(apply_rope(x, cos, sin, inverse), act_dtype)` through the registry."""
-    return _carry(ops_for(x).apply_rope(x, cos, sin, inverse, out_dtype=act_dtype))
+    """`round_to(apply_rope(x, cos, sin, inverse), act_dtype)` through the registry (`narrow`: the op's
+    act-dtype output as it is where `numerics.narrow_act(act_dtype)`)."""
+    y = ops_for(x).apply_rope(x, cos, sin, inverse, out_dtype=act_dtype)
+    return y if narrow and narrow_act(act_dtype) else _carry(y)
 
 
 def hc_mixes(

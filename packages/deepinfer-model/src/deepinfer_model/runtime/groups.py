@@ -510,7 +510,7 @@ def listed_attention(
     """`attend` (default layout) as one `sparse_prefill_attention` call: the group's window keys and entries
     stacked into one key list, each query slot's visible window columns and selected entries listed as
     indices into it (-1 = none). Same scores, softmax and sink as the band path; one kernel per group
-    instead of a dozen tensor ops per block of 2W rows. -> FP32 [G*Q, nh, D], every slot."""
+    instead of a dozen tensor ops per block of 2W rows. -> BF16 [G*Q, nh, D], every slot."""
     gs, qn = g.rows.shape
     width = swa.keys.shape[1]
     window = meta.cached(("listed_window", *swa.index_key), lambda: _window_lists(meta, g, swa))
@@ -525,7 +525,9 @@ def listed_attention(
     kv = torch.cat(keys).to(torch.bfloat16)
     indices = torch.cat(lists, dim=1).to(torch.int32)
     rows = q[g.slot_rows].to(torch.bfloat16)  # [G*Q, nh, D]: this group's rows only (a step has several)
-    return kernel(rows, kv, indices, sinks, scale).to(carrier())
+    return kernel(
+        rows, kv, indices, sinks, scale
+    )  # BF16: the attention output's own rounding (callers store it)
 
 
 def _window_lists(meta: StepMetadata, g: Group, wk: WindowKeys) -> torch.Tensor:

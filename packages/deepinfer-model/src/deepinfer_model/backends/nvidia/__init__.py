@@ -30,7 +30,7 @@ import os
 from collections.abc import Callable
 
 from ... import batch_invariant
-from ...ops.registry import register
+from ...ops.registry import register, register_traced
 from . import gemm, moe, torch_cuda
 
 logger = logging.getLogger("deepinfer_model.ops")
@@ -130,6 +130,14 @@ for _name, _fn in _TORCH.items():
     _fn = _reference_in_bi_mode(_name, _fn)
     _ROW_LOCAL[_name] = _kernel_or_torch(_name, _kernels[_name], _fn) if _name in _kernels else _fn
     register("nvidia", _name)(_ROW_LOCAL[_name])
+
+# In a compiled (inductor) decode step these small ops are traced in their torch versions, not called:
+# fused with the casts and elementwise ops around them (a graph break per call left ~200 single-cast kernels
+# in the medium V4.1's batch-1 step on the H200). Eager steps and batch-invariant mode (never compiled) call
+# the kernels above.
+TRACED_IN_COMPILED = ("rms_norm", "apply_rope", "hc_read", "hc_write")
+for _name in TRACED_IN_COMPILED:
+    register_traced("nvidia", _name)(_TORCH[_name])
 
 if _has("deep_gemm") and os.environ.get("DEEPINFER_DEEP_GEMM", "1") != "0":
     register("nvidia", "fp8_block_linear")(gemm.fp8_block_linear_deep_gemm)

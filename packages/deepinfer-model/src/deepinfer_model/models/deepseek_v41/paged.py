@@ -30,7 +30,7 @@ from ...layers.experts import ExpertWeights, experts_forward_static
 from ...layers.indexer import index_queries, select_topk
 from ...layers.rope import cos_sin
 from ...layers.router import route_topk
-from ...numerics import carrier, linear, round_to
+from ...numerics import carrier, linear, narrow_act, round_narrow
 from ...numerics import logits as head_logits
 from ...ops.model_calls import hc_read, rms_norm
 from ...runtime.groups import (
@@ -194,12 +194,14 @@ def _attend_rows(
     cfg, topo, act, kvq = model.config, model.config.topology, model.act_dtype, model.kvq
     w = model.weights.layers[layer]
     ratio = cfg.compress_ratios[layer]
-    q, q_lat = project_query(y, w.attn, cfg.num_attention_heads, cos, sin, cfg.rms_norm_eps, False, act)
+    q, q_lat = project_query(y, w.attn, cfg.num_attention_heads, cos, sin, cfg.rms_norm_eps, False, act, True)
     index_source = ratio and topo.is_index_source(layer)
     if index_source:
         qi = kvq.index(index_queries(q_lat, w.indexer, cfg.index_n_heads, cos, sin, act))
         head_w = linear(y, w.indexer.weights_proj, act)
-    out = torch.empty(y.shape[0], cfg.num_attention_heads, cfg.head_dim, dtype=carrier(), device=y.device)
+    # the attention output is rounded to act_dtype before the output projection: stored so where it may be
+    out_dtype = act if narrow_act(act) else carrier()
+    out = torch.empty(y.shape[0], cfg.num_attention_heads, cfg.head_dim, dtype=out_dtype, device=y.device)
     static = isinstance(qmeta, StaticDecodeMetadata)
     invariant = batch_invariant.enabled()
     for g in groups:
@@ -233,7 +235,7 @@ def _attend_rows(
                 )
             elif index_source:
                 ik = compressed_entries(cache, qmeta, g, f"index_k.{topo.index_k_source[layer]}", ratio)[0]
-                scores = round_to(grouped_index_scores(qi, ik, head_w, g, False, act), act)
+                scores = round_narrow(grouped_index_scores(qi, ik, head_w, g, False, act), act)
                 allowed = valid
                 if topo.restricted_to_candidates(layer):
                     allowed = valid & candidate_mask(st.candidates[step_slots], n, topo.candidate_block_size)
@@ -250,8 +252,9 @@ def _attend_rows(
                 extra = _static_selected(cache, qmeta, f"comp.{topo.kv_source[layer]}", ratio, selected)
             else:
                 extra = (entries, selected)  # attend gathers the selected entries only
-        out[g.packed_rows] = attend(q, window, g, w.attn.sinks, cfg.head_dim**-0.5, qmeta, extra, act, own)
-    return project_output(round_to(out, act), w.attn, cfg.o_groups, cos, sin, act)
+        o = attend(q, window, g, w.attn.sinks, cfg.head_dim**-0.5, qmeta, extra, act, own)
+        out[g.packed_rows] = o.to(out.dtype)  # (index_put takes its own dtype: the rounding to act_dtype)
+    return project_output(round_narrow(out, act), w.attn, cfg.o_groups, cos, sin, act)
 
 
 def _static_selected(
@@ -324,12 +327,12 @@ def _static_candidate_topk(
         allowed = cand.gather(1, entry.clamp(max=width + KT - 1)) & (entry < klen)
         keys = cache.read(pool, meta.dev_entry_slots(entry.clamp(max=width - 1), ratio))
         keys = _mark_pool_values(cache, pool, keys.masked_fill(~allowed[..., None], 0.0))
-        scores = round_to(grouped_index_scores(qi, keys, head_w, g, False, act), act)
+        scores = round_narrow(grouped_index_scores(qi, keys, head_w, g, False, act), act)
         local = select_topk(scores, allowed, topk)
         return torch.where(local >= 0, entry.gather(1, local.clamp(min=0)), local)
     allowed = (candidates >= 0).repeat_interleave(block, dim=1) & (entry < klen)
     keys = cache.read(pool, meta.dev_entry_slots(entry, ratio)).masked_fill(~allowed[..., None], 0.0)
-    scores = round_to(grouped_index_scores(qi, keys, head_w, g, False, act), act)
+    scores = round_narrow(grouped_index_scores(qi, keys, head_w, g, False, act), act)
     local = select_topk(scores, allowed, topk)
     return torch.where(local >= 0, entry.gather(1, local.clamp(min=0)), local)
 
