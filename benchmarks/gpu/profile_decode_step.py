@@ -118,6 +118,7 @@ def profile_one(model, b: int, mode: str, args, compile_backend: str | None = No
             walls.append((time.perf_counter() - t0) * 1e3)
         else:
             first_step_s = time.perf_counter() - t0
+            first_logits = logits.float().cpu()  # (same inputs in every configuration of this batch)
         pos += 1
     g = runner.graphs
     assert g.replays == args.steps, f"{g.replays} of {args.steps} decode steps replayed a graph"
@@ -163,7 +164,24 @@ def profile_one(model, b: int, mode: str, args, compile_backend: str | None = No
         "kernel_ms": kernel_ms,
         "launch_gap_ms": replay_ms - kernel_ms,
     }
+    FIRST_LOGITS[(b, mode, compile_backend or "none")] = first_logits
     return rec, rows
+
+
+# the first decode step's logits per (batch, mode, compile): a compiled step is compared with the plain one
+FIRST_LOGITS: dict[tuple, torch.Tensor] = {}
+
+
+def _compare_with_plain(rec: dict) -> None:
+    """A compiled record gets how far its first decode step's logits are from the plain step's (same
+    inputs): mean |difference|, the plain logits' mean |value| for scale, and the greedy agreement."""
+    plain = FIRST_LOGITS.get((rec["batch"], rec["mode"], "none"))
+    got = FIRST_LOGITS.get((rec["batch"], rec["mode"], rec["compile"]))
+    if rec["compile"] == "none" or plain is None or got is None:
+        return
+    rec["logits_mean_abs_diff_vs_plain"] = float((got - plain).abs().mean())
+    rec["plain_logits_mean_abs"] = float(plain.abs().mean())
+    rec["greedy_agree_vs_plain"] = float((got.argmax(-1) == plain.argmax(-1)).float().mean())
 
 
 def main() -> None:
@@ -202,6 +220,8 @@ def main() -> None:
             text += block
             _write(args.out, records, text)  # so far: a later configuration may hit the caller's time limit
     # the in-run baseline: the default mode's static step as written, same batch
+    for r in records:
+        _compare_with_plain(r)
     base = {r["batch"]: r["replay_ms"] for r in records if r["mode"] == "default" and r["compile"] == "none"}
     for r in records:
         if r["batch"] in base:
@@ -222,6 +242,8 @@ def main() -> None:
         "kernel_ms",
         "launch_gap_ms",
         "uncaptured_static_ms",
+        "logits_mean_abs_diff_vs_plain",
+        "greedy_agree_vs_plain",
     ]
     for c in cols:
         table.add_column(c, justify="right")

@@ -40,4 +40,7 @@ def compiled_static_forward(backend: str):
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
     # inductor's default mode: no CUDA graphs of its own inside ours. The numerics settings are read
     # outside the compiled region (`numerics.pinned`): traced, they are constants its guards check once.
-    return numerics.pinned(torch.compile(v41_static_decode_forward, backend=backend))
+    # emulate_precision_casts: a cast to BF16 inside a fused kernel rounds there, as eagerly (by default
+    # inductor may keep the FP32 value for uses within the kernel, dropping the model's rounding points).
+    options = {"emulate_precision_casts": True} if backend == "inductor" else None
+    return numerics.pinned(torch.compile(v41_static_decode_forward, backend=backend, options=options))
