@@ -55,7 +55,7 @@ deep_gemm_pid=$!
 medium=/tmp/medium-v41
 src=$(ls -d "$repo"/packages/*/src | grep -v deepinfer-sched | tr '\n' ':')
 export PYTHONPATH="/tmp/sched-site:${src}/tmp/pysite:$PYTHONPATH"
-if has medium || has bench || has profile || has profstep || has long || has profprefill || has compile || has benchcompile || has devfeed || has where; then
+if has medium || has bench || has profile || has profstep || has long || has profprefill || has compile || has benchcompile || has devfeed || has where || has traced; then
   python3 benchmarks/gpu/make_medium_checkpoint.py "$medium" > "$out/medium_checkpoint.log" 2>&1 &
   medium_pid=$!
 fi
@@ -96,7 +96,7 @@ if has ppl; then
   DEEPINFER_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_repro_ppl_baseline.py > "$out/ppl_check.log" 2>&1
   tail -3 "$out/ppl_check.log"; cp tests/models/offline_decode_ppl.json "$out/offline_decode_ppl.json"
 fi
-if has medium || has bench || has profile || has profstep || has long || has profprefill || has compile || has benchcompile || has devfeed || has where; then
+if has medium || has bench || has profile || has profstep || has long || has profprefill || has compile || has benchcompile || has devfeed || has where || has traced; then
   wait "$medium_pid"; cat "$out/medium_checkpoint.log"
 fi
 if has medium; then
@@ -270,6 +270,18 @@ if has profprefill; then
     --dtype bfloat16 --modes default --batches 1 --context "${PROF_CONTEXT:-16384}" --repeats 2 --top 40 \
     --out "$out/profile_prefill_step_medium_native.json" > "$out/profile_prefill_step_medium.log" 2>&1
   tail -8 "$out/profile_prefill_step_medium.log"; collect
+fi
+if has traced; then  # the compiled decode step with each set of traced ops (DEEPINFER_COMPILE_TRACED_OPS)
+  i=0
+  IFS='|' read -ra variants <<< "${TRACED_VARIANTS:-|rms_norm,apply_rope|rms_norm,apply_rope,hc_read,hc_write}"
+  for v in "${variants[@]}"; do
+    modes="inductor"; [ $i = 0 ] && modes="none inductor"  # (the uncompiled step once: it traces nothing)
+    el "profile: compiled medium decode step, traced ops '$v'"
+    DEEPINFER_COMPILE_TRACED_OPS="$v" DEEPINFER_NUMERICS=native timeout "${COMPILE_LIMIT_S:-200}" python3 benchmarks/gpu/profile_decode_step.py \
+      --model "$medium" --dtype bfloat16 --modes default --compile $modes --batches ${TRACED_BATCHES:-1} --context 128 --top 30 \
+      --out "$out/profile_traced_$i.json" > "$out/profile_traced_$i.log" 2>&1
+    tail -5 "$out/profile_traced_$i.log"; i=$((i + 1)); collect
+  done
 fi
 if has mhc; then  # the mHC mixes kernels: their gpu tests, then torch / TileLang / Triton per token count
   el "tests + bench: hc_mixes (torch, TileLang, Triton)"

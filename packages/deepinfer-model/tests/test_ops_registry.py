@@ -346,3 +346,20 @@ def test_compiled_regions_trace_the_registered_torch_version_of_an_op():
     compiled = torch.compile(lambda t: op(t) * 3, backend="eager", fullgraph=True)  # no graph break
     assert torch.equal(compiled(x), (x + 1) * 3) and calls == ["kernel", "traced"]
     assert table.sources["rms_norm"] == "nvidia"
+
+
+def test_unknown_traced_op_names_are_a_clear_error():
+    import subprocess
+    import sys
+
+    env = dict(__import__("os").environ, DEEPINFER_COMPILE_TRACED_OPS="rms_norm,softmax")
+    done = subprocess.run(
+        [sys.executable, "-c", "import deepinfer_model.backends.nvidia"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode != 0
+    assert (
+        "DEEPINFER_COMPILE_TRACED_OPS='rms_norm,softmax': a comma list of rms_norm, apply_rope" in done.stderr
+    )

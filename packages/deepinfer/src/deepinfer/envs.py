@@ -69,6 +69,13 @@ _VARS = [
         "NVIDIA backend: 1 the TileLang kernels verified on an H200, all every TileLang kernel, 0 none (torch)",
     ),
     EnvVar(
+        "DEEPINFER_COMPILE_TRACED_OPS",
+        str,
+        "rms_norm,apply_rope",
+        "NVIDIA backend: ops an inductor-compiled decode step traces in their torch versions instead of "
+        "calling the kernel (comma list of rms_norm, apply_rope, hc_read, hc_write; empty: none)",
+    ),
+    EnvVar(
         "DEEPINFER_DEEP_GEMM",
         str,
         "1",

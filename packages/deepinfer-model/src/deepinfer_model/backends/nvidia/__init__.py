@@ -131,11 +131,20 @@ for _name, _fn in _TORCH.items():
     _ROW_LOCAL[_name] = _kernel_or_torch(_name, _kernels[_name], _fn) if _name in _kernels else _fn
     register("nvidia", _name)(_ROW_LOCAL[_name])
 
-# In a compiled (inductor) decode step these small ops are traced in their torch versions, not called:
-# fused with the casts and elementwise ops around them (a graph break per call left ~200 single-cast kernels
-# in the medium V4.1's batch-1 step on the H200). Eager steps and batch-invariant mode (never compiled) call
-# the kernels above.
-TRACED_IN_COMPILED = ("rms_norm", "apply_rope", "hc_read", "hc_write")
+# In a compiled (inductor) decode step the ops named by DEEPINFER_COMPILE_TRACED_OPS are traced in their
+# torch versions, not called: fused with the casts and elementwise ops around them (a graph break per call
+# left ~200 single-cast kernels in the medium V4.1's batch-1 step on the H200). The mHC read / write are not
+# traced by default: inductor turned their einsums into cuBLAS FP32 GEMV / GEMM calls slower than the TileLang
+# kernels. Eager steps and batch-invariant mode (never compiled) call the kernels above.
+TRACEABLE = ("rms_norm", "apply_rope", "hc_read", "hc_write")
+_TRACED_ENV = "DEEPINFER_COMPILE_TRACED_OPS"
+TRACED_IN_COMPILED = tuple(
+    n.strip() for n in os.environ.get(_TRACED_ENV, "rms_norm,apply_rope").split(",") if n.strip()
+)
+if set(TRACED_IN_COMPILED) - set(TRACEABLE):
+    raise ValueError(
+        f"{_TRACED_ENV}={os.environ.get(_TRACED_ENV)!r}: a comma list of {', '.join(TRACEABLE)} (empty: none)"
+    )
 for _name in TRACED_IN_COMPILED:
     register_traced("nvidia", _name)(_TORCH[_name])
 
