@@ -322,12 +322,14 @@ def test_tile_bmm_reference():
 
 
 def test_compiled_regions_trace_the_registered_torch_version_of_an_op():
-    """The NVIDIA table's norms / RoPE / mHC reads and writes run their kernels eagerly and their torch
-    versions inside a compiled region (one graph instead of a graph break per call); other accelerator ops
-    stay opaque calls there. The table is built on this CPU host: the kernels are never launched."""
+    """An op with a registered torch version runs its kernel eagerly and the torch version inside a compiled
+    region (one graph instead of a graph break per call); other accelerator ops stay opaque calls there. The
+    NVIDIA table registers the ops DEEPINFER_COMPILE_TRACED_OPS names. Built on this CPU host: the kernels are
+    never launched."""
     from deepinfer_model.backends import nvidia
 
     table = reg.OpTable("nvidia")
+    assert set(reg._TRACED["nvidia"]) == set(nvidia.TRACED_IN_COMPILED)  # (DEEPINFER_COMPILE_TRACED_OPS)
     for name in nvidia.TRACED_IN_COMPILED:
         assert reg._TRACED["nvidia"][name] is nvidia._TORCH[name]
     calls = []

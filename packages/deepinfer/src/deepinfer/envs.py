@@ -71,7 +71,7 @@ _VARS = [
     EnvVar(
         "DEEPINFER_COMPILE_TRACED_OPS",
         str,
-        "rms_norm,apply_rope",
+        "",
         "NVIDIA backend: ops an inductor-compiled decode step traces in their torch versions instead of "
         "calling the kernel (comma list of rms_norm, apply_rope, hc_read, hc_write; empty: none)",
     ),

@@ -133,14 +133,14 @@ for _name, _fn in _TORCH.items():
 
 # In a compiled (inductor) decode step the ops named by DEEPINFER_COMPILE_TRACED_OPS are traced in their
 # torch versions, not called: fused with the casts and elementwise ops around them (a graph break per call
-# left ~200 single-cast kernels in the medium V4.1's batch-1 step on the H200). The mHC read / write are not
-# traced by default: inductor turned their einsums into cuBLAS FP32 GEMV / GEMM calls slower than the TileLang
-# kernels. Eager steps and batch-invariant mode (never compiled) call the kernels above.
+# left ~200 single-cast kernels in the medium V4.1's batch-1 step on the H200). None by default: on the H200
+# tracing the norms and RoPE took that step from 933 to 846 kernels and 2.57 to 2.48 ms of kernel time, but its
+# graph replay was not faster within the run-to-run spread (2.96 ms untraced, 3.34 ms traced, different calls),
+# and the compile took twice as long; the mHC read / write became cuBLAS FP32 GEMV / GEMM calls, slower than
+# the TileLang kernels. Eager steps and batch-invariant mode (never compiled) call the kernels above.
 TRACEABLE = ("rms_norm", "apply_rope", "hc_read", "hc_write")
 _TRACED_ENV = "DEEPINFER_COMPILE_TRACED_OPS"
-TRACED_IN_COMPILED = tuple(
-    n.strip() for n in os.environ.get(_TRACED_ENV, "rms_norm,apply_rope").split(",") if n.strip()
-)
+TRACED_IN_COMPILED = tuple(n.strip() for n in os.environ.get(_TRACED_ENV, "").split(",") if n.strip())
 if set(TRACED_IN_COMPILED) - set(TRACEABLE):
     raise ValueError(
         f"{_TRACED_ENV}={os.environ.get(_TRACED_ENV)!r}: a comma list of {', '.join(TRACEABLE)} (empty: none)"
