@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_decode_step import RESULTS, _median_ms  # noqa: E402
 
 
 def _graphed(fn):
@@ -35,16 +36,8 @@ def _graphed(fn):
 
 
 def _median_us(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return float(np.median(times))
+    fn()  # (a warm-up call: the first eager call compiles or loads the kernel)
+    return _median_ms(fn, repeats, True) * 1e3
 
 
 def _implementations() -> dict:

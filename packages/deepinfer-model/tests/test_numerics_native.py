@@ -478,3 +478,34 @@ def test_native_bf16_attention_products_on_cuda_accumulate_in_fp32():
         gpu = sink_attention(q.cuda(), keys.cuda(), visible.cuda(), sinks.cuda(), d**-0.5, torch.bfloat16)
     assert gpu.dtype is torch.float32
     assert rel(cpu.double(), gpu.cpu().double()) <= P_ROUNDED_RTOL
+
+
+def test_narrow_values_equal_the_widened_ones_and_sort_the_same():
+    """`round_narrow` (native, BF16 activations) hands out the BF16 tensor whose values `round_to` widens;
+    `select_topk` of such 16-bit scores picks exactly what it picks from the widened scores: the same order
+    and the same ties (many equal BF16 values, lower index first), a naive stable ranking in float64 as the
+    oracle. Exact mode and FP32 activations keep the carrier."""
+    from deepinfer_model.layers.indexer import select_topk
+    from deepinfer_model.numerics import narrow_act, round_narrow, round_to
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 300, generator=gen) * 4
+    x[:, ::3] = torch.randint(-8, 8, (37, 100), generator=gen) * 0.5  # many exact ties
+    valid = torch.rand(37, 300, generator=gen) < 0.8
+    with numerics_mode("native"):
+        assert narrow_act(torch.bfloat16) and not narrow_act(torch.float32)
+        narrow, wide = round_narrow(x, torch.bfloat16), round_to(x, torch.bfloat16)
+        assert narrow.dtype is torch.bfloat16 and wide.dtype is torch.float32
+        assert torch.equal(narrow.float(), wide)
+        assert round_narrow(x, torch.float32).dtype is torch.float32
+        picked, picked_wide = select_topk(narrow, valid, 64), select_topk(wide, valid, 64)
+    assert torch.equal(picked, picked_wide)
+    assert sum(300 - len(set(r.tolist())) for r in narrow.float()) > 1000  # (ties do occur)
+    for row in range(x.shape[0]):  # oracle: best valid scores, ties to the lower index, then ascending
+        cand = [j for j in range(300) if valid[row, j]]
+        ranked = sorted(cand, key=lambda j: (-float(wide[row, j]), j))[:64]
+        want = sorted(ranked) + [-1] * (64 - len(ranked))
+        assert picked[row].tolist() == want
+    with numerics_mode("exact"):
+        assert not narrow_act(torch.bfloat16)
+        assert round_narrow(x, torch.bfloat16).dtype is torch.float64
