@@ -118,14 +118,7 @@ def experts_forward(
             y = linear(h, experts.w2[e], act_dtype) * wr
         ys.index_copy_(0, order[lo:hi], y)  # indices are distinct: deterministic
         lo = hi
-    ys = ys.view(t, k, x.shape[1])
-    # slot order, from zeros (0 + y is y except for -0.0), exactly as the per-slot accumulation did
-    out = torch.zeros(t, x.shape[1], dtype=carrier(), device=x.device)
-    for slot in range(k):
-        out += ys[:, slot]
-    if shared is not None:
-        out += mlp(x, shared, limit, act_dtype)
-    return round_to(out, act_dtype)
+    return _slot_sum(ys.view(t, k, x.shape[1]), x, shared, limit, act_dtype)
 
 
 def _bi_grouped(up: tuple, down: tuple) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
@@ -227,7 +220,6 @@ def experts_forward_static(
     if method == "grouped":
         y = _grouped_swiglu(x, weights, pairs, k, experts, limit, act_dtype, weight_before_down)
         return _slot_sum(y.view(t, k, -1), x, shared, limit, act_dtype)
-    plan = pairs
     xs = x.repeat_interleave(k, dim=0)  # row p = token p // k
     ws = weights.reshape(-1).to(carrier()).unsqueeze(-1)
     if bi and x.device.type == "cpu":
@@ -235,20 +227,20 @@ def experts_forward_static(
         y = _bi_pair_swiglu(xs, pairs, ws, *bi_parts, limit, act_dtype, weight_before_down, fp32)
     else:
         h = clamped_swiglu(
-            project(xs, experts.w1, plan, act_dtype), project(xs, experts.w3, plan, act_dtype), limit
+            project(xs, experts.w1, pairs, act_dtype), project(xs, experts.w3, pairs, act_dtype), limit
         )
         if weight_before_down:
-            y = project(h * ws, experts.w2, plan, act_dtype)
+            y = project(h * ws, experts.w2, pairs, act_dtype)
         else:
-            y = project(h, experts.w2, plan, act_dtype) * ws
+            y = project(h, experts.w2, pairs, act_dtype) * ws
     return _slot_sum(y.view(t, k, -1), x, shared, limit, act_dtype)
 
 
 def _slot_sum(
     ys: torch.Tensor, x: torch.Tensor, shared: MLPWeights | None, limit: float, act_dtype: torch.dtype
 ) -> torch.Tensor:
-    """The routed outputs [T, k, H] summed in slot order from zeros, as `experts_forward`, plus the shared
-    expert, rounded once."""
+    """The routed outputs [T, k, H] summed in slot order from zeros (0 + y is y except for -0.0, exactly as
+    a per-slot accumulation), plus the shared expert, rounded once."""
     out = torch.zeros(ys.shape[0], ys.shape[2], dtype=carrier(), device=ys.device)
     for slot in range(ys.shape[1]):
         out += ys[:, slot]
