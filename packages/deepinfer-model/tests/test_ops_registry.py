@@ -327,6 +327,7 @@ def test_compiled_regions_trace_the_registered_torch_version_of_an_op():
     NVIDIA table registers the ops DEEPINFER_COMPILE_TRACED_OPS names. Built on this CPU host: the kernels are
     never launched."""
     from deepinfer_model.backends import nvidia
+    from deepinfer_model.compile_boundary import outside_compiled_graph
 
     table = reg.OpTable("nvidia")
     assert set(reg._TRACED["nvidia"]) == set(nvidia.TRACED_IN_COMPILED)  # (DEEPINFER_COMPILE_TRACED_OPS)
@@ -342,7 +343,7 @@ def test_compiled_regions_trace_the_registered_torch_version_of_an_op():
         calls.append("traced")
         return x + 1
 
-    op = reg._traced_when_compiling(kernel, traced)
+    op = outside_compiled_graph(kernel, traced)  # (how OpTable wraps an op with a registered torch version)
     x = torch.zeros(3)
     assert torch.equal(op(x), x + 2) and calls == ["kernel"]
     compiled = torch.compile(lambda t: op(t) * 3, backend="eager", fullgraph=True)  # no graph break

@@ -15,9 +15,10 @@ from collections.abc import Callable
 import torch
 
 
-def outside_compiled_graph(fn: Callable) -> Callable:
-    """`fn`, called eagerly when a compiled region reaches it (attributes of `fn` are kept)."""
-    outside = torch.compiler.disable(fn)
+def outside_compiled_graph(fn: Callable, traced: Callable | None = None) -> Callable:
+    """`fn`, called eagerly when a compiled region reaches it (attributes of `fn` are kept); with `traced`
+    (a torch version of `fn`), the region traces `traced` instead of calling `fn`."""
+    outside = torch.compiler.disable(fn) if traced is None else traced
 
     @functools.wraps(fn)
     def call(*args, **kwargs):

@@ -66,54 +66,29 @@ OP_SPECS: dict[str, str] = {
 }
 
 _IMPLS: dict[str, dict[str, Callable]] = {b: {} for b in BACKENDS}
-# torch versions of accelerator ops that a compiled step traces instead of calling the op (`register_traced`)
+# torch versions of accelerator ops that a compiled step traces instead of calling the op (`register(traced=True)`)
 _TRACED: dict[str, dict[str, Callable]] = {b: {} for b in BACKENDS}
 _TABLES: dict[str, OpTable] = {}
 
 
-def register(backend: str, name: str) -> Callable[[Callable], Callable]:
-    """Decorator: `fn` implements op `name` on `backend`."""
+def register(backend: str, name: str, traced: bool = False) -> Callable[[Callable], Callable]:
+    """Decorator: `fn` implements op `name` on `backend`.
+
+    `traced=True`: `fn` (plain torch, the op's contract) is instead what a `torch.compile`d region runs for
+    the op, in place of one opaque call of the registered kernel. For small ops between GEMMs (norms, RoPE,
+    stream mixing) in the compiled decode step: each opaque call splits the compiled graph, and the casts and
+    elementwise ops at every split run as kernels of their own; traced, inductor fuses the op with them."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if name not in OP_SPECS:
         raise ValueError(f"unknown op {name!r}; ops are {sorted(OP_SPECS)}")
 
     def deco(fn: Callable) -> Callable:
-        _IMPLS[backend][name] = fn
+        (_TRACED if traced else _IMPLS)[backend][name] = fn
         _TABLES.pop(backend, None)
         return fn
 
     return deco
-
-
-def register_traced(backend: str, name: str) -> Callable[[Callable], Callable]:
-    """Decorator: `fn` (plain torch, the op's contract) is what a `torch.compile`d region runs for op
-    `name` on `backend` instead of calling the registered kernel as one opaque call. For small ops between
-    GEMMs (norms, RoPE, stream mixing) in the compiled decode step: each opaque call splits the compiled
-    graph, and the casts and elementwise ops at every split run as kernels of their own; traced, inductor
-    fuses the op with them."""
-    if name not in OP_SPECS:
-        raise ValueError(f"unknown op {name!r}; ops are {sorted(OP_SPECS)}")
-
-    def deco(fn: Callable) -> Callable:
-        _TRACED[backend][name] = fn
-        _TABLES.pop(backend, None)
-        return fn
-
-    return deco
-
-
-def _traced_when_compiling(kernel: Callable, traced: Callable) -> Callable:
-    """`kernel` eagerly, `traced` while `torch.compile` traces the caller."""
-    import torch
-
-    def call(*args, **kwargs):
-        if torch.compiler.is_compiling():
-            return traced(*args, **kwargs)
-        return kernel(*args, **kwargs)
-
-    call.__name__ = getattr(kernel, "__name__", "op")
-    return call
 
 
 def _build_accelerator() -> str | None:
@@ -173,12 +148,11 @@ class OpTable:
         self.sources: dict[str, str] = {}
         fns: dict[str, Callable] = {}
         for name in OP_SPECS:
-            if name in _IMPLS[backend] and name in _TRACED[backend]:
-                fns[name] = _traced_when_compiling(_IMPLS[backend][name], _TRACED[backend][name])
-                self.sources[name] = backend
-            elif name in _IMPLS[backend]:
-                # an accelerator kernel is one opaque call inside a compiled step (runtime/compiled.py)
-                fns[name], self.sources[name] = outside_compiled_graph(_IMPLS[backend][name]), backend
+            if name in _IMPLS[backend]:
+                # an accelerator kernel is one opaque call inside a compiled step (runtime/compiled.py), or
+                # its registered torch version traced there
+                kernel, traced = _IMPLS[backend][name], _TRACED[backend].get(name)
+                fns[name], self.sources[name] = outside_compiled_graph(kernel, traced), backend
             elif name in _IMPLS["cpu"]:
                 fns[name], self.sources[name] = _IMPLS["cpu"][name], "cpu"
                 if backend != "cpu":

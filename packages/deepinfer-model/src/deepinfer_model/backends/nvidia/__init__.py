@@ -30,7 +30,7 @@ import os
 from collections.abc import Callable
 
 from ... import batch_invariant
-from ...ops.registry import register, register_traced
+from ...ops.registry import register
 from . import gemm, moe, torch_cuda
 
 logger = logging.getLogger("deepinfer_model.ops")
@@ -146,7 +146,7 @@ if set(TRACED_IN_COMPILED) - set(TRACEABLE):
         f"{_TRACED_ENV}={os.environ.get(_TRACED_ENV)!r}: a comma list of {', '.join(TRACEABLE)} (empty: none)"
     )
 for _name in TRACED_IN_COMPILED:
-    register_traced("nvidia", _name)(_TORCH[_name])
+    register("nvidia", _name, traced=True)(_TORCH[_name])
 
 if _has("deep_gemm") and os.environ.get("DEEPINFER_DEEP_GEMM", "1") != "0":
     register("nvidia", "fp8_block_linear")(gemm.fp8_block_linear_deep_gemm)
