@@ -22,6 +22,8 @@
 # per decode step with DEEPINFER_ASYNC_DEVICE_INPUTS=0 and =1 in the same call),
 # mhc (the hc_mixes kernels' gpu tests and bench_mhc_mixes.py), where (profile_prefill_step.py --stacks: the prefill
 # step's device time by source line; the inductor-compiled decode step's generated code and a kernel trace),
+# moe (the routed experts' Triton kernels: gpu tests, bench_expert_swiglu.py, the graphed decode step with
+# DEEPINFER_TRITON_MOE_MAX_PAIRS=0 and the default; MOE_COMPILE=inductor compiles it, MOE_BATCHES picks the batches),
 # Modifiers: nodecode / noprefill (bench: only the other half).
 # Results: $OUT (device tool) or benchmarks/results; logs in engine_logs.tar.gz.
 set -uo pipefail
@@ -55,7 +57,7 @@ deep_gemm_pid=$!
 medium=/tmp/medium-v41
 src=$(ls -d "$repo"/packages/*/src | grep -v deepinfer-sched | tr '\n' ':')
 export PYTHONPATH="/tmp/sched-site:${src}/tmp/pysite:$PYTHONPATH"
-if has medium || has bench || has profile || has profstep || has long || has profprefill || has compile || has benchcompile || has devfeed || has where || has traced; then
+if has medium || has bench || has profile || has profstep || has long || has profprefill || has compile || has benchcompile || has devfeed || has where || has traced || has moe; then
   python3 benchmarks/gpu/make_medium_checkpoint.py "$medium" > "$out/medium_checkpoint.log" 2>&1 &
   medium_pid=$!
 fi
@@ -96,7 +98,7 @@ if has ppl; then
   DEEPINFER_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_repro_ppl_baseline.py > "$out/ppl_check.log" 2>&1
   tail -3 "$out/ppl_check.log"; cp tests/models/offline_decode_ppl.json "$out/offline_decode_ppl.json"
 fi
-if has medium || has bench || has profile || has profstep || has long || has profprefill || has compile || has benchcompile || has devfeed || has where || has traced; then
+if has medium || has bench || has profile || has profstep || has long || has profprefill || has compile || has benchcompile || has devfeed || has where || has traced || has moe; then
   wait "$medium_pid"; cat "$out/medium_checkpoint.log"
 fi
 if has medium; then
@@ -292,6 +294,20 @@ if has mhc; then  # the mHC mixes kernels: their gpu tests, then torch / TileLan
   fi
   timeout 120 python3 benchmarks/gpu/bench_mhc_mixes.py --out "$out/bench_mhc_mixes.json" > "$out/bench_mhc_mixes.log" 2>&1
   tail -20 "$out/bench_mhc_mixes.log"; collect
+fi
+if has moe; then  # the routed experts' Triton kernels: their gpu tests, the per-call bench, the decode step with / without
+  el "tests + bench: expert_swiglu (grouped GEMMs vs Triton), then the graphed decode step with each"
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu packages/deepinfer-model/tests/test_ops_nvidia.py \
+    -k "expert_swiglu or fell_back" > "$out/moe_tests.log" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$out/moe_tests.log" | tail -8
+  timeout 150 python3 benchmarks/gpu/bench_expert_swiglu.py --out "$out/bench_expert_swiglu.json" > "$out/bench_expert_swiglu.log" 2>&1
+  tail -30 "$out/bench_expert_swiglu.log"; collect
+  for mp in ${MOE_MAX_PAIRS:-0 256}; do  # 0: the grouped GEMMs (the in-run baseline)
+    DEEPINFER_TRITON_MOE_MAX_PAIRS=$mp DEEPINFER_NUMERICS=native timeout "${PROFSTEP_LIMIT_S:-240}" python3 benchmarks/gpu/profile_decode_step.py \
+      --model "$medium" --dtype bfloat16 --modes default --compile ${MOE_COMPILE:-none} --batches ${MOE_BATCHES:-1 8} --context 128 \
+      --top 25 --out "$out/profile_decode_step_moe_$mp.json" > "$out/profile_moe_$mp.log" 2>&1
+    tail -6 "$out/profile_moe_$mp.log"; collect
+  done
 fi
 if has where; then  # where the device time goes: prefill ops by source line, the compiled decode step's code
   el "profile: medium native eager prefill step by source line, ${PROF_CONTEXT:-16384} tokens"

@@ -260,6 +260,40 @@ def test_triton_mhc_mixes_kernel(cpu, t, m, h, iters):
         assert rel_err(o, r) < 1e-5
 
 
+@needs_triton
+@pytest.mark.parametrize(
+    "t,k,e,inter,hidden",
+    [
+        (1, 6, 16, 1024, 4096),
+        (8, 6, 16, 1024, 4096),
+        (40, 6, 16, 1024, 4096),
+        (3, 2, 5, 200, 320),
+        (64, 4, 4, 96, 256),
+    ],
+)
+@pytest.mark.parametrize("weight_before_down", [True, False])
+def test_expert_swiglu(gpu, cpu, t, k, e, inter, hidden, weight_before_down):
+    """The registry's op (Triton kernels for these pair counts) and the grouped-GEMM reference on the GPU,
+    both against the CPU reference; the medium V4.1's expert shapes at decode batches 1 / 8 / 40."""
+    from deepinfer_model.backends.nvidia import triton_moe
+
+    assert t * k <= triton_moe.MAX_PAIRS  # (so the registry's op is the Triton path)
+    bf = torch.bfloat16
+    x = torch.randn(t, hidden).to(bf)
+    w1, w3 = ((torch.randn(e, inter, hidden) * hidden**-0.5).to(bf) for _ in range(2))
+    w2 = (torch.randn(e, hidden, inter) * inter**-0.5).to(bf)
+    pairs = torch.stack([torch.randperm(e)[:k] for _ in range(t)]).reshape(-1)
+    ws = torch.rand(t * k)
+    args = (1.5, weight_before_down)
+    ref = cpu.expert_swiglu(x, pairs, ws, w1, w3, w2, *args)
+    dev = [a.to(DEV) for a in (x, pairs, ws, w1, w3, w2)]
+    for fn in (gpu.expert_swiglu, cpu.expert_swiglu):
+        poison()
+        out = fn(*dev, *args)
+        assert out.dtype == torch.float32 and out.shape == (t * k, hidden)
+        assert rel_err(out, ref) < tol(bf)
+
+
 @needs_tilelang
 def test_hc_mixes_single_sinkhorn_iteration(cpu):
     trunk = torch.randn(7, 4, 256)

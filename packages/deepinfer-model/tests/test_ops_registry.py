@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 
@@ -366,3 +367,20 @@ def test_unknown_traced_op_names_are_a_clear_error():
     assert (
         "DEEPINFER_COMPILE_TRACED_OPS='rms_norm,softmax': a comma list of rms_norm, apply_rope" in done.stderr
     )
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+@pytest.mark.parametrize("value", ["-1", "many"])
+def test_bad_triton_moe_pair_limit_is_a_clear_error(value):
+    import subprocess
+    import sys
+
+    env = dict(__import__("os").environ, DEEPINFER_TRITON_MOE_MAX_PAIRS=value)
+    done = subprocess.run(
+        [sys.executable, "-c", "import deepinfer_model.backends.nvidia.triton_moe"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode != 0
+    assert f"DEEPINFER_TRITON_MOE_MAX_PAIRS must be an integer >= 0, got {value!r}" in done.stderr

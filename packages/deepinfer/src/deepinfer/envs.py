@@ -86,7 +86,14 @@ _VARS = [
         str,
         "1",
         "NVIDIA backend: 0 keeps the Triton kernels out: batch-invariant mode's row / tile GEMMs (reference "
-        "tiles serve) and the indexer's fused scores (torch path)",
+        "tiles serve), the indexer's fused scores (torch path), the mHC mixes and the few-pair expert MLP",
+    ),
+    EnvVar(
+        "DEEPINFER_TRITON_MOE_MAX_PAIRS",
+        int,
+        256,
+        "NVIDIA backend, native mode: routed-expert calls of at most this many (token, slot) pairs (decode) run "
+        "the Triton expert kernels, larger ones the grouped GEMMs; 0: always the grouped GEMMs",
     ),
     EnvVar(
         "DEEPINFER_FLASH_MLA",

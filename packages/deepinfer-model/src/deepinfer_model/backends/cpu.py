@@ -11,7 +11,7 @@ import torch
 
 from .. import batch_invariant
 from ..layers import attention, mhc, norm, rope
-from ..layers.experts import clamped_swiglu, pair_tiled_products
+from ..layers.experts import clamped_swiglu, grouped_swiglu, pair_tiled_products
 from ..numerics import KERNEL_ROUNDINGS, linear, round_to, weight_as
 from ..ops.kv_format import store_fp8_tokens, unpack_fp8_tokens
 from ..ops.registry import register
@@ -141,6 +141,20 @@ def _rounded(out: torch.Tensor, round_to: torch.dtype | None) -> torch.Tensor:
     if round_to not in KERNEL_ROUNDINGS:
         raise ValueError(f"round_to must be None, float32, bfloat16 or float16, got {round_to}")
     return out.to(round_to).to(out.dtype)
+
+
+@register("cpu", "expert_swiglu")
+def expert_swiglu(
+    x: torch.Tensor,
+    pairs: torch.Tensor,
+    weights: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    limit: float,
+    weight_before_down: bool,
+) -> torch.Tensor:
+    return grouped_swiglu(x, pairs, weights, w1, w3, w2, limit, weight_before_down)
 
 
 @register("cpu", "rows_matmul")

@@ -259,26 +259,54 @@ def _grouped_swiglu(
     act_dtype: torch.dtype,
     weight_before_down: bool,
 ) -> torch.Tensor:
-    """Native mode: the routed MLP of every (token, slot) pair [T*k, H] (FP32, pair order) through three
-    `torch._grouped_mm` calls over all experts. The pairs are sorted by expert once (stable) and stay in
-    that order through gate, up, SwiGLU and down; only the act-dtype token rows are gathered (not FP32
-    copies per projection) and the result is put back in pair order once. The GEMMs round their outputs to
-    act_dtype as `linear` does; the elementwise math is `experts_forward`'s, in FP32."""
+    """Native mode: the routed MLP of every (token, slot) pair [T*k, H] (FP32, pair order) by the
+    `expert_swiglu` op, with act-dtype operands (the stacked weights converted once, cached)."""
+    del k  # (pairs has T*k entries: the op derives k from the token count)
+    return get_ops().expert_swiglu(
+        x.to(act_dtype),
+        pairs,
+        weights,
+        weight_as(experts.w1, act_dtype),
+        weight_as(experts.w3, act_dtype),
+        weight_as(experts.w2, act_dtype),
+        limit,
+        weight_before_down,
+    )
+
+
+def grouped_swiglu(
+    x: torch.Tensor,
+    pairs: torch.Tensor,
+    weights: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    limit: float,
+    weight_before_down: bool,
+) -> torch.Tensor:
+    """The `expert_swiglu` reference: three `torch._grouped_mm` calls over all experts. The pairs are
+    sorted by expert once (stable) and stay in that order through gate, up, SwiGLU and down; only the
+    act-dtype token rows are gathered (not FP32 copies per projection) and the result is put back in
+    pair order once. The GEMMs round their outputs to x.dtype as `linear` does; the elementwise math is
+    `experts_forward`'s, in FP32. No host sync (graph-safe)."""
+    t = x.shape[0]
+    k = pairs.numel() // max(t, 1)
+    pairs = pairs.reshape(-1).long()
     order = torch.argsort(pairs, stable=True)
     # group ends: how many pairs have an expert id <= e (no bincount: CUDA's reads back its max)
-    ends = torch.searchsorted(pairs[order], torch.arange(experts.w1.shape[0], device=x.device), right=True)
+    ends = torch.searchsorted(pairs[order], torch.arange(w1.shape[0], device=x.device), right=True)
     ends = ends.to(torch.int32)
-    xs = x.to(act_dtype)[torch.div(order, k, rounding_mode="floor")]  # row i: token of pair order[i]
+    xs = x[torch.div(order, k, rounding_mode="floor")]  # row i: token of pair order[i]
 
     def project(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return torch._grouped_mm(a, weight_as(w, act_dtype).transpose(1, 2), offs=ends).to(torch.float32)
+        return torch._grouped_mm(a, w.transpose(1, 2), offs=ends).to(torch.float32)
 
-    ws = weights.reshape(-1)[order].to(carrier()).unsqueeze(-1)
-    h = clamped_swiglu(project(xs, experts.w1), project(xs, experts.w3), limit)
+    ws = weights.reshape(-1)[order].to(torch.float32).unsqueeze(-1)
+    h = clamped_swiglu(project(xs, w1), project(xs, w3), limit).float()
     if weight_before_down:
-        y = project((h * ws).to(act_dtype), experts.w2)
+        y = project((h * ws).to(x.dtype), w2)
     else:
-        y = project(h.to(act_dtype), experts.w2) * ws
+        y = project(h.to(x.dtype), w2) * ws
     back = torch.empty_like(y)
     back[order] = y
     return back

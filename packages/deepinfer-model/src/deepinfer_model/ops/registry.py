@@ -52,6 +52,11 @@ OP_SPECS: dict[str, str] = {
     "bf16(W13_e Q8(x)), h = silu(min(g, L)) clamp(u, -L, L) (* w) in FP32, o = bf16(W2_e Q8(h)) (* w after "
     "w2 if not weight_before_down), summed over slots in slot order in FP32 (left unrounded so the caller "
     "adds the shared expert before the one bf16 rounding); Q8 = per-token 1x128 power-of-two FP8",
+    "expert_swiglu": "expert_swiglu(x [T, H] 16-bit | FP32, pairs [T*k] int (pair p: token p // k, expert "
+    "pairs[p]), weights [T*k] FP32, w1 [E, I, H], w3 [E, I, H], w2 [E, H, I] (x's dtype), limit, weight_before_down) "
+    "-> [T*k, H] FP32 in pair order; per pair g, u = x.dtype(W1_e x), x.dtype(W3_e x) (FP32 accumulation), h = "
+    "silu(min(g, L)) clamp(u, -L, L) (* w) in FP32 rounded to x.dtype, y = x.dtype(W2_e h) (* w after w2 if not "
+    "weight_before_down): native mode's routed MLP, no host sync",
     "kv_store_fp8": "kv_store_fp8(latent [T, 512], kv_cache uint8 [blocks, page, 1, 528], slots [T]) -> None; "
     "V4.1 FP8 cache format (spec v41-model 4.9), slot = block * page + offset",
     "index_scores": "index_scores(q [G, T, h, d] bf16, keys [G, n, d] bf16, weights [G, T, h] FP32) -> [G, T, n] FP32 "

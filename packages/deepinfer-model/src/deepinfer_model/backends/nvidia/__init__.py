@@ -9,6 +9,7 @@
 | fp8_block_linear | DeepGEMM `fp8_gemm_nt` if `deep_gemm` imports and `DEEPINFER_DEEP_GEMM` != 0, else dequantise + BF16 GEMM |
 | grouped_expert_mlp | DeepGEMM `m_grouped_fp8_gemm_nt_contiguous` (same condition), else per-expert dequantised BF16 GEMMs (`moe.py`) |
 | rows_matmul, pair_rows_matmul, tile_bmm | Triton row / tile kernels (`triton_rows.py`) if `triton` imports and `DEEPINFER_TRITON` != 0, else the reference tiles |
+| expert_swiglu | Triton gate/up + SwiGLU and down kernels (`triton_moe.py`) for at most `triton_moe.MAX_PAIRS` 16-bit pairs (decode), else the reference's `torch._grouped_mm` calls |
 | index_scores | Triton kernel (`triton_index.py`; power-of-two heads and head dim) if `triton` imports and `DEEPINFER_TRITON` != 0, else the reference |
 | sparse_prefill_attention | FlashMLA's legacy SM90 sparse prefill (`attention.py`; 64 / 128 heads of 512) if `flash_mla` imports and `DEEPINFER_FLASH_MLA` != 0, else the reference |
 | sparse_decode_attention | torch FP32 gather + softmax with sink (FlashMLA's SM90 kernel rejects the V41 format) |
@@ -188,6 +189,22 @@ if _TRITON:
         return (_fast_mixes if numerics.native() else _row_local_mixes)(*args, **kwargs)
 
     register("nvidia", "hc_mixes")(_hc_mixes)
+
+# Native mode's routed experts (`layers.experts._grouped_swiglu`): up to `triton_moe.MAX_PAIRS` (token, slot)
+# pairs, as in a decode step, two Triton kernels over the expert-sorted pairs (`triton_moe.py`); more pairs
+# (prefill), or operands the kernels do not take, the reference's grouped GEMMs (CUTLASS through torch).
+if _TRITON:
+    from .. import cpu as _reference
+    from . import triton_moe
+
+    _few_pairs = _kernel_or_torch("expert_swiglu", triton_moe.expert_swiglu, _reference.expert_swiglu)
+
+    def _expert_swiglu(x, pairs, weights, w1, *rest):
+        if pairs.numel() <= triton_moe.MAX_PAIRS and triton_moe.supports(x, w1):
+            return _few_pairs(x, pairs, weights, w1, *rest)
+        return _reference.expert_swiglu(x, pairs, weights, w1, *rest)
+
+    register("nvidia", "expert_swiglu")(_expert_swiglu)
 
 # The indexer's scores in native mode (`runtime.groups.grouped_index_scores`): the core asks `supports(heads,
 # dim)` first and keeps its own path for other shapes.

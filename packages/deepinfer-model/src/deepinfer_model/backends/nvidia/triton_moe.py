@@ -1,0 +1,189 @@
+"""The routed experts' SwiGLU MLP for few (token, slot) pairs: two Triton kernels over the expert-sorted pairs.
+
+Why: in a decode step each expert sees a handful of rows, so the work is reading the active experts'
+weights once. `torch._grouped_mm` (CUTLASS) tiles N by 128 or more: at one token (6 pairs) the medium
+V4.1's gate projection is 6 experts x 8 tiles = 48 CTAs on 132 SMs, and the three projections of a layer
+took 26 us each on the H200, about half the HBM rate. Here a program owns one expert and a narrow block of
+output columns (`block_n`), so the same call is hundreds of programs that stream the weights at full
+width; gate and up are read in the same program and the clamped SwiGLU is its epilogue; the token rows are
+gathered and the outputs scattered back to pair order inside the kernels (no gather, cast or scatter
+launches around them).
+
+Numerics are those of the grouped-GEMM path (`layers.experts._grouped_swiglu`): BF16 operands, FP32
+accumulation, each projection's output rounded to BF16, the SwiGLU and routing weight in FP32, `h`
+rounded to BF16 before the down projection. The K order of the sums differs from CUTLASS's, so results
+agree within FP32 accumulation order, not bitwise. Plain `.py` (Triton reads the source).
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_K = 128  # reduction depth per loaded tile (the weight rows are contiguous in K)
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr,  # [T, K] 16-bit token rows
+    order_ptr,  # [P] int64: pair id of each sorted row
+    ends_ptr,  # [E] int32: sorted rows of experts <= e
+    w1_ptr,  # [E, N, K] gate
+    w3_ptr,  # [E, N, K] up
+    ws_ptr,  # [P] FP32 routing weight of each pair
+    h_ptr,  # [P, N] 16-bit out, sorted-row order
+    K,
+    N,
+    k_slots,
+    limit,
+    WEIGHT_BEFORE_DOWN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    e = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+    end = tl.load(ends_ptr + e)
+    w_base = e.to(tl.int64) * N * K
+    for m0 in range(start, end, BLOCK_M):
+        r = m0 + tl.arange(0, BLOCK_M)
+        r_ok = r < end
+        pair = tl.load(order_ptr + r, mask=r_ok, other=0)
+        tok = pair // k_slots
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = kk < K
+            a = tl.load(x_ptr + tok[:, None] * K + kk[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            w_off = w_base + n[:, None] * K + kk[None, :]
+            w_ok = n_ok[:, None] & k_ok[None, :]
+            acc_g = tl.dot(a, tl.trans(tl.load(w1_ptr + w_off, mask=w_ok, other=0.0)), acc_g)
+            acc_u = tl.dot(a, tl.trans(tl.load(w3_ptr + w_off, mask=w_ok, other=0.0)), acc_u)
+        # each projection rounded to the act dtype, as the GEMM path's outputs are
+        g = acc_g.to(h_ptr.dtype.element_ty).to(tl.float32)
+        u = acc_u.to(h_ptr.dtype.element_ty).to(tl.float32)
+        g = tl.minimum(g, limit)
+        h = g * tl.sigmoid(g) * tl.minimum(tl.maximum(u, -limit), limit)
+        if WEIGHT_BEFORE_DOWN:
+            h = h * tl.load(ws_ptr + pair, mask=r_ok, other=0.0)[:, None]
+        tl.store(
+            h_ptr + r[:, None] * N + n[None, :],
+            h.to(h_ptr.dtype.element_ty),
+            mask=r_ok[:, None] & n_ok[None, :],
+        )
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr,  # [P, K] 16-bit, sorted-row order
+    order_ptr,
+    ends_ptr,
+    w2_ptr,  # [E, N, K]
+    ws_ptr,
+    y_ptr,  # [P, N] FP32 out, pair order
+    K,
+    N,
+    WEIGHT_BEFORE_DOWN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    e = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+    end = tl.load(ends_ptr + e)
+    w_base = e.to(tl.int64) * N * K
+    for m0 in range(start, end, BLOCK_M):
+        r = m0 + tl.arange(0, BLOCK_M)
+        r_ok = r < end
+        pair = tl.load(order_ptr + r, mask=r_ok, other=0)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = kk < K
+            a = tl.load(h_ptr + r[:, None] * K + kk[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            w_off = w_base + n[:, None] * K + kk[None, :]
+            w = tl.load(w2_ptr + w_off, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = tl.dot(a, tl.trans(w), acc)
+        y = acc.to(h_ptr.dtype.element_ty).to(tl.float32)
+        if not WEIGHT_BEFORE_DOWN:
+            y = y * tl.load(ws_ptr + pair, mask=r_ok, other=0.0)[:, None]
+        tl.store(y_ptr + pair[:, None] * N + n[None, :], y, mask=r_ok[:, None] & n_ok[None, :])
+
+
+# Pair counts up to which the registry takes these kernels (a decode step: batch x top-k); above it the
+# grouped GEMM's wide tiles are full and it is the faster one (`benchmarks/gpu/bench_expert_swiglu.py`).
+# DEEPINFER_TRITON_MOE_MAX_PAIRS overrides it (0: never these kernels).
+_MAX_PAIRS_ENV = os.environ.get("DEEPINFER_TRITON_MOE_MAX_PAIRS", "256").strip()
+if not _MAX_PAIRS_ENV.isdigit():
+    raise ValueError(f"DEEPINFER_TRITON_MOE_MAX_PAIRS must be an integer >= 0, got {_MAX_PAIRS_ENV!r}")
+MAX_PAIRS = int(_MAX_PAIRS_ENV)
+
+# (gate/up block_n, down block_n, num_warps) by pair count: narrow column blocks while few pairs leave most
+# programs idle-free of rows to share a weight tile; the H200 sweep is `benchmarks/gpu/bench_expert_swiglu.py`
+CONFIGS = {"gate_up_block_n": 32, "down_block_n": 64, "num_warps": 4, "num_stages": 4}
+
+
+def supports(x: torch.Tensor, w1: torch.Tensor) -> bool:
+    """16-bit operands of one dtype (FP32 would run `tl.dot` in TF32, not the reference's FP32)."""
+    return x.dtype in (torch.bfloat16, torch.float16) and w1.dtype == x.dtype
+
+
+def _block_m(pairs: int, experts: int) -> int:
+    """Rows per tile: 16 (the smallest `tl.dot`) up to 64 as the mean rows per expert grow."""
+    per_expert = -(-pairs // max(experts, 1))
+    return min(64, max(16, triton.next_power_of_2(per_expert)))
+
+
+def expert_swiglu(
+    x: torch.Tensor,
+    pairs: torch.Tensor,
+    weights: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    limit: float,
+    weight_before_down: bool,
+    *,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """The registry's `expert_swiglu` contract for 16-bit `x` and weights of its dtype: [P, H] FP32, pair order.
+    `config`: `CONFIGS`' keys to override (the bench's sweep)."""
+    if not supports(x, w1) or w3.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(
+            f"expert_swiglu (Triton): x and weights must share a 16-bit dtype, got {x.dtype}, {w1.dtype}"
+        )
+    t, hidden = x.shape
+    n_experts, inter = w1.shape[0], w1.shape[1]
+    p = pairs.numel()
+    if p % max(t, 1):
+        raise ValueError(f"expert_swiglu: pairs ({p}) must be a multiple of the token count ({t})")
+    k = p // t if t else 1
+    y = torch.empty(p, hidden, dtype=torch.float32, device=x.device)
+    if not p:
+        return y
+    flat = pairs.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    ends = torch.searchsorted(flat[order], torch.arange(n_experts, device=x.device), right=True).to(
+        torch.int32
+    )
+    ws = weights.reshape(-1).float().contiguous()
+    h = torch.empty(p, inter, dtype=x.dtype, device=x.device)
+    bm, cfg = _block_m(p, n_experts), {**CONFIGS, **(config or {})}
+    run = {"BLOCK_M": bm, "BLOCK_K": BLOCK_K, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    bn = cfg["gate_up_block_n"]
+    _gate_up_kernel[(n_experts, triton.cdiv(inter, bn))](
+        x.contiguous(), order, ends, w1.contiguous(), w3.contiguous(), ws, h,
+        hidden, inter, k, float(limit), WEIGHT_BEFORE_DOWN=bool(weight_before_down), BLOCK_N=bn, **run,
+    )  # fmt: skip
+    bn = cfg["down_block_n"]
+    _down_kernel[(n_experts, triton.cdiv(hidden, bn))](
+        h, order, ends, w2.contiguous(), ws, y,
+        inter, hidden, WEIGHT_BEFORE_DOWN=bool(weight_before_down), BLOCK_N=bn, **run,
+    )  # fmt: skip
+    return y
