@@ -163,6 +163,9 @@ def profile_one(model, b: int, mode: str, args, compile_backend: str | None = No
         "kernels_per_step": round(kernels, 1),
         "kernel_ms": kernel_ms,
         "launch_gap_ms": replay_ms - kernel_ms,
+        # graph breaks Dynamo has met so far in the process (compiled records: the compiled step's split points)
+        "graph_breaks": int(sum(torch._dynamo.utils.counters["graph_break"].values())),
+        "custom_ops": os.environ.get("DEEPINFER_COMPILE_CUSTOM_OPS", "1"),
     }
     FIRST_LOGITS[(b, mode, compile_backend or "none")] = first_logits
     return rec, rows
@@ -241,6 +244,7 @@ def main() -> None:
         "kernels_per_step",
         "kernel_ms",
         "launch_gap_ms",
+        "graph_breaks",
         "uncaptured_static_ms",
         "logits_mean_abs_diff_vs_plain",
         "greedy_agree_vs_plain",

@@ -24,6 +24,7 @@
 # step's device time by source line; the inductor-compiled decode step's generated code and a kernel trace),
 # moe (the routed experts' Triton kernels: gpu tests, bench_expert_swiglu.py, the graphed decode step with
 # DEEPINFER_TRITON_MOE_MAX_PAIRS=0 and the default; MOE_COMPILE=inductor compiles it, MOE_BATCHES picks the batches),
+# customops (the compiled decode step with DEEPINFER_COMPILE_CUSTOM_OPS=1, its graph breaks by reason, then =0),
 # Modifiers: nodecode / noprefill (bench: only the other half).
 # Results: $OUT (device tool) or benchmarks/results; logs in engine_logs.tar.gz.
 set -uo pipefail
@@ -57,7 +58,7 @@ deep_gemm_pid=$!
 medium=/tmp/medium-v41
 src=$(ls -d "$repo"/packages/*/src | grep -v deepinfer-sched | tr '\n' ':')
 export PYTHONPATH="/tmp/sched-site:${src}/tmp/pysite:$PYTHONPATH"
-if has medium || has bench || has profile || has profstep || has long || has profprefill || has compile || has benchcompile || has devfeed || has where || has traced || has moe; then
+if has medium || has bench || has profile || has profstep || has long || has profprefill || has compile || has benchcompile || has devfeed || has where || has traced || has moe || has customops; then
   python3 benchmarks/gpu/make_medium_checkpoint.py "$medium" > "$out/medium_checkpoint.log" 2>&1 &
   medium_pid=$!
 fi
@@ -98,7 +99,7 @@ if has ppl; then
   DEEPINFER_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_repro_ppl_baseline.py > "$out/ppl_check.log" 2>&1
   tail -3 "$out/ppl_check.log"; cp tests/models/offline_decode_ppl.json "$out/offline_decode_ppl.json"
 fi
-if has medium || has bench || has profile || has profstep || has long || has profprefill || has compile || has benchcompile || has devfeed || has where || has traced || has moe; then
+if has medium || has bench || has profile || has profstep || has long || has profprefill || has compile || has benchcompile || has devfeed || has where || has traced || has moe || has customops; then
   wait "$medium_pid"; cat "$out/medium_checkpoint.log"
 fi
 if has medium; then
@@ -302,11 +303,24 @@ if has moe; then  # the routed experts' Triton kernels: their gpu tests, the per
   grep -E "^(FAILED|ERROR)|passed|failed" "$out/moe_tests.log" | tail -8
   timeout 150 python3 benchmarks/gpu/bench_expert_swiglu.py --out "$out/bench_expert_swiglu.json" > "$out/bench_expert_swiglu.log" 2>&1
   tail -30 "$out/bench_expert_swiglu.log"; collect
-  for mp in ${MOE_MAX_PAIRS:-0 256}; do  # 0: the grouped GEMMs (the in-run baseline)
+  for mp in ${MOE_MAX_PAIRS:-0 1024}; do  # 0: the grouped GEMMs (the in-run baseline)
     DEEPINFER_TRITON_MOE_MAX_PAIRS=$mp DEEPINFER_NUMERICS=native timeout "${PROFSTEP_LIMIT_S:-240}" python3 benchmarks/gpu/profile_decode_step.py \
       --model "$medium" --dtype bfloat16 --modes default --compile ${MOE_COMPILE:-none} --batches ${MOE_BATCHES:-1 8} --context 128 \
       --top 25 --out "$out/profile_decode_step_moe_$mp.json" > "$out/profile_moe_$mp.log" 2>&1
     tail -6 "$out/profile_moe_$mp.log"; collect
+  done
+fi
+if has customops; then  # the compiled decode step with the decode ops as custom ops (no graph breaks) and without
+  for co in ${CUSTOM_OPS_VALUES:-1 0}; do
+    if [ "$co" = 1 ]; then modes="none inductor"; b=${CUSTOM_OPS_BATCHES:-1 8}; else modes=inductor; b=${CUSTOM_OPS_BASE_BATCHES:-1}; fi
+    el "profile: compiled decode step, DEEPINFER_COMPILE_CUSTOM_OPS=$co, batches $b"
+    TORCH_LOGS=graph_breaks DEEPINFER_COMPILE_CUSTOM_OPS=$co DEEPINFER_NUMERICS=native timeout "${COMPILE_LIMIT_S:-300}" \
+      python3 benchmarks/gpu/profile_decode_step.py --model "$medium" --dtype bfloat16 --modes default --compile $modes \
+      --batches $b --context 128 --top 30 --out "$out/profile_decode_step_custom_ops_$co.json" \
+      > "$out/profile_custom_ops_$co.log" 2> "$out/graph_breaks_$co.log"
+    tail -8 "$out/profile_custom_ops_$co.log"
+    echo "graph breaks by reason:"; grep -o "Explanation: .*" "$out/graph_breaks_$co.log" | cut -c1-150 | sort | uniq -c | sort -rn | head -8
+    tail -3 "$out/graph_breaks_$co.log" | cut -c1-300; collect
   done
 fi
 if has where; then  # where the device time goes: prefill ops by source line, the compiled decode step's code

@@ -267,6 +267,7 @@ def test_triton_mhc_mixes_kernel(cpu, t, m, h, iters):
         (1, 6, 16, 1024, 4096),
         (8, 6, 16, 1024, 4096),
         (40, 6, 16, 1024, 4096),
+        (128, 6, 16, 1024, 4096),
         (3, 2, 5, 200, 320),
         (64, 4, 4, 96, 256),
     ],
@@ -292,6 +293,20 @@ def test_expert_swiglu(gpu, cpu, t, k, e, inter, hidden, weight_before_down):
         out = fn(*dev, *args)
         assert out.dtype == torch.float32 and out.shape == (t * k, hidden)
         assert rel_err(out, ref) < tol(bf)
+
+
+@needs_triton
+@pytest.mark.parametrize("p,e", [(1, 16), (48, 16), (256, 256), (300, 16), (2000, 64)])
+def test_expert_pair_sort(p, e):
+    """The one-program counting sort (and, past its tile, argsort) against torch's stable sort."""
+    from deepinfer_model.backends.nvidia import triton_moe
+
+    pairs = torch.randint(0, e, (p,), device=DEV)
+    poison()
+    order, ends = triton_moe.sort_pairs(pairs, e)
+    ref = torch.argsort(pairs, stable=True)
+    assert torch.equal(order, ref)
+    assert torch.equal(ends, torch.searchsorted(pairs[ref], torch.arange(e, device=DEV), right=True).int())
 
 
 @needs_tilelang

@@ -65,6 +65,27 @@ _EXPERTS = textwrap.dedent(
 )
 
 
+_SORT = textwrap.dedent(
+    """
+    import json, sys, torch
+    from deepinfer_model.backends.nvidia import triton_moe
+    torch.manual_seed(0)
+    same = []
+    for p, e, out_of_range in json.loads(sys.argv[1]):
+        pairs = torch.randint(0, e, (p,))
+        if out_of_range:
+            pairs[p // 2] = e + 3
+        order, ends = triton_moe.sort_pairs(pairs, e)
+        # torch's stable sort and group ends, with the out-of-range id sorted last
+        ref_order = torch.argsort(torch.where(pairs < e, pairs, e), stable=True)
+        ref_ends = torch.searchsorted(pairs[ref_order], torch.arange(e), right=True).to(torch.int32)
+        n = int(ref_ends[-1])
+        same.append(bool(torch.equal(ends, ref_ends) and torch.equal(order[:n], ref_order[:n])))
+    print(json.dumps(same))
+    """
+)
+
+
 def _interpreted(script: str, arg: str) -> list[float]:
     env = dict(os.environ, TRITON_INTERPRET="1", DEEPINFER_TILELANG="0")
     done = subprocess.run(
@@ -92,3 +113,10 @@ def test_expert_swiglu_kernels_match_the_grouped_gemm_reference():
     errors = _interpreted(_EXPERTS, json.dumps(shapes))
     assert len(errors) == len(shapes)
     assert max(errors) < 1e-4, errors
+
+
+def test_pair_sort_kernel_is_torchs_stable_sort():
+    # one pair; a decode batch's pairs; experts that get none; many ties; the largest one-program tile; an
+    # expert id outside the table (left out)
+    cases = [[1, 4, False], [6, 16, False], [48, 16, False], [200, 7, False], [256, 256, False], [9, 3, True]]
+    assert _interpreted(_SORT, json.dumps(cases)) == [True] * len(cases)

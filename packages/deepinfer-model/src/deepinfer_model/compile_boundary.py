@@ -10,6 +10,7 @@ are outside a compiled region, and as one opaque call (a graph break) inside one
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 
 import torch
@@ -27,3 +28,53 @@ def outside_compiled_graph(fn: Callable, traced: Callable | None = None) -> Call
         return fn(*args, **kwargs)
 
     return call
+
+
+# DEEPINFER_COMPILE_CUSTOM_OPS=0: the functions given to `as_custom_op` stay graph breaks (the earlier behaviour,
+# for comparison); read once, when the first op is wrapped
+_CUSTOM_OPS_ENV = "DEEPINFER_COMPILE_CUSTOM_OPS"
+_CUSTOM_OPS: dict[str, list] = {}  # qualified name -> [the function the op calls now]
+
+
+def custom_ops_enabled() -> bool:
+    value = os.environ.get(_CUSTOM_OPS_ENV, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{_CUSTOM_OPS_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def as_custom_op(qualname: str, fn: Callable, schema: str, fake: Callable) -> Callable:
+    """`fn` as the `torch.library` custom op `qualname` ("deepinfer::name") with `schema`, whose shapes and
+    dtypes a compiled region takes from `fake` (same arguments; returns empty tensors of the real outputs'
+    shapes and dtypes, contiguous). Given as `outside_compiled_graph(fn, traced=...)`, a compiled region
+    records one call of the op instead of breaking its graph: the casts and elementwise ops on either side of
+    the call fuse with their neighbours (at a graph break each segment starts and ends with kernels of its own).
+
+    The op runs `fn` with its outputs made contiguous and never aliasing an input (what a custom op
+    promises); a later call with the same `qualname` (a rebuilt op table) points the op at the new `fn`."""
+    entry = _CUSTOM_OPS.get(qualname)
+    if entry is not None:
+        entry[0] = fn
+        return entry[1]
+    entry = [fn, None]
+
+    def impl(*args, **kwargs):
+        out = entry[0](*args, **kwargs)
+        inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        return tuple(_fresh(o, inputs) for o in out) if isinstance(out, tuple) else _fresh(out, inputs)
+
+    op = torch.library.custom_op(qualname, impl, mutates_args=(), schema=schema)
+    op.register_fake(fake)
+    entry[1] = op
+    _CUSTOM_OPS[qualname] = entry
+    return op
+
+
+def _fresh(out: torch.Tensor, inputs: list[torch.Tensor]) -> torch.Tensor:
+    """`out`, contiguous and in storage of its own (a copy where it is a view of an input)."""
+    if not out.is_contiguous():
+        return out.contiguous()
+    ptr = out.untyped_storage().data_ptr()
+    if any(t.untyped_storage().data_ptr() == ptr for t in inputs):
+        return out.clone()
+    return out

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from .compile_boundary import outside_compiled_graph
+from .compile_boundary import as_custom_op, custom_ops_enabled, outside_compiled_graph
 
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
@@ -27,6 +27,32 @@ _E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device="
 def _on(table: str, device: torch.device) -> torch.Tensor:
     """A constant table on `device`, copied there once (quantisation runs where its input lives)."""
     return {"values": E2M1_VALUES, "midpoints": _E2M1_MIDPOINTS}[table].to(device)
+
+
+def _table_copy(like: torch.Tensor, table: str) -> torch.Tensor:
+    return _on(table, like.device).clone()
+
+
+def _table_fake(like: torch.Tensor, table: str) -> torch.Tensor:
+    return like.new_empty(
+        {"values": E2M1_VALUES, "midpoints": _E2M1_MIDPOINTS}[table].shape, dtype=torch.float32
+    )
+
+
+# Inside a compiled region a table comes from a custom op (a copy of the cached one: one small kernel) instead
+# of a graph break at every use
+_TABLE_OP = (
+    as_custom_op("deepinfer::quant_table", _table_copy, "(Tensor like, str table) -> Tensor", _table_fake)
+    if custom_ops_enabled()
+    else None
+)
+
+
+def _table(table: str, like: torch.Tensor) -> torch.Tensor:
+    """The constant E2M1 table `table` on `like`'s device."""
+    if _TABLE_OP is not None and torch.compiler.is_compiling():
+        return _TABLE_OP(like, table)
+    return _on(table, like.device)
 
 
 def ue8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
@@ -83,7 +109,7 @@ def quant_fp8_block(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     """FP32 values (already scaled into [-6, 6]) -> 4-bit E2M1 codes (uint8), round-to-nearest-even."""
     a = x.float().abs().clamp(max=E2M1_MAX)
-    midpoints = _on("midpoints", a.device)
+    midpoints = _table("midpoints", a)
     code = torch.searchsorted(midpoints, a, right=True)
     tie = (a.unsqueeze(-1) == midpoints).any(-1)
     code = torch.where(tie & (code % 2 == 1), code - 1, code)  # ties go to the even code
@@ -94,7 +120,7 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     """4-bit E2M1 codes -> FP32 values."""
     codes = codes.long()
-    mag = _on("values", codes.device)[codes & 7]
+    mag = _table("values", codes)[codes & 7]
     return torch.where(codes & 8 != 0, -mag, mag)
 
 

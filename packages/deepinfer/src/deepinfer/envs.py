@@ -76,6 +76,13 @@ _VARS = [
         "calling the kernel (comma list of rms_norm, apply_rope, hc_read, hc_write; empty: none)",
     ),
     EnvVar(
+        "DEEPINFER_COMPILE_CUSTOM_OPS",
+        str,
+        "1",
+        "a compiled decode step records the accelerator ops (norms, RoPE, mHC, index scores, experts, top-k) as "
+        "torch custom ops, one graph without breaks; 0: each call is a graph break (the earlier behaviour)",
+    ),
+    EnvVar(
         "DEEPINFER_DEEP_GEMM",
         str,
         "1",
@@ -91,7 +98,7 @@ _VARS = [
     EnvVar(
         "DEEPINFER_TRITON_MOE_MAX_PAIRS",
         int,
-        256,
+        1024,
         "NVIDIA backend, native mode: routed-expert calls of at most this many (token, slot) pairs (decode) run "
         "the Triton expert kernels, larger ones the grouped GEMMs; 0: always the grouped GEMMs",
     ),

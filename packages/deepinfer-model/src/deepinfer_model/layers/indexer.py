@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..compile_boundary import outside_compiled_graph
+from ..compile_boundary import as_custom_op, custom_ops_enabled, outside_compiled_graph
 from ..numerics import attention_operands, bmm_f32, bmm_operand, carrier, linear, native, round_to
 from .compressor import CompressorWeights
 from .rope import apply_rope
@@ -69,8 +69,7 @@ def index_scores(
     return (s * w.unsqueeze(-1)).sum(dim=1)
 
 
-@outside_compiled_graph  # inductor's generated sort of long rows is ~4x slower than ATen's radix sort
-def select_topk(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
+def _select_topk(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
     """Indices [T, k] of the k best valid entries per row (ties -> lower index), ascending, -1 padded.
 
     16-bit scores (native mode's act-dtype index scores, `numerics.round_narrow`) are sorted as they are:
@@ -89,6 +88,25 @@ def select_topk(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tens
     if picked.shape[1] < k:
         picked = torch.cat((picked, picked.new_full((t, k - picked.shape[1]), -1)), dim=1)
     return picked
+
+
+def _select_topk_fake(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
+    return scores.new_empty(scores.shape[0], k, dtype=torch.long)
+
+
+# called, not traced, inside a compiled region: inductor's generated sort of long rows is ~4x slower than
+# ATen's radix sort; recorded there as a custom op (no graph break) unless DEEPINFER_COMPILE_CUSTOM_OPS=0
+select_topk = outside_compiled_graph(
+    _select_topk,
+    as_custom_op(
+        "deepinfer::select_topk",
+        _select_topk,
+        "(Tensor scores, Tensor valid, int k) -> Tensor",
+        _select_topk_fake,
+    )
+    if custom_ops_enabled()
+    else None,
+)
 
 
 def selection_mask(selected: torch.Tensor, n_entries: int) -> torch.Tensor:

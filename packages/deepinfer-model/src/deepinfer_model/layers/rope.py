@@ -10,8 +10,8 @@ import math
 
 import torch
 
-from ..compile_boundary import outside_compiled_graph
-from ..config import RopeSpec
+from ..compile_boundary import as_custom_op, custom_ops_enabled, outside_compiled_graph
+from ..config import RopeSpec, YarnScaling
 from ..numerics import carrier
 
 
@@ -50,9 +50,41 @@ def _host_inv_freq(spec: RopeSpec) -> torch.Tensor:
     return (base_freq / y.factor) * ramp + base_freq * (1 - ramp)
 
 
+def _inv_freq_copy(positions, theta, dim, factor, original, beta_fast, beta_slow, yarn):
+    """A copy of `inv_freq(spec, positions.device)` for the spec given field by field (a custom op's arguments)."""
+    scaling = YarnScaling(factor, original, beta_fast, beta_slow) if yarn else None
+    return _inv_freq(RopeSpec(theta, dim, scaling), positions.device).clone()
+
+
+def _inv_freq_fake(positions, theta, dim, factor, original, beta_fast, beta_slow, yarn):
+    return positions.new_empty(dim // 2, dtype=torch.float32)
+
+
+# Inside a compiled region the cached frequencies come from a custom op (a copy of the cached tensor: one small
+# kernel) instead of a graph break at every RoPE table
+_INV_FREQ_OP = (
+    as_custom_op(
+        "deepinfer::rope_inv_freq",
+        _inv_freq_copy,
+        "(Tensor positions, float theta, int dim, float factor, int original, float beta_fast, float beta_slow, "
+        "bool yarn) -> Tensor",
+        _inv_freq_fake,
+    )
+    if custom_ops_enabled()
+    else None
+)
+
+
 def cos_sin(spec: RopeSpec, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """FP32 cos/sin tables [len(positions), dim/2] (amplitude 1: DeepSeek-V4 applies no YaRN mscale)."""
-    angles = positions.to(torch.float32)[:, None] * inv_freq(spec, positions.device)[None, :]
+    if _INV_FREQ_OP is not None and torch.compiler.is_compiling():
+        y = spec.yarn or YarnScaling(1.0, 1)  # (placeholder fields where there is no YaRN)
+        freqs = _INV_FREQ_OP(positions, float(spec.theta), int(spec.dim), float(y.factor),
+                             int(y.original_max_position_embeddings), float(y.beta_fast), float(y.beta_slow),
+                             spec.yarn is not None)  # fmt: skip
+    else:
+        freqs = inv_freq(spec, positions.device)
+    angles = positions.to(torch.float32)[:, None] * freqs[None, :]
     return angles.cos(), angles.sin()
 
 

@@ -13,7 +13,8 @@ import logging
 import os
 from collections.abc import Callable
 
-from ..compile_boundary import outside_compiled_graph
+from ..compile_boundary import as_custom_op, custom_ops_enabled, outside_compiled_graph
+from . import compiled_ops
 
 logger = logging.getLogger("deepinfer_model.ops")
 
@@ -154,9 +155,15 @@ class OpTable:
         fns: dict[str, Callable] = {}
         for name in OP_SPECS:
             if name in _IMPLS[backend]:
-                # an accelerator kernel is one opaque call inside a compiled step (runtime/compiled.py), or
-                # its registered torch version traced there
+                # inside a compiled step (runtime/compiled.py) an accelerator kernel is its registered torch
+                # version traced, a custom op (the decode step's ops), or else one opaque call
                 kernel, traced = _IMPLS[backend][name], _TRACED[backend].get(name)
+                if traced is None and name in compiled_ops.SCHEMAS and custom_ops_enabled():
+                    # recorded as a custom op (one node, no graph break: `compiled_ops`)
+                    qualname = f"deepinfer::{backend}_{name}"
+                    traced = as_custom_op(
+                        qualname, kernel, compiled_ops.SCHEMAS[name], compiled_ops.FAKES[name]
+                    )
                 fns[name], self.sources[name] = outside_compiled_graph(kernel, traced), backend
             elif name in _IMPLS["cpu"]:
                 fns[name], self.sources[name] = _IMPLS["cpu"][name], "cpu"

@@ -25,6 +25,31 @@ BLOCK_K = 128  # reduction depth per loaded tile (the weight rows are contiguous
 
 
 @triton.jit
+def _plan_kernel(
+    pairs_ptr,  # [P] int: expert of each pair
+    order_ptr,  # [P] int64 out: pair id of each sorted row (stable: a token-major order within an expert)
+    ends_ptr,  # [E] int32 out: sorted rows of experts <= e
+    P,
+    E,
+    BLOCK_P: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    # one program: a counting sort of the pairs by expert as a [pairs, experts] one-hot tile (what an argsort,
+    # a searchsorted and their casts did in four to six launches)
+    i = tl.arange(0, BLOCK_P)
+    ex = tl.arange(0, BLOCK_E)
+    ids = tl.load(pairs_ptr + i, mask=i < P, other=-1).to(tl.int32)
+    hot = ids[:, None] == ex[None, :]  # (padding and out-of-range ids match no expert)
+    hot_i = hot.to(tl.int32)
+    counts = tl.sum(hot_i, 0)
+    ends = tl.cumsum(counts, 0)
+    tl.store(ends_ptr + ex, ends, mask=ex < E)
+    rank = tl.sum(tl.where(hot, tl.cumsum(hot_i, 0), 0), 1) - 1  # earlier pairs of the same expert
+    start = tl.sum(tl.where(hot, (ends - counts)[None, :], 0), 1)
+    tl.store(order_ptr + start + rank, i.to(tl.int64), mask=rank >= 0)
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,  # [T, K] 16-bit token rows
     order_ptr,  # [P] int64: pair id of each sorted row
@@ -116,17 +141,20 @@ def _down_kernel(
         tl.store(y_ptr + pair[:, None] * N + n[None, :], y, mask=r_ok[:, None] & n_ok[None, :])
 
 
-# Pair counts up to which the registry takes these kernels (a decode step: batch x top-k); above it the
-# grouped GEMM's wide tiles are full and it is the faster one (`benchmarks/gpu/bench_expert_swiglu.py`).
+# Pair counts up to which the registry takes these kernels; above it, the grouped GEMMs. On the H200 (medium
+# V4.1 experts, `benchmarks/gpu/bench_expert_swiglu.py`, session 16) the kernels took 0.48-0.59x the grouped
+# GEMMs' time from 6 to 768 pairs; prefill chunks (thousands of pairs) were not measured with them.
 # DEEPINFER_TRITON_MOE_MAX_PAIRS overrides it (0: never these kernels).
-_MAX_PAIRS_ENV = os.environ.get("DEEPINFER_TRITON_MOE_MAX_PAIRS", "256").strip()
+_MAX_PAIRS_ENV = os.environ.get("DEEPINFER_TRITON_MOE_MAX_PAIRS", "1024").strip()
 if not _MAX_PAIRS_ENV.isdigit():
     raise ValueError(f"DEEPINFER_TRITON_MOE_MAX_PAIRS must be an integer >= 0, got {_MAX_PAIRS_ENV!r}")
 MAX_PAIRS = int(_MAX_PAIRS_ENV)
 
-# (gate/up block_n, down block_n, num_warps) by pair count: narrow column blocks while few pairs leave most
-# programs idle-free of rows to share a weight tile; the H200 sweep is `benchmarks/gpu/bench_expert_swiglu.py`
+# Column blocks (gate/up, down) and warps. The same H200 sweep: 32 / 64 columns were the fastest at one token
+# (6 pairs: 65 us against 68 us with 64 / 128), 64 / 128 from 8 tokens on (126 against 133 us at 48 pairs).
 CONFIGS = {"gate_up_block_n": 32, "down_block_n": 64, "num_warps": 4, "num_stages": 4}
+WIDE_FROM_PAIRS = 16  # from this many pairs on: 64 / 128 columns
+WIDE = {"gate_up_block_n": 64, "down_block_n": 128}
 
 
 def supports(x: torch.Tensor, w1: torch.Tensor) -> bool:
@@ -138,6 +166,30 @@ def _block_m(pairs: int, experts: int) -> int:
     """Rows per tile: 16 (the smallest `tl.dot`) up to 64 as the mean rows per expert grow."""
     per_expert = -(-pairs // max(experts, 1))
     return min(64, max(16, triton.next_power_of_2(per_expert)))
+
+
+# Largest one-hot tile (pairs x experts, both padded to powers of two) the one-program sort takes; beyond it
+# (many pairs or a large expert count) the sort is torch's argsort.
+PLAN_TILE = 1 << 16
+
+
+def sort_pairs(pairs: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order [P] int64, ends [E] int32): the pair ids sorted by expert (stable) and each expert's end row,
+    as `torch.argsort(pairs, stable=True)` and `searchsorted(..., right=True)` give them. Ids outside
+    [0, E) belong to no expert (their pairs are left out of `order`'s first `ends[-1]` rows)."""
+    p = pairs.numel()
+    bp, be = triton.next_power_of_2(max(p, 1)), triton.next_power_of_2(max(n_experts, 1))
+    if bp * be > PLAN_TILE:
+        flat = pairs.long()
+        order = torch.argsort(flat, stable=True)
+        expert = torch.arange(n_experts, device=pairs.device)
+        return order, torch.searchsorted(flat[order], expert, right=True).to(torch.int32)
+    order = torch.empty(p, dtype=torch.int64, device=pairs.device)
+    ends = torch.empty(n_experts, dtype=torch.int32, device=pairs.device)
+    _plan_kernel[(1,)](
+        pairs, order, ends, p, n_experts, BLOCK_P=bp, BLOCK_E=be, num_warps=4 if bp * be <= 8192 else 8
+    )
+    return order, ends
 
 
 def expert_swiglu(
@@ -167,14 +219,11 @@ def expert_swiglu(
     y = torch.empty(p, hidden, dtype=torch.float32, device=x.device)
     if not p:
         return y
-    flat = pairs.reshape(-1).long()
-    order = torch.argsort(flat, stable=True)
-    ends = torch.searchsorted(flat[order], torch.arange(n_experts, device=x.device), right=True).to(
-        torch.int32
-    )
+    order, ends = sort_pairs(pairs.reshape(-1), n_experts)
     ws = weights.reshape(-1).float().contiguous()
     h = torch.empty(p, inter, dtype=x.dtype, device=x.device)
-    bm, cfg = _block_m(p, n_experts), {**CONFIGS, **(config or {})}
+    bm = _block_m(p, n_experts)
+    cfg = {**CONFIGS, **(WIDE if p >= WIDE_FROM_PAIRS else {}), **(config or {})}
     run = {"BLOCK_M": bm, "BLOCK_K": BLOCK_K, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     bn = cfg["gate_up_block_n"]
     _gate_up_kernel[(n_experts, triton.cdiv(inter, bn))](

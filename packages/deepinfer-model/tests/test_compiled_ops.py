@@ -1,0 +1,114 @@
+"""The decode step's accelerator ops as `torch.library` custom ops inside a compiled region (`ops/compiled_ops.py`).
+
+Each op is wrapped around its CPU reference here (the NVIDIA kernels need a GPU; their compiled step is
+measured by `benchmarks/gpu/profile_decode_step.py`): compiled with `fullgraph=True` (a graph break is an
+error) it must give the eager result bit for bit, and each fake must have the reference output's shapes
+and dtypes, since inductor plans its buffers from them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from deepinfer_model.compile_boundary import as_custom_op, outside_compiled_graph
+from deepinfer_model.ops import compiled_ops, get_ops
+from deepinfer_model.ops import registry as reg
+
+
+def _inputs() -> dict[str, tuple[tuple, dict]]:
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    t, m, h = 3, 4, 32
+    trunk = r(t, m, h, dtype=torch.bfloat16)
+    e, inter, k = 4, 16, 2
+    return {
+        "rms_norm": ((r(t, 64, dtype=torch.bfloat16), r(64), 1e-6), {"out_dtype": torch.float32}),
+        "apply_rope": ((r(t, 2, 64), r(t, 16), r(t, 16), True), {"out_dtype": torch.bfloat16}),
+        "hc_mixes": ((trunk, r((2 + m) * m, m * h) * 0.1, r((2 + m) * m), torch.rand(3, generator=g), 1e-6, 1e-6, 3), {}),
+        "hc_read": ((trunk, torch.rand(t, m, generator=g)), {"out_dtype": torch.bfloat16}),
+        "hc_write": ((r(t, h), trunk.float(), torch.rand(t, m, generator=g), torch.rand(t, m, m, generator=g)), {}),
+        "index_scores": ((r(2, t, 4, 16, dtype=torch.bfloat16), r(2, 5, 16, dtype=torch.bfloat16), r(2, t, 4)), {}),
+        "expert_swiglu": (
+            (r(t, h, dtype=torch.bfloat16), torch.randint(0, e, (t * k,), generator=g), torch.rand(t * k, generator=g),
+             r(e, inter, h, dtype=torch.bfloat16), r(e, inter, h, dtype=torch.bfloat16), r(e, h, inter, dtype=torch.bfloat16),
+             7.0, True),
+            {},
+        ),
+    }  # fmt: skip
+
+
+def _as_tuple(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+def test_every_listed_op_has_inputs_here_and_a_contract():
+    assert set(compiled_ops.SCHEMAS) == set(compiled_ops.FAKES) == set(_inputs())
+    assert set(compiled_ops.SCHEMAS) <= set(reg.OP_SPECS)
+
+
+@pytest.mark.parametrize("name", sorted(compiled_ops.SCHEMAS))
+def test_fake_has_the_reference_shapes_and_dtypes(name):
+    args, kwargs = _inputs()[name]
+    ref = _as_tuple(get_ops("cpu")[name](*args, **kwargs))
+    fake = _as_tuple(compiled_ops.FAKES[name](*args, **kwargs))
+    assert [(o.shape, o.dtype) for o in fake] == [(o.shape, o.dtype) for o in ref]
+
+
+@pytest.mark.parametrize("name", sorted(compiled_ops.SCHEMAS))
+def test_custom_op_is_one_node_of_a_compiled_graph_with_the_eager_result(name):
+    args, kwargs = _inputs()[name]
+    kernel = get_ops("cpu")[name]
+    calls = []
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return kernel(*a, **kw)
+
+    op = outside_compiled_graph(
+        counted,
+        as_custom_op(
+            f"deepinfer::test_{name}", counted, compiled_ops.SCHEMAS[name], compiled_ops.FAKES[name]
+        ),
+    )
+    eager = _as_tuple(op(*args, **kwargs))
+
+    def region(*a):
+        out = _as_tuple(op(*a, **kwargs))
+        return tuple(o * 1 for o in out)  # (an op of the graph after the call)
+
+    compiled = torch.compile(region, backend="aot_eager", fullgraph=True)  # a graph break would raise
+    got = _as_tuple(compiled(*args))
+    assert len(calls) >= 2  # the kernel ran inside the compiled region too, not a traced copy of it
+    for a, b in zip(got, eager, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_custom_op_outputs_never_alias_inputs():
+    op = as_custom_op(
+        "deepinfer::test_alias",
+        lambda x: x.view(-1),
+        "(Tensor x) -> Tensor",
+        lambda x: x.new_empty(x.numel()),
+    )
+    x = torch.arange(6.0).reshape(2, 3)
+    out = op(x)
+    assert torch.equal(out, x.view(-1)) and out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+
+
+def test_nvidia_table_records_the_decode_ops_as_custom_ops():
+    """Built on this host (the kernels are not launched): each listed NVIDIA op has a custom op behind it."""
+    reg.OpTable("nvidia")
+    for name in compiled_ops.SCHEMAS:
+        if name in reg._IMPLS["nvidia"] and name not in reg._TRACED["nvidia"]:
+            assert hasattr(torch.ops.deepinfer, f"nvidia_{name}"), name
+
+
+def test_bad_custom_op_switch_is_a_clear_error(monkeypatch):
+    from deepinfer_model.compile_boundary import custom_ops_enabled
+
+    monkeypatch.setenv("DEEPINFER_COMPILE_CUSTOM_OPS", "yes")
+    with pytest.raises(ValueError, match="DEEPINFER_COMPILE_CUSTOM_OPS must be 0 or 1, got 'yes'"):
+        custom_ops_enabled()
