@@ -88,6 +88,11 @@ def test_compiled_static_step_equals_plain_bitwise(engine_model, monkeypatch):
                 s["n"] += 1
             graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         assert 0 < graphs[0] < graphs[1] == graphs[2], graphs  # compiled, recompiled, reused
+        # one graph per compile: the converted weights are read as graph inputs, the ops traced (the CPU
+        # reference) or recorded as custom ops (top-k, RoPE frequencies, quantisation tables)
+        assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0, torch._dynamo.utils.counters[
+            "graph_break"
+        ]
     finally:
         torch._dynamo.reset()
         compiled_static_forward.cache_clear()

@@ -123,7 +123,16 @@ def _cached_copy(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if cached is None or cached[0]() is not weight:
         weakref.finalize(weight, _WEIGHTS.pop, key, None)
     _WEIGHTS[key] = (weakref.ref(weight), version, copy)
+    if dtype in _COPY_ATTRS:
+        setattr(weight, _COPY_ATTRS[dtype], copy)
     return copy
+
+
+# The latest cached copy per dtype is also an attribute of the weight, which a compiled region reads as one more
+# graph input (a lookup in `_WEIGHTS` by id is host code: a graph break at every linear, ~100 in the medium
+# V4.1's decode step). The copy exists from the first eager use (the prefill before any decode step); a graph
+# captured from it keeps reading that copy, as the plain step's CUDA graphs do.
+_COPY_ATTRS = {torch.bfloat16: "_deepinfer_bfloat16", torch.float16: "_deepinfer_float16"}
 
 
 def weight_as(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -136,6 +145,10 @@ def weight_as(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """
     if weight.dtype == dtype:
         return weight
+    if dtype in _COPY_ATTRS and torch.compiler.is_compiling():
+        copy = getattr(weight, _COPY_ATTRS[dtype], None)
+        if copy is not None:
+            return copy
     return _converted_weight(weight, dtype)
 
 

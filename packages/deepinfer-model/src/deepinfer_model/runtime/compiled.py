@@ -43,4 +43,13 @@ def compiled_static_forward(backend: str):
     # emulate_precision_casts: a cast to BF16 inside a fused kernel rounds there, as eagerly (by default
     # inductor may keep the FP32 value for uses within the kernel, dropping the model's rounding points).
     options = {"emulate_precision_casts": True} if backend == "inductor" else None
-    return numerics.pinned(torch.compile(v41_static_decode_forward, backend=backend, options=options))
+    compiled = torch.compile(v41_static_decode_forward, backend=backend, options=options)
+
+    @functools.wraps(v41_static_decode_forward)
+    def forward(model, meta, cache):
+        # the step's index cache emptied before the region (the step empties it first thing as well): entered
+        # with the last step's entries, the region's guard on the empty cache would fail and recompile
+        meta.reset()
+        return compiled(model, meta, cache)
+
+    return numerics.pinned(forward)

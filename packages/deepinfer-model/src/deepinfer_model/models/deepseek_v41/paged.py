@@ -98,7 +98,7 @@ class _StepState:
         self, meta: StepMetadata, yoco: YocoStep | None = None, block_rows: int | None = None
     ) -> None:
         self.meta, self.yoco, self.block_rows = meta, yoco, block_rows
-        self._blocks: dict[int, list] = {}  # id(query metadata) -> its query blocks
+        self._blocks: dict[bool, list] = {}  # consumer half's metadata or not -> its query blocks
         self.fresh: dict[int, NewEntries | None] = {}  # kv source -> entries completed in this step
         self.selection: dict[int, torch.Tensor] = {}  # index source -> top-k [N, index_topk]
         self.candidates: torch.Tensor | None = None  # [N, candidate_topk_blocks]
@@ -110,8 +110,10 @@ class _StepState:
         step when it has at most `block_rows` rows (always for the graph-safe step), else consecutive
         row blocks as `StepMetadata.row_block` steps. Built once per step: their index tensors are shared
         by every layer."""
-        qmeta = self.yoco.qmeta if consumer and self.yoco is not None else self.meta
-        key = id(qmeta)
+        # keyed by which metadata, not by its id: a compiled step would guard on the object's identity and
+        # recompile for every (bucket, tier) metadata object
+        key = consumer and self.yoco is not None
+        qmeta = self.yoco.qmeta if key else self.meta
         if key not in self._blocks:
             if isinstance(qmeta, StaticDecodeMetadata):
                 self._blocks[key] = [(0, qmeta.positions.shape[0], qmeta, _static_groups(qmeta))]
