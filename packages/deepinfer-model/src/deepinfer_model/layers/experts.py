@@ -218,7 +218,7 @@ def experts_forward_static(
     elif bi:
         project = _pair_tiled
     if method == "grouped":
-        y = _grouped_swiglu(x, weights, pairs, k, experts, limit, act_dtype, weight_before_down)
+        y = _grouped_swiglu(x, weights, pairs, experts, limit, act_dtype, weight_before_down)
         return _slot_sum(y.view(t, k, -1), x, shared, limit, act_dtype)
     xs = x.repeat_interleave(k, dim=0)  # row p = token p // k
     ws = weights.reshape(-1).to(carrier()).unsqueeze(-1)
@@ -253,7 +253,6 @@ def _grouped_swiglu(
     x: torch.Tensor,
     weights: torch.Tensor,
     pairs: torch.Tensor,
-    k: int,
     experts: ExpertWeights,
     limit: float,
     act_dtype: torch.dtype,
@@ -261,7 +260,6 @@ def _grouped_swiglu(
 ) -> torch.Tensor:
     """Native mode: the routed MLP of every (token, slot) pair [T*k, H] (FP32, pair order) by the
     `expert_swiglu` op, with act-dtype operands (the stacked weights converted once, cached)."""
-    del k  # (pairs has T*k entries: the op derives k from the token count)
     return get_ops().expert_swiglu(
         x.to(act_dtype),
         pairs,
