@@ -203,7 +203,8 @@ def _attend_rows(
         head_w = linear(y, w.indexer.weights_proj, act)
     # the attention output is rounded to act_dtype before the output projection: stored so where it may be
     out_dtype = act if narrow_act(act) else carrier()
-    out = torch.empty(y.shape[0], cfg.num_attention_heads, cfg.head_dim, dtype=out_dtype, device=y.device)
+    whole = len(groups) == 1 and groups[0].covers_step  # the group's rows are the step's: no scatter
+    out = None if whole else y.new_empty(y.shape[0], cfg.num_attention_heads, cfg.head_dim, dtype=out_dtype)
     static = isinstance(qmeta, StaticDecodeMetadata)
     invariant = batch_invariant.enabled()
     for g in groups:
@@ -255,7 +256,10 @@ def _attend_rows(
             else:
                 extra = (entries, selected)  # attend gathers the selected entries only
         o = attend(q, window, g, w.attn.sinks, cfg.head_dim**-0.5, qmeta, extra, act, own)
-        out[g.packed_rows] = o.to(out.dtype)  # (index_put takes its own dtype: the rounding to act_dtype)
+        if whole:
+            out = o.to(out_dtype)
+        else:
+            out[g.packed_rows] = o.to(out_dtype)  # (index_put takes its own dtype: the rounding to act_dtype)
     return project_output(round_narrow(out, act), w.attn, cfg.o_groups, cos, sin, act)
 
 
