@@ -30,11 +30,18 @@ def _inputs() -> dict[str, tuple[tuple, dict]]:
         "hc_mixes": ((trunk, r((2 + m) * m, m * h) * 0.1, r((2 + m) * m), torch.rand(3, generator=g), 1e-6, 1e-6, 3), {}),
         "hc_read": ((trunk, torch.rand(t, m, generator=g)), {"out_dtype": torch.bfloat16}),
         "hc_write": ((r(t, h), trunk.float(), torch.rand(t, m, generator=g), torch.rand(t, m, m, generator=g)), {}),
-        "index_scores": ((r(2, t, 4, 16, dtype=torch.bfloat16), r(2, 5, 16, dtype=torch.bfloat16), r(2, t, 4)), {}),
+        "index_scores": ((r(2, t, 4, 16, dtype=torch.bfloat16), r(2, 5, 16, dtype=torch.bfloat16), r(2, t, 4)),
+                         {"limit": torch.tensor([[0, 2, 5], [1, 7, 3]]), "out_dtype": torch.bfloat16}),
         "expert_swiglu": (
             (r(t, h, dtype=torch.bfloat16), torch.randint(0, e, (t * k,), generator=g), torch.rand(t * k, generator=g),
              r(e, inter, h, dtype=torch.bfloat16), r(e, inter, h, dtype=torch.bfloat16), r(e, h, inter, dtype=torch.bfloat16),
              7.0, True),
+            {},
+        ),
+        "expert_swiglu_sum": (
+            (r(t, h, dtype=torch.bfloat16), torch.randint(0, e, (t * k,), generator=g), torch.rand(t * k, generator=g),
+             r(e, inter, h, dtype=torch.bfloat16), r(e, inter, h, dtype=torch.bfloat16), r(e, h, inter, dtype=torch.bfloat16),
+             7.0, True, r(t, h), torch.bfloat16, torch.float32),
             {},
         ),
     }  # fmt: skip

@@ -296,6 +296,32 @@ def test_static_experts_grouped_native(monkeypatch):
         experts_forward_static(x, w, ids, ex, None, 7.0, torch.float32, True, method="grouped")
 
 
+def test_grouped_native_sum_is_the_slot_sum_of_the_pair_rows(monkeypatch):
+    """Native mode's grouped method sums each token's routed rows and the shared expert in one op
+    (`expert_swiglu_sum`): bitwise what the per-pair op's rows give through `_slot_sum` (slot order from
+    zeros, the shared expert last, one rounding), for BF16 and FP32 roundings and both weight orders."""
+    from deepinfer_model.layers.experts import _slot_sum, grouped_swiglu
+    from deepinfer_model.numerics import weight_as
+
+    monkeypatch.setenv("DEEPINFER_NUMERICS", "native")
+    g = torch.Generator().manual_seed(2)
+    e, inter, hidden, t, k = 5, 32, 16, 9, 3
+    shapes = ((inter, hidden), (inter, hidden), (hidden, inter))
+    ex = ExpertWeights(*(torch.randn(e, *s, generator=g) for s in shapes))
+    sh = MLPWeights(*(torch.randn(*s, generator=g) for s in shapes))
+    ids = torch.randint(0, e, (t, k), generator=g)
+    w = torch.rand(t, k, generator=g)
+    for act in (torch.bfloat16, torch.float32):
+        x = torch.randn(t, hidden, generator=g).to(act).float()
+        ops = [weight_as(m, act) for m in (ex.w1, ex.w3, ex.w2)]
+        for wbd in (False, True):
+            got = experts_forward_static(x, w, ids, ex, sh, 7.0, act, wbd, method="grouped")
+            rows = grouped_swiglu(x.to(act), ids.reshape(-1), w.reshape(-1), *ops, 7.0, wbd)
+            ref = _slot_sum(rows.view(t, k, -1), x, sh, 7.0, act)
+            assert got.dtype == ref.dtype == torch.float32
+            assert torch.equal(got, ref)
+
+
 def test_ineligible_steps_and_models(model):
     pair = Pair(model, max_batch=2, interval=2)
     seqs = [pair.add(4) for _ in range(3)]

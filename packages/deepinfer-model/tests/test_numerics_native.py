@@ -432,9 +432,65 @@ def test_native_grouped_index_scores_through_the_fused_op(monkeypatch):
         op_path = groups.grouped_index_scores(qi, keys, hw, g, False, torch.bfloat16)
         scaled = groups.grouped_index_scores(qi, keys, hw, g, True, torch.bfloat16)  # (V4's scaled scores)
     assert calls == [("index_scores", (n_i, d_i))]  # the scaled form keeps the torch path
-    assert op_path.shape == torch_path.shape == (g.rows.numel(), n) and op_path.dtype is torch.float32
-    assert rel(ref, op_path.double()) <= 1e-6 and rel(torch_path.double(), op_path.double()) <= 1e-6
+    # the op rounds its FP32 sums to the act dtype itself (native BF16: what `round_narrow` does after the
+    # torch path): the same bits as rounding the reference's FP32 output
+    assert op_path.shape == torch_path.shape == (g.rows.numel(), n) and op_path.dtype is torch.bfloat16
+    assert torch_path.dtype is torch.float32
+    fp32 = reference.index_scores(qi[g.rows].bfloat16(), keys.bfloat16(), hw[g.rows]).reshape(-1, n)
+    assert torch.equal(op_path, fp32.bfloat16())
+    assert rel(ref, fp32.double()) <= 1e-6 and rel(torch_path.double(), fp32.double()) <= 1e-6
+    assert rel(ref, op_path.double()) <= 2**-8
     assert rel(ref, scaled.double() * (d_i * n_i) ** 0.5) <= 1e-6
+
+
+def test_native_grouped_index_scores_with_entry_bounds_select_the_same(monkeypatch):
+    """`grouped_index_scores(..., ratio)` through the fused op (the reference op here; the Triton kernel on a
+    GPU) passes each query slot's entry bound (p + 1) // ratio: the entries it cannot see come back 0 (the
+    kernel skips them), the others as without bounds. Behind the caller's mask (`valid`) the top-k selection
+    and the candidate blocks are those of the unbounded scores, for a padded group of two prefill chunks."""
+    from deepinfer_model.backends import cpu as reference
+    from deepinfer_model.layers.indexer import select_topk
+    from deepinfer_model.models.deepseek_v41.sparse import candidate_blocks
+    from deepinfer_model.numerics import round_narrow
+    from deepinfer_model.runtime import groups
+    from deepinfer_model.runtime.metadata import StepMetadata
+
+    gen = torch.Generator().manual_seed(11)
+    qlens, n_i, d_i, bf16 = np.array([37, 42]), 8, 32, torch.bfloat16
+    batch = RunnerBatch(
+        seq_ids=np.arange(2, dtype=np.int64),
+        start_positions=np.array([60, 0]),
+        query_lens=qlens,
+        block_tables=[np.arange(8, dtype=np.int32), np.arange(8, 16, dtype=np.int32)],
+        input_ids=np.zeros(int(qlens.sum()), dtype=np.int64),
+        logits_lens=np.ones(2, dtype=np.int64),
+    )
+    qi = _bf16_values(int(qlens.sum()), n_i, d_i, gen=gen)
+    hw = torch.randn(int(qlens.sum()), n_i, generator=gen)
+    calls = []
+
+    def recorded(*args):  # the fused op, recording the bounds it gets
+        calls.append(args[3])
+        return reference.index_scores(*args)
+
+    monkeypatch.setattr(groups, "fused_kernel", lambda name, x, *shape: recorded)
+    for ratio in (1, 4):
+        meta = StepMetadata.build(batch, 16, num_blocks=16)
+        (g,) = groups.make_groups(meta)
+        valid = groups.entry_validity(meta, g, ratio)  # what `compressed_entries` gives `_attend_rows`
+        n = valid.shape[1]
+        keys = _bf16_values(2, n, d_i, gen=gen)
+        keys[:, 0] *= 8  # (an entry every query sees that wins its top-k)
+        with numerics_mode("native"):
+            full = round_narrow(groups.grouped_index_scores(qi, keys, hw, g, False, bf16), bf16)
+            bounded = groups.grouped_index_scores(qi, keys, hw, g, False, bf16, ratio)
+            assert bounded.dtype is bf16 and round_narrow(bounded, bf16) is bounded  # (no rounding left)
+            assert calls[-2] is None and torch.equal(calls[-1], (g.q_pos + 1) // ratio)
+            assert torch.equal(bounded, full.masked_fill(~valid, 0.0))
+            assert bool((bounded[~valid] == 0).all()) and not bool((full[~valid] == 0).all())
+            for k in (4, n):
+                assert torch.equal(select_topk(bounded, valid, k), select_topk(full, valid, k))
+            assert torch.equal(candidate_blocks(bounded, valid, 4, 3), candidate_blocks(full, valid, 4, 3))
 
 
 def test_paged_runner_native_bf16_matches_stateless_native_bf16(v41):

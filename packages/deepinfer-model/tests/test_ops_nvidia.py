@@ -149,23 +149,78 @@ def test_sparse_prefill_attention(gpu, cpu, t, h, topk, s_kv):
     assert rel_err(out, ref) <= tol(torch.bfloat16)  # measured 2.1e-3 (BF16 output)
 
 
-@pytest.mark.parametrize(
-    "gs, t, h, d, n", [(1, 1, 32, 128, 5), (1, 999, 32, 128, 3000), (5, 3, 64, 128, 130), (2, 17, 4, 32, 77)]
-)
-def test_index_scores(gpu, cpu, gs, t, h, d, n):
-    """The Triton weighted-ReLU index scores against the reference (BF16 operands: exact FP32 products;
-    the sums differ in order only)."""
-    if gpu.sources["index_scores"] != "nvidia":
-        pytest.skip("triton does not import here")
-    g = torch.Generator().manual_seed(t + n)
+def _index_inputs(gs, t, h, d, n, bounds, seed):
+    """BF16 q / keys, FP32 head weights and per-row entry bounds: none, a prefill chunk's causal ones (ratio
+    2, the chunk starting at position n: half the entries visible to its first row) or ragged ones (below 0,
+    0, inside, n, past n)."""
+    g = torch.Generator().manual_seed(seed)
     q = torch.randn(gs, t, h, d, generator=g).bfloat16()
     keys = torch.randn(gs, n, d, generator=g).bfloat16()
     w = torch.randn(gs, t, h, generator=g)
-    ref = cpu.index_scores(q, keys, w)
-    poison()
-    out = gpu.index_scores(q.to(DEV), keys.to(DEV), w.to(DEV))
-    assert out.shape == (gs, t, n) and out.dtype == torch.float32
+    lim = None
+    if bounds == "causal":
+        lim = ((torch.arange(t) + n + 1) // 2).expand(gs, t).contiguous()
+    elif bounds == "ragged":
+        lim = torch.randint(-2, n + 3, (gs, t), generator=g, dtype=torch.int32)
+        lim[0, 0], lim[-1, -1] = 0, n + 5
+    return q, keys, w, lim
+
+
+def _index_check(out, out_bf16, ref, lim, n):
+    """FP32 output against the reference; BF16 output the same bits as rounding the FP32 one (the kernel's
+    round-to-nearest-even store); invisible entries exactly 0."""
+    assert out.dtype == torch.float32 and out_bf16.dtype == torch.bfloat16 and out.shape == out_bf16.shape
     assert rel_err(out, ref) <= 1e-4
+    assert rel_err(out_bf16, ref) <= 8e-3
+    assert torch.equal(out_bf16, out.bfloat16())
+    if lim is not None:
+        hidden = torch.arange(n) >= lim.long()[..., None]
+        # (a NaN left by the poisoned allocator is nonzero too)
+        assert not bool(out.cpu()[hidden].any()) and not bool(out_bf16.cpu()[hidden].any())
+
+
+@pytest.mark.parametrize(
+    "gs, t, h, d, n", [(1, 1, 32, 128, 5), (1, 999, 32, 128, 3000), (5, 3, 64, 128, 130), (2, 17, 4, 32, 77)]
+)
+@pytest.mark.parametrize("bounds", [None, "causal", "ragged"])
+def test_index_scores(gpu, cpu, gs, t, h, d, n, bounds):
+    """The Triton weighted-ReLU index scores against the reference (BF16 operands: exact FP32 products;
+    the sums differ in order only), with and without per-row entry bounds, FP32 and BF16 outputs."""
+    if gpu.sources["index_scores"] != "nvidia":
+        pytest.skip("triton does not import here")
+    q, keys, w, lim = _index_inputs(gs, t, h, d, n, bounds, t + n)
+    ref = cpu.index_scores(q, keys, w, lim)
+    dev = [x.to(DEV) for x in (q, keys, w)] + [None if lim is None else lim.to(DEV)]
+    poison()
+    out = gpu.index_scores(*dev)
+    poison()
+    out_bf16 = gpu.index_scores(*dev, torch.bfloat16)
+    assert out.shape == (gs, t, n)
+    _index_check(out, out_bf16, ref, lim, n)
+
+
+try:
+    from deepinfer_model.backends.nvidia import triton_index
+except ImportError:  # no triton: the registry serves the reference
+    triton_index = None
+
+
+@pytest.mark.skipif(triton_index is None, reason="needs triton")
+@pytest.mark.parametrize("config", sorted(triton_index.CONFIGS) if triton_index else [])
+@pytest.mark.parametrize("gs, t, n", [(1, 300, 1500), (3, 1, 700)])
+@pytest.mark.parametrize("bounds", [None, "causal", "ragged"])
+def test_index_scores_kernel_configs(cpu, config, gs, t, n, bounds):
+    """Each tile configuration of the kernel itself (the registry's wrapper would hide a failing one behind
+    the reference): a prefill chunk (one program per row block, a loop over the keys) and a decode batch
+    (the keys split over programs)."""
+    q, keys, w, lim = _index_inputs(gs, t, 32, 128, n, bounds, n)
+    ref = cpu.index_scores(q, keys, w, lim)
+    dev = [x.to(DEV) for x in (q, keys, w)] + [None if lim is None else lim.to(DEV)]
+    poison()
+    out = triton_index.index_scores(*dev, config=config)
+    poison()
+    out_bf16 = triton_index.index_scores(*dev, torch.bfloat16, config=config)
+    _index_check(out, out_bf16, ref, lim, n)
 
 
 def test_kv_store_on_gpu_matches_cpu(gpu, cpu):
@@ -261,6 +316,23 @@ def test_triton_mhc_mixes_kernel(cpu, t, m, h, iters):
 
 
 @needs_triton
+@pytest.mark.parametrize("t,m,h", [(512, 4, 4096), (16384, 4, 4096), (700, 3, 96)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_mhc_projection_is_an_fp32_projection(t, m, h, dtype):
+    """The prefill projection of a 16-bit trunk on the tensor cores (exact products of the trunk and fn's
+    three TF32 parts) against the float64 projection, to FP32 accuracy; with the row sums of squares."""
+    from deepinfer_model.backends.nvidia import triton_mhc
+
+    trunk = (torch.randn(t, m, h) * 2).to(dtype)
+    fn = torch.randn((2 + m) * m, m * h) * (m * h) ** -0.5
+    flat = trunk.double().flatten(1)
+    poison()
+    z, ss = triton_mhc.project(trunk.to(DEV), fn.to(DEV))
+    assert rel_err(z, flat @ fn.double().t()) < 1e-6
+    assert rel_err(ss, flat.square().sum(1)) < 1e-6
+
+
+@needs_triton
 @pytest.mark.parametrize(
     "t,k,e,inter,hidden",
     [
@@ -292,6 +364,38 @@ def test_expert_swiglu(gpu, cpu, t, k, e, inter, hidden, weight_before_down):
         poison()
         out = fn(*dev, *args)
         assert out.dtype == torch.float32 and out.shape == (t * k, hidden)
+        assert rel_err(out, ref) < tol(bf)
+
+
+@pytest.mark.parametrize(
+    "t,k,e,inter,hidden",
+    [
+        (1, 6, 16, 1024, 4096),  # decode: the few-pairs kernels, then the combine kernel
+        (8, 6, 16, 1024, 4096),
+        (300, 6, 16, 1024, 4096),  # prefill (> MAX_PAIRS pairs): grouped GEMMs, SwiGLU and combine kernels
+        (3000, 6, 16, 256, 512),
+        (300, 4, 5, 200, 320),  # ragged column blocks, an expert count that is not a power of two
+    ],
+)
+@pytest.mark.parametrize("weight_before_down", [True, False])
+@pytest.mark.parametrize("shared", [True, False])
+def test_expert_swiglu_sum(gpu, cpu, t, k, e, inter, hidden, weight_before_down, shared):
+    """The per-token sum of the routed experts with the shared expert's addend (the op native mode's MoE
+    calls) against the CPU reference, BF16 roundings into an FP32 carrier and into BF16."""
+    bf = torch.bfloat16
+    x = torch.randn(t, hidden).to(bf)
+    w1, w3 = ((torch.randn(e, inter, hidden) * hidden**-0.5).to(bf) for _ in range(2))
+    w2 = (torch.randn(e, hidden, inter) * inter**-0.5).to(bf)
+    pairs = torch.stack([torch.randperm(e)[:k] for _ in range(t)]).reshape(-1)
+    ws = torch.rand(t * k)
+    add = torch.randn(t, hidden).to(bf).float() if shared else None
+    ref = cpu.expert_swiglu_sum(x, pairs, ws, w1, w3, w2, 1.5, weight_before_down, add, bf, torch.float32)
+    dev = [None if a is None else a.to(DEV) for a in (x, pairs, ws, w1, w3, w2, add)]
+    for out_dtype in (torch.float32, bf):
+        poison()
+        out = gpu.expert_swiglu_sum(*dev[:6], 1.5, weight_before_down, dev[6], bf, out_dtype)
+        assert out.dtype == out_dtype and out.shape == (t, hidden)
+        assert torch.equal(out.float(), out.float().bfloat16().float())  # rounded to BF16
         assert rel_err(out, ref) < tol(bf)
 
 

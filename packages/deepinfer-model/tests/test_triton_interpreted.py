@@ -86,13 +86,158 @@ _SORT = textwrap.dedent(
 )
 
 
-def _interpreted(script: str, arg: str) -> list[float]:
-    env = dict(os.environ, TRITON_INTERPRET="1", DEEPINFER_TILELANG="0")
+_EXPERTS_SUMMED = textwrap.dedent(
+    """
+    import json, sys, torch
+    from deepinfer_model.ops import get_ops
+    from deepinfer_model.backends.nvidia import triton_moe_sum
+    cpu, out = get_ops("cpu"), []
+    torch.manual_seed(0)
+    for t, k, e, inter, hidden, wbd, shared, dt, act, out_dt in json.loads(sys.argv[1]):
+        dt, act, out_dt = (getattr(torch, n) for n in (dt, act, out_dt))
+        x = torch.randn(t, hidden).to(dt)
+        w1 = (torch.randn(e, inter, hidden) * hidden**-0.5).to(dt)
+        w3 = (torch.randn(e, inter, hidden) * hidden**-0.5).to(dt)
+        w2 = (torch.randn(e, hidden, inter) * inter**-0.5).to(dt)
+        pairs = torch.stack([torch.randperm(e)[:k] for _ in range(t)]).reshape(-1)
+        ws = torch.rand(t * k)
+        add = (torch.randn(t, hidden) * 0.1).to(act).float() if shared else None
+        args = (x, pairs, ws, w1, w3, w2, 1.5, wbd, add, act, out_dt)
+        ref = cpu.expert_swiglu_sum(*args)
+        got = triton_moe_sum.expert_swiglu_sum(*args)
+        assert got.shape == ref.shape == (t, hidden) and got.dtype == ref.dtype == out_dt, (got.shape, got.dtype)
+        assert bool(torch.isfinite(got).all())
+        # the grouped path's kernels alone, bitwise: SwiGLU against torch's formula (the interpreter's exp is
+        # numpy's), the combine against the reference's slot sum of the same pair rows
+        g, u = torch.randn(7, inter).to(dt), torch.randn(7, inter).to(dt)
+        wr = torch.rand(7)
+        gf = g.float().clamp(max=1.5)
+        h_ref = (gf * torch.sigmoid(gf) * u.float().clamp(-1.5, 1.5) * wr[:, None]).to(dt)
+        same_h = bool(torch.equal(triton_moe_sum.swiglu(g, u, wr, 1.5), h_ref))
+        y = torch.randn(t * k, hidden).to(dt)
+        perm = torch.randperm(t * k)
+        pos = torch.empty_like(perm)
+        pos[perm] = torch.arange(t * k)
+        acc = torch.zeros(t, hidden)
+        for s in range(k):
+            acc += y.view(t, k, hidden)[:, s].float() * ws.view(t, k)[:, s, None]
+        if add is not None:
+            acc += add
+        # rows in a permuted order (as the grouped GEMMs leave them), found through the inverse permutation
+        comb = triton_moe_sum.combine(y[perm].contiguous(), k, pos, ws, add, act, out_dt)
+        same_c = bool(torch.equal(comb, acc.to(act).to(out_dt)))
+        err = float((got.double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-30))
+        out.append([err, same_h, same_c])
+    print(json.dumps(out))
+    """
+)
+
+
+_INDEX = textwrap.dedent(
+    """
+    import json, sys, torch
+    from deepinfer_model.ops import get_ops
+    from deepinfer_model.backends.nvidia import triton_index
+    _empty = torch.empty
+
+    def poisoned(*shape, **kw):  # every output element the kernel leaves unwritten reads NaN
+        x = _empty(*shape, **kw)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    def check(q, keys, w, lim, cfg):
+        gs, t, n = q.shape[0], q.shape[1], keys.shape[1]
+        bound = torch.full((gs, t), n) if lim is None else lim.long()
+        hidden = torch.arange(n) >= bound[..., None]  # [G, T, n] entries the row cannot see
+        s = torch.relu(torch.einsum("gthd,gnd->gthn", q.double(), keys.double()))
+        oracle = (s * w.double()[..., None]).sum(2).masked_fill(hidden, 0.0)
+        ref = cpu.index_scores(q, keys, w, lim)
+        got = triton_index.index_scores(q, keys, w, lim, config=cfg)
+        half = triton_index.index_scores(q, keys, w, lim, torch.float16, config=cfg)
+        bf16 = triton_index.index_scores(q, keys, w, lim, torch.bfloat16, config=cfg)
+        assert got.dtype == torch.float32 and half.dtype == torch.float16 and bf16.dtype == torch.bfloat16
+        assert got.shape == half.shape == bf16.shape == ref.shape == (gs, t, n)
+        finite = all(bool(torch.isfinite(x).all()) for x in (got, half, bf16))
+        zeros = all(bool((x[hidden] == 0).all()) for x in (got, half, bf16, ref))
+        # the kernel's 16-bit stores round to nearest even (numpy's FP16 cast here). The interpreter's FP32 ->
+        # BF16 cast truncates: BF16 is either rounding of the FP32 sums here, RNE on the GPU (test_ops_nvidia)
+        same_half = bool(torch.equal(half, got.half()))
+        cut = (got.view(torch.int32) & -65536).view(torch.float32).bfloat16()
+        same_bf16 = bool(torch.equal(bf16, got.bfloat16()) or torch.equal(bf16, cut))
+        same_ref = bool(torch.equal(cpu.index_scores(q, keys, w, lim, torch.bfloat16), ref.bfloat16()))
+        norm = oracle.norm().clamp(min=1e-30)
+        err_ref = float((got.double() - ref.double()).norm() / norm)
+        err_oracle = float((got.double() - oracle).norm() / norm)
+        return [err_ref, err_oracle, finite, zeros, same_half, same_bf16, same_ref]
+
+    torch.empty = poisoned
+    cpu, out = get_ops("cpu"), []
+    torch.manual_seed(0)
+    for case in json.loads(sys.argv[1]):
+        gs, t, h, d, n, config, blocks_per_program = case
+        for name in triton_index.CONFIGS if config == "all" else [config]:
+            cfg = dict(triton_index.CONFIGS[name])
+            if blocks_per_program:
+                cfg["keys_per_program"] = blocks_per_program * cfg["block_n"]
+            q, keys, w = torch.randn(gs, t, h, d).half(), torch.randn(gs, n, d).half(), torch.randn(gs, t, h)
+            # per-row bounds below 0, 0, inside, n and past n (int64); a prefill chunk's causal bounds at
+            # ratio 2 from position 3 on (int32)
+            ragged = torch.randint(-2, n + 3, (gs, t))
+            ragged[0, 0], ragged[-1, -1] = 0, n + 5
+            causal = ((torch.arange(t) + 4) // 2).expand(gs, t).to(torch.int32)
+            for lim in (None, ragged, causal):
+                out.append([case, name, *check(q, keys, w, lim, cfg)])
+    print(json.dumps(out))
+    """
+)
+
+
+def _interpreted(script: str, arg: str, **env_vars: str) -> list[float]:
+    env = dict(os.environ, TRITON_INTERPRET="1", DEEPINFER_TILELANG="0", **env_vars)
     done = subprocess.run(
         [sys.executable, "-c", script, arg], env=env, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+_PROJECT = textwrap.dedent(
+    """
+    import json, sys, torch
+    from deepinfer_model.ops import get_ops
+    from deepinfer_model.backends.nvidia import triton_mhc
+    cpu, out = get_ops("cpu"), []
+    torch.manual_seed(0)
+    for t, m, h, dt in json.loads(sys.argv[1]):
+        trunk = (torch.randn(t, m, h) * 2).to(getattr(torch, dt))
+        fn = torch.randn((2 + m) * m, m * h) * (m * h) ** -0.5
+        parts = triton_mhc.tf32_parts(fn)
+        bits = parts.view(torch.int32) & 0x1FFF
+        exact_parts = bool(torch.equal(parts.sum(0), fn)) and not bool(bits.any())
+        z, ss = triton_mhc.project(trunk, fn)
+        flat = trunk.double().flatten(1)
+        z_err = float((z.double() - flat @ fn.double().t()).norm() / (flat @ fn.double().t()).norm())
+        ss_err = float(((ss.double() - flat.square().sum(1)).abs() / flat.square().sum(1)).max())
+        base, scale = torch.randn((2 + m) * m) * 0.1, torch.rand(3) + 0.5
+        refs = cpu.hc_mixes(trunk, fn, base, scale, 1e-6, 1e-6, 20)
+        triton_mhc.PROJECT_MIN_TOKENS = 1  # the projection kernel's path of the op
+        outs = triton_mhc.hc_mixes(trunk, fn, base, scale, 1e-6, 1e-6, 20)
+        mix_err = max(float((o.double() - r.double()).norm() / r.double().norm()) for o, r in zip(outs, refs))
+        out.append([exact_parts, z_err, ss_err, mix_err])
+    print(json.dumps(out))
+    """
+)
+
+
+def test_mhc_projection_kernel_matches_the_fp64_projection():
+    # The prefill projection of a 16-bit trunk: fn split into three exact TF32 parts, the trunk read once for
+    # the projection and the row's sum of squares; token counts that are not multiples of the token block,
+    # m = 4 and m = 3 (a padded output tile), a trunk row that is not a multiple of the column block
+    cases = [[40, 4, 256, "bfloat16"], [7, 3, 96, "float16"], [33, 4, 200, "bfloat16"]]
+    got = _interpreted(_PROJECT, json.dumps(cases))
+    assert len(got) == len(cases)
+    for exact_parts, z_err, ss_err, mix_err in got:
+        assert exact_parts
+        assert z_err < 1e-6 and ss_err < 1e-6 and mix_err < 1e-5, got
 
 
 def test_mhc_mixes_kernel_matches_the_reference():
@@ -120,3 +265,48 @@ def test_pair_sort_kernel_is_torchs_stable_sort():
     # expert id outside the table (left out)
     cases = [[1, 4, False], [6, 16, False], [48, 16, False], [200, 7, False], [256, 256, False], [9, 3, True]]
     assert _interpreted(_SORT, json.dumps(cases)) == [True] * len(cases)
+
+
+def test_summed_expert_kernels_match_the_reference():
+    # Both paths of `expert_swiglu_sum`: the few-pairs kernels (decode) with DEEPINFER_TRITON_MOE_MAX_PAIRS at
+    # its default, and the grouped GEMMs + SwiGLU + combine kernels (prefill) with it at 0. FP16 GEMM operands
+    # (see above); BF16 and FP32 roundings and outputs; with and without the shared expert's addend; both
+    # weight orders; a hidden size that is not a power of two; one token.
+    cases = [
+        [1, 2, 4, 64, 48, True, True, "float16", "bfloat16", "float32"],
+        [5, 3, 6, 40, 200, False, False, "float16", "float16", "float16"],
+        [40, 2, 3, 32, 128, True, True, "float16", "float32", "float32"],
+    ]
+    for max_pairs in ("1024", "0"):
+        got = _interpreted(_EXPERTS_SUMMED, json.dumps(cases), DEEPINFER_TRITON_MOE_MAX_PAIRS=max_pairs)
+        assert len(got) == len(cases)
+        for case, (err, same_swiglu, same_combine) in zip(cases, got, strict=True):
+            # the GEMMs accumulate in another order than the reference's: a rounding of h, y or the output may
+            # flip by one unit of the act dtype (BF16: 2^-8 relative)
+            assert err < (1e-2 if case[8] == "bfloat16" else 2e-3), (max_pairs, got)
+            # (the interpreter narrows FP32 to BF16 by truncation, the GPU to nearest even: bitwise for FP16 / FP32)
+            assert same_swiglu and (same_combine or case[8] == "bfloat16"), (max_pairs, got)
+
+
+def test_index_scores_kernel_matches_the_reference_and_float64():
+    # Every tile configuration of `triton_index.CONFIGS`, with no bounds, ragged per-row bounds and causal
+    # ones, FP32 / FP16 / BF16 outputs, against the CPU reference and FP64 math on the same operands. FP16
+    # operands: the interpreter's BF16 `tl.dot` is wrong (see above); the kernel is dtype-generic, its BF16
+    # build is checked on the GPU (test_ops_nvidia). Token and entry counts that are not multiples of the tiles, two
+    # and three sequences, 4 to 128 heads, one token (decode: the keys split over programs), key loops of
+    # several blocks per program (prefill: one program per row block) and fixed key ranges per program.
+    cases = [
+        [2, 13, 4, 32, 77, "all", 0],
+        [1, 5, 32, 128, 300, "k128_n128", 0],
+        [1, 5, 32, 128, 300, "r128_n128", 0],
+        [2, 9, 32, 64, 200, "k256_n64", 2],
+        [3, 1, 16, 32, 150, "k128_n64", 0],
+        [1, 3, 128, 16, 40, "k256_n64", 0],
+        [2, 6, 8, 32, 130, "r128_n128", 1],
+    ]
+    got = _interpreted(_INDEX, json.dumps(cases))
+    assert len({r[1] for r in got}) >= 8 and len(got) >= 3 * (len(cases) + 7)  # every config, three bounds
+    for case, name, err_ref, err_oracle, *exact in got:
+        # FP16 products are exact in FP32: only the FP32 sums' order differs
+        assert err_ref < 1e-6 and err_oracle < 1e-6, (case, name, err_ref, err_oracle)
+        assert all(exact), (case, name, exact)

@@ -11,7 +11,7 @@ import torch
 
 from .. import batch_invariant
 from ..layers import attention, mhc, norm, rope
-from ..layers.experts import clamped_swiglu, grouped_swiglu, pair_tiled_products
+from ..layers.experts import clamped_swiglu, grouped_swiglu, grouped_swiglu_sum, pair_tiled_products
 from ..numerics import KERNEL_ROUNDINGS, linear, round_to, weight_as
 from ..ops.kv_format import store_fp8_tokens, unpack_fp8_tokens
 from ..ops.registry import register
@@ -157,6 +157,10 @@ def expert_swiglu(
     return grouped_swiglu(x, pairs, weights, w1, w3, w2, limit, weight_before_down)
 
 
+# (the grouped-GEMM reference itself: the op's contract is its signature)
+expert_swiglu_sum = register("cpu", "expert_swiglu_sum")(grouped_swiglu_sum)
+
+
 @register("cpu", "rows_matmul")
 def rows_matmul(x: torch.Tensor, weight: torch.Tensor, round_to: torch.dtype | None = None) -> torch.Tensor:
     """Fixed [TILE_ROWS, K] row tiles (`batch_invariant.tiled_matmul`) against the weight widened to
@@ -197,8 +201,15 @@ def kv_store_fp8(latent: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
 
 
 @register("cpu", "index_scores")
-def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Token blocks: FP32 scores of the BF16 values (exact products), ReLU, weighted sum over the heads."""
+def index_scores(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    weights: torch.Tensor,
+    limit: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Token blocks: FP32 scores of the BF16 values (exact products), ReLU, weighted sum over the heads;
+    then the entries at or past each row's `limit` zeroed and the FP32 sums rounded to `out_dtype`."""
     gs, t, h, d = q.shape
     n = keys.shape[1]
     out = torch.empty(gs, t, n, dtype=torch.float32, device=q.device)
@@ -208,7 +219,9 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> 
         b = q[:, lo : lo + step].shape[1]
         s = torch.relu(torch.bmm(q[:, lo : lo + step].float().reshape(gs, b * h, d), k)).view(gs, b, h, n)
         out[:, lo : lo + step] = (s * weights[:, lo : lo + step].float()[..., None]).sum(dim=2)
-    return out
+    if limit is not None:
+        out.masked_fill_(torch.arange(n, device=q.device) >= limit[..., None], 0.0)
+    return out if out_dtype is None else out.to(out_dtype)
 
 
 # Gathered keys [rows, k, D] FP32 held at once by the reference sparse prefill attention (1 GiB).

@@ -12,7 +12,16 @@ from dataclasses import dataclass
 import torch
 
 from .. import batch_invariant
-from ..numerics import attention_operands, bmm_f32, bmm_operand, carrier, linear, native, round_to, weight_as
+from ..numerics import (
+    attention_operands,
+    bmm_f32,
+    bmm_operand,
+    carrier,
+    linear,
+    native,
+    round_narrow,
+    weight_as,
+)
 from ..ops.model_calls import rms_norm, rope
 
 
@@ -135,8 +144,11 @@ def project_output(
     cos: torch.Tensor,
     sin: torch.Tensor,
     act_dtype: torch.dtype = torch.float32,
+    narrow: bool = False,
 ) -> torch.Tensor:
-    """Attention output [T, nh, D] -> [T, H]: conjugate RoPE on the tail, grouped wo_a, then wo_b."""
+    """Attention output [T, nh, D] -> [T, H]: conjugate RoPE on the tail, grouped wo_a, then wo_b.
+    `narrow`: the result as an act-dtype tensor where `numerics.narrow_act` (for callers whose consumers
+    take it: the mHC write)."""
     t = o.shape[0]
     o = rope(o, cos, sin, act_dtype, inverse=True, narrow=True)  # (the grouped GEMM's operand, below)
     grouped = o.reshape(t, o_groups, -1)  # group g = heads g*nh/G .. (g+1)*nh/G - 1
@@ -158,5 +170,6 @@ def project_output(
         z = torch.stack([batch_invariant.matmul(grouped[:, g], wo_a[g].t()) for g in range(o_groups)], 1)
     else:
         z = torch.einsum("tgi,gri->tgr", grouped, wo_a)
-    z = round_to(z, act_dtype).reshape(t, -1)
-    return linear(z, w.wo_b, act_dtype)
+    # (native BF16: the grouped GEMM's output is already rounded, and wo_b takes it as it is)
+    z = round_narrow(z, act_dtype).reshape(t, -1)
+    return linear(z, w.wo_b, act_dtype, narrow=narrow)

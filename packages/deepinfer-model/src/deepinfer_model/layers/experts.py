@@ -218,8 +218,7 @@ def experts_forward_static(
     elif bi:
         project = _pair_tiled
     if method == "grouped":
-        y = _grouped_swiglu(x, weights, pairs, experts, limit, act_dtype, weight_before_down)
-        return _slot_sum(y.view(t, k, -1), x, shared, limit, act_dtype)
+        return _grouped_swiglu_sum(x, weights, pairs, experts, shared, limit, act_dtype, weight_before_down)
     xs = x.repeat_interleave(k, dim=0)  # row p = token p // k
     ws = weights.reshape(-1).to(carrier()).unsqueeze(-1)
     if bi and x.device.type == "cpu":
@@ -249,18 +248,21 @@ def _slot_sum(
     return round_to(out, act_dtype)
 
 
-def _grouped_swiglu(
+def _grouped_swiglu_sum(
     x: torch.Tensor,
     weights: torch.Tensor,
     pairs: torch.Tensor,
     experts: ExpertWeights,
+    shared: MLPWeights | None,
     limit: float,
     act_dtype: torch.dtype,
     weight_before_down: bool,
 ) -> torch.Tensor:
-    """Native mode: the routed MLP of every (token, slot) pair [T*k, H] (FP32, pair order) by the
-    `expert_swiglu` op, with act-dtype operands (the stacked weights converted once, cached)."""
-    return get_ops().expert_swiglu(
+    """Native mode: the routed MLP of every (token, slot) pair summed per token with the shared expert and
+    rounded once (`_slot_sum`'s order and rounding) by the `expert_swiglu_sum` op, with act-dtype operands
+    (the stacked weights converted once, cached) -> [T, H] in the carrier dtype."""
+    addend = mlp(x, shared, limit, act_dtype) if shared is not None else None
+    return get_ops().expert_swiglu_sum(
         x.to(act_dtype),
         pairs,
         weights,
@@ -269,6 +271,9 @@ def _grouped_swiglu(
         weight_as(experts.w2, act_dtype),
         limit,
         weight_before_down,
+        addend,
+        act_dtype,
+        carrier(),
     )
 
 
@@ -308,6 +313,33 @@ def grouped_swiglu(
     back = torch.empty_like(y)
     back[order] = y
     return back
+
+
+def grouped_swiglu_sum(
+    x: torch.Tensor,
+    pairs: torch.Tensor,
+    weights: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    limit: float,
+    weight_before_down: bool,
+    addend: torch.Tensor | None,
+    act_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The `expert_swiglu_sum` reference: `grouped_swiglu`'s pair rows summed per token in slot order in FP32
+    from zeros (`_slot_sum`'s order), plus `addend` [T, H] (the shared expert), rounded once to act_dtype ->
+    [T, H] out_dtype."""
+    t, hidden = x.shape[0], w2.shape[1]
+    k = pairs.numel() // max(t, 1)
+    ys = grouped_swiglu(x, pairs, weights, w1, w3, w2, limit, weight_before_down).view(t, k, hidden)
+    out = torch.zeros(t, hidden, dtype=torch.float32, device=x.device)
+    for slot in range(k):
+        out += ys[:, slot]
+    if addend is not None:
+        out += addend.float()
+    return out.to(act_dtype).to(out_dtype)
 
 
 def _pair_exact(x: torch.Tensor, w: torch.Tensor, fp32_valued: bool) -> torch.Tensor:

@@ -21,9 +21,12 @@ SCHEMAS: dict[str, str] = {
     "-> (Tensor, Tensor, Tensor)",
     "hc_read": "(Tensor trunk, Tensor weights, ScalarType? out_dtype=None) -> Tensor",
     "hc_write": "(Tensor y, Tensor trunk, Tensor post, Tensor comb, ScalarType? out_dtype=None) -> Tensor",
-    "index_scores": "(Tensor q, Tensor keys, Tensor weights) -> Tensor",
+    "index_scores": "(Tensor q, Tensor keys, Tensor weights, Tensor? limit=None, ScalarType? out_dtype=None) "
+    "-> Tensor",
     "expert_swiglu": "(Tensor x, Tensor pairs, Tensor weights, Tensor w1, Tensor w3, Tensor w2, float limit, "
     "bool weight_before_down) -> Tensor",
+    "expert_swiglu_sum": "(Tensor x, Tensor pairs, Tensor weights, Tensor w1, Tensor w3, Tensor w2, float limit, "
+    "bool weight_before_down, Tensor? addend, ScalarType act_dtype, ScalarType out_dtype) -> Tensor",
 }
 
 
@@ -53,12 +56,18 @@ def _hc_write(y, trunk, post, comb, out_dtype=None):
     return trunk.new_empty(trunk.shape, dtype=out_dtype or trunk.dtype)
 
 
-def _index_scores(q, keys, weights):
-    return q.new_empty(q.shape[0], q.shape[1], keys.shape[1], dtype=torch.float32)
+def _index_scores(q, keys, weights, limit=None, out_dtype=None):
+    return q.new_empty(q.shape[0], q.shape[1], keys.shape[1], dtype=out_dtype or torch.float32)
 
 
 def _expert_swiglu(x, pairs, weights, w1, w3, w2, limit, weight_before_down):
     return x.new_empty(pairs.numel(), x.shape[1], dtype=torch.float32)
+
+
+def _expert_swiglu_sum(
+    x, pairs, weights, w1, w3, w2, limit, weight_before_down, addend, act_dtype, out_dtype
+):
+    return x.new_empty(x.shape[0], w2.shape[1], dtype=out_dtype)
 
 
 FAKES = {
@@ -69,4 +78,5 @@ FAKES = {
     "hc_write": _hc_write,
     "index_scores": _index_scores,
     "expert_swiglu": _expert_swiglu,
+    "expert_swiglu_sum": _expert_swiglu_sum,
 }

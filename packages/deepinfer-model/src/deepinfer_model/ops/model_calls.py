@@ -61,14 +61,25 @@ def hc_mixes(
     return pre.to(carrier()), post.to(carrier()), comb.to(carrier())
 
 
-def hc_read(trunk: torch.Tensor, weights: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor:
-    return _carry(ops_for(trunk).hc_read(trunk, weights, out_dtype=act_dtype))
+def hc_read(
+    trunk: torch.Tensor, weights: torch.Tensor, act_dtype: torch.dtype, narrow: bool = False
+) -> torch.Tensor:
+    """`mhc.read` through the registry (`narrow`: the act-dtype output as it is where `narrow_act`)."""
+    y = ops_for(trunk).hc_read(trunk, weights, out_dtype=act_dtype)
+    return y if narrow and narrow_act(act_dtype) else _carry(y)
 
 
 def hc_write(
-    y: torch.Tensor, trunk: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, act_dtype: torch.dtype
+    y: torch.Tensor,
+    trunk: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    act_dtype: torch.dtype,
+    narrow: bool = False,
 ) -> torch.Tensor:
-    return _carry(ops_for(trunk).hc_write(y, trunk, post, comb, out_dtype=act_dtype))
+    """`mhc.write` through the registry (`narrow`: the new trunk in the act dtype where `narrow_act`)."""
+    out = ops_for(trunk).hc_write(y, trunk, post, comb, out_dtype=act_dtype)
+    return out if narrow and narrow_act(act_dtype) else _carry(out)
 
 
 def grouped_expert_mlp(

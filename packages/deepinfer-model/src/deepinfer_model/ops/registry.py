@@ -58,11 +58,17 @@ OP_SPECS: dict[str, str] = {
     "-> [T*k, H] FP32 in pair order; per pair g, u = x.dtype(W1_e x), x.dtype(W3_e x) (FP32 accumulation), h = "
     "silu(min(g, L)) clamp(u, -L, L) (* w) in FP32 rounded to x.dtype, y = x.dtype(W2_e h) (* w after w2 if not "
     "weight_before_down): native mode's routed MLP, no host sync",
+    "expert_swiglu_sum": "expert_swiglu_sum(x, pairs, weights, w1, w3, w2, limit, weight_before_down (as "
+    "expert_swiglu), addend [T, H] | None, act_dtype, out_dtype) -> [T, H] out_dtype; the expert_swiglu rows of "
+    "each token's k pairs summed in slot order in FP32 from +0, plus addend (the shared expert), rounded once "
+    "to act_dtype: native mode's routed MoE, no host sync",
     "kv_store_fp8": "kv_store_fp8(latent [T, 512], kv_cache uint8 [blocks, page, 1, 528], slots [T]) -> None; "
     "V4.1 FP8 cache format (spec v41-model 4.9), slot = block * page + offset",
-    "index_scores": "index_scores(q [G, T, h, d] bf16, keys [G, n, d] bf16, weights [G, T, h] FP32) -> [G, T, n] FP32 "
-    "= sum over h of weights * relu(q . k): BF16 products accumulated in FP32, FP32 weighting and head sum (the "
-    "indexer's scores in native mode)",
+    "index_scores": "index_scores(q [G, T, h, d] bf16, keys [G, n, d] bf16, weights [G, T, h] FP32, limit int32 | "
+    "int64 [G, T] | None = None, out_dtype FP32 | BF16 | FP16 | None (FP32) = None) -> [G, T, n] out_dtype "
+    "= sum over h of weights * relu(q . k): BF16 products accumulated in FP32, FP32 weighting and head sum, "
+    "rounded to nearest even to out_dtype (the indexer's scores in native mode); entries j >= limit[g, t] (not "
+    "visible to that row) are 0, whatever the inputs",
     "sparse_prefill_attention": "sparse_prefill_attention(q [T, h, D] bf16, kv [S, D] bf16, indices [T, k] int32 "
     "(-1 = none), sinks [h] FP32, scale) -> [T, h, D] bf16; each query row over its listed keys (values = keys): "
     "BF16 products accumulated in FP32, FP32 softmax with the head's sink logit in the denominator, P rounded to "

@@ -19,7 +19,7 @@ from ..config import RopeSpec
 from ..layers.compressor import CompressorWeights, compress
 from ..layers.indexer import selection_mask
 from ..layers.rope import apply_rope, cos_sin
-from ..numerics import attention_operands, bmm_f32, bmm_operand, carrier, native, round_to
+from ..numerics import attention_operands, bmm_f32, bmm_operand, carrier, narrow_act, native, round_to
 from ..ops.model_calls import fused_kernel
 from .metadata import StaticDecodeMetadata, StepMetadata
 from .pools import PagedKVCache
@@ -570,10 +570,17 @@ def grouped_index_scores(
     g: Group,
     scaled: bool,
     act_dtype: torch.dtype = torch.float32,
+    ratio: int | None = None,
 ):
     """Index scores [G*Q, n] (as `layers.indexer.index_scores`, batched over the group's sequences):
     packed `qi` [N, n_i, d_i] and `head_w` [N, n_i] against each sequence's index keys [G, n, d_i].
-    Native mode: `q . k` on `attention_operands(act_dtype)` operands with FP32 accumulation."""
+    Native mode: `q . k` on `attention_operands(act_dtype)` operands with FP32 accumulation.
+
+    `ratio` (the keys are the layer's compressed entries, entry j at column j): entries a query slot at
+    position p cannot see (j >= (p + 1) // ratio, `compressed_entries`' `valid`) may come back 0 instead of
+    their score (the fused kernel skips them): callers mask them. Where the fused kernel serves and
+    `narrow_act(act_dtype)`, the scores come back in `act_dtype` (rounded in the kernel: the values
+    `round_narrow` gives), else in FP32 / the carrier."""
     n_heads, head_dim = qi.shape[1], qi.shape[2]
 
     def weighted(s: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -602,7 +609,9 @@ def grouped_index_scores(
         kernel = fused_kernel("index_scores", qi, n_heads, head_dim)
     if kernel is not None:
         w = head_w[g.rows].to(carrier())
-        return kernel(bmm_operand(qi[g.rows], op), keys, w).reshape(-1, keys.shape[1])
+        limit = None if ratio is None else torch.div(g.q_pos + 1, ratio, rounding_mode="floor")
+        out_dtype = act_dtype if narrow_act(act_dtype) else None
+        return kernel(bmm_operand(qi[g.rows], op), keys, w, limit, out_dtype).reshape(-1, keys.shape[1])
     block = max(1, SCORE_BLOCK_ELEMENTS // max(g.rows.shape[0] * n_heads * keys.shape[1], 1))
     out = []
     for lo in range(0, g.rows.shape[1], block):

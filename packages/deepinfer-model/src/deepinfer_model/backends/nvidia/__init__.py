@@ -10,6 +10,7 @@
 | grouped_expert_mlp | DeepGEMM `m_grouped_fp8_gemm_nt_contiguous` (same condition), else per-expert dequantised BF16 GEMMs (`moe.py`) |
 | rows_matmul, pair_rows_matmul, tile_bmm | Triton row / tile kernels (`triton_rows.py`) if `triton` imports and `DEEPINFER_TRITON` != 0, else the reference tiles |
 | expert_swiglu | Triton gate/up + SwiGLU and down kernels (`triton_moe.py`) for at most `triton_moe.MAX_PAIRS` 16-bit pairs (decode), else the reference's `torch._grouped_mm` calls |
+| expert_swiglu_sum | the same per pair, summed per token with the shared expert: for more pairs (prefill) `torch._grouped_mm` with Triton SwiGLU and slot-sum kernels (`triton_moe_sum.py`); 16-bit operands, else the reference |
 | index_scores | Triton kernel (`triton_index.py`; power-of-two heads and head dim) if `triton` imports and `DEEPINFER_TRITON` != 0, else the reference |
 | sparse_prefill_attention | FlashMLA's legacy SM90 sparse prefill (`attention.py`; 64 / 128 heads of 512) if `flash_mla` imports and `DEEPINFER_FLASH_MLA` != 0, else the reference |
 | sparse_decode_attention | torch FP32 gather + softmax with sink (FlashMLA's SM90 kernel rejects the V41 format) |
@@ -190,7 +191,7 @@ if _TRITON:
 
     register("nvidia", "hc_mixes")(_hc_mixes)
 
-# Native mode's routed experts (`layers.experts._grouped_swiglu`): up to `triton_moe.MAX_PAIRS` (token, slot)
+# Native mode's routed experts (`layers.experts.grouped_swiglu`): up to `triton_moe.MAX_PAIRS` (token, slot)
 # pairs, as in a decode step, two Triton kernels over the expert-sorted pairs (`triton_moe.py`); more pairs
 # (prefill), or operands the kernels do not take, the reference's grouped GEMMs (CUTLASS through torch).
 if _TRITON:
@@ -205,6 +206,22 @@ if _TRITON:
         return _reference.expert_swiglu(x, pairs, weights, w1, *rest)
 
     register("nvidia", "expert_swiglu")(_expert_swiglu)
+
+    # ... and summed per token (`layers.experts.experts_forward_static`'s grouped method): the grouped GEMMs
+    # with the SwiGLU and the slot sum as Triton kernels (`triton_moe_sum.py`), the few-pairs kernels above
+    # for decode steps
+    from . import triton_moe_sum
+
+    _summed = _kernel_or_torch(
+        "expert_swiglu_sum", triton_moe_sum.expert_swiglu_sum, _reference.expert_swiglu_sum
+    )
+
+    def _expert_swiglu_sum(x, pairs, weights, w1, *rest):
+        if triton_moe_sum.grouped_supports(x, w1):
+            return _summed(x, pairs, weights, w1, *rest)
+        return _reference.expert_swiglu_sum(x, pairs, weights, w1, *rest)
+
+    register("nvidia", "expert_swiglu_sum")(_expert_swiglu_sum)
 
 # The indexer's scores in native mode (`runtime.groups.grouped_index_scores`): the core asks `supports(heads,
 # dim)` first and keeps its own path for other shapes.

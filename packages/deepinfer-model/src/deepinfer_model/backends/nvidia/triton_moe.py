@@ -9,7 +9,7 @@ width; gate and up are read in the same program and the clamped SwiGLU is its ep
 gathered and the outputs scattered back to pair order inside the kernels (no gather, cast or scatter
 launches around them).
 
-Numerics are those of the grouped-GEMM path (`layers.experts._grouped_swiglu`): BF16 operands, FP32
+Numerics are those of the grouped-GEMM path (`layers.experts.grouped_swiglu`): BF16 operands, FP32
 accumulation, each projection's output rounded to BF16, the SwiGLU and routing weight in FP32, `h`
 rounded to BF16 before the down projection. The K order of the sums differs from CUTLASS's, so results
 agree within FP32 accumulation order, not bitwise. Plain `.py` (Triton reads the source).

@@ -238,7 +238,8 @@ def _attend_rows(
                 )
             elif index_source:
                 ik = compressed_entries(cache, qmeta, g, f"index_k.{topo.index_k_source[layer]}", ratio)[0]
-                scores = round_narrow(grouped_index_scores(qi, ik, head_w, g, False, act), act)
+                # (ratio: the kernel skips the entries each row cannot see; `valid` masks them below)
+                scores = round_narrow(grouped_index_scores(qi, ik, head_w, g, False, act, ratio), act)
                 allowed = valid
                 if topo.restricted_to_candidates(layer):
                     allowed = valid & candidate_mask(st.candidates[step_slots], n, topo.candidate_block_size)
@@ -260,7 +261,7 @@ def _attend_rows(
             out = o.to(out_dtype)
         else:
             out[g.packed_rows] = o.to(out_dtype)  # (index_put takes its own dtype: the rounding to act_dtype)
-    return project_output(round_narrow(out, act), w.attn, cfg.o_groups, cos, sin, act)
+    return project_output(round_narrow(out, act), w.attn, cfg.o_groups, cos, sin, act, narrow=True)
 
 
 def _static_selected(
