@@ -231,12 +231,14 @@ if has prefill; then  # the prefill kernels of session 17, their gpu tests, micr
       ${PREFILL_TEST_K:+-k "$PREFILL_TEST_K"} --junitxml "$out/prefill_tests.xml" > "$out/prefill_tests.log" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed" "$out/prefill_tests.log" | tail -12
   fi
+  if [ "${PREFILL_MICRO:-1}" != 0 ]; then  # (PREFILL_MICRO=0: not the micro benches)
   el "prefill kernels: index scores, top-k selection (each against its in-run baseline)"
   timeout 150 python3 benchmarks/gpu/bench_index_scores.py --configs ${INDEX_CONFIGS:-legacy k256_n64} \
     --out-dtypes ${INDEX_OUT_DTYPES:-float32 bfloat16} --out "$out/bench_index_scores.json" > "$out/bench_index_scores.log" 2>&1
   tail -16 "$out/bench_index_scores.log"
   timeout 100 python3 benchmarks/model/bench_select_topk.py --device cuda --output "$out/bench_select_topk.json" \
     > "$out/bench_select_topk.log" 2>&1; tail -8 "$out/bench_select_topk.log"; collect
+  fi
   el "bench prefill: medium native, chunks ${PREFILL_CHUNKS:-4096,16384,65280}"
   DEEPINFER_NUMERICS=native PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${PREFILL_LIMIT_S:-240}" \
     python3 -m deepinfer.cli bench prefill --model "$medium" --max-model-len 65536 --max-num-seqs 1 \
