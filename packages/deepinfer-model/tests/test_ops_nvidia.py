@@ -400,6 +400,25 @@ def test_expert_swiglu_sum(gpu, cpu, t, k, e, inter, hidden, weight_before_down,
 
 
 @needs_triton
+@pytest.mark.parametrize("t,n", [(8192, 16384), (7, 1500), (3, 65536)])
+def test_topk_keys_and_selection(gpu, cpu, t, n):
+    """The top-k keys kernel against the reference bit for bit, and the selection it feeds against the
+    whole-row sort (ties from few distinct values, both zeros, a causal prefix mask)."""
+    from deepinfer_model.layers.indexer import _select_topk_sorted, select_topk
+
+    pool = torch.tensor([0.0, -0.0, 1.5, -1.5, 3.0, 1e-3, -7.0, 0.25])
+    scores = (
+        pool[torch.randint(0, len(pool), (t, n))] + torch.randn(t, n) * (torch.rand(t, 1) < 0.5)
+    ).bfloat16()
+    valid = torch.arange(n)[None, :] < torch.randint(0, n + 1, (t, 1))
+    poison()
+    keys = gpu.topk_keys(scores.to(DEV), valid.to(DEV))
+    assert torch.equal(keys.cpu(), cpu.topk_keys(scores, valid))
+    picked = select_topk(scores.to(DEV), valid.to(DEV), 512)
+    assert torch.equal(picked.cpu(), _select_topk_sorted(scores, valid, 512))
+
+
+@needs_triton
 @pytest.mark.parametrize("p,e", [(1, 16), (48, 16), (256, 256), (300, 16), (2000, 64)])
 def test_expert_pair_sort(p, e):
     """The one-program counting sort (and, past its tile, argsort) against torch's stable sort."""

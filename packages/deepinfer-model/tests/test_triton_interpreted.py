@@ -191,6 +191,24 @@ _INDEX = textwrap.dedent(
 )
 
 
+_KEYS = textwrap.dedent(
+    """
+    import json, sys, torch
+    from deepinfer_model.ops import get_ops
+    from deepinfer_model.backends.nvidia import triton_keys
+    cpu, same = get_ops("cpu"), []
+    torch.manual_seed(0)
+    for t, n, dt in json.loads(sys.argv[1]):
+        # few distinct values (ties), both zeros, infinities
+        pool = torch.tensor([0.0, -0.0, 1.5, -1.5, 3.0, float("inf"), float("-inf"), 1e-3, -7.0])
+        scores = pool[torch.randint(0, len(pool), (t, n))].to(getattr(torch, dt))
+        valid = torch.rand(t, n) > 0.3
+        same.append(bool(torch.equal(triton_keys.topk_keys(scores, valid), cpu.topk_keys(scores, valid))))
+    print(json.dumps(same))
+    """
+)
+
+
 def _interpreted(script: str, arg: str, **env_vars: str) -> list[float]:
     env = dict(os.environ, TRITON_INTERPRET="1", DEEPINFER_TILELANG="0", **env_vars)
     done = subprocess.run(
@@ -310,3 +328,9 @@ def test_index_scores_kernel_matches_the_reference_and_float64():
         # FP16 products are exact in FP32: only the FP32 sums' order differs
         assert err_ref < 1e-6 and err_oracle < 1e-6, (case, name, err_ref, err_oracle)
         assert all(exact), (case, name, exact)
+
+
+def test_topk_keys_kernel_is_the_reference_bit_for_bit():
+    # ragged rows (not a multiple of the block), the int32 limit of 65536 entries, FP16 scores
+    cases = [[3, 1500, "bfloat16"], [1, 65536, "bfloat16"], [5, 37, "float16"]]
+    assert _interpreted(_KEYS, json.dumps(cases)) == [True] * len(cases)

@@ -62,6 +62,9 @@ OP_SPECS: dict[str, str] = {
     "expert_swiglu), addend [T, H] | None, act_dtype, out_dtype) -> [T, H] out_dtype; the expert_swiglu rows of "
     "each token's k pairs summed in slot order in FP32 from +0, plus addend (the shared expert), rounded once "
     "to act_dtype: native mode's routed MoE, no host sync",
+    "topk_keys": "topk_keys(scores [T, n] bf16 | fp16, valid [T, n] bool) -> int32 [T, n], n <= 65536: key = "
+    "k16 * 65536 + (65535 - j), k16 the score's sign-magnitude bits as two's complement (-0.0 and +0.0 both 0), "
+    "-32768 where not valid: unique per row, ordered like (score desc, index asc) (the indexer's top-k)",
     "kv_store_fp8": "kv_store_fp8(latent [T, 512], kv_cache uint8 [blocks, page, 1, 528], slots [T]) -> None; "
     "V4.1 FP8 cache format (spec v41-model 4.9), slot = block * page + offset",
     "index_scores": "index_scores(q [G, T, h, d] bf16, keys [G, n, d] bf16, weights [G, T, h] FP32, limit int32 | "

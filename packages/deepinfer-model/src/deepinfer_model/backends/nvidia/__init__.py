@@ -12,6 +12,7 @@
 | expert_swiglu | Triton gate/up + SwiGLU and down kernels (`triton_moe.py`) for at most `triton_moe.MAX_PAIRS` 16-bit pairs (decode), else the reference's `torch._grouped_mm` calls |
 | expert_swiglu_sum | the same per pair, summed per token with the shared expert: for more pairs (prefill) `torch._grouped_mm` with Triton SwiGLU and slot-sum kernels (`triton_moe_sum.py`); 16-bit operands, else the reference |
 | index_scores | Triton kernel (`triton_index.py`; power-of-two heads and head dim) if `triton` imports and `DEEPINFER_TRITON` != 0, else the reference |
+| topk_keys | Triton kernel (`triton_keys.py`) if `triton` imports and `DEEPINFER_TRITON` != 0, else the reference's torch ops |
 | sparse_prefill_attention | FlashMLA's legacy SM90 sparse prefill (`attention.py`; 64 / 128 heads of 512) if `flash_mla` imports and `DEEPINFER_FLASH_MLA` != 0, else the reference |
 | sparse_decode_attention | torch FP32 gather + softmax with sink (FlashMLA's SM90 kernel rejects the V41 format) |
 | kv_store_fp8 | not registered: the device-agnostic torch reference serves it |
@@ -232,6 +233,15 @@ if _TRITON:
     _op = _kernel_or_torch("index_scores", triton_index.index_scores, _reference.index_scores)
     _op.supports = triton_index.supports
     register("nvidia", "index_scores")(_op)
+
+# The indexer's top-k keys (`layers.indexer._select_topk_keys`): one kernel instead of three torch passes.
+if _TRITON:
+    from .. import cpu as _reference
+    from . import triton_keys
+
+    register("nvidia", "topk_keys")(
+        _kernel_or_torch("topk_keys", triton_keys.topk_keys, _reference.topk_keys)
+    )
 
 # Native-mode prefill attention (`runtime.groups.attend`): FlashMLA for the head shapes it takes. The core
 # asks `supports(heads, dim)` first and keeps its own band path for the others; the reference (a gather)
