@@ -25,9 +25,9 @@
 # moe (the routed experts' Triton kernels: gpu tests, bench_expert_swiglu.py, the graphed decode step with
 # DEEPINFER_TRITON_MOE_MAX_PAIRS=0 and the default; MOE_COMPILE=inductor compiles it, MOE_BATCHES picks the batches),
 # customops (the compiled decode step with DEEPINFER_COMPILE_CUSTOM_OPS=1, its graph breaks by reason, then =0),
-# prefill (session 17's prefill kernels: the gpu tests of the ops it changed (PREFILL_TESTS=0 skips them,
-# PREFILL_TEST_K selects), their micro benches with in-run baselines, medium native prefill at PREFILL_CHUNKS
-# (default 4k / 16k / 64k)),
+# prefill (session 17's prefill kernels: their micro benches with in-run baselines (PREFILL_MICRO=0 skips them),
+# medium native prefill at PREFILL_CHUNKS (default 4k / 16k / 64k), then the gpu tests of the ops it changed
+# (PREFILL_TESTS=0 skips them, PREFILL_TEST_K selects)),
 # Modifiers: nodecode / noprefill (bench: only the other half).
 # Results: $OUT (device tool) or benchmarks/results; logs in engine_logs.tar.gz.
 set -uo pipefail
@@ -223,14 +223,7 @@ if has long; then  # the 64k chunk runs the attention's query side in row blocks
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_repro_paged_batch_invariant.py -k row_blocked \
     > "$out/row_block_tests.log" 2>&1; tail -3 "$out/row_block_tests.log"
 fi
-if has prefill; then  # the prefill kernels of session 17, their gpu tests, micro benches, then the medium prefill chunks
-  if [ "${PREFILL_TESTS:-1}" != 0 ]; then
-    el "tests: the changed ops and the native-numerics gpu tests"
-    timeout "${PREFILL_TEST_LIMIT_S:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu -n 3 \
-      packages/deepinfer-model/tests/test_ops_nvidia.py packages/deepinfer-model/tests/test_numerics_native.py \
-      ${PREFILL_TEST_K:+-k "$PREFILL_TEST_K"} --junitxml "$out/prefill_tests.xml" > "$out/prefill_tests.log" 2>&1
-    grep -E "^(FAILED|ERROR)|passed|failed" "$out/prefill_tests.log" | tail -12
-  fi
+if has prefill; then  # the prefill kernels of session 17: micro benches, the medium prefill chunks, then the gpu tests
   if [ "${PREFILL_MICRO:-1}" != 0 ]; then  # (PREFILL_MICRO=0: not the micro benches)
   el "prefill kernels: index scores, top-k selection (each against its in-run baseline)"
   timeout 150 python3 benchmarks/gpu/bench_index_scores.py --configs ${INDEX_CONFIGS:-legacy k256_n64} \
@@ -245,6 +238,13 @@ if has prefill; then  # the prefill kernels of session 17, their gpu tests, micr
     --chunks "${PREFILL_CHUNKS:-4096,16384,65280}" --prefill-repeats 2 --device cuda --dtype bfloat16 --no-progress \
     --results-dir "$out" --name bench_medium_gpu_prefill_native > "$out/bench_medium_prefill.log" 2>&1
   tail -12 "$out/bench_medium_prefill.log"; grep -i "warn\|fell back\|error" "$out/bench_medium_prefill.log" | head -5; collect
+  if [ "${PREFILL_TESTS:-1}" != 0 ]; then
+    el "tests: the changed ops and the native-numerics gpu tests"
+    timeout "${PREFILL_TEST_LIMIT_S:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu -n 3 \
+      packages/deepinfer-model/tests/test_ops_nvidia.py packages/deepinfer-model/tests/test_numerics_native.py \
+      ${PREFILL_TEST_K:+-k "$PREFILL_TEST_K"} --junitxml "$out/prefill_tests.xml" > "$out/prefill_tests.log" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed" "$out/prefill_tests.log" | tail -12
+  fi
 fi
 if has compile; then  # the graphed decode step compiled by torch.compile (runtime/compiled.py) vs as written
   if [ "${COMPILE_TESTS:-1}" != 0 ]; then  # (COMPILE_TESTS=0: the profile only)
