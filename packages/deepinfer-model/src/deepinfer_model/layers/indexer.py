@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from ..compile_boundary import as_custom_op, custom_ops_enabled, outside_compiled_graph
-from ..numerics import attention_operands, bmm_f32, bmm_operand, carrier, linear, native, round_to
+from ..numerics import attention_operands, bmm_f32, bmm_operand, carrier, linear, native
+from ..ops.model_calls import rope
 from .compressor import CompressorWeights
-from .rope import apply_rope
 
 
 @dataclass
@@ -40,9 +40,10 @@ def index_queries(
     sin: torch.Tensor,
     act_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Index queries [T, n_i, d_i] with RoPE on the tail of every head."""
-    q = linear(q_lat, w.wq_b, act_dtype).view(q_lat.shape[0], n_heads, -1)
-    return round_to(apply_rope(q, cos, sin), act_dtype)
+    """Index queries [T, n_i, d_i] with RoPE on the tail of every head (the registry's RoPE: a kernel on a GPU,
+    not a dozen torch passes over [T, n_i, d_i]; as an act-dtype tensor where `numerics.narrow_act`)."""
+    q = linear(q_lat, w.wq_b, act_dtype, narrow=True).view(q_lat.shape[0], n_heads, -1)
+    return rope(q, cos, sin, act_dtype, narrow=True)
 
 
 def index_scores(

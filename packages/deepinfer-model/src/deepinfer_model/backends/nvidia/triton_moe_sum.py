@@ -77,7 +77,10 @@ def _combine_kernel(
     acc = tl.zeros([BLOCK], tl.float32)  # +0: 0 + y is y except for -0.0, as the reference's zeros
     for s in tl.static_range(K_SLOTS):
         p = t * K_SLOTS + s
-        row = tl.load(pos_ptr + p) if GATHER else p
+        if GATHER:
+            row = tl.load(pos_ptr + p)
+        else:
+            row = p
         v = tl.load(y_ptr + row * H + c, mask=ok, other=0.0).to(tl.float32)
         if WEIGHTED:
             v = v * tl.load(ws_ptr + p)
