@@ -92,3 +92,40 @@ def test_covers_step_only_for_the_steps_rows_in_order():
     assert groups._covers_step(np.arange(5), 5)
     assert not groups._covers_step(np.arange(4), 5)  # padding slots or another group hold a row
     assert not groups._covers_step(np.array([1, 0, 2]), 3)  # sequences out of row order
+
+
+def test_listed_attention_takes_a_whole_steps_queries_as_they_are():
+    """`listed_attention` (FlashMLA's form) gathers the group's query slots from the step's q; a one-sequence
+    chunk's group (its slots are the step's rows, no padding) passes q as it is: the same result as the
+    gathered rows, for the reference kernel."""
+    import dataclasses
+
+    from deepinfer_model.backends import cpu as reference
+    from deepinfer_model.runtime.metadata import StepMetadata
+    from deepinfer_model.runtime.pools import PagedKVCache, PoolSpec
+
+    block, nh, d, n = 8, 4, 32, 37
+    batch = RunnerBatch(
+        seq_ids=np.zeros(1, dtype=np.int64),
+        start_positions=np.array([5]),
+        query_lens=np.array([n]),
+        block_tables=[np.arange(6, dtype=np.int32)],
+        input_ids=np.zeros(n, dtype=np.int64),
+        logits_lens=np.ones(1, dtype=np.int64),
+    )
+    meta = StepMetadata.build(batch, block, num_blocks=6)
+    (g,) = groups.make_groups(meta)
+    assert g.covers_step and g.real_slots is None
+    gen = torch.Generator().manual_seed(0)
+    cache = PagedKVCache([PoolSpec("swa.0", block, d)], 6)
+    cache.write("swa.0", torch.arange(48), torch.randn(48, d, generator=gen).bfloat16().float())
+    q = torch.randn(n, nh, d, generator=gen).bfloat16()
+    sinks = torch.randn(nh, generator=gen)
+    wk = groups.swa_keys(cache, meta, g, "swa.0", 16)
+    op = reference.sparse_prefill_attention
+    direct = groups.listed_attention(op, q, wk, g, sinks, d**-0.5, meta)
+    gathered = groups.listed_attention(
+        op, q, wk, dataclasses.replace(g, covers_step=False), sinks, d**-0.5, meta
+    )
+    assert direct.shape == (n, nh, d) and torch.isfinite(direct.float()).all()
+    assert torch.equal(direct, gathered)

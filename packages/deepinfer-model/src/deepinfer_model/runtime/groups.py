@@ -534,7 +534,11 @@ def listed_attention(
         lists.append(torch.where(sel >= 0, sel + first[:, None, None], -1).view(gs * qn, -1))
     kv = torch.cat(keys).to(torch.bfloat16)
     indices = torch.cat(lists, dim=1).to(torch.int32)
-    rows = q[g.slot_rows].to(torch.bfloat16)  # [G*Q, nh, D]: this group's rows only (a step has several)
+    # [G*Q, nh, D]: this group's slots (a step has several groups); a group whose slots are the step's rows
+    # in order (no padding) takes q as it is (the gather was a 512 MB copy per layer and row block of a
+    # 16k-token chunk)
+    whole = g.covers_step and g.real_slots is None
+    rows = (q if whole else q[g.slot_rows]).to(torch.bfloat16)
     return kernel(
         rows, kv, indices, sinks, scale
     )  # BF16: the attention output's own rounding (callers store it)
