@@ -104,26 +104,37 @@ def carry(x: torch.Tensor) -> torch.Tensor:
 
 
 # Converted copies of weights (FP64 for exact, act_dtype for native), made once instead of on every
-# call (converting the weights dominated the CPU step time). Keyed by the weight's id and the target
-# dtype, guarded by a weak reference to it (ids are reused after a tensor dies) and by its in-place
-# version counter, so an in-place update (e.g. an EPLB weight shuffle) is never served a stale copy.
-# Tensors compare elementwise, so they cannot be dict keys.
-_WEIGHTS: dict[tuple[int, torch.dtype], tuple[weakref.ref, int, torch.Tensor]] = {}
+# call (converting the weights dominated the CPU step time), and other tensors derived from a weight
+# (`derived_weight`). Keyed by the weight's id and what was derived, guarded by a weak reference to it (ids
+# are reused after a tensor dies) and by its in-place version counter, so an in-place update (e.g. an EPLB
+# weight shuffle) is never served a stale copy. Tensors compare elementwise, so they cannot be dict keys.
+_WEIGHTS: dict[tuple[int, object], tuple[weakref.ref, int, torch.Tensor]] = {}
 
 
-def _cached_copy(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def derived_weight(weight: torch.Tensor, what: object, make) -> torch.Tensor:
+    """`make(weight)`, made once per (tensor, `what`) and kept until the tensor is modified in place or dies
+    (an inference tensor keeps no version: made at every call, as a cached copy could go stale unseen)."""
     version = batch_invariant.version_of(weight)
-    if version is None:  # an inference tensor keeps no version: a cached copy could go stale unseen
-        return weight.to(dtype)
-    key = (id(weight), dtype)
+    if version is None:
+        return make(weight)
+    key = (id(weight), what)
     cached = _WEIGHTS.get(key)
     if cached is not None and cached[0]() is weight and cached[1] == version:
         return cached[2]
-    copy = weight.to(dtype)
+    out = make(weight)
     if cached is None or cached[0]() is not weight:
         weakref.finalize(weight, _WEIGHTS.pop, key, None)
-    _WEIGHTS[key] = (weakref.ref(weight), version, copy)
-    if dtype in _COPY_ATTRS:
+    _WEIGHTS[key] = (weakref.ref(weight), version, out)
+    return out
+
+
+def _cached_copy(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return derived_weight(weight, dtype, lambda w: _converted(w, dtype))
+
+
+def _converted(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    copy = weight.to(dtype)
+    if dtype in _COPY_ATTRS and batch_invariant.version_of(weight) is not None:
         setattr(weight, _COPY_ATTRS[dtype], copy)
     return copy
 

@@ -238,14 +238,20 @@ def experts_forward_static(
 def _slot_sum(
     ys: torch.Tensor, x: torch.Tensor, shared: MLPWeights | None, limit: float, act_dtype: torch.dtype
 ) -> torch.Tensor:
+    """The routed outputs [T, k, H] summed in slot order plus the shared expert (`_slot_total`), rounded once."""
+    addend = mlp(x, shared, limit, act_dtype) if shared is not None else None
+    return round_to(_slot_total(ys, addend, carrier()), act_dtype)
+
+
+def _slot_total(ys: torch.Tensor, addend: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """The routed outputs [T, k, H] summed in slot order from zeros (0 + y is y except for -0.0, exactly as
-    a per-slot accumulation), plus the shared expert, rounded once."""
-    out = torch.zeros(ys.shape[0], ys.shape[2], dtype=carrier(), device=ys.device)
+    a per-slot accumulation), then `addend` [T, H] (None: nothing), in `dtype`, unrounded."""
+    out = torch.zeros(ys.shape[0], ys.shape[2], dtype=dtype, device=ys.device)
     for slot in range(ys.shape[1]):
         out += ys[:, slot]
-    if shared is not None:
-        out += mlp(x, shared, limit, act_dtype)
-    return round_to(out, act_dtype)
+    if addend is not None:
+        out += addend
+    return out
 
 
 def _grouped_swiglu_sum(
@@ -329,17 +335,12 @@ def grouped_swiglu_sum(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """The `expert_swiglu_sum` reference: `grouped_swiglu`'s pair rows summed per token in slot order in FP32
-    from zeros (`_slot_sum`'s order), plus `addend` [T, H] (the shared expert), rounded once to act_dtype ->
+    from zeros, plus `addend` [T, H] (the shared expert) (`_slot_total`), rounded once to act_dtype ->
     [T, H] out_dtype."""
     t, hidden = x.shape[0], w2.shape[1]
     k = pairs.numel() // max(t, 1)
     ys = grouped_swiglu(x, pairs, weights, w1, w3, w2, limit, weight_before_down).view(t, k, hidden)
-    out = torch.zeros(t, hidden, dtype=torch.float32, device=x.device)
-    for slot in range(k):
-        out += ys[:, slot]
-    if addend is not None:
-        out += addend.float()
-    return out.to(act_dtype).to(out_dtype)
+    return _slot_total(ys, addend, torch.float32).to(act_dtype).to(out_dtype)
 
 
 def _pair_exact(x: torch.Tensor, w: torch.Tensor, fp32_valued: bool) -> torch.Tensor:

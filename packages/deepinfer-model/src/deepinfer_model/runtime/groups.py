@@ -85,9 +85,10 @@ class Group:
     packed_rows: torch.Tensor | None = None  # long [n] packed rows of the real slots, [G, Q] row-major
     real_slots: torch.Tensor | None = None  # long [n] flat [G*Q] index of the real slots; None: no padding
     host_q_pos: np.ndarray | None = None  # int64 [G, Q] `q_pos` on the host (band masks are built there)
-    # `packed_rows` is exactly 0 .. N-1 for the step's N rows (one group, no padding, sequences in row
-    # order: a prefill chunk of one sequence, or equal chunks): per-group outputs are then the step's rows as
-    # they are, no scatter into a step-sized buffer (a 1 GiB index_put per layer in a 16k-token prefill)
+    # `packed_rows` is exactly 0 .. N-1 for the step's N rows (one group holding every row, sequences in row
+    # order: a prefill chunk of one sequence, or equal chunks; padding slots may still exist, `real_slots`):
+    # per-group outputs (`real`) are then the step's rows as they are, no scatter into a step-sized buffer
+    # (a 1 GiB index_put per layer in a 16k-token prefill)
     covers_step: bool = False
 
     @property

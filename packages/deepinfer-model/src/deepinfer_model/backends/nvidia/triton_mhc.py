@@ -20,11 +20,11 @@ rounding, not bitwise. Every step is row-local (one program per token, a fixed o
 mode keeps its own path (`backends/nvidia/__init__.py`). Plain `.py` (Triton reads the source).
 """
 
-import weakref
-
 import torch
 import triton
 import triton.language as tl
+
+from ...numerics import derived_weight
 
 BLOCK_K = 1024  # trunk values per load of the row-norm loop
 
@@ -87,24 +87,6 @@ def tf32_parts(fn: torch.Tensor) -> torch.Tensor:
     return torch.stack((hi, mid, rest - mid)).contiguous()
 
 
-# fn's parts per weight tensor, made once (kept while the tensor lives and is not modified in place)
-_PARTS: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
-
-
-def _cached_parts(fn: torch.Tensor) -> torch.Tensor:
-    key = id(fn)
-    hit = _PARTS.get(key)
-    version = fn._version if not fn.is_inference() else None
-    if hit is not None and hit[0]() is fn and version is not None and hit[1] == version:
-        return hit[2]
-    parts = tf32_parts(fn)
-    if version is not None:
-        if hit is None or hit[0]() is not fn:
-            weakref.finalize(fn, _PARTS.pop, key, None)
-        _PARTS[key] = (weakref.ref(fn), version, parts)
-    return parts
-
-
 def project(trunk: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(z = flat(trunk) @ fn.T [T, N] FP32, sum of squares of each flat row [T] FP32) of a 16-bit trunk."""
     t = trunk.shape[0]
@@ -115,7 +97,7 @@ def project(trunk: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.
     ss = torch.empty(t, dtype=torch.float32, device=trunk.device)
     if t:
         _project_kernel[(-(-t // PROJECT_BLOCK_T),)](
-            flat, _cached_parts(fn), z, ss, t, k,
+            flat, derived_weight(fn, "tf32_parts", tf32_parts), z, ss, t, k,
             N=n, BLOCK_N=max(16, triton.next_power_of_2(n)), BLOCK_T=PROJECT_BLOCK_T, BLOCK_K=PROJECT_BLOCK_K,
             num_warps=4,
         )  # fmt: skip

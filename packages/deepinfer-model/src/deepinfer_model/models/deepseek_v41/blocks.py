@@ -43,7 +43,9 @@ class ShiftedHC:
         c = self.cfg
         # hot ops through the registry (ops.model_calls): the reference on CPU, kernels on CUDA
         pre, post, comb = hc_mixes(self.trunk, params, c.hc_eps, c.rms_norm_eps, c.hc_sinkhorn_iters)
-        y_in = rms_norm(hc_read(self.trunk, self.prev_pre, act_dtype, True), norm, c.rms_norm_eps, act_dtype)
+        y_in = rms_norm(
+            hc_read(self.trunk, self.prev_pre, act_dtype, narrow=True), norm, c.rms_norm_eps, act_dtype
+        )
         self.prev_pre = pre
         self.trunk = hc_write(fn(y_in), self.trunk, post, comb, act_dtype, narrow=True)
 
