@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +23,9 @@ import torch
 from deepinfer_model.layers.indexer import _select_topk, _select_topk_sorted
 from rich.console import Console
 from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+from profile_decode_step import _median_ms  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "bench_select_topk.json"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -44,23 +46,11 @@ def _inputs(
 
 
 def _time_ms(fn: Callable[[], torch.Tensor], device: str, warmup: int, repeats: int) -> float:
-    """Median milliseconds per call."""
+    """Median milliseconds per call after `warmup` calls (the GPU benches' timer: CUDA events, else the
+    host clock)."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return _median_ms(fn, repeats, device == "cuda")
 
 
 def _bench(args: argparse.Namespace, n: int) -> list[dict]:
