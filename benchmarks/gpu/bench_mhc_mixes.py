@@ -8,7 +8,13 @@ baseline: `speedup_vs_torch` = its time over the row's. Every implementation is 
 CPU reference (relative error, FP64), so a fast wrong kernel shows up in the table.
 
     python benchmarks/gpu/bench_mhc_mixes.py [--tokens 1 8 64 4096 16384] [--hidden 4096]
+        [--project-tokens 16384] [--project-blocks 32 64 128] [--project-warps 4 8]
 writes benchmarks/results/bench_mhc_mixes.json (one flat record per implementation and token count).
+
+The prefill projection alone (`triton_mhc.project`: the 16-bit trunk times fn, FP32 result, and the row sums
+of squares) is swept over its launch (tokens per program, warps) at `--project-tokens`, against cuBLAS's FP32
+GEMM on the widened trunk plus torch's sum of squares (the path it replaced) as the in-run baseline; its
+error is measured over every row against the FP64 product (impl `project/...`).
 """
 
 from __future__ import annotations
@@ -59,6 +65,40 @@ def _implementations() -> dict:
     return impls
 
 
+def _project_sweep(args, fn_d: torch.Tensor, gen: torch.Generator) -> list[dict]:
+    """`triton_mhc.project` per launch config vs the widened-trunk cuBLAS FP32 GEMM + sum of squares."""
+    from deepinfer_model.backends.nvidia import triton_mhc
+
+    records = []
+    m, h = args.streams, args.hidden
+    for t in args.project_tokens:
+        trunk = (torch.randn(t, m, h, generator=gen) * 2).to(torch.bfloat16).cuda()
+        flat64 = trunk.double().flatten(1)
+        z64, ss64 = flat64 @ fn_d.double().t(), flat64.square().sum(1)
+        del flat64
+
+        def widened(x=trunk):
+            flat = x.float().flatten(1)
+            return flat @ fn_d.t(), flat.square().sum(1)
+
+        impls = {"torch": widened}
+        for block in args.project_blocks:
+            for warps in args.project_warps:
+                impls[f"project/t{block}w{warps}"] = lambda x=trunk, b=block, w=warps: triton_mhc.project(
+                    x, fn_d, block_t=b, num_warps=w
+                )
+        for name, impl in impls.items():
+            z, ss = impl()
+            err = max(
+                float((z.double() - z64).norm() / z64.norm()),
+                float((ss.double() - ss64).norm() / ss64.norm()),
+            )
+            us = _median_us(impl, args.repeats)
+            records.append({"op": "project", "impl": name, "tokens": t, "streams": m, "hidden": h, "iters": 0,
+                            "us_per_call": us, "eager_us_per_call": us, "max_rel_err": err})  # fmt: skip
+    return records
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 4096, 16384])
@@ -66,6 +106,11 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=4, help="m, the mHC stream count")
     ap.add_argument("--iters", type=int, default=20, help="Sinkhorn iterations")
     ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument(
+        "--project-tokens", type=int, nargs="*", default=[16384], help="the projection sweep's sizes"
+    )
+    ap.add_argument("--project-blocks", type=int, nargs="+", default=[32, 64, 128], help="tokens per program")
+    ap.add_argument("--project-warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--out", type=Path, default=RESULTS / "bench_mhc_mixes.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -95,12 +140,15 @@ def main() -> None:
             err = max(
                 float((o.double().cpu() - r.double()).norm() / r.double().norm()) for o, r in zip(outs, refs)
             )
-            records.append({"impl": name, "tokens": t, "streams": m, "hidden": h, "iters": args.iters,
+            records.append({"op": "mixes", "impl": name, "tokens": t, "streams": m, "hidden": h, "iters": args.iters,
                             "us_per_call": _median_us(_graphed(call), args.repeats),
                             "eager_us_per_call": _median_us(call, args.repeats), "max_rel_err": err})  # fmt: skip
+    records += _project_sweep(args, fn_d, gen)
     for r in records:
         base_us = next(
-            x["us_per_call"] for x in records if x["tokens"] == r["tokens"] and x["impl"] == "torch"
+            x["us_per_call"]
+            for x in records
+            if x["op"] == r["op"] and x["tokens"] == r["tokens"] and x["impl"] == "torch"
         )
         r["speedup_vs_torch"] = base_us / r["us_per_call"]
     table = Table(

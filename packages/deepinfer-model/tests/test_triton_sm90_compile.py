@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 
 import pytest
 
@@ -67,10 +68,15 @@ def test_expert_combine_kernel(gather, weighted, y, round_to):
 def test_mhc_projection_kernel_uses_the_tensor_cores():
     from deepinfer_model.backends.nvidia import triton_mhc as h
 
-    sig = {"x_ptr": "*bf16", **_f32("f_ptr", "z_ptr", "ss_ptr"), "T": "i32", "K": "i32"}
+    sig = {"x_ptr": "*bf16", **_f32("f_ptr", "z_ptr", "ss_ptr"), "T": "i32", "K": "i32", "one": "fp32"}
     consts = {"N": 24, "BLOCK_N": 32, "BLOCK_T": h.PROJECT_BLOCK_T, "BLOCK_K": h.PROJECT_BLOCK_K}
-    ptx = _compile(h._project_kernel, sig, consts).asm["ptx"]
+    compiled = _compile(h._project_kernel, sig, consts)
+    ptx = compiled.asm["ptx"]
     assert "mma" in ptx and ".tf32" in ptx  # TF32 tensor-core products (exact for these operands)
+    # each chunk's tensor-core sum starts from zero and is added to the running sum outside the dots (the
+    # tensor cores truncate what they add: fed the running sum, the bias grows with K)
+    ttgir = compiled.asm["ttgir"]
+    assert re.search(r"arith\.mulf %[\w#]+, %[\w#]+", ttgir) and "arith.addf" in ttgir
 
 
 @pytest.mark.parametrize("ss_given", [True, False])

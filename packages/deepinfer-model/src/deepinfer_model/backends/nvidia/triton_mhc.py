@@ -32,8 +32,11 @@ BLOCK_K = 1024  # trunk values per load of the row-norm loop
 # once, as stored, for the projection and the row norm. Fewer tokens (decode) keep cuBLAS's FP32 GEMM on the
 # widened trunk, whose split-K spreads a few rows over the whole GPU.
 PROJECT_MIN_TOKENS = 512
-PROJECT_BLOCK_T = 32  # tokens per program
-PROJECT_BLOCK_K = 64  # trunk columns per step
+PROJECT_BLOCK_T = 64  # tokens per program: each program streams all of fn (3 x 24 x 16k FP32 at the medium
+# size) through L2 once, so fewer, taller programs (32 tokens: 1 ms per 16k-token call on the H200, fn's
+# re-reads the bound) cut that traffic; 64 still gives two programs per SM at 16k tokens
+PROJECT_BLOCK_K = 64  # trunk columns per chunk: the tensor cores' partial sum of one chunk is added to the
+# running sum on the CUDA cores
 
 
 @triton.jit
@@ -44,13 +47,19 @@ def _project_kernel(
     ss_ptr,  # [T] FP32 out: the row's sum of squares
     T,
     K,
+    one,  # 1.0 at run time (see the chunk sum below)
     N: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # A 16-bit value is an exact TF32 value and so is each part of fn: every tensor-core product is exact and
-    # the three products sum in the FP32 accumulator, an FP32 GEMM's result up to the order of the sums.
+    # A 16-bit value is an exact TF32 value and so is each part of fn: every tensor-core product is exact.
+    # Their sums are not: the tensor cores add a product to the accumulator by aligning it to the larger
+    # exponent and dropping the bits below (truncation, not rounding). Fed the running sum of all of K, that
+    # bias has one sign for the whole row and grows with K (relative error 8e-5 at K = 16k on the H200, an
+    # FP32 GEMM's is ~1e-7). So each chunk of BLOCK_K columns is summed from zero on the tensor cores (its
+    # small bias has the chunk's own sign) and added to the running sum in rounded FP32 on the CUDA cores.
+    # The product by `one`, a run-time value, keeps the compiler from folding that add back into the dot.
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     r_ok = rows < T
     n = tl.arange(0, BLOCK_N)
@@ -65,9 +74,11 @@ def _project_kernel(
         ss += tl.sum(x * x, 1)
         f_off = n[:, None] * K + kk[None, :]
         f_ok = n_ok[:, None] & k_ok[None, :]
-        for part in tl.static_range(3):
-            f = tl.load(f_ptr + part * N * K + f_off, mask=f_ok, other=0.0)
-            acc = tl.dot(x, tl.trans(f), acc, input_precision="tf32")
+        part = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+        for p in tl.static_range(3):  # lo, mid, then hi: the small parts first
+            f = tl.load(f_ptr + (2 - p) * N * K + f_off, mask=f_ok, other=0.0)
+            part = tl.dot(x, tl.trans(f), part, input_precision="tf32")
+        acc += part * one
     tl.store(z_ptr + rows.to(tl.int64)[:, None] * N + n[None, :], acc, mask=r_ok[:, None] & n_ok[None, :])
     tl.store(ss_ptr + rows, ss, mask=r_ok)
 
@@ -87,8 +98,11 @@ def tf32_parts(fn: torch.Tensor) -> torch.Tensor:
     return torch.stack((hi, mid, rest - mid)).contiguous()
 
 
-def project(trunk: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(z = flat(trunk) @ fn.T [T, N] FP32, sum of squares of each flat row [T] FP32) of a 16-bit trunk."""
+def project(
+    trunk: torch.Tensor, fn: torch.Tensor, block_t: int = PROJECT_BLOCK_T, num_warps: int = 4
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(z = flat(trunk) @ fn.T [T, N] FP32, sum of squares of each flat row [T] FP32) of a 16-bit trunk
+    (`block_t`, `num_warps`: the launch, for `bench_mhc_mixes.py`'s sweep)."""
     t = trunk.shape[0]
     flat = trunk.reshape(t, -1)
     flat = flat if flat.is_contiguous() else flat.contiguous()
@@ -96,10 +110,10 @@ def project(trunk: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.
     z = torch.empty(t, n, dtype=torch.float32, device=trunk.device)
     ss = torch.empty(t, dtype=torch.float32, device=trunk.device)
     if t:
-        _project_kernel[(-(-t // PROJECT_BLOCK_T),)](
-            flat, derived_weight(fn, "tf32_parts", tf32_parts), z, ss, t, k,
-            N=n, BLOCK_N=max(16, triton.next_power_of_2(n)), BLOCK_T=PROJECT_BLOCK_T, BLOCK_K=PROJECT_BLOCK_K,
-            num_warps=4,
+        _project_kernel[(-(-t // block_t),)](
+            flat, derived_weight(fn, "tf32_parts", tf32_parts), z, ss, t, k, 1.0,
+            N=n, BLOCK_N=max(16, triton.next_power_of_2(n)), BLOCK_T=block_t, BLOCK_K=PROJECT_BLOCK_K,
+            num_warps=num_warps,
         )  # fmt: skip
     return z, ss
 
