@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import RopeSpec
-from ..numerics import carrier, linear, round_to
+from ..numerics import carrier, logits, round_to
 from .norm import rms_norm
 from .rope import apply_rope, cos_sin
 
@@ -70,13 +70,15 @@ def compress(
     n = x.shape[0] // ratio
     d = w.norm.shape[0]
     x = x[: n * ratio]
-    kv = linear(x, w.wkv, torch.float32).view(n, ratio, w.wkv.shape[0])  # pooling inputs stay FP32
+    # The projections keep FP32 outputs (pooling inputs): products of act-dtype operands, as `logits` (native:
+    # a BF16 tensor-core GEMM with an FP32 output; x holds act-dtype values, so narrowing it loses nothing)
+    kv = logits(x, w.wkv, act_dtype).to(carrier()).view(n, ratio, w.wkv.shape[0])
     if w.wgate is None:
         if ratio != 1:
             raise ValueError(f"a compressor without wgate needs ratio 1, got {ratio}")
         gate = torch.zeros_like(kv)
     else:
-        gate = linear(x, w.wgate, torch.float32).view(n, ratio, w.wgate.shape[0])
+        gate = logits(x, w.wgate, act_dtype).to(carrier()).view(n, ratio, w.wgate.shape[0])
     if w.ape is not None:
         gate = gate + w.ape.to(carrier())
     if overlap:
