@@ -44,6 +44,7 @@ def _inputs() -> dict[str, tuple[tuple, dict]]:
              7.0, True, r(t, h), torch.bfloat16, torch.float32),
             {},
         ),
+        "swiglu": ((r(t, inter, dtype=torch.bfloat16), r(t, inter, dtype=torch.bfloat16), 1.5), {}),
     }  # fmt: skip
 
 
@@ -86,6 +87,7 @@ def test_custom_op_is_one_node_of_a_compiled_graph_with_the_eager_result(name):
         out = _as_tuple(op(*a, **kwargs))
         return tuple(o * 1 for o in out)  # (an op of the graph after the call)
 
+    torch._dynamo.reset()  # (one `region` code object per op: dynamo's per-code recompile limit is 8)
     compiled = torch.compile(region, backend="aot_eager", fullgraph=True)  # a graph break would raise
     got = _as_tuple(compiled(*args))
     assert len(calls) >= 2  # the kernel ran inside the compiled region too, not a traced copy of it

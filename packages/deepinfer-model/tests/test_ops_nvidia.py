@@ -400,6 +400,22 @@ def test_expert_swiglu_sum(gpu, cpu, t, k, e, inter, hidden, weight_before_down,
 
 
 @needs_triton
+@pytest.mark.parametrize("shape", [(16384, 2048), (3, 5, 1000), (1, 96)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_swiglu(gpu, cpu, shape, dtype):
+    """The shared expert's activation (gate and up as the act-dtype GEMMs leave them) against the CPU
+    reference; values up to the clamp limit and beyond, rounded once to the input dtype."""
+    gate, up = ((torch.randn(shape) * 3).to(dtype) for _ in range(2))
+    ref = cpu.swiglu(gate, up, 2.5)
+    poison()
+    out = gpu.swiglu(gate.to(DEV), up.to(DEV), 2.5)
+    assert out.dtype == dtype and out.shape == gate.shape
+    assert rel_err(out, ref) < tol(dtype)
+    # (an FP32 output asked for: the reference's path, the same values before the rounding)
+    assert rel_err(gpu.swiglu(gate.to(DEV), up.to(DEV), 2.5, torch.float32), ref) < tol(dtype)
+
+
+@needs_triton
 @pytest.mark.parametrize("t,n", [(8192, 16384), (7, 1500), (3, 65536)])
 def test_topk_keys_and_selection(gpu, cpu, t, n):
     """The top-k keys kernel against the reference bit for bit, and the selection it feeds against the

@@ -165,6 +165,13 @@ expert_swiglu_sum = register("cpu", "expert_swiglu_sum")(grouped_swiglu_sum)
 topk_keys = register("cpu", "topk_keys")(topk_keys_reference)
 
 
+@register("cpu", "swiglu")
+def swiglu(
+    gate: torch.Tensor, up: torch.Tensor, limit: float, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    return clamped_swiglu(gate, up, limit, torch.float32).to(out_dtype or gate.dtype)
+
+
 @register("cpu", "rows_matmul")
 def rows_matmul(x: torch.Tensor, weight: torch.Tensor, round_to: torch.dtype | None = None) -> torch.Tensor:
     """Fixed [TILE_ROWS, K] row tiles (`batch_invariant.tiled_matmul`) against the weight widened to

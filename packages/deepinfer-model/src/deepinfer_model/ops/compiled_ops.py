@@ -27,6 +27,7 @@ SCHEMAS: dict[str, str] = {
     "bool weight_before_down) -> Tensor",
     "expert_swiglu_sum": "(Tensor x, Tensor pairs, Tensor weights, Tensor w1, Tensor w3, Tensor w2, float limit, "
     "bool weight_before_down, Tensor? addend, ScalarType act_dtype, ScalarType out_dtype) -> Tensor",
+    "swiglu": "(Tensor gate, Tensor up, float limit, ScalarType? out_dtype=None) -> Tensor",
 }
 
 
@@ -70,6 +71,10 @@ def _expert_swiglu_sum(
     return x.new_empty(x.shape[0], w2.shape[1], dtype=out_dtype)
 
 
+def _swiglu(gate, up, limit, out_dtype=None):
+    return gate.new_empty(gate.shape, dtype=out_dtype or gate.dtype)
+
+
 FAKES = {
     "rms_norm": _rms_norm,
     "apply_rope": _apply_rope,
@@ -79,4 +84,5 @@ FAKES = {
     "index_scores": _index_scores,
     "expert_swiglu": _expert_swiglu,
     "expert_swiglu_sum": _expert_swiglu_sum,
+    "swiglu": _swiglu,
 }

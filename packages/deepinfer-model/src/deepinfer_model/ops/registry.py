@@ -62,6 +62,9 @@ OP_SPECS: dict[str, str] = {
     "expert_swiglu), addend [T, H] | None, act_dtype, out_dtype) -> [T, H] out_dtype; the expert_swiglu rows of "
     "each token's k pairs summed in slot order in FP32 from +0, plus addend (the shared expert), rounded once "
     "to act_dtype: native mode's routed MoE, no host sync",
+    "swiglu": "swiglu(gate [..., N], up [..., N] (gate's dtype: 16-bit or FP32), limit, out_dtype=None) -> "
+    "out_dtype or gate.dtype = silu(min(gate, L)) * clamp(up, -L, L) in FP32, rounded once: the shared "
+    "expert's activation where its projections stay in the act dtype (native mode)",
     "topk_keys": "topk_keys(scores [T, n] bf16 | fp16, valid [T, n] bool) -> int32 [T, n], n <= 65536: key = "
     "k16 * 65536 + (65535 - j), k16 the score's sign-magnitude bits as two's complement (-0.0 and +0.0 both 0), "
     "-32768 where not valid: unique per row, ordered like (score desc, index asc) (the indexer's top-k)",

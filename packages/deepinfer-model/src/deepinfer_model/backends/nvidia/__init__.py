@@ -4,13 +4,14 @@
 | --- | --- |
 | rms_norm | TileLang kernel (`tilelang_norm.py`) |
 | apply_rope | TileLang kernel (`tilelang_rope.py`) |
-| hc_mixes | cuBLAS FP32 projection + Triton row norm and epilogue (`triton_mhc.py`) in native mode; in exact / batch-invariant mode, or without Triton, the TileLang epilogue (`tilelang_mhc.py`) |
+| hc_mixes | the projection (cuBLAS FP32 GEMM; a 16-bit prefill trunk: Triton TF32-split kernel) + Triton row norm and epilogue (`triton_mhc.py`) in native mode; in exact / batch-invariant mode, or without Triton, the TileLang epilogue (`tilelang_mhc.py`) |
 | hc_read, hc_write | TileLang kernels (`tilelang_mhc.py`) |
 | fp8_block_linear | DeepGEMM `fp8_gemm_nt` if `deep_gemm` imports and `DEEPINFER_DEEP_GEMM` != 0, else dequantise + BF16 GEMM |
 | grouped_expert_mlp | DeepGEMM `m_grouped_fp8_gemm_nt_contiguous` (same condition), else per-expert dequantised BF16 GEMMs (`moe.py`) |
 | rows_matmul, pair_rows_matmul, tile_bmm | Triton row / tile kernels (`triton_rows.py`) if `triton` imports and `DEEPINFER_TRITON` != 0, else the reference tiles |
 | expert_swiglu | Triton gate/up + SwiGLU and down kernels (`triton_moe.py`) for at most `triton_moe.MAX_PAIRS` 16-bit pairs (decode), else the reference's `torch._grouped_mm` calls |
 | expert_swiglu_sum | the same per pair, summed per token with the shared expert: for more pairs (prefill) `torch._grouped_mm` with Triton SwiGLU and slot-sum kernels (`triton_moe_sum.py`); 16-bit operands, else the reference |
+| swiglu | the Triton SwiGLU kernel of `triton_moe_sum.py` for contiguous 16-bit operands, else the reference |
 | index_scores | Triton kernel (`triton_index.py`; power-of-two heads and head dim) if `triton` imports and `DEEPINFER_TRITON` != 0, else the reference |
 | topk_keys | Triton kernel (`triton_keys.py`) if `triton` imports and `DEEPINFER_TRITON` != 0, else the reference's torch ops |
 | sparse_prefill_attention | FlashMLA's legacy SM90 sparse prefill (`attention.py`; 64 / 128 heads of 512) if `flash_mla` imports and `DEEPINFER_FLASH_MLA` != 0, else the reference |
@@ -223,6 +224,21 @@ if _TRITON:
         return _reference.expert_swiglu_sum(x, pairs, weights, w1, *rest)
 
     register("nvidia", "expert_swiglu_sum")(_expert_swiglu_sum)
+
+    # ... and the shared expert's activation (`layers.experts.mlp` in native mode): the same SwiGLU kernel
+    _swiglu_rows = _kernel_or_torch(
+        "swiglu", triton_moe_sum.swiglu, lambda gate, up, _weights, limit: _reference.swiglu(gate, up, limit)
+    )
+
+    def _swiglu(gate, up, limit, out_dtype=None):
+        same = up.dtype == gate.dtype and (out_dtype or gate.dtype) == gate.dtype
+        narrow = gate.dtype.is_floating_point and gate.dtype.itemsize == 2
+        if not (same and narrow and gate.is_contiguous() and up.is_contiguous()):
+            return _reference.swiglu(gate, up, limit, out_dtype)
+        n = gate.shape[-1]
+        return _swiglu_rows(gate.view(-1, n), up.view(-1, n), None, limit).view(gate.shape)
+
+    register("nvidia", "swiglu")(_swiglu)
 
 # The indexer's scores in native mode (`runtime.groups.grouped_index_scores`): the core asks `supports(heads,
 # dim)` first and keeps its own path for other shapes.
