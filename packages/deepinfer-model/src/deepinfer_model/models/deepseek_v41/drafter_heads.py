@@ -29,8 +29,9 @@ class MarkovHead:
 
 
 def target_features(trunk: torch.Tensor, act_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Drafter feature of one target layer: the mean of the mHC streams at its attention input [T, H]."""
-    return round_to(trunk.to(carrier()).mean(dim=1), act_dtype)
+    """Drafter feature of one target layer: the mean of the mHC streams at its attention input [T, H].
+    (A BF16 trunk is read as it is, widened inside the reduction: no [T, m, H] carrier copy.)"""
+    return round_to(trunk.mean(dim=1, dtype=carrier()), act_dtype)
 
 
 def markov_correction(

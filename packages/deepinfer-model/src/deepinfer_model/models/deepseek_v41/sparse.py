@@ -49,9 +49,13 @@ def candidate_blocks(
     t, n = scores.shape
     nb = -(-n // block_size)
     pad = nb * block_size - n
-    s = scores.masked_fill(~valid, float("-inf"))
-    s = torch.nn.functional.pad(s, (0, pad), value=float("-inf")).view(t, nb, block_size)
-    block_score = s.max(dim=-1).values
+    if pad:  # one -inf-filled copy holds the padded row (not a masked copy, then a padded copy of that)
+        s = scores.new_full((t, nb * block_size), float("-inf"))
+        s[:, :n].copy_(scores)
+        s[:, :n].masked_fill_(~valid, float("-inf"))
+    else:
+        s = scores.masked_fill(~valid, float("-inf"))
+    block_score = s.view(t, nb, block_size).amax(dim=-1)
     if block_score.dtype is not torch.bfloat16:
         block_score = block_score.to(carrier())
     block_score = block_score.clamp(max=_BF16_MAX)
