@@ -21,6 +21,7 @@ from ...layers.norm import rms_norm
 from ...layers.rope import cos_sin
 from ...numerics import carrier, linear, round_to
 from ...numerics import logits as head_logits
+from ...ops import model_calls
 from .blocks import ShiftedHC, moe_ffn
 from .config import DeepseekV41Config
 from .drafter_heads import confidence, markov_correction
@@ -63,7 +64,9 @@ def main_keys(
 ) -> torch.Tensor:
     """[Ld, T, D]: each draft block's key/value latent for every processed main token (§7.2)."""
     eps = cfg.rms_norm_eps
-    m = rms_norm(linear(features, w.main_proj, act_dtype), w.main_norm, eps, act_dtype)
+    # (every processed token, a whole prefill chunk: the norm through the registry, its kernel on the GPU)
+    projected = linear(features, w.main_proj, act_dtype, narrow=True)
+    m = model_calls.rms_norm(projected, w.main_norm, eps, act_dtype)
     cos, sin = cos_sin(cfg.main_rope(), positions)
     return torch.stack([kvq.swa(project_latent(m, blk.attn, cos, sin, eps, act_dtype)) for blk in w.blocks])
 
