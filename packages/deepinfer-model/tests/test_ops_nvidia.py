@@ -430,8 +430,12 @@ def test_topk_keys_and_selection(gpu, cpu, t, n):
     poison()
     keys = gpu.topk_keys(scores.to(DEV), valid.to(DEV))
     assert torch.equal(keys.cpu(), cpu.topk_keys(scores, valid))
-    picked = select_topk(scores.to(DEV), valid.to(DEV), 512)
+    picked = select_topk(scores.to(DEV), valid.to(DEV), 512)  # (through the `topk_indices` op)
     assert torch.equal(picked.cpu(), _select_topk_sorted(scores, valid, 512))
+    for k in (1, 64, n + 3):  # (k above n: padded with -1)
+        poison()
+        got = gpu.topk_indices(scores.to(DEV), valid.to(DEV), k)
+        assert torch.equal(got.cpu(), cpu.topk_indices(scores, valid, k))
 
 
 @needs_triton

@@ -209,6 +209,26 @@ _KEYS = textwrap.dedent(
 )
 
 
+_SELECT = textwrap.dedent(
+    """
+    import json, sys, torch
+    from deepinfer_model.ops import get_ops
+    from deepinfer_model.backends.nvidia import triton_select
+    cpu, same = get_ops("cpu"), []
+    torch.manual_seed(0)
+    for t, n, k, dt in json.loads(sys.argv[1]):
+        # few distinct values (ties), both zeros, infinities; a causal prefix of valid entries with holes
+        pool = torch.tensor([0.0, -0.0, 1.5, -1.5, 3.0, float("inf"), float("-inf"), 1e-3, -7.0])
+        scores = (pool[torch.randint(0, len(pool), (t, n))] + torch.randn(t, n) * (torch.rand(t, 1) < 0.5))
+        scores = scores.to(getattr(torch, dt))
+        valid = (torch.arange(n)[None, :] < torch.randint(0, n + 1, (t, 1))) & (torch.rand(t, n) < 0.9)
+        got = triton_select.topk_indices(scores, valid, k)
+        same.append(got.dtype == torch.long and bool(torch.equal(got, cpu.topk_indices(scores, valid, k))))
+    print(json.dumps(same))
+    """
+)
+
+
 def _interpreted(script: str, arg: str, **env_vars: str) -> list[float]:
     env = dict(os.environ, TRITON_INTERPRET="1", DEEPINFER_TILELANG="0", **env_vars)
     done = subprocess.run(
@@ -334,3 +354,16 @@ def test_topk_keys_kernel_is_the_reference_bit_for_bit():
     # ragged rows (not a multiple of the block), the int32 limit of 65536 entries, FP16 scores
     cases = [[3, 1500, "bfloat16"], [1, 65536, "bfloat16"], [5, 37, "float16"]]
     assert _interpreted(_KEYS, json.dumps(cases)) == [True] * len(cases)
+
+
+def test_topk_indices_kernel_is_the_reference_selection():
+    # ragged rows, k above the row length (padding), k = 1, the int32 limit of 65536 entries, FP16 scores,
+    # rows with fewer valid entries than k (the causal prefix)
+    cases = [
+        [3, 1500, 64, "bfloat16"],
+        [4, 37, 64, "float16"],
+        [2, 5000, 512, "bfloat16"],
+        [2, 300, 1, "bfloat16"],
+    ]
+    cases.append([1, 65536, 512, "bfloat16"])
+    assert _interpreted(_SELECT, json.dumps(cases)) == [True] * len(cases)

@@ -94,3 +94,10 @@ def test_topk_keys_kernel():
 
     sig = {"bits_ptr": "*i16", "valid_ptr": "*u8", "out_ptr": "*i32", "n": "i32"}
     assert "cubin" in _compile(k._keys_kernel, sig, {"BLOCK": k.BLOCK}).asm
+
+
+def test_topk_indices_kernel():
+    from deepinfer_model.backends.nvidia import triton_select as s
+
+    sig = {"bits_ptr": "*i16", "valid_ptr": "*u8", "out_ptr": "*i64", "n": "i32", "k": "i32"}
+    assert "cubin" in _compile(s._select_kernel, sig, {"BLOCK": s.BLOCK, "OUT_BLOCK": s.OUT_BLOCK}, 8).asm

@@ -168,7 +168,7 @@ def project_output(
         z = z.view(o_groups, t, -1).transpose(0, 1)
     elif batch_invariant.enabled():  # one row-invariant GEMM per group instead of a batched einsum over T
         z = torch.stack([batch_invariant.matmul(grouped[:, g], wo_a[g].t()) for g in range(o_groups)], 1)
-    elif native() and t:
+    elif native() and t and not torch.compiler.is_compiling():  # (dynamo rejects a strided `out=`)
         # one batched GEMM over the groups reading o in place (group g's rows are `grouped[:, g]`, a
         # row-major matrix with leading dimension G*nh*D/G), its output written straight into [T, G, Ro]
         # order: the einsum below permutes o into a [G, T, ...] copy first ([T, 64, 512] BF16 on V4.1,

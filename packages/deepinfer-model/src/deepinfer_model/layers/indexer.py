@@ -85,6 +85,10 @@ def _select_topk(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Ten
     t, n = scores.shape
     if n == 0:
         return torch.full((t, k), -1, dtype=torch.long, device=scores.device)
+    if scores.dtype in _NARROW and n <= 1 << 16 and k >= 1:
+        from ..ops.model_calls import ops_for  # (ops -> backends -> layers: imported at call time)
+
+        return ops_for(scores).topk_indices(scores, valid, k)  # (the reference: `_select_topk_keys`)
     if scores.dtype in _NARROW:
         return _select_topk_keys(scores, valid, k)
     return _select_topk_sorted(scores, valid, k)
@@ -123,6 +127,15 @@ def order_keys_torch(scores: torch.Tensor, valid: torch.Tensor) -> tuple[torch.T
     dtype, shift = (torch.int32, 1 << 16) if n <= 1 << 16 else (torch.int64, 1 << 32)
     low = (shift - 1) - torch.arange(n, dtype=dtype, device=scores.device)
     return torch.add(low, key16, alpha=shift), shift  # (one kernel: key16 is widened as it is read)
+
+
+def topk_indices_reference(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
+    """The `topk_indices` op's reference: `_select_topk_keys` on int32 keys (n <= 2^16)."""
+    if scores.shape[1] > 1 << 16:
+        raise ValueError(f"topk_indices: at most 65536 entries per row, got {scores.shape[1]}")
+    if k < 1:
+        raise ValueError(f"topk_indices: k must be >= 1, got {k}")
+    return _select_topk_keys(scores, valid, k)
 
 
 def _select_topk_keys(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:

@@ -62,6 +62,9 @@ OP_SPECS: dict[str, str] = {
     "expert_swiglu), addend [T, H] | None, act_dtype, out_dtype) -> [T, H] out_dtype; the expert_swiglu rows of "
     "each token's k pairs summed in slot order in FP32 from +0, plus addend (the shared expert), rounded once "
     "to act_dtype: native mode's routed MoE, no host sync",
+    "topk_indices": "topk_indices(scores [T, n] bf16 | fp16, valid [T, n] bool, k >= 1) -> int64 [T, k], n <= "
+    "65536: per row the indices of the k largest topk_keys keys (the best valid scores, ties to the lower index, "
+    "-0.0 == +0.0) that are valid, ascending, -1 padded (the indexer's top-k of 16-bit scores)",
     "swiglu": "swiglu(gate [..., N], up [..., N] (gate's dtype: 16-bit or FP32), limit, out_dtype=None) -> "
     "out_dtype or gate.dtype = silu(min(gate, L)) * clamp(up, -L, L) in FP32, rounded once: the shared "
     "expert's activation where its projections stay in the act dtype (native mode)",

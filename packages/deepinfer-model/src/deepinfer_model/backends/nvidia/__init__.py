@@ -13,6 +13,7 @@
 | expert_swiglu_sum | the same per pair, summed per token with the shared expert: for more pairs (prefill) `torch._grouped_mm` with Triton SwiGLU and slot-sum kernels (`triton_moe_sum.py`); 16-bit operands, else the reference |
 | swiglu | the Triton SwiGLU kernel of `triton_moe_sum.py` for contiguous 16-bit operands, else the reference |
 | index_scores | Triton kernel (`triton_index.py`; power-of-two heads and head dim) if `triton` imports and `DEEPINFER_TRITON` != 0, else the reference |
+| topk_indices | Triton radix select per row (`triton_select.py`) under the same condition, else the reference (torch top-k of the keys, then a sort) |
 | topk_keys | Triton kernel (`triton_keys.py`) if `triton` imports and `DEEPINFER_TRITON` != 0, else the reference's torch ops |
 | sparse_prefill_attention | FlashMLA's legacy SM90 sparse prefill (`attention.py`; 64 / 128 heads of 512) if `flash_mla` imports and `DEEPINFER_FLASH_MLA` != 0, else the reference |
 | sparse_decode_attention | torch FP32 gather + softmax with sink (FlashMLA's SM90 kernel rejects the V41 format) |
@@ -257,6 +258,13 @@ if _TRITON:
 
     register("nvidia", "topk_keys")(
         _kernel_or_torch("topk_keys", triton_keys.topk_keys, _reference.topk_keys)
+    )
+
+    # ... and the whole selection, ascending (`layers.indexer._select_topk`): a radix select per row
+    from . import triton_select
+
+    register("nvidia", "topk_indices")(
+        _kernel_or_torch("topk_indices", triton_select.topk_indices, _reference.topk_indices)
     )
 
 # Native-mode prefill attention (`runtime.groups.attend`): FlashMLA for the head shapes it takes. The core
