@@ -314,12 +314,14 @@ if has traced; then  # the compiled decode step with each set of traced ops (DEE
 fi
 if has mhc; then  # the mHC mixes kernels: their gpu tests, then torch / TileLang / Triton per token count
   el "tests + bench: hc_mixes (torch, TileLang, Triton)"
-  if ! has gputests; then  # (gputests runs them too)
+  if ! has gputests && [ "${MHC_TESTS:-1}" != 0 ]; then  # (gputests runs them too; MHC_TESTS=0: the bench only)
     timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu packages/deepinfer-model/tests/test_ops_nvidia.py \
       -k "mhc or hc_mixes" > "$out/mhc_tests.log" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed" "$out/mhc_tests.log" | tail -8
   fi
-  timeout 120 python3 benchmarks/gpu/bench_mhc_mixes.py --out "$out/bench_mhc_mixes.json" > "$out/bench_mhc_mixes.log" 2>&1
+  # (MHC_BENCH_ARGS: the bench's own options, e.g. --tokens 16384 --repeats 20)
+  timeout 120 python3 benchmarks/gpu/bench_mhc_mixes.py ${MHC_BENCH_ARGS:-} --out "$out/bench_mhc_mixes.json" \
+    > "$out/bench_mhc_mixes.log" 2>&1
   tail -20 "$out/bench_mhc_mixes.log"; collect
 fi
 if has moe; then  # the routed experts' Triton kernels: their gpu tests, the per-call bench, the decode step with / without
