@@ -1,13 +1,17 @@
-"""Indexer top-k selection of 16-bit scores: the whole-row sort vs unique integer keys + top-k.
+"""Indexer top-k selection of 16-bit scores: the whole-row sort, unique integer keys + top-k, the select kernel.
 
 `select_topk` picks, per row of index scores [rows, n], the k best valid entries (ties -> lower index),
-ascending, -1 padded. The old path (`_select_topk_sorted`) sorts every whole row stably; the new one
-(`_select_topk_keys`, what `select_topk` runs for BF16 / FP16 scores) builds one unique int32 key per
-entry (score bits, then the reversed index) and takes a top-k of those, then sorts only the <= k picks.
+ascending, -1 padded. Paths: `sort` (`_select_topk_sorted`) sorts every whole row stably; `keys`
+(`_select_topk_keys`, the `topk_indices` op's reference) builds one unique int32 key per entry (score bits,
+then the reversed index), takes a top-k of those, then sorts only the <= k picks; `op` is `select_topk`
+itself (the registry's `topk_indices`: on CUDA the Triton radix select of `triton_select.py`, on the CPU the
+keys path), and `op/bBwW` that kernel at other launches (`--select-configs`).
+
 Defaults are the medium V4.1 model's 16k-token native prefill (rows 16384, n 8192 and 16384, k 512,
 BF16, causal prefix masks); on the CPU the rows default to 512 so a run takes seconds.
+
 Times are the median of `--repeats` calls after `--warmup` (CUDA events on the GPU, perf_counter on the
-CPU); every new result is checked equal to the sort's. Prints a table and writes
+CPU); every result is checked equal to the sort's. Prints a table and writes
 benchmarks/results/bench_select_topk.json (one flat record per path and shape; `speedup_vs_sort`).
 """
 
@@ -20,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from deepinfer_model.layers.indexer import _select_topk, _select_topk_sorted
+from deepinfer_model.layers.indexer import _select_topk, _select_topk_keys, _select_topk_sorted
 from rich.console import Console
 from rich.table import Table
 
@@ -29,7 +33,10 @@ from profile_decode_step import _median_ms  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "bench_select_topk.json"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-PATHS: dict[str, Callable] = {"sort": _select_topk_sorted, "keys": _select_topk}
+# sort: the old whole-row sort; keys: torch.topk of the keys + a sort of the picks (the `topk_indices` op's
+# reference); op: `select_topk` itself (the registry's `topk_indices`: on CUDA the Triton radix select);
+# op/bBwW: that kernel launched with B entries per step and W warps (`--select-configs`)
+PATHS: dict[str, Callable] = {"sort": _select_topk_sorted, "keys": _select_topk_keys, "op": _select_topk}
 
 
 def _inputs(
@@ -58,7 +65,16 @@ def _bench(args: argparse.Namespace, n: int) -> list[dict]:
     scores, valid = _inputs(args.rows, n, dtype, args.mask, args.device)
     want = _select_topk_sorted(scores, valid, args.k)
     records = []
-    for path, fn in PATHS.items():
+    paths = dict(PATHS)
+    if args.device == "cuda":
+        from deepinfer_model.backends.nvidia import triton_select
+
+        for cfg in args.select_configs:
+            block, warps = (int(v) for v in cfg.split("x"))
+            paths[f"op/b{block}w{warps}"] = lambda s, v, k, b=block, w=warps: triton_select.topk_indices(
+                s, v, k, block=b, num_warps=w
+            )
+    for path, fn in paths.items():
         got = fn(scores, valid, args.k)
         ms = _time_ms(lambda fn=fn: fn(scores, valid, args.k), args.device, args.warmup, args.repeats)
         records.append(
@@ -92,6 +108,12 @@ def main() -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="score dtype")
     p.add_argument("--mask", choices=["prefix", "full"], default="prefix", help="valid entries per row")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls first")
+    p.add_argument(
+        "--select-configs",
+        nargs="*",
+        default=["1024x4", "2048x8", "4096x8", "4096x16"],
+        help="BLOCKxWARPS launches of the Triton select kernel to time (CUDA)",
+    )
     p.add_argument("--repeats", type=int, default=10, help="timed calls (median reported)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads on the CPU")
     p.add_argument("--output", type=Path, default=RESULTS, help="JSON results file")

@@ -2,16 +2,16 @@
 
 Why: `layers.indexer._select_topk_keys` ranks unique int32 keys with `torch.topk` (a multi-pass radix select
 over the whole [T, n] tensor) and then sorts the k picked indices: 7.8 + 1.4 ms of a 16k-token medium V4.1
-prefill step on the H200 (8 calls of [8192, 8-16k] with k = 512). Here one program owns a row: four
-histogram passes over the row's keys (8 bits each, most significant first) find the k-th largest key
-exactly, and a last pass writes the indices whose key is at least that one in index order (a running prefix
-count gives each its slot), so they come out ascending without a sort. The row (2 bytes of score and 1 of
-validity per entry) is re-read from L2 by each pass.
+prefill step on the H200 (8 calls of [8192, 8-16k] with k = 512). Here one program owns a row: two
+histogram passes over the row's score keys (the high byte, then the low byte among the entries that share
+the chosen high byte) find the k-th best score exactly; a last pass picks every entry above it and, of those
+equal to it, the first ones in index order (the reference's keys break ties by the lower index), and writes
+the picks in index order (a running prefix count gives each its slot): ascending without a sort. The row
+(2 bytes of score and 1 of validity per entry) is re-read from L2 by each pass.
 
-Keys are the `topk_keys` op's: key16 (the score's sign-magnitude bits as two's complement, -0.0 and +0.0
-both 0, -32768 where not valid) * 65536 + (65535 - j), unique in a row and ordered like (score desc, index
-asc); flipping the sign bit makes their unsigned order the signed one. Exactly the reference's selection
-(no floating-point arithmetic). Plain `.py` (Triton reads the source).
+Score keys are the `topk_keys` op's key16 (the sign-magnitude bits as two's complement, -0.0 and +0.0 both
+0), offset by 32768, with 0 for entries that are not valid. Exactly the reference's selection (no
+floating-point arithmetic). Plain `.py` (Triton reads the source).
 """
 
 import torch
@@ -24,13 +24,12 @@ OUT_BLOCK = 512  # output slots per step of the padding loop
 
 @triton.jit
 def _row_keys(bits_ptr, valid_ptr, base, j, ok):
-    """(unsigned keys, validity) of entries j of the row at `base`."""
+    """(key16 + 32768 in 0 .. 65535, validity) of entries j of the row at `base`: the score's order, 0 where
+    not valid (a valid score's key16 is at least -32767)."""
     bits = tl.load(bits_ptr + base + j, mask=ok, other=0).to(tl.int32)  # (sign-extended)
     valid = tl.load(valid_ptr + base + j, mask=ok, other=0) != 0
     k16 = tl.where(bits < 0, -32768 - bits, bits)  # sign-magnitude -> two's complement; -0.0 -> 0
-    k16 = tl.where(valid, k16, -32768)
-    key = k16 * 65536 + (65535 - j)
-    return key.to(tl.uint32, bitcast=True) ^ 2147483648, valid  # sign bit flipped: unsigned order
+    return tl.where(valid, k16 + 32768, 0), valid
 
 
 @triton.jit
@@ -38,42 +37,49 @@ def _select_kernel(bits_ptr, valid_ptr, out_ptr, n, k, BLOCK: tl.constexpr, OUT_
     row = tl.program_id(0).to(tl.int64)
     base = row * n
     bins = tl.arange(0, 256)
-    need = tl.minimum(k, n)  # how many of the keys matching `prefix` still belong to the top k
-    prefix = tl.full([], 0, tl.uint32)  # the k-th largest key's bits decided so far ...
-    decided = tl.full([], 0, tl.uint32)  # ... and which bits those are
-    for r in tl.static_range(4):
+    need = tl.minimum(
+        k, n
+    )  # how many of the entries whose score key matches `prefix` still belong to the top k
+    prefix = tl.full([], 0, tl.int32)  # the k-th best score key's bits decided so far (high byte, then low)
+    for r in tl.static_range(2):
         hist = tl.zeros([256], tl.int32)
         for c in range(0, n, BLOCK):
             j = c + tl.arange(0, BLOCK)
             ok = j < n
             u, _ = _row_keys(bits_ptr, valid_ptr, base, j, ok)
-            match = ok & ((u & decided) == prefix)
-            digit = ((u >> (24 - 8 * r)) & 255).to(tl.int32)  # this round's 8 bits
+            match = ok & ((u >> (16 - 8 * r)) == prefix)  # (round 0: every entry)
+            digit = (u >> (8 - 8 * r)) & 255
             # (no histogram mask in every Triton: the others count into bin 0 and are taken out again)
             hist += tl.histogram(tl.where(match, digit, 0), 256)
             hist -= tl.where(bins == 0, tl.sum(tl.where(match, 0, 1)), 0)
-        above = tl.sum(hist) - tl.cumsum(hist, 0)  # matching keys whose digit is greater than each bin's
+        above = tl.sum(hist) - tl.cumsum(hist, 0)  # matching entries whose digit is greater than each bin's
         chosen = tl.max(tl.where((above < need) & (above + hist >= need), bins, -1))
         need -= tl.sum(tl.where(bins == chosen, above, 0))
-        prefix = prefix | (chosen.to(tl.uint32) << (24 - 8 * r))
-        decided = decided | (tl.full([], 255, tl.uint32) << (24 - 8 * r))
-    # `prefix` is now the k-th largest key (or the smallest, k >= n): the top k are the keys >= it
+        prefix = prefix * 256 + chosen
+    # `prefix` is the k-th best score key: every entry above it is picked, and of those equal to it the first
+    # `need` in index order (ties go to the lower index); written in index order, so ascending
     count = tl.full([], 0, tl.int32)
+    equal_seen = tl.full([], 0, tl.int32)
     for c in range(0, n, BLOCK):
         j = c + tl.arange(0, BLOCK)
         ok = j < n
         u, valid = _row_keys(bits_ptr, valid_ptr, base, j, ok)
-        picked = (ok & valid & (u >= prefix)).to(tl.int32)
+        equal = (ok & (u == prefix)).to(tl.int32)
+        rank = equal_seen + tl.cumsum(equal, 0) - 1  # among the equal entries, in index order
+        picked = (ok & valid & ((u > prefix) | ((equal != 0) & (rank < need)))).to(tl.int32)
         slot = count + tl.cumsum(picked, 0) - 1
         tl.store(out_ptr + row * k + slot, j.to(tl.int64), mask=picked != 0)
         count += tl.sum(picked)
+        equal_seen += tl.sum(equal)
     for c in range(0, k, OUT_BLOCK):
         p = c + tl.arange(0, OUT_BLOCK)
         tl.store(out_ptr + row * k + p, tl.full([OUT_BLOCK], -1, tl.int64), mask=(p >= count) & (p < k))
 
 
-def topk_indices(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
-    """The registry's `topk_indices` contract."""
+def topk_indices(
+    scores: torch.Tensor, valid: torch.Tensor, k: int, block: int = BLOCK, num_warps: int = 8
+) -> torch.Tensor:
+    """The registry's `topk_indices` contract (`block`, `num_warps`: the launch, for `bench_select_topk.py`)."""
     t, n = scores.shape
     if scores.dtype not in (torch.bfloat16, torch.float16) or valid.dtype != torch.bool or n > 1 << 16:
         raise ValueError(
