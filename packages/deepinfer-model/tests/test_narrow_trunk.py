@@ -1,9 +1,10 @@
 """Native mode with BF16 activations holds values already rounded to BF16 in BF16 where every consumer takes
-them (`numerics.narrow_act`): the mHC trunk, the read feeding each norm, the attention's query, output and
-output projections, the index scores.
+them (`numerics.narrow_act`): the mHC trunk, the read feeding each norm and the norm's output (each
+sub-layer's input: attention projections, compressor, indexer weights, YOCO's shared hidden, the router and
+the experts), the attention's query, output and output projections, the index scores.
 
-The values are the ones the FP32 carrier held, so the logits must be bitwise those of the widened tensors;
-only the bytes moved per step change.
+The values are the ones the FP32 carrier held, so the logits (and every other output: drafts, features,
+main keys, cached pools) must be bitwise those of the widened tensors; only the bytes moved per step change.
 """
 
 from __future__ import annotations
@@ -19,15 +20,75 @@ from deepinfer_model.models.deepseek_v41 import (
     make_v41_checkpoint,
     paged,
 )
+from deepinfer_model.models.deepseek_v41.yoco import YocoMode, YocoSettings
 from deepinfer_model.ops import model_calls
 from deepinfer_model.runner import RunnerBatch
 from deepinfer_model.runtime import PagedRunner, groups
+from deepinfer_model.runtime.cuda_graphs import DecodeGraphSettings
+from deepinfer_model.testing import batch_of, grow_tables
 
 
 @pytest.fixture(scope="module")
-def bf16_model(tmp_path_factory):
-    model = load_v41(make_v41_checkpoint(tmp_path_factory.mktemp("v41narrow"), seed=4))
-    return DeepseekV41ForCausalLM(model.config, model.weights, model.engram.vocab, act_dtype=torch.bfloat16)
+def fp32_model(tmp_path_factory):
+    return load_v41(make_v41_checkpoint(tmp_path_factory.mktemp("v41narrow"), seed=4))
+
+
+@pytest.fixture(scope="module")
+def bf16_model(fp32_model):
+    m = fp32_model
+    return DeepseekV41ForCausalLM(m.config, m.weights, m.engram.vocab, act_dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def engine_model(fp32_model):
+    """BF16 activations and quantised KV: the engine's numerics."""
+    m = fp32_model
+    return DeepseekV41ForCausalLM(
+        m.config, m.weights, m.engram.vocab, act_dtype=torch.bfloat16, quantize_kv=True
+    )
+
+
+def _wide(mp: pytest.MonkeyPatch) -> None:
+    """No value held narrow: the FP32 carrier everywhere (every module that asks `narrow_act`)."""
+    for module in (numerics, model_calls, paged, groups):
+        if hasattr(module, "narrow_act"):
+            mp.setattr(module, "narrow_act", lambda act: False)
+
+
+def _narrow_and_wide(monkeypatch, run):
+    """`run()` in native mode as it is and with `_wide`, each after asserting that every sub-layer input
+    (`ShiftedHC`'s norm output) was BF16 and FP32 respectively: (narrow outputs, wide outputs)."""
+    monkeypatch.setenv("DEEPINFER_NUMERICS", "native")
+    inputs = []
+    norm = blocks.rms_norm
+
+    def recorded(*args, **kwargs):
+        out = norm(*args, **kwargs)
+        inputs.append(out.dtype)
+        return out
+
+    monkeypatch.setattr(blocks, "rms_norm", recorded)
+    narrow = run()
+    assert inputs and set(inputs) == {torch.bfloat16}
+    inputs.clear()
+    with monkeypatch.context() as mp:
+        _wide(mp)
+        wide = run()
+    assert inputs and set(inputs) == {torch.float32}
+    return narrow, wide
+
+
+def _assert_bitwise(narrow, wide) -> None:
+    """Equal lists of tensors (None where both are None), finite where floating."""
+    assert len(narrow) == len(wide) > 0
+    for i, (a, b) in enumerate(zip(narrow, wide, strict=True)):
+        if a is None or b is None:
+            assert a is None and b is None, i
+            continue
+        assert a.dtype == b.dtype and a.shape == b.shape, (i, a.dtype, b.dtype, a.shape, b.shape)
+        if a.dtype.is_floating_point:
+            assert torch.isfinite(a).all(), i
+        assert torch.equal(a, b), i
 
 
 def _prefill(model, ids: np.ndarray) -> torch.Tensor:
@@ -45,7 +106,6 @@ def _prefill(model, ids: np.ndarray) -> torch.Tensor:
 
 
 def test_bf16_trunk_gives_the_widened_trunks_logits(bf16_model, monkeypatch):
-    monkeypatch.setenv("DEEPINFER_NUMERICS", "native")
     ids = np.random.default_rng(5).integers(4, bf16_model.config.vocab_size, 40)
     trunks = []
     write = blocks.hc_write
@@ -56,16 +116,112 @@ def test_bf16_trunk_gives_the_widened_trunks_logits(bf16_model, monkeypatch):
         return out
 
     monkeypatch.setattr(blocks, "hc_write", recorded)
-    narrow = _prefill(bf16_model, ids)
-    assert trunks and set(trunks) == {torch.bfloat16}
-    trunks.clear()
-    for module in (numerics, model_calls, paged, groups):  # the FP32 carrier everywhere
-        if hasattr(module, "narrow_act"):
-            monkeypatch.setattr(module, "narrow_act", lambda act: False)
-    wide = _prefill(bf16_model, ids)
-    assert trunks and set(trunks) == {torch.float32}
-    assert torch.isfinite(narrow).all()
-    assert torch.equal(narrow, wide)
+    narrow, wide = _narrow_and_wide(monkeypatch, lambda: [_prefill(bf16_model, ids)])
+    assert set(trunks[: len(trunks) // 2]) == {torch.bfloat16}
+    assert set(trunks[len(trunks) // 2 :]) == {torch.float32}
+    _assert_bitwise(narrow, wide)
+
+
+@pytest.mark.parametrize("yoco", [None, "mask", "compact"])
+def test_stateless_forward_and_draft_with_narrow_sublayer_inputs(bf16_model, monkeypatch, yoco):
+    """The stateless forward (compressed, indexed and candidate-restricted layers, Engram, MoE with a shared
+    expert, YOCO's shared hidden S from the first consumer's input or, compact, from its own norm) and
+    the drafter's blocks (their MoE) after it: every output bitwise the widened run's."""
+    ids = torch.as_tensor(np.random.default_rng(6).integers(4, bf16_model.config.vocab_size, 40))
+    kwargs = {} if yoco is None else {"yoco_keep_tokens": 16, "yoco_mode": yoco}
+
+    def run():
+        out = bf16_model.forward(ids, num_draft_tokens=4, return_trace=True, **kwargs)
+        d = out.draft
+        trace = [t for tr in out.trace for t in (tr.swa_keys, tr.index_scores, tr.selection)]
+        return [out.logits, out.hidden, out.features, out.main_keys, d.tokens, d.logits, d.confidence, *trace]
+
+    narrow, wide = _narrow_and_wide(monkeypatch, run)
+    _assert_bitwise(narrow, wide)
+
+
+def _draft_fields(drafts) -> list:
+    return [getattr(d, f) for d in drafts for f in ("tokens", "logits", "confidence", "hidden", "positions")]
+
+
+def test_paged_steps_graph_safe_decode_and_drafts(engine_model, monkeypatch):
+    """Through the paged runner with (uncaptured) decode graphs, BF16 + quantised KV: a mixed prefill, a
+    graph-safe decode step and verification step (`static_moe`'s router and experts), an eager batched
+    draft and a graph-safe one, and every pool the steps wrote: bitwise the widened run's."""
+    k, bs = 3, 4
+    lengths = (21, 14, 9)
+
+    def run():
+        rng = np.random.default_rng(7)
+        settings = DecodeGraphSettings(len(lengths) * (1 + k), 64, 4, capture=False, max_query_len=1 + k)
+        runner = PagedRunner(engine_model, num_blocks=24, block_size=bs, decode_graphs=settings)
+        free = [int(b) for b in rng.permutation(24)]
+        seqs = [
+            {"id": i, "tokens": list(rng.integers(4, 256, n)), "table": [], "n": 0}
+            for i, n in enumerate(lengths)
+        ]
+        out = []
+
+        def step(qlens, llens=None):
+            grow_tables(seqs, qlens, free, bs)
+            logits = runner.execute(batch_of(seqs, qlens, llens))
+            for s, q in zip(seqs, qlens, strict=True):
+                s["n"] += q
+            out.append(logits)
+            return logits
+
+        step(list(lengths))  # prefill: eager
+        replays = runner.graphs.replays
+        for s, t in zip(seqs, out[-1].argmax(-1).tolist(), strict=True):
+            s["tokens"].append(t)
+        step([1, 1, 1])  # decode: graph-safe
+        nxt = [int(t) for t in out[-1].argmax(-1)]
+        for s, t in zip(seqs, nxt, strict=True):  # the next token and k arbitrary drafts to verify
+            s["tokens"] += [t] + [int(x) for x in rng.integers(4, 256, k)]
+        step([1 + k] * 3, [1 + k] * 3)  # verification: graph-safe
+        assert runner.graphs.replays == replays + 2
+        nxt = [int(t) for t in out[-1].view(3, 1 + k, -1)[:, -1].argmax(-1)]
+        out += _draft_fields(runner.draft(nxt, k))  # eager batched draft
+        draws = runner.draft_graphs.replays
+        out += [
+            getattr(d, f) for d in runner.draft(nxt, k, tokens_only=True) for f in ("tokens", "confidence")
+        ]
+        assert runner.draft_graphs.replays == draws + 1
+        out += [runner.cache.pools[name] for name in sorted(runner.cache.pools)]
+        return out
+
+    narrow, wide = _narrow_and_wide(monkeypatch, run)
+    assert len(narrow) == len(wide)
+    for a, b in zip(narrow, wide, strict=True):  # (pools hold NaN in the slots never written)
+        assert a.dtype == b.dtype and torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("mode", ["mask", "compact"])
+def test_paged_yoco_prefill_and_decode(bf16_model, monkeypatch, mode):
+    """YOCO truncation in the paged runner (compact: S from the boundary's own norm, the consumer half on
+    the kept rows only), a prefill then two decode steps."""
+    keep, bs = 14, 4
+    tokens = list(np.random.default_rng(8).integers(4, 256, 43))
+    prompt = 40
+
+    def run():
+        runner = PagedRunner(bf16_model, 16, bs, yoco=YocoSettings(YocoMode(mode), keep), backtracking=6)
+        table = np.arange(16, dtype=np.int32)
+        out = []
+        for start, q in ((0, prompt), (prompt, 1), (prompt + 1, 1)):
+            batch = RunnerBatch(
+                seq_ids=np.array([0]),
+                start_positions=np.array([start]),
+                query_lens=np.array([q]),
+                block_tables=[table[: -(-(start + q) // bs)]],
+                input_ids=np.asarray(tokens[start : start + q], dtype=np.int64),
+                logits_lens=np.array([1]),
+            )
+            out.append(runner.execute(batch, prompt_lens=[prompt]))
+        return out
+
+    narrow, wide = _narrow_and_wide(monkeypatch, run)
+    _assert_bitwise(narrow, wide)
 
 
 def test_exact_mode_keeps_the_carrier(bf16_model, monkeypatch):

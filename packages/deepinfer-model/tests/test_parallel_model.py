@@ -79,7 +79,7 @@ def setup(tmp_path_factory):
     return make_reference(tmp_path_factory.mktemp("v41par"))
 
 
-def _ep_model(ckpt, sizes, dev: torch.device | str = "cpu"):
+def _ep_model(ckpt, sizes, dev: torch.device | str = "cpu", act_dtype: torch.dtype = torch.float32):
     state = par.init_parallel(**sizes)
     cfg = DeepseekV41Config.from_file(ckpt)
     ep, ds = state.ep.size, cfg.dspark
@@ -88,7 +88,10 @@ def _ep_model(ckpt, sizes, dev: torch.device | str = "cpu"):
         cfg.n_routed_experts, extra["backbone"], ep, cfg.num_hidden_layers, dev
     )
     draft_layout = par.RedundantExpertLayout(ds.n_routed_experts, extra["drafter"], ep, ds.num_blocks, dev)
-    return state, layout, load_v41_ep(ckpt, layout, state.ep.group, draft_layout=draft_layout, device=dev)
+    model = load_v41_ep(
+        ckpt, layout, state.ep.group, act_dtype=act_dtype, draft_layout=draft_layout, device=dev
+    )
+    return state, layout, model
 
 
 def assert_matches(got: torch.Tensor, want: torch.Tensor, what: str, rel_tol: float) -> bool:
@@ -183,6 +186,53 @@ def test_cp2_dp2_prefill_equals_single_process(setup):
     # World 4: two CP groups of two ranks, each a DP replica; experts sharded over all four ranks.
     ckpt, ref = setup
     run_distributed(_cp_worker, 4, ckpt, ref, {"dp": 2, "cp": 2, "ep": 4})
+
+
+def _narrow_worker(rank, world, ckpt, ref_path):
+    """Native BF16: the sub-layer inputs held in BF16 (`ShiftedHC`) through the expert-parallel MoE (router,
+    torch all-to-all rows, shared expert; the draft blocks' own EP MoE) and context parallelism's gathers
+    (the layer input of KV sources, YOCO's S) give bitwise the outputs of the FP32 carrier everywhere."""
+    from deepinfer_model import numerics
+    from deepinfer_model.models.deepseek_v41 import blocks, paged
+    from deepinfer_model.ops import model_calls
+    from deepinfer_model.runtime import groups
+
+    os.environ["DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS"] = "0"
+    os.environ["DEEPINFER_NUMERICS"] = "native"
+    ref = torch.load(ref_path)
+    state, layout, model = _ep_model(ckpt, {"cp": 2, "ep": 2}, act_dtype=torch.bfloat16)
+    inputs = []
+    norm = blocks.rms_norm
+
+    def recorded(*args, **kwargs):
+        out = norm(*args, **kwargs)
+        inputs.append(out.dtype)
+        return out
+
+    blocks.rms_norm = recorded
+
+    def run():
+        outs = [model.forward(ref["prompts"][1], num_draft_tokens=DRAFT)]  # EP only: the same prompt
+        outs.append(cp_prefill(model, ref["prompts"][1], state.cp.group, num_draft_tokens=DRAFT))
+        return [getattr(o, k) for o in outs for k in KEYS] + [
+            getattr(o.draft, k) for o in outs for k in DRAFT_KEYS
+        ]
+
+    narrow = run()
+    assert inputs and set(inputs) == {torch.bfloat16}
+    inputs.clear()
+    for module in (numerics, model_calls, paged, groups):
+        if hasattr(module, "narrow_act"):
+            module.narrow_act = lambda act: False
+    wide = run()
+    assert inputs and set(inputs) == {torch.float32}
+    for i, (a, b) in enumerate(zip(narrow, wide, strict=True)):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"rank {rank}: output {i}"
+
+
+def test_narrow_sublayer_inputs_under_ep2_and_cp2(setup):
+    ckpt, ref = setup
+    run_distributed(_narrow_worker, 2, ckpt, ref)
 
 
 def _eplb_worker(rank, world, ckpt, ref_path, device="cpu", rel_tol=0.0):

@@ -196,9 +196,12 @@ def round_to(x: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor:
 def narrow_act(act_dtype: torch.dtype) -> bool:
     """Whether values rounded to `act_dtype` may travel in `act_dtype` itself rather than widened to the
     carrier: native mode with a 16-bit act dtype. Only where every consumer takes such a tensor (act-dtype
-    GEMM / attention operands, kernels that read 16-bit inputs): the values are the same, the widened copy
-    and the narrowing again before the next product are saved (a 16k-token medium prefill spent ~110 of its
-    370 ms on the H200 in such conversions)."""
+    GEMM / attention operands, kernels that read 16-bit inputs) or widens it itself before computing in its
+    dtype: the values are the same, the widened copy and the narrowing again before the next product are
+    saved (a 16k-token medium prefill spent ~110 of its 370 ms on the H200 in such conversions). V4.1 holds
+    so the mHC trunk, the read and norm output that are each sub-layer's input (`ShiftedHC`), the query,
+    the attention output and its projections, and the index scores. Never in exact mode, so never in
+    batch-invariant mode (which requires exact: `mode()`), whose FP32-valued marks stay on carrier tensors."""
     return act_dtype in (torch.bfloat16, torch.float16) and native()
 
 

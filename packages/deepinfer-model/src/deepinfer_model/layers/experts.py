@@ -70,6 +70,9 @@ def experts_forward(
 ) -> torch.Tensor:
     """Sum over the k routed slots (in slot order) plus the shared expert, in the carrier dtype, one rounding -> [T, H].
 
+    `x` [T, H] in the carrier, or held in the act dtype (native mode's narrow sub-layer input): every GEMM
+    takes act-dtype operands either way (`numerics.linear`), so the values are the same.
+
     `weight_before_down` scales the SwiGLU output by the routing weight before `w2` (V4.1); the public V4
     scales the expert output after `w2`. Equal in exact arithmetic.
 
@@ -84,7 +87,9 @@ def experts_forward(
             # ops -> backends -> layers: imported at call time
             from ..ops.model_calls import grouped_expert_mlp
 
-            out = grouped_expert_mlp(x, weights, ids, experts, limit, weight_before_down)
+            # (x widened to the carrier where it is held in BF16, `ShiftedHC`: the op's NVIDIA activation
+            # cast takes another kernel for a BF16 input, not checked bit for bit against this one)
+            out = grouped_expert_mlp(x.to(carrier()), weights, ids, experts, limit, weight_before_down)
             if shared is not None:
                 out += mlp(x, shared, limit, act_dtype)
             return round_to(out, act_dtype)

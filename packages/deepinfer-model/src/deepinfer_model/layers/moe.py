@@ -6,9 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..numerics import linear
 from .experts import ExpertWeights, MLPWeights, experts_forward
-from .router import route_hash, route_topk
+from .router import route_hash, route_topk, router_logits
 
 
 @dataclass
@@ -32,8 +31,11 @@ def moe_block(
     act_dtype: torch.dtype = torch.float32,
     weight_before_down: bool = False,
 ) -> torch.Tensor:
-    """MoE output [T, H] for the normed layer input `x` [T, H] of tokens `token_ids` [T]."""
-    logits = linear(x, w.gate, torch.float32)  # router logits stay FP32
+    """MoE output [T, H] (carrier dtype) for the normed layer input `x` [T, H] of tokens `token_ids` [T].
+
+    `x` is in the carrier dtype, or (native mode, `numerics.narrow_act`) held in the 16-bit act dtype: the
+    router (`router_logits`) and the experts' GEMMs take it as it is, with the same values."""
+    logits = router_logits(x, w.gate, act_dtype)  # router logits stay FP32
     if w.tid2eid is not None:
         weights, ids = route_hash(logits, token_ids, w.tid2eid, routed_scaling_factor)
     else:

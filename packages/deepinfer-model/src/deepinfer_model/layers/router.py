@@ -10,7 +10,22 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..numerics import carrier
+from ..numerics import carrier, linear, logits
+
+
+def router_logits(x: torch.Tensor, gate: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor:
+    """FP32 router logits `x @ gate.T` [T, E] (never rounded to the act dtype).
+
+    `x` in the carrier: an FP32-output `linear` (FP64 products in exact mode, FP32 in native mode). `x`
+    held in its 16-bit act dtype (native mode's narrow sub-layer input, `deepseek_v41.blocks.ShiftedHC`):
+    `numerics.logits`, act-dtype operands with an FP32 accumulator and output, so x is not widened. The
+    products are the FP32 GEMM's where the gate holds act-dtype values, as V4.1's layout stores it (BF16;
+    a checkpoint with an F32 gate would have it rounded, as native mode does with every other weight):
+    bitwise the same logits on the CPU; a GPU may sum them in another order.
+    """
+    if x.dtype == act_dtype and act_dtype in (torch.bfloat16, torch.float16):
+        return logits(x, gate, act_dtype)
+    return linear(x, gate, torch.float32)
 
 
 def sqrt_softplus(logits: torch.Tensor) -> torch.Tensor:

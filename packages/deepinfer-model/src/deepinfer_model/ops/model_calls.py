@@ -31,9 +31,12 @@ def ops_for(x: torch.Tensor) -> OpTable:
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor | None, eps: float, act_dtype: torch.dtype
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, act_dtype: torch.dtype, narrow: bool = False
 ) -> torch.Tensor:
-    return _carry(ops_for(x).rms_norm(x, weight, eps, out_dtype=act_dtype))
+    """`layers.norm.rms_norm` through the registry (`narrow`: the op's act-dtype output as it is where
+    `numerics.narrow_act(act_dtype)`, for callers whose every consumer takes it)."""
+    y = ops_for(x).rms_norm(x, weight, eps, out_dtype=act_dtype)
+    return y if narrow and narrow_act(act_dtype) else _carry(y)
 
 
 def rope(

@@ -19,9 +19,9 @@ from deepinfer_parallel import DeepEPDispatcher, EplbState, RedundantExpertLayou
 
 from ..layers.experts import ExpertWeights, clamped_swiglu, mlp
 from ..layers.moe import MoEWeights
-from ..layers.router import route_hash, route_topk
+from ..layers.router import route_hash, route_topk, router_logits
 from ..models.deepseek_v41.config import DeepseekV41Config
-from ..numerics import linear, round_to
+from ..numerics import carrier, linear, round_to
 from ..quant_sm90 import refuse_with_expert_parallelism
 
 
@@ -87,7 +87,7 @@ class ExpertParallelMoE:
                 f"layer {layer} holds {m.experts.w1.shape[0]} experts; EP rank needs its "
                 f"{self.layout.slots_per_rank} slots (load with load_v41_ep or shard_experts)"
             )
-        logits = linear(y, m.gate, torch.float32)  # router logits stay FP32
+        logits = router_logits(y, m.gate, self.act_dtype)  # router logits stay FP32
         if m.tid2eid is not None:
             weights, ids = route_hash(logits, token_ids, m.tid2eid, cfg.routed_scaling_factor)
         else:
@@ -148,8 +148,9 @@ class ExpertParallelMoE:
                 return linear(h * w, m.experts.w2[slot], self.act_dtype)
             return linear(h, m.experts.w2[slot], self.act_dtype) * w
 
+        # (the BF16 combine widened to the carrier: `y` may be held in BF16, see `ShiftedHC`)
         return self.deepep.dispatch_combine(y, ids, weights, expert, self.layout.layer(layer), count).to(
-            y.dtype
+            carrier()
         )
 
     def idle_step(self, blocks: list, start: int = 0) -> None:

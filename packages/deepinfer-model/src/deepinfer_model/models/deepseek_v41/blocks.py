@@ -23,7 +23,14 @@ class ShiftedHC:
     Every sub-layer's write rounds the trunk to the act dtype; where `numerics.narrow_act` (native mode,
     16-bit activations) the trunk is then held in that dtype (the same values, half the bytes of the
     FP32 carrier: the widening copy after each write and the reads of the next mixes / read / write were
-    ~12 of a 16k-token medium prefill step's 279 ms on the H200). The read feeding the norm stays narrow too.
+    ~12 of a 16k-token medium prefill step's 279 ms on the H200). The read feeding the norm stays narrow
+    too, and so does the norm's output, the sub-layer input `fn` gets: every consumer of it multiplies
+    act-dtype operands (`numerics.linear` / `logits`, the router's `layers.router.router_logits`, the
+    experts' GEMMs), widens it itself (the `hidden.L` pool write, the torch expert-parallel dispatch rows,
+    the FP8 experts' op input) or only passes it on (YOCO's shared hidden S, context parallelism's
+    gathers). The values are those of the FP32 copy this saves ([T, H] per sub-layer; a 16k-token medium
+    prefill spent 2.4 ms in them on the H200), and each GEMM no longer narrows a copy of it again. Exact
+    mode and FP32 activations keep the carrier throughout.
     """
 
     def __init__(self, x0: torch.Tensor, cfg: DeepseekV41Config):
@@ -44,7 +51,11 @@ class ShiftedHC:
         # hot ops through the registry (ops.model_calls): the reference on CPU, kernels on CUDA
         pre, post, comb = hc_mixes(self.trunk, params, c.hc_eps, c.rms_norm_eps, c.hc_sinkhorn_iters)
         y_in = rms_norm(
-            hc_read(self.trunk, self.prev_pre, act_dtype, narrow=True), norm, c.rms_norm_eps, act_dtype
+            hc_read(self.trunk, self.prev_pre, act_dtype, narrow=True),
+            norm,
+            c.rms_norm_eps,
+            act_dtype,
+            narrow=True,
         )
         self.prev_pre = pre
         self.trunk = hc_write(fn(y_in), self.trunk, post, comb, act_dtype, narrow=True)

@@ -175,8 +175,12 @@ class DeepseekV41ForCausalLM:
             if kept is not None and layer == cfg.n_prefill_layer:
                 # Compact boundary: S for every row (consumer compressed KV / index keys need all of them),
                 # then only the kept rows of the trunk, pending pre mix and producer selections go on.
-                state.shared_hidden = rms_norm(
-                    hc_read(hc.trunk, hc.prev_pre, act), blk.attn_norm, cfg.rms_norm_eps, act
+                state.shared_hidden = rms_norm(  # (held as the sub-layer inputs are: `ShiftedHC`)
+                    hc_read(hc.trunk, hc.prev_pre, act, narrow=True),
+                    blk.attn_norm,
+                    cfg.rms_norm_eps,
+                    act,
+                    narrow=True,
                 )
                 hc.trunk, hc.prev_pre, positions = hc.trunk[kept], hc.prev_pre[kept], positions[kept]
                 if state.selection is not None:

@@ -29,7 +29,7 @@ from ...layers.embedding import embed
 from ...layers.experts import ExpertWeights, experts_forward_static
 from ...layers.indexer import index_queries, select_topk
 from ...layers.rope import cos_sin
-from ...layers.router import route_topk
+from ...layers.router import route_topk, router_logits
 from ...numerics import carrier, linear, narrow_act, round_narrow
 from ...numerics import logits as head_logits
 from ...ops.model_calls import hc_read, rms_norm
@@ -407,8 +407,12 @@ def v41_paged_forward(
             # Compact boundary (§8 item 2): S for every row (consumer compressed KV / index keys need all
             # of them), then only the kept rows of the trunk, pending pre mix and selections go on.
             st.shared_hidden = rms_norm(
-                hc_read(hc.trunk, hc.prev_pre, act), blk.attn_norm, cfg.rms_norm_eps, act
-            )
+                hc_read(hc.trunk, hc.prev_pre, act, narrow=True),
+                blk.attn_norm,
+                cfg.rms_norm_eps,
+                act,
+                narrow=True,
+            )  # (held as the sub-layer inputs are: `ShiftedHC`)
             hc.trunk, hc.prev_pre = hc.trunk[yoco.kept], hc.prev_pre[yoco.kept]
             st.selection = {k: v[yoco.kept] for k, v in st.selection.items()}
             if st.candidates is not None:
@@ -476,7 +480,7 @@ def static_moe(model: DeepseekV41ForCausalLM, top_k: int | None = None):
 
     def moe(layer: int, blk, y: torch.Tensor) -> torch.Tensor:
         w = blk.moe
-        logits = linear(y, w.gate, torch.float32)
+        logits = router_logits(y, w.gate, model.act_dtype)
         weights, ids = route_topk(logits, w.bias, top_k, cfg.routed_scaling_factor)
         return experts_forward_static(
             y, weights, ids, w.experts, w.shared, cfg.swiglu_limit, model.act_dtype, weight_before_down=True
