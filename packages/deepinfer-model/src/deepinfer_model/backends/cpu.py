@@ -11,6 +11,7 @@ import torch
 
 from .. import batch_invariant
 from ..layers import attention, mhc, norm, rope
+from ..layers.engram import engram_gate as _engram_gate
 from ..layers.experts import clamped_swiglu, grouped_swiglu, grouped_swiglu_sum, pair_tiled_products
 from ..layers.indexer import topk_keys_reference
 from ..numerics import KERNEL_ROUNDINGS, linear, round_to, weight_as
@@ -163,6 +164,9 @@ expert_swiglu_sum = register("cpu", "expert_swiglu_sum")(grouped_swiglu_sum)
 
 
 topk_keys = register("cpu", "topk_keys")(topk_keys_reference)
+
+# (the reference block itself: the model's CPU results are bitwise what they were before the op existed)
+engram_gate = register("cpu", "engram_gate")(_engram_gate)
 
 
 @register("cpu", "rows_matmul")

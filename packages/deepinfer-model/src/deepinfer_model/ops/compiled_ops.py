@@ -27,6 +27,8 @@ SCHEMAS: dict[str, str] = {
     "bool weight_before_down) -> Tensor",
     "expert_swiglu_sum": "(Tensor x, Tensor pairs, Tensor weights, Tensor w1, Tensor w3, Tensor w2, float limit, "
     "bool weight_before_down, Tensor? addend, ScalarType act_dtype, ScalarType out_dtype) -> Tensor",
+    "engram_gate": "(Tensor trunk, Tensor k, Tensor v, Tensor qk, Tensor image, float eps, ScalarType act_dtype, "
+    "ScalarType out_dtype) -> Tensor",
 }
 
 
@@ -70,6 +72,10 @@ def _expert_swiglu_sum(
     return x.new_empty(x.shape[0], w2.shape[1], dtype=out_dtype)
 
 
+def _engram_gate(trunk, k, v, qk, image, eps, act_dtype, out_dtype):
+    return trunk.new_empty(trunk.shape, dtype=out_dtype)
+
+
 FAKES = {
     "rms_norm": _rms_norm,
     "apply_rope": _apply_rope,
@@ -79,4 +85,5 @@ FAKES = {
     "index_scores": _index_scores,
     "expert_swiglu": _expert_swiglu,
     "expert_swiglu_sum": _expert_swiglu_sum,
+    "engram_gate": _engram_gate,
 }
