@@ -452,6 +452,62 @@ def test_expert_pair_sort(p, e):
     assert torch.equal(ends, torch.searchsorted(pairs[ref], torch.arange(e, device=DEV), right=True).int())
 
 
+_BF, _F32 = torch.bfloat16, torch.float32
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "t,m,h",
+    [
+        (1, 4, 4096),  # a decode step of the medium V4.1
+        (4097, 4, 4096),  # a prefill chunk: one token per program
+        (333, 4, 7168),  # the full V4.1 width (a padded row tile of 8192)
+        (37, 4, 256),  # 16 tokens per program, T not a multiple of them
+        (50, 3, 200),
+    ],
+)
+@pytest.mark.parametrize(
+    "dtype,kv_dtype,act,out_dtype",
+    [
+        (_BF, _BF, _BF, _BF),  # native BF16: narrow trunk, keys and values (the model's prefill and decode)
+        (_F32, _BF, _BF, _F32),  # a trunk in the FP32 carrier (an Engram layer fed by the embedding)
+        (_F32, _F32, _F32, _F32),  # FP32 activations
+    ],
+)
+def test_engram_gate(gpu, cpu, monkeypatch, t, m, h, dtype, kv_dtype, act, out_dtype):
+    """Engram's gate and update in native mode (the Triton kernel, `triton_engram.py`) against the CPU reference
+    in the same mode: k and v as strided views of one projection's rows, image rows copied, outputs rounded to
+    the act dtype."""
+    from deepinfer_model.backends.nvidia import triton_engram
+
+    monkeypatch.setenv("DEEPINFER_NUMERICS", "native")
+    trunk = (torch.randn(t, m, h) * 2).to(act).to(dtype)
+    kv, half = torch.randn(t, (m + 1) * h), t // 2
+    # keys aligned with or opposed to their trunk rows on half the tokens: large gates of both signs
+    signs = torch.sign(torch.randn(half, m, 1))
+    kv[:half, : m * h] += (3 * signs * trunk[:half].float()).reshape(half, m * h)
+    kv = kv.to(act).to(kv_dtype)
+    qk = (1 + 0.1 * torch.randn(m, h)).bfloat16().float() * (1 + 0.1 * torch.randn(m, h)).bfloat16().float()
+    image = torch.rand(t) < 0.25
+    image[0], image[-1] = t > 1, False
+    k, v = kv[:, : m * h].view(t, m, h), kv[:, m * h :]
+    ref = cpu.engram_gate(trunk, k, v, qk, image, 1e-6, act, out_dtype)
+    dkv = kv.to(DEV)
+    dev = (trunk.to(DEV), dkv[:, : m * h].view(t, m, h), dkv[:, m * h :], qk.to(DEV), image.to(DEV))
+    assert triton_engram.supports(*dev[:3], act, out_dtype)
+    poison()
+    out = gpu.engram_gate(*dev, 1e-6, act, out_dtype)
+    assert out.dtype == out_dtype and out.shape == (t, m, h)
+    assert rel_err(out, ref) < tol(act)
+    got = out.cpu()
+    assert torch.equal(got[image], trunk[image].to(out_dtype))
+    assert torch.equal(got.float(), got.float().to(act).float())  # rounded to the act dtype
+    if act == _BF:  # a gate that differs in its last FP32 bits flips a BF16 rounding only rarely
+        assert float((got[~image] != ref[~image]).double().mean()) < 0.01
+    # the registry ran the kernel
+    assert torch.equal(out, triton_engram.engram_gate(*dev, 1e-6, act, out_dtype))
+
+
 @needs_tilelang
 def test_hc_mixes_single_sinkhorn_iteration(cpu):
     trunk = torch.randn(7, 4, 256)

@@ -151,7 +151,7 @@ def test_models_route_hot_ops_through_the_cpu_registry(monkeypatch, tmp_path):
 
     table = get_ops("cpu")
     calls: dict[str, int] = {}
-    for name in ("rms_norm", "apply_rope", "hc_mixes", "hc_read", "hc_write"):
+    for name in ("rms_norm", "apply_rope", "hc_mixes", "hc_read", "hc_write", "engram_gate"):
         fn = table[name]
 
         def counted(*a, _fn=fn, _name=name, **k):
@@ -168,6 +168,7 @@ def test_models_route_hot_ops_through_the_cpu_registry(monkeypatch, tmp_path):
     assert calls["hc_mixes"] >= 2 * (layers41 + layers4)
     assert calls["hc_write"] >= 2 * (layers41 + layers4)
     assert calls["rms_norm"] > 0 and calls["apply_rope"] > 0 and calls["hc_read"] > 0
+    assert calls["engram_gate"] == len(v41.config.engram.layer_ids) > 0  # (V4 has no Engram)
     # a perturbed registry entry reaches the logits: the models really compute through the table
     monkeypatch.setattr(
         table, "rms_norm", lambda x, w, eps, out_dtype=None: torch.zeros_like(x, dtype=out_dtype)

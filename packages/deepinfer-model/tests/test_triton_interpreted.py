@@ -229,6 +229,45 @@ _SELECT = textwrap.dedent(
 )
 
 
+_ENGRAM = textwrap.dedent(
+    """
+    import json, os, sys, torch
+    from deepinfer_model import numerics
+    from deepinfer_model.ops import get_ops, registry
+    from deepinfer_model.backends.nvidia import triton_engram
+    assert numerics.native()  # (the reference computes in the FP32 carrier, as the kernel does)
+    cpu, op, out = get_ops("cpu"), registry.OpTable("nvidia").engram_gate, []
+    torch.manual_seed(0)
+    for t, m, h, dt, act, out_dt in json.loads(sys.argv[1]):
+        dt, act, out_dt = (getattr(torch, n) for n in (dt, act, out_dt))
+        trunk = (torch.randn(t, m, h) * 2).to(dt)
+        # k and v as strided views of one projection's rows (the model's); keys aligned with or opposed to their
+        # trunk rows on half the tokens (large gates of both signs); a zero key (dot 0: gate 1/2)
+        kv, half = torch.randn(t, (m + 1) * h), t // 2
+        kv[:half, : m * h] += (3 * torch.sign(torch.randn(half, m, 1)) * trunk[:half].float()).reshape(half, m * h)
+        kv[t - 1, :h] = 0.0
+        kv = kv.to(dt)
+        k, v = kv[:, : m * h].view(t, m, h), kv[:, m * h :]
+        qk = 1 + 0.1 * torch.randn(m, h)
+        image = torch.rand(t) < 0.3
+        image[0], image[t - 1] = True, False
+        args = (trunk, k, v, qk, image, 1e-6, act, out_dt)
+        ref = cpu.engram_gate(*args)
+        got = triton_engram.engram_gate(*args)
+        assert got.shape == ref.shape == (t, m, h) and got.dtype == ref.dtype == out_dt, (got.shape, got.dtype)
+        assert bool(torch.isfinite(got).all())
+        same_image = bool(torch.equal(got[image], trunk[image].to(out_dt)))
+        diff = got[~image].double() - ref[~image].double()
+        err = float(diff.norm() / ref[~image].double().norm())
+        unequal = float((diff != 0).double().mean())
+        out.append([err, unequal, same_image, bool(torch.equal(op(*args), got))])  # native: the backend's kernel
+    os.environ["DEEPINFER_NUMERICS"] = "exact"  # exact mode: the backend's op is the reference (FP64 carrier)
+    out.append(bool(torch.equal(op(*args), cpu.engram_gate(*args))))
+    print(json.dumps(out))
+    """
+)
+
+
 def _interpreted(script: str, arg: str, **env_vars: str) -> list[float]:
     env = dict(os.environ, TRITON_INTERPRET="1", DEEPINFER_TILELANG="0", **env_vars)
     done = subprocess.run(
@@ -367,3 +406,27 @@ def test_topk_indices_kernel_is_the_reference_selection():
     ]
     cases.append([1, 65536, 512, "bfloat16"])
     assert _interpreted(_SELECT, json.dumps(cases)) == [True] * len(cases)
+
+
+def test_engram_gate_kernel_matches_the_reference():
+    # Native mode (FP32 carrier, the only mode the backend runs the kernel in). m = 4 (V4.1) and m = 3; token
+    # counts that are not multiples of the kernel's token block (16 tokens of 256 columns, 32 of 128, 1 of 4096); a row
+    # that is not a power of two (padded tile); FP16 / FP32 / BF16 operands and FP16 / FP32 roundings and
+    # outputs (the interpreter narrows FP32 to BF16 by truncation: BF16 rounding is the GPU tests'); image rows,
+    # k and v as strided views of the projection's rows
+    cases = [
+        [37, 4, 256, "float16", "float16", "float16"],
+        [5, 4, 4096, "float16", "float16", "float32"],
+        [9, 3, 200, "float32", "float32", "float32"],
+        [33, 4, 128, "bfloat16", "float32", "float32"],
+        [3, 4, 96, "float16", "float32", "float16"],
+    ]
+    got = _interpreted(_ENGRAM, json.dumps(cases), DEEPINFER_NUMERICS="native")
+    assert len(got) == len(cases) + 1 and got[-1] is True, got
+    for case, (err, unequal, same_image, native_op) in zip(cases, got[:-1], strict=True):
+        # the sums over H run in another order: the gate agrees to FP32 rounding, so an output rounded to FP16
+        # may flip by one unit (2^-11 relative), rarely (measured: 1e-4 of the elements); FP32 outputs differ
+        # in their last bits
+        assert err < (1e-4 if case[4] == "float16" else 1e-6), (case, err)
+        assert unequal < (0.01 if case[4] == "float16" else 1.0), (case, unequal)
+        assert same_image and native_op, (case, same_image, native_op)

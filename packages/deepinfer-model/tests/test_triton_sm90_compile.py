@@ -101,3 +101,37 @@ def test_topk_indices_kernel():
 
     sig = {"bits_ptr": "*i16", "valid_ptr": "*u8", "out_ptr": "*i64", "n": "i32", "k": "i32"}
     assert "cubin" in _compile(s._select_kernel, sig, {"BLOCK": s.BLOCK, "OUT_BLOCK": s.OUT_BLOCK}, 8).asm
+
+
+@pytest.mark.parametrize(
+    "h,trunk,kv,out,round_to",
+    [
+        (4096, "*bf16", "*bf16", "*bf16", "bf16"),  # medium V4.1, native BF16 (narrow trunk, keys and values)
+        (7168, "*bf16", "*bf16", "*fp32", "bf16"),  # full V4.1 width; the FP32 carrier out (a wide trunk)
+        (256, "*fp32", "*fp32", "*fp32", "fp32"),  # FP32 activations; many tokens per program
+    ],
+)
+def test_engram_gate_kernel(h, trunk, kv, out, round_to):
+    import triton.language as tl
+    from deepinfer_model.backends.nvidia import triton_engram as e
+
+    sig = {"x_ptr": trunk, "k_ptr": kv, "v_ptr": kv, "qk_ptr": "*fp32", "img_ptr": "*u8", "out_ptr": out}
+    sig.update({n: "i32" for n in ("T", "H", "x_st", "x_ss", "k_st", "k_ss", "v_st")})
+    sig.update(eps="fp32", sqrt_h="fp32")
+    block_h, block_t, warps = e._config(h)
+    consts = {"M": 4, "BLOCK_T": block_t, "BLOCK_H": block_h}
+    consts["ROUND_TO"] = tl.bfloat16 if round_to == "bf16" else tl.float32
+    kernel = _compile(e._gate_kernel, sig, consts, num_warps=warps)
+    assert "cubin" in kernel.asm
+    import subprocess
+    import tempfile
+
+    import triton
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if os.path.exists(cuobjdump):  # no register spills (a stack frame) at the tile sizes `_config` picks
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(kernel.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+        assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage

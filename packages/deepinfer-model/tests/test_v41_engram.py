@@ -169,3 +169,34 @@ def test_engram_injection_matches_float64_loop():
             )
             gate = 1 / (1 + math.exp(-math.copysign(math.sqrt(max(abs(dot), 1e-6)), dot)))
             torch.testing.assert_close(got[tok, i].double(), x + gate * v, rtol=1e-5, atol=1e-5)
+
+
+def test_engram_inject_goes_through_the_registry_op(monkeypatch):
+    """The gate and update are the registry's `engram_gate` (the CPU entry: `layers.engram.engram_gate`). In
+    native mode with BF16 activations a BF16 trunk comes back in BF16 holding the values the FP32 carrier held."""
+    from deepinfer_model.ops import get_ops, model_calls
+
+    g = torch.Generator().manual_seed(2)
+    t, m, h, d_e, n_sub, rows = 6, 4, 32, 16, 4, 30
+    w = EngramWeights(
+        table=torch.randn(rows, d_e, generator=g),
+        wkv=torch.randn((m + 1) * h, n_sub * d_e, generator=g) / math.sqrt(n_sub * d_e),
+        q_weight=1 + 0.1 * torch.randn(m, h, generator=g),
+        k_weight=1 + 0.1 * torch.randn(m, h, generator=g),
+    )
+    trunk = torch.randn(t, m, h, generator=g).bfloat16()
+    idx = torch.randint(0, rows, (t, n_sub), generator=g)
+    idx[3, 1] = -1
+    table, out_dtypes = get_ops("cpu"), []
+    op = table.engram_gate
+    monkeypatch.setattr(table, "engram_gate", lambda *a: out_dtypes.append(a[-1]) or op(*a))
+    bf = torch.bfloat16
+    exact = engram_inject(trunk, idx, w, 1e-6, bf)
+    monkeypatch.setenv("DEEPINFER_NUMERICS", "native")
+    narrow = engram_inject(trunk, idx, w, 1e-6, bf)
+    monkeypatch.setattr(model_calls, "narrow_act", lambda act: False)
+    wide = engram_inject(trunk, idx, w, 1e-6, bf)
+    assert out_dtypes == [torch.float64, bf, torch.float32]
+    assert exact.dtype == torch.float64 and narrow.dtype == bf and wide.dtype == torch.float32
+    assert torch.equal(narrow.float(), wide)
+    assert torch.equal(narrow[3], trunk[3]) and not torch.equal(narrow[2], trunk[2])  # the image row kept

@@ -11,6 +11,7 @@ import torch
 
 from .. import batch_invariant
 from ..layers import attention, mhc, norm, rope
+from ..layers.engram import engram_gate as _engram_gate
 from ..layers.experts import clamped_swiglu, grouped_swiglu, grouped_swiglu_sum, pair_tiled_products
 from ..layers.indexer import topk_indices_reference, topk_keys_reference
 from ..numerics import KERNEL_ROUNDINGS, linear, round_to, weight_as
@@ -171,6 +172,10 @@ def swiglu(
     gate: torch.Tensor, up: torch.Tensor, limit: float, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     return clamped_swiglu(gate, up, limit, torch.float32).to(out_dtype or gate.dtype)
+
+
+# (the reference block itself: the model's CPU results are bitwise what they were before the op existed)
+engram_gate = register("cpu", "engram_gate")(_engram_gate)
 
 
 @register("cpu", "rows_matmul")

@@ -15,6 +15,7 @@ from .attention import (
 )
 from .compressor import Compressed, CompressorWeights, compress
 from .embedding import embed
+from .engram import engram_gate
 from .experts import ExpertWeights, MLPWeights, clamped_swiglu, experts_forward, mlp
 from .indexer import IndexerWeights, index_queries, index_scores, select_topk, selection_mask
 from .mhc import HCHeadParams, HCParams, expand, head_weights, mixes, read, sinkhorn, write
@@ -39,6 +40,7 @@ __all__ = [
     "compressed_visible",
     "cos_sin",
     "embed",
+    "engram_gate",
     "expand",
     "head_weights",
     "index_queries",

@@ -28,6 +28,8 @@ SCHEMAS: dict[str, str] = {
     "expert_swiglu_sum": "(Tensor x, Tensor pairs, Tensor weights, Tensor w1, Tensor w3, Tensor w2, float limit, "
     "bool weight_before_down, Tensor? addend, ScalarType act_dtype, ScalarType out_dtype) -> Tensor",
     "swiglu": "(Tensor gate, Tensor up, float limit, ScalarType? out_dtype=None) -> Tensor",
+    "engram_gate": "(Tensor trunk, Tensor k, Tensor v, Tensor qk, Tensor image, float eps, ScalarType act_dtype, "
+    "ScalarType out_dtype) -> Tensor",
 }
 
 
@@ -75,6 +77,10 @@ def _swiglu(gate, up, limit, out_dtype=None):
     return gate.new_empty(gate.shape, dtype=out_dtype or gate.dtype)
 
 
+def _engram_gate(trunk, k, v, qk, image, eps, act_dtype, out_dtype):
+    return trunk.new_empty(trunk.shape, dtype=out_dtype)
+
+
 FAKES = {
     "rms_norm": _rms_norm,
     "apply_rope": _apply_rope,
@@ -85,4 +91,5 @@ FAKES = {
     "expert_swiglu": _expert_swiglu,
     "expert_swiglu_sum": _expert_swiglu_sum,
     "swiglu": _swiglu,
+    "engram_gate": _engram_gate,
 }

@@ -85,6 +85,24 @@ def hc_write(
     return out if narrow and narrow_act(act_dtype) else _carry(out)
 
 
+def engram_gate(
+    trunk: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qk: torch.Tensor,
+    image: torch.Tensor,
+    eps: float,
+    act_dtype: torch.dtype,
+    narrow: bool = False,
+) -> torch.Tensor:
+    """`layers.engram.engram_gate` through the registry: the trunk after the Engram update, in the carrier
+    dtype (`narrow`: in the act dtype where `narrow_act(act_dtype)` and the trunk given already is one, so
+    that image rows, copied as they are, keep their values)."""
+    narrowed = narrow and narrow_act(act_dtype) and trunk.dtype == act_dtype
+    out_dtype = act_dtype if narrowed else carrier()
+    return ops_for(trunk).engram_gate(trunk, k, v, qk, image, eps, act_dtype, out_dtype)
+
+
 def grouped_expert_mlp(
     x: torch.Tensor,
     weights: torch.Tensor,

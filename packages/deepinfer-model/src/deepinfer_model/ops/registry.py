@@ -68,6 +68,11 @@ OP_SPECS: dict[str, str] = {
     "swiglu": "swiglu(gate [..., N], up [..., N] (gate's dtype: 16-bit or FP32), limit, out_dtype=None) -> "
     "out_dtype or gate.dtype = silu(min(gate, L)) * clamp(up, -L, L) in FP32, rounded once: the shared "
     "expert's activation where its projections stay in the act dtype (native mode)",
+    "engram_gate": "engram_gate(trunk [T, m, H], k [T, m, H], v [T, H], qk [m, H] FP32, image [T] bool, eps, "
+    "act_dtype, out_dtype) -> [T, m, H] out_dtype; per token and stream, in the carrier (FP32 in native mode): "
+    "x = trunk[t, i], d = sum(x k qk) rsqrt(mean(x^2) + eps) rsqrt(mean(k^2) + eps) / sqrt(H), g = "
+    "sigmoid(sign(d) sqrt(max(|d|, 1e-6))), out = x + g v[t] rounded once to act_dtype; image rows: the trunk's "
+    "values (Engram injection after its kv projection; k, v may be strided views of that projection's rows)",
     "topk_keys": "topk_keys(scores [T, n] bf16 | fp16, valid [T, n] bool) -> int32 [T, n], n <= 65536: key = "
     "k16 * 65536 + (65535 - j), k16 the score's sign-magnitude bits as two's complement (-0.0 and +0.0 both 0), "
     "-32768 where not valid: unique per row, ordered like (score desc, index asc) (the indexer's top-k)",

@@ -12,6 +12,7 @@
 | expert_swiglu | Triton gate/up + SwiGLU and down kernels (`triton_moe.py`) for at most `triton_moe.MAX_PAIRS` 16-bit pairs (decode), else the reference's `torch._grouped_mm` calls |
 | expert_swiglu_sum | the same per pair, summed per token with the shared expert: for more pairs (prefill) `torch._grouped_mm` with Triton SwiGLU and slot-sum kernels (`triton_moe_sum.py`); 16-bit operands, else the reference |
 | swiglu | the Triton SwiGLU kernel of `triton_moe_sum.py` for contiguous 16-bit operands, else the reference |
+| engram_gate | Triton kernel (`triton_engram.py`: one pass, one program per block of tokens, all streams) in native mode for 16-bit / FP32 operands and H <= `triton_engram.MAX_H`, else the reference |
 | index_scores | Triton kernel (`triton_index.py`; power-of-two heads and head dim) if `triton` imports and `DEEPINFER_TRITON` != 0, else the reference |
 | topk_indices | Triton radix select per row (`triton_select.py`) under the same condition, else the reference (torch top-k of the keys, then a sort) |
 | topk_keys | Triton kernel (`triton_keys.py`) if `triton` imports and `DEEPINFER_TRITON` != 0, else the reference's torch ops |
@@ -240,6 +241,23 @@ if _TRITON:
         return _swiglu_rows(gate.view(-1, n), up.view(-1, n), None, limit).view(gate.shape)
 
     register("nvidia", "swiglu")(_swiglu)
+# Engram injection's gate and update in native mode (`models.deepseek_v41.engram.engram_inject`): one Triton pass
+# over the trunk, keys and values (`triton_engram.py`) instead of ~10 torch passes over FP32 copies of the trunk.
+# Exact mode (FP64 carrier), batch-invariant mode (needs exact) and operands the kernel does not take keep the
+# reference.
+if _TRITON:
+    from ... import numerics
+    from .. import cpu as _reference
+    from . import triton_engram
+
+    _fused_gate = _kernel_or_torch("engram_gate", triton_engram.engram_gate, _reference.engram_gate)
+
+    def _engram_gate(trunk, k, v, qk, image, eps, act_dtype, out_dtype):
+        if numerics.native() and triton_engram.supports(trunk, k, v, act_dtype, out_dtype):
+            return _fused_gate(trunk, k, v, qk, image, eps, act_dtype, out_dtype)
+        return _reference.engram_gate(trunk, k, v, qk, image, eps, act_dtype, out_dtype)
+
+    register("nvidia", "engram_gate")(_engram_gate)
 
 # The indexer's scores in native mode (`runtime.groups.grouped_index_scores`): the core asks `supports(heads,
 # dim)` first and keeps its own path for other shapes.

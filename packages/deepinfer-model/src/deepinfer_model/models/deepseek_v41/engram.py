@@ -9,17 +9,15 @@ and `g_i` is a signed-sqrt sigmoid gate of the normalised dot product of `R[i]` 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch
 
 from ...numerics import carrier, linear, round_to
+from ...ops.model_calls import engram_gate
 from .config import EngramConfig
 from .engram_hash import EngramLayout, engram_hash, hash_multipliers
 from .engram_vocab import CompressedVocabulary
-
-_GATE_CLAMP = 1e-6  # hard-coded floor of |dot| before the signed square root
 
 
 @dataclass
@@ -39,26 +37,20 @@ def engram_inject(
     eps: float,
     act_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Return the trunk [T, m, H] after the gated Engram update; `rows` [T, n_sub] are table row ids (-1: image)."""
+    """Return the trunk [T, m, H] after the gated Engram update; `rows` [T, n_sub] are table row ids (-1: image).
+
+    The gate and the update are one registry op (`engram_gate`, reference `layers.engram.engram_gate`). Where
+    `numerics.narrow_act(act_dtype)` (native mode, 16-bit activations) the projection's output stays in the act
+    dtype (no FP32 copy of the [T, (m+1)H] keys and values) and so does the new trunk when the trunk given is
+    one (the same values as the carrier would hold)."""
     t, m, hidden = trunk.shape
     image = (rows < 0).any(dim=1)
-    e = w.table[rows.clamp(min=0)].to(carrier()).reshape(t, -1)
-    kv = linear(e, w.wkv, act_dtype)
+    e = w.table[rows.clamp(min=0)].to(carrier()).reshape(t, -1)  # (native, FP32 table: no copy)
+    kv = linear(e, w.wkv, act_dtype, narrow=True)
     k, v = kv[:, : m * hidden].view(t, m, hidden), kv[:, m * hidden :]
-    x = trunk.to(carrier())
-    qk = round_to(
-        w.q_weight.to(carrier()) * w.k_weight.to(carrier()), torch.float32
-    )  # [m, H], formed in FP32
-    dot = (x * k * qk).sum(-1)
-    dot = (
-        dot
-        * torch.rsqrt(x.square().mean(-1) + eps)
-        * torch.rsqrt(k.square().mean(-1) + eps)
-        / math.sqrt(hidden)
-    )
-    gate = torch.sigmoid(torch.sign(dot) * dot.abs().clamp(min=_GATE_CLAMP).sqrt())
-    out = round_to(x + gate.unsqueeze(-1) * v.unsqueeze(1), act_dtype)
-    return torch.where(image[:, None, None], trunk.to(out.dtype), out)
+    # [m, H], formed in FP32
+    qk = round_to(w.q_weight.to(carrier()) * w.k_weight.to(carrier()), torch.float32)
+    return engram_gate(trunk, k, v, qk.float(), image, eps, act_dtype, narrow=True)
 
 
 class EngramHasher:
