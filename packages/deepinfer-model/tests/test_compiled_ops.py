@@ -27,6 +27,7 @@ def _inputs() -> dict[str, tuple[tuple, dict]]:
     return {
         "rms_norm": ((r(t, 64, dtype=torch.bfloat16), r(64), 1e-6), {"out_dtype": torch.float32}),
         "apply_rope": ((r(t, 2, 64), r(t, 16), r(t, 16), True), {"out_dtype": torch.bfloat16}),
+        "apply_rope_": ((r(t, 2, 64, dtype=torch.bfloat16), r(t, 16), r(t, 16), True), {}),
         "hc_mixes": ((trunk, r((2 + m) * m, m * h) * 0.1, r((2 + m) * m), torch.rand(3, generator=g), 1e-6, 1e-6, 3), {}),
         "hc_read": ((trunk, torch.rand(t, m, generator=g)), {"out_dtype": torch.bfloat16}),
         "hc_write": ((r(t, h), trunk.float(), torch.rand(t, m, generator=g), torch.rand(t, m, m, generator=g)), {}),
@@ -57,6 +58,22 @@ def _as_tuple(out):
     return out if isinstance(out, tuple) else (out,)
 
 
+def _written(name: str) -> list[int]:
+    """Positions of the arguments op `name` writes (`Tensor(a!)`): its results are those arguments."""
+    from deepinfer_model.compile_boundary import _written_args
+
+    args = torch._C.parse_schema(f"deepinfer::x{compiled_ops.SCHEMAS[name]}").arguments
+    return [i for i, a in enumerate(args) if a.name in _written_args(compiled_ops.SCHEMAS[name])]
+
+
+def _results(written: list[int], out, args) -> tuple:
+    """An op's outputs, or for an op that writes into arguments (`written`, and returns nothing) those."""
+    if written:
+        assert out is None
+        return tuple(args[i] for i in written)
+    return _as_tuple(out)
+
+
 def test_every_listed_op_has_inputs_here_and_a_contract():
     assert set(compiled_ops.SCHEMAS) == set(compiled_ops.FAKES) == set(_inputs())
     assert set(compiled_ops.SCHEMAS) <= set(reg.OP_SPECS)
@@ -65,6 +82,10 @@ def test_every_listed_op_has_inputs_here_and_a_contract():
 @pytest.mark.parametrize("name", sorted(compiled_ops.SCHEMAS))
 def test_fake_has_the_reference_shapes_and_dtypes(name):
     args, kwargs = _inputs()[name]
+    if _written(name):  # writes into its arguments: returns nothing, as its fake does
+        assert get_ops("cpu")[name](*args, **kwargs) is None
+        assert compiled_ops.FAKES[name](*args, **kwargs) is None
+        return
     ref = _as_tuple(get_ops("cpu")[name](*args, **kwargs))
     fake = _as_tuple(compiled_ops.FAKES[name](*args, **kwargs))
     assert [(o.shape, o.dtype) for o in fake] == [(o.shape, o.dtype) for o in ref]
@@ -89,17 +110,23 @@ def test_custom_op_is_one_node_of_a_compiled_graph_with_the_eager_result(name):
             f"deepinfer::test_{name}", counted, compiled_ops.SCHEMAS[name], compiled_ops.FAKES[name]
         ),
     )
-    eager = _as_tuple(op(*args, **kwargs))
+    written = _written(name)
+    fresh = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]  # (a writing op changes args)
+    eager = _results(written, op(*args, **kwargs), args)
 
     def region(*a):
-        out = _as_tuple(op(*a, **kwargs))
-        return tuple(o * 1 for o in out)  # (an op of the graph after the call)
+        out = _results(written, op(*a, **kwargs), a)
+        return tuple(o * 1 for o in out)  # (an op of the graph after the call: reads what the op wrote)
 
+    torch._dynamo.reset()  # (`region` is one code object for every op: past 8 of them, its recompile limit)
     compiled = torch.compile(region, backend="aot_eager", fullgraph=True)  # a graph break would raise
-    got = _as_tuple(compiled(*args))
+    got = compiled(*fresh)
     assert len(calls) >= 2  # the kernel ran inside the compiled region too, not a traced copy of it
     for a, b in zip(got, eager, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
+    if written:  # the compiled region's write reached the caller's tensor
+        for a, b in zip(_results(written, None, fresh), eager, strict=True):
+            assert torch.equal(a, b)
 
 
 def test_custom_op_outputs_never_alias_inputs():

@@ -233,3 +233,39 @@ def test_exact_mode_keeps_the_carrier(bf16_model, monkeypatch):
     )
     _prefill(bf16_model, np.arange(4, 20))
     assert trunks and set(trunks) == {torch.float64}
+
+
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float32])
+def test_in_place_rope_gives_the_out_of_place_logits(bf16_model, monkeypatch, act):
+    """Native mode: the query, index-query and output RoPE rotate their fresh tensors in place
+    (`model_calls.rope(inplace=True)`: BF16 `narrow` tensors, or FP32 activations); the paged prefill's logits,
+    and with FP32 activations the stateless forward's logits and drafts, are bitwise those of the out-of-place
+    op."""
+    from deepinfer_model.ops import get_ops
+
+    monkeypatch.setenv("DEEPINFER_NUMERICS", "native")
+    m = bf16_model
+    model = DeepseekV41ForCausalLM(m.config, m.weights, m.engram.vocab, act_dtype=act)
+    ids = np.random.default_rng(6).integers(4, model.config.vocab_size, 40)
+    table, calls = get_ops("cpu"), []
+    real = table.apply_rope_
+    monkeypatch.setattr(table, "apply_rope_", lambda x, *a: calls.append(tuple(x.shape)) or real(x, *a))
+
+    def run():
+        out = [_prefill(model, ids)]
+        if act == torch.float32:
+            fwd = model.forward(torch.as_tensor(ids[:20]), num_draft_tokens=3)
+            out += [fwd.logits, fwd.draft.tokens, fwd.draft.logits]
+        return out
+
+    in_place = run()
+    cfg = model.config
+    shapes = {s[1:] for s in calls}
+    assert (cfg.num_attention_heads, cfg.head_dim) in shapes  # queries and outputs
+    assert (cfg.index_n_heads, cfg.index_head_dim) in shapes  # index queries
+    calls.clear()
+    monkeypatch.setattr(model_calls, "_serves_in_place", lambda table: False)
+    out_of_place = run()
+    assert not calls
+    for a, b in zip(in_place, out_of_place, strict=True):
+        assert torch.equal(a, b)

@@ -266,6 +266,54 @@ def test_tilelang_rope_kernel(cpu, dtype, shape, rope, inverse):
     assert out64.dtype == dtype and rel_err(out64, ref) < tol(dtype)
 
 
+_IN_PLACE_ROPE = [  # V4.1 query / output rows, an index query, a latent, all channels, rows over several CTAs
+    ((33, 64, 512), 64),
+    ((8, 64, 128), 64),
+    ((5, 512), 64),
+    ((3, 4, 128), 128),
+    ((1, 2, 64), 32),
+    ((1000, 3, 96), 48),
+]
+
+
+@needs_tilelang
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape,rope", _IN_PLACE_ROPE)
+@pytest.mark.parametrize("inverse", [False, True])
+def test_tilelang_rope_in_place_kernel(cpu, dtype, shape, rope, inverse):
+    """`apply_rope_`'s kernel: the CPU reference's values within tolerance, bit for bit the out-of-place
+    kernel's (the same rotation, nvcc contracts it the same way), the leading channels' bits untouched."""
+    x = (torch.randn(shape) * 3).to(dtype)
+    ang = torch.rand(shape[0], rope // 2) * 100
+    cos, sin = ang.cos(), ang.sin()
+    ref = cpu.apply_rope(x, cos, sin, inverse)
+    xd, cd, sd = x.to(DEV), cos.to(DEV), sin.to(DEV)
+    poison()
+    want = tilelang_rope.apply_rope(xd, cd, sd, inverse)
+    poison()
+    assert tilelang_rope.apply_rope_(xd, cd, sd, inverse) is None
+    assert rel_err(xd, ref) < tol(dtype)
+    assert torch.equal(xd, want)
+    lead = shape[-1] - rope
+    assert torch.equal(xd[..., :lead].cpu(), x[..., :lead])
+    with pytest.raises(ValueError, match="apply_rope_: x must be contiguous"):
+        tilelang_rope.apply_rope_(xd.transpose(0, -1), cd, sd, inverse)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape,rope", _IN_PLACE_ROPE[:3])
+def test_registered_in_place_rope_is_the_out_of_place_op(gpu, dtype, shape, rope):
+    """The table's `apply_rope_` where the backend serves it (the model uses it only then): bitwise the table's
+    `apply_rope`, whatever serves that (kernel, or torch after a kernel failure)."""
+    if gpu.sources.get("apply_rope_") != "nvidia":
+        pytest.skip("apply_rope_ is not registered (DEEPINFER_TILELANG=all enables the unchecked kernel)")
+    x = (torch.randn(shape) * 3).to(dtype).to(DEV)
+    ang = (torch.rand(shape[0], rope // 2) * 100).to(DEV)
+    want = gpu.apply_rope(x, ang.cos(), ang.sin(), True)
+    gpu.apply_rope_(x, ang.cos(), ang.sin(), True)
+    assert torch.equal(x, want)
+
+
 @needs_tilelang
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("t,m,h", [(1, 4, 128), (19, 4, 4096), (128, 4, 7168), (5, 2, 256), (3, 4, 96)])

@@ -194,6 +194,96 @@ def test_cpu_entries_take_the_fp64_carrier_with_out_dtype(act):
         ops.rms_norm(x.double(), w, 1e-6)
 
 
+_ROPE_CASES = [  # (x shape, rope dim): a V4.1 query / output, an index query, a latent, all channels, one row
+    ((9, 8, 512), 64),
+    ((5, 4, 128), 64),
+    ((7, 512), 64),
+    ((3, 2, 32), 32),
+    ((1, 1, 70), 6),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape,rope", _ROPE_CASES)
+@pytest.mark.parametrize("inverse", [False, True])
+def test_in_place_rope_is_the_out_of_place_result_bitwise(monkeypatch, dtype, shape, rope, inverse):
+    """`apply_rope_` writes `apply_rope`'s tail into x bit for bit and leaves the leading channels alone: the
+    cpu reference, the NVIDIA backend's torch version (plain torch, run here) and its fallback through the
+    registered `apply_rope` (here its torch version: no kernel launch on this host)."""
+    from deepinfer_model.backends import nvidia
+    from deepinfer_model.backends.nvidia import torch_cuda
+
+    monkeypatch.setitem(nvidia._ROW_LOCAL, "apply_rope", torch_cuda.apply_rope)
+    from deepinfer_model.config import RopeSpec
+    from deepinfer_model.layers.rope import cos_sin
+
+    x = (torch.randn(shape) * 4).to(dtype)
+    cos, sin = cos_sin(RopeSpec(dim=rope, theta=10000.0), torch.arange(shape[0]) * 37 + 5)
+    lead = shape[-1] - rope
+    for out_of_place, in_place in (
+        (get_ops("cpu").apply_rope, get_ops("cpu").apply_rope_),
+        (torch_cuda.apply_rope, torch_cuda.apply_rope_),
+        (torch_cuda.apply_rope, nvidia._rope_tail_via_copy),
+    ):
+        want = out_of_place(x, cos, sin, inverse)
+        got = x.clone()
+        assert in_place(got, cos, sin, inverse) is None
+        assert want.dtype == dtype and torch.equal(got, want)
+        assert torch.equal(got[..., :lead], x[..., :lead])
+    ref = get_ops("cpu").apply_rope(x.double(), cos, sin, inverse, out_dtype=dtype)  # the model's carrier
+    got = x.clone()
+    get_ops("cpu").apply_rope_(got, cos, sin, inverse)
+    assert torch.equal(got, ref)
+
+
+def test_in_place_rope_rejects_what_it_cannot_rotate_in_place():
+    ops = get_ops("cpu")
+    x = torch.randn(4, 3, 64)
+    cos, sin = torch.rand(4, 8), torch.rand(4, 8)
+    for bad, match in (
+        (x.transpose(0, 1), "x must be contiguous"),
+        (x[..., :48], "x must be contiguous"),
+        (x.double(), "x must be float32 or bfloat16"),
+        (x.half(), "x must be float32 or bfloat16"),
+        (x[0, 0], "x must be \\[T, ..., C\\]"),
+    ):
+        before = bad.clone()
+        with pytest.raises(ValueError, match=f"apply_rope_: {match}"):
+            ops.apply_rope_(bad, cos, sin)
+        assert torch.equal(bad, before)
+    with pytest.raises(ValueError, match="apply_rope_: cos/sin must be \\[T=4, r/2\\] with r <= 64"):
+        ops.apply_rope_(x, torch.rand(4, 40), torch.rand(4, 40))
+    with pytest.raises(ValueError, match="cos/sin must be"):
+        ops.apply_rope_(x, torch.rand(3, 8), torch.rand(3, 8))
+
+
+@pytest.mark.parametrize(
+    "numerics,act", [("native", torch.bfloat16), ("native", torch.float32), ("exact", torch.float32)]
+)
+def test_model_rope_rotates_in_place_only_where_it_may(monkeypatch, numerics, act):
+    """`model_calls.rope(inplace=True)`: the result is x itself, rotated in place, exactly where the result
+    has x's dtype (native: `narrow` BF16, or FP32 activations) and x is contiguous; the same values as the
+    out-of-place call everywhere; a non-contiguous x, or a result in the FP64 carrier, leaves x untouched."""
+    from deepinfer_model.ops import model_calls
+
+    monkeypatch.setenv("DEEPINFER_NUMERICS", numerics)
+    carrier = torch.float64 if numerics == "exact" else torch.float32
+    cos, sin = torch.rand(6, 16), torch.rand(6, 16)
+    for narrow in (False, True):
+        base = (torch.randn(6, 4, 96) * 2).to(act)
+        src = base if act != torch.float32 or numerics == "native" else base.to(carrier)
+        want = model_calls.rope(src.clone(), cos, sin, act, True, narrow)
+        x = src.clone()
+        got = model_calls.rope(x, cos, sin, act, True, narrow, inplace=True)
+        assert got.dtype == want.dtype and torch.equal(got, want)
+        in_place = numerics == "native" and (act == torch.float32 or narrow)
+        assert (got is x) == in_place
+        assert torch.equal(x, want if in_place else src)
+        strided = src.transpose(0, 1).contiguous().transpose(0, 1)  # src's values, not contiguous
+        got = model_calls.rope(strided, cos, sin, act, True, narrow, inplace=True)
+        assert got is not strided and torch.equal(got, want) and torch.equal(strided, src)
+
+
 def test_failing_kernel_falls_back_to_torch_once_and_is_recorded(caplog):
     """A TileLang kernel that fails (compile/launch) is replaced by its torch version for good, logged and
     recorded; a ValueError about the inputs is the caller's error and propagates."""
@@ -332,7 +422,8 @@ def test_compiled_regions_trace_the_registered_torch_version_of_an_op():
     from deepinfer_model.compile_boundary import outside_compiled_graph
 
     table = reg.OpTable("nvidia")
-    assert set(reg._TRACED["nvidia"]) == set(nvidia.TRACED_IN_COMPILED)  # (DEEPINFER_COMPILE_TRACED_OPS)
+    traced = set(nvidia.TRACED_IN_COMPILED)  # (DEEPINFER_COMPILE_TRACED_OPS; apply_rope brings apply_rope_)
+    assert set(reg._TRACED["nvidia"]) == traced | ({"apply_rope_"} if "apply_rope" in traced else set())
     for name in nvidia.TRACED_IN_COMPILED:
         assert reg._TRACED["nvidia"][name] is nvidia._TORCH[name]
     calls = []

@@ -17,6 +17,9 @@ PROGRAMS = {
     "norm_f32_to_bf16": lambda: tilelang_norm._norm_program(1536, "float32", "bfloat16", 1e-6, 128),
     "rope_with_passthrough": lambda: tilelang_rope._rope_program(512, 32, 64, "float32", "bfloat16"),
     "rope_all_channels": lambda: tilelang_rope._rope_program(128, 64, 4, "bfloat16", "bfloat16"),
+    "rope_tail_in_place": lambda: tilelang_rope._rope_tail_program(512, 32, 64, "bfloat16"),
+    "rope_tail_all_channels": lambda: tilelang_rope._rope_tail_program(128, 64, 4, "float32"),
+    "rope_tail_uneven_block": lambda: tilelang_rope._rope_tail_program(96, 24, 3, "bfloat16"),
     "hc_read": lambda: tilelang_mhc._read_program(4, 7168, "bfloat16", "bfloat16"),
     "hc_read_small_block": lambda: tilelang_mhc._read_program(4, 96, "float32", "float32"),
     "hc_write": lambda: tilelang_mhc._write_program(4, 7168, "float32", "float32", "bfloat16"),
@@ -121,6 +124,46 @@ def test_rope_kernel_logic_on_cpu(tmp_path, inverse):
     _run_on_cpu(tmp_path, tilelang_rope._rope_program(512, 32, 4, "float32", "bfloat16"), (12, 1), args)
     ref = get_ops("cpu").apply_rope(x, cos, sin, inverse, out_dtype=torch.bfloat16)
     assert torch.equal(y.view(3, 4, 512), ref)  # same FP32 math, same single rounding
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+@pytest.mark.parametrize("tokens,heads,channels,half", [(37, 2, 512, 32), (5, 3, 96, 24), (3, 1, 64, 32)])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_tail_kernel_logic_on_cpu(tmp_path, dtype_name, tokens, heads, channels, half, inverse):
+    """The in-place kernel over several CTAs of rows (the last one partly past the rows): its tail is the
+    out-of-place kernel's output bit for bit (both run here; the same rotation written the same way), the
+    leading channels keep their bits, and it equals the registry's `apply_rope_` (FP32 within rounding)."""
+    import torch
+    from deepinfer_model.ops import get_ops
+
+    dt, rows = getattr(torch, dtype_name), tokens * heads
+    x = torch.randn(tokens, heads, channels).to(dt)
+    ang = torch.rand(tokens, half) * 50
+    cos, sin = ang.cos(), ang.sin()
+    sin_arg = -sin if inverse else sin
+    y = torch.full((rows, channels), float("nan"), dtype=dt)
+    args = dict(x=x.reshape(rows, channels), cos=cos, sin=sin_arg, y=y, rows=rows, tokens=tokens)
+    _run_on_cpu(
+        tmp_path, tilelang_rope._rope_program(channels, half, heads, dtype_name, dtype_name), (rows, 1), args
+    )
+    got = x.clone()
+    block = tilelang_rope._rows_per_cta(half)
+    args = dict(x=got.view(rows, channels), cos=cos, sin=sin_arg, rows=rows, tokens=tokens)
+    _run_on_cpu(
+        tmp_path,
+        tilelang_rope._rope_tail_program(channels, half, heads, dtype_name),
+        (-(-rows // block), 1),
+        args,
+    )
+    lead = channels - 2 * half
+    assert torch.equal(got[..., :lead], x[..., :lead])  # not written
+    assert torch.equal(got, y.view(x.shape))  # the out-of-place kernel's bits
+    ref = x.clone()
+    get_ops("cpu").apply_rope_(ref, cos, sin, inverse)
+    if dt == torch.bfloat16:
+        assert torch.equal(got, ref)
+    else:  # FP32 products and sum (the kernel) against the reference's FP64 ones, each rounded to FP32
+        assert _rel(got, ref) < 1e-6
 
 
 @pytest.mark.parametrize("dtype_name,hidden", [("float32", 96), ("bfloat16", 1024)])

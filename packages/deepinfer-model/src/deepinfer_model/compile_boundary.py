@@ -51,7 +51,9 @@ def as_custom_op(qualname: str, fn: Callable, schema: str, fake: Callable) -> Ca
     the call fuse with their neighbours (at a graph break each segment starts and ends with kernels of its own).
 
     The op runs `fn` with its outputs made contiguous and never aliasing an input (what a custom op
-    promises); a later call with the same `qualname` (a rebuilt op table) points the op at the new `fn`."""
+    promises); a later call with the same `qualname` (a rebuilt op table) points the op at the new `fn`.
+    Arguments the schema marks as written (`Tensor(a!) x`) are the op's `mutates_args`; such an op returns
+    `()` (None): its result is the mutated argument."""
     entry = _CUSTOM_OPS.get(qualname)
     if entry is not None:
         entry[0] = fn
@@ -60,14 +62,22 @@ def as_custom_op(qualname: str, fn: Callable, schema: str, fake: Callable) -> Ca
 
     def impl(*args, **kwargs):
         out = entry[0](*args, **kwargs)
+        if out is None:
+            return None
         inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         return tuple(_fresh(o, inputs) for o in out) if isinstance(out, tuple) else _fresh(out, inputs)
 
-    op = torch.library.custom_op(qualname, impl, mutates_args=(), schema=schema)
+    op = torch.library.custom_op(qualname, impl, mutates_args=_written_args(schema), schema=schema)
     op.register_fake(fake)
     entry[1] = op
     _CUSTOM_OPS[qualname] = entry
     return op
+
+
+def _written_args(schema: str) -> tuple[str, ...]:
+    """The arguments `schema` ("(Tensor(a!) x, ...) -> ...") marks as written."""
+    parsed = torch._C.parse_schema(f"deepinfer::schema{schema}")
+    return tuple(a.name for a in parsed.arguments if a.alias_info is not None and a.alias_info.is_write)
 
 
 def _fresh(out: torch.Tensor, inputs: list[torch.Tensor]) -> torch.Tensor:

@@ -52,6 +52,18 @@ def apply_rope(
     return rope.apply_rope(x, cos, sin, inverse).to(_out(x, out_dtype))
 
 
+@register("cpu", "apply_rope_")
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> None:
+    """`apply_rope(x, cos, sin, inverse)`'s last r channels written into `x` (the rotation reads only them,
+    so rotating the tail alone gives the same values); the leading channels are not touched."""
+    problem = rope.in_place_problem(x, cos, sin)
+    if problem is not None:
+        raise ValueError(f"apply_rope_: {problem}")
+    if cos.shape[-1]:
+        tail = x[..., x.shape[-1] - 2 * cos.shape[-1] :]
+        tail.copy_(rope.apply_rope(tail, cos, sin, inverse).to(x.dtype))
+
+
 @register("cpu", "hc_mixes")
 def hc_mixes(
     trunk: torch.Tensor,

@@ -121,7 +121,8 @@ def project_query(
     q = linear(q_lat, w.wq_b, act_dtype, narrow=narrow and not head_norm).view(y.shape[0], num_heads, -1)
     if head_norm:  # public V4 only: unweighted RMSNorm of every head
         q = rms_norm(q, None, eps, act_dtype)
-    return rope(q, cos, sin, act_dtype, narrow=narrow), q_lat
+    # (q is this function's own fresh GEMM / norm output: rotated in place where `rope` can)
+    return rope(q, cos, sin, act_dtype, narrow=narrow, inplace=True), q_lat
 
 
 def project_latent(
@@ -148,9 +149,11 @@ def project_output(
 ) -> torch.Tensor:
     """Attention output [T, nh, D] -> [T, H]: conjugate RoPE on the tail, grouped wo_a, then wo_b.
     `narrow`: the result as an act-dtype tensor where `numerics.narrow_act` (for callers whose consumers
-    take it: the mHC write)."""
+    take it: the mHC write). `o` is consumed: its tail may be rotated in place (`ops.model_calls.rope`)."""
     t = o.shape[0]
-    o = rope(o, cos, sin, act_dtype, inverse=True, narrow=True)  # (the grouped GEMM's operand, below)
+    # (the grouped GEMM's operand, below). `o` is handed over: every caller passes the attention output it
+    # has just computed (or its rounding) and reads it no more, so `rope` may rotate it in place
+    o = rope(o, cos, sin, act_dtype, inverse=True, narrow=True, inplace=True)
     grouped = o.reshape(t, o_groups, -1)  # group g = heads g*nh/G .. (g+1)*nh/G - 1
     # GEMM operands as in `linear`: FP64 (exact) or act_dtype (native: a BF16 GEMM, FP32 accumulation)
     gemm = act_dtype if native() else torch.float64

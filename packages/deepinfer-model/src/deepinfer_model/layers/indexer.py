@@ -43,7 +43,7 @@ def index_queries(
     """Index queries [T, n_i, d_i] with RoPE on the tail of every head (the registry's RoPE: a kernel on a GPU,
     not a dozen torch passes over [T, n_i, d_i]; as an act-dtype tensor where `numerics.narrow_act`)."""
     q = linear(q_lat, w.wq_b, act_dtype, narrow=True).view(q_lat.shape[0], n_heads, -1)
-    return rope(q, cos, sin, act_dtype, narrow=True)
+    return rope(q, cos, sin, act_dtype, narrow=True, inplace=True)  # (q: the fresh GEMM output)
 
 
 def index_scores(

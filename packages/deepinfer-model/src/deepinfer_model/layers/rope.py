@@ -104,3 +104,29 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     even, odd = tail[..., 0::2], tail[..., 1::2]
     rotated = torch.stack((even * c - odd * s, even * s + odd * c), dim=-1).flatten(-2)
     return torch.cat((x[..., : -2 * half], rotated), dim=-1)
+
+
+ROTATE_IN_PLACE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def in_place_problem(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str | None:
+    """Why the op `apply_rope_` cannot rotate `x` in place, or None: it takes a contiguous FP32 / BF16
+    `x` [T, ..., C] (its rows are addressed as the flat `[T * heads, C]`) and `cos` / `sin` [T, r/2] with
+    r <= C. Every backend checks this one rule, so a CPU run rejects what a GPU run would."""
+    if x.dtype not in ROTATE_IN_PLACE_DTYPES:
+        return f"x must be float32 or bfloat16, got {x.dtype}"
+    if x.dim() < 2:
+        return f"x must be [T, ..., C], got shape {tuple(x.shape)}"
+    if not x.is_contiguous():
+        return f"x must be contiguous, got shape {tuple(x.shape)} with strides {x.stride()}"
+    if (
+        cos.shape != sin.shape
+        or cos.dim() != 2
+        or cos.shape[0] != x.shape[0]
+        or 2 * cos.shape[1] > x.shape[-1]
+    ):
+        return (
+            f"cos/sin must be [T={x.shape[0]}, r/2] with r <= {x.shape[-1]}, "
+            f"got {tuple(cos.shape)} / {tuple(sin.shape)}"
+        )
+    return None

@@ -6,8 +6,10 @@ side (the medium V4.1's batch-1 step on the H200 ran ~200 single-cast kernels, o
 custom op it is one node of the graph: inductor fuses what is around it and only needs each op's output
 shapes and dtypes, which `FAKES` compute from the op's contract (`registry.OP_SPECS`).
 
-Only the ops of the graphed decode step are listed; the others (prefill attention, batch-invariant GEMMs,
-FP8 linears) never run inside a compiled region.
+An op that writes into an argument (`Tensor(a!)` in its schema: `apply_rope_`) is recorded as mutating it
+(`mutates_args`), so the compiled graph orders its readers after the call. Only the ops of the graphed decode
+step are listed; the others (prefill attention, batch-invariant GEMMs, FP8 linears) never run inside a
+compiled region.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 SCHEMAS: dict[str, str] = {
     "rms_norm": "(Tensor x, Tensor? weight, float eps, ScalarType? out_dtype=None) -> Tensor",
     "apply_rope": "(Tensor x, Tensor cos, Tensor sin, bool inverse=False, ScalarType? out_dtype=None) -> Tensor",
+    "apply_rope_": "(Tensor(a!) x, Tensor cos, Tensor sin, bool inverse=False) -> ()",
     "hc_mixes": "(Tensor trunk, Tensor fn, Tensor base, Tensor scale, float hc_eps, float rms_eps, int iters) "
     "-> (Tensor, Tensor, Tensor)",
     "hc_read": "(Tensor trunk, Tensor weights, ScalarType? out_dtype=None) -> Tensor",
@@ -39,6 +42,10 @@ def _rms_norm(x, weight, eps, out_dtype=None):
 
 def _apply_rope(x, cos, sin, inverse=False, out_dtype=None):
     return x.new_empty(x.shape, dtype=out_dtype or x.dtype)
+
+
+def _apply_rope_(x, cos, sin, inverse=False):
+    return None  # (writes into x: no output)
 
 
 def _hc_mixes(trunk, fn, base, scale, hc_eps, rms_eps, iters):
@@ -84,6 +91,7 @@ def _engram_gate(trunk, k, v, qk, image, eps, act_dtype, out_dtype):
 FAKES = {
     "rms_norm": _rms_norm,
     "apply_rope": _apply_rope,
+    "apply_rope_": _apply_rope_,
     "hc_mixes": _hc_mixes,
     "hc_read": _hc_read,
     "hc_write": _hc_write,

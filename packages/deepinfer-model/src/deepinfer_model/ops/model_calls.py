@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .. import batch_invariant
+from ..layers.rope import in_place_problem
 from ..numerics import carrier, narrow_act
 from .registry import OpTable, get_ops
 
@@ -46,11 +47,28 @@ def rope(
     act_dtype: torch.dtype,
     inverse: bool = False,
     narrow: bool = False,
+    inplace: bool = False,
 ) -> torch.Tensor:
     """`round_to(apply_rope(x, cos, sin, inverse), act_dtype)` through the registry (`narrow`: the op's
-    act-dtype output as it is where `numerics.narrow_act(act_dtype)`)."""
-    y = ops_for(x).apply_rope(x, cos, sin, inverse, out_dtype=act_dtype)
+    act-dtype output as it is where `numerics.narrow_act(act_dtype)`).
+
+    `inplace`: the caller hands `x` over (a tensor of its own whose value it does not need after the call).
+    Where the result would be an `act_dtype` tensor and `x` already is one (native mode: `narrow` with BF16
+    activations, or FP32 activations), contiguous, the op `apply_rope_` rotates its last r channels in place
+    (only they are read and written, the same values) and `x` is returned; else as without it. Only where
+    the table serves `apply_rope_` from the backend that serves `apply_rope` (not the cpu reference standing
+    in for a missing kernel on a GPU: other arithmetic)."""
+    table = ops_for(x)
+    if inplace and x.dtype == act_dtype and (x.dtype == carrier() or narrow and narrow_act(act_dtype)):
+        if _serves_in_place(table) and in_place_problem(x, cos, sin) is None:
+            table.apply_rope_(x, cos, sin, inverse)
+            return x
+    y = table.apply_rope(x, cos, sin, inverse, out_dtype=act_dtype)
     return y if narrow and narrow_act(act_dtype) else _carry(y)
+
+
+def _serves_in_place(table: OpTable) -> bool:
+    return table.sources.get("apply_rope_") == table.sources.get("apply_rope")
 
 
 def hc_mixes(

@@ -29,6 +29,9 @@ OP_SPECS: dict[str, str] = {
     "FP32 statistics, one rounding",
     "apply_rope": "apply_rope(x [T, ..., C], cos [T, r/2], sin [T, r/2], inverse=False, out_dtype=None) "
     "-> out_dtype or x.dtype; interleaved pairs of the last r channels",
+    "apply_rope_": "apply_rope_(x [T, ..., C] contiguous FP32 | BF16, cos [T, r/2], sin [T, r/2], inverse=False) "
+    "-> None; x's last r channels replaced by apply_rope(x, cos, sin, inverse)'s (out_dtype = x.dtype) bit for "
+    "bit, only they read and written (ValueError for another x: `layers.rope.in_place_problem`)",
     "hc_mixes": "hc_mixes(trunk [T, m, H], fn [(2+m)m, mH], base, scale [3], hc_eps, rms_eps, iters) "
     "-> (pre [T, m], post [T, m], comb [T, m, m]) FP32; in batch-invariant mode each token's result depends "
     "on that token only",

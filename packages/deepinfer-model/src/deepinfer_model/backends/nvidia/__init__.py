@@ -4,6 +4,7 @@
 | --- | --- |
 | rms_norm | TileLang kernel (`tilelang_norm.py`) |
 | apply_rope | TileLang kernel (`tilelang_rope.py`) |
+| apply_rope_ | TileLang kernel rotating only the last r channels in place (`tilelang_rope.py`), registered only where TileLang serves it (not yet in `VERIFIED_TILELANG`: `DEEPINFER_TILELANG=all`); after a failure of it, or while `apply_rope` has fallen back to torch, `apply_rope` and a copy of the rotated tail (the same values). Unregistered, the model keeps the out-of-place op (`ops.model_calls.rope`) |
 | hc_mixes | the projection (cuBLAS FP32 GEMM; a 16-bit prefill trunk: Triton TF32-split kernel) + Triton row norm and epilogue (`triton_mhc.py`) in native mode; in exact / batch-invariant mode, or without Triton, the TileLang epilogue (`tilelang_mhc.py`) |
 | hc_read, hc_write | TileLang kernels (`tilelang_mhc.py`) |
 | fp8_block_linear | DeepGEMM `fp8_gemm_nt` if `deep_gemm` imports and `DEEPINFER_DEEP_GEMM` != 0, else dequantise + BF16 GEMM |
@@ -36,6 +37,7 @@ import os
 from collections.abc import Callable
 
 from ... import batch_invariant
+from ...layers.rope import in_place_problem
 from ...ops.registry import register
 from . import gemm, moe, torch_cuda
 
@@ -93,8 +95,9 @@ _TORCH = {
 
 # Kernels checked against the CPU reference on an H200 (their `gpu` tests and the tiny V4.1 with every
 # hot op on the GPU: logits rel. error 4.4e-7 in FP32, greedy tokens equal; run 2026-11-29, session 2).
-# DEEPINFER_TILELANG=all also enables kernels not yet checked there (none at present); 0 turns TileLang off.
-VERIFIED_TILELANG = ("rms_norm", "apply_rope", "hc_mixes", "hc_read", "hc_write")
+# DEEPINFER_TILELANG=all also enables kernels not yet checked there (apply_rope_, the in-place tail rotation:
+# its `gpu` tests in test_ops_nvidia.py have not run yet); 0 turns TileLang off.
+VERIFIED_TILELANG = ("rms_norm", "apply_rope", "hc_mixes", "hc_read", "hc_write", "apply_rope_")
 _TILELANG_MODE = os.environ.get("DEEPINFER_TILELANG", "1").strip().lower()
 if _TILELANG_MODE not in ("0", "1", "all"):
     raise ValueError(f"DEEPINFER_TILELANG must be 0, 1 or all, got {_TILELANG_MODE!r}")
@@ -109,6 +112,7 @@ if _has("tilelang") and _TILELANG_MODE != "0":
         "hc_mixes": tilelang_mhc.hc_mixes,
         "hc_read": tilelang_mhc.hc_read,
         "hc_write": tilelang_mhc.hc_write,
+        "apply_rope_": tilelang_rope.apply_rope_,
     }
     if _TILELANG_MODE != "all":
         _kernels = {k: v for k, v in _kernels.items() if k in VERIFIED_TILELANG}
@@ -137,13 +141,39 @@ for _name, _fn in _TORCH.items():
     _ROW_LOCAL[_name] = _kernel_or_torch(_name, _kernels[_name], _fn) if _name in _kernels else _fn
     register("nvidia", _name)(_ROW_LOCAL[_name])
 
+
+def _rope_tail_via_copy(x, cos, sin, inverse=False) -> None:
+    """`apply_rope_` as the registered `apply_rope` (whichever version serves it now) and a copy of its
+    rotated tail into `x`: that op's values, with the whole row's traffic."""
+    problem = in_place_problem(x, cos, sin)
+    if problem is not None:
+        raise ValueError(f"apply_rope_: {problem}")
+    tail = x.shape[-1] - 2 * cos.shape[-1]
+    x[..., tail:] = _ROW_LOCAL["apply_rope"](x, cos, sin, inverse, out_dtype=x.dtype)[..., tail:]
+
+
+# The in-place RoPE (`ops.model_calls.rope(inplace=True)`) must give `apply_rope`'s bits: its TileLang kernel
+# writes the rotation as `apply_rope`'s kernel does (`tilelang_rope.py`), so it is registered only with that
+# kernel, and stands aside while `apply_rope` runs its torch version (a compile failure: TILELANG_FALLBACKS).
+# Without it the cpu reference would serve the op: the model then keeps the out-of-place op.
+if "apply_rope_" in _kernels and "apply_rope" in _kernels:
+    _rope_tail = _kernel_or_torch("apply_rope_", _kernels["apply_rope_"], _rope_tail_via_copy)
+
+    def _apply_rope_(x, cos, sin, inverse=False) -> None:
+        if "apply_rope" in TILELANG_FALLBACKS:
+            return _rope_tail_via_copy(x, cos, sin, inverse)
+        return _rope_tail(x, cos, sin, inverse)
+
+    register("nvidia", "apply_rope_")(_apply_rope_)
+
 # In a compiled (inductor) decode step the ops named by DEEPINFER_COMPILE_TRACED_OPS are traced in their
 # torch versions, not called: fused with the casts and elementwise ops around them (a graph break per call
 # left ~200 single-cast kernels in the medium V4.1's batch-1 step on the H200). None by default: on the H200
 # tracing the norms and RoPE took that step from 933 to 846 kernels and 2.57 to 2.48 ms of kernel time, but its
 # graph replay was not faster within the run-to-run spread (2.96 ms untraced, 3.34 ms traced, different calls),
 # and the compile took twice as long; the mHC read / write became cuBLAS FP32 GEMV / GEMM calls, slower than
-# the TileLang kernels. Eager steps and batch-invariant mode (never compiled) call the kernels above.
+# the TileLang kernels. Eager steps and batch-invariant mode (never compiled) call the kernels above. A traced
+# apply_rope traces apply_rope_ too (its torch version: the same ops on the tail, the same values).
 TRACEABLE = ("rms_norm", "apply_rope", "hc_read", "hc_write")
 _TRACED_ENV = "DEEPINFER_COMPILE_TRACED_OPS"
 TRACED_IN_COMPILED = tuple(n.strip() for n in os.environ.get(_TRACED_ENV, "").split(",") if n.strip())
@@ -153,6 +183,8 @@ if set(TRACED_IN_COMPILED) - set(TRACEABLE):
     )
 for _name in TRACED_IN_COMPILED:
     register("nvidia", _name, traced=True)(_TORCH[_name])
+if "apply_rope" in TRACED_IN_COMPILED:
+    register("nvidia", "apply_rope_", traced=True)(torch_cuda.apply_rope_)
 
 if _has("deep_gemm") and os.environ.get("DEEPINFER_DEEP_GEMM", "1") != "0":
     register("nvidia", "fp8_block_linear")(gemm.fp8_block_linear_deep_gemm)

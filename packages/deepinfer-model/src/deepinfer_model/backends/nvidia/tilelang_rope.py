@@ -4,6 +4,13 @@ Rows are the flattened `[T, heads]` leading dims of `x` [T, ..., C]; row `r` use
 `r // heads`. The leading `C - 2*half` channels are copied (converted to the output dtype), the last
 `2*half` rotated pairwise: `(e, o) -> (e*cos - o*sin, e*sin + o*cos)` (`sin` negated for `inverse`).
 A kernel is compiled per (C, half, heads, dtypes); the row and token counts are dynamic.
+
+`apply_rope_` rotates the last `2*half` channels of a contiguous `x` in place (`rope_tail`): it reads and
+writes only them (a 512-channel BF16 query row with a 64-channel rope tail: 128 of its 1024 bytes, where
+`rope_rows` reads and writes all of them), `ROPE_TAIL_PAIRS` pairs of a block of rows per CTA. Its rotation
+is written exactly as `rope_rows`'s (same casts, products and operand order), so nvcc forms the same
+instructions from it and the two give the same bits: checked on the PTX NVRTC makes of both lowered kernels
+(sm_90a, CUDA 13.2: per pair `e*cos - o*sin` as mul, mul, sub and `e*sin + o*cos` as mul, fma).
 TileLang reads the kernel function's source, so this must stay a plain `.py` module.
 """
 
@@ -16,6 +23,8 @@ import functools
 import tilelang
 import tilelang.language as T
 import torch
+
+from ...layers.rope import in_place_problem
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
@@ -69,6 +78,48 @@ def _rope_program(channels: int, half: int, heads: int, in_dtype: str, out_dtype
     return rope_rows if lead > 0 else rope_rows_full
 
 
+# pairs one CTA (128 threads) rotates: several rows of the tail, so a CTA moves a useful amount of data
+ROPE_TAIL_PAIRS = 1024
+
+
+def _rows_per_cta(half: int) -> int:
+    """The power of two of rows nearest below ROPE_TAIL_PAIRS / half (at least 1)."""
+    return 1 << (max(1, ROPE_TAIL_PAIRS // half).bit_length() - 1)
+
+
+def _rope_tail_program(channels: int, half: int, heads: int, dtype: str):
+    rows, tokens = T.dynamic("rows"), T.dynamic("tokens")
+    lead = channels - 2 * half
+    block = _rows_per_cta(half)
+
+    @T.prim_func
+    def rope_tail(
+        x: T.Tensor((rows, channels), dtype),
+        cos: T.Tensor((tokens, half), "float32"),
+        sin: T.Tensor((tokens, half), "float32"),
+    ):
+        with T.Kernel(T.ceildiv(rows, block), threads=128) as bx:
+            for r, i in T.Parallel(block, half):
+                row = bx * block + r
+                if row < rows:
+                    # both values held before either is written (the rotation reads the pair it replaces)
+                    even = T.cast(x[row, lead + 2 * i], "float32")
+                    odd = T.cast(x[row, lead + 2 * i + 1], "float32")
+                    x[row, lead + 2 * i] = T.cast(
+                        even * cos[row // heads, i] - odd * sin[row // heads, i], dtype
+                    )
+                    x[row, lead + 2 * i + 1] = T.cast(
+                        even * sin[row // heads, i] + odd * cos[row // heads, i], dtype
+                    )
+
+    return rope_tail
+
+
+@functools.cache
+def _compiled_tail(channels: int, half: int, heads: int, dtype: str):
+    return tilelang.compile(_rope_tail_program(channels, half, heads, dtype), target="cuda")
+
+
 @functools.cache
 def _compiled(channels: int, half: int, heads: int, in_dtype: str, out_dtype: str):
     return tilelang.compile(_rope_program(channels, half, heads, in_dtype, out_dtype), target="cuda")
@@ -103,3 +154,17 @@ def apply_rope(
         sin = -sin if inverse else sin  # the conjugate rotation: exact negation, no second kernel
         kernel(flat, cos.float().contiguous(), sin.float().contiguous(), out)
     return out.view(x.shape)
+
+
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> None:
+    """TileLang RoPE of `x`'s last `2*half` channels in place (`x` contiguous BF16 or FP32): the values
+    `apply_rope(x, cos, sin, inverse)` gives there, the leading channels neither read nor written."""
+    problem = in_place_problem(x, cos, sin)
+    if problem is not None:
+        raise ValueError(f"apply_rope_: {problem}")
+    half, channels = cos.shape[-1], x.shape[-1]
+    if x.numel() and half:
+        heads = x[0].numel() // channels
+        kernel = _compiled_tail(channels, half, heads, _DTYPES[x.dtype])
+        sin = -sin if inverse else sin
+        kernel(x.view(-1, channels), cos.float().contiguous(), sin.float().contiguous())

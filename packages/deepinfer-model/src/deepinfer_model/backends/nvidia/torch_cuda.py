@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ...layers.rope import in_place_problem
+
 
 def _out(x: torch.Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
     """Output dtype: `out_dtype`, else `x`'s; FP64 inputs (the model's carrier) are read as FP32."""
@@ -36,18 +38,33 @@ def apply_rope(
     inverse: bool = False,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
+    out = x.to(_out(x, out_dtype), copy=True)
+    out[..., -2 * cos.shape[-1] :] = _rotated_tail(x, cos, sin, inverse, out.dtype)
+    return out
+
+
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> None:
+    """`apply_rope(x, ...)`'s last r channels written into `x` by the same torch ops (its values bit for bit):
+    what a compiled region traces for the op where it traces `apply_rope`."""
+    problem = in_place_problem(x, cos, sin)
+    if problem is not None:
+        raise ValueError(f"apply_rope_: {problem}")
+    if cos.shape[-1]:
+        x[..., x.shape[-1] - 2 * cos.shape[-1] :] = _rotated_tail(x, cos, sin, inverse, x.dtype)
+
+
+def _rotated_tail(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool, dtype: torch.dtype
+) -> torch.Tensor:
+    """The last r channels of `x` rotated in FP32, rounded once to `dtype` (a new tensor)."""
     half = cos.shape[-1]
     view = (x.shape[0],) + (1,) * (x.dim() - 2) + (half,)
     c, s = cos.float().reshape(view), sin.float().reshape(view)
     if inverse:
         s = -s
-    out = x.to(_out(x, out_dtype), copy=True)
     tail = x[..., -2 * half :].float()
     even, odd = tail[..., 0::2], tail[..., 1::2]
-    out[..., -2 * half :] = (
-        torch.stack((even * c - odd * s, even * s + odd * c), dim=-1).flatten(-2).to(out.dtype)
-    )
-    return out
+    return torch.stack((even * c - odd * s, even * s + odd * c), dim=-1).flatten(-2).to(dtype)
 
 
 def hc_mixes(
