@@ -8,11 +8,11 @@ baseline: `speedup_vs_torch` = its time over the row's. Every implementation is 
 CPU reference (relative error, FP64), so a fast wrong kernel shows up in the table.
 
     python benchmarks/gpu/bench_mhc_mixes.py [--tokens 1 8 64 4096 16384] [--hidden 4096]
-        [--project-tokens 16384] [--project-blocks 32 64 128] [--project-warps 4 8]
+        [--project-tokens 16384] [--project-configs 64x64x4 64x128x4 ...]
 writes benchmarks/results/bench_mhc_mixes.json (one flat record per implementation and token count).
 
 The prefill projection alone (`triton_mhc.project`: the 16-bit trunk times fn, FP32 result, and the row sums
-of squares) is swept over its launch (tokens per program, warps) at `--project-tokens`, against cuBLAS's FP32
+of squares) is swept over its launch (tokens per program, columns per chunk, warps) at `--project-tokens`, against cuBLAS's FP32
 GEMM on the widened trunk plus torch's sum of squares (the path it replaced) as the in-run baseline; its
 error is measured over every row against the FP64 product (impl `project/...`).
 """
@@ -82,11 +82,11 @@ def _project_sweep(args, fn_d: torch.Tensor, gen: torch.Generator) -> list[dict]
             return flat @ fn_d.t(), flat.square().sum(1)
 
         impls = {"torch": widened}
-        for block in args.project_blocks:
-            for warps in args.project_warps:
-                impls[f"project/t{block}w{warps}"] = lambda x=trunk, b=block, w=warps: triton_mhc.project(
-                    x, fn_d, block_t=b, num_warps=w
-                )
+        for cfg in args.project_configs:
+            block, chunk, warps = (int(v) for v in cfg.split("x"))
+            impls[f"project/t{block}k{chunk}w{warps}"] = lambda x=trunk, b=block, c=chunk, w=warps: (
+                triton_mhc.project(x, fn_d, block_t=b, num_warps=w, block_k=c)
+            )
         for name, impl in impls.items():
             z, ss = impl()
             err = max(
@@ -109,8 +109,12 @@ def main() -> None:
     ap.add_argument(
         "--project-tokens", type=int, nargs="*", default=[16384], help="the projection sweep's sizes"
     )
-    ap.add_argument("--project-blocks", type=int, nargs="+", default=[32, 64, 128], help="tokens per program")
-    ap.add_argument("--project-warps", type=int, nargs="+", default=[4, 8])
+    ap.add_argument(
+        "--project-configs",
+        nargs="+",
+        default=["64x64x4", "64x128x4", "64x128x8", "64x256x8", "128x128x8"],
+        help="TOKENSxCHUNKxWARPS launches of the projection kernel (tokens per program, columns per chunk)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "bench_mhc_mixes.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():

@@ -99,10 +99,14 @@ def tf32_parts(fn: torch.Tensor) -> torch.Tensor:
 
 
 def project(
-    trunk: torch.Tensor, fn: torch.Tensor, block_t: int = PROJECT_BLOCK_T, num_warps: int = 4
+    trunk: torch.Tensor,
+    fn: torch.Tensor,
+    block_t: int = PROJECT_BLOCK_T,
+    num_warps: int = 4,
+    block_k: int = PROJECT_BLOCK_K,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(z = flat(trunk) @ fn.T [T, N] FP32, sum of squares of each flat row [T] FP32) of a 16-bit trunk
-    (`block_t`, `num_warps`: the launch, for `bench_mhc_mixes.py`'s sweep)."""
+    (`block_t`, `num_warps`, `block_k`: the launch, for `bench_mhc_mixes.py`'s sweep)."""
     t = trunk.shape[0]
     flat = trunk.reshape(t, -1)
     flat = flat if flat.is_contiguous() else flat.contiguous()
@@ -112,7 +116,7 @@ def project(
     if t:
         _project_kernel[(-(-t // block_t),)](
             flat, derived_weight(fn, "tf32_parts", tf32_parts), z, ss, t, k, 1.0,
-            N=n, BLOCK_N=max(16, triton.next_power_of_2(n)), BLOCK_T=block_t, BLOCK_K=PROJECT_BLOCK_K,
+            N=n, BLOCK_N=max(16, triton.next_power_of_2(n)), BLOCK_T=block_t, BLOCK_K=block_k,
             num_warps=num_warps,
         )  # fmt: skip
     return z, ss
