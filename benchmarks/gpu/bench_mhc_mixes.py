@@ -88,7 +88,11 @@ def _project_sweep(args, fn_d: torch.Tensor, gen: torch.Generator) -> list[dict]
                 triton_mhc.project(x, fn_d, block_t=b, num_warps=w, block_k=c)
             )
         for name, impl in impls.items():
-            z, ss = impl()
+            try:
+                z, ss = impl()
+            except Exception as exc:  # noqa: BLE001 - a launch the card cannot take (shared memory) is skipped
+                print(f"{name}: {type(exc).__name__}: {str(exc)[:120]}")
+                continue
             err = max(
                 float((z.double() - z64).norm() / z64.norm()),
                 float((ss.double() - ss64).norm() / ss64.norm()),
@@ -112,7 +116,7 @@ def main() -> None:
     ap.add_argument(
         "--project-configs",
         nargs="+",
-        default=["64x64x4", "64x128x4", "64x128x8", "64x256x8", "128x128x8"],
+        default=["64x64x4", "64x128x4", "64x128x8", "128x128x8", "32x128x4"],
         help="TOKENSxCHUNKxWARPS launches of the projection kernel (tokens per program, columns per chunk)",
     )
     ap.add_argument("--out", type=Path, default=RESULTS / "bench_mhc_mixes.json")

@@ -40,7 +40,8 @@ def clamped_swiglu(
 
 
 def mlp(x: torch.Tensor, w: MLPWeights, limit: float, act_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Unweighted clamped SwiGLU MLP (the shared expert) -> [T, H] rounded to act_dtype."""
+    """Unweighted clamped SwiGLU MLP (the shared expert) -> [T, H] rounded to act_dtype (an act-dtype tensor
+    where `numerics.narrow_act`, else the carrier)."""
     if batch_invariant.enabled() and x.device.type == "cpu":
         bi = _bi_grouped((w.w1, w.w3), (w.w2,))
         if bi is not None:  # (the 2-D x of every caller; one group)
@@ -53,7 +54,8 @@ def mlp(x: torch.Tensor, w: MLPWeights, limit: float, act_dtype: torch.dtype = t
         # (the same values as widening both to FP32 and rounding h in the down projection, without the
         # three [T, I] FP32 tensors and their elementwise passes: ~4 ms of a 16k-token medium prefill)
         gate, up = linear(x, w.w1, act_dtype, narrow=True), linear(x, w.w3, act_dtype, narrow=True)
-        return linear(ops_for(gate).swiglu(gate, up, limit, act_dtype), w.w2, act_dtype)
+        # (the output too stays BF16: every caller adds it to an FP32 sum, which widens it exactly)
+        return linear(ops_for(gate).swiglu(gate, up, limit, act_dtype), w.w2, act_dtype, narrow=True)
     h = clamped_swiglu(linear(x, w.w1, act_dtype), linear(x, w.w3, act_dtype), limit)
     return linear(h, w.w2, act_dtype)
 

@@ -4,7 +4,7 @@
 | --- | --- |
 | rms_norm | TileLang kernel (`tilelang_norm.py`) |
 | apply_rope | TileLang kernel (`tilelang_rope.py`) |
-| apply_rope_ | TileLang kernel rotating only the last r channels in place (`tilelang_rope.py`), registered only where TileLang serves it (not yet in `VERIFIED_TILELANG`: `DEEPINFER_TILELANG=all`); after a failure of it, or while `apply_rope` has fallen back to torch, `apply_rope` and a copy of the rotated tail (the same values). Unregistered, the model keeps the out-of-place op (`ops.model_calls.rope`) |
+| apply_rope_ | TileLang kernel rotating only the last r channels in place (`tilelang_rope.py`; a rotation of every channel: `apply_rope`'s kernel, copied back), registered only where TileLang serves it; after a failure of it, or while `apply_rope` has fallen back to torch, `apply_rope` and a copy of the rotated tail (the same values). Unregistered, the model keeps the out-of-place op (`ops.model_calls.rope`) |
 | hc_mixes | the projection (cuBLAS FP32 GEMM; a 16-bit prefill trunk: Triton TF32-split kernel) + Triton row norm and epilogue (`triton_mhc.py`) in native mode; in exact / batch-invariant mode, or without Triton, the TileLang epilogue (`tilelang_mhc.py`) |
 | hc_read, hc_write | TileLang kernels (`tilelang_mhc.py`) |
 | fp8_block_linear | DeepGEMM `fp8_gemm_nt` if `deep_gemm` imports and `DEEPINFER_DEEP_GEMM` != 0, else dequantise + BF16 GEMM |
@@ -95,8 +95,10 @@ _TORCH = {
 
 # Kernels checked against the CPU reference on an H200 (their `gpu` tests and the tiny V4.1 with every
 # hot op on the GPU: logits rel. error 4.4e-7 in FP32, greedy tokens equal; run 2026-11-29, session 2).
-# DEEPINFER_TILELANG=all also enables kernels not yet checked there (apply_rope_, the in-place tail rotation:
-# its `gpu` tests in test_ops_nvidia.py have not run yet); 0 turns TileLang off.
+# apply_rope_ (the in-place tail rotation) ran its `gpu` tests on an H100 on 2026-12-06 (session 18): equal
+# bit for bit to `apply_rope`'s kernel for every partial rotation in BF16 and FP32; only a rotation of every
+# channel in FP32 differed in the last bit, and that case now runs `apply_rope`'s kernel (not re-run since).
+# DEEPINFER_TILELANG=all also enables kernels not yet checked on a GPU (none now); 0 turns TileLang off.
 VERIFIED_TILELANG = ("rms_norm", "apply_rope", "hc_mixes", "hc_read", "hc_write", "apply_rope_")
 _TILELANG_MODE = os.environ.get("DEEPINFER_TILELANG", "1").strip().lower()
 if _TILELANG_MODE not in ("0", "1", "all"):
