@@ -46,6 +46,7 @@ def _inputs() -> dict[str, tuple[tuple, dict]]:
             {},
         ),
         "swiglu": ((r(t, inter, dtype=torch.bfloat16), r(t, inter, dtype=torch.bfloat16), 1.5), {}),
+        "block_max": ((r(t, 37, dtype=torch.bfloat16), torch.rand(t, 37, generator=g) < 0.7, 16), {}),
         "engram_gate": (
             (trunk, r(t, m, h, dtype=torch.bfloat16), r(t, h, dtype=torch.bfloat16), r(m, h),
              torch.tensor([False, True, False]), 1e-6, torch.bfloat16, torch.bfloat16),

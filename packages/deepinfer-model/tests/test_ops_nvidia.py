@@ -448,6 +448,22 @@ def test_expert_swiglu_sum(gpu, cpu, t, k, e, inter, hidden, weight_before_down,
 
 
 @needs_triton
+@pytest.mark.parametrize("t,n,block", [(16384, 8192, 16), (7, 1500, 16), (3, 3000, 64)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_block_max(gpu, cpu, t, n, block, dtype):
+    """The candidate blocks' maxima and the rows' valid counts against the reference, bit for bit (a causal
+    prefix with holes; rows with nothing valid)."""
+    scores = (torch.randn(t, n) * 3).to(dtype)
+    valid = (torch.arange(n)[None, :] < torch.randint(0, n + 1, (t, 1))) & (torch.rand(t, n) < 0.9)
+    valid[0] = False
+    ref = cpu.block_max(scores, valid, block)
+    poison()
+    got = gpu.block_max(scores.to(DEV), valid.to(DEV), block)
+    for g, r in zip(got, ref, strict=True):
+        assert g.dtype == r.dtype and torch.equal(g.cpu(), r)
+
+
+@needs_triton
 @pytest.mark.parametrize("shape", [(16384, 2048), (3, 5, 1000), (1, 96)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_swiglu(gpu, cpu, shape, dtype):

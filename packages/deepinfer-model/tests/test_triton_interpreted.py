@@ -229,6 +229,23 @@ _SELECT = textwrap.dedent(
 )
 
 
+_BLOCKS = textwrap.dedent(
+    """
+    import json, sys, torch
+    from deepinfer_model.ops import get_ops
+    from deepinfer_model.backends.nvidia import triton_blocks
+    cpu, same = get_ops("cpu"), []
+    torch.manual_seed(0)
+    for t, n, block, dt in json.loads(sys.argv[1]):
+        scores = (torch.randn(t, n) * 3).to(getattr(torch, dt))
+        valid = (torch.arange(n)[None, :] < torch.randint(0, n + 1, (t, 1))) & (torch.rand(t, n) < 0.9)
+        got, ref = triton_blocks.block_max(scores, valid, block), cpu.block_max(scores, valid, block)
+        same.append(all(g.dtype == r.dtype and bool(torch.equal(g, r)) for g, r in zip(got, ref, strict=True)))
+    print(json.dumps(same))
+    """
+)
+
+
 _ENGRAM = textwrap.dedent(
     """
     import json, os, sys, torch
@@ -430,3 +447,16 @@ def test_engram_gate_kernel_matches_the_reference():
         assert err < (1e-4 if case[4] == "float16" else 1e-6), (case, err)
         assert unequal < (0.01 if case[4] == "float16" else 1.0), (case, unequal)
         assert same_image and native_op, (case, same_image, native_op)
+
+
+def test_block_max_kernel_is_the_reference():
+    # rows not a multiple of the program's, n not a multiple of the block nor of the column tile, blocks of
+    # 1 / 16 / 64, 16-bit and FP32 scores, rows with no valid entry (-inf blocks, count 0)
+    cases = [
+        [5, 1500, 16, "bfloat16"],
+        [3, 37, 16, "float16"],
+        [9, 2048, 16, "float32"],
+        [2, 3000, 64, "bfloat16"],
+    ]
+    cases.append([1, 5, 1, "bfloat16"])
+    assert _interpreted(_BLOCKS, json.dumps(cases)) == [True] * len(cases)

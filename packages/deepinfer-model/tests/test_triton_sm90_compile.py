@@ -135,3 +135,12 @@ def test_engram_gate_kernel(h, trunk, kv, out, round_to):
             f.flush()
             usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
         assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
+
+
+@pytest.mark.parametrize("scores,block", [("*bf16", 16), ("*fp32", 64)])
+def test_block_max_kernel(scores, block):
+    from deepinfer_model.backends.nvidia import triton_blocks as b
+
+    sig = {"s_ptr": scores, "v_ptr": "*u8", "max_ptr": scores, "count_ptr": "*i64"}
+    sig.update(T="i32", n="i32", nb="i32")
+    assert "cubin" in _compile(b._block_max_kernel, sig, {"BLOCK": block, "ROWS": b.ROWS, "COLS": b.COLS}).asm

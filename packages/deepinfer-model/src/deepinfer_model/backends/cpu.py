@@ -13,7 +13,7 @@ from .. import batch_invariant
 from ..layers import attention, mhc, norm, rope
 from ..layers.engram import engram_gate as _engram_gate
 from ..layers.experts import clamped_swiglu, grouped_swiglu, grouped_swiglu_sum, pair_tiled_products
-from ..layers.indexer import topk_indices_reference, topk_keys_reference
+from ..layers.indexer import block_max_reference, topk_indices_reference, topk_keys_reference
 from ..numerics import KERNEL_ROUNDINGS, linear, round_to, weight_as
 from ..ops.kv_format import store_fp8_tokens, unpack_fp8_tokens
 from ..ops.registry import register
@@ -177,6 +177,7 @@ expert_swiglu_sum = register("cpu", "expert_swiglu_sum")(grouped_swiglu_sum)
 
 topk_keys = register("cpu", "topk_keys")(topk_keys_reference)
 topk_indices = register("cpu", "topk_indices")(topk_indices_reference)
+block_max = register("cpu", "block_max")(block_max_reference)
 
 
 @register("cpu", "swiglu")

@@ -138,6 +138,26 @@ def topk_indices_reference(scores: torch.Tensor, valid: torch.Tensor, k: int) ->
     return _select_topk_keys(scores, valid, k)
 
 
+def block_max_reference(
+    scores: torch.Tensor, valid: torch.Tensor, block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `block_max` op's reference: (the max of each `block` consecutive entries' valid scores [T, nb] in
+    scores' dtype, -inf where a block has none; the valid entries per row [T] int64). A max is exact in any
+    float dtype, so the scores are read as they are."""
+    if block < 1:
+        raise ValueError(f"block_max: block must be >= 1, got {block}")
+    t, n = scores.shape
+    nb = -(-n // block)
+    pad = nb * block - n
+    if pad:  # one -inf-filled copy holds the padded row (not a masked copy, then a padded copy of that)
+        s = scores.new_full((t, nb * block), float("-inf"))
+        s[:, :n].copy_(scores)
+        s[:, :n].masked_fill_(~valid, float("-inf"))
+    else:
+        s = scores.masked_fill(~valid, float("-inf"))
+    return s.view(t, nb, block).amax(dim=-1), valid.sum(dim=1)
+
+
 def _select_topk_keys(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
     """`_select_topk` of 16-bit scores: the k largest unique keys (a radix select, no full-row sort), their
     indices from the keys' low bits, then a sort of only those <= k indices. No host sync (CUDA graphs)."""

@@ -31,6 +31,7 @@ SCHEMAS: dict[str, str] = {
     "expert_swiglu_sum": "(Tensor x, Tensor pairs, Tensor weights, Tensor w1, Tensor w3, Tensor w2, float limit, "
     "bool weight_before_down, Tensor? addend, ScalarType act_dtype, ScalarType out_dtype) -> Tensor",
     "swiglu": "(Tensor gate, Tensor up, float limit, ScalarType? out_dtype=None) -> Tensor",
+    "block_max": "(Tensor scores, Tensor valid, int block) -> (Tensor, Tensor)",
     "engram_gate": "(Tensor trunk, Tensor k, Tensor v, Tensor qk, Tensor image, float eps, ScalarType act_dtype, "
     "ScalarType out_dtype) -> Tensor",
 }
@@ -88,6 +89,11 @@ def _engram_gate(trunk, k, v, qk, image, eps, act_dtype, out_dtype):
     return trunk.new_empty(trunk.shape, dtype=out_dtype)
 
 
+def _block_max(scores, valid, block):
+    t, n = scores.shape
+    return scores.new_empty(t, -(-n // block)), scores.new_empty(t, dtype=torch.long)
+
+
 FAKES = {
     "rms_norm": _rms_norm,
     "apply_rope": _apply_rope,
@@ -99,5 +105,6 @@ FAKES = {
     "expert_swiglu": _expert_swiglu,
     "expert_swiglu_sum": _expert_swiglu_sum,
     "swiglu": _swiglu,
+    "block_max": _block_max,
     "engram_gate": _engram_gate,
 }

@@ -68,6 +68,9 @@ OP_SPECS: dict[str, str] = {
     "topk_indices": "topk_indices(scores [T, n] bf16 | fp16, valid [T, n] bool, k >= 1) -> int64 [T, k], n <= "
     "65536: per row the indices of the k largest topk_keys keys (the best valid scores, ties to the lower index, "
     "-0.0 == +0.0) that are valid, ascending, -1 padded (the indexer's top-k of 16-bit scores)",
+    "block_max": "block_max(scores [T, n] float, valid [T, n] bool, block >= 1) -> (max [T, ceil(n / block)] "
+    "scores.dtype: the max of each block of `block` consecutive entries over its valid ones, -inf where none is "
+    "valid; count [T] int64: the valid entries of each row) (the candidate blocks' scores)",
     "swiglu": "swiglu(gate [..., N], up [..., N] (gate's dtype: 16-bit or FP32), limit, out_dtype=None) -> "
     "out_dtype or gate.dtype = silu(min(gate, L)) * clamp(up, -L, L) in FP32, rounded once: the shared "
     "expert's activation where its projections stay in the act dtype (native mode)",

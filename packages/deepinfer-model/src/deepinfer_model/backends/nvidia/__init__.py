@@ -16,6 +16,7 @@
 | engram_gate | Triton kernel (`triton_engram.py`: one pass, one program per block of tokens, all streams) in native mode for 16-bit / FP32 operands and H <= `triton_engram.MAX_H`, else the reference |
 | index_scores | Triton kernel (`triton_index.py`; power-of-two heads and head dim) if `triton` imports and `DEEPINFER_TRITON` != 0, else the reference |
 | topk_indices | Triton radix select per row (`triton_select.py`) under the same condition, else the reference (torch top-k of the keys, then a sort) |
+| block_max | Triton kernel (`triton_blocks.py`; power-of-two blocks, 16-bit / FP32 scores) under the same condition, else the reference |
 | topk_keys | Triton kernel (`triton_keys.py`) if `triton` imports and `DEEPINFER_TRITON` != 0, else the reference's torch ops |
 | sparse_prefill_attention | FlashMLA's legacy SM90 sparse prefill (`attention.py`; 64 / 128 heads of 512) if `flash_mla` imports and `DEEPINFER_FLASH_MLA` != 0, else the reference |
 | sparse_decode_attention | torch FP32 gather + softmax with sink (FlashMLA's SM90 kernel rejects the V41 format) |
@@ -318,6 +319,18 @@ if _TRITON:
     register("nvidia", "topk_indices")(
         _kernel_or_torch("topk_indices", triton_select.topk_indices, _reference.topk_indices)
     )
+
+    # ... and the candidate blocks' scores (`models.deepseek_v41.sparse.candidate_blocks`): one pass
+    from . import triton_blocks
+
+    _blocks = _kernel_or_torch("block_max", triton_blocks.block_max, _reference.block_max)
+
+    def _block_max(scores, valid, block):
+        if triton_blocks.supports(scores, valid, block):
+            return _blocks(scores, valid, block)
+        return _reference.block_max(scores, valid, block)
+
+    register("nvidia", "block_max")(_block_max)
 
 # Native-mode prefill attention (`runtime.groups.attend`): FlashMLA for the head shapes it takes. The core
 # asks `supports(heads, dim)` first and keeps its own band path for the others; the reference (a gather)

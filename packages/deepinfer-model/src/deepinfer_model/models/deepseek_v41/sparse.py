@@ -46,20 +46,15 @@ def candidate_blocks(
     at 16k tokens); BF16 block scores stay BF16 (the BF16 max and +inf are BF16 values: `select_topk`'s
     16-bit path), others are widened to the carrier after the max (FP16 cannot hold the BF16 max clamp).
     """
-    t, n = scores.shape
-    nb = -(-n // block_size)
-    pad = nb * block_size - n
-    if pad:  # one -inf-filled copy holds the padded row (not a masked copy, then a padded copy of that)
-        s = scores.new_full((t, nb * block_size), float("-inf"))
-        s[:, :n].copy_(scores)
-        s[:, :n].masked_fill_(~valid, float("-inf"))
-    else:
-        s = scores.masked_fill(~valid, float("-inf"))
-    block_score = s.view(t, nb, block_size).amax(dim=-1)
+    nb = -(-scores.shape[1] // block_size)
+    # the blocks' max and each row's valid count in one pass over [T, n] (the registry's `block_max`: a
+    # Triton kernel on the GPU, where torch's masked copy, padding, max over 16-entry blocks and count took
+    # ~3.8 ms of a 16k-token medium prefill on an H100)
+    block_score, klen = model_calls.ops_for(scores).block_max(scores, valid, block_size)
     if block_score.dtype is not torch.bfloat16:
         block_score = block_score.to(carrier())
     block_score = block_score.clamp(max=_BF16_MAX)
-    klen = valid.sum(dim=1)  # valid entries are a prefix j < (p+1)//r
+    # (klen: valid entries are a prefix j < (p+1)//r)
     n_blocks = -(-klen // block_size)
     ids = torch.arange(nb, device=scores.device)[None, :]
     newest = ids == (n_blocks - 1)[:, None]
