@@ -65,14 +65,16 @@ def test_expert_combine_kernel(gather, weighted, y, round_to):
     assert "cubin" in _compile(m._combine_kernel, sig, consts).asm
 
 
-def test_mhc_projection_kernel_uses_the_tensor_cores():
+@pytest.mark.parametrize("trunk,parts", [("*bf16", "*bf16"), ("*fp16", "*fp32")])
+def test_mhc_projection_kernel_uses_the_tensor_cores(trunk, parts):
     from deepinfer_model.backends.nvidia import triton_mhc as h
 
-    sig = {"x_ptr": "*bf16", **_f32("f_ptr", "z_ptr", "ss_ptr"), "T": "i32", "K": "i32", "one": "fp32"}
+    sig = {"x_ptr": trunk, "f_ptr": parts, **_f32("z_ptr", "ss_ptr"), "T": "i32", "K": "i32", "one": "fp32"}
     consts = {"N": 24, "BLOCK_N": 32, "BLOCK_T": h.PROJECT_BLOCK_T, "BLOCK_K": h.PROJECT_BLOCK_K}
     compiled = _compile(h._project_kernel, sig, consts)
     ptx = compiled.asm["ptx"]
-    assert "mma" in ptx and ".tf32" in ptx  # TF32 tensor-core products (exact for these operands)
+    # tensor-core products, exact for these operands: BF16 x BF16 parts, or FP16 (as TF32) x TF32 parts
+    assert "mma" in ptx and (".bf16" if parts == "*bf16" else ".tf32") in ptx
     # each chunk's tensor-core sum starts from zero and is added to the running sum outside the dots (the
     # tensor cores truncate what they add: fed the running sum, the bias grows with K)
     ttgir = compiled.asm["ttgir"]

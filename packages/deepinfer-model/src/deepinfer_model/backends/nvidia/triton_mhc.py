@@ -11,7 +11,7 @@ A prefill's trunk, held in BF16 in native mode (`ShiftedHC`), is projected by `_
 cuBLAS: one pass over the 16-bit trunk gives the projection and each row's sum of squares (the GEMM read a
 widened FP32 copy, which had to be made first, and the row norm read it again: ~0.8 ms per call at 16k
 tokens of the medium V4.1 on the H200, 12 calls per step). Its products are exact on the tensor cores (a
-16-bit value times a TF32 part of fn), summed in FP32.
+BF16 trunk value times a BF16 part of fn, or an FP16 one times a TF32 part), summed in FP32 chunk by chunk.
 
 Numerics: FP32, the TileLang kernel's formulas (`pre = sigmoid(z * rstd * scale0 + base) + eps`,
 `post = 2 sigmoid(...)`, softmax then column / row normalisation with eps in every denominator, IEEE
@@ -42,7 +42,8 @@ PROJECT_BLOCK_K = 64  # trunk columns per chunk: the tensor cores' partial sum o
 @triton.jit
 def _project_kernel(
     x_ptr,  # [T, K] 16-bit flattened trunk
-    f_ptr,  # [3, N, K] FP32: fn as three parts that are exact TF32 values (fn = hi + mid + lo)
+    f_ptr,  # [3, N, K] fn as three parts, fn = hi + mid + lo exactly: BF16 parts (a BF16 trunk) or FP32
+    # parts that are exact TF32 values (an FP16 trunk)
     z_ptr,  # [T, N] FP32 out: x @ fn.T
     ss_ptr,  # [T] FP32 out: the row's sum of squares
     T,
@@ -53,7 +54,8 @@ def _project_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # A 16-bit value is an exact TF32 value and so is each part of fn: every tensor-core product is exact.
+    # A BF16 trunk meets fn's BF16 parts in BF16 products (half the bytes of fn and twice the TF32 rate); an
+    # FP16 value is an exact TF32 value and so is each TF32 part of fn: either way every product is exact.
     # Their sums are not: the tensor cores add a product to the accumulator by aligning it to the larger
     # exponent and dropping the bits below (truncation, not rounding). Fed the running sum of all of K, that
     # bias has one sign for the whole row and grows with K (relative error 8e-5 at K = 16k on the H200, an
@@ -70,14 +72,18 @@ def _project_kernel(
         kk = k0 + tl.arange(0, BLOCK_K)
         k_ok = kk < K
         x_off = rows.to(tl.int64)[:, None] * K + kk[None, :]
-        x = tl.load(x_ptr + x_off, mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        x16 = tl.load(x_ptr + x_off, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        x = x16.to(tl.float32)
         ss += tl.sum(x * x, 1)
         f_off = n[:, None] * K + kk[None, :]
         f_ok = n_ok[:, None] & k_ok[None, :]
         part = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
         for p in tl.static_range(3):  # lo, mid, then hi: the small parts first
             f = tl.load(f_ptr + (2 - p) * N * K + f_off, mask=f_ok, other=0.0)
-            part = tl.dot(x, tl.trans(f), part, input_precision="tf32")
+            if f_ptr.dtype.element_ty == tl.bfloat16:
+                part = tl.dot(x16, tl.trans(f), part)
+            else:
+                part = tl.dot(x, tl.trans(f), part, input_precision="tf32")
         acc += part * one
     tl.store(z_ptr + rows.to(tl.int64)[:, None] * N + n[None, :], acc, mask=r_ok[:, None] & n_ok[None, :])
     tl.store(ss_ptr + rows, ss, mask=r_ok)
@@ -98,6 +104,16 @@ def tf32_parts(fn: torch.Tensor) -> torch.Tensor:
     return torch.stack((hi, mid, rest - mid)).contiguous()
 
 
+def bf16_parts(fn: torch.Tensor) -> torch.Tensor:
+    """[3, N, K] BF16 (hi, mid, lo) with hi + mid + lo == fn exactly: each part is the rest rounded to BF16
+    (8 significant bits; the rest after a rounding is exact in FP32 and has at most 16, then 8, bits left)."""
+    f = fn.float()
+    hi = f.bfloat16()
+    rest = f - hi.float()
+    mid = rest.bfloat16()
+    return torch.stack((hi, mid, (rest - mid.float()).bfloat16())).contiguous()
+
+
 def project(
     trunk: torch.Tensor,
     fn: torch.Tensor,
@@ -113,9 +129,13 @@ def project(
     n, k = fn.shape
     z = torch.empty(t, n, dtype=torch.float32, device=trunk.device)
     ss = torch.empty(t, dtype=torch.float32, device=trunk.device)
+    if trunk.dtype == torch.bfloat16:
+        parts = derived_weight(fn, "bf16_parts", bf16_parts)
+    else:
+        parts = derived_weight(fn, "tf32_parts", tf32_parts)
     if t:
         _project_kernel[(-(-t // block_t),)](
-            flat, derived_weight(fn, "tf32_parts", tf32_parts), z, ss, t, k, 1.0,
+            flat, parts, z, ss, t, k, 1.0,
             N=n, BLOCK_N=max(16, triton.next_power_of_2(n)), BLOCK_T=block_t, BLOCK_K=block_k,
             num_warps=num_warps,
         )  # fmt: skip
