@@ -5,7 +5,8 @@ ascending, -1 padded. Paths: `sort` (`_select_topk_sorted`) sorts every whole ro
 (`_select_topk_keys`, the `topk_indices` op's reference) builds one unique int32 key per entry (score bits,
 then the reversed index), takes a top-k of those, then sorts only the <= k picks; `op` is `select_topk`
 itself (the registry's `topk_indices`: on CUDA the Triton radix select of `triton_select.py`, on the CPU the
-keys path), and `op/bBwW` that kernel at other launches (`--select-configs`).
+keys path), and `op/row...` / `op/bBwW` its register-resident / streamed kernels at other launches
+(`--select-configs`).
 
 Defaults are the medium V4.1 model's 16k-token native prefill (rows 16384, n 8192 and 16384, k 512,
 BF16, causal prefix masks); on the CPU the rows default to 512 so a run takes seconds.
@@ -35,7 +36,7 @@ RESULTS = Path(__file__).resolve().parents[1] / "results" / "bench_select_topk.j
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # sort: the old whole-row sort; keys: torch.topk of the keys + a sort of the picks (the `topk_indices` op's
 # reference); op: `select_topk` itself (the registry's `topk_indices`: on CUDA the Triton radix select);
-# op/bBwW: that kernel launched with B entries per step and W warps (`--select-configs`)
+# op/row[W]: the row-in-registers kernel (W warps); op/bBwW: the streamed kernel, B entries per step, W warps
 PATHS: dict[str, Callable] = {"sort": _select_topk_sorted, "keys": _select_topk_keys, "op": _select_topk}
 
 
@@ -69,10 +70,16 @@ def _bench(args: argparse.Namespace, n: int) -> list[dict]:
     if args.device == "cuda":
         from deepinfer_model.backends.nvidia import triton_select
 
-        for cfg in args.select_configs:
+        for cfg in args.select_configs:  # "row" / "rowW": the row in registers; "BxW": streamed in blocks
+            if cfg.startswith("row"):
+                warps = int(cfg[3:]) if cfg[3:] else None
+                paths[f"op/{cfg}"] = lambda s, v, k, w=warps: triton_select.topk_indices(
+                    s, v, k, resident=True, num_warps=w
+                )
+                continue
             block, warps = (int(v) for v in cfg.split("x"))
             paths[f"op/b{block}w{warps}"] = lambda s, v, k, b=block, w=warps: triton_select.topk_indices(
-                s, v, k, block=b, num_warps=w
+                s, v, k, resident=False, block=b, num_warps=w
             )
     for path, fn in paths.items():
         got = fn(scores, valid, args.k)
@@ -111,8 +118,9 @@ def main() -> None:
     p.add_argument(
         "--select-configs",
         nargs="*",
-        default=["1024x4", "2048x8", "4096x8", "4096x16"],
-        help="BLOCKxWARPS launches of the Triton select kernel to time (CUDA)",
+        default=["row", "row8", "row32", "2048x8", "4096x16"],
+        help="launches of the Triton select kernels to time (CUDA): row[WARPS] (the row in registers) or "
+        "BLOCKxWARPS (streamed in blocks)",
     )
     p.add_argument("--repeats", type=int, default=10, help="timed calls (median reported)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads on the CPU")

@@ -222,8 +222,10 @@ _SELECT = textwrap.dedent(
         scores = (pool[torch.randint(0, len(pool), (t, n))] + torch.randn(t, n) * (torch.rand(t, 1) < 0.5))
         scores = scores.to(getattr(torch, dt))
         valid = (torch.arange(n)[None, :] < torch.randint(0, n + 1, (t, 1))) & (torch.rand(t, n) < 0.9)
-        got = triton_select.topk_indices(scores, valid, k)
-        same.append(got.dtype == torch.long and bool(torch.equal(got, cpu.topk_indices(scores, valid, k))))
+        ref = cpu.topk_indices(scores, valid, k)
+        for resident in ((True, False) if n <= triton_select.ROW_MAX else (False,)):  # (the row in registers or not)
+            got = triton_select.topk_indices(scores, valid, k, resident=resident)
+            same.append(got.dtype == torch.long and bool(torch.equal(got, ref)))
     print(json.dumps(same))
     """
 )
@@ -424,8 +426,8 @@ def test_topk_indices_kernel_is_the_reference_selection():
         [2, 5000, 512, "bfloat16"],
         [2, 300, 1, "bfloat16"],
     ]
-    cases.append([1, 65536, 512, "bfloat16"])
-    assert _interpreted(_SELECT, json.dumps(cases)) == [True] * len(cases)
+    cases += [[1, 16384, 512, "bfloat16"], [1, 65536, 512, "bfloat16"]]
+    assert _interpreted(_SELECT, json.dumps(cases)) == [True] * (2 * len(cases) - 1)
 
 
 def test_engram_gate_kernel_matches_the_reference():

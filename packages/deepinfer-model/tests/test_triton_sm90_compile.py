@@ -98,11 +98,16 @@ def test_topk_keys_kernel():
     assert "cubin" in _compile(k._keys_kernel, sig, {"BLOCK": k.BLOCK}).asm
 
 
-def test_topk_indices_kernel():
+def test_topk_indices_kernels():
     from deepinfer_model.backends.nvidia import triton_select as s
 
     sig = {"bits_ptr": "*i16", "valid_ptr": "*u8", "out_ptr": "*i64", "n": "i32", "k": "i32"}
-    assert "cubin" in _compile(s._select_kernel, sig, {"BLOCK": s.BLOCK, "OUT_BLOCK": s.OUT_BLOCK}, 8).asm
+    assert (
+        "cubin" in _compile(s._select_kernel, dict(sig), {"BLOCK": s.BLOCK, "OUT_BLOCK": s.OUT_BLOCK}, 8).asm
+    )
+    for row, warps in ((s.ROW_MAX, 16), (1024, 4)):  # the row in registers: the launches topk_indices makes
+        consts = {"ROW": row, "OUT_BLOCK": s.OUT_BLOCK}
+        assert "cubin" in _compile(s._select_row_kernel, dict(sig), consts, warps).asm
 
 
 @pytest.mark.parametrize(

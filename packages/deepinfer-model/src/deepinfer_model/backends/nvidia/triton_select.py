@@ -2,8 +2,12 @@
 
 Why: `layers.indexer._select_topk_keys` ranks unique int32 keys with `torch.topk` (a multi-pass radix select
 over the whole [T, n] tensor) and then sorts the k picked indices: 7.8 + 1.4 ms of a 16k-token medium V4.1
-prefill step on the H200 (8 calls of [8192, 8-16k] with k = 512). Here one program owns a row: two
-histogram passes over the row's score keys (the high byte, then the low byte among the entries that share
+prefill step on the H200 (8 calls of [8192, 8-16k] with k = 512). Here one program owns a row. A row of at
+most `ROW_MAX` entries is held in registers (`_select_row_kernel`): a binary search over the 16-bit score key
+finds the k-th best score (16 compare-and-count steps over the registers), then one pass picks. A longer row
+is streamed (`_select_kernel`: 3.1 ms per [16384, 16384] call on an H100 against torch.topk + sort's 4.7,
+far from the row's bandwidth - presumably its histograms' atomics serialising on the few bins concentrated
+scores share; the register version is not measured yet): two histogram passes over the row's score keys (the high byte, then the low byte among the entries that share
 the chosen high byte) find the k-th best score exactly; a last pass picks every entry above it and, of those
 equal to it, the first ones in index order (the reference's keys break ties by the lower index), and writes
 the picks in index order (a running prefix count gives each its slot): ascending without a sort. The row
@@ -20,6 +24,7 @@ import triton.language as tl
 
 BLOCK = 2048  # entries per step of each pass
 OUT_BLOCK = 512  # output slots per step of the padding loop
+ROW_MAX = 16384  # rows up to this many entries are held in registers (`_select_row_kernel`)
 
 
 @triton.jit
@@ -76,10 +81,41 @@ def _select_kernel(bits_ptr, valid_ptr, out_ptr, n, k, BLOCK: tl.constexpr, OUT_
         tl.store(out_ptr + row * k + p, tl.full([OUT_BLOCK], -1, tl.int64), mask=(p >= count) & (p < k))
 
 
+@triton.jit
+def _select_row_kernel(bits_ptr, valid_ptr, out_ptr, n, k, ROW: tl.constexpr, OUT_BLOCK: tl.constexpr):
+    # The whole row held in registers (n <= ROW): the k-th best score key by a binary search over its 16 bits
+    # (each step one compare and one sum over the row, no histogram atomics, which serialise on the few bins
+    # that concentrated scores share), then one pass that picks in index order.
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, ROW)
+    ok = j < n
+    u, valid = _row_keys(bits_ptr, valid_ptr, row * n, j, ok)
+    need = tl.minimum(k, n)
+    best = tl.full([], 0, tl.int32)  # the largest key t with at least `need` keys >= t
+    for b in tl.static_range(16):
+        trial = best | (1 << (15 - b))
+        best = tl.where(tl.sum((u >= trial).to(tl.int32)) >= need, trial, best)
+    need -= tl.sum((u > best).to(tl.int32))  # of the keys equal to `best`, the first `need` in index order
+    equal = (ok & (u == best)).to(tl.int32)
+    picked = (ok & valid & ((u > best) | ((equal != 0) & (tl.cumsum(equal, 0) <= need)))).to(tl.int32)
+    tl.store(out_ptr + row * k + tl.cumsum(picked, 0) - 1, j.to(tl.int64), mask=picked != 0)
+    count = tl.sum(picked)
+    for c in range(0, k, OUT_BLOCK):
+        p = c + tl.arange(0, OUT_BLOCK)
+        tl.store(out_ptr + row * k + p, tl.full([OUT_BLOCK], -1, tl.int64), mask=(p >= count) & (p < k))
+
+
 def topk_indices(
-    scores: torch.Tensor, valid: torch.Tensor, k: int, block: int = BLOCK, num_warps: int = 8
+    scores: torch.Tensor,
+    valid: torch.Tensor,
+    k: int,
+    resident: bool | None = None,
+    block: int = BLOCK,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
-    """The registry's `topk_indices` contract (`block`, `num_warps`: the launch, for `bench_select_topk.py`)."""
+    """The registry's `topk_indices` contract. Rows of at most `ROW_MAX` entries are held in registers
+    (`_select_row_kernel`), longer ones streamed in blocks (`_select_kernel`); `resident`, `block` and
+    `num_warps` force a launch (for `bench_select_topk.py`)."""
     t, n = scores.shape
     if scores.dtype not in (torch.bfloat16, torch.float16) or valid.dtype != torch.bool or n > 1 << 16:
         raise ValueError(
@@ -89,18 +125,17 @@ def topk_indices(
     if k < 1:
         raise ValueError(f"topk_indices: k must be >= 1, got {k}")
     out = torch.empty(t, k, dtype=torch.long, device=scores.device)
-    if t and n:
-        bits = scores.contiguous().view(torch.int16)
+    if not (t and n):
+        return out.fill_(-1)
+    bits, flags = scores.contiguous().view(torch.int16), valid.contiguous().view(torch.uint8)
+    if resident if resident is not None else n <= ROW_MAX:
+        row = max(16, triton.next_power_of_2(n))
+        # 16 entries per thread, at most 16 warps (SM90: a 16k row at 128 registers and a 24-byte stack; 32
+        # warps cap the registers at 64 and spill 208 bytes)
+        warps = num_warps or max(4, min(16, row // 512))
+        _select_row_kernel[(t,)](bits, flags, out, n, k, ROW=row, OUT_BLOCK=OUT_BLOCK, num_warps=warps)
+    else:
         _select_kernel[(t,)](
-            bits,
-            valid.contiguous().view(torch.uint8),
-            out,
-            n,
-            k,
-            BLOCK=BLOCK,
-            OUT_BLOCK=OUT_BLOCK,
-            num_warps=8,
+            bits, flags, out, n, k, BLOCK=block, OUT_BLOCK=OUT_BLOCK, num_warps=num_warps or 8
         )
-    elif t:
-        out.fill_(-1)
     return out
