@@ -30,6 +30,8 @@ def _inputs() -> dict[str, tuple[tuple, dict]]:
         "apply_rope_": ((r(t, 2, 64, dtype=torch.bfloat16), r(t, 16), r(t, 16), True), {}),
         "hc_mixes": ((trunk, r((2 + m) * m, m * h) * 0.1, r((2 + m) * m), torch.rand(3, generator=g), 1e-6, 1e-6, 3), {}),
         "hc_read": ((trunk, torch.rand(t, m, generator=g)), {"out_dtype": torch.bfloat16}),
+        "hc_mixes_read": ((trunk, r((2 + m) * m, m * h) * 0.1, r((2 + m) * m), torch.rand(3, generator=g), 1e-6, 1e-6, 3,
+                           torch.rand(t, m, generator=g), torch.bfloat16), {}),
         "hc_write": ((r(t, h), trunk.float(), torch.rand(t, m, generator=g), torch.rand(t, m, m, generator=g)), {}),
         "index_scores": ((r(2, t, 4, 16, dtype=torch.bfloat16), r(2, 5, 16, dtype=torch.bfloat16), r(2, t, 4)),
                          {"limit": torch.tensor([[0, 2, 5], [1, 7, 3]]), "out_dtype": torch.bfloat16}),

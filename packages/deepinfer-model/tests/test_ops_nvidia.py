@@ -364,6 +364,25 @@ def test_triton_mhc_mixes_kernel(cpu, t, m, h, iters):
 
 
 @needs_triton
+@pytest.mark.parametrize("t,m,h", [(16384, 4, 4096), (700, 3, 96), (5, 4, 4096)])
+@pytest.mark.parametrize("read_dtype", [torch.bfloat16, torch.float32])
+def test_hc_mixes_read(gpu, cpu, t, m, h, read_dtype):
+    """A sub-layer's mixes and its input under the previous pre mix (one pass over a prefill's BF16 trunk;
+    the two ops for a decode's few tokens) against the CPU reference."""
+    trunk = (torch.randn(t, m, h) * 2).to(torch.bfloat16)
+    fn = torch.randn((2 + m) * m, m * h) * (m * h) ** -0.5
+    base, scale, w = torch.randn((2 + m) * m) * 0.1, torch.rand(3) + 0.5, torch.rand(t, m)
+    refs = cpu.hc_mixes_read(trunk, fn, base, scale, 1e-6, 1e-6, 20, w, read_dtype)
+    poison()
+    dev = [a.to(DEV) for a in (trunk, fn, base, scale)]
+    outs = gpu.hc_mixes_read(*dev, 1e-6, 1e-6, 20, w.to(DEV), read_dtype)
+    for o, r in zip(outs[:3], refs[:3], strict=True):
+        assert o.dtype == torch.float32 and o.shape == r.shape and rel_err(o, r) < 1e-5
+    assert outs[3].dtype == read_dtype and outs[3].shape == (t, h)
+    assert rel_err(outs[3], refs[3]) < tol(read_dtype)
+
+
+@needs_triton
 @pytest.mark.parametrize("t,m,h", [(512, 4, 4096), (16384, 4, 4096), (700, 3, 96)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_triton_mhc_projection_is_an_fp32_projection(t, m, h, dtype):

@@ -319,6 +319,15 @@ _PROJECT = textwrap.dedent(
         triton_mhc.PROJECT_MIN_TOKENS = 1  # the projection kernel's path of the op
         outs = triton_mhc.hc_mixes(trunk, fn, base, scale, 1e-6, 1e-6, 20)
         mix_err = max(float((o.double() - r.double()).norm() / r.double().norm()) for o, r in zip(outs, refs))
+        # the sub-layer's read from the same pass (`hc_mixes_read`) into FP32 against the reference, and into
+        # the trunk's dtype: the same sums rounded once more (the reference takes no FP16 output)
+        w = torch.rand(t, m)
+        got = triton_mhc.hc_mixes_read(trunk, fn, base, scale, 1e-6, 1e-6, 20, w, torch.float32)
+        want = cpu.hc_mixes_read(trunk, fn, base, scale, 1e-6, 1e-6, 20, w, torch.float32)
+        assert got[3].dtype == torch.float32 and got[3].shape == (t, h)
+        mix_err = max(mix_err, *(float((o.double() - r.double()).norm() / r.double().norm()) for o, r in zip(got, want)))
+        narrow = triton_mhc.hc_mixes_read(trunk, fn, base, scale, 1e-6, 1e-6, 20, w, trunk.dtype)[3]
+        assert narrow.dtype == trunk.dtype and torch.equal(narrow, got[3].to(trunk.dtype))
         out.append([exact_parts, z_err, ss_err, mix_err])
     print(json.dumps(out))
     """

@@ -69,8 +69,16 @@ def test_expert_combine_kernel(gather, weighted, y, round_to):
 def test_mhc_projection_kernel_uses_the_tensor_cores(trunk, parts):
     from deepinfer_model.backends.nvidia import triton_mhc as h
 
-    sig = {"x_ptr": trunk, "f_ptr": parts, **_f32("z_ptr", "ss_ptr"), "T": "i32", "K": "i32", "one": "fp32"}
-    consts = {"N": 24, "BLOCK_N": 32, "BLOCK_T": h.PROJECT_BLOCK_T, "BLOCK_K": h.PROJECT_BLOCK_K}
+    sig = {"x_ptr": trunk, "f_ptr": parts, **_f32("z_ptr", "ss_ptr", "w_ptr"), "r_ptr": trunk}
+    sig.update(T="i32", H="i32", one="fp32")
+    consts = {
+        "M": 4,
+        "READ": True,
+        "N": 24,
+        "BLOCK_N": 32,
+        "BLOCK_T": h.PROJECT_BLOCK_T,
+        "BLOCK_K": h.PROJECT_BLOCK_K,
+    }
     compiled = _compile(h._project_kernel, sig, consts)
     ptx = compiled.asm["ptx"]
     # tensor-core products, exact for these operands: BF16 x BF16 parts, or FP16 (as TF32) x TF32 parts

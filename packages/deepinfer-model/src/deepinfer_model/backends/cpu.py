@@ -84,6 +84,24 @@ def hc_read(trunk: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype |
     return mhc.read(trunk, weights, out).to(out)
 
 
+@register("cpu", "hc_mixes_read")
+def hc_mixes_read(
+    trunk: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    hc_eps: float,
+    rms_eps: float,
+    iters: int,
+    read_weights: torch.Tensor,
+    read_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (
+        *hc_mixes(trunk, fn, base, scale, hc_eps, rms_eps, iters),
+        hc_read(trunk, read_weights, read_dtype),
+    )
+
+
 @register("cpu", "hc_write")
 def hc_write(
     y: torch.Tensor,

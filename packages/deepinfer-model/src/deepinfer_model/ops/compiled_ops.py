@@ -23,6 +23,8 @@ SCHEMAS: dict[str, str] = {
     "hc_mixes": "(Tensor trunk, Tensor fn, Tensor base, Tensor scale, float hc_eps, float rms_eps, int iters) "
     "-> (Tensor, Tensor, Tensor)",
     "hc_read": "(Tensor trunk, Tensor weights, ScalarType? out_dtype=None) -> Tensor",
+    "hc_mixes_read": "(Tensor trunk, Tensor fn, Tensor base, Tensor scale, float hc_eps, float rms_eps, int iters, "
+    "Tensor read_weights, ScalarType read_dtype) -> (Tensor, Tensor, Tensor, Tensor)",
     "hc_write": "(Tensor y, Tensor trunk, Tensor post, Tensor comb, ScalarType? out_dtype=None) -> Tensor",
     "index_scores": "(Tensor q, Tensor keys, Tensor weights, Tensor? limit=None, ScalarType? out_dtype=None) "
     "-> Tensor",
@@ -94,12 +96,19 @@ def _block_max(scores, valid, block):
     return scores.new_empty(t, -(-n // block)), scores.new_empty(t, dtype=torch.long)
 
 
+def _hc_mixes_read(trunk, fn, base, scale, hc_eps, rms_eps, iters, read_weights, read_dtype):
+    t, m, h = trunk.shape
+    read = trunk.new_empty(t, h, dtype=read_dtype)
+    return (*_hc_mixes(trunk, fn, base, scale, hc_eps, rms_eps, iters), read)
+
+
 FAKES = {
     "rms_norm": _rms_norm,
     "apply_rope": _apply_rope,
     "apply_rope_": _apply_rope_,
     "hc_mixes": _hc_mixes,
     "hc_read": _hc_read,
+    "hc_mixes_read": _hc_mixes_read,
     "hc_write": _hc_write,
     "index_scores": _index_scores,
     "expert_swiglu": _expert_swiglu,

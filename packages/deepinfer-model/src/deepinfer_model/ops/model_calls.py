@@ -82,6 +82,26 @@ def hc_mixes(
     return pre.to(carrier()), post.to(carrier()), comb.to(carrier())
 
 
+def hc_mixes_read(
+    trunk: torch.Tensor,
+    params,
+    hc_eps: float,
+    rms_eps: float,
+    iters: int,
+    read_weights: torch.Tensor,
+    act_dtype: torch.dtype,
+    narrow: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`hc_mixes(trunk, params, ...)` and `hc_read(trunk, read_weights, act_dtype, narrow)` as one registry op
+    (one pass over the trunk where the backend can)."""
+    table = ops_for(trunk)
+    pre, post, comb, y = table.hc_mixes_read(
+        trunk, params.fn, params.base, params.scale, hc_eps, rms_eps, iters, read_weights, act_dtype
+    )
+    y = y if narrow and narrow_act(act_dtype) else _carry(y)
+    return pre.to(carrier()), post.to(carrier()), comb.to(carrier()), y
+
+
 def hc_read(
     trunk: torch.Tensor, weights: torch.Tensor, act_dtype: torch.dtype, narrow: bool = False
 ) -> torch.Tensor:

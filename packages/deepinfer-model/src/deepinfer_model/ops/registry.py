@@ -35,6 +35,10 @@ OP_SPECS: dict[str, str] = {
     "hc_mixes": "hc_mixes(trunk [T, m, H], fn [(2+m)m, mH], base, scale [3], hc_eps, rms_eps, iters) "
     "-> (pre [T, m], post [T, m], comb [T, m, m]) FP32; in batch-invariant mode each token's result depends "
     "on that token only",
+    "hc_mixes_read": "hc_mixes_read(trunk [T, m, H], fn, base, scale, hc_eps, rms_eps, iters, read_weights [T, m], "
+    "read_dtype) -> (pre, post, comb) = hc_mixes(trunk, fn, base, scale, hc_eps, rms_eps, iters) and read [T, H] "
+    "= hc_read(trunk, read_weights, read_dtype): a sub-layer's mixes and its input under the previous pre mix, "
+    "from one pass over the trunk where the backend can",
     "hc_read": "hc_read(trunk [T, m, H], weights [T, m], out_dtype=None) -> [T, H] out_dtype or trunk.dtype",
     "hc_write": "hc_write(y [T, H], trunk [T, m, H], post [T, m], comb [T, m, m], out_dtype=None) "
     "-> [T, m, H] out_dtype or trunk.dtype",

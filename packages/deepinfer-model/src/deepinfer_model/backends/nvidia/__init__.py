@@ -6,6 +6,7 @@
 | apply_rope | TileLang kernel (`tilelang_rope.py`) |
 | apply_rope_ | TileLang kernel rotating only the last r channels in place (`tilelang_rope.py`; a rotation of every channel: `apply_rope`'s kernel, copied back), registered only where TileLang serves it; after a failure of it, or while `apply_rope` has fallen back to torch, `apply_rope` and a copy of the rotated tail (the same values). Unregistered, the model keeps the out-of-place op (`ops.model_calls.rope`) |
 | hc_mixes | the projection (cuBLAS FP32 GEMM; a 16-bit prefill trunk: Triton TF32-split kernel) + Triton row norm and epilogue (`triton_mhc.py`) in native mode; in exact / batch-invariant mode, or without Triton, the TileLang epilogue (`tilelang_mhc.py`) |
+| hc_mixes_read | a 16-bit prefill trunk in native mode: the Triton projection kernel also reading the sub-layer input (`triton_mhc.hc_mixes_read`, one pass over the trunk); else `hc_mixes` and `hc_read` as registered |
 | hc_read, hc_write | TileLang kernels (`tilelang_mhc.py`) |
 | fp8_block_linear | DeepGEMM `fp8_gemm_nt` if `deep_gemm` imports and `DEEPINFER_DEEP_GEMM` != 0, else dequantise + BF16 GEMM |
 | grouped_expert_mlp | DeepGEMM `m_grouped_fp8_gemm_nt_contiguous` (same condition), else per-expert dequantised BF16 GEMMs (`moe.py`) |
@@ -229,6 +230,22 @@ if _TRITON:
         return (_fast_mixes if numerics.native() else _row_local_mixes)(*args, **kwargs)
 
     register("nvidia", "hc_mixes")(_hc_mixes)
+
+    # ... and with the sub-layer's read (`ShiftedHC.sublayer`): a prefill's 16-bit trunk projected and read
+    # in one pass (`triton_mhc.hc_mixes_read`); otherwise the two ops as registered here
+    def _composed_mixes_read(trunk, fn, base, scale, hc_eps, rms_eps, iters, read_weights, read_dtype):
+        mixes = _hc_mixes(trunk, fn, base, scale, hc_eps, rms_eps, iters)
+        return (*mixes, _ROW_LOCAL["hc_read"](trunk, read_weights, read_dtype))
+
+    _fused_mixes_read = _kernel_or_torch("hc_mixes_read", triton_mhc.hc_mixes_read, _composed_mixes_read)
+
+    def _hc_mixes_read(trunk, fn, base, scale, hc_eps, rms_eps, iters, read_weights, read_dtype):
+        args = (trunk, fn, base, scale, hc_eps, rms_eps, iters, read_weights, read_dtype)
+        if numerics.native() and not batch_invariant.enabled() and triton_mhc.fuses_read(trunk, read_dtype):
+            return _fused_mixes_read(*args)
+        return _composed_mixes_read(*args)
+
+    register("nvidia", "hc_mixes_read")(_hc_mixes_read)
 
 # Native mode's routed experts (`layers.experts.grouped_swiglu`): up to `triton_moe.MAX_PAIRS` (token, slot)
 # pairs, as in a decode step, two Triton kernels over the expert-sorted pairs (`triton_moe.py`); more pairs

@@ -46,9 +46,13 @@ def _project_kernel(
     # parts that are exact TF32 values (an FP16 trunk)
     z_ptr,  # [T, N] FP32 out: x @ fn.T
     ss_ptr,  # [T] FP32 out: the row's sum of squares
+    w_ptr,  # [T, M] FP32 read weights (READ)
+    r_ptr,  # [T, H] out (READ): sum_i w[t, i] * trunk[t, i] in FP32, rounded once to its dtype
     T,
-    K,
+    H,
     one,  # 1.0 at run time (see the chunk sum below)
+    M: tl.constexpr,  # streams: the flat row is M * H long, stream i at columns i * H ..
+    READ: tl.constexpr,
     N: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -62,29 +66,40 @@ def _project_kernel(
     # FP32 GEMM's is ~1e-7). So each chunk of BLOCK_K columns is summed from zero on the tensor cores (its
     # small bias has the chunk's own sign) and added to the running sum in rounded FP32 on the CUDA cores.
     # The product by `one`, a run-time value, keeps the compiler from folding that add back into the dot.
+    # Columns go stream by stream within each block of H, so the read of the same trunk (READ: the sub-layer
+    # input under the previous pre mix) is summed over the streams from the values already loaded.
+    K = M * H
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     r_ok = rows < T
     n = tl.arange(0, BLOCK_N)
     n_ok = n < N
     acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     ss = tl.zeros([BLOCK_T], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = kk < K
-        x_off = rows.to(tl.int64)[:, None] * K + kk[None, :]
-        x16 = tl.load(x_ptr + x_off, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-        x = x16.to(tl.float32)
-        ss += tl.sum(x * x, 1)
-        f_off = n[:, None] * K + kk[None, :]
-        f_ok = n_ok[:, None] & k_ok[None, :]
-        part = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
-        for p in tl.static_range(3):  # lo, mid, then hi: the small parts first
-            f = tl.load(f_ptr + (2 - p) * N * K + f_off, mask=f_ok, other=0.0)
-            if f_ptr.dtype.element_ty == tl.bfloat16:
-                part = tl.dot(x16, tl.trans(f), part)
-            else:
-                part = tl.dot(x, tl.trans(f), part, input_precision="tf32")
-        acc += part * one
+    for h0 in range(0, H, BLOCK_K):
+        hh = h0 + tl.arange(0, BLOCK_K)
+        h_ok = hh < H
+        read = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
+        for i in tl.static_range(M):
+            kk = i * H + hh
+            x_off = rows.to(tl.int64)[:, None] * K + kk[None, :]
+            x16 = tl.load(x_ptr + x_off, mask=r_ok[:, None] & h_ok[None, :], other=0.0)
+            x = x16.to(tl.float32)
+            ss += tl.sum(x * x, 1)
+            if READ:
+                read += tl.load(w_ptr + rows * M + i, mask=r_ok, other=0.0)[:, None] * x
+            f_off = n[:, None] * K + kk[None, :]
+            f_ok = n_ok[:, None] & h_ok[None, :]
+            part = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+            for p in tl.static_range(3):  # lo, mid, then hi: the small parts first
+                f = tl.load(f_ptr + (2 - p) * N * K + f_off, mask=f_ok, other=0.0)
+                if f_ptr.dtype.element_ty == tl.bfloat16:
+                    part = tl.dot(x16, tl.trans(f), part)
+                else:
+                    part = tl.dot(x, tl.trans(f), part, input_precision="tf32")
+            acc += part * one
+        if READ:
+            r_off = rows.to(tl.int64)[:, None] * H + hh[None, :]
+            tl.store(r_ptr + r_off, read.to(r_ptr.dtype.element_ty), mask=r_ok[:, None] & h_ok[None, :])
     tl.store(z_ptr + rows.to(tl.int64)[:, None] * N + n[None, :], acc, mask=r_ok[:, None] & n_ok[None, :])
     tl.store(ss_ptr + rows, ss, mask=r_ok)
 
@@ -120,26 +135,43 @@ def project(
     block_t: int = PROJECT_BLOCK_T,
     num_warps: int = 4,
     block_k: int = PROJECT_BLOCK_K,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    read_weights: torch.Tensor | None = None,
+    read_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(z = flat(trunk) @ fn.T [T, N] FP32, sum of squares of each flat row [T] FP32) of a 16-bit trunk
-    (`block_t`, `num_warps`, `block_k`: the launch, for `bench_mhc_mixes.py`'s sweep)."""
-    t = trunk.shape[0]
-    flat = trunk.reshape(t, -1)
-    flat = flat if flat.is_contiguous() else flat.contiguous()
-    n, k = fn.shape
+    [T, m, H]; with `read_weights` [T, m] also the read `sum_i w[:, i] * trunk[:, i]` [T, H] in FP32 rounded
+    once to `read_dtype` (16-bit or FP32), from the same pass (`block_t`, `num_warps`, `block_k`: the launch,
+    for `bench_mhc_mixes.py`'s sweep)."""
+    t, m, h = trunk.shape
+    flat = trunk if trunk.is_contiguous() else trunk.contiguous()
+    n = fn.shape[0]
     z = torch.empty(t, n, dtype=torch.float32, device=trunk.device)
     ss = torch.empty(t, dtype=torch.float32, device=trunk.device)
+    reading = read_weights is not None
+    read = torch.empty(t, h, dtype=read_dtype or trunk.dtype, device=trunk.device) if reading else ss
+    weights = read_weights.float().contiguous() if reading else ss
     if trunk.dtype == torch.bfloat16:
         parts = derived_weight(fn, "bf16_parts", bf16_parts)
     else:
         parts = derived_weight(fn, "tf32_parts", tf32_parts)
     if t:
         _project_kernel[(-(-t // block_t),)](
-            flat, parts, z, ss, t, k, 1.0,
-            N=n, BLOCK_N=max(16, triton.next_power_of_2(n)), BLOCK_T=block_t, BLOCK_K=block_k,
-            num_warps=num_warps,
+            flat, parts, z, ss, weights, read, t, h, 1.0,
+            M=m, READ=reading, N=n, BLOCK_N=max(16, triton.next_power_of_2(n)), BLOCK_T=block_t,
+            BLOCK_K=block_k, num_warps=num_warps,
         )  # fmt: skip
-    return z, ss
+    return (z, ss, read) if reading else (z, ss)
+
+
+def fuses_read(trunk: torch.Tensor, read_dtype: torch.dtype) -> bool:
+    """Whether `hc_mixes_read` projects and reads `trunk` in one pass: a 16-bit prefill trunk (at least
+    `PROJECT_MIN_TOKENS` tokens) read into a 16-bit or FP32 output."""
+    return (
+        trunk.dtype in (torch.bfloat16, torch.float16)
+        and trunk.dim() == 3
+        and trunk.shape[0] >= PROJECT_MIN_TOKENS
+        and read_dtype in (torch.bfloat16, torch.float16, torch.float32)
+    )
 
 
 @triton.jit
@@ -226,16 +258,44 @@ def hc_mixes(
     contract."""
     if iters < 1:
         raise ValueError(f"hc_mixes: iters must be >= 1, got {iters}")
-    t, m = trunk.shape[0], trunk.shape[1]
-    if trunk.dtype in (torch.bfloat16, torch.float16) and t >= PROJECT_MIN_TOKENS:
+    if trunk.dtype in (torch.bfloat16, torch.float16) and trunk.shape[0] >= PROJECT_MIN_TOKENS:
         z, ss = project(trunk, fn)
-        flat = None
-    else:
-        flat = trunk.float().flatten(1)
-        flat = flat if flat.is_contiguous() else flat.contiguous()
-        z = flat @ fn.float().t()
-        z = z if z.is_contiguous() else z.contiguous()
-        ss = None
+        return _epilogue(trunk, z, None, ss, base, scale, hc_eps, rms_eps, iters)
+    flat = trunk.float().flatten(1)
+    flat = flat if flat.is_contiguous() else flat.contiguous()
+    z = flat @ fn.float().t()
+    z = z if z.is_contiguous() else z.contiguous()
+    return _epilogue(trunk, z, flat, None, base, scale, hc_eps, rms_eps, iters)
+
+
+def hc_mixes_read(
+    trunk: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    hc_eps: float,
+    rms_eps: float,
+    iters: int,
+    read_weights: torch.Tensor,
+    read_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The registry's `hc_mixes_read` for trunks `fuses_read` takes: `hc_mixes`'s outputs and the read under
+    `read_weights`, the trunk read once for both (a prefill's 16-bit trunk: 0.5 GB per sub-layer at 16k
+    tokens of the medium V4.1, which the separate read kernel read again)."""
+    if iters < 1:
+        raise ValueError(f"hc_mixes_read: iters must be >= 1, got {iters}")
+    if not fuses_read(trunk, read_dtype):
+        raise ValueError(
+            f"hc_mixes_read (Triton): a 16-bit trunk [T >= {PROJECT_MIN_TOKENS}, m, H] and a 16-bit / FP32 read, "
+            f"got {trunk.dtype} {tuple(trunk.shape)}, {read_dtype}"
+        )
+    z, ss, read = project(trunk, fn, read_weights=read_weights, read_dtype=read_dtype)
+    return (*_epilogue(trunk, z, None, ss, base, scale, hc_eps, rms_eps, iters), read)
+
+
+def _epilogue(trunk, z, flat, ss, base, scale, hc_eps, rms_eps, iters):
+    """`_mixes_kernel` over the projection `z` (the row norm from `ss`, or from `flat`, the widened trunk)."""
+    t, m = trunk.shape[0], trunk.shape[1]
     n_k = trunk.shape[1] * trunk.shape[2]
     pre = torch.empty(t, m, dtype=torch.float32, device=trunk.device)
     post = torch.empty(t, m, dtype=torch.float32, device=trunk.device)

@@ -9,7 +9,7 @@ import torch
 from ...layers.mhc import HCParams, expand
 from ...layers.moe import moe_block
 from ...numerics import carrier
-from ...ops.model_calls import hc_mixes, hc_read, hc_write, rms_norm
+from ...ops.model_calls import hc_mixes_read, hc_read, hc_write, rms_norm
 from .config import DeepseekV41Config
 from .weights import BlockWeights
 
@@ -49,14 +49,18 @@ class ShiftedHC:
     ) -> None:
         c = self.cfg
         # hot ops through the registry (ops.model_calls): the reference on CPU, kernels on CUDA
-        pre, post, comb = hc_mixes(self.trunk, params, c.hc_eps, c.rms_norm_eps, c.hc_sinkhorn_iters)
-        y_in = rms_norm(
-            hc_read(self.trunk, self.prev_pre, act_dtype, narrow=True),
-            norm,
+        # (the mixes of this sub-layer and its input under the previous pre mix: one pass over the trunk)
+        pre, post, comb, read = hc_mixes_read(
+            self.trunk,
+            params,
+            c.hc_eps,
             c.rms_norm_eps,
+            c.hc_sinkhorn_iters,
+            self.prev_pre,
             act_dtype,
             narrow=True,
         )
+        y_in = rms_norm(read, norm, c.rms_norm_eps, act_dtype, narrow=True)
         self.prev_pre = pre
         self.trunk = hc_write(fn(y_in), self.trunk, post, comb, act_dtype, narrow=True)
 
