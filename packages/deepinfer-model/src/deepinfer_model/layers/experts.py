@@ -283,7 +283,8 @@ def _grouped_swiglu_sum(
 ) -> torch.Tensor:
     """Native mode: the routed MLP of every (token, slot) pair summed per token with the shared expert and
     rounded once (`_slot_sum`'s order and rounding) by the `expert_swiglu_sum` op, with act-dtype operands
-    (the stacked weights converted once, cached) -> [T, H] in the carrier dtype."""
+    (the stacked weights converted once, cached) -> [T, H] in the carrier dtype, or as an act-dtype tensor
+    where `numerics.narrow_act` (the same values; its consumer, the mHC write, takes either)."""
     addend = mlp(x, shared, limit, act_dtype) if shared is not None else None
     return get_ops().expert_swiglu_sum(
         x.to(act_dtype),
@@ -296,7 +297,7 @@ def _grouped_swiglu_sum(
         weight_before_down,
         addend,
         act_dtype,
-        carrier(),
+        act_dtype if narrow_act(act_dtype) else carrier(),
     )
 
 
