@@ -65,15 +65,17 @@ def test_expert_combine_kernel(gather, weighted, y, round_to):
     assert "cubin" in _compile(m._combine_kernel, sig, consts).asm
 
 
-@pytest.mark.parametrize("trunk,parts", [("*bf16", "*bf16"), ("*fp16", "*fp32")])
-def test_mhc_projection_kernel_uses_the_tensor_cores(trunk, parts):
+@pytest.mark.parametrize(
+    "trunk,parts,read", [("*bf16", "*bf16", True), ("*bf16", "*bf16", False), ("*fp16", "*fp32", True)]
+)
+def test_mhc_projection_kernel_uses_the_tensor_cores(trunk, parts, read):
     from deepinfer_model.backends.nvidia import triton_mhc as h
 
     sig = {"x_ptr": trunk, "f_ptr": parts, **_f32("z_ptr", "ss_ptr", "w_ptr"), "r_ptr": trunk}
     sig.update(T="i32", H="i32", one="fp32")
     consts = {
         "M": 4,
-        "READ": True,
+        "READ": read,  # (with the sub-layer's read: `hc_mixes_read`; without: `hc_mixes`)
         "N": 24,
         "BLOCK_N": 32,
         "BLOCK_T": h.PROJECT_BLOCK_T,
