@@ -287,6 +287,34 @@ _ENGRAM = textwrap.dedent(
 )
 
 
+_WRAPPERS = textwrap.dedent(
+    """
+    import json, sys, torch
+    from deepinfer_model.ops import get_ops, registry
+    from deepinfer_model.backends.nvidia import triton_mhc
+    nv, cpu, out = registry.OpTable("nvidia"), get_ops("cpu"), {}
+    torch.manual_seed(0)
+    out["sources"] = [nv.sources.get(k) for k in ("hc_mixes_read", "block_max", "swiglu", "topk_indices")]
+    # the fused path at a CPU-sized trunk; FP16, as the interpreter's BF16 products are wrong
+    triton_mhc.PROJECT_MIN_TOKENS = 1
+    t, m, h = 40, 4, 256
+    trunk = (torch.randn(t, m, h) * 2).half()
+    fn = torch.randn((2 + m) * m, m * h) * (m * h) ** -0.5
+    base, scale, w = torch.randn((2 + m) * m) * 0.1, torch.rand(3) + 0.5, torch.rand(t, m)
+    got = nv.hc_mixes_read(trunk, fn, base, scale, 1e-6, 1e-6, 20, w, torch.float32)
+    ref = cpu.hc_mixes_read(trunk, fn, base, scale, 1e-6, 1e-6, 20, w, torch.float32)
+    out["mixes_read"] = max(float((a.double() - b.double()).norm() / b.double().norm()) for a, b in zip(got, ref))
+    s, v = torch.randn(7, 300).half(), torch.rand(7, 300) < 0.8
+    out["block_max"] = all(bool(torch.equal(a, b)) for a, b in zip(nv.block_max(s, v, 16), cpu.block_max(s, v, 16)))
+    out["topk"] = bool(torch.equal(nv.topk_indices(s, v, 32), cpu.topk_indices(s, v, 32)))
+    g, u = torch.randn(5, 64).half(), torch.randn(5, 64).half()
+    h16 = nv.swiglu(g, u, 1.5)
+    out["swiglu"] = [str(h16.dtype), float((h16.double() - cpu.swiglu(g.float(), u.float(), 1.5).double()).abs().max())]
+    print(json.dumps(out))
+    """
+)
+
+
 def _interpreted(script: str, arg: str, **env_vars: str) -> list[float]:
     env = dict(os.environ, TRITON_INTERPRET="1", DEEPINFER_TILELANG="0", **env_vars)
     done = subprocess.run(
@@ -474,3 +502,12 @@ def test_block_max_kernel_is_the_reference():
     ]
     cases.append([1, 5, 1, "bfloat16"])
     assert _interpreted(_BLOCKS, json.dumps(cases)) == [True] * len(cases)
+
+
+def test_nvidia_table_routes_the_session_18_ops_to_their_kernels():
+    # The NVIDIA table's wrappers (which kernel for which operands, argument order) on the CPU: in native mode
+    # they reach the interpreted kernels and agree with the reference
+    got = _interpreted(_WRAPPERS, "", DEEPINFER_NUMERICS="native")
+    assert got["sources"] == ["nvidia"] * 4
+    assert got["mixes_read"] < 1e-5 and got["block_max"] and got["topk"]
+    assert got["swiglu"][0] == "torch.float16" and got["swiglu"][1] < 2e-3  # (FP16 rounding of values ~< 2)
