@@ -177,7 +177,8 @@ if "apply_rope_" in _kernels and "apply_rope" in _kernels:
 # graph replay was not faster within the run-to-run spread (2.96 ms untraced, 3.34 ms traced, different calls),
 # and the compile took twice as long; the mHC read / write became cuBLAS FP32 GEMV / GEMM calls, slower than
 # the TileLang kernels. Eager steps and batch-invariant mode (never compiled) call the kernels above. A traced
-# apply_rope traces apply_rope_ too (its torch version: the same ops on the tail, the same values).
+# apply_rope traces apply_rope_ too (its torch version: the same ops on the tail, the same values). A traced
+# hc_read covers the final read only: V4.1's sub-layers read through `hc_mixes_read`, one custom-op node.
 TRACEABLE = ("rms_norm", "apply_rope", "hc_read", "hc_write")
 _TRACED_ENV = "DEEPINFER_COMPILE_TRACED_OPS"
 TRACED_IN_COMPILED = tuple(n.strip() for n in os.environ.get(_TRACED_ENV, "").split(",") if n.strip())
