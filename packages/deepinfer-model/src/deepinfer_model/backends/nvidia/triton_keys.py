@@ -14,14 +14,20 @@ BLOCK = 1024  # entries per program
 
 
 @triton.jit
+def score_key16(bits):
+    """A 16-bit score's int32-widened sign-magnitude bits as two's complement: ordered like the scores,
+    -0.0 and +0.0 both 0, -32767 .. 32767 (the key16 of `topk_keys` and `triton_select`)."""
+    return tl.where(bits < 0, -32768 - bits, bits)
+
+
+@triton.jit
 def _keys_kernel(bits_ptr, valid_ptr, out_ptr, n, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = j < n
     bits = tl.load(bits_ptr + row * n + j, mask=ok, other=0).to(tl.int32)  # (sign-extended)
     valid = tl.load(valid_ptr + row * n + j, mask=ok, other=0)
-    k16 = tl.where(bits < 0, -32768 - bits, bits)  # sign-magnitude -> two's complement; -0.0 -> 0
-    k16 = tl.where(valid != 0, k16, -32768)
+    k16 = tl.where(valid != 0, score_key16(bits), -32768)
     tl.store(out_ptr + row * n + j, k16 * 65536 + (65535 - j), mask=ok)
 
 

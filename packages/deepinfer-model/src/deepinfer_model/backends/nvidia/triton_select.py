@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_keys import score_key16
+
 BLOCK = 2048  # entries per step of each pass
 OUT_BLOCK = 512  # output slots per step of the padding loop
 ROW_MAX = 16384  # rows up to this many entries are held in registers (`_select_row_kernel`)
@@ -33,8 +35,15 @@ def _row_keys(bits_ptr, valid_ptr, base, j, ok):
     not valid (a valid score's key16 is at least -32767)."""
     bits = tl.load(bits_ptr + base + j, mask=ok, other=0).to(tl.int32)  # (sign-extended)
     valid = tl.load(valid_ptr + base + j, mask=ok, other=0) != 0
-    k16 = tl.where(bits < 0, -32768 - bits, bits)  # sign-magnitude -> two's complement; -0.0 -> 0
-    return tl.where(valid, k16 + 32768, 0), valid
+    return tl.where(valid, score_key16(bits) + 32768, 0), valid
+
+
+@triton.jit
+def _fill_unpicked(out_ptr, row, k, count, OUT_BLOCK: tl.constexpr):
+    """-1 in the row's output slots `count` .. k-1 (fewer than k valid entries)."""
+    for c in range(0, k, OUT_BLOCK):
+        p = c + tl.arange(0, OUT_BLOCK)
+        tl.store(out_ptr + row * k + p, tl.full([OUT_BLOCK], -1, tl.int64), mask=(p >= count) & (p < k))
 
 
 @triton.jit
@@ -42,9 +51,8 @@ def _select_kernel(bits_ptr, valid_ptr, out_ptr, n, k, BLOCK: tl.constexpr, OUT_
     row = tl.program_id(0).to(tl.int64)
     base = row * n
     bins = tl.arange(0, 256)
-    need = tl.minimum(
-        k, n
-    )  # how many of the entries whose score key matches `prefix` still belong to the top k
+    # how many of the entries whose score key matches `prefix` still belong to the top k
+    need = tl.minimum(k, n)
     prefix = tl.full([], 0, tl.int32)  # the k-th best score key's bits decided so far (high byte, then low)
     for r in tl.static_range(2):
         hist = tl.zeros([256], tl.int32)
@@ -76,9 +84,7 @@ def _select_kernel(bits_ptr, valid_ptr, out_ptr, n, k, BLOCK: tl.constexpr, OUT_
         tl.store(out_ptr + row * k + slot, j.to(tl.int64), mask=picked != 0)
         count += tl.sum(picked)
         equal_seen += tl.sum(equal)
-    for c in range(0, k, OUT_BLOCK):
-        p = c + tl.arange(0, OUT_BLOCK)
-        tl.store(out_ptr + row * k + p, tl.full([OUT_BLOCK], -1, tl.int64), mask=(p >= count) & (p < k))
+    _fill_unpicked(out_ptr, row, k, count, OUT_BLOCK)
 
 
 @triton.jit
@@ -99,10 +105,7 @@ def _select_row_kernel(bits_ptr, valid_ptr, out_ptr, n, k, ROW: tl.constexpr, OU
     equal = (ok & (u == best)).to(tl.int32)
     picked = (ok & valid & ((u > best) | ((equal != 0) & (tl.cumsum(equal, 0) <= need)))).to(tl.int32)
     tl.store(out_ptr + row * k + tl.cumsum(picked, 0) - 1, j.to(tl.int64), mask=picked != 0)
-    count = tl.sum(picked)
-    for c in range(0, k, OUT_BLOCK):
-        p = c + tl.arange(0, OUT_BLOCK)
-        tl.store(out_ptr + row * k + p, tl.full([OUT_BLOCK], -1, tl.int64), mask=(p >= count) & (p < k))
+    _fill_unpicked(out_ptr, row, k, tl.sum(picked), OUT_BLOCK)
 
 
 def topk_indices(
