@@ -313,6 +313,23 @@ def test_failing_kernel_falls_back_to_torch_once_and_is_recorded(caplog):
     assert "nvcc failed" in nvidia.TILELANG_FALLBACKS.pop("test_op") and "nvcc failed" in caplog.text
 
 
+def test_kernel_wrapper_sends_unsupported_calls_to_the_reference():
+    """With `supports`, the calls it rejects go to the reference without trying the kernel, and do not
+    switch the wrapper: supported calls keep the kernel."""
+    from deepinfer_model.backends import nvidia
+
+    calls = []
+    fn = nvidia._kernel_or_torch(
+        "test_supported_op",
+        lambda x, scale=1: calls.append("kernel") or x * scale,
+        lambda x, scale=1: calls.append("reference") or -x,
+        supports=lambda x, scale=1: x >= 0,
+    )
+    assert fn(3, scale=2) == 6 and fn(-3) == 3 and fn(4) == 4
+    assert calls == ["kernel", "reference", "kernel"]
+    assert "test_supported_op" not in nvidia.TILELANG_FALLBACKS
+
+
 def test_batch_invariant_kernels_fall_back_only_before_their_first_success():
     """The batch-invariant GEMMs' wrappers fall back to the reference only when the kernel never ran (a
     compile error); a failure after a success (an out-of-memory) is raised, so a run never switches kernels

@@ -56,17 +56,24 @@ def _has(module: str) -> bool:
 
 
 def _kernel_or_torch(
-    name: str, kernel: Callable, fallback: Callable, until_first_success: bool = False
+    name: str,
+    kernel: Callable,
+    fallback: Callable,
+    until_first_success: bool = False,
+    supports: Callable[..., bool] | None = None,
 ) -> Callable:
     """`kernel`, replaced by `fallback` for good after its first failure other than a ValueError.
 
     `until_first_success`: only a failure before the kernel ever ran falls back (a compile error); later
     failures (an out-of-memory) are raised. For batch-invariant mode's GEMMs, whose bits must not change
-    kernels in the middle of a run."""
+    kernels in the middle of a run. `supports`: called with the op's arguments; the calls it rejects
+    (operands or a mode the kernel does not take) go to `fallback` without trying the kernel."""
     current = [kernel]
     succeeded = [False]
 
     def call(*args, **kwargs):
+        if supports is not None and not supports(*args, **kwargs):
+            return fallback(*args, **kwargs)
         try:
             out = current[0](*args, **kwargs)
             succeeded[0] = True
@@ -238,15 +245,16 @@ if _TRITON:
         mixes = _hc_mixes(trunk, fn, base, scale, hc_eps, rms_eps, iters)
         return (*mixes, _ROW_LOCAL["hc_read"](trunk, read_weights, read_dtype))
 
-    _fused_mixes_read = _kernel_or_torch("hc_mixes_read", triton_mhc.hc_mixes_read, _composed_mixes_read)
+    def _fuses_read(trunk, fn, base, scale, hc_eps, rms_eps, iters, read_weights, read_dtype) -> bool:
+        return (
+            numerics.native() and not batch_invariant.enabled() and triton_mhc.fuses_read(trunk, read_dtype)
+        )
 
-    def _hc_mixes_read(trunk, fn, base, scale, hc_eps, rms_eps, iters, read_weights, read_dtype):
-        args = (trunk, fn, base, scale, hc_eps, rms_eps, iters, read_weights, read_dtype)
-        if numerics.native() and not batch_invariant.enabled() and triton_mhc.fuses_read(trunk, read_dtype):
-            return _fused_mixes_read(*args)
-        return _composed_mixes_read(*args)
-
-    register("nvidia", "hc_mixes_read")(_hc_mixes_read)
+    register("nvidia", "hc_mixes_read")(
+        _kernel_or_torch(
+            "hc_mixes_read", triton_mhc.hc_mixes_read, _composed_mixes_read, supports=_fuses_read
+        )
+    )
 
 # Native mode's routed experts (`layers.experts.grouped_swiglu`): up to `triton_moe.MAX_PAIRS` (token, slot)
 # pairs, as in a decode step, two Triton kernels over the expert-sorted pairs (`triton_moe.py`); more pairs
@@ -255,45 +263,35 @@ if _TRITON:
     from .. import cpu as _reference
     from . import triton_moe
 
-    _few_pairs = _kernel_or_torch("expert_swiglu", triton_moe.expert_swiglu, _reference.expert_swiglu)
+    def _few_pairs(x, pairs, weights, w1, *_rest) -> bool:
+        return pairs.numel() <= triton_moe.MAX_PAIRS and triton_moe.supports(x, w1)
 
-    def _expert_swiglu(x, pairs, weights, w1, *rest):
-        if pairs.numel() <= triton_moe.MAX_PAIRS and triton_moe.supports(x, w1):
-            return _few_pairs(x, pairs, weights, w1, *rest)
-        return _reference.expert_swiglu(x, pairs, weights, w1, *rest)
-
-    register("nvidia", "expert_swiglu")(_expert_swiglu)
+    register("nvidia", "expert_swiglu")(
+        _kernel_or_torch(
+            "expert_swiglu", triton_moe.expert_swiglu, _reference.expert_swiglu, supports=_few_pairs
+        )
+    )
 
     # ... and summed per token (`layers.experts.experts_forward_static`'s grouped method): the grouped GEMMs
     # with the SwiGLU and the slot sum as Triton kernels (`triton_moe_sum.py`), the few-pairs kernels above
     # for decode steps
     from . import triton_moe_sum
 
-    _summed = _kernel_or_torch(
-        "expert_swiglu_sum", triton_moe_sum.expert_swiglu_sum, _reference.expert_swiglu_sum
+    register("nvidia", "expert_swiglu_sum")(
+        _kernel_or_torch(
+            "expert_swiglu_sum",
+            triton_moe_sum.expert_swiglu_sum,
+            _reference.expert_swiglu_sum,
+            supports=lambda x, pairs, weights, w1, *_rest: triton_moe_sum.grouped_supports(x, w1),
+        )
     )
-
-    def _expert_swiglu_sum(x, pairs, weights, w1, *rest):
-        if triton_moe_sum.grouped_supports(x, w1):
-            return _summed(x, pairs, weights, w1, *rest)
-        return _reference.expert_swiglu_sum(x, pairs, weights, w1, *rest)
-
-    register("nvidia", "expert_swiglu_sum")(_expert_swiglu_sum)
 
     # ... and the shared expert's activation (`layers.experts.mlp` in native mode): the same SwiGLU kernel
-    _swiglu_rows = _kernel_or_torch(
-        "swiglu", triton_moe_sum.swiglu, lambda gate, up, _weights, limit: _reference.swiglu(gate, up, limit)
+    register("nvidia", "swiglu")(
+        _kernel_or_torch(
+            "swiglu", triton_moe_sum.swiglu_op, _reference.swiglu, supports=triton_moe_sum.swiglu_supports
+        )
     )
-
-    def _swiglu(gate, up, limit, out_dtype=None):
-        same = up.dtype == gate.dtype and (out_dtype or gate.dtype) == gate.dtype
-        narrow = gate.dtype.is_floating_point and gate.dtype.itemsize == 2
-        if not (same and narrow and gate.is_contiguous() and up.is_contiguous()):
-            return _reference.swiglu(gate, up, limit, out_dtype)
-        n = gate.shape[-1]
-        return _swiglu_rows(gate.view(-1, n), up.view(-1, n), None, limit).view(gate.shape)
-
-    register("nvidia", "swiglu")(_swiglu)
 # Engram injection's gate and update in native mode (`models.deepseek_v41.engram.engram_inject`): one Triton pass
 # over the trunk, keys and values (`triton_engram.py`) instead of ~10 torch passes over FP32 copies of the trunk.
 # Exact mode (FP64 carrier), batch-invariant mode (needs exact) and operands the kernel does not take keep the
@@ -303,14 +301,14 @@ if _TRITON:
     from .. import cpu as _reference
     from . import triton_engram
 
-    _fused_gate = _kernel_or_torch("engram_gate", triton_engram.engram_gate, _reference.engram_gate)
+    def _gate_fused(trunk, k, v, qk, image, eps, act_dtype, out_dtype) -> bool:
+        return numerics.native() and triton_engram.supports(trunk, k, v, act_dtype, out_dtype)
 
-    def _engram_gate(trunk, k, v, qk, image, eps, act_dtype, out_dtype):
-        if numerics.native() and triton_engram.supports(trunk, k, v, act_dtype, out_dtype):
-            return _fused_gate(trunk, k, v, qk, image, eps, act_dtype, out_dtype)
-        return _reference.engram_gate(trunk, k, v, qk, image, eps, act_dtype, out_dtype)
-
-    register("nvidia", "engram_gate")(_engram_gate)
+    register("nvidia", "engram_gate")(
+        _kernel_or_torch(
+            "engram_gate", triton_engram.engram_gate, _reference.engram_gate, supports=_gate_fused
+        )
+    )
 
 # The indexer's scores in native mode (`runtime.groups.grouped_index_scores`): the core asks `supports(heads,
 # dim)` first and keeps its own path for other shapes.
@@ -341,14 +339,11 @@ if _TRITON:
     # ... and the candidate blocks' scores (`models.deepseek_v41.sparse.candidate_blocks`): one pass
     from . import triton_blocks
 
-    _blocks = _kernel_or_torch("block_max", triton_blocks.block_max, _reference.block_max)
-
-    def _block_max(scores, valid, block):
-        if triton_blocks.supports(scores, valid, block):
-            return _blocks(scores, valid, block)
-        return _reference.block_max(scores, valid, block)
-
-    register("nvidia", "block_max")(_block_max)
+    register("nvidia", "block_max")(
+        _kernel_or_torch(
+            "block_max", triton_blocks.block_max, _reference.block_max, supports=triton_blocks.supports
+        )
+    )
 
 # Native-mode prefill attention (`runtime.groups.attend`): FlashMLA for the head shapes it takes. The core
 # asks `supports(heads, dim)` first and keeps its own band path for the others; the reference (a gather)

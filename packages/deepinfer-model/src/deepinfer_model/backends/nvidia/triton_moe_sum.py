@@ -97,6 +97,28 @@ def _block(n: int) -> int:
     return min(BLOCK_COLS, triton.next_power_of_2(max(n, 16)))
 
 
+def swiglu_supports(
+    gate: torch.Tensor, up: torch.Tensor, limit: float, out_dtype: torch.dtype | None = None
+) -> bool:
+    """Whether `swiglu_op` takes these operands: contiguous, of one 16-bit dtype, rounded into it."""
+    same = up.dtype == gate.dtype and (out_dtype or gate.dtype) == gate.dtype
+    narrow = gate.dtype in (torch.bfloat16, torch.float16)
+    return same and narrow and gate.is_contiguous() and up.is_contiguous()
+
+
+def swiglu_op(
+    gate: torch.Tensor, up: torch.Tensor, limit: float, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """The registry's `swiglu` for the operands `swiglu_supports` takes (the shared expert's [T, I] rows)."""
+    if not swiglu_supports(gate, up, limit, out_dtype):
+        raise ValueError(
+            f"swiglu (Triton): contiguous gate / up of one 16-bit dtype and that output, got {gate.dtype}, "
+            f"{up.dtype}, out {out_dtype}"
+        )
+    n = gate.shape[-1]
+    return swiglu(gate.view(-1, n), up.view(-1, n), None, limit).view(gate.shape)
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor | None, limit: float) -> torch.Tensor:
     """h = silu(min(gate, L)) * clamp(up, -L, L) (* weights per row) in FP32, rounded to gate's dtype."""
     p, n = gate.shape
