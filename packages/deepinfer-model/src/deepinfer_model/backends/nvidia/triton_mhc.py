@@ -163,15 +163,19 @@ def project(
     return (z, ss, read) if reading else (z, ss)
 
 
-def fuses_read(trunk: torch.Tensor, read_dtype: torch.dtype) -> bool:
-    """Whether `hc_mixes_read` projects and reads `trunk` in one pass: a 16-bit prefill trunk (at least
-    `PROJECT_MIN_TOKENS` tokens) read into a 16-bit or FP32 output."""
+def _projects(trunk: torch.Tensor) -> bool:
+    """Whether `_project_kernel` projects `trunk`: a 16-bit prefill trunk [T >= `PROJECT_MIN_TOKENS`, m, H]."""
     return (
         trunk.dtype in (torch.bfloat16, torch.float16)
         and trunk.dim() == 3
         and trunk.shape[0] >= PROJECT_MIN_TOKENS
-        and read_dtype in (torch.bfloat16, torch.float16, torch.float32)
     )
+
+
+def fuses_read(trunk: torch.Tensor, read_dtype: torch.dtype) -> bool:
+    """Whether `hc_mixes_read` projects and reads `trunk` in one pass: a trunk `_project_kernel` projects,
+    read into a 16-bit or FP32 output."""
+    return _projects(trunk) and read_dtype in (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
@@ -258,7 +262,7 @@ def hc_mixes(
     contract."""
     if iters < 1:
         raise ValueError(f"hc_mixes: iters must be >= 1, got {iters}")
-    if trunk.dtype in (torch.bfloat16, torch.float16) and trunk.shape[0] >= PROJECT_MIN_TOKENS:
+    if _projects(trunk):
         z, ss = project(trunk, fn)
         return _epilogue(trunk, z, None, ss, base, scale, hc_eps, rms_eps, iters)
     flat = trunk.float().flatten(1)
