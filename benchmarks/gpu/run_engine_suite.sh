@@ -27,7 +27,7 @@
 # customops (the compiled decode step with DEEPINFER_COMPILE_CUSTOM_OPS=1, its graph breaks by reason, then =0),
 # prefill (session 17's prefill kernels: their micro benches with in-run baselines (PREFILL_MICRO=0 skips them),
 # medium native prefill at PREFILL_CHUNKS (default 4k / 16k / 64k), then the gpu tests of the ops it changed
-# (PREFILL_TESTS=0 skips them, PREFILL_TEST_K selects)),
+# (PREFILL_TESTS=0 skips them, PREFILL_TEST_K selects); PREFILL_PROFILE_CHUNK=N profiles one more N-token chunk in the engine),
 # Modifiers: nodecode / noprefill (bench: only the other half).
 # Results: $OUT (device tool) or benchmarks/results; logs in engine_logs.tar.gz.
 set -uo pipefail
@@ -236,8 +236,10 @@ if has prefill; then  # the prefill kernels of session 17: micro benches, the me
   DEEPINFER_NUMERICS=native PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${PREFILL_LIMIT_S:-240}" \
     python3 -m deepinfer.cli bench prefill --model "$medium" --max-model-len 65536 --max-num-seqs 1 \
     --chunks "${PREFILL_CHUNKS:-4096,16384,65280}" --prefill-repeats 2 --device cuda --dtype bfloat16 --no-progress \
+    ${PREFILL_PROFILE_CHUNK:+--profile-prefill-chunk "$PREFILL_PROFILE_CHUNK"} \
     --results-dir "$out" --name bench_medium_gpu_prefill_native > "$out/bench_medium_prefill.log" 2>&1
-  tail -12 "$out/bench_medium_prefill.log"; grep -i "warn\|fell back\|error" "$out/bench_medium_prefill.log" | head -5; collect
+  tail -12 "$out/bench_medium_prefill.log"; grep -i "warn\|fell back\|error" "$out/bench_medium_prefill.log" | head -5
+  for f in "$out"/profiles/prefill_chunk*.txt; do [ -f "$f" ] && cp "$f" "$out/engine_$(basename "$f")"; done; collect
   if [ "${PREFILL_TESTS:-1}" != 0 ]; then
     el "tests: the changed ops and the native-numerics gpu tests"
     timeout "${PREFILL_TEST_LIMIT_S:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu -n 3 \
