@@ -82,7 +82,8 @@ fi
 if has gputests; then  # after the DeepGEMM build (~2 min), so its tests run too
   ( wait_pid() { while kill -0 "$1" 2>/dev/null; do sleep 2; done; }; wait_pid "$deep_gemm_pid"
     # GPUTESTS_PATHS: the test files / folders (default: every package's tests)
-    timeout "$lim" python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 --junitxml "$out/gputests.xml" \
+    # (GPUTESTS_ARGS: more pytest options, e.g. -v to log each test's outcome as it ends, -n 6)
+    timeout "$lim" python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 ${GPUTESTS_ARGS:-} --junitxml "$out/gputests.xml" \
     ${GPUTESTS_PATHS:-packages/deepinfer-model/tests packages/deepinfer/tests packages/deepinfer-structured/tests tests} > "$out/gputests.log" 2>&1 ) &
   pids+=($!)
 fi
