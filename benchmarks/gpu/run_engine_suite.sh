@@ -27,7 +27,8 @@
 # customops (the compiled decode step with DEEPINFER_COMPILE_CUSTOM_OPS=1, its graph breaks by reason, then =0),
 # prefill (session 17's prefill kernels: their micro benches with in-run baselines (PREFILL_MICRO=0 skips them),
 # medium native prefill at PREFILL_CHUNKS (default 4k / 16k / 64k), then the gpu tests of the ops it changed
-# (PREFILL_TESTS=0 skips them, PREFILL_TEST_K selects); PREFILL_PROFILE_CHUNK=N profiles one more N-token chunk in the engine),
+# (PREFILL_TESTS=0 skips them, PREFILL_TEST_K selects); PREFILL_PROFILE_CHUNK=N profiles one more N-token chunk in the engine, with Python frames, and lists the device's idle gaps
+# in it with trace_gaps.py),
 # Modifiers: nodecode / noprefill (bench: only the other half).
 # Results: $OUT (device tool) or benchmarks/results; logs in engine_logs.tar.gz.
 set -uo pipefail
@@ -240,10 +241,14 @@ if has prefill; then  # the prefill kernels of session 17: micro benches, the me
   DEEPINFER_NUMERICS=native PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${PREFILL_LIMIT_S:-240}" \
     python3 -m deepinfer.cli bench prefill --model "$medium" --max-model-len 65536 --max-num-seqs 1 \
     --chunks "${PREFILL_CHUNKS:-4096,16384,65280}" --prefill-repeats 2 --device cuda --dtype bfloat16 --no-progress \
-    ${PREFILL_PROFILE_CHUNK:+--profile-prefill-chunk "$PREFILL_PROFILE_CHUNK"} \
+    ${PREFILL_PROFILE_CHUNK:+--profile-prefill-chunk "$PREFILL_PROFILE_CHUNK" --profile-stacks} \
     --results-dir "$out" --name bench_medium_gpu_prefill_native > "$out/bench_medium_prefill.log" 2>&1
   tail -12 "$out/bench_medium_prefill.log"; grep -i "warn\|fell back\|error" "$out/bench_medium_prefill.log" | head -5
-  for f in "$out"/profiles/prefill_chunk*.txt; do [ -f "$f" ] && cp "$f" "$out/engine_$(basename "$f")"; done; collect
+  for f in "$out"/profiles/prefill_chunk*.txt; do [ -f "$f" ] && cp "$f" "$out/engine_$(basename "$f")"; done
+  for f in "$out"/profiles/prefill_chunk*.json; do  # the device's idle gaps in the profiled chunk, and what the host did
+    [ -f "$f" ] && python3 benchmarks/gpu/trace_gaps.py "$f" --out "$out/engine_$(basename "${f%.json}")_gaps.json" \
+      > "$out/engine_$(basename "${f%.json}")_gaps.txt" 2>&1 && head -40 "$out/engine_$(basename "${f%.json}")_gaps.txt"
+  done; collect
   if [ "${PREFILL_TESTS:-1}" != 0 ]; then
     el "tests: the changed ops and the native-numerics gpu tests"
     timeout "${PREFILL_TEST_LIMIT_S:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu -n 3 \

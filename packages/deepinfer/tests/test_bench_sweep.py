@@ -21,6 +21,7 @@ def sweep(tmp_path_factory):
     argv += ["--prefill-repeats", "2", "--batches", "1,2", "--decode-context", "8", "--warmup-steps", "1"]
     argv += ["--measure-steps", "2", "--num-threads", "1", "--no-progress", "--results-dir", str(out)]
     argv += ["--profile-decode-batch", "2", "--profile-steps", "1", "--name", "t", "--nextn", "1"]
+    argv += ["--profile-prefill-chunk", "16", "--profile-stacks"]
     try:
         assert main(argv) == 0  # --num-threads 1 sets torch's thread count; put it back for other tests
     finally:
@@ -55,8 +56,11 @@ def test_sweep_writes_json_rows_for_both_phases(sweep):
         assert r["measured_tokens_per_request_step"] == pytest.approx(1 + accepted_per_req_step)
         assert r["measured_tok_per_s_per_gpu"] <= r["full_acceptance_tok_per_s_per_gpu"] * (1 + 1e-9)
     assert "profile_trace" in decode[1] and "profile_trace" not in decode[0]
-    trace = json.loads(open(decode[1]["profile_trace"]).read())
-    assert trace["traceEvents"]
+    assert "profile_trace" in prefill[1] and "profile_trace" not in prefill[0]
+    for row in (decode[1], prefill[1]):  # --profile-stacks: the traces name our Python frames
+        events = json.loads(open(row["profile_trace"]).read())["traceEvents"]
+        frames = [e["name"] for e in events if e.get("cat") == "python_function"]
+        assert any("deepinfer_model" in f for f in frames), frames[:5]
 
 
 def test_sweep_writes_a_png_per_phase(sweep):

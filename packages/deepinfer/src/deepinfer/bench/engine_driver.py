@@ -52,8 +52,9 @@ class Driver:
 
 
 @contextmanager
-def profiled(path: Path | None):
-    """torch profiler around the block when `path` is given (chrome trace written there on exit)."""
+def profiled(path: Path | None, stacks: bool = False):
+    """torch profiler around the block when `path` is given (chrome trace written there on exit); `stacks`:
+    with Python frames (the tracer slows the host a little, so the host-bound gaps it shows grow too)."""
     if path is None:
         yield
         return
@@ -62,7 +63,7 @@ def profiled(path: Path | None):
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     path.parent.mkdir(parents=True, exist_ok=True)
-    with profile(activities=activities, record_shapes=False) as prof:
+    with profile(activities=activities, record_shapes=False, with_stack=stacks) as prof:
         yield
     # a readable summary beside the trace: the ops that take the host's and the device's time (computed
     # before the export, which leaves the profiler's event list empty)

@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--profile-steps", type=int, default=2, help="decode steps under the profiler (default 2)")
     g.add_argument(
+        "--profile-stacks",
+        action="store_true",
+        help="record Python frames in the profiles (benchmarks/gpu/trace_gaps.py then names the code around each device idle gap)",
+    )
+    g.add_argument(
         "--profile-dir", type=Path, default=None, help="traces go here (default <results-dir>/profiles)"
     )
     g.add_argument("--no-progress", action="store_true")
@@ -180,6 +185,7 @@ def run(args) -> int:
             cp=cp,
             profile_chunk=args.profile_prefill_chunk,
             profile_dir=profile_dir,
+            profile_stacks=args.profile_stacks,
         )
         try:
             prows = run_prefill(Driver(engine, args.seed), cfg, flags, progress)
@@ -210,6 +216,7 @@ def run(args) -> int:
             profile_batch=args.profile_decode_batch,
             profile_steps=args.profile_steps,
             profile_dir=profile_dir,
+            profile_stacks=args.profile_stacks,
         )
         max_len = cfg.context + cfg.max_tokens() + 1
         blocks = -(-max_len // args.block_size) * max(batches) + 1

@@ -25,6 +25,7 @@ class PrefillConfig:
     cp: int = 1
     profile_chunk: int | None = None
     profile_dir: Path | None = None
+    profile_stacks: bool = False  # Python frames in the trace (benchmarks/gpu/trace_gaps.py names them)
 
 
 @dataclass
@@ -39,6 +40,7 @@ class DecodeConfig:
     profile_batch: int | None = None
     profile_steps: int = 2
     profile_dir: Path | None = None
+    profile_stacks: bool = False
 
     def max_tokens(self) -> int:
         steps = self.warmup_steps + self.measure_steps + self.profile_steps + 2
@@ -91,7 +93,7 @@ def run_prefill(driver: Driver, cfg: PrefillConfig, flags: FlagCounter | None, p
             )
         if cfg.profile_chunk == chunk and cfg.profile_dir is not None:
             path = cfg.profile_dir / f"prefill_chunk{chunk}.json"
-            with profiled(path):
+            with profiled(path, cfg.profile_stacks):
                 _one_chunk(driver, chunk, cfg.context, flags, timed_run=False)
             row["profile_trace"] = str(path)
         rows.append(row)
@@ -203,7 +205,7 @@ def run_decode(driver: Driver, cfg: DecodeConfig, flags: FlagCounter | None, pro
             row["window_draft_accept_rate"] = accepted / verified if verified else None
         if cfg.profile_batch == batch and cfg.profile_dir is not None:
             path = cfg.profile_dir / f"decode_batch{batch}.json"
-            with profiled(path):  # attached only now, after the window was measured
+            with profiled(path, cfg.profile_stacks):  # attached only now, after the window was measured
                 for _ in range(cfg.profile_steps):
                     engine.step()
             row["profile_trace"] = str(path)
