@@ -56,9 +56,7 @@ def apply_rope(
 def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> None:
     """`apply_rope(x, cos, sin, inverse)`'s last r channels written into `x` (the rotation reads only them,
     so rotating the tail alone gives the same values); the leading channels are not touched."""
-    problem = rope.in_place_problem(x, cos, sin)
-    if problem is not None:
-        raise ValueError(f"apply_rope_: {problem}")
+    rope.check_in_place(x, cos, sin)
     if cos.shape[-1]:
         tail = x[..., x.shape[-1] - 2 * cos.shape[-1] :]
         tail.copy_(rope.apply_rope(tail, cos, sin, inverse).to(x.dtype))

@@ -130,3 +130,10 @@ def in_place_problem(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> s
             f"got {tuple(cos.shape)} / {tuple(sin.shape)}"
         )
     return None
+
+
+def check_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """ValueError naming `in_place_problem`'s reason, if any: each backend's `apply_rope_` calls this first."""
+    problem = in_place_problem(x, cos, sin)
+    if problem is not None:
+        raise ValueError(f"apply_rope_: {problem}")

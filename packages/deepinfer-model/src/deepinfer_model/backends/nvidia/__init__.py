@@ -39,7 +39,7 @@ import os
 from collections.abc import Callable
 
 from ... import batch_invariant
-from ...layers.rope import in_place_problem
+from ...layers.rope import check_in_place
 from ...ops.registry import register
 from . import gemm, moe, torch_cuda
 
@@ -156,9 +156,7 @@ for _name, _fn in _TORCH.items():
 def _rope_tail_via_copy(x, cos, sin, inverse=False) -> None:
     """`apply_rope_` as the registered `apply_rope` (whichever version serves it now) and a copy of its
     rotated tail into `x`: that op's values, with the whole row's traffic."""
-    problem = in_place_problem(x, cos, sin)
-    if problem is not None:
-        raise ValueError(f"apply_rope_: {problem}")
+    check_in_place(x, cos, sin)
     tail = x.shape[-1] - 2 * cos.shape[-1]
     x[..., tail:] = _ROW_LOCAL["apply_rope"](x, cos, sin, inverse, out_dtype=x.dtype)[..., tail:]
 

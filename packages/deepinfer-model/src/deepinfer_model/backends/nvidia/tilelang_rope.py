@@ -24,7 +24,7 @@ import tilelang
 import tilelang.language as T
 import torch
 
-from ...layers.rope import in_place_problem
+from ...layers.rope import check_in_place
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
@@ -159,9 +159,7 @@ def apply_rope(
 def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> None:
     """TileLang RoPE of `x`'s last `2*half` channels in place (`x` contiguous BF16 or FP32): the values
     `apply_rope(x, cos, sin, inverse)` gives there, the leading channels neither read nor written."""
-    problem = in_place_problem(x, cos, sin)
-    if problem is not None:
-        raise ValueError(f"apply_rope_: {problem}")
+    check_in_place(x, cos, sin)
     half, channels = cos.shape[-1], x.shape[-1]
     if x.numel() and 2 * half == channels:
         # every channel rotated: nothing to spare, and `apply_rope`'s whole-row kernel (`rope_rows_full`) is

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ...layers.rope import in_place_problem
+from ...layers.rope import check_in_place
 
 
 def _out(x: torch.Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
@@ -46,9 +46,7 @@ def apply_rope(
 def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> None:
     """`apply_rope(x, ...)`'s last r channels written into `x` by the same torch ops (its values bit for bit):
     what a compiled region traces for the op where it traces `apply_rope`."""
-    problem = in_place_problem(x, cos, sin)
-    if problem is not None:
-        raise ValueError(f"apply_rope_: {problem}")
+    check_in_place(x, cos, sin)
     if cos.shape[-1]:
         x[..., x.shape[-1] - 2 * cos.shape[-1] :] = _rotated_tail(x, cos, sin, inverse, x.dtype)
 
