@@ -55,19 +55,24 @@ def _wide(mp: pytest.MonkeyPatch) -> None:
             mp.setattr(module, "narrow_act", lambda act: False)
 
 
+def _record_dtypes(monkeypatch, name: str) -> list:
+    """`blocks.<name>` wrapped for the test: the list it returns gets the dtype of each call's output."""
+    dtypes, op = [], getattr(blocks, name)
+
+    def recorded(*args, **kwargs):
+        out = op(*args, **kwargs)
+        dtypes.append(out.dtype)
+        return out
+
+    monkeypatch.setattr(blocks, name, recorded)
+    return dtypes
+
+
 def _narrow_and_wide(monkeypatch, run):
     """`run()` in native mode as it is and with `_wide`, each after asserting that every sub-layer input
     (`ShiftedHC`'s norm output) was BF16 and FP32 respectively: (narrow outputs, wide outputs)."""
     monkeypatch.setenv("DEEPINFER_NUMERICS", "native")
-    inputs = []
-    norm = blocks.rms_norm
-
-    def recorded(*args, **kwargs):
-        out = norm(*args, **kwargs)
-        inputs.append(out.dtype)
-        return out
-
-    monkeypatch.setattr(blocks, "rms_norm", recorded)
+    inputs = _record_dtypes(monkeypatch, "rms_norm")
     narrow = run()
     assert inputs and set(inputs) == {torch.bfloat16}
     inputs.clear()
@@ -107,15 +112,7 @@ def _prefill(model, ids: np.ndarray) -> torch.Tensor:
 
 def test_bf16_trunk_gives_the_widened_trunks_logits(bf16_model, monkeypatch):
     ids = np.random.default_rng(5).integers(4, bf16_model.config.vocab_size, 40)
-    trunks = []
-    write = blocks.hc_write
-
-    def recorded(*args, **kwargs):
-        out = write(*args, **kwargs)
-        trunks.append(out.dtype)
-        return out
-
-    monkeypatch.setattr(blocks, "hc_write", recorded)
+    trunks = _record_dtypes(monkeypatch, "hc_write")
     narrow, wide = _narrow_and_wide(monkeypatch, lambda: [_prefill(bf16_model, ids)])
     assert set(trunks[: len(trunks) // 2]) == {torch.bfloat16}
     assert set(trunks[len(trunks) // 2 :]) == {torch.float32}
@@ -226,11 +223,7 @@ def test_paged_yoco_prefill_and_decode(bf16_model, monkeypatch, mode):
 
 def test_exact_mode_keeps_the_carrier(bf16_model, monkeypatch):
     monkeypatch.setenv("DEEPINFER_NUMERICS", "exact")
-    trunks = []
-    write = blocks.hc_write
-    monkeypatch.setattr(
-        blocks, "hc_write", lambda *a, **k: trunks.append(write(*a, **k).dtype) or write(*a, **k)
-    )
+    trunks = _record_dtypes(monkeypatch, "hc_write")
     _prefill(bf16_model, np.arange(4, 20))
     assert trunks and set(trunks) == {torch.float64}
 
