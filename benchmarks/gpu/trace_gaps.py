@@ -126,9 +126,15 @@ def analyse(
     for s in runtime:
         if s.name.startswith(BLOCKING) and s.dur >= min_block_us:
             op, frame = who(s.tid, s.ts)
-            records.append(dict(kind="block", us=s.dur, at_ms=(s.ts - t0) / 1e3, call=s.name, launched_by=op, frame=frame))
+            records.append(
+                dict(
+                    kind="block", us=s.dur, at_ms=(s.ts - t0) / 1e3, call=s.name, launched_by=op, frame=frame
+                )
+            )
     device_us = sum(hi - lo for lo, hi, _, _ in busy)
-    records.append(dict(kind="total", us=t_end - t0, device_busy_us=device_us, idle_us=t_end - t0 - device_us))
+    records.append(
+        dict(kind="total", us=t_end - t0, device_busy_us=device_us, idle_us=t_end - t0 - device_us)
+    )
     return records
 
 
@@ -138,7 +144,9 @@ def main() -> None:
     ap.add_argument("--min-gap-us", type=float, default=20.0, help="smallest device idle gap listed")
     ap.add_argument("--min-block-us", type=float, default=50.0, help="shortest blocking runtime call listed")
     ap.add_argument("--top", type=int, default=25, help="rows per table (largest first)")
-    ap.add_argument("--frame-filter", default="deepinfer", help="the Python frames named: those containing this")
+    ap.add_argument(
+        "--frame-filter", default="deepinfer", help="the Python frames named: those containing this"
+    )
     ap.add_argument("--out", type=Path, default=None, help="flat JSON records (default: none)")
     args = ap.parse_args()
     from rich.console import Console
@@ -153,14 +161,25 @@ def main() -> None:
         f"idle {total['idle_us'] / 1e3:.2f} ms ({sum(r['us'] for r in gaps if r['kind'] == 'gap') / 1e3:.2f} ms in "
         f"{sum(r['kind'] == 'gap' for r in gaps)} gaps >= {args.min_gap_us:g} us)"
     )
-    table = Table("kind", "us", "at ms", "kernel before", "kernel after", "launched by", "frame", "launch after gap start us")
+    table = Table(
+        "kind",
+        "us",
+        "at ms",
+        "kernel before",
+        "kernel after",
+        "launched by",
+        "frame",
+        "launch after gap start us",
+    )
     for r in sorted(gaps, key=lambda r: -r["us"])[: args.top]:
         launch = r.get("launch_after_gap_start_us")
         table.add_row(r["kind"], f"{r['us']:.0f}", f"{r['at_ms']:.2f}", r["before"][:40], r["after"][:40],
                       r.get("launched_by", "-"), r.get("frame", "-")[:70], "-" if launch is None else f"{launch:.0f}")  # fmt: skip
     console.print(table)
     blocks = sorted((r for r in records if r["kind"] == "block"), key=lambda r: -r["us"])
-    table = Table("blocking call", "us", "at ms", "host op", "frame", title="host calls that wait for the device")
+    table = Table(
+        "blocking call", "us", "at ms", "host op", "frame", title="host calls that wait for the device"
+    )
     for r in blocks[: args.top]:
         table.add_row(r["call"], f"{r['us']:.0f}", f"{r['at_ms']:.2f}", r["launched_by"], r["frame"][:90])
     console.print(table)
