@@ -66,10 +66,25 @@ def test_draft_graph_replay_equals_static_and_eager(path, native, monkeypatch):
         e = static.draft(tokens, K, seq_indices=seqs, last_positions=lasts)
         for a, b, c in zip(g, s, e):
             assert a.tokens.device.type == "cuda"
-            assert torch.equal(a.tokens, b.tokens) and torch.equal(a.confidence, b.confidence), (native, seqs)
+            assert torch.equal(a.tokens, b.tokens), ("graph replay tokens != static", native, seqs)
+            assert torch.equal(a.confidence, b.confidence), (
+                "graph replay confidence != static",
+                native,
+                seqs,
+            )
             assert torch.equal(a.positions, c.positions)
-            if not native:  # native: padding changes FP32 sums, so only the tokens mostly agree
-                assert torch.equal(a.tokens, c.tokens) and torch.equal(a.confidence, c.confidence), seqs
+            if not native:
+                # FP32: the same tokens as the eager draft, whose GEMMs have unpadded rows, so cuBLAS may
+                # pick another kernel (another summation order) than for the bucket: last bits only.
+                # (native: padding moves BF16 roundings too, so only the tokens mostly agree)
+                assert torch.equal(a.tokens, c.tokens), (
+                    "graph replay tokens != eager",
+                    seqs,
+                    a.tokens,
+                    c.tokens,
+                )
+                diff = float((a.confidence.double() - c.confidence.double()).abs().max())
+                assert diff <= 1e-5, ("graph replay confidence far from eager", seqs, diff)
     assert graphed.draft_graphs.replays == len(CASES) == static.draft_graphs.replays
     assert sorted(graphed.draft_graphs.graphs) == [1, 2, 4, 8]
     graphed.close()

@@ -169,7 +169,9 @@ def test_v41_paged_on_cuda_matches_cpu(v41_path, case):
     across an FP8 rounding boundary (a step of 1/16 to 1/8 of the value), so the two runs are not held to
     each other at a fixed 1e-2 (the H200 gave 1.46e-2). They are held to the FP32 unquantised CPU run: the
     CUDA run is as accurate as the CPU one (on the CPU the configuration itself is 0.14 / 0.34 / 0.16 from it,
-    per step), and their difference is small next to that error."""
+    per step), and their difference is within that error. Two runs whose FP8 roundings fall independently
+    can be up to ~1.4x their error apart; an H100 gave CUDA / CPU error 1.01 / 0.92 / 0.97 and a difference of
+    0.11 / 0.39 / 0.36 of the CPU error per step. A broken CUDA step (a wrong cache read) moves logits by ~1."""
     c = CASES[case]
     act = c.get("act", torch.float32)
     cpu = run_steps(_v41(v41_path, "cpu", act, c.get("kvq", False)), c.get("yoco"))
@@ -183,10 +185,14 @@ def test_v41_paged_on_cuda_matches_cpu(v41_path, case):
             assert torch.equal(x.argmax(-1), y.argmax(-1))
     else:
         exact = run_steps(_v41(v41_path, "cpu"), c.get("yoco"))
-        for x, y, e in zip(cpu[:n_steps], gpu[:n_steps], exact[:n_steps]):
-            cpu_err, gpu_err = _rel(x, e), _rel(y, e)
-            assert gpu_err <= 1.15 * cpu_err, (gpu_err, cpu_err)
-            assert _rel(y, x) <= 0.25 * cpu_err, (_rel(y, x), cpu_err)
+        # every step's (cpu err, cuda err, cuda-cpu diff) in the message, so one run shows them all
+        errs = [
+            (_rel(x, e), _rel(y, e), _rel(y, x))
+            for x, y, e in zip(cpu[:n_steps], gpu[:n_steps], exact[:n_steps])
+        ]
+        for cpu_err, gpu_err, diff in errs:
+            assert gpu_err <= 1.15 * cpu_err, errs
+            assert diff <= cpu_err, errs
     if act is torch.float32:
         for x, y in zip(cpu[n_steps::3], gpu[n_steps::3]):  # drafted tokens
             assert torch.equal(x, y)

@@ -1,0 +1,48 @@
+"""`pytest --failure-log PATH` (the repository's conftest.py): each failing test's report is appended to
+PATH when it fails, not only in pytest's closing summary, so a GPU-machine run cut off by its time limit
+still says why its failures failed (benchmarks/gpu/run_engine_suite.sh's gputests step)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+TESTS = """
+def test_passes():
+    assert True
+
+def test_fails():
+    values = [1, 2]
+    assert sum(values) == 4, "the sum is off"
+
+def test_fails_in_setup(missing_fixture):
+    pass
+"""
+
+
+def test_failures_are_logged_as_they_happen(tmp_path):
+    (tmp_path / "test_sample.py").write_text(TESTS)
+    log = tmp_path / "failures.txt"
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest", "--rootdir", str(tmp_path),
+         "--failure-log", str(log), str(tmp_path / "test_sample.py")],
+        cwd=tmp_path, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
+    )  # fmt: skip
+    assert run.returncode == 1, run.stdout + run.stderr
+    text = log.read_text()
+    assert text.count("==== ") == 2, text  # once per failure, each written once
+    assert "test_sample.py::test_fails (call)" in text and "the sum is off" in text
+    assert "test_sample.py::test_fails_in_setup (setup)" in text and "missing_fixture" in text
+    assert "test_passes" not in text
+
+
+def test_no_log_without_the_option(tmp_path):
+    (tmp_path / "test_sample.py").write_text(TESTS)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest", "--rootdir", str(tmp_path),
+         str(tmp_path / "test_sample.py")],
+        cwd=tmp_path, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
+    )  # fmt: skip
+    assert run.returncode == 1
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["test_sample.py"]
