@@ -46,8 +46,9 @@ def test_settings_reject_unknown_backend():
 
 def test_compiled_static_step_equals_plain_bitwise(engine_model, monkeypatch):
     """Native numerics, engine model (FP32 master weights, BF16 activations, quantised KV): bucket 8
-    compiles, bucket 4 recompiles with symbolic sizes, bucket 8 again reuses a graph; every step's logits
-    are the plain static step's bit for bit. A traced `numerics.weight_as` would convert every master
+    compiles with the rows and table width symbolic, buckets 4, 8 and 2 and the next context tier reuse
+    that graph, bucket 1 compiles once (a size of 1 is specialised) and is reused at the next tier; every
+    step's logits are the plain static step's bit for bit. A traced `numerics.weight_as` would convert every master
     weight to BF16 inside the graph on every step: the compiled step must take the cached copies from
     outside its graph instead (the spy sees the conversions called at run time, never traced)."""
     monkeypatch.setenv("DEEPINFER_NUMERICS", "native")
@@ -77,7 +78,7 @@ def test_compiled_static_step_equals_plain_bitwise(engine_model, monkeypatch):
             s["n"] = n
         torch._dynamo.utils.counters.clear()
         graphs = []
-        for live in (7, 3, 5):  # buckets 8, 4, 8
+        for live in (7, 3, 5, 2, 1, 7, 3, 1):  # buckets 8, 4, 8, 2, 1, then the next tier: 8, 4, 1
             batch = batch_of(seqs[:live], [1] * live)
             conversions.clear()
             a, b = plain.execute(batch), compiled.execute(batch)
@@ -87,7 +88,14 @@ def test_compiled_static_step_equals_plain_bitwise(engine_model, monkeypatch):
             for s in seqs[:live]:
                 s["n"] += 1
             graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-        assert 0 < graphs[0] < graphs[1] == graphs[2], graphs  # compiled, recompiled, reused
+        # one graph for every bucket of 2 or more rows at every tier, one for bucket 1: before the sizes were
+        # marked dynamic (runtime/compiled.py), bucket 4 recompiled, and so did bucket 2 (a block size computed
+        # from the rows in `grouped_index_scores`) and each bucket at each new tier
+        assert graphs == [1, 1, 1, 1, 2, 2, 2, 2], graphs
+        tiers = {tier for _, tier in compiled.graphs.metas}
+        assert {b for b, _ in compiled.graphs.metas} == {1, 2, 4, 8} and len(tiers) == 2, (
+            compiled.graphs.metas
+        )
         # one graph per compile: the converted weights are read as graph inputs, the ops traced (the CPU
         # reference) or recorded as custom ops (top-k, RoPE frequencies, quantisation tables)
         assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0, torch._dynamo.utils.counters[

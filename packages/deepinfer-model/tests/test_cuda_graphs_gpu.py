@@ -204,8 +204,8 @@ def test_graph_replay_equals_eager_batch_invariant(path, engine_numerics, monkey
 
 def test_compiled_graph_replay_close_to_plain(path, monkeypatch):
     """`DecodeGraphSettings(compile="inductor")` (runtime/compiled.py): the static step compiled by
-    torch.compile, captured and replayed per bucket (8 compiles, 4 recompiles with symbolic sizes, 8 and 2
-    reuse it; padded rows in most steps), stays within the native mode's rounding noise of the
+    torch.compile, captured and replayed per bucket (8 compiles with the rows and table width symbolic, 4, 8
+    and 2 reuse it; padded rows in most steps), stays within the native mode's rounding noise of the
     uncompiled graphs and mostly picks the same greedy tokens. Inductor reduces in its own order, so the
     two differ by about as much as native differs from exact: on the CPU (tiny, 5 rows, first decode
     step) mean |compiled - plain| per row 0.009 .. 0.062 where |plain - exact| is 0.010 .. 0.046 and

@@ -8,8 +8,12 @@ between the compiled regions. The compiled step is then captured by `DecodeGraph
 plain one is: inductor's own CUDA graphs are off (mode "default"), the warm-up run before each capture
 compiles, so no compilation happens inside a capture.
 
-Shapes: the first bucket compiles for its shapes; the next one recompiles with the varying sizes (rows,
-block-table width) symbolic, after which every bucket and context tier reuses that graph.
+Shapes: the sizes that vary between graphs (the rows: the bucket; the block-table width: the context tier)
+are marked dynamic before the first compile, so one compile serves every bucket of two rows or more at
+every tier, and bucket 1 (a size of 1 is always specialised) compiles once more. Left to Dynamo's automatic
+dynamic shapes, the first bucket compiled for its sizes, the second recompiled with the rows symbolic, and
+each new tier recompiled both graphs (the table width still static): on the GPU every compile is minutes
+of inductor's code generation.
 
 Batch-invariant mode never uses it: generated reductions may split differently per shape, which would
 break the bitwise guarantee, so BI steps run the plain static step (`DecodeGraphRunner.forward`).
@@ -50,6 +54,17 @@ def compiled_static_forward(backend: str):
         # the step's index cache emptied before the region (the step empties it first thing as well): entered
         # with the last step's entries, the region's guard on the empty cache would fail and recompile
         meta.reset()
+        mark_graph_sizes_dynamic(meta)
         return compiled(model, meta, cache)
 
     return numerics.pinned(forward)
+
+
+def mark_graph_sizes_dynamic(meta) -> None:
+    """The rows (bucket) and block-table width (context tier) of a static step's metadata, symbolic in the
+    compile that first sees them. `maybe_mark_dynamic`: a size the traced code specialises (a size of 1, or a
+    Python value computed from it) stays a guard and recompiles instead of raising."""
+    for rows in (meta.input_ids, meta.positions, meta.write_slots, meta.logits_rows, meta.rows_index):
+        torch._dynamo.maybe_mark_dynamic(rows, 0)
+    torch._dynamo.maybe_mark_dynamic(meta.dev_tables, 0)
+    torch._dynamo.maybe_mark_dynamic(meta.dev_tables, 1)

@@ -617,10 +617,16 @@ def grouped_index_scores(
         limit = None if ratio is None else torch.div(g.q_pos + 1, ratio, rounding_mode="floor")
         out_dtype = act_dtype if narrow_act(act_dtype) else None
         return kernel(bmm_operand(qi[g.rows], op), keys, w, limit, out_dtype).reshape(-1, keys.shape[1])
-    block = max(1, SCORE_BLOCK_ELEMENTS // max(g.rows.shape[0] * n_heads * keys.shape[1], 1))
+    per_query = g.rows.shape[0] * n_heads * keys.shape[1]
+    if g.rows.shape[1] * per_query <= SCORE_BLOCK_ELEMENTS:
+        # one block (every decode step) without computing a block size: under torch.compile a size computed
+        # from the symbolic row count is specialised, which recompiled the compiled decode step per bucket
+        row_blocks = [g.rows]
+    else:
+        block = max(1, SCORE_BLOCK_ELEMENTS // max(per_query, 1))
+        row_blocks = [g.rows[:, lo : lo + block] for lo in range(0, g.rows.shape[1], block)]
     out = []
-    for lo in range(0, g.rows.shape[1], block):
-        rows = g.rows[:, lo : lo + block]
+    for rows in row_blocks:
         if nat:
             s = torch.relu(_shared_keys(bmm_operand(qi[rows], op), keys.transpose(1, 2)))
         else:
