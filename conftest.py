@@ -24,19 +24,29 @@ def pytest_addoption(parser):
         "(the GPU machine's calls) still shows why (pytest prints tracebacks only in its closing summary)",
     )
 
+    parser.addoption(
+        "--timing-log",
+        default=None,
+        metavar="PATH",
+        help="append each test phase (setup, call, teardown) of at least 1 s to PATH as it ends: "
+        "'seconds phase outcome nodeid', the slow tests of a run cut off before --durations prints them",
+    )
+
 
 def pytest_runtest_logreport(report):
     # under xdist every worker's reports reach the controller too: only the controller writes (set below)
-    path = _failure_log_path
-    if path and report.failed:
-        with open(path, "a") as f:
+    if _logs["failures"] and report.failed:
+        with open(_logs["failures"], "a") as f:
             f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+    if _logs["timings"] and report.duration >= 1.0:
+        with open(_logs["timings"], "a") as f:
+            f.write(f"{report.duration:8.1f} {report.when:8s} {report.outcome:7s} {report.nodeid}\n")
 
 
-_failure_log_path = None
+_logs = {"failures": None, "timings": None}
 
 
 def pytest_configure(config):
-    global _failure_log_path
     is_xdist_worker = hasattr(config, "workerinput")
-    _failure_log_path = None if is_xdist_worker else config.getoption("--failure-log")
+    for key, option in (("failures", "--failure-log"), ("timings", "--timing-log")):
+        _logs[key] = None if is_xdist_worker else config.getoption(option)

@@ -1,6 +1,7 @@
-"""`pytest --failure-log PATH` (the repository's conftest.py): each failing test's report is appended to
-PATH when it fails, not only in pytest's closing summary, so a GPU-machine run cut off by its time limit
-still says why its failures failed (benchmarks/gpu/run_engine_suite.sh's gputests step)."""
+"""`pytest --failure-log PATH` and `--timing-log PATH` (the repository's conftest.py): each failing test's
+report, and each test phase of a second or more, is appended to PATH as it ends, not only in pytest's
+closing summary, so a GPU-machine run cut off by its time limit still says why its failures failed and
+where its time went (benchmarks/gpu/run_engine_suite.sh's gputests step)."""
 
 import subprocess
 import sys
@@ -9,8 +10,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 TESTS = """
+import time
+
 def test_passes():
     assert True
+
+def test_slow():
+    time.sleep(1.1)
 
 def test_fails():
     values = [1, 2]
@@ -46,3 +52,17 @@ def test_no_log_without_the_option(tmp_path):
     )  # fmt: skip
     assert run.returncode == 1
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["test_sample.py"]
+
+
+def test_slow_phases_are_logged_as_they_end(tmp_path):
+    (tmp_path / "test_sample.py").write_text(TESTS)
+    log = tmp_path / "timings.txt"
+    subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest", "--rootdir", str(tmp_path),
+         "--timing-log", str(log), str(tmp_path / "test_sample.py")],
+        cwd=tmp_path, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
+    )  # fmt: skip
+    (line,) = log.read_text().splitlines()  # only the slow test's call phase took a second
+    seconds, phase, outcome, nodeid = line.split()
+    assert float(seconds) >= 1.1 and (phase, outcome) == ("call", "passed")
+    assert nodeid.endswith("test_sample.py::test_slow")

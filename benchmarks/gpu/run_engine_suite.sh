@@ -85,9 +85,10 @@ if has gputests; then  # after the DeepGEMM build (~2 min), so its tests run too
     # GPUTESTS_PATHS: the test files / folders (default: every package's tests)
     # -v: each test's outcome is logged as it ends, so a run cut off by the limit (no summary, no junit XML)
     # still names its failures; GPUTESTS_ARGS: more pytest options (e.g. -n 6, -k)
-    # --failure-log: each failure's traceback as it happens (pytest prints them only in its closing summary)
+    # --failure-log / --timing-log: each failure's traceback and each slow test phase as it happens (pytest
+    # prints them only in its closing summary)
     timeout "$lim" python3 -m pytest -m gpu -v -rfE --durations=15 -p no:cacheprovider -n 4 ${GPUTESTS_ARGS:-} \
-    --failure-log "$out/gputests_failures.txt" \
+    --failure-log "$out/gputests_failures.txt" --timing-log "$out/gputests_timings.txt" \
     --junitxml "$out/gputests.xml" \
     ${GPUTESTS_PATHS:-packages/deepinfer-model/tests packages/deepinfer/tests packages/deepinfer-structured/tests tests} > "$out/gputests.log" 2>&1 ) &
   pids+=($!)
@@ -103,6 +104,7 @@ for p in "${pids[@]}"; do wait "$p"; done
 for f in check_tiny gputests engine_tests; do [ -f "$out/$f.log" ] && { echo "== $f"; tail -25 "$out/$f.log"; }; done
 [ -f "$out/gputests.log" ] && { echo "== gputests failures so far"; grep -E "(FAILED|ERROR) " "$out/gputests.log" | cut -c1-240 | head -20; }
 [ -f "$out/gputests_failures.txt" ] && { echo "== gputests failure reports (tails)"; grep -E "^(====|E )" "$out/gputests_failures.txt" | cut -c1-400 | head -40; }
+[ -f "$out/gputests_timings.txt" ] && { echo "== gputests slowest phases (s)"; sort -rn "$out/gputests_timings.txt" | head -15 | cut -c1-200; }
 if has ppl; then
   el "decode PPL baselines: nvidia-sm90"
   DEEPINFER_DEVICE=cuda timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_repro_ppl_baseline.py --refresh-ppl-baseline \
