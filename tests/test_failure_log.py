@@ -27,14 +27,19 @@ def test_fails_in_setup(missing_fixture):
 """
 
 
-def test_failures_are_logged_as_they_happen(tmp_path):
+def _run_sample(tmp_path, *options: str) -> subprocess.CompletedProcess:
+    """pytest on TESTS in tmp_path with the repository's conftest.py loaded as a plugin."""
     (tmp_path / "test_sample.py").write_text(TESTS)
-    log = tmp_path / "failures.txt"
-    run = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest", "--rootdir", str(tmp_path),
-         "--failure-log", str(log), str(tmp_path / "test_sample.py")],
+         *options, str(tmp_path / "test_sample.py")],
         cwd=tmp_path, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
     )  # fmt: skip
+
+
+def test_failures_are_logged_as_they_happen(tmp_path):
+    log = tmp_path / "failures.txt"
+    run = _run_sample(tmp_path, "--failure-log", str(log))
     assert run.returncode == 1, run.stdout + run.stderr
     text = log.read_text()
     assert text.count("==== ") == 2, text  # once per failure, each written once
@@ -44,24 +49,13 @@ def test_failures_are_logged_as_they_happen(tmp_path):
 
 
 def test_no_log_without_the_option(tmp_path):
-    (tmp_path / "test_sample.py").write_text(TESTS)
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest", "--rootdir", str(tmp_path),
-         str(tmp_path / "test_sample.py")],
-        cwd=tmp_path, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
-    )  # fmt: skip
-    assert run.returncode == 1
+    assert _run_sample(tmp_path).returncode == 1
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["test_sample.py"]
 
 
 def test_slow_phases_are_logged_as_they_end(tmp_path):
-    (tmp_path / "test_sample.py").write_text(TESTS)
     log = tmp_path / "timings.txt"
-    subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest", "--rootdir", str(tmp_path),
-         "--timing-log", str(log), str(tmp_path / "test_sample.py")],
-        cwd=tmp_path, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
-    )  # fmt: skip
+    _run_sample(tmp_path, "--timing-log", str(log))
     (line,) = log.read_text().splitlines()  # only the slow test's call phase took a second
     seconds, phase, outcome, nodeid = line.split()
     assert float(seconds) >= 1.1 and (phase, outcome) == ("call", "passed")
