@@ -281,13 +281,15 @@ fi
 if has benchcompile; then  # engine decode with the compiled step, and without it in the same call
   for c in ${BENCH_COMPILE_MODES:-inductor none}; do
     el "bench decode: medium native, DEEPINFER_CUDAGRAPH_COMPILE=$c"
-    # TORCH_LOGS=recompiles: why each compile after the first happened (each a full inductor compile of the medium model)
-    TORCH_LOGS=${BENCH_TORCH_LOGS:-recompiles} \
+    # TORCH_LOGS: why each compile after the first happened (each a full inductor compile of the medium model)
+    # and where the traced step breaks into separate graphs (each compiled on its own)
+    TORCH_LOGS=${BENCH_TORCH_LOGS:-recompiles,graph_breaks} \
     DEEPINFER_CUDAGRAPH_COMPILE=$c DEEPINFER_NUMERICS=native timeout "${BENCH_LIMIT_S:-300}" python3 -m deepinfer.cli bench decode \
       --model "$medium" --max-model-len 1024 --decode-context 128 --device cuda --dtype bfloat16 --batches "${BENCH_COMPILE_BATCHES:-1,8,64,256}" \
       --nextn 0 --measure-steps 6 --no-progress --results-dir "$out" --name "bench_medium_gpu_decode_native_compile_$c" \
       > "$out/bench_medium_decode_compile_$c.log" 2>&1
     grep -A3 "__recompiles\] Recompiling" "$out/bench_medium_decode_compile_$c.log" | cut -c1-300 | head -24
+    echo "graph breaks logged: $(grep -c "__graph_breaks\]" "$out/bench_medium_decode_compile_$c.log")"
     tail -10 "$out/bench_medium_decode_compile_$c.log"; collect
   done
 fi
