@@ -202,29 +202,60 @@ def test_graph_replay_equals_eager_batch_invariant(path, engine_numerics, monkey
     graphs.close()
 
 
+class _ExactRunner:
+    """An eager runner whose steps run in exact numerics (FP64 carrier) inside a native-mode test."""
+
+    def __init__(self, runner: PagedRunner):
+        self.runner = runner
+
+    def execute(self, batch):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("DEEPINFER_NUMERICS", "exact")
+            return self.runner.execute(batch)
+
+    def close(self):
+        self.runner.close()
+
+
 def test_compiled_graph_replay_close_to_plain(path, monkeypatch):
     """`DecodeGraphSettings(compile="inductor")` (runtime/compiled.py): the static step compiled by
     torch.compile, captured and replayed per bucket (8 compiles with the rows and table width symbolic, 4, 8
-    and 2 reuse it; padded rows in most steps), stays within the native mode's rounding noise of the
-    uncompiled graphs and mostly picks the same greedy tokens. Inductor reduces in its own order, so the
-    two differ by about as much as native differs from exact: on the CPU (tiny, 5 rows, first decode
-    step) mean |compiled - plain| per row 0.009 .. 0.062 where |plain - exact| is 0.010 .. 0.046 and
-    |compiled - exact| 0.011 .. 0.055; a broken step (a wrong cache read) moves logits by ~1."""
+    and 2 reuse it; padded rows in most steps), is as close to the exact FP32 model as the uncompiled native
+    graphs are, and mostly picks their greedy tokens. Inductor reduces in its own order, so compiled and plain
+    differ by up to about as much as native differs from exact, which on this random tiny model is large (BF16
+    rounding alone moves its logits by ~0.14 relative; the GPU gave a mean |compiled - plain| of 0.30 in
+    sessions 15 and 16 against a fixed 0.1). So each step's mean |compiled - exact| is held to at most 1.5x
+    the plain step's mean |plain - exact| (+ 0.01). The same steps with inductor on the CPU (no capture):
+    |plain - exact| 0.125 / 0.181 / 0.160 / 0.230, |compiled - exact| 0.129 / 0.181 / 0.157 / 0.230,
+    |compiled - plain| 0.069 / 0.036 / 0.030 / 0.017, greedy tokens 18 of 18. A broken step (a wrong cache
+    read) moves logits by ~1."""
     monkeypatch.setenv("DEEPINFER_NUMERICS", "native")
     model = _model(path, engine_numerics=True)
     runners = [
         PagedRunner(model, NUM_BLOCKS, BLOCK, decode_graphs=DecodeGraphSettings(8, MAX_CTX, 4, compile=c))
         for c in (None, "inductor")
     ]
+    exact = _ExactRunner(PagedRunner(_model(path, engine_numerics=False), NUM_BLOCKS, BLOCK))
     steps = [5, 3, 8, 2]
-    results = _drive(runners, steps=steps)
+    results = _drive([*runners, exact], steps=steps)
     assert runners[1].graphs.replays == len(steps)
     assert sorted(runners[1].graphs.graphs) == [(b, MAX_CTX) for b in (2, 4, 8)]
-    agree = []
-    for n, (a, c) in zip(steps, results):
-        assert torch.isfinite(c).all()
-        assert float((c - a).abs().mean()) < 0.1, f"compiled replay far from the plain one at {n} tokens"
-        agree += (c.argmax(-1) == a.argmax(-1)).tolist()
-    assert sum(agree) >= 0.8 * len(agree), f"greedy tokens agree on {sum(agree)} of {len(agree)} rows"
-    for r in runners:
+
+    def mean_abs(x, y):
+        return round(float((x - y).abs().mean()), 4)
+
+    agree, errors = [], []  # errors: (|plain - exact|, |compiled - exact|, |compiled - plain|) per step
+    for plain, compiled, reference in results:
+        assert torch.isfinite(compiled).all()
+        errors.append((mean_abs(plain, reference), mean_abs(compiled, reference), mean_abs(compiled, plain)))
+        agree += (compiled.argmax(-1) == plain.argmax(-1)).tolist()
+    for plain_err, compiled_err, _ in errors:  # (every step's numbers in the message)
+        assert compiled_err <= 1.5 * plain_err + 0.01, (
+            "compiled replay farther from exact than plain",
+            errors,
+        )
+    assert sum(agree) >= 0.8 * len(agree), (
+        f"greedy tokens agree on {sum(agree)} of {len(agree)} rows; {errors}"
+    )
+    for r in (*runners, exact):
         r.close()
