@@ -25,6 +25,13 @@ def pytest_addoption(parser):
     )
 
     parser.addoption(
+        "--slow-first",
+        action="store_true",
+        default=False,
+        help="run the tests marked slow before the others (each group in collection order), so under "
+        "xdist the longest tests start at once instead of last, when a time limit may cut them off",
+    )
+    parser.addoption(
         "--timing-log",
         default=None,
         metavar="PATH",
@@ -50,3 +57,8 @@ def pytest_configure(config):
     is_xdist_worker = hasattr(config, "workerinput")
     for key, option in (("failures", "--failure-log"), ("timings", "--timing-log")):
         _logs[key] = None if is_xdist_worker else config.getoption(option)
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--slow-first"):  # (every xdist worker sorts its collection the same way)
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)

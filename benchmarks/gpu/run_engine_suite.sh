@@ -87,7 +87,8 @@ if has gputests; then  # after the DeepGEMM build (~2 min), so its tests run too
     # still names its failures; GPUTESTS_ARGS: more pytest options (e.g. -n 6, -k)
     # --failure-log / --timing-log: each failure's traceback and each slow test phase as it happens (pytest
     # prints them only in its closing summary)
-    timeout "$lim" python3 -m pytest -m gpu -v -rfE --durations=15 -p no:cacheprovider -n 4 ${GPUTESTS_ARGS:-} \
+    # --slow-first: the longest tests (marked slow) start at once rather than last, where the limit cut them off
+    timeout "$lim" python3 -m pytest -m gpu -v -rfE --durations=15 -p no:cacheprovider -n 4 --slow-first ${GPUTESTS_ARGS:-} \
     --failure-log "$out/gputests_failures.txt" --timing-log "$out/gputests_timings.txt" \
     --junitxml "$out/gputests.xml" \
     ${GPUTESTS_PATHS:-packages/deepinfer-model/tests packages/deepinfer/tests packages/deepinfer-structured/tests tests} > "$out/gputests.log" 2>&1 ) &

@@ -217,6 +217,7 @@ class _ExactRunner:
         self.runner.close()
 
 
+@pytest.mark.slow  # inductor compiles the step: minutes on the GPU machine (--slow-first starts it first)
 def test_compiled_graph_replay_close_to_plain(path, monkeypatch):
     """`DecodeGraphSettings(compile="inductor")` (runtime/compiled.py): the static step compiled by
     torch.compile, captured and replayed per bucket (8 compiles with the rows and table width symbolic, 4, 8

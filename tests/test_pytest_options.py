@@ -1,7 +1,8 @@
-"""`pytest --failure-log PATH` and `--timing-log PATH` (the repository's conftest.py): each failing test's
-report, and each test phase of a second or more, is appended to PATH as it ends, not only in pytest's
-closing summary, so a GPU-machine run cut off by its time limit still says why its failures failed and
-where its time went (benchmarks/gpu/run_engine_suite.sh's gputests step)."""
+"""The repository's pytest options (conftest.py), for runs a time limit may cut off (the GPU machine's
+calls, benchmarks/gpu/run_engine_suite.sh's gputests step): `--failure-log PATH` and `--timing-log PATH`
+append each failing test's report, and each test phase of a second or more, to PATH as it ends, not only
+in pytest's closing summary, so a cut-off run still says why its failures failed and where its time went;
+`--slow-first` starts the tests marked slow first."""
 
 import subprocess
 import sys
@@ -11,10 +12,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 TESTS = """
 import time
+import pytest
 
 def test_passes():
     assert True
 
+@pytest.mark.slow
 def test_slow():
     time.sleep(1.1)
 
@@ -60,3 +63,12 @@ def test_slow_phases_are_logged_as_they_end(tmp_path):
     seconds, phase, outcome, nodeid = line.split()
     assert float(seconds) >= 1.1 and (phase, outcome) == ("call", "passed")
     assert nodeid.endswith("test_sample.py::test_slow")
+
+
+def test_slow_tests_run_first(tmp_path):
+    def order(*options):  # the run order: the collection after every hook
+        run = _run_sample(tmp_path, "--collect-only", *options)
+        return [line.split("::")[1] for line in run.stdout.splitlines() if "::test_" in line]
+
+    assert order() == ["test_passes", "test_slow", "test_fails", "test_fails_in_setup"]
+    assert order("--slow-first") == ["test_slow", "test_passes", "test_fails", "test_fails_in_setup"]
