@@ -23,20 +23,19 @@ def pytest_addoption(parser):
         help="append each failing test's report to PATH as soon as it fails, so a run cut off by a time limit "
         "(the GPU machine's calls) still shows why (pytest prints tracebacks only in its closing summary)",
     )
-
-    parser.addoption(
-        "--slow-first",
-        action="store_true",
-        default=False,
-        help="run the tests marked slow before the others (each group in collection order), so under "
-        "xdist the longest tests start at once instead of last, when a time limit may cut them off",
-    )
     parser.addoption(
         "--timing-log",
         default=None,
         metavar="PATH",
         help="append each test phase (setup, call, teardown) of at least 1 s to PATH as it ends: "
         "'seconds phase outcome nodeid', the slow tests of a run cut off before --durations prints them",
+    )
+    parser.addoption(
+        "--slow-first",
+        action="store_true",
+        default=False,
+        help="run the tests marked slow before the others (each group in collection order), so under "
+        "xdist the longest tests start at once instead of last, when a time limit may cut them off",
     )
 
 
