@@ -84,7 +84,8 @@ if has gputests; then  # after the DeepGEMM build (~2 min), so its tests run too
   ( wait_pid() { while kill -0 "$1" 2>/dev/null; do sleep 2; done; }; wait_pid "$deep_gemm_pid"
     # GPUTESTS_PATHS: the test files / folders (default: every package's tests)
     # -v: each test's outcome is logged as it ends, so a run cut off by the limit (no summary, no junit XML)
-    # still names its failures; GPUTESTS_ARGS: more pytest options (e.g. -n 6, -k)
+    # still names its failures; GPUTESTS_ARGS: more pytest options (e.g. -n 6, -k, @file of --deselect=ID lines);
+    # GPUTESTS_SOLO: a test run on its own beside them (below)
     # --failure-log / --timing-log: each failure's traceback and each slow test phase as it happens (pytest
     # prints them only in its closing summary)
     # --slow-first: the longest tests (marked slow) start at once rather than last, where the limit cut them off
@@ -93,6 +94,13 @@ if has gputests; then  # after the DeepGEMM build (~2 min), so its tests run too
     --junitxml "$out/gputests.xml" \
     ${GPUTESTS_PATHS:-packages/deepinfer-model/tests packages/deepinfer/tests packages/deepinfer-structured/tests tests} > "$out/gputests.log" 2>&1 ) &
   pids+=($!)
+  if [ -n "${GPUTESTS_SOLO:-}" ]; then  # one test in a process of its own, beside the others: its output
+    # uncaptured (-s) with TORCH_LOGS (each Dynamo compile step, recompiles and graph breaks, time-stamped),
+    # and every thread's stack dumped by pytest-timeout if it is still running 20 s before the step's limit
+    TORCH_LOGS=${SOLO_TORCH_LOGS:-dynamo,recompiles,graph_breaks} timeout "$lim" python3 -m pytest -m gpu -s -v \
+      -p no:cacheprovider --timeout=$((lim - 20)) --timeout-method=thread $GPUTESTS_SOLO > "$out/gputests_solo.log" 2>&1 &
+    pids+=($!)
+  fi
 fi
 if has engine; then
   # (not distributed: the data-parallel engine needs a GPU per rank; run_multi_gpu_suite.sh's engine step runs it)
@@ -105,6 +113,7 @@ for p in "${pids[@]}"; do wait "$p"; done
 for f in check_tiny gputests engine_tests; do [ -f "$out/$f.log" ] && { echo "== $f"; tail -25 "$out/$f.log"; }; done
 [ -f "$out/gputests.log" ] && { echo "== gputests failures so far"; grep -E "(FAILED|ERROR) " "$out/gputests.log" | cut -c1-240 | head -20; }
 [ -f "$out/gputests_failures.txt" ] && { echo "== gputests failure reports (tails)"; grep -E "^(====|E )" "$out/gputests_failures.txt" | cut -c1-400 | head -40; }
+[ -f "$out/gputests_solo.log" ] && { echo "== gputests solo: $GPUTESTS_SOLO"; grep -E "(PASSED|FAILED|ERROR|Timeout|Step [0-9]|Recompil|Graph break|^E )" "$out/gputests_solo.log" | cut -c1-300 | tail -40; }
 [ -f "$out/gputests_timings.txt" ] && { echo "== gputests slowest phases (s)"; sort -rn "$out/gputests_timings.txt" | head -15 | cut -c1-200; }
 if has ppl; then
   el "decode PPL baselines: nvidia-sm90"

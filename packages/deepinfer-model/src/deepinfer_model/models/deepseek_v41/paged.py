@@ -394,7 +394,8 @@ def v41_paged_forward(
     `yoco_keep_tokens` / `yoco_mode` / `yoco_prompt_len`, bitwise).
     """
     cfg, w, act = model.config, model.weights, model.act_dtype
-    moe_fn = moe_fn or model.moe_fn
+    if moe_fn is None:  # (not `moe_fn or ...`: Dynamo before torch 2.15 cannot take the truth of a nested
+        moe_fn = model.moe_fn  # function and breaks the compiled decode step's graph there)
     static = isinstance(meta, StaticDecodeMetadata)
     rows = (_static_engram_rows if static else _engram_rows)(model, meta, cache) if model.engram else {}
     st = _StepState(meta, yoco, None if static else query_block_rows(model, meta))
