@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from deepinfer_model.compile_boundary import as_custom_op, outside_compiled_graph
+from deepinfer_model.compile_boundary import as_custom_op, custom_op_overloads, outside_compiled_graph
 from deepinfer_model.ops import compiled_ops, get_ops
 from deepinfer_model.ops import registry as reg
+from deepinfer_model.runtime.compiled import register_inductor_fallbacks
 
 
 def _inputs() -> dict[str, tuple[tuple, dict]]:
@@ -142,6 +143,44 @@ def test_custom_op_outputs_never_alias_inputs():
     x = torch.arange(6.0).reshape(2, 3)
     out = op(x)
     assert torch.equal(out, x.view(-1)) and out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+
+
+def test_inductor_takes_each_custom_op_as_a_fallback_registered_before_it_compiles():
+    """`runtime.compiled.register_inductor_fallbacks`: every custom op made so far is an inductor lowering
+    before a compile meets it (left to inductor, torch 2.11 formatted each first call's argument IR as a
+    tree, which doubled per layer of the decode step: its compile never ended), and an inductor-compiled
+    region chaining a reading op through a writing one, with a shared input, gives the eager result."""
+    from torch._inductor import lowering
+
+    double = as_custom_op(
+        "deepinfer::test_fallback_double",
+        lambda x: x * 2,
+        "(Tensor x) -> Tensor",
+        lambda x: torch.empty_like(x),
+    )
+
+    def add_one_(x):
+        x.add_(1)
+
+    bump = as_custom_op("deepinfer::test_fallback_bump_", add_one_, "(Tensor(a!) x) -> ()", lambda x: None)
+    ours = custom_op_overloads()
+    for op in (
+        torch.ops.deepinfer.test_fallback_double.default,
+        torch.ops.deepinfer.test_fallback_bump_.default,
+    ):
+        assert op in ours and op not in lowering.lowerings
+    register_inductor_fallbacks()
+    assert all(op in lowering.lowerings for op in ours)
+
+    def region(x):
+        y = double(x)
+        bump(y)
+        return double(y + x) * 3  # (x reaches the last op by two paths)
+
+    x = torch.randint(-50, 50, (2, 8)).float()  # (integers: the closed form below is exact)
+    torch._dynamo.reset()
+    got = torch.compile(region, backend="inductor", fullgraph=True)(x.clone())
+    assert torch.equal(got, region(x.clone())) and torch.equal(got, (x * 3 + 1) * 6)
 
 
 def test_nvidia_table_records_the_decode_ops_as_custom_ops():

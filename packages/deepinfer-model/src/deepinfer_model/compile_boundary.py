@@ -74,6 +74,15 @@ def as_custom_op(qualname: str, fn: Callable, schema: str, fake: Callable) -> Ca
     return op
 
 
+def custom_op_overloads() -> list:
+    """The `OpOverload` of every op `as_custom_op` has made so far (what a compiled graph's nodes call)."""
+    ops = []
+    for qualname in _CUSTOM_OPS:
+        namespace, name = qualname.split("::")
+        ops.append(getattr(getattr(torch.ops, namespace), name).default)
+    return ops
+
+
 def _written_args(schema: str) -> tuple[str, ...]:
     """The arguments `schema` ("(Tensor(a!) x, ...) -> ...") marks as written."""
     parsed = torch._C.parse_schema(f"deepinfer::schema{schema}")

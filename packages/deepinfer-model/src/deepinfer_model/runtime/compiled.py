@@ -26,6 +26,7 @@ import functools
 import torch
 
 from .. import numerics
+from ..compile_boundary import custom_op_overloads
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 # every (bucket, tier) of a deployment may need a guard set of its own before shapes go symbolic
@@ -51,6 +52,8 @@ def compiled_static_forward(backend: str):
 
     @functools.wraps(v41_static_decode_forward)
     def forward(model, meta, cache):
+        if backend == "inductor":
+            register_inductor_fallbacks()
         # the step's index cache emptied before the region (the step empties it first thing as well): entered
         # with the last step's entries, the region's guard on the empty cache would fail and recompile
         meta.reset()
@@ -58,6 +61,24 @@ def compiled_static_forward(backend: str):
         return compiled(model, meta, cache)
 
     return numerics.pinned(forward)
+
+
+def register_inductor_fallbacks() -> None:
+    """Each of our custom ops (`compile_boundary.as_custom_op`) registered with inductor as a fallback (a call
+    of the op itself) before a compile lowers it. Left to inductor, an op without a lowering is registered
+    when its first call is lowered, and torch before 2.15 first formats that call's arguments for an info
+    log even when the log is off: each input's IR printed as a tree, which re-prints every shared input. The
+    step's custom ops chain through all layers (each layer's trunk feeds two of them), so the text doubles
+    per layer: with torch 2.11 the tiny model's compile spent >9 min in that formatting on the CPU and never
+    finished within a GPU call's limit. Registered here, with the layout constraint inductor would pick, the
+    lowering takes the same fallback without the log."""
+    from torch._inductor import lowering
+    from torch._library.utils import get_layout_constraint_tag
+
+    for op in custom_op_overloads():
+        if op not in lowering.lowerings:
+            tag = get_layout_constraint_tag(op, with_default=True)
+            lowering.make_fallback(op, layout_constraint=lowering.tag_to_layout_constraint(tag), warn=False)
 
 
 def mark_graph_sizes_dynamic(meta) -> None:
