@@ -90,7 +90,9 @@ def main() -> None:
                             "tbps": moved / us / 1e6, "fraction_of_copy_bw": moved / us / 1e6 / ceiling,
                             "copy_bw_tbps": ceiling, "max_rel_err": err})  # fmt: skip
     for r in records:
-        base = next(x["us_per_call"] for x in records if x["batch"] == r["batch"] and x["impl"] == "grouped_mm")
+        base = next(
+            x["us_per_call"] for x in records if x["batch"] == r["batch"] and x["impl"] == "grouped_mm"
+        )
         r["speedup_vs_grouped_mm"] = base / r["us_per_call"]
     table = Table(title=f"expert_swiglu on {torch.cuda.get_device_name()} ({e} experts {inter}x{hidden}, top-{k}; "
                         f"copy {ceiling:.2f} TB/s)")  # fmt: skip
