@@ -29,6 +29,8 @@
 # medium native prefill at PREFILL_CHUNKS (default 4k / 16k / 64k), then the gpu tests of the ops it changed
 # (PREFILL_TESTS=0 skips them, PREFILL_TEST_K selects); PREFILL_PROFILE_CHUNK=N profiles one more N-token chunk in the engine, with Python frames, and lists the device's idle gaps
 # in it with trace_gaps.py),
+# syncs (find_host_syncs.py: every host sync of one medium native request, by call site; SYNC_TOKENS,
+# SYNC_MAX_TOKENS),
 # Modifiers: nodecode / noprefill (bench: only the other half).
 # Results: $OUT (device tool) or benchmarks/results; logs in engine_logs.tar.gz.
 set -uo pipefail
@@ -62,7 +64,7 @@ deep_gemm_pid=$!
 medium=/tmp/medium-v41
 src=$(ls -d "$repo"/packages/*/src | grep -v deepinfer-sched | tr '\n' ':')
 export PYTHONPATH="/tmp/sched-site:${src}/tmp/pysite:$PYTHONPATH"
-if has medium || has bench || has profile || has profstep || has long || has profprefill || has compile || has benchcompile || has devfeed || has where || has traced || has moe || has customops || has prefill; then
+if has medium || has bench || has profile || has profstep || has long || has profprefill || has compile || has benchcompile || has devfeed || has where || has traced || has moe || has customops || has prefill || has syncs; then
   python3 benchmarks/gpu/make_medium_checkpoint.py "$medium" > "$out/medium_checkpoint.log" 2>&1 &
   medium_pid=$!
 fi
@@ -122,7 +124,7 @@ if has ppl; then
   DEEPINFER_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_repro_ppl_baseline.py > "$out/ppl_check.log" 2>&1
   tail -3 "$out/ppl_check.log"; cp tests/models/offline_decode_ppl.json "$out/offline_decode_ppl.json"
 fi
-if has medium || has bench || has profile || has profstep || has long || has profprefill || has compile || has benchcompile || has devfeed || has where || has traced || has moe || has customops || has prefill; then
+if has medium || has bench || has profile || has profstep || has long || has profprefill || has compile || has benchcompile || has devfeed || has where || has traced || has moe || has customops || has prefill || has syncs; then
   wait "$medium_pid"; cat "$out/medium_checkpoint.log"
 fi
 if has medium; then
@@ -330,6 +332,13 @@ if has profprefill; then
     --dtype bfloat16 --modes default --batches 1 --context "${PROF_CONTEXT:-16384}" --repeats 2 --top 40 \
     --out "$out/profile_prefill_step_medium_native.json" > "$out/profile_prefill_step_medium.log" 2>&1
   tail -8 "$out/profile_prefill_step_medium.log"; collect
+fi
+if has syncs; then  # every host sync of one medium native request (SYNC_TOKENS prompt tokens, SYNC_MAX_TOKENS generated)
+  el "host syncs: medium native, ${SYNC_TOKENS:-16384} prompt tokens"
+  DEEPINFER_NUMERICS=native PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${SYNC_LIMIT_S:-200}" \
+    python3 benchmarks/gpu/find_host_syncs.py --model "$medium" --tokens "${SYNC_TOKENS:-16384}" \
+    --max-tokens "${SYNC_MAX_TOKENS:-1}" --out "$out/find_host_syncs_medium_native.json" > "$out/find_host_syncs.log" 2>&1
+  tail -40 "$out/find_host_syncs.log"; collect
 fi
 if has traced; then  # the compiled decode step with each set of traced ops (DEEPINFER_COMPILE_TRACED_OPS)
   i=0
