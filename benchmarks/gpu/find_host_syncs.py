@@ -66,10 +66,11 @@ def main() -> None:
         device="cuda",
         dtype=args.dtype,
     )
-    prompt = np.random.default_rng(0).integers(1000, 90_000, args.tokens).tolist()
+    rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
 
     def request() -> float:
+        prompt = rng.integers(1000, 90_000, args.tokens).tolist()  # a new prompt: no cached prefix
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         out = llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from deepinfer_model.runtime.device import to_device
 from deepinfer_model.sampling import RowParams, TokenBitmask, filtered_probs, masked_logits
@@ -93,7 +94,10 @@ def verify_logits(
     target = masked.double()
     sampled = [i for i, r in enumerate(rows) if not r.greedy]
     if sampled:
-        target[sampled] = filtered_probs(masked[sampled], [rows[i] for i in sampled]).double()
+        # a Python-list index would be a pageable host->device copy, which waits for the forward to finish
+        # before the sampler's kernels are launched (find_host_syncs.py); a pinned index does not
+        at = to_device(np.asarray(sampled, dtype=np.int64), target.device)
+        target[at] = filtered_probs(masked[at], [rows[i] for i in sampled]).double()
     ks = [len(inp.drafts) for inp in inputs]
     draft_probs = None
     if any(inp.draft_probs is not None for inp in inputs):
