@@ -106,8 +106,9 @@ if has gputests; then  # after the DeepGEMM build (~2 min), so its tests run too
 fi
 if has engine; then
   # (not distributed: the data-parallel engine needs a GPU per rank; run_multi_gpu_suite.sh's engine step runs it)
+  # (ENGINE_TESTS_K: a pytest -k expression to run part of them)
   DEEPINFER_DEVICE=cuda timeout "$lim" python3 -m pytest -q -p no:cacheprovider -n 6 -m "not slow and not long_context and not distributed" \
-    --junitxml "$out/engine_tests.xml" packages/deepinfer/tests > "$out/engine_tests.log" 2>&1 &
+    ${ENGINE_TESTS_K:+-k "$ENGINE_TESTS_K"} --junitxml "$out/engine_tests.xml" packages/deepinfer/tests > "$out/engine_tests.log" 2>&1 &
   pids+=($!)
 fi
 el "waiting for check / gputests / engine (limit ${lim}s each)"
