@@ -2,8 +2,8 @@
 
 A host sync drains the GPU's queue; whatever the host launches next runs with the device idle until the host
 is ahead again, which is where the idle gaps of `trace_gaps.py` come from. This script runs one warm-up
-request of `--tokens` prompt tokens through `LLM.generate`, then the same request again under
-`torch.cuda.set_sync_debug_mode("warn")`, and lists each synchronizing call (a device->host copy, `.item()`,
+request of `--tokens` prompt tokens through `LLM.generate`, then one more of the same length (each with a
+new prompt, so no prefix is cached), then a third under `torch.cuda.set_sync_debug_mode("warn")`, and lists each synchronizing call (a device->host copy, `.item()`,
 `.tolist()`, `nonzero`, a pageable host->device copy, ...) by the innermost frame in our packages, with the
 frames above it and how many times per request it ran.
 
@@ -82,7 +82,7 @@ def main() -> None:
     plain_ms = request()
     sites: Counter = Counter()
     above: dict[tuple[str, str], str] = {}
-    seen_show = warnings.showwarning
+    seen_show = warnings.showwarning  # (catch_warnings puts it back on exit)
 
     def record(message, category, filename, lineno, file=None, line=None):
         if "synchronizing CUDA operation" not in str(message):
@@ -92,7 +92,6 @@ def main() -> None:
         sites[key] += 1
         above.setdefault(key, callers)
 
-    warnings.showwarning = record
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = record
@@ -101,7 +100,6 @@ def main() -> None:
             debug_ms = request()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    warnings.showwarning = seen_show
 
     records = [
         {"site": site, "message": msg, "callers": above[(site, msg)], "syncs_per_request": n,

@@ -44,6 +44,10 @@ collect() {
 trap collect EXIT
 steps=${*:-check gputests engine ppl medium bench}
 has() { [[ " $steps " == *" $1 "* ]]; }
+needs_medium() {  # the steps that run the medium checkpoint (made once, in the background, below)
+  local s; for s in medium bench profile profstep long profprefill compile benchcompile devfeed where traced moe \
+    customops prefill syncs; do has "$s" && return 0; done; return 1
+}
 export PYTHONUNBUFFERED=1 HOME=${HOME:-/root} OMP_NUM_THREADS=16
 # the NVIDIA build: deepinfer-sched records it and the op registry serves CUDA tensors with the NVIDIA ops
 # (TileLang norm / RoPE / mHC, DeepGEMM); DEEPINFER_ACCELERATOR=cpu runs the torch reference ops on CUDA
@@ -64,7 +68,7 @@ deep_gemm_pid=$!
 medium=/tmp/medium-v41
 src=$(ls -d "$repo"/packages/*/src | grep -v deepinfer-sched | tr '\n' ':')
 export PYTHONPATH="/tmp/sched-site:${src}/tmp/pysite:$PYTHONPATH"
-if has medium || has bench || has profile || has profstep || has long || has profprefill || has compile || has benchcompile || has devfeed || has where || has traced || has moe || has customops || has prefill || has syncs; then
+if needs_medium; then
   python3 benchmarks/gpu/make_medium_checkpoint.py "$medium" > "$out/medium_checkpoint.log" 2>&1 &
   medium_pid=$!
 fi
@@ -125,7 +129,7 @@ if has ppl; then
   DEEPINFER_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_repro_ppl_baseline.py > "$out/ppl_check.log" 2>&1
   tail -3 "$out/ppl_check.log"; cp tests/models/offline_decode_ppl.json "$out/offline_decode_ppl.json"
 fi
-if has medium || has bench || has profile || has profstep || has long || has profprefill || has compile || has benchcompile || has devfeed || has where || has traced || has moe || has customops || has prefill || has syncs; then
+if needs_medium; then
   wait "$medium_pid"; cat "$out/medium_checkpoint.log"
 fi
 if has medium; then
