@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-# per phase: the record key that names a configuration and the time measured for it
+# per phase: the record key that names a configuration and the time measured for it (both in ms)
 KEYS = {"decode": ("batch", "ms_per_step"), "prefill": ("chunk_tokens", "chunk_latency_ms")}
 
 
@@ -56,10 +56,9 @@ def main() -> None:
     print(f"{'phase':8} {'size':>6} {'baseline':>10} {'current':>10} {'current/baseline':>17}")
     for r in rows:
         size_key, time_key = KEYS[r["phase"]]
-        unit = time_key.rsplit("_", 1)[-1]
         print(
-            f"{r['phase']:8} {r[size_key]:>6} {r[f'baseline_{time_key}']:>8.2f}{unit:>2} "
-            f"{r[f'current_{time_key}']:>8.2f}{unit:>2} {r['current_over_baseline']:>17.3f}"
+            f"{r['phase']:8} {r[size_key]:>6} {r[f'baseline_{time_key}']:>8.2f}ms "
+            f"{r[f'current_{time_key}']:>8.2f}ms {r['current_over_baseline']:>17.3f}"
         )
     if args.output:
         args.output.write_text(json.dumps(rows, indent=1) + "\n")
