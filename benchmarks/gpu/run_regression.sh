@@ -8,7 +8,8 @@
 #
 # Needs `.gpu/` (bundle.tar.xz, setup.sh, pysite.tar.xz: see README.md here). The medium checkpoint is made
 # once, by this tree's generator, and both trees load it. Knobs: REGRESS_BATCHES (1,8,64), REGRESS_CHUNK
-# (16384), REGRESS_STEPS (measured decode steps, 12), REGRESS_LIMIT_S (per bench run, 150).
+# (16384), REGRESS_STEPS (measured decode steps, 12), REGRESS_ROUNDS (decode runs per tree, interleaved, 2),
+# REGRESS_LIMIT_S (per bench run, 150).
 # Results: $OUT (device tool) or benchmarks/results: regression_{decode,prefill}_{baseline,current}.json and
 # regression.json (one record per configuration with both times and their ratio).
 set -uo pipefail
@@ -39,21 +40,25 @@ for tag in baseline current; do  # each tree's own C++ scheduler (its step outpu
 done
 wait "$medium_pid" || { tail -20 "$out/medium_checkpoint.log"; exit 1; }
 el "$(tail -1 "$out/medium_checkpoint.log")"
-run() {  # run TAG MODE ARGS...: one bench of one tree
-  local tag=$1 mode=$2; shift 2
+run() {  # run TAG MODE NAME ARGS...: one bench of one tree, its results named NAME
+  local tag=$1 mode=$2 name=$3; shift 3
   local tree; tree=$([ "$tag" = baseline ] && echo "$baseline" || echo "$current")
-  el "bench $mode: $tag"
+  el "bench $mode: $name"
   (cd "$tree" && PYTHONPATH="/tmp/sched-$tag:$(src_path "$tree")/tmp/pysite:$base_path" \
     timeout "${REGRESS_LIMIT_S:-150}" python3 -m deepinfer.cli bench "$mode" --model "$medium" --device cuda \
-    --dtype bfloat16 --no-progress --no-plot --results-dir "$out" --name "regression_${mode}_$tag" "$@") \
-    > "$out/regression_${mode}_$tag.log" 2>&1
-  tail -8 "$out/regression_${mode}_$tag.log"
+    --dtype bfloat16 --no-progress --no-plot --results-dir "$out" --name "$name" "$@") \
+    > "$out/$name.log" 2>&1
+  tail -8 "$out/$name.log"
 }
 dec=(--max-model-len 1024 --decode-context 128 --batches "${REGRESS_BATCHES:-1,8,64}" --nextn 0
      --measure-steps "${REGRESS_STEPS:-12}")
 pre=(--max-model-len 20480 --max-num-seqs 1 --chunks "${REGRESS_CHUNK:-16384}" --prefill-repeats 2)
-run baseline decode "${dec[@]}"; run current decode "${dec[@]}"
-PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run baseline prefill "${pre[@]}"
-PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run current prefill "${pre[@]}"
+for round in $(seq "${REGRESS_ROUNDS:-2}"); do  # decode interleaved: drift of the card shows as spread
+  sfx=$([ "$round" = 1 ] || echo "_$round")
+  for tag in baseline current; do run $tag decode "regression_decode_$tag$sfx" "${dec[@]}"; done
+done
+for tag in baseline current; do
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run $tag prefill "regression_prefill_$tag" "${pre[@]}"
+done
 python3 benchmarks/gpu/compare_trees.py "$out" --output "$out/regression.json"
 el "done"
