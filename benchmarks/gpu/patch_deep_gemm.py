@@ -1,6 +1,6 @@
 """Work around DeepGEMM 2.8.2's first-call segfault on the GPU machine (build-time source patch).
 
-Seen on an H200 (2026-11-29, faulthandler + DeepGEMM's own symbolised trace): the crash is inside
+Seen on an H200 (faulthandler + DeepGEMM's own symbolised trace): the crash is inside
 `deep_jit::CUDA::get_compiler_info()` (third-party/deep_jit/.../backend/cuda/backend.hpp), in the
 `std::regex` that parses `nvcc --version`: the first thing the JIT runtime does on any GEMM call.
 This rewrites that parse with `std::string::find` + `sscanf` (same result) before the build.

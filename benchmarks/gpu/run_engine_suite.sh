@@ -25,7 +25,7 @@
 # moe (the routed experts' Triton kernels: gpu tests, bench_expert_swiglu.py, the graphed decode step with
 # DEEPINFER_TRITON_MOE_MAX_PAIRS=0 and the default; MOE_COMPILE=inductor compiles it, MOE_BATCHES picks the batches),
 # customops (the compiled decode step with DEEPINFER_COMPILE_CUSTOM_OPS=1, its graph breaks by reason, then =0),
-# prefill (session 17's prefill kernels: their micro benches with in-run baselines (PREFILL_MICRO=0 skips them),
+# prefill (the prefill kernels: their micro benches with in-run baselines (PREFILL_MICRO=0 skips them),
 # medium native prefill at PREFILL_CHUNKS (default 4k / 16k / 64k), then the gpu tests of the ops it changed
 # (PREFILL_TESTS=0 skips them, PREFILL_TEST_K selects); PREFILL_PROFILE_CHUNK=N profiles one more N-token chunk in the engine, with Python frames, and lists the device's idle gaps
 # in it with trace_gaps.py),
@@ -250,7 +250,7 @@ if has long; then  # the 64k chunk runs the attention's query side in row blocks
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_repro_paged_batch_invariant.py -k row_blocked \
     > "$out/row_block_tests.log" 2>&1; tail -3 "$out/row_block_tests.log"
 fi
-if has prefill; then  # the prefill kernels of session 17: micro benches, the medium prefill chunks, then the gpu tests
+if has prefill; then  # the prefill kernels: micro benches, the medium prefill chunks, then the gpu tests
   if [ "${PREFILL_MICRO:-1}" != 0 ]; then  # (PREFILL_MICRO=0: not the micro benches)
   el "prefill kernels: index scores, top-k selection (each against its in-run baseline)"
   timeout 150 python3 benchmarks/gpu/bench_index_scores.py --configs ${INDEX_CONFIGS:-legacy k256_n64} \

@@ -1,6 +1,6 @@
 """Where the device waits for the host in a torch profiler trace: its idle gaps, and the host calls that block.
 
-A prefill chunk's wall time exceeds its summed kernel time (session 19: 123.6 ms against 113.6 ms of device
+A prefill chunk's wall time exceeds its summed kernel time (on an H200: 123.6 ms against 113.6 ms of device
 time at 16k tokens). This reads the chrome trace `deepinfer bench ... --profile-prefill-chunk N` writes
 (`profiles/prefill_chunkN.json`) and lists:
 - the device's idle gaps of at least `--min-gap-us` (between kernels, copies and memsets, merged over

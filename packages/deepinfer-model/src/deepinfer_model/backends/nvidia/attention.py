@@ -2,7 +2,7 @@
 FP8 cache, both with attention sinks.
 
 `flash_mla_sparse_fwd(..., use_legacy=True)` (prefill) takes d_qk = 512 with 64 or 128 heads and a top-k
-that is a multiple of 128 (measured on an H200, 2026-12-01: d_qk 512 / 576, h 64 / 128, top-k 640 and 2048
+that is a multiple of 128 (measured on an H200: d_qk 512 / 576, h 64 / 128, top-k 640 and 2048
 run, 600 fails the kernel's `topk % (2 * B_TOPK)` assertion; 2.1e-3 relative error against an FP32
 reference, 500-650 TFLOP/s).
 

@@ -12,7 +12,7 @@ Compiled per (m, H or iters, dtypes); the token count is dynamic. Plain `.py` (T
 
 # No `from __future__ import annotations` here: TileLang evaluates the kernel's string annotations
 # with only the names its body uses in scope, so a shape or dtype named only in an annotation
-# (e.g. the input dtype) raised NameError on the H200 (2026-11-29). Eager annotations avoid that.
+# (e.g. the input dtype) raised NameError on the GPU. Eager annotations avoid that.
 
 import functools
 import importlib.util

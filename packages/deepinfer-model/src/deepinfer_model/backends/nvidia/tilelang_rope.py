@@ -16,7 +16,7 @@ TileLang reads the kernel function's source, so this must stay a plain `.py` mod
 
 # No `from __future__ import annotations` here: TileLang evaluates the kernel's string annotations
 # with only the names its body uses in scope, so a shape or dtype named only in an annotation
-# (e.g. the input dtype) raised NameError on the H200 (2026-11-29). Eager annotations avoid that.
+# (e.g. the input dtype) raised NameError on the GPU. Eager annotations avoid that.
 
 import functools
 
@@ -164,7 +164,7 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: 
     if x.numel() and 2 * half == channels:
         # every channel rotated: nothing to spare, and `apply_rope`'s whole-row kernel (`rope_rows_full`) is
         # contracted differently by nvcc, so the tail kernel's FP32 results differed from it in the last bit
-        # (H100, 2026-12-06): its output, copied back, keeps the in-place op bit for bit the out-of-place one
+        # (seen on an H100): its output, copied back, keeps the in-place op bit for bit the out-of-place one
         x.copy_(apply_rope(x, cos, sin, inverse))
     elif x.numel() and half:
         heads = x[0].numel() // channels

@@ -142,7 +142,7 @@ def _down_kernel(
 
 
 # Pair counts up to which the registry takes these kernels; above it, the grouped GEMMs. On the H200 (medium
-# V4.1 experts, `benchmarks/gpu/bench_expert_swiglu.py`, session 16) the kernels took 0.48-0.59x the grouped
+# V4.1 experts, `benchmarks/gpu/bench_expert_swiglu.py`) the kernels took 0.48-0.59x the grouped
 # GEMMs' time from 6 to 768 pairs; prefill chunks (thousands of pairs) were not measured with them.
 # DEEPINFER_TRITON_MOE_MAX_PAIRS overrides it (0: never these kernels).
 _MAX_PAIRS_ENV = os.environ.get("DEEPINFER_TRITON_MOE_MAX_PAIRS", "1024").strip()
