@@ -54,7 +54,7 @@ def test_layout_object_and_env():
     again = layout_from_env({"WORLD_SIZE": "8", **lay.env()})
     assert again == lay
     assert layout_from_env({}) == ParallelLayout(1, 1, 1, 1)
-    with pytest.raises(ValueError, match="DEEPINFER_CP_SIZE='x' is not an integer"):
+    with pytest.raises(ValueError, match="DEEPINFER_CP_SIZE must be an integer, got 'x'"):
         layout_from_env({"WORLD_SIZE": "8", "DEEPINFER_CP_SIZE": "x"})
     with pytest.raises(ValueError, match="cp=3"):
         ParallelLayout(8, 2, 3, 8)

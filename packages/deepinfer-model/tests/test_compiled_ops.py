@@ -185,9 +185,9 @@ def test_inductor_takes_each_custom_op_as_a_fallback_registered_before_it_compil
 
 def test_nvidia_table_records_the_decode_ops_as_custom_ops():
     """Built on this host (the kernels are not launched): each listed NVIDIA op has a custom op behind it."""
-    reg.OpTable("nvidia")
+    table = reg.OpTable("nvidia")
     for name in compiled_ops.SCHEMAS:
-        if name in reg._IMPLS["nvidia"] and name not in reg._TRACED["nvidia"]:
+        if table.sources.get(name) == "nvidia" and name not in table.traced:
             assert hasattr(torch.ops.deepinfer, f"nvidia_{name}"), name
 
 

@@ -181,7 +181,7 @@ def test_bad_value_and_expert_parallelism_are_refused(ckpt, monkeypatch):
     from deepinfer_model.parallel.ep_moe import ExpertParallelMoE
 
     monkeypatch.setenv(ENV, "yes")
-    with pytest.raises(ValueError, match="DEEPINFER_FP8_EXPERTS='yes': allowed values are 0"):
+    with pytest.raises(ValueError, match="DEEPINFER_FP8_EXPERTS must be 0 or 1, got 'yes'"):
         load_v41(ckpt)
     monkeypatch.setenv(ENV, "1")
     with pytest.raises(

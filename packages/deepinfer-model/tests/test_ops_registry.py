@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import math
 
@@ -437,14 +436,15 @@ def test_compiled_regions_trace_the_registered_torch_version_of_an_op():
     region (one graph instead of a graph break per call); other accelerator ops stay opaque calls there. The
     NVIDIA table registers the ops DEEPINFER_COMPILE_TRACED_OPS names. Built on this CPU host: the kernels are
     never launched."""
+    from deepinfer_cluster import envs
     from deepinfer_model.backends import nvidia
     from deepinfer_model.compile_boundary import outside_compiled_graph
 
     table = reg.OpTable("nvidia")
-    traced = set(nvidia.TRACED_IN_COMPILED)  # (DEEPINFER_COMPILE_TRACED_OPS; apply_rope brings apply_rope_)
-    assert set(reg._TRACED["nvidia"]) == traced | ({"apply_rope_"} if "apply_rope" in traced else set())
-    for name in nvidia.TRACED_IN_COMPILED:
-        assert reg._TRACED["nvidia"][name] is nvidia._TORCH[name]
+    traced = set(envs.DEEPINFER_COMPILE_TRACED_OPS)  # (apply_rope brings apply_rope_)
+    assert set(table.traced) == traced | ({"apply_rope_"} if "apply_rope" in traced else set())
+    for name in envs.DEEPINFER_COMPILE_TRACED_OPS:
+        assert table.traced[name] is nvidia._TORCH[name]
     calls = []
 
     def kernel(x):
@@ -463,35 +463,65 @@ def test_compiled_regions_trace_the_registered_torch_version_of_an_op():
     assert table.sources["rms_norm"] == "nvidia"
 
 
-def test_unknown_traced_op_names_are_a_clear_error():
-    import subprocess
-    import sys
+def test_unknown_traced_op_names_are_a_clear_error(monkeypatch):
+    """Importing the backend reads no switch; building its table rejects a bad one, naming the choices."""
+    monkeypatch.setenv("DEEPINFER_COMPILE_TRACED_OPS", "rms_norm,softmax")
+    import deepinfer_model.backends.nvidia  # noqa: F401
 
-    env = dict(__import__("os").environ, DEEPINFER_COMPILE_TRACED_OPS="rms_norm,softmax")
-    done = subprocess.run(
-        [sys.executable, "-c", "import deepinfer_model.backends.nvidia"],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode != 0
+    with pytest.raises(ValueError) as err:
+        reg.OpTable("nvidia")
     assert (
-        "DEEPINFER_COMPILE_TRACED_OPS='rms_norm,softmax': a comma list of rms_norm, apply_rope" in done.stderr
+        "DEEPINFER_COMPILE_TRACED_OPS must be a comma list of rms_norm, apply_rope, hc_read, hc_write "
+        "(empty: none), got 'rms_norm,softmax'" in str(err.value)
     )
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 @pytest.mark.parametrize("value", ["-1", "many"])
-def test_bad_triton_moe_pair_limit_is_a_clear_error(value):
-    import subprocess
-    import sys
+def test_bad_triton_moe_pair_limit_is_a_clear_error(monkeypatch, value):
+    monkeypatch.setenv("DEEPINFER_TRITON_MOE_MAX_PAIRS", value)
+    with pytest.raises(ValueError) as err:
+        reg.OpTable("nvidia")
+    assert f"DEEPINFER_TRITON_MOE_MAX_PAIRS must be an integer >= 0, got {value!r}" in str(err.value)
 
-    env = dict(__import__("os").environ, DEEPINFER_TRITON_MOE_MAX_PAIRS=value)
-    done = subprocess.run(
-        [sys.executable, "-c", "import deepinfer_model.backends.nvidia.triton_moe"],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode != 0
-    assert f"DEEPINFER_TRITON_MOE_MAX_PAIRS must be an integer >= 0, got {value!r}" in done.stderr
+
+def test_rebuilding_the_table_applies_a_changed_kernel_switch(monkeypatch):
+    """The NVIDIA kernels are chosen when a table is built, not when the backend is imported: the traced
+    ops follow DEEPINFER_COMPILE_TRACED_OPS of the build, and `reset_tables` + `get_ops` rebuilds."""
+    from deepinfer_model.backends import nvidia
+
+    monkeypatch.delenv("DEEPINFER_COMPILE_TRACED_OPS", raising=False)
+    assert reg.OpTable("nvidia").traced == {}
+    monkeypatch.setenv("DEEPINFER_COMPILE_TRACED_OPS", "rms_norm,apply_rope")
+    table = reg.OpTable("nvidia")
+    assert table.traced == {
+        "rms_norm": nvidia._TORCH["rms_norm"],
+        "apply_rope": nvidia._TORCH["apply_rope"],
+        "apply_rope_": nvidia.torch_cuda.apply_rope_,
+    }
+    monkeypatch.setattr(reg, "_cuda_available", lambda: True)
+    monkeypatch.setenv("DEEPINFER_ACCELERATOR", "nvidia")
+    reg.reset_tables()
+    try:
+        assert set(reg.get_ops().traced) == {"rms_norm", "apply_rope", "apply_rope_"}
+        monkeypatch.setenv("DEEPINFER_COMPILE_TRACED_OPS", "hc_write")
+        assert set(reg.get_ops().traced) == {"rms_norm", "apply_rope", "apply_rope_"}  # built once ...
+        reg.reset_tables()
+        assert set(reg.get_ops().traced) == {"hc_write"}  # ... until rebuilt
+    finally:
+        reg.reset_tables()
+
+
+def test_deep_gemm_switch_chooses_the_fp8_linear_when_the_table_is_built(monkeypatch):
+    """DEEPINFER_DEEP_GEMM is read at the build: with `deep_gemm` importable (its probe answers yes here; the
+    kernels are never launched) 1 takes DeepGEMM's FP8 GEMM, 0 the dequantised BF16 one."""
+    from deepinfer_model.backends import nvidia
+
+    monkeypatch.setattr(nvidia, "_has", lambda module: module == "deep_gemm")
+    monkeypatch.setenv("DEEPINFER_DEEP_GEMM", "1")
+    impls, _ = nvidia.select_kernels()
+    assert impls["fp8_block_linear"] is nvidia.gemm.fp8_block_linear_deep_gemm
+    assert impls["grouped_expert_mlp"] is nvidia.moe.grouped_expert_mlp_deep_gemm
+    monkeypatch.setenv("DEEPINFER_DEEP_GEMM", "0")
+    impls, _ = nvidia.select_kernels()
+    assert impls["fp8_block_linear"] is nvidia.gemm.fp8_block_linear_dequant
+    assert impls["grouped_expert_mlp"] is nvidia.moe.grouped_expert_mlp_dequant

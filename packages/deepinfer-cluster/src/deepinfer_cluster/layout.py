@@ -14,6 +14,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from . import envs
+
 ENV_DP_SIZE = "DEEPINFER_DP_SIZE"
 ENV_CP_SIZE = "DEEPINFER_CP_SIZE"
 ENV_EP_SIZE = "DEEPINFER_EP_SIZE"
@@ -97,13 +99,10 @@ def layout_from_env(env: Mapping[str, str] | None = None) -> ParallelLayout:
     """The layout a launched rank runs under (WORLD_SIZE and DEEPINFER_{DP,CP,EP}_SIZE)."""
     env = os.environ if env is None else env
 
-    def read(name: str) -> int | None:
-        value = env.get(name)
-        if value in (None, ""):
-            return None
-        try:
-            return int(value)
-        except ValueError:
-            raise ValueError(f"{name}={value!r} is not an integer") from None
-
-    return resolve_layout(read("WORLD_SIZE") or 1, read(ENV_DP_SIZE), read(ENV_CP_SIZE), read(ENV_EP_SIZE))
+    value = env.get("WORLD_SIZE")
+    try:
+        world_size = int(value) if value not in (None, "") else 1
+    except ValueError:
+        raise ValueError(f"WORLD_SIZE={value!r} is not an integer") from None
+    sizes = (envs.get(name, env) for name in (ENV_DP_SIZE, ENV_CP_SIZE, ENV_EP_SIZE))
+    return resolve_layout(world_size or 1, *sizes)

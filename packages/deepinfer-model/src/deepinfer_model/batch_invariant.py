@@ -69,11 +69,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import weakref
 
 import numpy as np
 import torch
+from deepinfer_cluster import envs
 
 ENV = "DEEPINFER_BATCH_INVARIANT"
 TILE_ROWS = 8
@@ -141,8 +141,8 @@ def enabled() -> bool:
 
 
 def read_env() -> bool:
-    """`DEEPINFER_BATCH_INVARIANT` as set now (unset, '', '0', 'false': off)."""
-    return os.environ.get(ENV, "") not in ("", "0", "false", "False")
+    """`DEEPINFER_BATCH_INVARIANT` as set now (a boolean of `deepinfer_cluster.envs`; unset: off)."""
+    return envs.get(ENV)
 
 
 # One zero scalar per (device, dtype): padding is its stride-0 expansion, which `torch.cat` reads, so a

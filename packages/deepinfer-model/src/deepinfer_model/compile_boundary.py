@@ -10,10 +10,10 @@ are outside a compiled region, and as one opaque call (a graph break) inside one
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 
 import torch
+from deepinfer_cluster import envs
 
 
 def outside_compiled_graph(fn: Callable, traced: Callable | None = None) -> Callable:
@@ -37,10 +37,7 @@ _CUSTOM_OPS: dict[str, list] = {}  # qualified name -> [the function the op call
 
 
 def custom_ops_enabled() -> bool:
-    value = os.environ.get(_CUSTOM_OPS_ENV, "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{_CUSTOM_OPS_ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
+    return envs.get(_CUSTOM_OPS_ENV)
 
 
 def as_custom_op(qualname: str, fn: Callable, schema: str, fake: Callable) -> Callable:

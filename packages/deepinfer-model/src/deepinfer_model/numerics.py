@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import weakref
 
 import torch
+from deepinfer_cluster import envs
 
 from . import batch_invariant
 from .compile_boundary import outside_compiled_graph
@@ -75,9 +75,7 @@ def mode() -> str:
     pinned_mode = _PINNED
     if pinned_mode is not None:
         return pinned_mode[0]
-    value = os.environ.get(ENV, "").strip().lower() or "exact"
-    if value not in MODES:
-        raise ValueError(f"{ENV}={os.environ.get(ENV)!r}: allowed values are 'exact' (default) and 'native'")
+    value = envs.get(ENV)
     if value == "native" and batch_invariant.enabled():
         raise ValueError(
             f"{ENV}=native cannot be combined with {batch_invariant.ENV}=1: batch-invariant mode needs "

@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
+from deepinfer_cluster import envs
 
 FP8_BLOCK = 128
 E4M3_MAX = 448.0
@@ -48,12 +48,7 @@ def fp8_experts_enabled() -> bool:
     `experts_forward` runs them through the `grouped_expert_mlp` op (with its Q8 activation steps), on
     the CPU as on the GPU, so a GPU run can be compared with a CPU run of the same numerics. Read when a
     model is loaded; unset, empty or 0 = off (the default). ValueError on any other value."""
-    value = os.environ.get(ENV, "").strip()
-    if value in ("", "0"):
-        return False
-    if value == "1":
-        return True
-    raise ValueError(f"{ENV}={os.environ.get(ENV)!r}: allowed values are 0 (default, off) and 1")
+    return envs.get(ENV)
 
 
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)

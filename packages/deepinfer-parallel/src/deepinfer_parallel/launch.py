@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from deepinfer_cluster import envs
 from deepinfer_cluster.launch import no_multicast_environment
 
 
@@ -58,7 +59,7 @@ def run_distributed(
     so OpenMP state inherited through fork is never used. Use ``spawn`` for CUDA. The default can be
     changed with ``DEEPINFER_DIST_START_METHOD`` (e.g. ``spawn`` if a parent's threads make fork unsafe).
     """
-    start_method = start_method or os.environ.get("DEEPINFER_DIST_START_METHOD", "fork")
+    start_method = start_method or envs.get("DEEPINFER_DIST_START_METHOD")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     path, name = fn.__code__.co_filename, fn.__name__

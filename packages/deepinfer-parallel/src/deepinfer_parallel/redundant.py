@@ -9,28 +9,20 @@ the drafter MoE, because their routed-expert counts differ.
 from __future__ import annotations
 
 import logging
-import os
+
+from deepinfer_cluster import envs
 
 logger = logging.getLogger(__name__)
 
 ENV_EXTRA_EXPERTS = "DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS"
 # Differs from the reference (whose default is 0): DeepInfer allocates 32 replica slots by default so
 # that EPLB has room to act whenever EP is on.
-DEFAULT_EXTRA_EXPERTS = 32
+DEFAULT_EXTRA_EXPERTS: int = envs.VARS[ENV_EXTRA_EXPERTS].default
 
 
 def requested_extra_experts() -> int:
     """The lower bound from the environment (default 32)."""
-    raw = os.environ.get(ENV_EXTRA_EXPERTS, "")
-    if raw.strip() == "":
-        return DEFAULT_EXTRA_EXPERTS
-    try:
-        value = int(raw)
-    except ValueError as exc:
-        raise ValueError(f"{ENV_EXTRA_EXPERTS} must be an integer >= 0, got {raw!r}") from exc
-    if value < 0:
-        raise ValueError(f"{ENV_EXTRA_EXPERTS} must be an integer >= 0, got {value}")
-    return value
+    return envs.get(ENV_EXTRA_EXPERTS)
 
 
 def num_redundant_experts(

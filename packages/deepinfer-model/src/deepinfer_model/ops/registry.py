@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 from collections.abc import Callable
+
+from deepinfer_cluster import envs
 
 from ..compile_boundary import as_custom_op, custom_ops_enabled, outside_compiled_graph
 from . import compiled_ops
@@ -105,6 +106,9 @@ _IMPLS: dict[str, dict[str, Callable]] = {b: {} for b in BACKENDS}
 # torch versions of accelerator ops that a compiled step traces instead of calling the op (`register(traced=True)`)
 _TRACED: dict[str, dict[str, Callable]] = {b: {} for b in BACKENDS}
 _TABLES: dict[str, OpTable] = {}
+# backend -> fn() -> (op -> implementation, op -> traced torch version): the ops whose implementation the
+# environment chooses (kernel switches), decided each time a table of the backend is built
+_SELECTIONS: dict[str, Callable[[], tuple[dict[str, Callable], dict[str, Callable]]]] = {}
 
 
 def register(backend: str, name: str, traced: bool = False) -> Callable[[Callable], Callable]:
@@ -125,6 +129,28 @@ def register(backend: str, name: str, traced: bool = False) -> Callable[[Callabl
         return fn
 
     return deco
+
+
+def register_selection(backend: str) -> Callable[[Callable], Callable]:
+    """Decorator: `fn()` chooses, from the environment as it is when a table of `backend` is built, the
+    implementations of the ops that depend on it: returns (op -> implementation, op -> torch version a
+    compiled region traces instead), which take precedence over `register`ed ones. So importing a backend
+    has no effect that depends on the environment, and `reset_tables()` + `get_ops()` applies a change."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+    def deco(fn: Callable) -> Callable:
+        _SELECTIONS[backend] = fn
+        _TABLES.pop(backend, None)
+        return fn
+
+    return deco
+
+
+def reset_tables() -> None:
+    """Forget the built tables: the next `get_ops()` builds them again under the environment of then."""
+    _TABLES.clear()
+    _RESOLVED.clear()
 
 
 def _build_accelerator() -> str | None:
@@ -150,7 +176,7 @@ def resolve_backend(requested: str | None = None) -> str:
     Otherwise the build's accelerator decides; a build for `nvidia` on a machine without CUDA falls
     back to `cpu` with a warning (the same install is usable for CPU tests).
     """
-    explicit = requested if requested is not None else os.environ.get("DEEPINFER_ACCELERATOR")
+    explicit = requested if requested is not None else envs.get("DEEPINFER_ACCELERATOR")
     name = (explicit or _build_accelerator() or "cpu").strip().lower()
     if name in RESERVED_BACKENDS:
         raise ValueError(
@@ -182,12 +208,16 @@ class OpTable:
             _load(backend)
         self.backend = backend
         self.sources: dict[str, str] = {}
+        chosen, chosen_traced = _SELECTIONS[backend]() if backend in _SELECTIONS else ({}, {})
+        impls = {**_IMPLS[backend], **chosen}
+        # op -> the torch version a compiled region traces instead of calling the op
+        self.traced: dict[str, Callable] = {**_TRACED[backend], **chosen_traced}
         fns: dict[str, Callable] = {}
         for name in OP_SPECS:
-            if name in _IMPLS[backend]:
+            if name in impls:
                 # inside a compiled step (runtime/compiled.py) an accelerator kernel is its registered torch
                 # version traced, a custom op (the decode step's ops), or else one opaque call
-                kernel, traced = _IMPLS[backend][name], _TRACED[backend].get(name)
+                kernel, traced = impls[name], self.traced.get(name)
                 if traced is None and name in compiled_ops.SCHEMAS and custom_ops_enabled():
                     # recorded as a custom op (one node, no graph break: `compiled_ops`)
                     qualname = f"deepinfer::{backend}_{name}"
@@ -199,7 +229,7 @@ class OpTable:
                 fns[name], self.sources[name] = _IMPLS["cpu"][name], "cpu"
                 if backend != "cpu":
                     logger.info("op %s has no %s implementation: served by the cpu reference", name, backend)
-        clash = set(fns) & {"backend", "sources", "names"}
+        clash = set(fns) & {"backend", "sources", "names", "traced"}
         if clash:
             raise RuntimeError(f"op names {sorted(clash)} clash with OpTable attributes")
         self.names = frozenset(fns)
@@ -223,8 +253,9 @@ _RESOLVED: dict[tuple, str] = {}
 
 
 def get_ops(backend: str | None = None) -> OpTable:
-    """The op table of `backend` (default: `resolve_backend()`), built once per backend."""
-    key = (backend, os.environ.get("DEEPINFER_ACCELERATOR"), _cuda_available, _build_accelerator)
+    """The op table of `backend` (default: `resolve_backend()`), built once per backend (until
+    `reset_tables()`); its kernels are chosen from the environment when it is built."""
+    key = (backend, envs.get("DEEPINFER_ACCELERATOR"), _cuda_available, _build_accelerator)
     name = _RESOLVED.get(key)
     if name is None:
         name = _RESOLVED[key] = resolve_backend(backend)

@@ -14,12 +14,12 @@ Both sides compute the same pairing from the two maps, so no negotiation is need
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from deepinfer_cluster import envs
 
 
 @dataclass(frozen=True)
@@ -68,10 +68,7 @@ def transfer_plan(old_p2l, new_p2l, ep_size: int) -> list[Transfer]:
 
 
 def p2p_groups() -> int:
-    value = int(os.environ.get("DEEPINFER_REARRANGE_P2P_GROUPS", "1") or 1)
-    if value < 1:
-        raise ValueError(f"DEEPINFER_REARRANGE_P2P_GROUPS must be >= 1, got {value}")
-    return value
+    return envs.get("DEEPINFER_REARRANGE_P2P_GROUPS")
 
 
 def shuffle_layer(

@@ -10,12 +10,12 @@ are updated in place.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from deepinfer_cluster import envs
 
 from ..layout import RedundantExpertLayout
 from .policy import rank_loads, rebalance
@@ -23,18 +23,6 @@ from .shuffle import ShuffleStats, shuffle_layer
 from .stats import MoeLoadStats
 
 logger = logging.getLogger(__name__)
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name, "")
-    try:
-        return int(raw) if raw.strip() else default
-    except ValueError as exc:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from exc
-
-
-def _env_bool(name: str) -> bool:
-    return os.environ.get(name, "") not in ("", "0", "false", "False")
 
 
 @dataclass
@@ -62,17 +50,17 @@ class EplbConfig:
 
     @classmethod
     def from_env(cls, normal_engine: bool = True) -> EplbConfig:
-        interval = _env_int("DEEPINFER_EXPERT_REARRANGEMENT_STEP_INTERVAL", 0)
-        window = _env_int("DEEPINFER_EXPERT_COUNT_WINDOW_SIZE", 100)
+        interval = envs.get("DEEPINFER_EXPERT_REARRANGEMENT_STEP_INTERVAL")
+        window = envs.get("DEEPINFER_EXPERT_COUNT_WINDOW_SIZE")
         if interval > 0:
             window = min(window, interval)
         return cls(
             interval=interval,
             window=window,
-            rearrange_after_prefill=_env_bool("DEEPINFER_REARRANGE_AFTER_PREFILL_IN_NORMAL_ENGINE"),
+            rearrange_after_prefill=envs.get("DEEPINFER_REARRANGE_AFTER_PREFILL_IN_NORMAL_ENGINE"),
             normal_engine=normal_engine,
-            p2p_groups=_env_int("DEEPINFER_REARRANGE_P2P_GROUPS", 1),
-            max_window_steps=_env_int("DEEPINFER_EPLB_MAX_WINDOW_STEPS", 0),
+            p2p_groups=envs.get("DEEPINFER_REARRANGE_P2P_GROUPS"),
+            max_window_steps=envs.get("DEEPINFER_EPLB_MAX_WINDOW_STEPS"),
         )
 
 

@@ -7,24 +7,17 @@ ranks`` and ``... of the mean over ranks``; ``moe_lb`` is their ratio (1.0 = per
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
+from deepinfer_cluster import envs
 
 
 class MoeLoadStats:
     def __init__(self, num_layers: int, interval: int | None = None, group=None, device="cpu"):
         if interval is None:
-            raw = os.environ.get("DEEPINFER_MOE_LB_STAT_INTERVAL", "") or "128"
-            try:
-                interval = int(raw)
-            except ValueError as exc:
-                raise ValueError(
-                    f"DEEPINFER_MOE_LB_STAT_INTERVAL must be an integer >= 1, got {raw!r}"
-                ) from exc
+            interval = envs.get("DEEPINFER_MOE_LB_STAT_INTERVAL")
         if interval < 1:
-            raise ValueError(f"DEEPINFER_MOE_LB_STAT_INTERVAL must be an integer >= 1, got {interval}")
+            raise ValueError(f"the load-balance stat interval must be an integer >= 1, got {interval}")
         self.interval, self.group, self.device = interval, group, device
         self.buffer = torch.zeros(interval, num_layers, dtype=torch.float64, device=device)
         self.filled = 0

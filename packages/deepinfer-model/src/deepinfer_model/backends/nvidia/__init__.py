@@ -1,4 +1,7 @@
-"""NVIDIA (Hopper, SM90) backend: registers the ops whose libraries import on this machine.
+"""NVIDIA (Hopper, SM90) backend: the ops whose libraries import on this machine, chosen when a table is built.
+
+Importing this module reads no environment variable: `select_kernels` decides, each time the op registry
+builds an NVIDIA table, which kernels serve the ops from the switches below (`deepinfer_cluster.envs`).
 
 | op | implementation |
 | --- | --- |
@@ -33,14 +36,17 @@ the `cpu` reference (their reductions are not row-invariant); the TileLang kerne
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
-import os
 from collections.abc import Callable
+from dataclasses import dataclass
+
+from deepinfer_cluster import envs
 
 from ... import batch_invariant
 from ...layers.rope import check_in_place
-from ...ops.registry import register
+from ...ops.registry import register, register_selection
 from . import gemm, moe, torch_cuda
 
 logger = logging.getLogger("deepinfer_model.ops")
@@ -108,26 +114,8 @@ _TORCH = {
 # rotation of every channel in FP32 would differ in the last bit, so that case runs `apply_rope`'s kernel.
 # DEEPINFER_TILELANG=all also enables kernels not yet checked on a GPU (none now); 0 turns TileLang off.
 VERIFIED_TILELANG = ("rms_norm", "apply_rope", "hc_mixes", "hc_read", "hc_write", "apply_rope_")
-_TILELANG_MODE = os.environ.get("DEEPINFER_TILELANG", "1").strip().lower()
-if _TILELANG_MODE not in ("0", "1", "all"):
-    raise ValueError(f"DEEPINFER_TILELANG must be 0, 1 or all, got {_TILELANG_MODE!r}")
-
-_kernels: dict[str, Callable] = {}
-if _has("tilelang") and _TILELANG_MODE != "0":
-    from . import tilelang_mhc, tilelang_norm, tilelang_rope
-
-    _kernels = {
-        "rms_norm": tilelang_norm.rms_norm,
-        "apply_rope": tilelang_rope.apply_rope,
-        "hc_mixes": tilelang_mhc.hc_mixes,
-        "hc_read": tilelang_mhc.hc_read,
-        "hc_write": tilelang_mhc.hc_write,
-        "apply_rope_": tilelang_rope.apply_rope_,
-    }
-    if _TILELANG_MODE != "all":
-        _kernels = {k: v for k, v in _kernels.items() if k in VERIFIED_TILELANG}
-else:
-    logger.warning("tilelang unavailable or DEEPINFER_TILELANG=0: norm, RoPE and mHC use torch FP32 versions")
+# Ops an inductor-compiled decode step may trace in their torch versions (DEEPINFER_COMPILE_TRACED_OPS).
+TRACEABLE = envs.TRACEABLE_OPS
 
 
 def _reference_in_bi_mode(name: str, fn: Callable) -> Callable:
@@ -145,11 +133,9 @@ def _reference_in_bi_mode(name: str, fn: Callable) -> Callable:
     return call
 
 
-_ROW_LOCAL: dict[str, Callable] = {}  # the ops registered here (kernels with their torch fallbacks)
-for _name, _fn in _TORCH.items():
-    _fn = _reference_in_bi_mode(_name, _fn)
-    _ROW_LOCAL[_name] = _kernel_or_torch(_name, _kernels[_name], _fn) if _name in _kernels else _fn
-    register("nvidia", _name)(_ROW_LOCAL[_name])
+# The row-local ops of the table built last (kernels with their torch fallbacks): `apply_rope_`'s fallback
+# rotates through the `apply_rope` registered with it.
+_ROW_LOCAL: dict[str, Callable] = {}
 
 
 def _rope_tail_via_copy(x, cos, sin, inverse=False) -> None:
@@ -160,204 +146,246 @@ def _rope_tail_via_copy(x, cos, sin, inverse=False) -> None:
     x[..., tail:] = _ROW_LOCAL["apply_rope"](x, cos, sin, inverse, out_dtype=x.dtype)[..., tail:]
 
 
-# The in-place RoPE (`ops.model_calls.rope(inplace=True)`) must give `apply_rope`'s bits: its TileLang kernel
-# writes the rotation as `apply_rope`'s kernel does (`tilelang_rope.py`), so it is registered only with that
-# kernel, and stands aside while `apply_rope` runs its torch version (a compile failure: TILELANG_FALLBACKS).
-# Without it the cpu reference would serve the op: the model then keeps the out-of-place op.
-if "apply_rope_" in _kernels and "apply_rope" in _kernels:
-    _rope_tail = _kernel_or_torch("apply_rope_", _kernels["apply_rope_"], _rope_tail_via_copy)
+@dataclass(frozen=True)
+class KernelSettings:
+    """What the environment asks of the NVIDIA backend when a table is built (`deepinfer_cluster.envs`),
+    with what this machine can import."""
 
-    def _apply_rope_(x, cos, sin, inverse=False) -> None:
-        if "apply_rope" in TILELANG_FALLBACKS:
-            return _rope_tail_via_copy(x, cos, sin, inverse)
-        return _rope_tail(x, cos, sin, inverse)
+    tilelang: str  # "0", "1" (the verified kernels) or "all"
+    traced: tuple[str, ...]  # ops a compiled step traces in their torch versions
+    deep_gemm: bool
+    triton: bool
+    triton_moe_max_pairs: int
+    flash_mla: bool
 
-    register("nvidia", "apply_rope_")(_apply_rope_)
+    @classmethod
+    def from_env(cls) -> KernelSettings:
+        tilelang = envs.get("DEEPINFER_TILELANG")
+        return cls(
+            tilelang=tilelang if _has("tilelang") else "0",
+            traced=envs.get("DEEPINFER_COMPILE_TRACED_OPS"),
+            deep_gemm=envs.get("DEEPINFER_DEEP_GEMM") and _has("deep_gemm"),
+            triton=envs.get("DEEPINFER_TRITON") and _has("triton"),
+            triton_moe_max_pairs=envs.get("DEEPINFER_TRITON_MOE_MAX_PAIRS"),
+            flash_mla=envs.get("DEEPINFER_FLASH_MLA") and _has("flash_mla"),
+        )
 
-# In a compiled (inductor) decode step the ops named by DEEPINFER_COMPILE_TRACED_OPS are traced in their
-# torch versions, not called: fused with the casts and elementwise ops around them (a graph break per call
-# left ~200 single-cast kernels in the medium V4.1's batch-1 step on the H200). None by default: on the H200
-# tracing the norms and RoPE took that step from 933 to 846 kernels and 2.57 to 2.48 ms of kernel time, but its
-# graph replay was not faster within the run-to-run spread (2.96 ms untraced, 3.34 ms traced, different calls),
-# and the compile took twice as long; the mHC read / write became cuBLAS FP32 GEMV / GEMM calls, slower than
-# the TileLang kernels. Eager steps and batch-invariant mode (never compiled) call the kernels above. A traced
-# apply_rope traces apply_rope_ too (its torch version: the same ops on the tail, the same values). A traced
-# hc_read covers the final read only: V4.1's sub-layers read through `hc_mixes_read`, one custom-op node.
-TRACEABLE = ("rms_norm", "apply_rope", "hc_read", "hc_write")
-_TRACED_ENV = "DEEPINFER_COMPILE_TRACED_OPS"
-TRACED_IN_COMPILED = tuple(n.strip() for n in os.environ.get(_TRACED_ENV, "").split(",") if n.strip())
-if set(TRACED_IN_COMPILED) - set(TRACEABLE):
-    raise ValueError(
-        f"{_TRACED_ENV}={os.environ.get(_TRACED_ENV)!r}: a comma list of {', '.join(TRACEABLE)} (empty: none)"
-    )
-for _name in TRACED_IN_COMPILED:
-    register("nvidia", _name, traced=True)(_TORCH[_name])
-if "apply_rope" in TRACED_IN_COMPILED:
-    register("nvidia", "apply_rope_", traced=True)(torch_cuda.apply_rope_)
 
-if _has("deep_gemm") and os.environ.get("DEEPINFER_DEEP_GEMM", "1") != "0":
-    register("nvidia", "fp8_block_linear")(gemm.fp8_block_linear_deep_gemm)
-else:
-    logger.warning("deep_gemm unavailable or disabled: fp8_block_linear dequantises to a BF16 GEMM")
-    register("nvidia", "fp8_block_linear")(gemm.fp8_block_linear_dequant)
-if _has("deep_gemm") and os.environ.get("DEEPINFER_DEEP_GEMM", "1") != "0":
-    register("nvidia", "grouped_expert_mlp")(moe.grouped_expert_mlp_deep_gemm)
-else:
-    register("nvidia", "grouped_expert_mlp")(moe.grouped_expert_mlp_dequant)
+# One selection per settings: rebuilding a table under the same environment keeps the same wrappers, and
+# with them the kernels that have fallen back (`TILELANG_FALLBACKS`).
+_SELECTIONS: dict[KernelSettings, tuple[dict[str, Callable], dict[str, Callable], dict[str, Callable]]] = {}
 
-# Batch-invariant mode's GEMMs. A failure before a kernel first ran (a Triton compile error) falls back to
-# the reference tiles for the rest of the process; a later one is raised, so a run never changes kernels
-# (and bits) part-way.
-_TRITON = _has("triton") and os.environ.get("DEEPINFER_TRITON", "1") != "0"
-if _TRITON:
-    from .. import cpu as _reference
-    from . import triton_rows
 
-    for _name in ("rows_matmul", "pair_rows_matmul", "tile_bmm"):
-        _op = _kernel_or_torch(_name, getattr(triton_rows, _name), getattr(_reference, _name), True)
-        register("nvidia", _name)(_op)
-else:
-    logger.warning("triton unavailable or DEEPINFER_TRITON=0: batch-invariant GEMMs use the padded tiles")
+@register_selection("nvidia")
+def select_kernels() -> tuple[dict[str, Callable], dict[str, Callable]]:
+    """The environment-dependent ops of the NVIDIA table: (op -> implementation, op -> torch version a
+    compiled region traces), decided now from `KernelSettings.from_env()`."""
+    settings = KernelSettings.from_env()
+    chosen = _SELECTIONS.get(settings)
+    if chosen is None:
+        chosen = _SELECTIONS[settings] = _select(settings)
+    impls, traced, row_local = chosen
+    _ROW_LOCAL.clear()
+    _ROW_LOCAL.update(row_local)
+    return impls, traced
 
-# The mHC mixes in native mode: the projection, then one Triton program per token for the row norm and the
-# whole epilogue (`triton_mhc.py`; the TileLang epilogue runs a token's Sinkhorn iterations on one thread).
-# Exact and batch-invariant mode keep the op registered above: the kernels their CPU comparisons were set on
-# (with the Triton epilogue, whose norm sums in another order, one BF16 case of test_runtime_device moved
-# from within its 1e-2 to 1.5e-2 of the CPU; batch-invariant mode projects through the row kernels).
-if _TRITON:
+
+def _select(s: KernelSettings) -> tuple[dict[str, Callable], dict[str, Callable], dict[str, Callable]]:
+    impls: dict[str, Callable] = {}
+    traced: dict[str, Callable] = {}
+    kernels: dict[str, Callable] = {}
+    if s.tilelang != "0":
+        from . import tilelang_mhc, tilelang_norm, tilelang_rope
+
+        hc_mixes = tilelang_mhc.hc_mixes
+        if not s.triton:  # batch-invariant mode's mixes then take the reference (no row kernels)
+            hc_mixes = functools.partial(tilelang_mhc.hc_mixes, triton_rows=False)
+        kernels = {
+            "rms_norm": tilelang_norm.rms_norm,
+            "apply_rope": tilelang_rope.apply_rope,
+            "hc_mixes": hc_mixes,
+            "hc_read": tilelang_mhc.hc_read,
+            "hc_write": tilelang_mhc.hc_write,
+            "apply_rope_": tilelang_rope.apply_rope_,
+        }
+        if s.tilelang != "all":
+            kernels = {k: v for k, v in kernels.items() if k in VERIFIED_TILELANG}
+    else:
+        logger.warning(
+            "tilelang unavailable or DEEPINFER_TILELANG=0: norm, RoPE and mHC use torch FP32 versions"
+        )
+
+    row_local: dict[str, Callable] = {}
+    for name, fn in _TORCH.items():
+        fn = _reference_in_bi_mode(name, fn)
+        row_local[name] = _kernel_or_torch(name, kernels[name], fn) if name in kernels else fn
+        impls[name] = row_local[name]
+
+    # The in-place RoPE (`ops.model_calls.rope(inplace=True)`) must give `apply_rope`'s bits: its TileLang kernel
+    # writes the rotation as `apply_rope`'s kernel does (`tilelang_rope.py`), so it is registered only with that
+    # kernel, and stands aside while `apply_rope` runs its torch version (a compile failure: TILELANG_FALLBACKS).
+    # Without it the cpu reference would serve the op: the model then keeps the out-of-place op.
+    if "apply_rope_" in kernels and "apply_rope" in kernels:
+        rope_tail = _kernel_or_torch("apply_rope_", kernels["apply_rope_"], _rope_tail_via_copy)
+
+        def apply_rope_(x, cos, sin, inverse=False) -> None:
+            if "apply_rope" in TILELANG_FALLBACKS:
+                return _rope_tail_via_copy(x, cos, sin, inverse)
+            return rope_tail(x, cos, sin, inverse)
+
+        impls["apply_rope_"] = apply_rope_
+
+    # In a compiled (inductor) decode step the ops named by DEEPINFER_COMPILE_TRACED_OPS are traced in their
+    # torch versions, not called: fused with the casts and elementwise ops around them (a graph break per call
+    # left ~200 single-cast kernels in the medium V4.1's batch-1 step on the H200). None by default: on the
+    # H200 tracing the norms and RoPE took that step from 933 to 846 kernels and 2.57 to 2.48 ms of kernel
+    # time, but its graph replay was not faster within the run-to-run spread, and the compile took twice as
+    # long; the mHC read / write became cuBLAS FP32 GEMV / GEMM calls, slower than the TileLang kernels. Eager
+    # steps and batch-invariant mode (never compiled) call the kernels above. A traced apply_rope traces
+    # apply_rope_ too (its torch version: the same ops on the tail, the same values). A traced hc_read covers
+    # the final read only: V4.1's sub-layers read through `hc_mixes_read`, one custom-op node.
+    for name in s.traced:
+        traced[name] = _TORCH[name]
+    if "apply_rope" in s.traced:
+        traced["apply_rope_"] = torch_cuda.apply_rope_
+
+    if s.deep_gemm:
+        impls["fp8_block_linear"] = gemm.fp8_block_linear_deep_gemm
+        impls["grouped_expert_mlp"] = moe.grouped_expert_mlp_deep_gemm
+    else:
+        logger.warning("deep_gemm unavailable or disabled: fp8_block_linear dequantises to a BF16 GEMM")
+        impls["fp8_block_linear"] = gemm.fp8_block_linear_dequant
+        impls["grouped_expert_mlp"] = moe.grouped_expert_mlp_dequant
+
+    if s.triton:
+        _select_triton(s, impls, row_local)
+    else:
+        logger.warning("triton unavailable or DEEPINFER_TRITON=0: batch-invariant GEMMs use the padded tiles")
+
+    # Native-mode prefill attention (`runtime.groups.attend`): FlashMLA for the head shapes it takes. The core
+    # asks `supports(heads, dim)` first and keeps its own band path for the others; the reference (a gather)
+    # stands in only after a kernel failure.
+    if s.flash_mla:
+        from .. import cpu as reference
+        from . import attention
+
+        op = _kernel_or_torch(
+            "sparse_prefill_attention", attention.sparse_prefill_attention, reference.sparse_prefill_attention
+        )
+        op.supports = attention.sparse_prefill_supports
+        impls["sparse_prefill_attention"] = op
+    else:
+        logger.warning(
+            "flash_mla unavailable or DEEPINFER_FLASH_MLA=0: prefill attention uses the torch band path"
+        )
+    return impls, traced, row_local
+
+
+def _select_triton(s: KernelSettings, impls: dict[str, Callable], row_local: dict[str, Callable]) -> None:
+    """The Triton kernels of the table (`DEEPINFER_TRITON` on and `triton` importable)."""
     from ... import numerics
-    from . import triton_mhc
+    from .. import cpu as reference
+    from . import (
+        triton_blocks,
+        triton_engram,
+        triton_index,
+        triton_keys,
+        triton_mhc,
+        triton_moe,
+        triton_moe_sum,
+        triton_rows,
+        triton_select,
+    )
 
-    _row_local_mixes = _ROW_LOCAL["hc_mixes"]
-    _fast_mixes = _kernel_or_torch("hc_mixes", triton_mhc.hc_mixes, _row_local_mixes)
+    # Batch-invariant mode's GEMMs. A failure before a kernel first ran (a Triton compile error) falls back to
+    # the reference tiles for the rest of the process; a later one is raised, so a run never changes kernels
+    # (and bits) part-way.
+    for name in ("rows_matmul", "pair_rows_matmul", "tile_bmm"):
+        impls[name] = _kernel_or_torch(name, getattr(triton_rows, name), getattr(reference, name), True)
 
-    def _hc_mixes(*args, **kwargs):
-        return (_fast_mixes if numerics.native() else _row_local_mixes)(*args, **kwargs)
+    # The mHC mixes in native mode: the projection, then one Triton program per token for the row norm and the
+    # whole epilogue (`triton_mhc.py`; the TileLang epilogue runs a token's Sinkhorn iterations on one thread).
+    # Exact and batch-invariant mode keep the row-local op: the kernels their CPU comparisons were set on
+    # (with the Triton epilogue, whose norm sums in another order, one BF16 case of test_runtime_device moved
+    # from within its 1e-2 to 1.5e-2 of the CPU; batch-invariant mode projects through the row kernels).
+    row_local_mixes = row_local["hc_mixes"]
+    fast_mixes = _kernel_or_torch("hc_mixes", triton_mhc.hc_mixes, row_local_mixes)
 
-    register("nvidia", "hc_mixes")(_hc_mixes)
+    def hc_mixes(*args, **kwargs):
+        return (fast_mixes if numerics.native() else row_local_mixes)(*args, **kwargs)
+
+    impls["hc_mixes"] = hc_mixes
 
     # ... and with the sub-layer's read (`ShiftedHC.sublayer`): a prefill's 16-bit trunk projected and read
-    # in one pass (`triton_mhc.hc_mixes_read`); otherwise the two ops as registered here
-    def _composed_mixes_read(trunk, fn, base, scale, hc_eps, rms_eps, iters, read_weights, read_dtype):
-        mixes = _hc_mixes(trunk, fn, base, scale, hc_eps, rms_eps, iters)
-        return (*mixes, _ROW_LOCAL["hc_read"](trunk, read_weights, read_dtype))
+    # in one pass (`triton_mhc.hc_mixes_read`); otherwise the two ops as selected here
+    def composed_mixes_read(trunk, fn, base, scale, hc_eps, rms_eps, iters, read_weights, read_dtype):
+        mixes = hc_mixes(trunk, fn, base, scale, hc_eps, rms_eps, iters)
+        return (*mixes, row_local["hc_read"](trunk, read_weights, read_dtype))
 
-    def _fuses_read(trunk, fn, base, scale, hc_eps, rms_eps, iters, read_weights, read_dtype) -> bool:
+    def fuses_read(trunk, fn, base, scale, hc_eps, rms_eps, iters, read_weights, read_dtype) -> bool:
         return (
             numerics.native() and not batch_invariant.enabled() and triton_mhc.fuses_read(trunk, read_dtype)
         )
 
-    register("nvidia", "hc_mixes_read")(
-        _kernel_or_torch(
-            "hc_mixes_read", triton_mhc.hc_mixes_read, _composed_mixes_read, supports=_fuses_read
-        )
+    impls["hc_mixes_read"] = _kernel_or_torch(
+        "hc_mixes_read", triton_mhc.hc_mixes_read, composed_mixes_read, supports=fuses_read
     )
 
-# Native mode's routed experts (`layers.experts.grouped_swiglu`): up to `triton_moe.MAX_PAIRS` (token, slot)
-# pairs, as in a decode step, two Triton kernels over the expert-sorted pairs (`triton_moe.py`); more pairs
-# (prefill), or operands the kernels do not take, the reference's grouped GEMMs (CUTLASS through torch).
-if _TRITON:
-    from .. import cpu as _reference
-    from . import triton_moe
+    # Native mode's routed experts (`layers.experts.grouped_swiglu`): up to `triton_moe_max_pairs` (token,
+    # slot) pairs, as in a decode step, two Triton kernels over the expert-sorted pairs (`triton_moe.py`); more
+    # pairs (prefill), or operands the kernels do not take, the reference's grouped GEMMs (CUTLASS via torch).
+    max_pairs = s.triton_moe_max_pairs
 
-    def _few_pairs(x, pairs, weights, w1, *_rest) -> bool:
-        return pairs.numel() <= triton_moe.MAX_PAIRS and triton_moe.supports(x, w1)
+    def few_pairs(x, pairs, weights, w1, *_rest) -> bool:
+        return pairs.numel() <= max_pairs and triton_moe.supports(x, w1)
 
-    register("nvidia", "expert_swiglu")(
-        _kernel_or_torch(
-            "expert_swiglu", triton_moe.expert_swiglu, _reference.expert_swiglu, supports=_few_pairs
-        )
+    impls["expert_swiglu"] = _kernel_or_torch(
+        "expert_swiglu", triton_moe.expert_swiglu, reference.expert_swiglu, supports=few_pairs
     )
 
     # ... and summed per token (`layers.experts.experts_forward_static`'s grouped method): the grouped GEMMs
     # with the SwiGLU and the slot sum as Triton kernels (`triton_moe_sum.py`), the few-pairs kernels above
     # for decode steps
-    from . import triton_moe_sum
-
-    register("nvidia", "expert_swiglu_sum")(
-        _kernel_or_torch(
-            "expert_swiglu_sum",
-            triton_moe_sum.expert_swiglu_sum,
-            _reference.expert_swiglu_sum,
-            supports=lambda x, pairs, weights, w1, *_rest: triton_moe_sum.grouped_supports(x, w1),
-        )
+    impls["expert_swiglu_sum"] = _kernel_or_torch(
+        "expert_swiglu_sum",
+        functools.partial(triton_moe_sum.expert_swiglu_sum, max_pairs=max_pairs),
+        reference.expert_swiglu_sum,
+        supports=lambda x, pairs, weights, w1, *_rest: triton_moe_sum.grouped_supports(x, w1),
     )
 
     # ... and the shared expert's activation (`layers.experts.mlp` in native mode): the same SwiGLU kernel
-    register("nvidia", "swiglu")(
-        _kernel_or_torch(
-            "swiglu", triton_moe_sum.swiglu_op, _reference.swiglu, supports=triton_moe_sum.swiglu_supports
-        )
+    impls["swiglu"] = _kernel_or_torch(
+        "swiglu", triton_moe_sum.swiglu_op, reference.swiglu, supports=triton_moe_sum.swiglu_supports
     )
-# Engram injection's gate and update in native mode (`models.deepseek_v41.engram.engram_inject`): one Triton pass
-# over the trunk, keys and values (`triton_engram.py`) instead of ~10 torch passes over FP32 copies of the trunk.
-# Exact mode (FP64 carrier), batch-invariant mode (needs exact) and operands the kernel does not take keep the
-# reference.
-if _TRITON:
-    from ... import numerics
-    from .. import cpu as _reference
-    from . import triton_engram
 
-    def _gate_fused(trunk, k, v, qk, image, eps, act_dtype, out_dtype) -> bool:
+    # Engram injection's gate and update in native mode (`models.deepseek_v41.engram.engram_inject`): one
+    # Triton pass over the trunk, keys and values (`triton_engram.py`) instead of ~10 torch passes over FP32
+    # copies of the trunk. Exact mode (FP64 carrier), batch-invariant mode (needs exact) and operands the
+    # kernel does not take keep the reference.
+    def gate_fused(trunk, k, v, qk, image, eps, act_dtype, out_dtype) -> bool:
         return numerics.native() and triton_engram.supports(trunk, k, v, act_dtype, out_dtype)
 
-    register("nvidia", "engram_gate")(
-        _kernel_or_torch(
-            "engram_gate", triton_engram.engram_gate, _reference.engram_gate, supports=_gate_fused
-        )
+    impls["engram_gate"] = _kernel_or_torch(
+        "engram_gate", triton_engram.engram_gate, reference.engram_gate, supports=gate_fused
     )
 
-# The indexer's scores in native mode (`runtime.groups.grouped_index_scores`): the core asks `supports(heads,
-# dim)` first and keeps its own path for other shapes.
-if _TRITON:
-    from .. import cpu as _reference
-    from . import triton_index
+    # The indexer's scores in native mode (`runtime.groups.grouped_index_scores`): the core asks
+    # `supports(heads, dim)` first and keeps its own path for other shapes.
+    op = _kernel_or_torch("index_scores", triton_index.index_scores, reference.index_scores)
+    op.supports = triton_index.supports
+    impls["index_scores"] = op
 
-    _op = _kernel_or_torch("index_scores", triton_index.index_scores, _reference.index_scores)
-    _op.supports = triton_index.supports
-    register("nvidia", "index_scores")(_op)
-
-# The indexer's top-k keys (`layers.indexer._select_topk_keys`): one kernel instead of three torch passes.
-if _TRITON:
-    from .. import cpu as _reference
-    from . import triton_keys
-
-    register("nvidia", "topk_keys")(
-        _kernel_or_torch("topk_keys", triton_keys.topk_keys, _reference.topk_keys)
-    )
-
+    # The indexer's top-k keys (`layers.indexer._select_topk_keys`): one kernel instead of three torch passes
+    impls["topk_keys"] = _kernel_or_torch("topk_keys", triton_keys.topk_keys, reference.topk_keys)
     # ... and the whole selection, ascending (`layers.indexer._select_topk`): a radix select per row
-    from . import triton_select
-
-    register("nvidia", "topk_indices")(
-        _kernel_or_torch("topk_indices", triton_select.topk_indices, _reference.topk_indices)
+    impls["topk_indices"] = _kernel_or_torch(
+        "topk_indices", triton_select.topk_indices, reference.topk_indices
     )
-
     # ... and the candidate blocks' scores (`models.deepseek_v41.sparse.candidate_blocks`): one pass
-    from . import triton_blocks
-
-    register("nvidia", "block_max")(
-        _kernel_or_torch(
-            "block_max", triton_blocks.block_max, _reference.block_max, supports=triton_blocks.supports
-        )
+    impls["block_max"] = _kernel_or_torch(
+        "block_max", triton_blocks.block_max, reference.block_max, supports=triton_blocks.supports
     )
 
-# Native-mode prefill attention (`runtime.groups.attend`): FlashMLA for the head shapes it takes. The core
-# asks `supports(heads, dim)` first and keeps its own band path for the others; the reference (a gather)
-# stands in only after a kernel failure.
-if _has("flash_mla") and os.environ.get("DEEPINFER_FLASH_MLA", "1") != "0":
-    from .. import cpu as _reference
-    from . import attention as _attention
-
-    _op = _kernel_or_torch(
-        "sparse_prefill_attention", _attention.sparse_prefill_attention, _reference.sparse_prefill_attention
-    )
-    _op.supports = _attention.sparse_prefill_supports
-    register("nvidia", "sparse_prefill_attention")(_op)
-else:
-    logger.warning(
-        "flash_mla unavailable or DEEPINFER_FLASH_MLA=0: prefill attention uses the torch band path"
-    )
 
 # FlashMLA's SM90 (legacy) sparse decode supports the V3.2 and V4 cache formats but not V41's 528-byte
 # one (on an H200: "required but not supported: V41_KVCACHE_FORMAT"), so

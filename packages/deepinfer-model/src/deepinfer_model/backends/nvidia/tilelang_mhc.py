@@ -15,8 +15,6 @@ Compiled per (m, H or iters, dtypes); the token count is dynamic. Plain `.py` (T
 # (e.g. the input dtype) raised NameError on the GPU. Eager annotations avoid that.
 
 import functools
-import importlib.util
-import os
 
 import tilelang
 import tilelang.language as T
@@ -25,10 +23,6 @@ import torch
 from ... import batch_invariant
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
-# batch-invariant mode's row kernels, under the switch the GEMM ops of `__init__` follow (read once, as there)
-_TRITON_ROWS = (
-    importlib.util.find_spec("triton") is not None and os.environ.get("DEEPINFER_TRITON", "1") != "0"
-)
 _THREADS = 128
 
 
@@ -208,10 +202,15 @@ def hc_mixes(
     hc_eps: float,
     rms_eps: float,
     iters: int,
+    *,
+    triton_rows: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`triton_rows`: batch-invariant mode projects through the Triton row kernels; False (the table built
+    without Triton: `DEEPINFER_TRITON=0` or no `triton`), that mode's mixes are the reference's, as its
+    GEMM ops are."""
     if iters < 1:
         raise ValueError(f"hc_mixes: iters must be >= 1, got {iters}")
-    if batch_invariant.enabled() and not _TRITON_ROWS:
+    if batch_invariant.enabled() and not triton_rows:
         from .. import cpu as reference
 
         return reference.hc_mixes(trunk, fn, base, scale, hc_eps, rms_eps, iters)

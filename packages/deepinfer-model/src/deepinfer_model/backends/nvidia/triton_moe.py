@@ -15,11 +15,10 @@ rounded to BF16 before the down projection. The K order of the sums differs from
 agree within FP32 accumulation order, not bitwise. Plain `.py` (Triton reads the source).
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+from deepinfer_cluster import envs
 
 BLOCK_K = 128  # reduction depth per loaded tile (the weight rows are contiguous in K)
 
@@ -144,11 +143,8 @@ def _down_kernel(
 # Pair counts up to which the registry takes these kernels; above it, the grouped GEMMs. On the H200 (medium
 # V4.1 experts, `benchmarks/gpu/bench_expert_swiglu.py`) the kernels took 0.48-0.59x the grouped
 # GEMMs' time from 6 to 768 pairs; prefill chunks (thousands of pairs) were not measured with them.
-# DEEPINFER_TRITON_MOE_MAX_PAIRS overrides it (0: never these kernels).
-_MAX_PAIRS_ENV = os.environ.get("DEEPINFER_TRITON_MOE_MAX_PAIRS", "1024").strip()
-if not _MAX_PAIRS_ENV.isdigit():
-    raise ValueError(f"DEEPINFER_TRITON_MOE_MAX_PAIRS must be an integer >= 0, got {_MAX_PAIRS_ENV!r}")
-MAX_PAIRS = int(_MAX_PAIRS_ENV)
+# DEEPINFER_TRITON_MOE_MAX_PAIRS overrides it when the op table is built (0: never these kernels).
+MAX_PAIRS: int = envs.VARS["DEEPINFER_TRITON_MOE_MAX_PAIRS"].default
 
 # Column blocks (gate/up, down) and warps. The same H200 sweep: 32 / 64 columns were the fastest at one token
 # (6 pairs: 65 us against 68 us with 64 / 128), 64 / 128 from 8 tokens on (126 against 133 us at 48 pairs).

@@ -27,6 +27,7 @@ Plain `.py` (Triton reads the source).
 import torch
 import triton
 import triton.language as tl
+from deepinfer_cluster import envs
 
 from . import triton_moe
 
@@ -175,8 +176,11 @@ def expert_swiglu_sum(
     addend: torch.Tensor | None,
     act_dtype: torch.dtype,
     out_dtype: torch.dtype,
+    max_pairs: int | None = None,
 ) -> torch.Tensor:
-    """The registry's `expert_swiglu_sum` for 16-bit `x` and weights of its dtype (see the module doc)."""
+    """The registry's `expert_swiglu_sum` for 16-bit `x` and weights of its dtype (see the module doc). Calls
+    of at most `max_pairs` pairs run the few-pairs kernels (None: `DEEPINFER_TRITON_MOE_MAX_PAIRS` now; the
+    op table passes the value it was built under)."""
     if not grouped_supports(x, w1) or w3.dtype != x.dtype or w2.dtype != x.dtype:
         raise ValueError(
             f"expert_swiglu_sum (Triton): x and weights must share a 16-bit dtype, got {x.dtype}, {w1.dtype}"
@@ -190,7 +194,9 @@ def expert_swiglu_sum(
     if p % max(t, 1):
         raise ValueError(f"expert_swiglu_sum: pairs ({p}) must be a multiple of the token count ({t})")
     k = p // t if t else 1
-    if p <= triton_moe.MAX_PAIRS:  # a decode step: the few-pairs kernels (weights applied there)
+    if max_pairs is None:
+        max_pairs = envs.get("DEEPINFER_TRITON_MOE_MAX_PAIRS")
+    if p <= max_pairs:  # a decode step: the few-pairs kernels (weights applied there)
         y = triton_moe.expert_swiglu(x, pairs, weights, w1, w3, w2, limit, weight_before_down)
         return combine(y, k, None, None, addend, act_dtype, out_dtype)
     flat = pairs.reshape(-1).long()
