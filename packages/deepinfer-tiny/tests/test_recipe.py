@@ -93,7 +93,6 @@ def test_micro_training_learns_and_round_trips(tmp_path, monkeypatch):
     monkeypatch.setenv("DEEPINFER_NUMERICS", "native")
     from deepinfer_model import numerics
     from deepinfer_model.models.deepseek_v41 import load_v41
-
     from deepinfer_tiny.recipe import train
     from deepinfer_tiny.recipe.losses import BalancedMoE
 
@@ -107,7 +106,9 @@ def test_micro_training_learns_and_round_trips(tmp_path, monkeypatch):
     # a resumed run continues the step count from what the first one saved
     tr, state, _ = train.load_run(tmp_path / "run", "cpu")
     assert state["step"] == 2
-    log2 = train.main([*args, "--out", str(tmp_path / "run2"), "--max-steps", "3", "--resume", str(tmp_path / "run")])
+    log2 = train.main(
+        [*args, "--out", str(tmp_path / "run2"), "--max-steps", "3", "--resume", str(tmp_path / "run")]
+    )
     assert [s["step"] for s in log2["steps"]] == [1, 2, 3]
 
     # the loss falls on a fixed batch

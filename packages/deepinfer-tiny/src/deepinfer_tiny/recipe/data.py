@@ -53,7 +53,9 @@ def machine_sources(scale: float = 1.0) -> tuple[Source, ...]:
     """The sources of the running interpreter's machine; `scale` multiplies every byte cap."""
     paths = sysconfig.get_paths()
     stdlib = Path(paths["stdlib"])
-    sites = {Path(p) for p in (paths["purelib"], paths["platlib"], *site.getsitepackages()) if Path(p).is_dir()}
+    sites = {
+        Path(p) for p in (paths["purelib"], paths["platlib"], *site.getsitepackages()) if Path(p).is_dir()
+    }
     sites = tuple(sorted(p for p in sites if p != stdlib))
     docs = (Path("/usr/share/doc"), *sites)
     mb = int(2**20 * scale)
@@ -199,7 +201,12 @@ def build(spec: DataSpec, out_dir: str | Path, tokenizer_file: str | Path) -> di
     held = arithmetic.problems(spec.seed + 1, spec.arithmetic_heldout, True, spec.heldout_fraction)
     with open(out / "heldout_arithmetic.jsonl", "w") as f:
         for p in held:
-            f.write(json.dumps({"benchmark": "aime", "id": p["id"], "problem": p["problem"], "answer": p["answer"]}) + "\n")
+            f.write(
+                json.dumps(
+                    {"benchmark": "aime", "id": p["id"], "problem": p["problem"], "answer": p["answer"]}
+                )
+                + "\n"
+            )
     (out / "manifest.json").write_text(json.dumps(manifest) + "\n")
     return manifest
 

@@ -62,7 +62,13 @@ def indexer_kl(
             target = target / target.sum(dim=-1, keepdim=True)
         if topo.is_index_k_source(layer):
             keys_of[layer] = index_keys(
-                comp.pre_rope.detach(), comp.positions, blk.indexer.wk, blk.indexer.k_norm, rope, eps, act_dtype
+                comp.pre_rope.detach(),
+                comp.positions,
+                blk.indexer.wk,
+                blk.indexer.k_norm,
+                rope,
+                eps,
+                act_dtype,
             )
         ik = keys_of[topo.index_k_source[layer]]
         qi = index_queries(q_lat.detach(), blk.indexer, cfg.index_n_heads, cos, sin, act_dtype)

@@ -41,9 +41,15 @@ LOG_FILE = "train_log.json"
 _BF16_IN_CHECKPOINT = ("embed.weight", "head.weight")
 
 
-def forward_train(tr: TrainableV41, ids: torch.Tensor, act: torch.dtype, balance: BalancedMoE | None):
+def forward_train(
+    tr: TrainableV41,
+    ids: torch.Tensor,
+    act: torch.dtype,
+    balance: BalancedMoE | None,
+    with_drafter: bool = False,
+):
     """One teacher-forced forward of `ids` through the library model: (out, model)."""
-    model = tr.model(act, with_drafter=False, moe_fn=balance)
+    model = tr.model(act, with_drafter=with_drafter, moe_fn=balance)
     # (the library forward is decorated with no_grad for inference; training calls the function itself)
     out = DeepseekV41ForCausalLM.forward.__wrapped__(model, ids, return_trace=True)
     return out, model
@@ -175,7 +181,9 @@ def main(argv: list[str] | None = None) -> dict:
                 break
             t0 = time.time()
             total = planned if planned is not None else step + 1000
-            lr = lr_at(step - first_step, total - first_step, a.lr, a.warmup)  # (a resumed run warms up again)
+            lr = lr_at(
+                step - first_step, total - first_step, a.lr, a.warmup
+            )  # (a resumed run warms up again)
             for g in opt.param_groups:
                 g["lr"] = lr
             parts = np.zeros(3)
@@ -183,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
                 ids = torch.as_tensor(seq.astype(np.int64), device=device)
                 lm, kl, bal = sequence_losses(tr, ids, act, balance)
                 ((lm + a.kl_weight * kl + a.balance_weight * bal) / a.accum).backward()
-                parts += [float(lm), float(kl), float(bal)]
+                parts += [lm.item(), kl.item(), bal.item()]
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, 1.0))
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -195,8 +203,16 @@ def main(argv: list[str] | None = None) -> dict:
             step_times.append(time.time() - t0)
             lm, kl, bal = parts / a.accum
             log["steps"].append(
-                {"step": state["step"], "tokens": state["tokens"], "lr": lr, "loss": lm, "indexer_kl": kl,
-                 "balance": bal, "grad_norm": grad_norm, "seconds": step_times[-1]}
+                {
+                    "step": state["step"],
+                    "tokens": state["tokens"],
+                    "lr": lr,
+                    "loss": lm,
+                    "indexer_kl": kl,
+                    "balance": bal,
+                    "grad_norm": grad_norm,
+                    "seconds": step_times[-1],
+                }
             )
             if planned is None and deadline != float("inf") and len(step_times) == 4:
                 per = sorted(step_times[1:])[1]  # (the first step includes warm-up work)
@@ -204,7 +220,9 @@ def main(argv: list[str] | None = None) -> dict:
                 run["planned_steps"] = planned
                 run["step_seconds"] = per
             if state["step"] % a.eval_every == 0:
-                log["evals"].append({"step": state["step"], "heldout_loss": heldout_loss(tr, held, act, device)})
+                log["evals"].append(
+                    {"step": state["step"], "heldout_loss": heldout_loss(tr, held, act, device)}
+                )
             print(json.dumps(log["steps"][-1]), flush=True)
         log["evals"].append({"step": state["step"], "heldout_loss": heldout_loss(tr, held, act, device)})
     state["rng"] = int(state["rng"])

@@ -93,7 +93,9 @@ class TrainableV41:
         config = json.loads((path / "config.json").read_text())
         cfg = DeepseekV41Config.from_dict(config)
         layout = checkpoint_layout(cfg)
-        masters = load_tensors(path, cfg, layout, torch.float32, ignored_prefixes=ignored_prefixes(cfg), device=device)
+        masters = load_tensors(
+            path, cfg, layout, torch.float32, ignored_prefixes=ignored_prefixes(cfg), device=device
+        )
         vocab = CompressedVocabulary.from_file(path) if cfg.engram else None
         return cls(config, masters, vocab)
 
