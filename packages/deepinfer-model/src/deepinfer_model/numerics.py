@@ -215,6 +215,8 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.dtype == torch.float32:
         return a @ b
     if a.is_cuda:  # cuBLAS BF16 GEMM with an FP32 output (no rounding of the products' sums to BF16)
+        if _tracks_grad(a, b):
+            return _ProductF32.apply(a, b)
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()  # BF16 values are exact in FP32
 
@@ -244,8 +246,33 @@ def bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     an FP32 bmm, whose products of BF16 values are exact (8 + 8 significant bits fit in FP32's 24).
     """
     if a.dtype == torch.bfloat16:
+        if _tracks_grad(a, b):
+            return _ProductF32.apply(a, b)
         return torch.bmm(a, b, out_dtype=torch.float32)
     return torch.bmm(a, b)
+
+
+def _tracks_grad(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
+
+
+class _ProductF32(torch.autograd.Function):
+    """`mm` / `bmm` of 16-bit operands with an FP32 output, differentiable (training through the model: the
+    `out_dtype` GEMMs have no derivative). The backward products take 16-bit operands too, the incoming
+    FP32 gradient rounded to the operands' dtype, as a BF16 mixed-precision step's backward does."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        return (torch.bmm if a.dim() == 3 else torch.mm)(a, b, out_dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        a, b = ctx.saved_tensors
+        g = grad.to(a.dtype)
+        ga = g @ b.transpose(-1, -2) if ctx.needs_input_grad[0] else None
+        gb = a.transpose(-1, -2) @ g if ctx.needs_input_grad[1] else None
+        return ga, gb
 
 
 # act dtypes the mode's device row kernels round to as they store (`rows_matmul(..., round_to=)`, bit for

@@ -171,7 +171,8 @@ def project_output(
         z = z.view(o_groups, t, -1).transpose(0, 1)
     elif batch_invariant.enabled():  # one row-invariant GEMM per group instead of a batched einsum over T
         z = torch.stack([batch_invariant.matmul(grouped[:, g], wo_a[g].t()) for g in range(o_groups)], 1)
-    elif native() and t and not torch.compiler.is_compiling():  # (dynamo rejects a strided `out=`)
+    elif native() and t and not torch.compiler.is_compiling() and not _tracks_grad(grouped, wo_a):
+        # (dynamo rejects a strided `out=`, autograd any `out=`: a training step takes the einsum)
         # one batched GEMM over the groups reading o in place (group g's rows are `grouped[:, g]`, a
         # row-major matrix with leading dimension G*nh*D/G), its output written straight into [T, G, Ro]
         # order: the einsum below permutes o into a [G, T, ...] copy first ([T, 64, 512] BF16 on V4.1,
@@ -183,3 +184,8 @@ def project_output(
     # (native BF16: the grouped GEMM's output is already rounded, and wo_b takes it as it is)
     z = round_narrow(z, act_dtype).reshape(t, -1)
     return linear(z, w.wo_b, act_dtype, narrow=narrow)
+
+
+def _tracks_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records a product of these tensors (a training step through the model)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)

