@@ -15,7 +15,9 @@ STAGE=${STAGE:-base}
 TOK=${TOKENIZER_DIR:-$ROOT/.gpu/tokenizer}
 WORK=${WORK:-/tmp/deepinfer-tiny}
 OUT=${OUT:-$WORK/out}
-export PYTHONPATH=$ROOT/packages/deepinfer-model/src:$ROOT/packages/deepinfer-parallel/src:$ROOT/packages/deepinfer-tiny/src${PYTHONPATH:+:$PYTHONPATH}
+# every package's src but the scheduler's (a C++ build; training does not schedule)
+src=$(ls -d "$ROOT"/packages/*/src | grep -v deepinfer-sched | tr '\n' ':')
+export PYTHONPATH=${src%:}${PYTHONPATH:+:$PYTHONPATH}
 export DEEPINFER_NUMERICS=native DEEPINFER_ACCELERATOR=cpu
 mkdir -p "$WORK" "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
