@@ -20,7 +20,7 @@ ALLOWED = {
     "deepinfer-sched": set(),
     "deepinfer-structured": set(),
     "deepinfer-parallel": {"deepinfer-cluster"},
-    "deepinfer-model": {"deepinfer-sched", "deepinfer-parallel", "deepinfer-cluster"},
+    "deepinfer-model": {"deepinfer-sched", "deepinfer-parallel", "deepinfer-cluster", "deepinfer-spec"},
     "deepinfer-spec": set(),
     "deepinfer-eval": {"deepinfer"},  # only through the optional `generate` extra
     "deepinfer": set(PACKAGES) - {"deepinfer", "deepinfer-eval"},

@@ -8,9 +8,7 @@ import torch
 from deepinfer_spec import (
     ConfidenceScheduler,
     DraftVerifier,
-    Purpose,
     StepTimeCurve,
-    stream_bits,
     stream_uniform,
 )
 from deepinfer_spec.toy import Drafter, NGramModel, run_toy_decode
@@ -177,13 +175,6 @@ def test_verification_of_a_request_is_independent_of_its_batch():
     assert both.num_accepted == first.num_accepted + alone.num_accepted
 
 
-def test_random_stream_matches_the_model_sampler_stream():
-    sampling = pytest.importorskip("deepinfer_model.sampling")
-    for seed, pos, purpose in [(0, 0, 0), (123, 456, 1), (2**64 - 1, 10**12, 2), (7, 10_000_019 * 3 + 5, 0)]:
-        assert stream_bits(seed, pos, purpose) == sampling.stream_bits(seed, pos, purpose)
-        assert stream_uniform(seed, pos, Purpose(purpose)) == sampling.stream_uniform(seed, pos, purpose)
-
-
 def test_zero_drafts_reproduce_the_model_sampler():
     """With no drafts the fresh row is exactly a plain decode sample (same stream, same rule)."""
     sampling = pytest.importorskip("deepinfer_model.sampling")
@@ -199,16 +190,3 @@ def test_zero_drafts_reproduce_the_model_sampler():
         probs, [], [0] * 6, seeds=list(range(6)), base_positions=list(range(3, 9)), greedy=[False] * 6
     )
     assert result.final_tokens == expected
-
-
-def test_vectorised_stream_is_bit_identical_to_the_scalar_one():
-    import random
-
-    from deepinfer_spec import stream_uniforms
-
-    rng = random.Random(3)
-    seeds = [rng.getrandbits(64) for _ in range(200)] + [0, 2**64 - 1, -5]
-    positions = [rng.getrandbits(rng.choice([8, 40, 62])) for _ in range(203)]
-    for purpose in Purpose:
-        got = stream_uniforms(seeds, positions, purpose).tolist()
-        assert got == [stream_uniform(s, p, purpose) for s, p in zip(seeds, positions)]

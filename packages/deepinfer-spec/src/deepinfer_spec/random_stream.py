@@ -1,9 +1,10 @@
 """Counter-based random numbers: a uniform that is a pure function of (seed, position, purpose).
 
-This is the same stream as `deepinfer_model.sampling.random_stream` (bit for bit; a test checks it
-when deepinfer_model is installed). It is restated here because deepinfer-spec must not import the
-model package. No generator state is carried between steps, so a draw cannot depend on batch
-composition, on which verification length the scheduler chose for other requests, or on row order.
+The one stream of the workspace: the model's sampler and the speculative verifier both draw from it,
+so a plain decode and verification row 0 see the same uniforms. No generator state is carried
+between steps, so a draw cannot depend on batch composition, chunking, preemption, on which
+verification length the scheduler chose for other requests, or on row order. The mixing function
+is SplitMix64's (a well-studied 64-bit bijection with full avalanche), applied twice.
 """
 
 from __future__ import annotations

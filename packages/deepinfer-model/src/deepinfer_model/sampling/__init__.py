@@ -1,8 +1,12 @@
-"""Sampling: logits rows -> tokens, with per-row parameters and seeded, batch-independent streams."""
+"""Sampling: logits rows -> tokens, with per-row parameters and seeded, batch-independent streams.
+
+The random stream is deepinfer-spec's, the one the speculative verifier draws from too, so a plain
+decode and verification row 0 sample with the same uniforms by construction."""
+
+from deepinfer_spec import DRAFT_SEED_OFFSET, Purpose, stream_bits, stream_uniform
 
 from .bitmask import TokenBitmask, apply_token_bitmask_, disallowed_from_bitmask
 from .params import MAX_LOGPROBS, RowParams, normalize_seed, validate_sampling_fields
-from .random_stream import DRAFT_SEED_OFFSET, Purpose, stream_bits, stream_uniform
 from .sampler import EMPTY_ROW_MESSAGE, Sampler, SamplerOutput, masked_logits
 from .transform import filtered_probs
 

@@ -43,7 +43,7 @@ def normalize_seed(seed: int) -> int:
 class RowParams:
     """How one logits row is turned into a token.
 
-    `seed` and `position` key the row's random stream (see `random_stream.py`): the draw depends on
+    `seed` and `position` key the row's random stream (`deepinfer_spec.stream_uniform`): the draw depends on
     nothing else, so a request gives the same tokens whatever shares its batch.
     """
 

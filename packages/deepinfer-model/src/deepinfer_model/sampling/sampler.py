@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from deepinfer_spec import Purpose, stream_uniform
 
 from ..runtime.device import to_device
 from .bitmask import TokenBitmask, apply_token_bitmask_
 from .params import RowParams
-from .random_stream import Purpose, stream_uniform
 from .transform import filtered_probs
 
 
