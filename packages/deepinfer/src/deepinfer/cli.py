@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -60,7 +62,9 @@ def _build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(bench)
 
     sub.add_parser("launch", help="multi-process launch (deepinfer_cluster.launch)", add_help=False)
-    sub.add_parser("eval", help="AIME / HLE / GPQA evaluation (deepinfer_eval)", add_help=False)
+    sub.add_parser(
+        "eval", help="AIME / HLE / GPQA evaluation (runs the deepinfer-eval command)", add_help=False
+    )
     return parser
 
 
@@ -153,6 +157,25 @@ def cmd_generate(args) -> int:
     return 0 if all(o.error is None for o in outputs) else 1
 
 
+def run_deepinfer_eval(args: list[str]) -> int:
+    """`deepinfer eval ARGS` runs `deepinfer-eval ARGS` in a child of this interpreter and returns its exit
+    status. deepinfer-eval depends on the engine (its `generate` extra), so the engine hands over to
+    its command instead of importing it: the two packages form no import cycle."""
+    if importlib.util.find_spec("deepinfer_eval") is None:
+        print(
+            "deepinfer eval needs the deepinfer-eval package: pip install 'deepinfer-eval[generate]'",
+            file=sys.stderr,
+        )
+        return 2
+    child = subprocess.Popen([sys.executable, "-m", "deepinfer_eval", *args])
+    while True:
+        try:
+            code = child.wait()
+        except KeyboardInterrupt:
+            continue  # the child got the same interrupt; it decides how to stop (a stage is resumable)
+        return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell reports it
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "launch":
@@ -160,19 +183,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return launch_main(argv[1:])
     if argv and argv[0] == "eval":
-        # deepinfer-eval sits beside the engine (it depends on us through its `generate` extra), so
-        # `deepinfer eval` works only where it is installed.
-        try:
-            from deepinfer_eval.cli import main as eval_main
-        except ModuleNotFoundError as exc:
-            if not (exc.name or "").startswith("deepinfer_eval"):
-                raise
-            print(
-                "deepinfer eval needs the deepinfer-eval package: pip install 'deepinfer-eval[generate]'",
-                file=sys.stderr,
-            )
-            return 2
-        return eval_main(argv[1:])
+        return run_deepinfer_eval(argv[1:])
     if argv[:1] == ["bench"] and argv[1:2] and argv[1] in ("prefill", "decode", "sweep"):
         from .bench.harness import main as harness_main
 
