@@ -3,7 +3,8 @@ should run, the launcher that starts the ranks, and the registry of every DEEPIN
 variable (`deepinfer_cluster.envs`). No torch, no device runtime is imported.
 
 The names below are imported from their modules on first use, so that reading a setting
-(`deepinfer_cluster.envs`) does not load the hardware probes (psutil, ctypes).
+(`deepinfer_cluster.envs`) does not load the hardware probes (psutil, ctypes). Other packages import
+these names from here, and two modules directly: `envs` and `launch` (the `deepinfer-launch` command).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import importlib
 from typing import Any
 
 __version__ = "0.1.0"
+
+__public_modules__ = ("envs", "launch")
 
 # module -> the public names it defines
 _MODULES: dict[str, tuple[str, ...]] = {
@@ -52,6 +55,10 @@ _MODULES: dict[str, tuple[str, ...]] = {
         "check_layout",
         "layout_from_env",
         "resolve_layout",
+    ),
+    "multicast": (
+        "NO_MULTICAST_ENV",
+        "no_multicast_environment",
     ),
     "peak_rates": (
         "PeakRates",

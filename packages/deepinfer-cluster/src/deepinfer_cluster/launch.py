@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import importlib.util
 import logging
 import os
@@ -30,34 +29,13 @@ from dataclasses import dataclass, field
 
 from deepinfer_cluster.accelerator import AcceleratorKind, accelerator_kind
 from deepinfer_cluster.layout import ParallelLayout, resolve_layout
+from deepinfer_cluster.multicast import (
+    NO_MULTICAST_ENV,
+    no_multicast_environment,  # noqa: F401  (the engine's data-parallel front still imports it from here)
+)
 from deepinfer_cluster.visible import devices_for_rank, visible_devices
 
 log = logging.getLogger(__name__)
-
-# NVLink multicast (NVLS) stays off in every launched rank: on the shared GPU hosts this project
-# runs on, a program using it can take the host's GPUs out of service. Forced, not defaulted.
-NO_MULTICAST_ENV = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
-
-
-@contextlib.contextmanager
-def no_multicast_environment():
-    """`NO_MULTICAST_ENV` in `os.environ` while child processes start (spawn and fork copy the parent's
-    environment), the caller's own values restored after: for code that starts ranks with
-    multiprocessing rather than through `launch`."""
-    before = {k: os.environ.get(k) for k in NO_MULTICAST_ENV}
-    os.environ.update(NO_MULTICAST_ENV)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def free_port(host: str = "127.0.0.1") -> int:

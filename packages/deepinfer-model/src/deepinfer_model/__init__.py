@@ -1,4 +1,8 @@
-"""deepinfer-model: the DeepSeek-V4 family (public V4 and V4.1) for DeepInfer."""
+"""deepinfer-model: the DeepSeek-V4 family (public V4 and V4.1) for DeepInfer.
+
+Other packages import what they need from here; `testing` (tiny checkpoints and sequences for tests)
+is the one submodule they may import directly.
+"""
 
 from .config import ConfigError, ModelConfig, load_config, parse_config
 from .loader import CheckpointError
@@ -11,9 +15,26 @@ from .models.deepseek_v41 import (
     V41Output,
     load_v41,
     make_v41_checkpoint,
+    tiny_v41_config_dict,
+)
+from .parallel import ExpertParallelMoE, load_v41_ep, shard_experts
+from .quant_sm90 import refuse_with_expert_parallelism
+from .runtime.device import model_device, resolve_device, to_device
+from .sampling import (
+    EMPTY_ROW_MESSAGE,
+    RowParams,
+    Sampler,
+    SamplerOutput,
+    TokenBitmask,
+    filtered_probs,
+    masked_logits,
+    normalize_seed,
+    validate_sampling_fields,
 )
 
 __version__ = "0.1.0"
+
+__public_modules__ = ("testing",)
 
 __all__ = [
     "CheckpointError",
@@ -22,11 +43,28 @@ __all__ = [
     "DeepseekV41ForCausalLM",
     "DeepseekV4Model",
     "DraftOutput",
-    "V41Output",
+    "EMPTY_ROW_MESSAGE",
+    "ExpertParallelMoE",
     "ModelConfig",
+    "RowParams",
+    "Sampler",
+    "SamplerOutput",
+    "TokenBitmask",
+    "V41Output",
+    "filtered_probs",
     "load_config",
     "load_model",
     "load_v41",
+    "load_v41_ep",
     "make_v41_checkpoint",
+    "masked_logits",
+    "model_device",
+    "normalize_seed",
     "parse_config",
+    "refuse_with_expert_parallelism",
+    "resolve_device",
+    "shard_experts",
+    "tiny_v41_config_dict",
+    "to_device",
+    "validate_sampling_fields",
 ]

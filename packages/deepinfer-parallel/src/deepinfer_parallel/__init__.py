@@ -4,7 +4,7 @@ from . import cp, ep, eplb, groups
 from .cp import MirrorSplit, all_gather_restore, mirror_split, mirror_split_plan, restore_order
 from .ep import dispatch_combine
 from .ep_deepep import DeepEPDispatcher, deep_ep_available
-from .eplb import EplbConfig, EplbPlan, EplbState, rebalance
+from .eplb import EplbConfig, EplbPlan, EplbState, MoeLoadStats, rebalance
 from .groups import (
     ParallelSizes,
     ParallelState,
@@ -27,6 +27,7 @@ __all__ = [
     "EplbState",
     "LayerExpertLayout",
     "MirrorSplit",
+    "MoeLoadStats",
     "ParallelSizes",
     "ParallelState",
     "RedundantExpertLayout",

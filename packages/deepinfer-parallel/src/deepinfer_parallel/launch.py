@@ -18,8 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from deepinfer_cluster import envs
-from deepinfer_cluster.launch import no_multicast_environment
+from deepinfer_cluster import envs, no_multicast_environment
 
 
 def _load(path: str, name: str) -> Callable:
@@ -65,7 +64,7 @@ def run_distributed(
     path, name = fn.__code__.co_filename, fn.__name__
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        # NVLink multicast off in every rank (deepinfer_cluster.launch.NO_MULTICAST_ENV)
+        # NVLink multicast off in every rank (deepinfer_cluster.NO_MULTICAST_ENV)
         with warnings.catch_warnings(), no_multicast_environment():
             # Python warns about fork() in a multi-threaded parent; the child avoids the inherited
             # thread pools (one intra-op thread, gloo/NCCL created after the fork).

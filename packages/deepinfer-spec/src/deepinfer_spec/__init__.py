@@ -15,7 +15,7 @@ from .state import Rollback, SpecDecodeState, cumulative_rates
 from .stats import SpecStats, expected_calibration_error, full_acceptance_tokens_per_s
 from .step_time import ForwardRuntimeEstimator, SamplerRuntimeEstimator, StepTimeCurve
 from .varlen import ConfidenceScheduler, VarlenRequest, VerifyPlan, split_by_rates
-from .verify import DraftVerifier, VerifyResult
+from .verify import DraftVerifier, VerifyResult, inverse_cdf
 
 __version__ = "0.1.0"
 
@@ -40,6 +40,7 @@ __all__ = [
     "draft_position",
     "expected_calibration_error",
     "full_acceptance_tokens_per_s",
+    "inverse_cdf",
     "nextn_from_env",
     "split_by_rates",
     "stream_bits",

@@ -31,7 +31,7 @@ RANDOM_WEIGHTS_NOTICE = (
 
 def tiny_config() -> dict:
     """The §11 tiny V4.1 config with the real tokenizer's vocabulary and a longer context."""
-    from deepinfer_model.models.deepseek_v41 import tiny_v41_config_dict
+    from deepinfer_model import tiny_v41_config_dict
 
     config = tiny_v41_config_dict()
     text = config["text_config"]
@@ -52,7 +52,7 @@ def ensure_tiny_model(root: Path | None = None) -> Path:
     with FileLock(str(root / f"{TINY_NAME}.lock")):
         if (target / "config.json").exists():  # another process finished while we waited
             return target
-        from deepinfer_model.models.deepseek_v41 import make_v41_checkpoint
+        from deepinfer_model import make_v41_checkpoint
 
         tmp = root / f".{target.name}.{os.getpid()}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)

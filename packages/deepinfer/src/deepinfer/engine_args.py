@@ -175,7 +175,7 @@ class EngineArgs:
                 f"got {self.expert_parallel_size!r} ({e})"
             ) from None
         if self.expert_parallel_size > 1:
-            from deepinfer_model.quant_sm90 import refuse_with_expert_parallelism
+            from deepinfer_model import refuse_with_expert_parallelism
 
             refuse_with_expert_parallelism("expert_parallel_size > 1")  # DEEPINFER_FP8_EXPERTS=1: no EP path
         if self.expert_parallel_size > 1 and self.runner != "paged":
@@ -185,7 +185,7 @@ class EngineArgs:
     @property
     def torch_device(self):
         """`device` resolved (auto -> cuda if available else cpu) and checked against this machine."""
-        from deepinfer_model.runtime.device import resolve_device
+        from deepinfer_model import resolve_device
 
         return resolve_device(self.device, "device")
 

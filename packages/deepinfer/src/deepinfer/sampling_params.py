@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from deepinfer_model.sampling import normalize_seed, validate_sampling_fields
+from deepinfer_model import normalize_seed, validate_sampling_fields
 
 INT32_MAX = 2**31 - 1
 

@@ -40,8 +40,7 @@ class FlagCounter:
         Wraps the instance's own methods (not the class), so other instances are untouched.
         Returns False when `obj` is neither.
         """
-        from deepinfer_parallel.eplb.state import EplbState
-        from deepinfer_parallel.eplb.stats import MoeLoadStats
+        from deepinfer_parallel import EplbState, MoeLoadStats
 
         if isinstance(obj, EplbState):
             self.watch(obj.load_stats)

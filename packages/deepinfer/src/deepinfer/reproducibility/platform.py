@@ -16,7 +16,7 @@ from .. import envs
 def _device_of(where) -> torch.device:
     """`where`: None (where `LLM()` would run: $DEEPINFER_DEVICE, else auto), a device or its name,
     an `LLM` / `LLMEngine` (the device of its model's weights)."""
-    from deepinfer_model.runtime.device import model_device, resolve_device
+    from deepinfer_model import model_device, resolve_device
 
     engine = getattr(where, "engine", where)
     if getattr(engine, "model", None) is not None:
