@@ -402,6 +402,15 @@ def test_no_import_cycle_within_a_package():
     )
 
 
+def test_declared_public_modules_exist():
+    for pkg in find_packages().values():
+        for name in pkg.public_modules:
+            path = pkg.src.joinpath(*name.split("."))
+            assert path.with_suffix(".py").is_file() or (path / "__init__.py").is_file(), (
+                f"{pkg.name}.__public_modules__ names {name!r}, which is not a module of {pkg.name}"
+            )
+
+
 def test_known_violations_still_exist():
     """The lists of known violations only shrink: one that is fixed must leave the list."""
     v = _violations()
