@@ -13,16 +13,19 @@ PACKAGES = {
     "deepinfer-structured": "deepinfer_structured",
     "deepinfer-cluster": "deepinfer_cluster",
     "deepinfer-eval": "deepinfer_eval",
+    "deepinfer-tiny": "deepinfer_tiny",
 }
-# Allowed workspace dependencies: arrows point down ARCHITECTURE.md's table only.
+# Allowed workspace dependencies: arrows point down docs/ARCHITECTURE.md's table only. Every package may
+# read the environment-variable registry (deepinfer_cluster.envs).
 ALLOWED = {
     "deepinfer-cluster": set(),
-    "deepinfer-sched": set(),
-    "deepinfer-structured": set(),
+    "deepinfer-sched": {"deepinfer-cluster"},
+    "deepinfer-structured": {"deepinfer-cluster"},
     "deepinfer-parallel": {"deepinfer-cluster"},
+    "deepinfer-spec": {"deepinfer-cluster"},
     "deepinfer-model": {"deepinfer-sched", "deepinfer-parallel", "deepinfer-cluster", "deepinfer-spec"},
-    "deepinfer-spec": set(),
-    "deepinfer-eval": {"deepinfer"},  # only through the optional `generate` extra
+    "deepinfer-tiny": {"deepinfer-model", "deepinfer-cluster"},
+    "deepinfer-eval": {"deepinfer", "deepinfer-cluster"},  # the engine only through the `generate` extra
     "deepinfer": set(PACKAGES) - {"deepinfer", "deepinfer-eval"},
 }
 
