@@ -6,7 +6,9 @@
 #     git archive BASE packages benchmarks | tar -x -C .baseline      # the baseline's code, gitignored
 #     bash benchmarks/gpu/run_regression.sh [BASELINE_DIR]            # default .baseline; carry .gpu and it
 #
-# Needs `.gpu/` (bundle.tar.xz, setup.sh, pysite.tar.xz: see README.md here). The medium checkpoint is made
+# Needs the kernel bundle in BUNDLE_DIR (default .gpu: bundle.tar.xz, setup.sh, pysite.tar.xz; see README.md
+# here; DeepGEMM is not built, so a bundle without its sdist and the z3 binary fits the carry limit beside
+# both trees). The medium checkpoint is made
 # once, by this tree's generator, and both trees load it. Knobs: REGRESS_BATCHES (1,8,64), REGRESS_CHUNK
 # (16384), REGRESS_STEPS (measured decode steps, 12), REGRESS_ROUNDS (decode runs per tree, interleaved, 2),
 # REGRESS_LIMIT_S (per bench run, 150).
@@ -22,8 +24,9 @@ export PYTHONUNBUFFERED=1 HOME=${HOME:-/root} OMP_NUM_THREADS=16 LC_ALL=C
 export DEEPINFER_ACCELERATOR=${DEEPINFER_ACCELERATOR:-nvidia} DEEPINFER_NUMERICS=native
 t0=$(date +%s)
 el() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
-source .gpu/setup.sh || { echo "bundle setup failed" >&2; exit 1; }
-[ -f .gpu/pysite.tar.xz ] && tar -C /tmp -xJf .gpu/pysite.tar.xz
+bundle=${BUNDLE_DIR:-.gpu}
+source "$bundle/setup.sh" || { echo "bundle setup failed" >&2; exit 1; }
+[ -f "$bundle/pysite.tar.xz" ] && tar -C /tmp -xJf "$bundle/pysite.tar.xz"
 export -n DEEPINFER_SITE  # setup.sh's own variable, not an engine setting
 current=$PWD
 medium=/tmp/medium-v41
