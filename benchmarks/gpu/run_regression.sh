@@ -3,8 +3,8 @@
 # one 16k-token prefill chunk, for a baseline tree and for this tree, on the same GPU, interleaved; then the
 # after / before ratios (compare_trees.py).
 #
-#     git archive BASE packages benchmarks | tar -x -C .baseline      # the baseline's code, gitignored
-#     bash benchmarks/gpu/run_regression.sh [BASELINE_DIR]            # default .baseline; carry .gpu and it
+#     git archive BASE packages native | tar -x -C .baseline          # the baseline's code, gitignored
+#     bash benchmarks/gpu/run_regression.sh [BASELINE_DIR]            # default .baseline; carry it and the bundle
 #
 # Needs the kernel bundle in BUNDLE_DIR (default .gpu: bundle.tar.xz, setup.sh, pysite.tar.xz; see README.md
 # here; DeepGEMM is not built, so a bundle without its sdist and the z3 binary fits the carry limit beside
