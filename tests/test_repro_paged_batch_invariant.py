@@ -19,7 +19,8 @@ from deepinfer_model import batch_invariant, load_model
 from deepinfer_model.layers.attention import sink_attention
 from deepinfer_model.models.deepseek_v41 import paged
 from deepinfer_model.runner import RunnerBatch
-from deepinfer_model.runtime import PagedRunner, groups
+from deepinfer_model.models import grouped_attention as groups
+from deepinfer_model.runtime import PagedRunner
 from deepinfer_model.runtime.device import model_device
 
 BLOCK = 16

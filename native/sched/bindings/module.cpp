@@ -152,6 +152,10 @@ per sequence (n = num_seqs) and per query token (T = num_batched_tokens).)doc")
         auto& o = self.cast<const StepOutput&>();
         return view(o.seq_lens, self, o.num_seqs());
       })
+      .def_property_readonly("prompt_lens", [](py::object self) {
+        auto& o = self.cast<const StepOutput&>();
+        return view(o.prompt_lens, self, o.num_seqs());
+      })
       .def_property_readonly("num_draft_tokens", [](py::object self) {
         auto& o = self.cast<const StepOutput&>();
         return view(o.num_drafts, self, o.num_seqs());

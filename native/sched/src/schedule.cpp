@@ -187,6 +187,7 @@ void Scheduler::fill_arrays(StepOutput& out, const std::vector<const int32_t*>& 
   out.query_lens.resize(n);
   out.start_positions.resize(n);
   out.seq_lens.resize(n);
+  out.prompt_lens.resize(n);
   out.num_drafts.resize(n);
   out.is_prefill.resize(n);
   out.emits_tokens.resize(n);
@@ -207,6 +208,7 @@ void Scheduler::fill_arrays(StepOutput& out, const std::vector<const int32_t*>& 
     out.query_lens[i] = e.q;
     out.start_positions[i] = e.start;
     out.seq_lens[i] = e.start + e.q;
+    out.prompt_lens[i] = s->num_prompt_tokens;
     out.num_drafts[i] = e.num_drafts;
     out.is_prefill[i] = e.prefill;
     out.emits_tokens[i] = e.emit > 0;

@@ -41,7 +41,7 @@ def test_settings_reject_unknown_backend():
     with pytest.raises(ValueError, match="compile must be None or one of"):
         DecodeGraphSettings(8, 64, compile="tensorrt")
     with pytest.raises(ValueError, match="compile backend must be one of"):
-        compiled_static_forward("tensorrt")
+        compiled_static_forward(v41_static_decode_forward, "tensorrt")
 
 
 def test_compiled_static_step_equals_plain_bitwise(engine_model, monkeypatch):
@@ -64,7 +64,7 @@ def test_compiled_static_step_equals_plain_bitwise(engine_model, monkeypatch):
     compiled_static_forward.cache_clear()
     try:
         plain, compiled = _runners(engine_model)
-        assert compiled.graphs.forward is compiled_static_forward("aot_eager")
+        assert compiled.graphs.forward is compiled_static_forward(v41_static_decode_forward, "aot_eager")
         assert plain.graphs.forward is v41_static_decode_forward
         rng = np.random.default_rng(0)
         seqs = []
@@ -111,4 +111,4 @@ def test_batch_invariant_steps_run_the_plain_step(engine_model, monkeypatch):
     monkeypatch.setenv(batch_invariant.ENV, "1")
     assert compiled.graphs.forward is v41_static_decode_forward
     monkeypatch.setenv(batch_invariant.ENV, "0")
-    assert compiled.graphs.forward is compiled_static_forward("aot_eager")
+    assert compiled.graphs.forward is compiled_static_forward(v41_static_decode_forward, "aot_eager")

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from deepinfer_model import numerics
+from deepinfer_model.models import grouped_attention as groups
 from deepinfer_model.models.deepseek_v41 import (
     DeepseekV41ForCausalLM,
     blocks,
@@ -23,7 +24,7 @@ from deepinfer_model.models.deepseek_v41 import (
 from deepinfer_model.models.deepseek_v41.yoco import YocoMode, YocoSettings
 from deepinfer_model.ops import model_calls
 from deepinfer_model.runner import RunnerBatch
-from deepinfer_model.runtime import PagedRunner, groups
+from deepinfer_model.runtime import PagedRunner
 from deepinfer_model.runtime.cuda_graphs import DecodeGraphSettings
 from deepinfer_model.testing import batch_of, grow_tables
 

@@ -325,7 +325,7 @@ def test_native_band_attention_takes_bf16_operands():
     """Paged `groups.attend` (window band plus a top-k entry selection, two padded prefill chunks) in native
     BF16 against the float64 full-span reference with P rounded to BF16."""
     from deepinfer_model.layers.indexer import select_topk, selection_mask
-    from deepinfer_model.runtime import groups
+    from deepinfer_model.models import grouped_attention as groups
     from deepinfer_model.runtime.metadata import StepMetadata
     from deepinfer_model.runtime.pools import PagedKVCache, PoolSpec
 
@@ -398,7 +398,7 @@ def test_native_grouped_index_scores_through_the_fused_op(monkeypatch):
     serves it; here the reference op) against its own torch path and float64 math on the BF16 operands,
     for a padded group of two prefill chunks with their own index keys."""
     from deepinfer_model.backends import cpu as reference
-    from deepinfer_model.runtime import groups
+    from deepinfer_model.models import grouped_attention as groups
     from deepinfer_model.runtime.metadata import StepMetadata
 
     gen = torch.Generator().manual_seed(9)
@@ -450,9 +450,9 @@ def test_native_grouped_index_scores_with_entry_bounds_select_the_same(monkeypat
     and the candidate blocks are those of the unbounded scores, for a padded group of two prefill chunks."""
     from deepinfer_model.backends import cpu as reference
     from deepinfer_model.layers.indexer import select_topk
+    from deepinfer_model.models import grouped_attention as groups
     from deepinfer_model.models.deepseek_v41.sparse import candidate_blocks
     from deepinfer_model.numerics import round_narrow
-    from deepinfer_model.runtime import groups
     from deepinfer_model.runtime.metadata import StepMetadata
 
     gen = torch.Generator().manual_seed(11)

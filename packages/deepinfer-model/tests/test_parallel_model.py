@@ -193,9 +193,9 @@ def _narrow_worker(rank, world, ckpt, ref_path):
     torch all-to-all rows, shared expert; the draft blocks' own EP MoE) and context parallelism's gathers
     (the layer input of KV sources, YOCO's S) give bitwise the outputs of the FP32 carrier everywhere."""
     from deepinfer_model import numerics
+    from deepinfer_model.models import grouped_attention as groups
     from deepinfer_model.models.deepseek_v41 import blocks, paged
     from deepinfer_model.ops import model_calls
-    from deepinfer_model.runtime import groups
 
     os.environ["DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS"] = "0"
     os.environ["DEEPINFER_NUMERICS"] = "native"

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from deepinfer_model.layers.expert_conversion import convert_moe_experts_for_sm90
 from deepinfer_model.layers.experts import ExpertWeights
 from deepinfer_model.layers.moe import MoEWeights
 from deepinfer_model.quant import dequant_mxfp4, quant_fp8_block, quant_mxfp4
 from deepinfer_model.quant_sm90 import (
     Fp8Experts,
-    convert_moe_experts_for_sm90,
     dequant_fp8_block_pow2,
     fp8_block_error,
     fp8_experts_from_mxfp4,

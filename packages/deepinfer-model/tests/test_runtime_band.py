@@ -1,4 +1,4 @@
-"""Sliding-window attention over the window band only (`runtime.groups.attend`, default path).
+"""Sliding-window attention over the window band only (`models.grouped_attention.attend`, default path).
 
 The band path scores, for a block of b query slots, only the b + W - 1 key columns those queries can
 see, instead of every key of the chunk. The previous implementation scored every key of the span
@@ -12,9 +12,10 @@ import pytest
 import torch
 from deepinfer_model import batch_invariant
 from deepinfer_model.layers.indexer import select_topk, selection_mask
+from deepinfer_model.models import grouped_attention as groups
 from deepinfer_model.models.deepseek_v41 import load_v41, make_v41_checkpoint
 from deepinfer_model.runner import RunnerBatch
-from deepinfer_model.runtime import PagedRunner, groups
+from deepinfer_model.runtime import PagedRunner
 from deepinfer_model.runtime.metadata import StepMetadata
 from deepinfer_model.runtime.pools import PagedKVCache, PoolSpec
 from torch.overrides import TorchFunctionMode

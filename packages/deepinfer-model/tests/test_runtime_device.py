@@ -88,7 +88,7 @@ def run_steps(model, yoco=None, draft=True):
 
 def stateless(model):
     """The stateless forward of the first sequence (with a drafted block on V4.1), as CPU tensors."""
-    if hasattr(model, "weights"):
+    if isinstance(model, DeepseekV41ForCausalLM):
         out = model.forward(SEQS[0], num_draft_tokens=3)
         return [out.logits.cpu(), out.draft.tokens.cpu(), out.draft.logits.cpu()]
     return [model.forward(SEQS[0]).cpu()]

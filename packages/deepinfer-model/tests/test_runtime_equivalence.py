@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 from deepinfer_model import load_model
+from deepinfer_model.models import grouped_attention as groups
 from deepinfer_model.models.deepseek_v41 import DeepseekV41ForCausalLM, load_v41, make_v41_checkpoint
 from deepinfer_model.runner import RunnerBatch
-from deepinfer_model.runtime import PagedRunner, groups
+from deepinfer_model.runtime import PagedRunner
 from deepinfer_model.testing import make_checkpoint, tiny_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -5,9 +5,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from deepinfer_model.models import grouped_attention as groups
 from deepinfer_model.models.deepseek_v41 import load_v41, make_v41_checkpoint, paged
 from deepinfer_model.runner import RunnerBatch
-from deepinfer_model.runtime import PagedRunner, groups
+from deepinfer_model.runtime import PagedRunner
 
 
 @pytest.fixture(scope="module")

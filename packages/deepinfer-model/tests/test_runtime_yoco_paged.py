@@ -11,10 +11,11 @@ keys computed for another prompt length is refused.
 import numpy as np
 import pytest
 import torch
+from deepinfer_model.models import grouped_attention as groups
 from deepinfer_model.models.deepseek_v41 import DeepseekV41ForCausalLM, load_v41, make_v41_checkpoint
 from deepinfer_model.models.deepseek_v41.yoco import YocoMode, YocoSettings
 from deepinfer_model.runner import RunnerBatch
-from deepinfer_model.runtime import PagedRunner, groups
+from deepinfer_model.runtime import PagedRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -163,6 +163,27 @@ def test_preemption_evicts_latest_arrival_and_recompute_gives_same_tokens():
         ) == expected_stream(spec, 48, V)
 
 
+def test_prompt_lens_are_the_original_prompt_lengths_through_preemption_and_recompute():
+    # YOCO truncation keys every step of a sequence on its ORIGINAL prompt length: a recompute after
+    # preemption prefills prompt + output so far, but prompt_lens must not grow with it.
+    sched, model = make(num_blocks=12, max_model_len=48, max_num_seqs=3)
+    specs = [RequestSpec(i, [i + 1] * (5 + i), max_tokens=30) for i in range(3)]
+    for spec in specs:
+        add(sched, spec)
+    prompt_len = {spec.seq_id: len(spec.prompt) for spec in specs}
+    preempted, recomputed = set(), 0
+    while sched.has_unfinished():
+        out, _ = step(sched, model)
+        lens = out.prompt_lens
+        assert lens.dtype == np.int32 and not lens.flags.writeable and len(lens) == len(out.seq_ids)
+        for i, sid in enumerate(out.seq_ids.tolist()):
+            assert lens[i] == prompt_len[sid], (sid, int(lens[i]))
+            if sid in preempted and out.is_prefill[i] and out.seq_lens[i] > prompt_len[sid]:
+                recomputed += 1  # a recompute prefill past the prompt (its output so far), same prompt_lens
+        preempted |= set(out.preempted_seq_ids.tolist())
+    assert preempted and recomputed > 0
+
+
 def test_preemption_victim_is_lowest_priority_first():
     sched, model = make(num_blocks=12, max_model_len=48, max_num_seqs=3)
     add(sched, RequestSpec(0, [1] * 6, max_tokens=30, priority=3))  # arrives first, lowest priority

@@ -61,6 +61,9 @@ struct StepOutput {
   std::vector<int32_t> query_lens;       // [n]
   std::vector<int32_t> start_positions;  // [n] tokens with KV before this step
   std::vector<int32_t> seq_lens;         // [n] context length after this step
+  // [n] the request's original prompt length: unchanged by preemption and recompute (whose prompt is
+  // then prompt + output so far), what a per-prompt rule such as YOCO truncation is keyed on
+  std::vector<int32_t> prompt_lens;
   std::vector<int32_t> num_drafts;       // [n]
   std::vector<uint8_t> is_prefill;       // [n]
   std::vector<uint8_t> emits_tokens;     // [n] 0 for a non-final prefill chunk

@@ -34,4 +34,9 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: tor
     return importlib.import_module(MODEL_MODULES[model_type]).load_model(path, dtype, resolve_device(device))
 
 
-__all__ = ["MODEL_MODULES", "load_model"]
+# each family registers its step contract (`family.ModelFamily`) when imported: any model object implies
+# this package ran, so the runtime finds the family of every model it is given
+from . import deepseek_v4_family  # noqa: E402
+from .deepseek_v41 import family as deepseek_v41_family  # noqa: E402
+
+__all__ = ["MODEL_MODULES", "deepseek_v41_family", "deepseek_v4_family", "load_model"]

@@ -193,7 +193,7 @@ def load_model(
 ) -> DeepseekV4Model:
     """Load a public DeepSeek-V4 checkpoint directory (config.json + safetensors); the weights are
     dequantised on `device` and the model runs there."""
-    from ..quant_sm90 import convert_experts_if_enabled
+    from ..layers.expert_conversion import convert_experts_if_enabled
     from ..runtime.device import resolve_device
 
     cfg = load_config(path)

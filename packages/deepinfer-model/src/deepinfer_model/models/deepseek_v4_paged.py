@@ -24,7 +24,11 @@ from ..layers.indexer import index_queries, select_topk
 from ..layers.rope import cos_sin
 from ..numerics import carrier, linear, round_to
 from ..ops.model_calls import hc_mixes, hc_read, hc_write, rms_norm
-from ..runtime.groups import (
+from ..runtime.metadata import StepMetadata, entries_per_block
+from ..runtime.pools import PagedKVCache, PoolSpec
+from .deepseek_v4 import DeepseekV4Model, LayerWeights
+from .deepseek_v4_incremental import new_entries
+from .grouped_attention import (
     attend,
     compress_new,
     compressed_entries,
@@ -33,10 +37,6 @@ from ..runtime.groups import (
     row_blocks,
     swa_keys,
 )
-from ..runtime.incremental import new_entries
-from ..runtime.metadata import StepMetadata, entries_per_block
-from ..runtime.pools import PagedKVCache, PoolSpec
-from .deepseek_v4 import DeepseekV4Model, LayerWeights
 
 
 def v4_cache_specs(cfg: ModelConfig, block_size: int) -> list[PoolSpec]:
@@ -81,7 +81,7 @@ def _attention(
     act: torch.dtype,
 ) -> torch.Tensor:
     """One attention layer: every row's keys into the pools first, then the query side per row block
-    (`blocks`, `runtime.groups.row_blocks`: one block unless the step is long)."""
+    (`blocks`, `grouped_attention.row_blocks`: one block unless the step is long)."""
     eps = cfg.rms_norm_eps
     cos, sin = cos_sin(spec.rope, meta.positions)
     cache.write(f"swa.{layer}", meta.write_slots, attn.project_latent(y, w.attn, cos, sin, eps, act))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from deepinfer_parallel import EplbConfig, EplbState
 
+from ..family import family_of
 from .ep_moe import ExpertParallelMoE
 
 
@@ -15,10 +16,7 @@ def make_eplb(model, config: EplbConfig, part: str = "backbone") -> EplbState:
     moe = model.moe_fn if part == "backbone" else getattr(model, "draft_moe_fn", None)
     if not isinstance(moe, ExpertParallelMoE):
         raise ValueError(f"make_eplb needs an expert-parallel {part} MoE (load_v41_ep / ExpertParallelMoE)")
-    if part == "drafter":
-        blocks = model.weights.drafter.blocks
-    else:
-        blocks = model.weights.layers if hasattr(model, "weights") else model.layers
+    blocks = family_of(model).moe_blocks(model, part)
     eplb = EplbState(moe.layout, config, moe.expert_tensors(blocks), group=moe.group)
     moe.attach_eplb(eplb)
     return eplb

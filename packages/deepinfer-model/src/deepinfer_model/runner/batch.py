@@ -24,6 +24,10 @@ class RunnerBatch:
     # the device (the asynchronous loop's tokens sampled by the step before, not yet read back); their
     # entries of `input_ids` are placeholders. Runners that take them have `takes_device_input_ids`.
     device_input_ids: tuple[np.ndarray, Any] | None = None
+    # int64 [B]: each sequence's ORIGINAL prompt length (the scheduler's `prompt_lens`: unchanged by
+    # preemption and recompute), read by a model family's per-step extras (YOCO truncation); None when
+    # the step was built by hand without them
+    prompt_lens: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         b = len(self.seq_ids)
@@ -32,6 +36,10 @@ class RunnerBatch:
                 raise ValueError(
                     f"{name} must have one entry per sequence ({b}), got {len(getattr(self, name))}"
                 )
+        if self.prompt_lens is not None and len(self.prompt_lens) != b:
+            raise ValueError(
+                f"prompt_lens must have one entry per sequence ({b}), got {len(self.prompt_lens)}"
+            )
         if len(self.block_tables) != b:
             raise ValueError(
                 f"block_tables must have one entry per sequence ({b}), got {len(self.block_tables)}"
@@ -69,6 +77,7 @@ class RunnerBatch:
             block_tables=[row[row >= 0] for row in tables],  # rows are padded with -1
             input_ids=np.asarray(out.input_ids, dtype=np.int64),
             logits_lens=np.asarray(out.emits_tokens, dtype=bool).astype(np.int64),
+            prompt_lens=np.asarray(out.prompt_lens, dtype=np.int64),
         )
 
     @classmethod

@@ -1,10 +1,13 @@
 """Paged runtime: per-layer-kind paged caches and the batched cached runner (drop-in for RecomputeRunner).
 
+What every model shares (pools, step metadata, device placement, CUDA-graph capture, the runner); what
+depends on the architecture is asked of the model's family (`deepinfer_model.family`), never imported.
+
 from deepinfer_model.runtime import PagedRunner
 runner = PagedRunner(model, num_blocks=256, block_size=16)        # or PagedRunner.from_memory(...)
 logits = runner.execute(scheduler_output)                          # same contract as RecomputeRunner
 runner = PagedRunner(model, 256, 16, yoco=YocoSettings.from_env(), backtracking=6)  # YOCO truncation:
-logits = runner.execute(scheduler_output, prompt_lens=[...])       # original prompt length per sequence
+logits = runner.execute(scheduler_output)   # prompt lengths: the step's own (SchedulerOutput.prompt_lens)
 """
 
 from .cuda_graphs import (
@@ -18,7 +21,6 @@ from .draft_graphs import DraftGraphRunner
 from .metadata import StaticDecodeMetadata, StepMetadata
 from .pools import PagedKVCache, PoolSpec, blocks_for_budget
 from .runner import RUNNERS, PagedRunner, cache_specs, make_runner
-from .yoco_step import YocoStep, resume_problem
 
 __all__ = [
     "RUNNERS",
@@ -33,9 +35,7 @@ __all__ = [
     "PagedRunner",
     "PoolSpec",
     "StepMetadata",
-    "YocoStep",
     "blocks_for_budget",
     "cache_specs",
     "make_runner",
-    "resume_problem",
 ]

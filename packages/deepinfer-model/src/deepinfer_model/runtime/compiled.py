@@ -34,13 +34,13 @@ _RECOMPILE_LIMIT = 64
 
 
 @functools.cache
-def compiled_static_forward(backend: str):
-    """`v41_static_decode_forward` under `torch.compile(backend=...)` (one compiled callable per backend in
-    a process: its compile caches are shared by every runner). `aot_eager` traces without generating
-    kernels (the CPU tests: the traced step must equal the plain one bitwise)."""
+def compiled_static_forward(static_forward, backend: str):
+    """A model family's graph-safe step `static_forward(model, meta, cache)` under
+    `torch.compile(backend=...)` (one compiled callable per (step, backend) in a process: its compile caches
+    are shared by every runner). `aot_eager` traces without generating kernels (the CPU tests: the traced
+    step must equal the plain one bitwise)."""
     if backend not in BACKENDS:
         raise ValueError(f"compile backend must be one of {BACKENDS}, got {backend!r}")
-    from ..models.deepseek_v41.paged import v41_static_decode_forward
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
     # inductor's default mode: no CUDA graphs of its own inside ours. The numerics settings are read
@@ -48,9 +48,9 @@ def compiled_static_forward(backend: str):
     # emulate_precision_casts: a cast to BF16 inside a fused kernel rounds there, as eagerly (by default
     # inductor may keep the FP32 value for uses within the kernel, dropping the model's rounding points).
     options = {"emulate_precision_casts": True} if backend == "inductor" else None
-    compiled = torch.compile(v41_static_decode_forward, backend=backend, options=options)
+    compiled = torch.compile(static_forward, backend=backend, options=options)
 
-    @functools.wraps(v41_static_decode_forward)
+    @functools.wraps(static_forward)
     def forward(model, meta, cache):
         if backend == "inductor":
             register_inductor_fallbacks()

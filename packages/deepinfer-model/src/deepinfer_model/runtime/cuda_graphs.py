@@ -3,7 +3,7 @@ context tier) (spec engine.md §3.5).
 
 Decode is host-bound (thousands of small kernels per step), so each decode or draft-verification step
 of up to the largest bucket's token count replays a graph captured over the graph-safe forward
-(`models.deepseek_v41.paged.v41_static_decode_forward`: no host sync, shapes fixed by the bucket).
+(the model family's `static_forward`: no host sync, shapes fixed by the bucket).
 
 The graph-safe step treats every packed query token as its own row: the token's id, position, write slot
 and its sequence's block table. A row reads its window keys and compressed entries from the pools after
@@ -248,9 +248,8 @@ class DecodeGraphRunner:
     """
 
     def __init__(self, runner, settings: DecodeGraphSettings) -> None:
-        from ..models.deepseek_v41.paged import static_decode_problem, v41_static_decode_forward
-
-        problem = static_decode_problem(runner.model)
+        self.family = runner.family
+        problem = self.family.static_problem(runner.model)
         if problem:
             raise ValueError(problem)
         self.runner = runner
@@ -258,7 +257,7 @@ class DecodeGraphRunner:
         self.device = runner.device
         if settings.capture and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the model is on {self.device}")
-        self.plain_forward = v41_static_decode_forward
+        self.plain_forward = self.family.static_forward
         self.buckets = build_graph_batch_sizes(settings.max_batch_size, settings.interval)
         self.tiers = build_context_tiers(settings.max_context, settings.min_context_tier)
         self.block_size = runner.block_size
@@ -285,7 +284,7 @@ class DecodeGraphRunner:
             return self.plain_forward
         from .compiled import compiled_static_forward
 
-        return compiled_static_forward(self.settings.compile)
+        return compiled_static_forward(self.plain_forward, self.settings.compile)
 
     def blocks(self, tier: int) -> int:
         """Block-table columns of context tier `tier`."""
@@ -302,7 +301,13 @@ class DecodeGraphRunner:
         if key not in self.metas:
             v = self._view(self.inputs, b, tier)
             self.metas[key] = StaticDecodeMetadata(
-                self.block_size, v[:, 0], v[:, 1], v[:, 2], v[:, 3:], self.dummy_block
+                self.block_size,
+                v[:, 0],
+                v[:, 1],
+                v[:, 2],
+                v[:, 3:],
+                self.dummy_block,
+                self.family.static_index,
             )
         return self.metas[key]
 
@@ -324,9 +329,7 @@ class DecodeGraphRunner:
                 "(DecodeGraphSettings.batch_invariant; engine: DEEPINFER_CUDAGRAPH_BATCH_INVARIANT=0)"
             )
         if batch_invariant.enabled() and self.device.type == "cpu":
-            from ..models.deepseek_v41.paged import static_batch_invariant_problem
-
-            problem = static_batch_invariant_problem(self.runner.model)
+            problem = self.family.static_batch_invariant_problem(self.runner.model)
             if problem:
                 return problem
         if self.mode is not None and graph_mode() != self.mode:

@@ -57,12 +57,11 @@ def to_device(array, device: torch.device, dtype: torch.dtype | None = None) -> 
 
 
 def model_device(model) -> torch.device:
-    """The device of a model's weights (DeepSeek-V4.1 `weights.embed`, V4 `embed`, a recompute wrapper's
-    `model`)."""
-    if hasattr(model, "weights"):
-        return model.weights.embed.device
-    if hasattr(model, "embed"):
-        return model.embed.device
+    """The device of a model's weights: its `device` (every model family has one), or that of the model a
+    wrapper holds as `model` (a recompute wrapper)."""
+    device = getattr(model, "device", None)
+    if isinstance(device, torch.device):
+        return device
     inner = getattr(model, "model", None)
     if inner is not None and inner is not model:
         return model_device(inner)

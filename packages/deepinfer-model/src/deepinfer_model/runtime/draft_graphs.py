@@ -2,8 +2,8 @@
 
 With decode / verification steps replayed from graphs (`cuda_graphs.DecodeGraphRunner`), an eager
 drafter would leave speculative decoding host-bound. A greedy draft (argmax at every draft step:
-temperature-0 requests) of the engine's draft count k = max_query_len - 1 replays the graph-safe
-`models.deepseek_v41.paged.v41_static_draft` instead: its inputs are one int64 row per sequence in a
+temperature-0 requests) of the engine's draft count k = max_query_len - 1 replays the model family's
+graph-safe `static_draft` instead: its inputs are one int64 row per sequence in a
 preallocated buffer (next token, last position, the `draft_main.*` slots of its window of
 `sliding_window` positions, built on the host and copied in one transfer), its shapes are fixed by
 the bucket, it makes no host sync and selects every draft on the device. The window slots replace a
@@ -47,9 +47,8 @@ class DraftGraphRunner:
     block `num_blocks`); `settings` its decode graph settings (draft count = max_query_len - 1)."""
 
     def __init__(self, runner, settings: DecodeGraphSettings) -> None:
-        from ..models.deepseek_v41.paged import static_draft_problem, v41_static_draft
-
-        problem = static_draft_problem(runner.model)
+        self.family = family = runner.family
+        problem = family.static_draft_problem(runner.model)
         if problem:
             raise ValueError(problem)
         if settings.max_query_len < 2:
@@ -61,12 +60,12 @@ class DraftGraphRunner:
         self.device = runner.device
         if settings.capture and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the model is on {self.device}")
-        self.forward = v41_static_draft
+        self.forward = family.static_draft
         self.num_draft_tokens = settings.max_query_len - 1
         self.buckets = build_graph_batch_sizes(
             max(1, settings.max_batch_size // settings.max_query_len), settings.interval
         )
-        self.window = int(runner.model.config.sliding_window)
+        self.window = family.draft_window(runner.model)
         self.width = 2 + self.window  # one row: next token, last position, window slots
         self.dummy_slot = runner.num_blocks * runner.block_size
         size = self.buckets[-1] * self.width
@@ -82,8 +81,7 @@ class DraftGraphRunner:
         # the placeholders' window key: finite (a never-written pool slot is NaN); nothing real reads
         # the dummy block, and decode placeholders only ever write finite keys there
         cache = runner.cache
-        for i in range(len(runner.model.weights.drafter.blocks)):
-            name = f"draft_main.{i}"
+        for name in family.draft_pools(runner.model):
             cache.pools[name][self.dummy_slot].zero_()
 
     def _view(self, buf: torch.Tensor, b: int) -> torch.Tensor:
@@ -100,9 +98,7 @@ class DraftGraphRunner:
             if not self.settings.batch_invariant:
                 return "batch-invariant graphs are off (DecodeGraphSettings.batch_invariant)"
             if self.device.type == "cpu":
-                from ..models.deepseek_v41.paged import static_batch_invariant_problem
-
-                problem = static_batch_invariant_problem(self.runner.model, drafter=True)
+                problem = self.family.static_batch_invariant_problem(self.runner.model, drafter=True)
                 if problem:
                     return problem
         if self.mode is not None and graph_mode() != self.mode:
@@ -116,9 +112,7 @@ class DraftGraphRunner:
     def _fill(self, b: int, tokens=None, last=None, slots=None) -> None:
         """Rows 0 .. n-1 from the draft, n .. b-1 placeholders, into the bucket-b view of `inputs`; the
         confidence temperatures (env, read per draft) into their buffer when they changed."""
-        from ..models.deepseek_v41.drafter_heads import confidence_temperatures
-
-        temps = confidence_temperatures(self.num_draft_tokens)
+        temps = self.family.draft_temperatures(self.num_draft_tokens)
         if self._temps_host is None or not torch.equal(temps, self._temps_host):
             self.temperatures.copy_(temps)  # rare (an env change): a plain synchronous copy
             self._temps_host = temps
@@ -150,14 +144,11 @@ class DraftGraphRunner:
     def run(self, meta, seqs: np.ndarray, tokens: list[int], last: np.ndarray) -> list:
         """`DraftOutput`s (tokens, confidence, positions; logits and hidden None) of an eligible greedy
         draft (`problem` None): sequences `seqs` of the step `meta`, after positions `last` (validated)."""
-        from ..models.deepseek_v41.drafter import DraftOutput
-        from ..models.deepseek_v41.paged import draft_window_slots
-
         n = len(seqs)
         b = self.select(n)
         if self.settings.capture and b not in self.graphs:
             self._capture(b)
-        slots = draft_window_slots(meta, np.asarray(seqs, dtype=np.int64), last, self.window, self.window)
+        slots = self.family.draft_window_slots(meta, np.asarray(seqs, dtype=np.int64), last, self.window)
         self._fill(b, np.asarray(tokens, dtype=np.int64), last, slots)
         self.replays += 1
         graph = self.graphs.get(b)
@@ -168,7 +159,7 @@ class DraftGraphRunner:
             tok, _, conf, _, pos = self._static(b)
             tok, conf, pos = tok[:n], conf[:n], pos[:n]
         tok, conf, pos = tok.clone(), conf.clone(), pos.clone()  # the next replay overwrites the outputs
-        return [DraftOutput(tok[k], None, conf[k], None, pos[k]) for k in range(n)]
+        return [self.family.draft_output(tok[k], conf[k], pos[k]) for k in range(n)]
 
     def _capture(self, b: int) -> None:
         """Warm up on the capture stream, then capture bucket b into the (decode graphs') pool; the graph

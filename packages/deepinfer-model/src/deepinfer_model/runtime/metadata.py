@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .. import batch_invariant
 from ..runner.batch import RunnerBatch
 from .device import to_device
 
@@ -247,6 +246,7 @@ class StaticDecodeMetadata(StepMetadata):
         write_slots: torch.Tensor,
         tables: torch.Tensor,
         dummy_block: int,
+        index_builders: dict,
     ) -> None:
         n = positions.shape[0]
         device = positions.device
@@ -267,6 +267,8 @@ class StaticDecodeMetadata(StepMetadata):
         self.dev_tables = tables  # long [N, max_blocks]: every entry a real block id (dummy padded)
         self.dummy_block = int(dummy_block)
         self.rows_index = torch.arange(n, device=device)
+        # key kind -> builder(meta, *key[1:]): the model family's device-side index tensors
+        self.index_builders = index_builders
 
     @property
     def num_seqs(self) -> int:
@@ -277,10 +279,11 @@ class StaticDecodeMetadata(StepMetadata):
         self._cache.clear()
 
     def cached(self, key, make):
-        """The device-side counterpart of the host planners in `runtime.groups`, by key kind; any other
-        key raises (a new host-side planner must get a device form before the graph-safe step uses it)."""
+        """The device-side counterpart of the model's host planners, by key kind (`index_builders`, from the
+        model family); any other key raises (a new host-side planner must get a device form before the
+        graph-safe step uses it)."""
         if key not in self._cache:
-            builder = _STATIC_INDEX.get(key[0])
+            builder = self.index_builders.get(key[0])
             if builder is None:
                 raise ValueError(f"the graph-safe decode step has no device-side index for {key[0]!r}")
             self._cache[key] = builder(self, *key[1:])
@@ -311,70 +314,3 @@ class StaticDecodeMetadata(StepMetadata):
         """Entry columns every step reads for `ratio`: all this block table (the context tier's width)
         can hold (>= 1)."""
         return max(1, self.dev_tables.shape[1] * self.block_size // ratio)
-
-
-def _static_swa(meta: StaticDecodeMetadata, _group: int, window: int, floor: bool):
-    """`groups._swa_index` for one query per row: the band of a single query is its window, columns
-    p - W + 1 .. p, clipped to [max(0, p - W + 1), p] (what the host planner computes for Q = 1)."""
-    if floor:
-        raise ValueError("the graph-safe decode step does not run YOCO truncation")
-    p = meta.positions[:, None]
-    if batch_invariant.enabled():
-        # the eager layout (`groups._swa_index`): whole key tiles aligned to absolute positions, so a key
-        # sits in the same tile column as there; one fixed width covers any window start (W + KT - 1)
-        lo = (p - window + 1).clamp(min=0)
-        start = lo - lo % batch_invariant.KEY_TILE
-        width = batch_invariant.key_tiles(window + batch_invariant.KEY_TILE - 1)
-        k_pos = start + torch.arange(width, device=meta.device)[None, :]
-        visible = (k_pos >= lo) & (k_pos <= p)
-        return meta.dev_token_slots(torch.minimum(torch.maximum(k_pos, lo), p)), visible, None, None, None
-    start = p - window + 1
-    pos = torch.clamp(
-        start + torch.arange(window, device=meta.device)[None, :], min=start.clamp(min=0), max=p
-    )
-    return meta.dev_token_slots(pos), None, None, None, None
-
-
-def _static_band(
-    meta: StaticDecodeMetadata, kind: str, _group: int, window: int, floor: bool, a: int, b: int
-):
-    """`groups._band_mask` [G, 1, 1, W] for Q = 1: column c (position p - W + 1 + c) is visible iff it is
-    at least 0 (it always lies in the window and at or below p)."""
-    if kind != "swa" or floor or a != 0 or b != 1:
-        raise ValueError(f"graph-safe decode: unexpected band request {(kind, window, floor, a, b)}")
-    start = meta.positions[:, None] - window + 1
-    visible = start + torch.arange(window, device=meta.device)[None, :] >= 0
-    return visible[:, None, None, :]
-
-
-def _static_comp(meta: StaticDecodeMetadata, _group: int, ratio: int):
-    """`groups._entry_index` over `max_entries(ratio)` columns: entry j of a query at p is real and
-    visible iff j < (p + 1) // ratio; the rest re-read entry min(j, n - 1) and are zeroed / masked."""
-    width = meta.max_entries(ratio)
-    if batch_invariant.enabled():  # whole key tiles, entry j in column j (`groups._entry_index`)
-        width = batch_invariant.key_tiles(width)
-    n = torch.div(meta.positions + 1, ratio, rounding_mode="floor")[:, None]
-    j = torch.arange(width, device=meta.device)[None, :]
-    safe_j = torch.minimum(j, (n - 1).clamp(min=0))
-    valid = j < n
-    return meta.dev_entry_slots(safe_j, ratio), (~valid)[..., None], valid
-
-
-def _static_new(meta: StaticDecodeMetadata, ratio: int):
-    """`groups._new_entry_index` with a fixed shape: every query's current block j = p // ratio is
-    compressed; a block that is not complete after this token (p + 1 not a multiple of the ratio) is
-    written to the dummy block's first entry slot instead of its own, which nothing reads as valid.
-    With 1 + k rows per sequence, each block that completes in the step completes at exactly one row
-    (its last token), so every completed block is written once, as in the eager step."""
-    p = meta.positions
-    j = torch.div(p, ratio, rounding_mode="floor")
-    own = meta.dev_entry_slots(j, ratio)
-    if ratio == 1:  # every token is its own (complete) block: the rows of x, in order
-        return meta.rows_index, p, own
-    complete = (p + 1) % ratio == 0
-    dummy = torch.full_like(own, meta.dummy_block * entries_per_block(meta.block_size, ratio))
-    tokens = j[:, None] * ratio + torch.arange(ratio, device=meta.device)[None, :]
-    return meta.dev_token_slots(tokens).reshape(-1), j * ratio, torch.where(complete, own, dummy)
-
-
-_STATIC_INDEX = {"swa": _static_swa, "band": _static_band, "comp": _static_comp, "new": _static_new}

@@ -11,50 +11,22 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..numerics import pinned
+from ..family import family_of
 from ..runner.batch import RunnerBatch
 from ..runner.recompute import RecomputeRunner
 from .device import model_device
 from .metadata import StepMetadata
 from .pools import TOKEN_IDS, PagedKVCache, PoolSpec, blocks_for_budget, log
-from .yoco_step import YOCO_TAG, YocoStep, resume_problem, tag_spec
 
 
-def cache_specs(model, block_size: int) -> list[PoolSpec]:
-    """The pools `model` needs (by its model type), for a given block size."""
-    model_type = getattr(model.config, "model_type", None) or type(model).__name__
-    if hasattr(model, "weights"):  # DeepseekV41ForCausalLM
-        from ..models.deepseek_v41.paged import v41_cache_specs
-
-        return v41_cache_specs(model, block_size)
-    if hasattr(model, "layers"):  # DeepseekV4Model
-        from ..models.deepseek_v4_paged import v4_cache_specs
-
-        return v4_cache_specs(model.config, block_size)
-    raise ValueError(f"no paged forward for model {model_type!r}")
-
-
-def _forward(model):
-    """The model's paged forward, reading the numerics settings once per step (`numerics.pinned`)."""
-    if hasattr(model, "weights"):
-        from ..models.deepseek_v41.paged import v41_paged_forward
-
-        return pinned(v41_paged_forward)
-    from ..models.deepseek_v4_paged import v4_paged_forward
-
-    return pinned(v4_paged_forward)
-
-
-def _yoco_settings(model, yoco, backtracking: int):
-    """Validated truncation settings (None: off). Checked at start-up: YOCO model, KEEP >= W + B."""
-    if yoco is None or not yoco.enabled:
-        return None
-    if not hasattr(model, "weights"):
-        raise ValueError("yoco truncation needs a DeepSeek-V4.1 model with a YOCO split")
-    from ..models.deepseek_v41.yoco import check_settings
-
-    check_settings(yoco, model.config, backtracking)
-    return yoco
+def cache_specs(model, block_size: int, yoco=None) -> list[PoolSpec]:
+    """The pools `model` needs (its family's), for a given block size; with `yoco` (enabled truncation
+    settings) the pools of its per-step extras too."""
+    family = family_of(model)
+    specs = family.cache_specs(model, block_size)
+    if yoco is not None and yoco.enabled:
+        specs += family.extras_specs(yoco, block_size)
+    return specs
 
 
 class PagedRunner:
@@ -84,10 +56,10 @@ class PagedRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.vocab_size = int(model.config.vocab_size)
-        self.yoco = _yoco_settings(model, yoco, backtracking)
-        specs = cache_specs(model, block_size)
-        if self.yoco is not None:
-            specs.append(tag_spec(block_size))
+        self.family = family_of(model)
+        # validated truncation settings (None: off), checked at start-up: YOCO model, KEEP >= W + B
+        self.yoco = self.family.check_extras(model, yoco, backtracking)
+        specs = cache_specs(model, block_size, self.yoco)
         # pools live where the weights are: the forward reads and writes them with device index tensors
         self.device = model_device(model)
         # graphs: one more block than the scheduler hands out, written only by placeholder rows
@@ -101,15 +73,13 @@ class PagedRunner:
             self.cache.nbytes / 2**20,
             len(self.cache.pools),
         )
-        self._forward = _forward(model)
         self.metadata_s = 0.0  # cumulative time building step metadata (benchmarks read it)
         self.graphs = None
         self.draft_graphs = None  # greedy draft steps through CUDA graphs (`draft_graphs`)
         if decode_graphs is not None:
-            from ..models.deepseek_v41.paged import static_decode_problem
             from .cuda_graphs import DecodeGraphRunner
 
-            problem = static_decode_problem(model)
+            problem = self.family.static_problem(model)
             if problem:  # e.g. expert-parallel MoE: every step eager (the dummy block stays unused)
                 log.warning("decode CUDA graphs off: %s", problem)
             else:
@@ -121,16 +91,11 @@ class PagedRunner:
         """Draft graphs next to the decode graphs when the step drafts (max_query_len = 1 + nextn > 1),
         the model's drafter has a graph-safe path and `settings.draft` asks for them (the default); otherwise
         drafts stay eager."""
-        if (
-            settings.max_query_len < 2
-            or not settings.draft
-            or getattr(self.model.weights, "drafter", None) is None
-        ):
+        if settings.max_query_len < 2 or not settings.draft or not self.family.has_drafter(self.model):
             return
-        from ..models.deepseek_v41.paged import static_draft_problem
         from .draft_graphs import DraftGraphRunner
 
-        problem = static_draft_problem(self.model)
+        problem = self.family.static_draft_problem(self.model)
         if problem:
             log.warning("draft CUDA graphs off: %s", problem)
         else:
@@ -156,9 +121,7 @@ class PagedRunner:
     ) -> PagedRunner:
         """Size the pools from a byte budget, or from a fraction of the available memory of the model's
         device (host memory on the CPU, free device memory on CUDA)."""
-        specs = cache_specs(model, block_size)
-        if yoco is not None and yoco.enabled:
-            specs.append(tag_spec(block_size))
+        specs = cache_specs(model, block_size, yoco)
         num_blocks = blocks_for_budget(specs, kv_cache_memory_bytes, memory_fraction, model_device(model))
         if decode_graphs is not None:
             num_blocks = max(1, num_blocks - 1)  # the dummy block comes out of the same budget
@@ -173,7 +136,8 @@ class PagedRunner:
     def execute(self, batch, prompt_lens=None) -> torch.Tensor:
         """float32 logits [batch.num_logits_rows, vocab] (see the module docstring).
 
-        With YOCO truncation, `prompt_lens` [B] (batch order) is each sequence's ORIGINAL prompt length:
+        With YOCO truncation each sequence's ORIGINAL prompt length is read from the step
+        (`batch.prompt_lens`, the scheduler's `prompt_lens`); `prompt_lens` [B] (batch order) overrides it:
         rect_lo = prompt_len - KEEP stays put through decode, rollback and preemption + recompute, so the
         logits equal `model.forward(tokens, yoco_keep_tokens=KEEP, yoco_mode=mode, yoco_prompt_len=prompt_len)`.
         A step that would read consumer SWA keys cached under another rect_lo (see `yoco_resume_problem`)
@@ -188,12 +152,16 @@ class PagedRunner:
             return torch.empty(0, self.vocab_size, device=self.device)
         # validates the ids on the host (the embedding then skips its device-side check)
         meta = StepMetadata.build(batch, self.block_size, self.num_blocks, self.device, self.vocab_size)
+        extras = None
         if self.yoco is None:
             if prompt_lens is not None:
                 raise ValueError("prompt_lens is only used with YOCO truncation (PagedRunner(..., yoco=...))")
-            forward_args = ()
         else:
-            forward_args = (self._yoco_step(meta, batch.seq_ids, prompt_lens),)
+            if prompt_lens is None:
+                prompt_lens = batch.prompt_lens  # the scheduler's (a step built from a SchedulerOutput)
+            extras = self.family.step_extras(
+                self.model, meta, self.cache, self.yoco, batch.seq_ids, prompt_lens
+            )
         if self.graphs is not None and self.yoco is None and self.graphs.problem(meta) is None:
             self.metadata_s += time.perf_counter() - t0
             logits = self.graphs.run(meta, batch.input_ids)  # writes token ids itself
@@ -203,7 +171,7 @@ class PagedRunner:
         if TOKEN_IDS in self.cache.pools:
             self.cache.write(TOKEN_IDS, meta.write_slots, meta.input_ids)
         self.metadata_s += time.perf_counter() - t0
-        logits = self._forward(self.model, meta, self.cache, *forward_args)
+        logits = self.family.forward(self.model, meta, self.cache, extras)
         self._last_meta = meta
         self._last_seq_ids = np.asarray(batch.seq_ids, dtype=np.int64)
         return logits
@@ -215,16 +183,6 @@ class PagedRunner:
             return None
         hits = np.flatnonzero(ids == seq_id)
         return int(hits[0]) if len(hits) else None
-
-    def _yoco_step(self, meta: StepMetadata, seq_ids, prompt_lens) -> YocoStep:
-        if prompt_lens is None:
-            raise ValueError("prompt_lens (one per sequence, batch order) is required with YOCO truncation")
-        step = YocoStep.build(meta, self.yoco, prompt_lens)
-        problem = resume_problem(self.cache, meta, step, self.model.config.sliding_window, seq_ids)
-        if problem:
-            raise ValueError(problem)
-        self.cache.write(YOCO_TAG, torch.as_tensor(meta.host_write_slots, device="cpu"), step.tags)
-        return step
 
     def yoco_resume_problem(self, block_table, start: int, query_len: int, prompt_len: int) -> str | None:
         """Would a step of one sequence (its block table, first position `start`, `query_len` tokens, its
@@ -241,8 +199,7 @@ class PagedRunner:
             logits_lens=np.zeros(1, dtype=np.int64),
         )
         meta = StepMetadata.build(batch, self.block_size, self.num_blocks)
-        step = YocoStep.build(meta, self.yoco, [prompt_len])
-        return resume_problem(self.cache, meta, step, self.model.config.sliding_window)
+        return self.family.resume_problem(self.model, self.cache, meta, self.yoco, prompt_len)
 
     def draft(
         self,
@@ -267,11 +224,10 @@ class PagedRunner:
         greedy draft (`sampler` None, `greedy`, or a list of `greedy`) of the decode graphs' draft count
         then replays a draft CUDA graph (`draft_graphs`: bitwise the eager draft) where the runner has
         them; its outputs have `logits` and `hidden` None. Everything else runs eagerly."""
-        from ..models.deepseek_v41.drafter import greedy
-        from ..models.deepseek_v41.paged import draft_last_positions, v41_paged_draft
-
-        if not hasattr(self.model, "weights"):
-            raise ValueError("drafting needs a DeepSeek-V4.1 model with draft blocks")
+        family = self.family
+        greedy = family.greedy
+        if greedy is None:
+            raise ValueError(f"drafting needs a model with draft blocks, not {family.model_type!r}")
         meta = getattr(self, "_last_meta", None)
         if meta is None:
             raise ValueError("draft() needs a step executed first")
@@ -294,9 +250,9 @@ class PagedRunner:
         g = self.draft_graphs
         if tokens_only and all_greedy and g is not None and g.problem(len(seqs), num_draft_tokens) is None:
             seq_arr = np.asarray(seqs, dtype=np.int64)
-            last = draft_last_positions(self.model, meta, seq_arr, tokens, last_positions)
+            last = family.draft_last_positions(self.model, meta, seq_arr, tokens, last_positions)
             return g.run(meta, seq_arr, tokens, last)
-        return v41_paged_draft(
+        return family.draft(
             self.model, meta, self.cache, seqs, tokens, num_draft_tokens, sampler or greedy, last_positions
         )
 

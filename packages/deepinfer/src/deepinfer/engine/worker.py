@@ -367,6 +367,7 @@ class ModelWorker:
                 block_tables=[batch.block_tables[i]],
                 input_ids=batch.input_ids[offsets[i] : offsets[i] + batch.query_lens[i]],
                 logits_lens=batch.logits_lens[i : i + 1],
+                prompt_lens=None if batch.prompt_lens is None else batch.prompt_lens[i : i + 1],
             )
             try:
                 rows.append(self._execute(one, None if prompt_lens is None else prompt_lens[i : i + 1]))

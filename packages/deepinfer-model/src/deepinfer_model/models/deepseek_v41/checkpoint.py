@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from ...loader import INDEX_FILE
 from ...quant import quant_fp8_block, quant_mxfp4
-from ...testing.checkpoint import copy_tokenizer
+from ...tokenizer_files import copy_tokenizer
 from .config import DeepseekV41Config
 from .layout import BF16, F32, FP4, FP8_ROWS, checkpoint_layout
 from .random_weights import random_v41_tensors

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
+from ...layers.expert_conversion import convert_experts_if_enabled
 from ...loader import load_tensors
-from ...quant_sm90 import convert_experts_if_enabled
 from ...runtime.device import resolve_device
 from .config import DeepseekV41Config
 from .engram_vocab import CompressedVocabulary

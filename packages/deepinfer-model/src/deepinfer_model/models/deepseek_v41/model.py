@@ -106,14 +106,6 @@ class DeepseekV41ForCausalLM:
         """The backbone MoE of `layer` with every routed expert in this process."""
         return moe_ffn(self.config, blk, y, self.config.num_experts_per_tok, self.act_dtype)
 
-    @classmethod
-    def from_pretrained(
-        cls, path, act_dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
-    ) -> DeepseekV41ForCausalLM:
-        from .loader import load_v41
-
-        return load_v41(path, act_dtype=act_dtype, device=device)
-
     @torch.no_grad()
     def forward(
         self,

@@ -33,24 +33,23 @@ from ...layers.router import route_topk, router_logits
 from ...numerics import carrier, linear, narrow_act, round_narrow
 from ...numerics import logits as head_logits
 from ...ops.model_calls import hc_read, rms_norm
-from ...runtime.groups import (
+from ...runtime.metadata import StaticDecodeMetadata, StepMetadata, entries_per_block
+from ...runtime.pools import TOKEN_IDS, PagedKVCache, PoolSpec
+from ..grouped_attention import (
     Group,
     NewEntries,
-    _mark_pool_values,
     attend,
     compress_new,
     compressed_entries,
     entry_validity,
     grouped_index_scores,
     invariant_selection,
+    mark_pool_values,
     ranges,
     row_blocks,
     swa_keys,
 )
-from ...runtime.groups import query_block_rows as groups_query_block_rows
-from ...runtime.metadata import StaticDecodeMetadata, StepMetadata, entries_per_block
-from ...runtime.pools import TOKEN_IDS, PagedKVCache, PoolSpec
-from ...runtime.yoco_step import YocoStep
+from ..grouped_attention import query_block_rows as groups_query_block_rows
 from .blocks import ShiftedHC
 from .drafter import DraftOutput, Sampler, draft_blocks, draft_blocks_static, greedy, main_keys
 from .drafter_heads import confidence_temperatures, target_features
@@ -58,6 +57,7 @@ from .engram import engram_inject
 from .engram_hash import engram_hash
 from .model import DeepseekV41ForCausalLM
 from .sparse import candidate_blocks, candidate_mask, index_keys
+from .yoco_step import YocoStep
 
 KT = batch_invariant.KEY_TILE
 
@@ -333,7 +333,7 @@ def _static_candidate_topk(
         cand = candidate_mask(candidates, width + KT, block)
         allowed = cand.gather(1, entry.clamp(max=width + KT - 1)) & (entry < klen)
         keys = cache.read(pool, meta.dev_entry_slots(entry.clamp(max=width - 1), ratio))
-        keys = _mark_pool_values(cache, pool, keys.masked_fill(~allowed[..., None], 0.0))
+        keys = mark_pool_values(cache, pool, keys.masked_fill(~allowed[..., None], 0.0))
         scores = round_narrow(grouped_index_scores(qi, keys, head_w, g, False, act), act)
         local = select_topk(scores, allowed, topk)
         return torch.where(local >= 0, entry.gather(1, local.clamp(min=0)), local)
@@ -389,7 +389,7 @@ def v41_paged_forward(
 
     `moe_fn` replaces `model.moe_fn` for this call (the graph-safe decode step passes `static_moe`).
 
-    `yoco` (the step's truncation plan, `runtime.yoco_step`): consumer layers clip SWA visibility at each
+    `yoco` (the step's truncation plan, `yoco_step`): consumer layers clip SWA visibility at each
     sequence's rect_lo and, in compact mode, run only the kept rows (the stateless forward's
     `yoco_keep_tokens` / `yoco_mode` / `yoco_prompt_len`, bitwise).
     """

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..models.deepseek_v41.yoco import YocoMode, YocoSettings
-from .groups import ranges
-from .metadata import StepMetadata
-from .pools import PagedKVCache, PoolSpec
+from ...runtime.metadata import StepMetadata
+from ...runtime.pools import PagedKVCache, PoolSpec
+from ..grouped_attention import ranges
+from .yoco import YocoMode, YocoSettings
 
 YOCO_TAG = "yoco_tag"
 INVALID_TAG = -1

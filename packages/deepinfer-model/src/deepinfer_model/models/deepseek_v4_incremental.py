@@ -1,6 +1,6 @@
 """Continue an overlapping compressor (public V4 CSA) for one sequence across steps.
 
-Non-overlapping compressors are continued for all sequences at once (`groups.compress_new`); CSA's
+Non-overlapping compressors are continued for all sequences at once (`grouped_attention.compress_new`); CSA's
 entries also pool the previous block, so they are continued per sequence whose block completes.
 """
 
@@ -11,8 +11,8 @@ import torch
 from ..config import RopeSpec
 from ..layers.compressor import Compressed, CompressorWeights, compress
 from ..numerics import carrier
-from .metadata import StepMetadata
-from .pools import PagedKVCache
+from ..runtime.metadata import StepMetadata
+from ..runtime.pools import PagedKVCache
 
 
 def new_entries(

@@ -21,8 +21,8 @@ from ..layers.indexer import selection_mask
 from ..layers.rope import apply_rope, cos_sin
 from ..numerics import attention_operands, bmm_f32, bmm_operand, carrier, narrow_act, native, round_to
 from ..ops.model_calls import fused_kernel
-from .metadata import StaticDecodeMetadata, StepMetadata
-from .pools import PagedKVCache
+from ..runtime.metadata import StaticDecodeMetadata, StepMetadata
+from ..runtime.pools import PagedKVCache
 
 SCORE_BLOCK_ELEMENTS = 1 << 27  # FP64 attention scores held at once by `attend` (1 GiB)
 # Query rows per sliding-window block in `attend` (at least this many, at least twice the window): a block
@@ -179,10 +179,10 @@ def swa_keys(
         # zero by the position actually read: padding columns re-read position hi - 1, which may lie
         # below the floor (never stored) even where the column's nominal position does not
         keys = keys.masked_fill(below, 0.0)
-    return WindowKeys(_mark_pool_values(cache, pool, keys), window, visible, key, base, low)
+    return WindowKeys(mark_pool_values(cache, pool, keys), window, visible, key, base, low)
 
 
-def _mark_pool_values(cache: PagedKVCache, pool: str, x: torch.Tensor) -> torch.Tensor:
+def mark_pool_values(cache: PagedKVCache, pool: str, x: torch.Tensor) -> torch.Tensor:
     """`x` (read from `pool`, zeros filled in) marked FP32-valued where the pool holds FP32 or narrower
     floats: batch-invariant mode's exact-product score paths (`batch_invariant.row_scores`) need that and
     checking every key would cost what they save."""
@@ -235,7 +235,7 @@ def compressed_entries(cache: PagedKVCache, meta: StepMetadata, g: Group, pool: 
     valid for a query at p iff j < (p + 1) // ratio (its block is complete). Padding entries are zero
     (a masked key must still be finite: attention multiplies it by a zero probability)."""
     slots, padding, valid = meta.cached(("comp", g.index, ratio), lambda: _entry_index(meta, g, ratio))
-    return _mark_pool_values(cache, pool, cache.read(pool, slots).masked_fill(padding, 0.0)), valid
+    return mark_pool_values(cache, pool, cache.read(pool, slots).masked_fill(padding, 0.0)), valid
 
 
 def _entry_index(meta: StepMetadata, g: Group, ratio: int):
@@ -282,7 +282,7 @@ def selected_entries(cache: PagedKVCache, meta: StepMetadata, g: Group, pool: st
         entry_slots = meta.cached(("comp", g.index, ratio), lambda: _entry_index(meta, g, ratio))[0]  # [G, n]
         slots = entry_slots[seq, j]
     keys = cache.read(pool, slots).masked_fill_(none[..., None], 0.0)  # (read returns a gathered copy)
-    return _mark_pool_values(cache, pool, keys), ~none
+    return mark_pool_values(cache, pool, keys), ~none
 
 
 def invariant_selection(
@@ -325,7 +325,7 @@ def invariant_selection(
         else:
             slots, padding, _ = meta.cached(("comp", g.index, ratio), lambda: _entry_index(meta, g, ratio))
             slots, padding = slots[:, :width], padding[:, :width]
-        keys = _mark_pool_values(cache, pool, cache.read(pool, slots).masked_fill_(padding, 0.0))
+        keys = mark_pool_values(cache, pool, cache.read(pool, slots).masked_fill_(padding, 0.0))
         seen = selection_mask(torch.where(short[:, None], selected, -1), width)
         # what a short slot may select (known on the host): `attend` plans its tiles from it once per step,
         # so the selection itself is never read back (a device sync per layer on the GPU)
