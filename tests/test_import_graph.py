@@ -154,9 +154,6 @@ KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset(
     frozenset(cycle)
     for cycle in [
         ("deepinfer.engine.dp_rank", "deepinfer.engine.llm_engine"),
-        ("deepinfer_model.layers.experts", "deepinfer_model.layers.moe", "deepinfer_model.quant_sm90"),
-        ("deepinfer_model.models.deepseek_v41.checkpoint", "deepinfer_model.testing.checkpoint"),
-        ("deepinfer_model.models.deepseek_v41.loader", "deepinfer_model.models.deepseek_v41.model"),
     ]
 )
 
