@@ -22,11 +22,6 @@ ROOT = Path(__file__).resolve().parents[1]
 REGISTRY = ROOT / "packages/deepinfer-cluster/src/deepinfer_cluster/envs.py"
 README = ROOT / "packages/deepinfer/README.md"
 NAME = re.compile(r"DEEPINFER_[A-Z0-9_]*[A-Z0-9]")
-# Files that still read the environment themselves (their names are declared; the reads move to the registry)
-DIRECT_READS_TO_CONVERT = {
-    "packages/deepinfer-model/src/deepinfer_model/models/deepseek_v41/drafter_heads.py",
-    "packages/deepinfer-model/src/deepinfer_model/models/deepseek_v41/engram_vocab.py",
-}
 # Files that save a variable's raw value to restore it after setting it (not a read of the setting)
 SAVE_AND_RESTORE = {"packages/deepinfer/src/deepinfer/reproducibility/ppl.py"}
 
@@ -94,7 +89,7 @@ def test_every_named_variable_is_declared():
             continue
         tree = ast.parse(text, filename=rel)
         built += [f"{rel}:{line}" for line in _built_names(tree)]
-        if rel.startswith("packages/") and rel not in DIRECT_READS_TO_CONVERT | SAVE_AND_RESTORE:
+        if rel.startswith("packages/") and rel not in SAVE_AND_RESTORE:
             direct += [f"{rel}: {n}" for n in _direct_reads(tree)]
     assert not undeclared, f"declare these in deepinfer_cluster/envs.py: {undeclared}"
     assert not built, f"names built at run time cannot be checked; spell them out: {built}"

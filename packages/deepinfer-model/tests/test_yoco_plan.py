@@ -87,7 +87,7 @@ def test_settings_from_env():
         {"DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "compact", "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": "140"}
     )
     assert s == YocoSettings(YocoMode.COMPACT, 140) and s.enabled
-    with pytest.raises(ValueError, match="must be one of 'off', 'mask', 'compact'"):
+    with pytest.raises(ValueError, match="TRUNCATION_MODE must be one of off, mask, compact, got 'fast'"):
         YocoSettings.from_env({"DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "fast"})
     with pytest.raises(ValueError, match="KEEP_TOKENS = 0 must be > 0"):
         YocoSettings.from_env({"DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "mask"})

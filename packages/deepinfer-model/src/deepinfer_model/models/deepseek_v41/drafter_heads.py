@@ -8,10 +8,10 @@ scheduler uses to decide how many drafts to verify.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
+from deepinfer_cluster import envs
 
 from ... import batch_invariant
 from ...numerics import carrier, round_to, weight_carrier
@@ -66,18 +66,12 @@ def confidence(
 def confidence_temperatures(num_draft_tokens: int) -> torch.Tensor:
     """`DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE`: one float or exactly `num_draft_tokens` comma-separated
     values (one per draft step), each floored at 1e-5; default 1.0."""
-    raw = os.environ.get("DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE", "1.0")
-    try:
-        vals = [float(v) for v in raw.split(",")]
-    except ValueError:
-        raise ValueError(
-            f"DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE = {raw!r} must be a float or a comma list"
-        ) from None
+    vals = list(envs.get("DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE"))
     if len(vals) == 1:
         vals = vals * num_draft_tokens
     if len(vals) != num_draft_tokens:
         raise ValueError(
-            f"DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE = {raw!r} must hold 1 or exactly "
+            f"DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE = {','.join(map(str, vals))!r} must hold 1 or exactly "
             f"{num_draft_tokens} values (one per draft step)"
         )
     return torch.tensor(vals, dtype=torch.float32, device="cpu").clamp(min=_MIN_TEMPERATURE)

@@ -7,11 +7,11 @@ normaliser is built from HF `tokenizers` normalizers (the checkpoint's own token
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from deepinfer_cluster import envs
 from tokenizers import Regex, Tokenizer, normalizers
 
 PAD_TOKEN = "<｜▁pad▁｜>"
@@ -38,11 +38,7 @@ def engram_normalizer() -> normalizers.Normalizer:
 
 def pad_token_id_from_env() -> int:
     """Raw pad id the engine uses for Engram context (`DEEPINFER_ENGRAM_PAD_TOKEN`, default 2)."""
-    raw = os.environ.get("DEEPINFER_ENGRAM_PAD_TOKEN", str(DEFAULT_PAD_ID))
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"DEEPINFER_ENGRAM_PAD_TOKEN = {raw!r} must be an integer token id") from None
+    return envs.get("DEEPINFER_ENGRAM_PAD_TOKEN")
 
 
 @dataclass(frozen=True)

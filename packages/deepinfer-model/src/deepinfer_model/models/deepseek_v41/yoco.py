@@ -20,12 +20,12 @@ Per chunk `[q_start, q_start + q_len)` of a prompt of `data_len` tokens:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
 import torch
+from deepinfer_cluster import envs
 
 MODE_ENV = "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE"
 KEEP_ENV = "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"
@@ -58,13 +58,8 @@ class YocoSettings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> YocoSettings:
-        env = os.environ if environ is None else environ
-        mode = YocoMode.parse(env.get(MODE_ENV, "off"))
-        raw = env.get(KEEP_ENV, "0")
-        try:
-            keep = int(raw)
-        except ValueError:
-            raise ValueError(f"{KEEP_ENV} = {raw!r} must be an integer") from None
+        mode = YocoMode.parse(envs.get(MODE_ENV, environ))
+        keep = envs.get(KEEP_ENV, environ)
         if mode is not YocoMode.OFF and keep <= 0:
             raise ValueError(
                 f"{KEEP_ENV} = {keep} must be > 0 when {MODE_ENV} = {mode.value} "
