@@ -34,7 +34,7 @@ from .sampling import (
 
 __version__ = "0.1.0"
 
-__public_modules__ = ("testing",)
+__public_modules__ = ("testing", "training")
 
 __all__ = [
     "CheckpointError",

@@ -148,8 +148,7 @@ _ELEMENT_BYTES = {"float": 2.0, "f32": 4.0, "fp8": 1.0, "fp8_rows": 1.0, "expert
 def checkpoint_bytes(config: dict) -> dict[str, int]:
     """Stored bytes (weights and their UE8M0 scales) per top-level group: `embed`, `head`, `layers`, `mtp`,
     `other`, plus `total` and `params` (logical parameter count)."""
-    from deepinfer_model.models.deepseek_v41 import DeepseekV41Config
-    from deepinfer_model.models.deepseek_v41.layout import checkpoint_layout
+    from deepinfer_model.training import DeepseekV41Config, checkpoint_layout
 
     cfg = DeepseekV41Config.from_dict(config)
     block = tuple(cfg.quant.weight_block_size)

@@ -16,15 +16,21 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from deepinfer_model.layers.attention import compressed_visible, project_query
-from deepinfer_model.layers.indexer import index_queries, index_scores
-from deepinfer_model.layers.rope import cos_sin
-from deepinfer_model.layers.router import router_logits, sqrt_softplus
-from deepinfer_model.models.deepseek_v41 import DeepseekV41Config, V41Weights
-from deepinfer_model.models.deepseek_v41.attention import AttentionTrace
-from deepinfer_model.models.deepseek_v41.blocks import moe_ffn
-from deepinfer_model.models.deepseek_v41.sparse import index_keys
-from deepinfer_model.numerics import linear
+from deepinfer_model.training import (
+    AttentionTrace,
+    DeepseekV41Config,
+    V41Weights,
+    compressed_visible,
+    cos_sin,
+    index_keys,
+    index_queries,
+    index_scores,
+    linear,
+    moe_ffn,
+    project_query,
+    router_logits,
+    sqrt_softplus,
+)
 
 
 def next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -27,8 +27,11 @@ os.environ.setdefault("DEEPINFER_ACCELERATOR", "cpu")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from deepinfer_model import numerics  # noqa: E402
-from deepinfer_model.models.deepseek_v41 import CompressedVocabulary, DeepseekV41ForCausalLM  # noqa: E402
+from deepinfer_model.training import (  # noqa: E402
+    CompressedVocabulary,
+    DeepseekV41ForCausalLM,
+    numerics,  # noqa: E402
+)
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from ..architecture import micro_config_dict, tiny_config_dict  # noqa: E402

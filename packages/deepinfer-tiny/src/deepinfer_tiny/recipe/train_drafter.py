@@ -4,7 +4,7 @@
 
 Per sequence: the frozen base runs once (no gradient) and gives the drafter's target features and its
 own next-token distributions. At random anchors `a` the drafter drafts a block after `g` = the token at
-`a + 1`, exactly as `deepinfer_model`'s draft forward does at decode time (`drafter._draft_rows`, the
+`a + 1`, exactly as `deepinfer_model`'s draft forward does at decode time (`drafter.draft_rows`, the
 batched core of `draft_blocks`), with its main keys projected from the features (`drafter.main_keys`).
 The Markov term is teacher-forced with the base's greedy tokens (what a verified draft prefix holds).
 Losses: KL(base || draft) per draft position; the confidence head (on detached features) by binary
@@ -26,11 +26,15 @@ os.environ.setdefault("DEEPINFER_ACCELERATOR", "cpu")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from deepinfer_model import numerics  # noqa: E402
-from deepinfer_model.models.deepseek_v41.drafter import _draft_rows, _key_layout, main_keys  # noqa: E402
-from deepinfer_model.models.deepseek_v41.drafter_heads import confidence  # noqa: E402
-from deepinfer_model.models.deepseek_v41.kv_quant import EXACT_KV  # noqa: E402
-from deepinfer_model.numerics import round_to  # noqa: E402
+from deepinfer_model.training import (  # noqa: E402
+    EXACT_KV,  # noqa: E402
+    confidence,  # noqa: E402
+    draft_rows,
+    key_layout,
+    main_keys,
+    numerics,  # noqa: E402
+    round_to,  # noqa: E402
+)
 
 from .train import LOG_FILE, forward_train, lr_at, windows  # noqa: E402
 from .trainable import TrainableV41  # noqa: E402
@@ -49,12 +53,12 @@ def drafter_losses(tr: TrainableV41, ids: torch.Tensor, bd: int, anchors: int, a
     keys = main_keys(cfg, w.drafter, out.features, positions, act)  # [Ld, T, D], with the drafter's graph
     a = torch.as_tensor(rng.integers(W - 1, T - bd - 1, size=anchors), device=ids.device)
     win = keys[:, a[:, None] - W + 1 + torch.arange(W, device=ids.device)[None, :]]  # [Ld, N, W, D]
-    cols, visible = _key_layout(a, W, W, bd, W + bd)
+    cols, visible = key_layout(a, W, W, bd, W + bd)
     steps = a[:, None] + 1 + torch.arange(bd, device=ids.device)[None, :]  # draft rows' positions [N, bd]
     teacher = greedy[steps]  # what each draft row should produce
     prev = torch.cat((ids[a + 1][:, None], teacher[:, :-1]), dim=1)  # Markov inputs: g, then teacher tokens
     temps = torch.ones(bd, device=ids.device)
-    _tok, logits, _conf, hidden = _draft_rows(
+    _tok, logits, _conf, hidden = draft_rows(
         cfg,
         w.drafter,
         w.embed,

@@ -18,18 +18,25 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from deepinfer_model.loader import INDEX_FILE
-from deepinfer_model.models.deepseek_v41 import (
+from deepinfer_model.training import (
+    BF16,
+    F32,
+    FP4,
+    FP8,
+    FP8_ROWS,
+    INDEX_FILE,
     CompressedVocabulary,
     DeepseekV41Config,
     DeepseekV41ForCausalLM,
     V41Weights,
     checkpoint_layout,
+    dequant_fp8_block,
+    dequant_mxfp4,
+    quant_fp8_block,
+    quant_mxfp4,
     quantised_v41_tensors,
     random_v41_tensors,
 )
-from deepinfer_model.models.deepseek_v41.layout import BF16, F32, FP4, FP8, FP8_ROWS
-from deepinfer_model.quant import dequant_fp8_block, dequant_mxfp4, quant_fp8_block, quant_mxfp4
 from safetensors.torch import save_file
 
 # Stored in the checkpoint (the loader requires them) but read by no text forward.
@@ -86,8 +93,7 @@ class TrainableV41:
     @classmethod
     def from_checkpoint(cls, path: str | Path, device: torch.device | str = "cpu") -> TrainableV41:
         """Masters from a checkpoint (its stored values, dequantised); Engram's vocabulary from its tokenizer."""
-        from deepinfer_model.loader import load_tensors
-        from deepinfer_model.models.deepseek_v41.loader import ignored_prefixes
+        from deepinfer_model.training import ignored_prefixes, load_tensors
 
         path = Path(path)
         config = json.loads((path / "config.json").read_text())

@@ -112,7 +112,7 @@ def draft_block(
     return out
 
 
-def _key_layout(
+def key_layout(
     last: torch.Tensor, window: int, width: int, bd: int, span: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(columns [N, span] into `cat(windows [N, width], draft keys [N, bd])`, visible [N, span]) of each
@@ -135,7 +135,7 @@ def _key_layout(
 
 
 def _batch_span(last: np.ndarray, window: int, bd: int) -> int:
-    """Key columns `_key_layout` needs for these sequences (host positions): the longest key set, or in
+    """Key columns `key_layout` needs for these sequences (host positions): the longest key set, or in
     batch-invariant mode the whole aligned tiles that cover every sequence's."""
     lo, hi = last - np.minimum(last + 1, window) + 1, last + bd + 1
     if batch_invariant.enabled():
@@ -180,10 +180,10 @@ def draft_blocks_static(
             f"draft_blocks_static: windows [Ld, N, W={W}, D] ({tuple(windows.shape)}) and last_positions "
             f"[N] ({tuple(last_positions.shape)}) must hold one entry per next token (N = {n})"
         )
-    cols, visible = _key_layout(last_positions, W, W, bd, _fixed_span(W, bd))
+    cols, visible = key_layout(last_positions, W, W, bd, _fixed_span(W, bd))
     positions = last_positions[:, None] + 1 + torch.arange(bd, device=last_positions.device)[None, :]
     temps = temperatures.to(torch.float32).expand(bd)
-    tokens, logits, conf, hidden = _draft_rows(
+    tokens, logits, conf, hidden = draft_rows(
         cfg,
         w,
         embed,
@@ -233,7 +233,7 @@ def draft_blocks(
     Rows are flattened sequence-major ([N * Bd]): every projection, the MoE, the mHC and the heads run
     on all of them at once; only attention mixes rows, and it stays per sequence: each sequence's key
     set (its window and its own block) is laid out in its own row of a padded [N, S, D] tensor, the
-    padding masked (`_key_layout`). Exact numerics: each row's values are those `draft_block` gets for
+    padding masked (`key_layout`). Exact numerics: each row's values are those `draft_block` gets for
     the sequence alone (FP64 accumulation rounded once: only FP64 summation orders depend on the batch);
     batch-invariant mode: bitwise independent of the batch (row-invariant GEMMs, aligned key tiles).
     """
@@ -257,7 +257,7 @@ def draft_blocks(
             f"(got last {last.tolist()}, {windows.shape[2]} columns)"
         )
     span = _batch_span(last, W, bd)
-    cols, visible = _key_layout(torch.as_tensor(last, device=dev), W, windows.shape[2], bd, span)  # [N, S]
+    cols, visible = key_layout(torch.as_tensor(last, device=dev), W, windows.shape[2], bd, span)  # [N, S]
     positions = torch.as_tensor(last[:, None] + 1 + np.arange(bd)[None, :], device=dev).reshape(-1)
     first = torch.as_tensor(next_tokens, dtype=torch.long, device=dev)
     temps = torch.as_tensor(temperatures, dtype=torch.float32, device=dev).expand(bd)
@@ -271,7 +271,7 @@ def draft_blocks(
             picks = [(samplers[k] if samplers else sampler)(logits[k], s) for k in range(n)]
             return torch.stack([torch.as_tensor(t, dtype=torch.long, device=dev).reshape(()) for t in picks])
 
-    tokens_all, logits_all, conf_all, hidden = _draft_rows(
+    tokens_all, logits_all, conf_all, hidden = draft_rows(
         cfg, w, embed, head, windows, first, positions, cols, visible, bd, pick, temps, act_dtype, kvq, moe_fn
     )
     positions = positions.view(n, bd)
@@ -292,7 +292,7 @@ def _greedy_rows(logits: torch.Tensor, step: int) -> torch.Tensor:
     return torch.argmax(logits, dim=-1)
 
 
-def _draft_rows(
+def draft_rows(
     cfg: DeepseekV41Config,
     w: DrafterWeights,
     embed: torch.Tensor,
