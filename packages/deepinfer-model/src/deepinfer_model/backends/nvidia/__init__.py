@@ -262,7 +262,7 @@ def _select(s: KernelSettings) -> tuple[dict[str, Callable], dict[str, Callable]
     else:
         logger.warning("triton unavailable or DEEPINFER_TRITON=0: batch-invariant GEMMs use the padded tiles")
 
-    # Native-mode prefill attention (`runtime.groups.attend`): FlashMLA for the head shapes it takes. The core
+    # Native-mode prefill attention (`models.grouped_attention.attend`): FlashMLA for the head shapes it takes. The core
     # asks `supports(heads, dim)` first and keeps its own band path for the others; the reference (a gather)
     # stands in only after a kernel failure.
     if s.flash_mla:
@@ -369,7 +369,7 @@ def _select_triton(s: KernelSettings, impls: dict[str, Callable], row_local: dic
         "engram_gate", triton_engram.engram_gate, reference.engram_gate, supports=gate_fused
     )
 
-    # The indexer's scores in native mode (`runtime.groups.grouped_index_scores`): the core asks
+    # The indexer's scores in native mode (`models.grouped_attention.grouped_index_scores`): the core asks
     # `supports(heads, dim)` first and keeps its own path for other shapes.
     op = _kernel_or_torch("index_scores", triton_index.index_scores, reference.index_scores)
     op.supports = triton_index.supports

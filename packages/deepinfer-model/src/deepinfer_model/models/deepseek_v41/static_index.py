@@ -14,13 +14,13 @@ from ...runtime.metadata import StaticDecodeMetadata, entries_per_block
 
 
 def _static_swa(meta: StaticDecodeMetadata, _group: int, window: int, floor: bool):
-    """`groups._swa_index` for one query per row: the band of a single query is its window, columns
+    """`grouped_attention._swa_index` for one query per row: the band of a single query is its window, columns
     p - W + 1 .. p, clipped to [max(0, p - W + 1), p] (what the host planner computes for Q = 1)."""
     if floor:
         raise ValueError("the graph-safe decode step does not run YOCO truncation")
     p = meta.positions[:, None]
     if batch_invariant.enabled():
-        # the eager layout (`groups._swa_index`): whole key tiles aligned to absolute positions, so a key
+        # the eager layout (`grouped_attention._swa_index`): whole key tiles aligned to absolute positions, so a key
         # sits in the same tile column as there; one fixed width covers any window start (W + KT - 1)
         lo = (p - window + 1).clamp(min=0)
         start = lo - lo % batch_invariant.KEY_TILE
@@ -38,7 +38,7 @@ def _static_swa(meta: StaticDecodeMetadata, _group: int, window: int, floor: boo
 def _static_band(
     meta: StaticDecodeMetadata, kind: str, _group: int, window: int, floor: bool, a: int, b: int
 ):
-    """`groups._band_mask` [G, 1, 1, W] for Q = 1: column c (position p - W + 1 + c) is visible iff it is
+    """`grouped_attention._band_mask` [G, 1, 1, W] for Q = 1: column c (position p - W + 1 + c) is visible iff it is
     at least 0 (it always lies in the window and at or below p)."""
     if kind != "swa" or floor or a != 0 or b != 1:
         raise ValueError(f"graph-safe decode: unexpected band request {(kind, window, floor, a, b)}")
@@ -48,10 +48,10 @@ def _static_band(
 
 
 def _static_comp(meta: StaticDecodeMetadata, _group: int, ratio: int):
-    """`groups._entry_index` over `max_entries(ratio)` columns: entry j of a query at p is real and
+    """`grouped_attention._entry_index` over `max_entries(ratio)` columns: entry j of a query at p is real and
     visible iff j < (p + 1) // ratio; the rest re-read entry min(j, n - 1) and are zeroed / masked."""
     width = meta.max_entries(ratio)
-    if batch_invariant.enabled():  # whole key tiles, entry j in column j (`groups._entry_index`)
+    if batch_invariant.enabled():  # whole key tiles, entry j in column j (`grouped_attention._entry_index`)
         width = batch_invariant.key_tiles(width)
     n = torch.div(meta.positions + 1, ratio, rounding_mode="floor")[:, None]
     j = torch.arange(width, device=meta.device)[None, :]
@@ -61,7 +61,7 @@ def _static_comp(meta: StaticDecodeMetadata, _group: int, ratio: int):
 
 
 def _static_new(meta: StaticDecodeMetadata, ratio: int):
-    """`groups._new_entry_index` with a fixed shape: every query's current block j = p // ratio is
+    """`grouped_attention._new_entry_index` with a fixed shape: every query's current block j = p // ratio is
     compressed; a block that is not complete after this token (p + 1 not a multiple of the ratio) is
     written to the dummy block's first entry slot instead of its own, which nothing reads as valid.
     With 1 + k rows per sequence, each block that completes in the step completes at exactly one row
