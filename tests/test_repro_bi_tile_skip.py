@@ -11,6 +11,7 @@ import pytest
 import torch
 from deepinfer.default_model import resolve_model
 from deepinfer_model import batch_invariant, load_model
+from deepinfer_model.batch_invariant import attention_plan
 from deepinfer_model.runner import RunnerBatch
 from deepinfer_model.runtime import PagedRunner
 
@@ -49,7 +50,7 @@ def _case(g, bsz, m, nh, d, window, ratio):
 def test_tile_skipping_is_bitwise_the_full_tile_computation(dense_fraction, monkeypatch):
     """Forced compact layout (1.0), forced dense layout with skipped products (-1.0), and the default
     choice between them."""
-    monkeypatch.setattr(batch_invariant, "DENSE_FRACTION", dense_fraction)
+    monkeypatch.setattr(attention_plan, "DENSE_FRACTION", dense_fraction)
     g = torch.Generator().manual_seed(3)
     skipped, paths = 0, set()
     for trial in range(24):
@@ -78,7 +79,7 @@ def test_plan_of_a_superset_narrowed_to_the_mask_gives_the_same_bits(dense_fract
     """`AttentionPlan.for_visible`: the paged runtime plans the tiles once per step from every entry a
     query may select and narrows the plan to each layer's selection on the device. The extra tiles it
     computes must change no bit against a plan of the exact mask (and against computing every tile)."""
-    monkeypatch.setattr(batch_invariant, "DENSE_FRACTION", dense_fraction)
+    monkeypatch.setattr(attention_plan, "DENSE_FRACTION", dense_fraction)
     g = torch.Generator().manual_seed(11)
     narrowed_away = 0
     for trial in range(12):

@@ -16,6 +16,7 @@ import pytest
 import torch
 from deepinfer.default_model import resolve_model
 from deepinfer_model import batch_invariant, load_model
+from deepinfer_model.batch_invariant import fixed_bmm, key_layout, tile_products, weight_parts
 from deepinfer_model.layers.attention import sink_attention
 from deepinfer_model.models.deepseek_v41 import paged
 from deepinfer_model.runner import RunnerBatch
@@ -178,7 +179,7 @@ def test_cpu_row_gemm_rows_of_a_wide_weight_do_not_depend_on_m(threads):
         n = batch_invariant.WIDE_BYTES // (8 * k) + 5  # just over the threshold, N not a multiple of COL_PAD
         w = torch.randn(n, k, generator=g)
         x = torch.randn(80, k, generator=g).double()
-        assert batch_invariant._row_major(w.t())[1] is not None  # the NT copy exists: both layouts run
+        assert weight_parts._row_major(w.t())[1] is not None  # the NT copy exists: both layouts run
         full = batch_invariant.row_gemm(x, w.t(), fp32_valued=True)
         for m in (1, 2, 3, 4, 5, 7, 8, 9, 13, 31, 32, 33, 70):
             for start in (0, 3):
@@ -240,7 +241,7 @@ def test_stacked_parts_declines_what_grouped_gemm_cannot_take(monkeypatch):
     first = batch_invariant.stacked_parts(w)
     w.mul_(2.0)
     assert torch.equal(batch_invariant.stacked_parts(w), 2.0 * first)
-    monkeypatch.setattr(batch_invariant, "PART_CACHE_BYTES", 1024)
+    monkeypatch.setattr(weight_parts, "PART_CACHE_BYTES", 1024)
     assert batch_invariant.stacked_parts(torch.randn(3, 32, 64, generator=g)) is None
     with pytest.raises(ValueError, match="counts"):
         batch_invariant.grouped_gemm(torch.zeros(4, 64, dtype=torch.float64), [1, 2, 0], first)
@@ -329,19 +330,17 @@ def test_batched_tile_products_equal_the_per_tile_loop(monkeypatch):
         for ta in (1, t):
             a = torch.randn(bsz, r, ta, 8, 12, generator=g, dtype=torch.float64)
             b = torch.randn(bsz, t, 12, 7, generator=g, dtype=torch.float64)
-            loop = batch_invariant._tile_products(a, b, batched=False)
+            loop = tile_products._tile_products(a, b, batched=False)
             assert loop.shape == (bsz, r, t, 8, 7)
             with monkeypatch.context() as m:  # calls of 16 matrices, as on a GPU
-                m.setattr(
-                    batch_invariant, "bmm", lambda x, y, chunk=None, bmm=batch_invariant.bmm: bmm(x, y, 16)
-                )
-                batched = batch_invariant._tile_products(a, b, batched=True)
+                m.setattr(fixed_bmm, "bmm", lambda x, y, chunk=None, bmm=fixed_bmm.bmm: bmm(x, y, 16))
+                batched = tile_products._tile_products(a, b, batched=True)
             assert torch.equal(batched, loop), (bsz, r, t, ta)
     # with `seen`, the loop skips the unseen products (+0) and the batched list computes them: the seen
     # ones are the same bits
     seen = np.random.default_rng(0).random((bsz, r, t)) < 0.5
-    skipped = batch_invariant._tile_products(a, b, seen, batched=False)
-    every = batch_invariant._tile_products(a, b, seen, batched=True)
+    skipped = tile_products._tile_products(a, b, seen, batched=False)
+    every = tile_products._tile_products(a, b, seen, batched=True)
     assert torch.equal(every[torch.from_numpy(seen)], skipped[torch.from_numpy(seen)])
     assert not skipped[torch.from_numpy(~seen)].any()
 
@@ -349,8 +348,8 @@ def test_batched_tile_products_equal_the_per_tile_loop(monkeypatch):
 def test_zero_padding_is_one_kernel_of_zeros():
     """`_pad0` appends exact zeros (from one cached zero, read by the cat) and returns its input unpadded."""
     x = torch.randn(3, 5, dtype=torch.float64)
-    assert batch_invariant._pad0(x, 0) is x
-    y = batch_invariant._pad0(x, 2, dim=1)
+    assert fixed_bmm._pad0(x, 0) is x
+    y = fixed_bmm._pad0(x, 2, dim=1)
     assert (
         y.shape == (3, 7)
         and torch.equal(y[:, :5], x)
@@ -360,7 +359,7 @@ def test_zero_padding_is_one_kernel_of_zeros():
     from deepinfer_model.testing.no_sync import count_ops
 
     with count_ops() as ops:
-        batch_invariant._pad0(x, 4)
+        fixed_bmm._pad0(x, 4)
     assert ops.ops <= 2  # the expand view and the cat; no fill
 
 
@@ -482,7 +481,8 @@ def test_target_logits_identical_across_neighbours_splits_and_prefix_hits(model,
     # positions take own keys (ratio-1 layers);
     # two (the default): the target stays shared over two entry tiles while its long neighbours take own
     # keys, so a layout chosen per step rather than per query changes its bits (checked: it fails then)
-    monkeypatch.setattr(batch_invariant, "SHARED_ENTRY_COLS", shared_cols)
+    monkeypatch.setattr(key_layout, "SHARED_ENTRY_COLS", shared_cols)
+    assert batch_invariant.shared_entry_cols("cpu") == shared_cols  # the runtime reads the patched value
     rng = np.random.default_rng(5)
     target = _stream(rng, TARGET_LEN)
     neigh = {sid: _stream(rng, 120) for sid in (1, 2, 3, 4)}
@@ -578,15 +578,15 @@ def test_product_indices_used_by_a_graph_capture_are_never_evicted(monkeypatch):
     )  # (only the key: the entry below is seeded by hand, nothing is allocated there)
     key = (2, 3, 1, 4, dev)
     seeded = (torch.arange(24), torch.arange(24))
-    monkeypatch.setattr(batch_invariant, "_PRODUCT_INDICES", {key: seeded})
-    monkeypatch.setattr(batch_invariant, "_CAPTURED_INDICES", {})
-    monkeypatch.setattr(batch_invariant, "PRODUCT_INDEX_CACHE", 2)
+    monkeypatch.setattr(tile_products, "_PRODUCT_INDICES", {key: seeded})
+    monkeypatch.setattr(tile_products, "_CAPTURED_INDICES", {})
+    monkeypatch.setattr(tile_products, "PRODUCT_INDEX_CACHE", 2)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert batch_invariant._product_indices(2, 3, 1, 4, dev) is seeded
+    assert tile_products._product_indices(2, 3, 1, 4, dev) is seeded
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     cpu = torch.device("cpu")
     for n in range(1, 6):  # fills and empties the eager cache
-        ia, ib = batch_invariant._product_indices(1, 1, 1, n, cpu)
+        ia, ib = tile_products._product_indices(1, 1, 1, n, cpu)
         assert ia.tolist() == [0] * n and ib.tolist() == list(range(n))
-    assert key not in batch_invariant._PRODUCT_INDICES
-    assert batch_invariant._product_indices(2, 3, 1, 4, dev) is seeded
+    assert key not in tile_products._PRODUCT_INDICES
+    assert tile_products._product_indices(2, 3, 1, 4, dev) is seeded

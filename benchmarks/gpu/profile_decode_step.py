@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from deepinfer_cluster import envs
 from deepinfer_model.runtime.compiled import BACKENDS
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -165,7 +166,7 @@ def profile_one(model, b: int, mode: str, args, compile_backend: str | None = No
         "launch_gap_ms": replay_ms - kernel_ms,
         # graph breaks Dynamo has met so far in the process (compiled records: the compiled step's split points)
         "graph_breaks": int(sum(torch._dynamo.utils.counters["graph_break"].values())),
-        "custom_ops": os.environ.get("DEEPINFER_COMPILE_CUSTOM_OPS", "1"),
+        "custom_ops": "1" if envs.DEEPINFER_COMPILE_CUSTOM_OPS else "0",
     }
     FIRST_LOGITS[(b, mode, compile_backend or "none")] = first_logits
     return rec, rows

@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 import torch
+from deepinfer_cluster import envs
 from deepinfer_parallel import deep_ep_available
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -125,9 +126,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.device == "cuda" and args.world > torch.cuda.device_count():
         ap.error(f"--world {args.world} > {torch.cuda.device_count()} visible GPUs")
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    args.numerics = args.numerics or os.environ.get("DEEPINFER_NUMERICS", "").strip().lower() or "exact"
-    if args.numerics not in ("exact", "native"):
-        ap.error(f"DEEPINFER_NUMERICS={args.numerics!r}: allowed values are exact and native")
+    if args.numerics is None:  # the environment's setting, validated by the registry (unset: exact)
+        try:
+            args.numerics = envs.DEEPINFER_NUMERICS
+        except ValueError as e:
+            ap.error(str(e))
     args.eq_prompts = args.eq_prompts or 2 * args.world
     if args.eq_prompts % args.world:
         ap.error(f"--eq-prompts ({args.eq_prompts}) must be a multiple of --world ({args.world})")

@@ -300,7 +300,7 @@ _VARS = [
         False,
         "batch-invariant GEMMs and tiled attention: a request's "
         "logits do not depend on its batch (CPU and CUDA)",
-        "deepinfer_model.batch_invariant",
+        "deepinfer_model.batch_invariant.switch",
     ),
     EnvVar(
         "DEEPINFER_FP8_EXPERTS",

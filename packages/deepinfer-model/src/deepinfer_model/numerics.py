@@ -32,6 +32,7 @@ import torch
 from deepinfer_cluster import envs
 
 from . import batch_invariant
+from .batch_invariant import switch as batch_invariant_switch
 from .compile_boundary import outside_compiled_graph
 
 ENV = "DEEPINFER_NUMERICS"
@@ -48,15 +49,15 @@ def resolved():
     to `mode()` / `carrier()` / `batch_invariant.enabled()` until the block ends (nested blocks re-read
     them and restore the outer values)."""
     global _PINNED
-    outer = (_PINNED, batch_invariant._PINNED)
-    _PINNED = batch_invariant._PINNED = None  # read afresh, not the outer values
+    outer = (_PINNED, batch_invariant_switch._PINNED)
+    _PINNED = batch_invariant_switch._PINNED = None  # read afresh, not the outer values
     value = mode()
     try:
-        batch_invariant._PINNED = batch_invariant.read_env()
+        batch_invariant_switch._PINNED = batch_invariant_switch.read_env()
         _PINNED = (value, torch.float32 if value == "native" else torch.float64)
         yield
     finally:
-        _PINNED, batch_invariant._PINNED = outer
+        _PINNED, batch_invariant_switch._PINNED = outer
 
 
 def pinned(fn):
