@@ -25,7 +25,7 @@ chunk's queries: one read); for a longer context, the query's own keys, in ascen
 added after the shared tiles' one own tile at a time (as shared columns a long-context decode query would
 score every entry tile, since its selections spread over nearly all of them). Which layout a query takes
 depends on its own position only, and its own list on its selected set only, so neither depends on its
-neighbours (`runtime.groups.invariant_selection`).
+neighbours (`models.grouped_attention.invariant_selection`).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ def aligned_span(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, int]:
 
 
 # on the CPU, a top-k selected entry of a query that sees at most this many compressed entries is a column
-# of its sequence's first entry tiles, else one of the query's own keys (`runtime.groups.invariant_selection`)
+# of its sequence's first entry tiles, else one of the query's own keys (`models.grouped_attention.invariant_selection`)
 SHARED_ENTRY_COLS = 2 * KEY_TILE
 
 
