@@ -1,8 +1,8 @@
 """Step metadata: everything the cached forward needs about one packed batch, built once, vectorised.
 
-From a `RunnerBatch` (flat numpy arrays of the scheduler's step) it derives the packed token positions,
-the sequence of every token, the padded block-table matrix and the flat cache slot of every query
-token. Per-sequence context ranges are read through `token_slots` / `entry_slots`, which are numpy
+From a `StepBatch` (the scheduler's own arrays of one step: packed positions, cache slots, query starts,
+the padded block-table matrix) it takes those arrays as they are and puts the per-token ones on the
+device. Per-sequence context ranges are read through `token_slots` / `entry_slots`, which are numpy
 gathers (no per-token Python loop anywhere).
 """
 
@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..runner.batch import RunnerBatch
+from ..runner.step import StepBatch
 from .device import to_device
+from .step_buffers import StepBuffers
 
 
 @dataclass
@@ -38,7 +39,7 @@ class StepMetadata:
     # True when `build` checked every input id against the vocabulary on the host: the embedding then
     # skips its device-side range check (two device->host reads per step)
     ids_checked: bool = False
-    # True when some of `input_ids` were filled on the device (`RunnerBatch.device_input_ids`): the host
+    # True when some of `input_ids` were filled on the device (`StepBatch.device_input_ids`): the host
     # array the step was built from holds placeholders there, so consumers read `input_ids`
     device_fed: bool = False
     # device copies of per-step index arrays (group gathers), built once and reused by every layer
@@ -47,73 +48,54 @@ class StepMetadata:
     @classmethod
     def build(
         cls,
-        batch: RunnerBatch,
+        step: StepBatch,
         block_size: int,
         num_blocks: int,
         device: torch.device | None = None,
         vocab_size: int | None = None,
+        buffers: StepBuffers | None = None,
     ) -> StepMetadata:
-        """Numpy on the host; the four tensors are sent to `device` (default CPU) once each.
+        """The step's own arrays (positions, slots, query starts, block tables: nothing recomputed), its
+        per-token tensors sent to `device` (default CPU) through `buffers` (the runner's persistent ones:
+        one copy) or one copy each without.
 
         With `vocab_size`, every input id is checked to lie in [0, vocab_size) here, on the host copy,
         once per step (ValueError naming the sequence, the id and the range), and `ids_checked` is set.
         """
         device = torch.device("cpu") if device is None else torch.device(device)
-        starts = np.asarray(batch.start_positions, dtype=np.int64)
-        qlens = np.asarray(batch.query_lens, dtype=np.int64)
-        if np.any(starts < 0) or np.any(qlens < 0):
-            raise ValueError("start_positions and query_lens must be >= 0 for every sequence")
-        input_ids = np.asarray(batch.input_ids, dtype=np.int64)
-        fed = getattr(batch, "device_input_ids", None)  # (rows, device ids): sampled on the device
+        input_ids = step.input_ids
+        fed = step.device_input_ids  # (rows, device ids): sampled on the device
         if vocab_size is not None:
             checked = input_ids
             if fed is not None and len(fed[0]):  # (sampler outputs: in the vocabulary by construction)
                 checked = input_ids.copy()
                 checked[np.asarray(fed[0])] = 0
-            _check_ids(checked, qlens, np.asarray(batch.seq_ids), int(vocab_size))
-        ends = starts + qlens
-        offsets = np.zeros(len(qlens) + 1, dtype=np.int64)
-        np.cumsum(qlens, out=offsets[1:])
-        n = int(offsets[-1])
-        width = max((len(t) for t in batch.block_tables), default=0)
-        tables = np.full((len(qlens), max(width, 1)), -1, dtype=np.int64)
-        for i, t in enumerate(batch.block_tables):  # per sequence, not per token
-            tables[i, : len(t)] = t
-        need = -(-ends // block_size)
-        have = (tables >= 0).sum(axis=1)
-        if np.any(need > have):
-            i = int(np.argmax(need > have))
-            raise ValueError(
-                f"sequence {int(batch.seq_ids[i])}: block table of {int(have[i])} blocks does not cover "
-                f"position {int(ends[i]) - 1} (block_size {block_size})"
-            )
-        if np.any(tables >= num_blocks):
-            raise ValueError(f"block ids must be in [0, {num_blocks}), got {int(tables.max())}")
-        seq_of = np.repeat(np.arange(len(qlens)), qlens)
-        positions = np.arange(n, dtype=np.int64) - offsets[:-1][seq_of] + starts[seq_of]
-        slots = tables[seq_of, positions // block_size] * block_size + positions % block_size
-        llens = np.asarray(batch.logits_lens, dtype=np.int64)
-        # the last llens[i] packed rows of sequence i: offsets[i+1] - llens[i] + k, k < llens[i]
-        k = np.arange(int(llens.sum())) - np.repeat(np.cumsum(llens) - llens, llens)
-        logits_rows = np.repeat(offsets[1:] - llens, llens) + k
-        ids = to_device(input_ids, device)
-        if fed is not None and len(fed[0]):
-            if device.type == "cpu":
+            _check_ids(checked, step.query_lens, step.seq_ids, int(vocab_size))
+        step.check_tables(block_size, num_blocks)
+        slots = step.slots(block_size)
+        logits_rows = step.logits_rows()
+        if buffers is not None:
+            ids, positions, write_slots, rows = buffers.load(input_ids, step.positions, slots, logits_rows)
+        else:
+            ids, positions = to_device(input_ids, device), to_device(step.positions, device)
+            write_slots, rows = to_device(slots, device), to_device(logits_rows, device)
+            if fed is not None and len(fed[0]) and device.type == "cpu":
                 ids = ids.clone()  # (a view of the caller's array on the CPU)
+        if fed is not None and len(fed[0]):
             ids[to_device(np.asarray(fed[0], dtype=np.int64), device)] = fed[1].to(device)
         return cls(
             block_size=block_size,
-            starts=starts,
-            query_lens=qlens,
-            ends=ends,
-            offsets=offsets,
-            tables=tables,
+            starts=step.start_positions,
+            query_lens=step.query_lens,
+            ends=step.seq_lens,
+            offsets=step.query_start_loc,
+            tables=step.block_tables,
             input_ids=ids,
-            positions=to_device(positions, device),
-            write_slots=to_device(slots, device),
-            logits_rows=to_device(logits_rows, device),
+            positions=positions,
+            write_slots=write_slots,
+            logits_rows=rows,
             device=device,
-            host_positions=positions,
+            host_positions=step.positions,
             host_write_slots=slots,
             host_logits_rows=logits_rows,
             ids_checked=vocab_size is not None,
