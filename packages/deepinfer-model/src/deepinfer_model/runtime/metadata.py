@@ -9,6 +9,7 @@ gathers (no per-token Python loop anywhere).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -16,10 +17,15 @@ import torch
 from ..runner.step import StepBatch
 from .device import to_device
 from .step_buffers import StepBuffers
+from .step_view import entries_per_block
 
 
 @dataclass
 class StepMetadata:
+    """The eager `StepView`: host arrays of the step (ragged per sequence) beside its device tensors;
+    index tensors are planned on the host per step (`cached`) and sent once."""
+
+    graph_safe: ClassVar[bool] = False
     block_size: int
     starts: np.ndarray  # int64 [B] tokens already cached before this step
     query_lens: np.ndarray  # int64 [B]
@@ -188,111 +194,3 @@ def _check_ids(ids: np.ndarray, qlens: np.ndarray, seq_ids: np.ndarray, vocab_si
             f"sequence {int(seq_ids[i])}: input_ids[{row}] = {int(ids[row])} is outside the vocabulary; "
             f"token ids must be in [0, vocab_size={vocab_size})"
         )
-
-
-def entries_per_block(block_size: int, ratio: int) -> int:
-    if block_size % ratio and ratio % block_size:
-        raise ValueError(
-            f"block_size {block_size} and compress ratio {ratio} must divide one another "
-            "(a compressed entry must map to exactly one block)"
-        )
-    return max(1, block_size // ratio)
-
-
-class StaticDecodeMetadata(StepMetadata):
-    """Device-only metadata of a decode or verification step for the graph-safe forward: one row per
-    query token (its id, position, write slot and its sequence's block table), every row attending as a
-    one-query sequence. The rows of a sequence that feeds 1 + k tokens (verification) are consecutive
-    rows with consecutive positions and the same table: a row at p reads keys <= p from the pools after
-    every row has written its own, which is what the eager step's query at p sees.
-
-    Every tensor is a view of a static device buffer (`cuda_graphs.DecodeGraphRunner` fills it before a
-    replay), so a CUDA graph captured over this metadata reads each step's values at fixed addresses.
-    Nothing is planned on the host: the index tensors the paged attention asks `cached` for (window-key
-    slots, band masks, compressed-entry validity and slots, the entries completed in the step) are
-    computed on the device from `positions` and `dev_tables`, with shapes fixed by the bucket size, the
-    window and `max_entries` instead of the step's context lengths. The block-table width is the
-    (bucket, context tier)'s: ceil(tier / block_size) columns, the tier being at least every row's
-    context, so `max_entries` and with it the index-key scoring follow the tier, not max_context. The
-    host arrays of `StepMetadata` are None.
-
-    Rows may be placeholders (bucket padding): position 0, a block table of `dummy_block` only. A
-    placeholder writes only the reserved dummy block and reads only what it wrote in the step.
-    """
-
-    def __init__(
-        self,
-        block_size: int,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        write_slots: torch.Tensor,
-        tables: torch.Tensor,
-        dummy_block: int,
-        index_builders: dict,
-    ) -> None:
-        n = positions.shape[0]
-        device = positions.device
-        super().__init__(
-            block_size=block_size,
-            starts=None,
-            query_lens=None,
-            ends=None,
-            offsets=None,
-            tables=None,
-            input_ids=input_ids,
-            positions=positions,
-            write_slots=write_slots,
-            logits_rows=torch.arange(n, device=device),
-            device=device,
-            ids_checked=True,  # `StepMetadata.build` checked the real ids; placeholders use id 0
-        )
-        self.dev_tables = tables  # long [N, max_blocks]: every entry a real block id (dummy padded)
-        self.dummy_block = int(dummy_block)
-        self.rows_index = torch.arange(n, device=device)
-        # key kind -> builder(meta, *key[1:]): the model family's device-side index tensors
-        self.index_builders = index_builders
-
-    @property
-    def num_seqs(self) -> int:
-        return self.positions.shape[0]
-
-    def reset(self) -> None:
-        """Forget the index tensors of the last forward (they depend on the buffers' contents)."""
-        self._cache.clear()
-
-    def cached(self, key, make):
-        """The device-side counterpart of the model's host planners, by key kind (`index_builders`, from the
-        model family); any other key raises (a new host-side planner must get a device form before the
-        graph-safe step uses it)."""
-        if key not in self._cache:
-            builder = self.index_builders.get(key[0])
-            if builder is None:
-                raise ValueError(f"the graph-safe decode step has no device-side index for {key[0]!r}")
-            self._cache[key] = builder(self, *key[1:])
-        return self._cache[key]
-
-    def dev_token_slots(self, pos: torch.Tensor) -> torch.Tensor:
-        """Flat token slots of positions `pos` [N, ...] (row i: row i's sequence); blocks past the table read
-        the table's last column (only ever for values that are masked or written to the dummy slot)."""
-        blk = torch.clamp(
-            torch.div(pos, self.block_size, rounding_mode="floor"), max=self.dev_tables.shape[1] - 1
-        )
-        rows = self.rows_index.view(-1, *([1] * (pos.dim() - 1)))
-        return self.dev_tables[rows, blk] * self.block_size + pos % self.block_size
-
-    def dev_entry_slots(self, j: torch.Tensor, ratio: int) -> torch.Tensor:
-        """Flat entry-pool slots of entries `j` [N, ...] (row i: row i's sequence), as `entry_slots_of`."""
-        first = j * ratio
-        per = entries_per_block(self.block_size, ratio)
-        blk = torch.clamp(
-            torch.div(first, self.block_size, rounding_mode="floor"), max=self.dev_tables.shape[1] - 1
-        )
-        rows = self.rows_index.view(-1, *([1] * (j.dim() - 1)))
-        return self.dev_tables[rows, blk] * per + torch.div(
-            first % self.block_size, ratio, rounding_mode="floor"
-        )
-
-    def max_entries(self, ratio: int) -> int:
-        """Entry columns every step reads for `ratio`: all this block table (the context tier's width)
-        can hold (>= 1)."""
-        return max(1, self.dev_tables.shape[1] * self.block_size // ratio)
