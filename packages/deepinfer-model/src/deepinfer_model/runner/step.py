@@ -193,10 +193,15 @@ class StepBatch:
         offset), computed once."""
         if self.slot_mapping is None:
             self.check_tables(block_size, np.iinfo(np.int64).max)
+            self._compute_slots(block_size)
+        return self.slot_mapping
+
+    def _compute_slots(self, block_size: int) -> None:
+        """`slot_mapping` of a hand-built step whose tables are checked (`check_tables`)."""
+        if self.slot_mapping is None:
             seq_of = np.repeat(np.arange(len(self.query_lens)), self.query_lens)
             pos = self.positions
             self.slot_mapping = self.block_tables[seq_of, pos // block_size] * block_size + pos % block_size
-        return self.slot_mapping
 
     def table(self, i: int) -> np.ndarray:
         """Sequence `i`'s block ids (its row of `block_tables` without the padding)."""

@@ -78,7 +78,8 @@ class StepMetadata:
                 checked[np.asarray(fed[0])] = 0
             _check_ids(checked, step.query_lens, step.seq_ids, int(vocab_size))
         step.check_tables(block_size, num_blocks)
-        slots = step.slots(block_size)
+        step._compute_slots(block_size)
+        slots = step.slot_mapping
         logits_rows = step.logits_rows()
         if buffers is not None:
             ids, positions, write_slots, rows = buffers.load(input_ids, step.positions, slots, logits_rows)
