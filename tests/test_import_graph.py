@@ -51,7 +51,6 @@ KNOWN_PRIVATE_IMPORTS: dict[tuple[str, str], str] = {
         "decode_graph_settings: not exported yet"
     ),
     ("deepinfer.engine.llm_engine", "deepinfer_model.sampling"): "from deepinfer_model import RowParams",
-    ("deepinfer.engine.scheduling", "deepinfer_model.runner"): "RunnerBatch: not exported yet",
     (
         "deepinfer.engine.spec_decode",
         "deepinfer_model.runtime.device",
@@ -63,7 +62,6 @@ KNOWN_PRIVATE_IMPORTS: dict[tuple[str, str], str] = {
     ("deepinfer.engine.truncation", "deepinfer_model.models.deepseek_v41.yoco"): (
         "YocoSettings, check_prompt_logprobs, check_settings, max_backtracking, prefill_flops: not exported yet"
     ),
-    ("deepinfer.engine.worker", "deepinfer_model.runner"): "RunnerBatch: not exported yet",
     ("deepinfer.engine.worker", "deepinfer_model.runtime.device"): "from deepinfer_model import to_device",
     ("deepinfer.engine.worker", "deepinfer_model.sampling"): (
         "from deepinfer_model import EMPTY_ROW_MESSAGE, RowParams, Sampler, SamplerOutput, TokenBitmask"

@@ -12,7 +12,7 @@ import torch
 from deepinfer.default_model import resolve_model
 from deepinfer_model import batch_invariant, load_model
 from deepinfer_model.batch_invariant import attention_plan
-from deepinfer_model.runner import RunnerBatch
+from deepinfer_model.runner import StepBatch
 from deepinfer_model.runtime import PagedRunner
 
 KT = batch_invariant.KEY_TILE
@@ -136,7 +136,7 @@ def _logits(model, prompts, chunk, decode_steps):
                 t.append(int(outs[-1][1][i].argmax()) if len(outs[-1][1]) == len(toks) else 1000 + i)
             continue
         logits = runner.execute(
-            RunnerBatch(
+            StepBatch.of(
                 seq_ids=np.array([i for i, _ in plan], dtype=np.int64),
                 start_positions=np.array([done[i] for i, _ in plan], dtype=np.int64),
                 query_lens=np.array([n for _, n in plan], dtype=np.int64),

@@ -18,9 +18,9 @@ from deepinfer.default_model import resolve_model
 from deepinfer_model import batch_invariant, load_model
 from deepinfer_model.batch_invariant import fixed_bmm, key_layout, tile_products, weight_parts
 from deepinfer_model.layers.attention import sink_attention
-from deepinfer_model.models.deepseek_v41 import paged
-from deepinfer_model.runner import RunnerBatch
 from deepinfer_model.models import grouped_attention as groups
+from deepinfer_model.models.deepseek_v41 import paged
+from deepinfer_model.runner import StepBatch
 from deepinfer_model.runtime import PagedRunner
 from deepinfer_model.runtime.device import model_device
 
@@ -436,7 +436,7 @@ class _Sim:
             self.seqs[sid][1] = done + n
         self._ids = ids
         logits = self.runner.execute(
-            RunnerBatch(
+            StepBatch.of(
                 seq_ids=np.array(ids, dtype=np.int64),
                 start_positions=np.array(starts, dtype=np.int64),
                 query_lens=np.array(qlens, dtype=np.int64),

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run(model, ids: np.ndarray, steps: int, block_size: int = 16):
     """Teacher-forced logits of `ids` (one prefill step, every row) and `steps` greedy tokens after it."""
-    from deepinfer_model.runner import RunnerBatch
+    from deepinfer_model.runner import StepBatch
     from deepinfer_model.runtime import PagedRunner
 
     blocks = -(-(len(ids) + steps) // block_size) + 1
@@ -44,7 +44,7 @@ def run(model, ids: np.ndarray, steps: int, block_size: int = 16):
     table = [np.arange(blocks, dtype=np.int32)]
 
     def step(tokens: np.ndarray, start: int, all_rows: bool) -> torch.Tensor:
-        batch = RunnerBatch(
+        batch = StepBatch.of(
             seq_ids=np.zeros(1, dtype=np.int64),
             start_positions=np.array([start], dtype=np.int64),
             query_lens=np.array([len(tokens)], dtype=np.int64),

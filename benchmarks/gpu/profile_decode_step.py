@@ -92,7 +92,7 @@ def load_profiled_model(args, ap: argparse.ArgumentParser):
 
 def profile_one(model, b: int, mode: str, args, compile_backend: str | None = None) -> tuple[dict, list]:
     from deepinfer_model import numerics
-    from deepinfer_model.runner import RunnerBatch
+    from deepinfer_model.runner import StepBatch
     from deepinfer_model.runtime import DecodeGraphSettings, PagedRunner
 
     os.environ["DEEPINFER_BATCH_INVARIANT"] = MODES[mode]
@@ -106,14 +106,14 @@ def profile_one(model, b: int, mode: str, args, compile_backend: str | None = No
     tables = [np.arange(i * per_seq, (i + 1) * per_seq, dtype=np.int32) for i in range(b)]
     rng = np.random.default_rng(0)
     prompt = rng.integers(1000, 90_000, (b, args.context))
-    logits = runner.execute(RunnerBatch.lockstep(tables, 0, prompt))
+    logits = runner.execute(StepBatch.lockstep(tables, 0, prompt))
     tok = torch.argmax(logits, -1).cpu().numpy()[:, None]
     pos = args.context
     walls = []
     for i in range(args.steps):  # the first step captures its graph (and compiles the step, with --compile)
         sync()
         t0 = time.perf_counter()
-        logits = runner.execute(RunnerBatch.lockstep(tables, pos, tok))
+        logits = runner.execute(StepBatch.lockstep(tables, pos, tok))
         tok = np.array(torch.argmax(logits, -1).tolist())[:, None]
         if i > 0:
             walls.append((time.perf_counter() - t0) * 1e3)

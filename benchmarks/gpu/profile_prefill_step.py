@@ -33,7 +33,7 @@ def _host_table(prof, steps: int):
 
 
 def profile_one(model, b: int, mode: str, args) -> tuple[dict, list, list]:
-    from deepinfer_model.runner import RunnerBatch
+    from deepinfer_model.runner import StepBatch
     from deepinfer_model.runtime import PagedRunner
 
     os.environ["DEEPINFER_BATCH_INVARIANT"] = MODES[mode]
@@ -46,7 +46,7 @@ def profile_one(model, b: int, mode: str, args) -> tuple[dict, list, list]:
     prompt = np.random.default_rng(0).integers(1000, 90_000, (b, args.context))
 
     def step():
-        torch.argmax(runner.execute(RunnerBatch.lockstep(tables, 0, prompt)), -1).tolist()
+        torch.argmax(runner.execute(StepBatch.lockstep(tables, 0, prompt)), -1).tolist()
 
     step()  # warm-up: weight caches, kernel compiles
     walls = []

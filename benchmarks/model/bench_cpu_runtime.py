@@ -2,7 +2,7 @@
 
 For each batch size: one prefill step of `--prompt-len` tokens per sequence (one logits row each), then
 `--decode-steps` decode steps of one token per sequence, each sampled (temperature 0.8, seeded) with the
-engine's `Sampler`. A step's time is split into: metadata (building the `RunnerBatch` and the runner's
+engine's `Sampler`. A step's time is split into: metadata (building the `StepBatch` and the runner's
 step metadata), model forward, sampling. `outside_forward_frac` = (metadata + sampling) / step time
 (goal < 0.10). The recompute runner (re-runs the stateless forward over each whole prefix) is the
 in-run baseline; `speedup_vs_recompute` compares the same phase and batch size.
@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from deepinfer_model.models.deepseek_v41 import load_v41, make_v41_checkpoint
-from deepinfer_model.runner import RecomputeRunner, RunnerBatch
+from deepinfer_model.runner import RecomputeRunner, StepBatch
 from deepinfer_model.runtime import PagedRunner
 from deepinfer_model.sampling import RowParams, Sampler
 from rich.console import Console
@@ -47,7 +47,7 @@ def _run(model, kind: str, batch: int, prompt_len: int, decode_steps: int, block
             t0 = time.perf_counter()
             q = prompt_len if phase == "prefill" else 1
             start = ctx - q
-            step = RunnerBatch.lockstep(tables, start, seqs[:, start:ctx])
+            step = StepBatch.lockstep(tables, start, seqs[:, start:ctx])
             meta0 = getattr(runner, "metadata_s", 0.0)
             t1 = time.perf_counter()
             logits = runner.execute(step)

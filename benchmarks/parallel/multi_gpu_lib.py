@@ -135,7 +135,7 @@ def paged_generate(model, prompts: list[torch.Tensor], greedy_steps: int, block_
     """All `prompts` in one paged prefill step (logits of every row: teacher forcing), then
     `greedy_steps - 1` batched greedy decode steps. Returns (per-prompt logits on the CPU, per-prompt
     greedy tokens: the prefill's argmax and each decode step's)."""
-    from deepinfer_model.runner import RunnerBatch
+    from deepinfer_model.runner import StepBatch
     from deepinfer_model.runtime import PagedRunner
 
     n = len(prompts)
@@ -146,14 +146,14 @@ def paged_generate(model, prompts: list[torch.Tensor], greedy_steps: int, block_
     seqs = np.arange(n, dtype=np.int64)
     ones = np.ones(n, dtype=np.int64)
     out = runner.execute(
-        RunnerBatch(seqs, np.zeros(n, np.int64), lens, tables, torch.cat(prompts).numpy(), lens)
+        StepBatch.of(seqs, np.zeros(n, np.int64), lens, tables, torch.cat(prompts).numpy(), lens)
     )
     logits = [x.cpu() for x in out.split(lens.tolist())]
     nxt = [int(x[-1].argmax()) for x in logits]
     greedy = [[t] for t in nxt]
     pos = lens.copy()
     for _ in range(greedy_steps - 1):
-        out = runner.execute(RunnerBatch(seqs, pos, ones, tables, np.array(nxt, dtype=np.int64), ones))
+        out = runner.execute(StepBatch.of(seqs, pos, ones, tables, np.array(nxt, dtype=np.int64), ones))
         nxt = out.argmax(-1).tolist()
         for g, t in zip(greedy, nxt):
             g.append(t)
@@ -222,7 +222,7 @@ def decode_run(
     anyway to read its tokens back). With `eplb`, `eplb.step` runs after every forward (inside the
     step's time: a rebalance and its weight shuffle are part of the decode run) and the per-step
     expert counts are recorded."""
-    from deepinfer_model.runner import RunnerBatch
+    from deepinfer_model.runner import StepBatch
     from deepinfer_model.runtime import PagedRunner
     from tqdm import tqdm
 
@@ -237,7 +237,7 @@ def decode_run(
     ones = np.ones(batch, dtype=np.int64)
     lens = np.full(batch, s.decode_prompt_len, dtype=np.int64)
     out = runner.execute(
-        RunnerBatch(seqs, np.zeros(batch, np.int64), lens, tables, prompts.reshape(-1), ones)
+        StepBatch.of(seqs, np.zeros(batch, np.int64), lens, tables, prompts.reshape(-1), ones)
     )
     if eplb is not None:
         eplb.step(is_prompt=True)  # counted as a prefill step: not in the EPLB window (normal engine)
@@ -247,7 +247,7 @@ def decode_run(
     for i in tqdm(range(s.warmup + s.steps), desc=desc, disable=not progress, leave=False):
         sync(dev)
         t0 = time.perf_counter()
-        out = runner.execute(RunnerBatch(seqs, pos, ones, tables, nxt, ones))
+        out = runner.execute(StepBatch.of(seqs, pos, ones, tables, nxt, ones))
         nxt = out.argmax(-1).cpu().numpy()
         if eplb is not None:
             count = eplb.expert_count

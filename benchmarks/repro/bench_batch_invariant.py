@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from deepinfer.default_model import resolve_model
 from deepinfer_model import load_model
-from deepinfer_model.runner import RunnerBatch
+from deepinfer_model.runner import StepBatch
 from deepinfer_model.runtime import PagedRunner
 from paired_modes import (  # (this folder: the script's path)
     MODES,
@@ -72,7 +72,7 @@ def _lockstep(
             set_mode(mode)
             step_ids = ids if phase == "prefill" else np.array(tokens[mode][-1])[:, None]
             t0 = clock()
-            logits = runners[mode].execute(RunnerBatch.lockstep(tables, ctx, step_ids))
+            logits = runners[mode].execute(StepBatch.lockstep(tables, ctx, step_ids))
             tokens[mode].append(torch.argmax(logits, dim=-1).tolist())
             times[mode][phase].append(clock() - t0)
         ctx += q

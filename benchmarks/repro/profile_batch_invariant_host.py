@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from deepinfer.default_model import resolve_model
 from deepinfer_model import load_model
-from deepinfer_model.runner import RunnerBatch
+from deepinfer_model.runner import StepBatch
 from deepinfer_model.runtime import PagedRunner
 from paired_modes import (  # (this folder: the script's path)
     MODES,
@@ -59,7 +59,7 @@ def _steps(model, batch: int, prompt_len: int, decode_steps: int, profilers: dic
             prof = profilers.get(phase)
             if prof:
                 prof.enable()
-            logits = runner.execute(RunnerBatch.lockstep(tables, ctx, step_ids))
+            logits = runner.execute(StepBatch.lockstep(tables, ctx, step_ids))
             tokens = torch.argmax(logits, dim=-1).tolist()
             if prof:
                 prof.disable()

@@ -31,7 +31,7 @@ from deepinfer_model.models.deepseek_v41.drafter_heads import (
 )
 from deepinfer_model.numerics import carrier, round_to
 from deepinfer_model.numerics import logits as head_logits
-from deepinfer_model.runner import RunnerBatch
+from deepinfer_model.runner import StepBatch
 from deepinfer_model.runtime import PagedRunner
 
 BLOCK = 4
@@ -135,7 +135,7 @@ def _prefilled(model, lengths=LENGTHS, seed=0):
     for lo, hi in ((np.zeros(len(lengths), int), cut), (cut, list(lengths))):
         q = np.asarray(hi) - np.asarray(lo)
         runner.execute(
-            RunnerBatch(
+            StepBatch.of(
                 seq_ids=np.arange(len(lengths)),
                 start_positions=np.asarray(lo),
                 query_lens=q,

@@ -14,7 +14,7 @@ import torch
 from deepinfer_model.models.deepseek_v41 import DeepseekV41ForCausalLM, load_v41, make_v41_checkpoint
 from deepinfer_model.models.deepseek_v41.drafter import greedy
 from deepinfer_model.models.deepseek_v41.paged import draft_last_positions, draft_window_slots
-from deepinfer_model.runner import RunnerBatch
+from deepinfer_model.runner import StepBatch
 from deepinfer_model.runtime import PagedRunner
 from deepinfer_model.runtime.cuda_graphs import DecodeGraphSettings
 from deepinfer_model.testing.no_sync import HostSyncError, no_host_sync
@@ -49,7 +49,7 @@ def _prefilled(model, settings=None, lengths=LENGTHS, seed=0):
     tables = np.split(perm.astype(np.int32), np.cumsum(need)[:-1])
     runner = PagedRunner(model, num_blocks=sum(need), block_size=BLOCK, decode_graphs=settings or _settings())
     runner.execute(
-        RunnerBatch(
+        StepBatch.of(
             seq_ids=np.arange(len(lengths)),
             start_positions=np.zeros(len(lengths), dtype=np.int64),
             query_lens=np.asarray(lengths),

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from deepinfer_model.models.deepseek_v41 import DeepseekV41ForCausalLM, load_v41, make_v41_checkpoint  # noqa: E402
-from deepinfer_model.runner import RunnerBatch  # noqa: E402
+from deepinfer_model.runner import StepBatch  # noqa: E402
 from deepinfer_model.runtime import PagedRunner  # noqa: E402
 from deepinfer_model.runtime.cuda_graphs import DecodeGraphSettings  # noqa: E402
 
@@ -35,7 +35,7 @@ def _runner(model, capture):
     tables = np.split(np.random.default_rng(0).permutation(sum(need)).astype(np.int32), np.cumsum(need)[:-1])
     runner = PagedRunner(model, num_blocks=sum(need), block_size=BLOCK, decode_graphs=settings)
     runner.execute(
-        RunnerBatch(
+        StepBatch.of(
             seq_ids=np.arange(len(LENGTHS)),
             start_positions=np.zeros(len(LENGTHS), dtype=np.int64),
             query_lens=np.asarray(LENGTHS),

@@ -13,7 +13,7 @@ import pytest
 import torch
 from deepinfer_model.layers import ExpertWeights, MLPWeights, experts_forward
 from deepinfer_model.layers.embedding import embed
-from deepinfer_model.runner import RunnerBatch
+from deepinfer_model.runner import StepBatch
 from deepinfer_model.runtime.metadata import StepMetadata
 from torch.profiler import ProfilerActivity, profile
 
@@ -135,9 +135,9 @@ def test_embed_checked_skips_the_device_check_unchecked_keeps_it():
     assert torch.equal(got, table[ids].double())
 
 
-def _batch(ids_per_seq: list[list[int]]) -> RunnerBatch:
+def _batch(ids_per_seq: list[list[int]]) -> StepBatch:
     qlens = np.array([len(s) for s in ids_per_seq], dtype=np.int64)
-    return RunnerBatch(
+    return StepBatch.of(
         seq_ids=np.array([5, 7, 9][: len(ids_per_seq)], dtype=np.int64),
         start_positions=np.zeros(len(qlens), dtype=np.int64),
         query_lens=qlens,

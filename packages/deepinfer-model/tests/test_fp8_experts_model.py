@@ -17,7 +17,7 @@ from deepinfer_model.layers import ExpertWeights, experts_forward
 from deepinfer_model.layers.moe import MoEWeights
 from deepinfer_model.models.deepseek_v41 import load_v41, make_v41_checkpoint
 from deepinfer_model.quant_sm90 import ENV, Fp8Experts
-from deepinfer_model.runner import RunnerBatch
+from deepinfer_model.runner import StepBatch
 from deepinfer_model.runtime import PagedRunner
 
 TOKENS = torch.tensor([5, 17, 99, 3, 250, 41, 8, 8, 77, 120, 64, 33, 200, 9, 18, 141, 7, 92, 240, 4])
@@ -152,7 +152,7 @@ def test_paged_runner_bitwise_equal_to_stateless_forward(models):
     steps += [[(0, p, 1), (1, 12 + p - 14, 1)] for p in range(14, 17)] + [[(0, 17, 3)]]
     n_rows = 0
     for step in steps:
-        batch = RunnerBatch(
+        batch = StepBatch.of(
             seq_ids=np.array([s for s, _, _ in step]),
             start_positions=np.array([p for _, p, _ in step]),
             query_lens=np.array([q for _, _, q in step]),

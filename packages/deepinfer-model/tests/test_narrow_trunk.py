@@ -23,7 +23,7 @@ from deepinfer_model.models.deepseek_v41 import (
 )
 from deepinfer_model.models.deepseek_v41.yoco import YocoMode, YocoSettings
 from deepinfer_model.ops import model_calls
-from deepinfer_model.runner import RunnerBatch
+from deepinfer_model.runner import StepBatch
 from deepinfer_model.runtime import PagedRunner
 from deepinfer_model.runtime.cuda_graphs import DecodeGraphSettings
 from deepinfer_model.testing import batch_of, grow_tables
@@ -100,7 +100,7 @@ def _assert_bitwise(narrow, wide) -> None:
 def _prefill(model, ids: np.ndarray) -> torch.Tensor:
     runner = PagedRunner(model, num_blocks=8, block_size=8)
     return runner.execute(
-        RunnerBatch(
+        StepBatch.of(
             seq_ids=np.array([0], dtype=np.int64),
             start_positions=np.zeros(1, dtype=np.int64),
             query_lens=np.array([len(ids)], dtype=np.int64),
@@ -207,7 +207,7 @@ def test_paged_yoco_prefill_and_decode(bf16_model, monkeypatch, mode):
         table = np.arange(16, dtype=np.int32)
         out = []
         for start, q in ((0, prompt), (prompt, 1), (prompt + 1, 1)):
-            batch = RunnerBatch(
+            batch = StepBatch.of(
                 seq_ids=np.array([0]),
                 start_positions=np.array([start]),
                 query_lens=np.array([q]),

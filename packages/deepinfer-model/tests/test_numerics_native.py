@@ -25,7 +25,7 @@ import pytest
 import torch
 from deepinfer_model import batch_invariant, numerics
 from deepinfer_model.models.deepseek_v41 import DeepseekV41ForCausalLM, load_v41, make_v41_checkpoint
-from deepinfer_model.runner import RunnerBatch
+from deepinfer_model.runner import StepBatch
 from deepinfer_model.runtime import PagedRunner
 from deepinfer_model.testing import strict_device
 
@@ -79,7 +79,7 @@ def greedy(model, mode, prompt, steps=GREEDY_STEPS, block=16):
 
         def step(tokens, start):
             return runner.execute(
-                RunnerBatch(
+                StepBatch.of(
                     seq_ids=np.zeros(1, dtype=np.int64),
                     start_positions=np.array([start]),
                     query_lens=np.array([len(tokens)]),
@@ -117,7 +117,10 @@ def test_mode_selection_and_errors(v41):
         assert numerics.native() and numerics.carrier() is torch.float32
         x = torch.randn(3, 5, dtype=torch.float64)
         assert numerics.round_to(x, torch.bfloat16).dtype is torch.float32
-    with numerics_mode("fast"), pytest.raises(ValueError, match="DEEPINFER_NUMERICS must be one of exact, native, got 'fast'"):
+    with (
+        numerics_mode("fast"),
+        pytest.raises(ValueError, match="DEEPINFER_NUMERICS must be one of exact, native, got 'fast'"),
+    ):
         numerics.carrier()
     with numerics_mode("native", "1"), pytest.raises(ValueError) as err:
         numerics.carrier()
@@ -193,7 +196,7 @@ def _random_schedule(model, rng, n_seqs=3, max_len=40, block=8):
             continue
         chunks = [(i, done[i], min(len(seqs[i]), done[i] + int(rng.choice([1, 1, 3, 7, 16])))) for i in step]
         logits = runner.execute(
-            RunnerBatch(
+            StepBatch.of(
                 seq_ids=np.array(step),
                 start_positions=np.array([lo for _, lo, _ in chunks]),
                 query_lens=np.array([hi - lo for _, lo, hi in chunks]),
@@ -334,7 +337,7 @@ def test_native_band_attention_takes_bf16_operands():
     starts, qlens = np.array([20, 0]), np.array([150, 140])
     per_seq = -(-int((starts + qlens).max()) // block)
     tables = [np.arange(i * per_seq, (i + 1) * per_seq, dtype=np.int32)[::-1].copy() for i in range(2)]
-    batch = RunnerBatch(
+    batch = StepBatch.of(
         seq_ids=np.arange(2, dtype=np.int64),
         start_positions=starts,
         query_lens=qlens,
@@ -403,7 +406,7 @@ def test_native_grouped_index_scores_through_the_fused_op(monkeypatch):
 
     gen = torch.Generator().manual_seed(9)
     qlens, n_i, d_i, n = np.array([37, 42]), 8, 32, 45
-    batch = RunnerBatch(
+    batch = StepBatch.of(
         seq_ids=np.arange(2, dtype=np.int64),
         start_positions=np.array([3, 0]),
         query_lens=qlens,
@@ -457,7 +460,7 @@ def test_native_grouped_index_scores_with_entry_bounds_select_the_same(monkeypat
 
     gen = torch.Generator().manual_seed(11)
     qlens, n_i, d_i, bf16 = np.array([37, 42]), 8, 32, torch.bfloat16
-    batch = RunnerBatch(
+    batch = StepBatch.of(
         seq_ids=np.arange(2, dtype=np.int64),
         start_positions=np.array([60, 0]),
         query_lens=qlens,

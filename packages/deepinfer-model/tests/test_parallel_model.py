@@ -340,7 +340,7 @@ def test_public_v4_ep2_with_hash_layer_equals_single_process(tmp_path):
 
 def _paged_worker(rank, world, ckpt, ref_path, device="cpu", rel_tol=0.0):
     import numpy as np
-    from deepinfer_model.runner import RunnerBatch
+    from deepinfer_model.runner import StepBatch
     from deepinfer_model.runtime import PagedRunner
 
     os.environ["DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS"] = "2"
@@ -368,7 +368,7 @@ def _paged_worker(rank, world, ckpt, ref_path, device="cpu", rel_tol=0.0):
         if not entries:  # this DP rank is finished but the other still dispatches into the EP all-to-all
             model.moe_fn.idle_step(model.weights.layers)
             continue
-        batch = RunnerBatch(
+        batch = StepBatch.of(
             seq_ids=np.array([e[0] for e in entries]),
             start_positions=np.array([e[2] for e in entries]),
             query_lens=np.array([e[3] for e in entries]),

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 from deepinfer_model import load_model
-from deepinfer_model.runner import RecomputeRunner, RunnerBatch
+from deepinfer_model.runner import RecomputeRunner, StepBatch
 from deepinfer_model.testing import make_checkpoint
 from deepinfer_model.testing.checkpoint import tiny_config
 
@@ -26,7 +26,7 @@ def model(tmp_path_factory):
 
 def _batch(entries):
     """entries: (seq_id, start, tokens of the query, block_table, logits_len)."""
-    return RunnerBatch(
+    return StepBatch.of(
         seq_ids=np.array([e[0] for e in entries], dtype=np.int64),
         start_positions=np.array([e[1] for e in entries], dtype=np.int64),
         query_lens=np.array([len(e[2]) for e in entries], dtype=np.int64),
@@ -91,7 +91,7 @@ def test_bad_inputs_are_rejected(model):
     with pytest.raises(ValueError, match="block table"):
         runner.execute(_batch([(0, 0, list(range(9)), [0], 1)]))
     with pytest.raises(ValueError, match="input_ids"):
-        RunnerBatch(
+        StepBatch.of(
             seq_ids=np.array([0]),
             start_positions=np.array([0]),
             query_lens=np.array([3]),
@@ -134,19 +134,22 @@ def test_executes_a_real_scheduler_output(model):
 
 
 def test_lockstep_batch_is_every_sequence_at_one_position():
-    """`RunnerBatch.lockstep`: sequence i feeds row i of the ids from `start`, one logits row each."""
+    """`StepBatch.lockstep`: sequence i feeds row i of the ids from `start`, one logits row each."""
     tables = [
         np.array([0, 1], dtype=np.int32),
         np.array([2, 3], dtype=np.int32),
         np.array([4], dtype=np.int32),
     ]
     ids = np.array([[5, 6], [7, 8], [9, 10]])
-    b = RunnerBatch.lockstep(tables, 3, ids)
+    b = StepBatch.lockstep(tables, 3, ids)
     assert b.seq_ids.tolist() == [0, 1, 2] and b.start_positions.tolist() == [3, 3, 3]
     assert b.query_lens.tolist() == [2, 2, 2] and b.logits_lens.tolist() == [1, 1, 1]
     assert b.input_ids.tolist() == [5, 6, 7, 8, 9, 10] and b.input_ids.dtype == np.int64
-    assert b.block_tables[2] is tables[2]
-    one = RunnerBatch.lockstep(tables, 5, [[1], [2], [3]])  # a decode step
+    assert b.table(2).tolist() == tables[2].tolist() and b.block_tables.tolist()[2] == [4, -1]
+    assert b.query_start_loc.tolist() == [0, 2, 4, 6] and b.positions.tolist() == [3, 4] * 3
+    assert b.seq_lens.tolist() == [5, 5, 5] and b.slot_mapping is None
+    assert b.slots(8).tolist() == [3, 4, 19, 20, 35, 36]  # block p // 8 of the table, offset p % 8
+    one = StepBatch.lockstep(tables, 5, [[1], [2], [3]])  # a decode step
     assert one.query_lens.tolist() == [1, 1, 1] and one.input_ids.tolist() == [1, 2, 3]
     with pytest.raises(ValueError):
-        RunnerBatch.lockstep(tables, 0, np.arange(7))  # not one row per sequence
+        StepBatch.lockstep(tables, 0, np.arange(7))  # not one row per sequence

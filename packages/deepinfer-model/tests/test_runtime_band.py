@@ -14,7 +14,7 @@ from deepinfer_model import batch_invariant
 from deepinfer_model.layers.indexer import select_topk, selection_mask
 from deepinfer_model.models import grouped_attention as groups
 from deepinfer_model.models.deepseek_v41 import load_v41, make_v41_checkpoint
-from deepinfer_model.runner import RunnerBatch
+from deepinfer_model.runner import StepBatch
 from deepinfer_model.runtime import PagedRunner
 from deepinfer_model.runtime.metadata import StepMetadata
 from deepinfer_model.runtime.pools import PagedKVCache, PoolSpec
@@ -58,7 +58,7 @@ def _old_attend(q, pool, meta, g, window, floor, entries, entry_vis, sinks, scal
 
 def _step(starts, qlens, tables):
     n = int(np.sum(qlens))
-    batch = RunnerBatch(
+    batch = StepBatch.of(
         seq_ids=np.arange(len(starts), dtype=np.int64),
         start_positions=np.asarray(starts, dtype=np.int64),
         query_lens=np.asarray(qlens, dtype=np.int64),
@@ -178,7 +178,7 @@ def test_long_prefill_chunk_is_bitwise_the_stateless_forward(v41):
     table = [np.random.default_rng(8).permutation(16).astype(np.int32)]
     rows = []
     for start, q in ((0, 240), (240, 1), (241, 1)):
-        batch = RunnerBatch(
+        batch = StepBatch.of(
             seq_ids=np.zeros(1, dtype=np.int64),
             start_positions=np.array([start], dtype=np.int64),
             query_lens=np.array([q], dtype=np.int64),

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from deepinfer_model.models.deepseek_v41 import load_v41, make_v41_checkpoint
-from deepinfer_model.runner import RunnerBatch
+from deepinfer_model.runner import StepBatch
 from deepinfer_model.runtime import PagedRunner, cache_specs
 from deepinfer_sched import Scheduler, SchedulerConfig
 
@@ -22,7 +22,7 @@ def model(tmp_path_factory):
 
 def _batch(entries):
     """entries: (seq_id, start, query tokens, block table, logits_len)."""
-    return RunnerBatch(
+    return StepBatch.of(
         seq_ids=np.array([e[0] for e in entries]),
         start_positions=np.array([e[1] for e in entries]),
         query_lens=np.array([len(e[2]) for e in entries]),

@@ -15,7 +15,7 @@ import torch
 from deepinfer_model import load_model
 from deepinfer_model.models.deepseek_v41 import DeepseekV41ForCausalLM, load_v41, make_v41_checkpoint
 from deepinfer_model.models.deepseek_v41.yoco import YocoMode, YocoSettings
-from deepinfer_model.runner import RunnerBatch
+from deepinfer_model.runner import StepBatch
 from deepinfer_model.runtime import PagedRunner
 from deepinfer_model.runtime.device import resolve_device
 from deepinfer_model.testing import make_checkpoint, strict_device, tiny_config
@@ -65,7 +65,7 @@ def run_steps(model, yoco=None, draft=True):
     tables = [[0, 1, 2], [3, 4], [5, 6]]
     outs = []
     for step in _steps():
-        batch = RunnerBatch(
+        batch = StepBatch.of(
             seq_ids=np.array([i for i, *_ in step]),
             start_positions=np.array([lo for _, lo, _, _ in step]),
             query_lens=np.array([hi - lo for _, lo, hi, _ in step]),

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 from deepinfer_model.models.deepseek_v41 import load_v41, make_v41_checkpoint
-from deepinfer_model.runner import RunnerBatch
+from deepinfer_model.runner import StepBatch
 from deepinfer_model.runtime import PagedRunner
 
 BLOCK = 8
@@ -24,7 +24,7 @@ def test_drafts_after_a_mixed_step_equal_the_stateless_draft(model):
     # step 1: prefill chunks; step 2: a decode, a 3-token chunk and a final prefill chunk in one batch
     cut = [20, 11, 4]
     for lo, hi in ((np.zeros(3, int), cut), (cut, [len(s) for s in seqs])):
-        batch = RunnerBatch(
+        batch = StepBatch.of(
             seq_ids=np.arange(3),
             start_positions=np.asarray(lo),
             query_lens=np.asarray(hi) - np.asarray(lo),

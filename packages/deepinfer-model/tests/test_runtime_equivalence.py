@@ -12,7 +12,7 @@ import torch
 from deepinfer_model import load_model
 from deepinfer_model.models import grouped_attention as groups
 from deepinfer_model.models.deepseek_v41 import DeepseekV41ForCausalLM, load_v41, make_v41_checkpoint
-from deepinfer_model.runner import RunnerBatch
+from deepinfer_model.runner import StepBatch
 from deepinfer_model.runtime import PagedRunner
 from deepinfer_model.testing import make_checkpoint, tiny_config
 from hypothesis import HealthCheck, given, settings
@@ -73,7 +73,7 @@ def run_random_schedule(model, rng: np.random.Generator, block_size: int, n_seqs
         if not entries:
             continue
         rng.shuffle(entries)
-        batch = RunnerBatch(
+        batch = StepBatch.of(
             seq_ids=np.array([e[0] for e in entries]),
             start_positions=np.array([e[1] for e in entries]),
             query_lens=np.array([e[2] for e in entries]),

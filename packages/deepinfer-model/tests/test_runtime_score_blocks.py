@@ -7,7 +7,7 @@ import pytest
 import torch
 from deepinfer_model.models import grouped_attention as groups
 from deepinfer_model.models.deepseek_v41 import load_v41, make_v41_checkpoint, paged
-from deepinfer_model.runner import RunnerBatch
+from deepinfer_model.runner import StepBatch
 from deepinfer_model.runtime import PagedRunner
 
 
@@ -19,7 +19,7 @@ def model(tmp_path_factory):
 def _prefill_logits(model, ids: np.ndarray) -> torch.Tensor:
     runner = PagedRunner(model, num_blocks=16, block_size=8)
     n = len(ids)
-    batch = RunnerBatch(
+    batch = StepBatch.of(
         seq_ids=np.array([0, 1], dtype=np.int64),
         start_positions=np.zeros(2, dtype=np.int64),
         query_lens=np.array([n, n - 5], dtype=np.int64),
@@ -57,7 +57,7 @@ def test_row_blocked_query_side_gives_the_same_logits(model, monkeypatch, elemen
 def _one_sequence_logits(model, ids: np.ndarray) -> torch.Tensor:
     runner = PagedRunner(model, num_blocks=8, block_size=8)
     n = len(ids)
-    batch = RunnerBatch(
+    batch = StepBatch.of(
         seq_ids=np.array([0], dtype=np.int64),
         start_positions=np.zeros(1, dtype=np.int64),
         query_lens=np.array([n], dtype=np.int64),
@@ -106,7 +106,7 @@ def test_listed_attention_takes_a_whole_steps_queries_as_they_are():
     from deepinfer_model.runtime.pools import PagedKVCache, PoolSpec
 
     block, nh, d, n = 8, 4, 32, 37
-    batch = RunnerBatch(
+    batch = StepBatch.of(
         seq_ids=np.zeros(1, dtype=np.int64),
         start_positions=np.array([5]),
         query_lens=np.array([n]),

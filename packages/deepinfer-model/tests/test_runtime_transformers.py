@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 from deepinfer_model import load_model
-from deepinfer_model.runner import RunnerBatch
+from deepinfer_model.runner import StepBatch
 from deepinfer_model.runtime import PagedRunner
 from deepinfer_model.testing import make_checkpoint, tiny_config
 
@@ -16,7 +16,7 @@ RTOL = 1e-5
 
 def _step(runner, start, tokens, table):
     return runner.execute(
-        RunnerBatch(
+        StepBatch.of(
             seq_ids=np.array([0]),
             start_positions=np.array([start]),
             query_lens=np.array([len(tokens)]),

@@ -14,7 +14,7 @@ import torch
 from deepinfer_model.models import grouped_attention as groups
 from deepinfer_model.models.deepseek_v41 import DeepseekV41ForCausalLM, load_v41, make_v41_checkpoint
 from deepinfer_model.models.deepseek_v41.yoco import YocoMode, YocoSettings
-from deepinfer_model.runner import RunnerBatch
+from deepinfer_model.runner import StepBatch
 from deepinfer_model.runtime import PagedRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -66,7 +66,7 @@ class Driver:
         """entries: (seq, start, q, n_logits) -> per entry its logits rows [n, V] (positions start+q-n..)."""
         for seq, start, q, _ in entries:
             self.grow(seq, start + q)
-        batch = RunnerBatch(
+        batch = StepBatch.of(
             seq_ids=np.array([s["id"] for s, *_ in entries]),
             start_positions=np.array([e[1] for e in entries]),
             query_lens=np.array([e[2] for e in entries]),
@@ -251,7 +251,7 @@ def test_settings_are_checked_and_default_path_refuses_prompt_lens(model):
     with pytest.raises(ValueError, match=r"8 \+ 6 = 14"):
         PagedRunner(model, 8, 4, yoco=YocoSettings(YocoMode.COMPACT, 13), backtracking=B)
     plain = PagedRunner(model, 8, 4)
-    batch = RunnerBatch(
+    batch = StepBatch.of(
         seq_ids=np.array([0]),
         start_positions=np.array([0]),
         query_lens=np.array([3]),
@@ -270,7 +270,7 @@ def test_compact_refuses_logits_of_a_skipped_prompt_row(model):
     """Prompt logprobs under compact would need rows the consumer half never computes."""
     runner = PagedRunner(model, 16, 4, yoco=YocoSettings(YocoMode.COMPACT, KEEP), backtracking=B)
     ids = np.arange(4, 34)
-    batch = RunnerBatch(
+    batch = StepBatch.of(
         seq_ids=np.array([0]),
         start_positions=np.array([0]),
         query_lens=np.array([30]),

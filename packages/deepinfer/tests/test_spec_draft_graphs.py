@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from deepinfer.engine.drafting import DraftRequest, ModelDrafter, PagedDrafter
 from deepinfer_model.models.deepseek_v41 import load_v41, make_v41_checkpoint
-from deepinfer_model.runner import RunnerBatch
+from deepinfer_model.runner import StepBatch
 from deepinfer_model.runtime import PagedRunner
 from deepinfer_model.runtime.cuda_graphs import DecodeGraphSettings
 from deepinfer_model.sampling import RowParams
@@ -26,7 +26,7 @@ def test_greedy_groups_replay_the_draft_graph(tmp_path):
         nb += len(tables[-1])
     lens = np.array([len(p) for p in PROMPTS])
     runner.execute(
-        RunnerBatch(
+        StepBatch.of(
             seq_ids=np.array([10, 11, 12]),
             start_positions=np.zeros(3, dtype=np.int64),
             query_lens=lens,

@@ -19,6 +19,7 @@ from .models.deepseek_v41 import (
 )
 from .parallel import ExpertParallelMoE, load_v41_ep, shard_experts
 from .quant_sm90 import refuse_with_expert_parallelism
+from .runner import StepBatch
 from .runtime.device import model_device, resolve_device, to_device
 from .sampling import (
     EMPTY_ROW_MESSAGE,
@@ -37,6 +38,7 @@ __version__ = "0.1.0"
 __public_modules__ = ("testing", "training")
 
 __all__ = [
+    "StepBatch",
     "CheckpointError",
     "ConfigError",
     "DeepseekV41Config",

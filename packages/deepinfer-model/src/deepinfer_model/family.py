@@ -23,8 +23,8 @@ _FAMILIES: dict[str, ModelFamily] = {}
 class ModelFamily(ABC):
     """One model family's step contract (an instance is registered per `model_type`).
 
-    `meta` is the step's metadata (`runtime.metadata.StepMetadata`, or `StaticDecodeMetadata` for the
-    graph-safe step), `cache` the runner's `runtime.pools.PagedKVCache`."""
+    `meta` is the step, a `runtime.step_view.StepView` (the eager `StepMetadata`, or `StaticDecodeMetadata`
+    for the graph-safe step), `cache` the runner's `runtime.pools.PagedKVCache`."""
 
     model_type: ClassVar[str]
     # key kind -> device-side index builder of the graph-safe step (`StaticDecodeMetadata.cached`)

@@ -24,8 +24,9 @@ from ..layers.indexer import index_queries, select_topk
 from ..layers.rope import cos_sin
 from ..numerics import carrier, linear, round_to
 from ..ops.model_calls import hc_mixes, hc_read, hc_write, rms_norm
-from ..runtime.metadata import StepMetadata, entries_per_block
+from ..runtime.metadata import StepMetadata
 from ..runtime.pools import PagedKVCache, PoolSpec
+from ..runtime.step_view import entries_per_block
 from .deepseek_v4 import DeepseekV4Model, LayerWeights
 from .deepseek_v4_incremental import new_entries
 from .grouped_attention import (

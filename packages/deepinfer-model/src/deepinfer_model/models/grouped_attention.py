@@ -21,8 +21,9 @@ from ..layers.indexer import selection_mask
 from ..layers.rope import apply_rope, cos_sin
 from ..numerics import attention_operands, bmm_f32, bmm_operand, carrier, narrow_act, native, round_to
 from ..ops.model_calls import fused_kernel
-from ..runtime.metadata import StaticDecodeMetadata, StepMetadata
+from ..runtime.metadata import StepMetadata
 from ..runtime.pools import PagedKVCache
+from ..runtime.step_view import StepView
 
 SCORE_BLOCK_ELEMENTS = 1 << 27  # FP64 attention scores held at once by `attend` (1 GiB)
 # Query rows per sliding-window block in `attend` (at least this many, at least twice the window): a block
@@ -161,7 +162,7 @@ class WindowKeys:
 
 
 def swa_keys(
-    cache: PagedKVCache, meta: StepMetadata, g: Group, pool: str, window: int, floor: np.ndarray | None = None
+    cache: PagedKVCache, meta: StepView, g: Group, pool: str, window: int, floor: np.ndarray | None = None
 ) -> WindowKeys:
     """Each query's sliding window of keys, read from `pool` (see `WindowKeys` for the layout).
 
@@ -214,7 +215,7 @@ def _swa_index(meta: StepMetadata, g: Group, window: int, floor: np.ndarray | No
     return slots, visible.reshape(-1, width), below, start, low
 
 
-def _band_mask(meta: StepMetadata, g: Group, wk: WindowKeys, a: int, b: int) -> torch.Tensor:
+def _band_mask(meta: StepView, g: Group, wk: WindowKeys, a: int, b: int) -> torch.Tensor:
     """bool [G, b, 1, b + W - 1]: which of the band columns a .. a + b + W - 2 query slots a .. a + b - 1
     see (their window, at or above the floor; padding slots sit at their sequence's last position, so
     they may see none: their rows are finite and never written back). Built on the host, once per step."""
@@ -230,7 +231,7 @@ def _band_mask(meta: StepMetadata, g: Group, wk: WindowKeys, a: int, b: int) -> 
     return meta.cached(("band", *wk.index_key, a, b), make)
 
 
-def compressed_entries(cache: PagedKVCache, meta: StepMetadata, g: Group, pool: str, ratio: int):
+def compressed_entries(cache: PagedKVCache, meta: StepView, g: Group, pool: str, ratio: int):
     """(entries [G, n, d], valid [G*Q, n]): every entry each sequence has after this step; entry j is
     valid for a query at p iff j < (p + 1) // ratio (its block is complete). Padding entries are zero
     (a masked key must still be finite: attention multiplies it by a zero probability)."""
@@ -271,12 +272,12 @@ def own_entries(entries: torch.Tensor, selected: torch.Tensor, gq: tuple[int, in
     return keys, ~none
 
 
-def selected_entries(cache: PagedKVCache, meta: StepMetadata, g: Group, pool: str, ratio: int, selected):
+def selected_entries(cache: PagedKVCache, meta: StepView, g: Group, pool: str, ratio: int, selected):
     """`own_entries` read from `pool` directly (only the selected entries, not every entry of the group):
     the same values, since an entry is read from the same slot. `selected` [G*Q, k] per query slot; the
     graph-safe step (one query per row) maps entries to slots on the device."""
     j, none, seq = _own_columns(selected, g.rows.shape)
-    if isinstance(meta, StaticDecodeMetadata):
+    if meta.graph_safe:
         slots = meta.dev_entry_slots(j, ratio)
     else:
         entry_slots = meta.cached(("comp", g.index, ratio), lambda: _entry_index(meta, g, ratio))[0]  # [G, n]
@@ -286,7 +287,7 @@ def selected_entries(cache: PagedKVCache, meta: StepMetadata, g: Group, pool: st
 
 
 def invariant_selection(
-    cache: PagedKVCache, meta: StepMetadata, g: Group, pool: str, ratio: int, selected: torch.Tensor
+    cache: PagedKVCache, meta: StepView, g: Group, pool: str, ratio: int, selected: torch.Tensor
 ):
     """Batch-invariant mode: the top-k selected entries of a group's query slots (`selected` [G*Q, k])
     laid out by how many entries each slot can see, a function of the slot alone (so its bits do not
@@ -300,7 +301,7 @@ def invariant_selection(
     (entry tiles, bool selected, bool selectable: a superset `attend` plans the tiles from). The threshold
     depends on the device (`batch_invariant.shared_entry_cols`: off the CPU, own keys only); where it is
     not 0 the graph-safe step always gets both (fixed shapes)."""
-    static = isinstance(meta, StaticDecodeMetadata)
+    static = meta.graph_safe
     cols = batch_invariant.shared_entry_cols(selected.device)
     if cols == 0:  # every query takes own keys
         return None, selected_entries(cache, meta, g, pool, ratio, selected)
@@ -340,7 +341,7 @@ def invariant_selection(
     return extra, own
 
 
-def entry_validity(meta: StepMetadata, g: Group, ratio: int) -> torch.Tensor:
+def entry_validity(meta: StepView, g: Group, ratio: int) -> torch.Tensor:
     """The `valid` [G*Q, n] of `compressed_entries` without reading the entries."""
     return meta.cached(("comp", g.index, ratio), lambda: _entry_index(meta, g, ratio))[2]
 
@@ -351,7 +352,7 @@ def attend(
     g: Group,
     sinks,
     scale,
-    meta: StepMetadata,
+    meta: StepView,
     extra: tuple[torch.Tensor, torch.Tensor] | None = None,
     act_dtype: torch.dtype = torch.float32,
     own: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -405,7 +406,7 @@ def attend(
             batch_invariant.mark_fp32_valued(q_rows)
         if gq[1] == 1 and batch_invariant.exact_scores_apply(q_rows, keys):
             pass  # decode: `sink_attention` takes its one-query path, which needs no tile plan
-        elif isinstance(meta, StaticDecodeMetadata):
+        elif meta.graph_safe:
             # the graph-safe step plans nothing on the host: every tile product is computed (the
             # skipped ones of a plan are exact +0 partials, so the bits are the eager step's)
             all_tiles = True
@@ -504,11 +505,11 @@ def attend(
     return g.real(out.reshape(-1, *out.shape[2:]))
 
 
-def _listed_kernel(q, swa: WindowKeys, meta: StepMetadata, extra, act_dtype: torch.dtype):
+def _listed_kernel(q, swa: WindowKeys, meta: StepView, extra, act_dtype: torch.dtype):
     """The backend's fused sparse attention for this call, or None (then the band path below runs): native
     BF16 numerics (the kernel's products), an eager step (the graph-safe step keeps its own fixed-shape
     path) and top-k selected entries or none (a visibility mask over every entry has no index list)."""
-    if not native() or act_dtype != torch.bfloat16 or isinstance(meta, StaticDecodeMetadata):
+    if not native() or act_dtype != torch.bfloat16 or meta.graph_safe:
         return None
     if extra is not None and extra[1].dtype != torch.long:
         return None
@@ -647,7 +648,7 @@ class NewEntries:
 
 def compress_new(
     cache: PagedKVCache,
-    meta: StepMetadata,
+    meta: StepView,
     hidden_pool: str | None,
     x: torch.Tensor,
     w: CompressorWeights,

@@ -1,6 +1,6 @@
 """Model runners: execute one scheduled step and return the logits the sampler needs."""
 
-from .batch import RunnerBatch
 from .recompute import RecomputeRunner
+from .step import StepBatch
 
-__all__ = ["RecomputeRunner", "RunnerBatch"]
+__all__ = ["RecomputeRunner", "StepBatch"]

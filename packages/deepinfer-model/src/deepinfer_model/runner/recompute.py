@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..runtime.device import model_device
-from .batch import RunnerBatch
+from .step import StepBatch
 
 
 class RecomputeRunner:
@@ -39,9 +39,9 @@ class RecomputeRunner:
 
     def execute(self, batch) -> torch.Tensor:
         """float32 logits [batch.num_logits_rows, vocab]: for each sequence in order, its last
-        `logits_lens[i]` query positions. `batch`: a RunnerBatch or a deepinfer_sched SchedulerOutput."""
-        if not isinstance(batch, RunnerBatch):
-            batch = RunnerBatch.from_scheduler_output(batch)
+        `logits_lens[i]` query positions. `batch`: a StepBatch or a deepinfer_sched SchedulerOutput."""
+        if not isinstance(batch, StepBatch):
+            batch = StepBatch.from_scheduler_output(batch)
         offsets = batch.query_offsets
         # Write every sequence's query tokens first: sequences sharing cached prefix blocks then all
         # see complete contexts regardless of their order in the batch.
@@ -52,14 +52,14 @@ class RecomputeRunner:
                 raise ValueError(
                     f"sequence {int(batch.seq_ids[i])}: token ids must be in [0, {self.vocab_size})"
                 )
-            self.token_pool[self._slots(batch.block_tables[i], np.arange(start, start + q))] = tokens
+            self.token_pool[self._slots(batch.table(i), np.arange(start, start + q))] = tokens
         rows = []
         for i in range(len(batch.seq_ids)):
             n = int(batch.logits_lens[i])
             if n == 0:
                 continue
             end = int(batch.start_positions[i] + batch.query_lens[i])
-            context = self.token_pool[self._slots(batch.block_tables[i], np.arange(end))]
+            context = self.token_pool[self._slots(batch.table(i), np.arange(end))]
             if np.any(context < 0):
                 raise RuntimeError(f"sequence {int(batch.seq_ids[i])}: context reads a block never written")
             out = self.model.forward(context)  # the model moves the ids to its device

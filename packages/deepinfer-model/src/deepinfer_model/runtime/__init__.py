@@ -18,9 +18,11 @@ from .cuda_graphs import (
     decode_graph_settings,
 )
 from .draft_graphs import DraftGraphRunner
-from .metadata import StaticDecodeMetadata, StepMetadata
+from .metadata import StepMetadata
 from .pools import PagedKVCache, PoolSpec, blocks_for_budget
 from .runner import RUNNERS, PagedRunner, cache_specs, make_runner
+from .static_metadata import StaticDecodeMetadata
+from .step_view import StepView
 
 __all__ = [
     "RUNNERS",
@@ -35,6 +37,7 @@ __all__ = [
     "PagedRunner",
     "PoolSpec",
     "StepMetadata",
+    "StepView",
     "blocks_for_budget",
     "cache_specs",
     "make_runner",

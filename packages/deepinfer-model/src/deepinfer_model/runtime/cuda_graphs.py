@@ -55,7 +55,8 @@ import numpy as np
 import torch
 
 from .. import batch_invariant, numerics
-from .metadata import StaticDecodeMetadata, StepMetadata
+from .metadata import StepMetadata
+from .static_metadata import StaticDecodeMetadata
 
 log = logging.getLogger("deepinfer_model.runtime")
 

@@ -1,24 +1,31 @@
 """Step metadata: everything the cached forward needs about one packed batch, built once, vectorised.
 
-From a `RunnerBatch` (flat numpy arrays of the scheduler's step) it derives the packed token positions,
-the sequence of every token, the padded block-table matrix and the flat cache slot of every query
-token. Per-sequence context ranges are read through `token_slots` / `entry_slots`, which are numpy
+From a `StepBatch` (the scheduler's own arrays of one step: packed positions, cache slots, query starts,
+the padded block-table matrix) it takes those arrays as they are and puts the per-token ones on the
+device. Per-sequence context ranges are read through `token_slots` / `entry_slots`, which are numpy
 gathers (no per-token Python loop anywhere).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import torch
 
-from ..runner.batch import RunnerBatch
+from ..runner.step import StepBatch
 from .device import to_device
+from .step_buffers import StepBuffers
+from .step_view import entries_per_block
 
 
 @dataclass
 class StepMetadata:
+    """The eager `StepView`: host arrays of the step (ragged per sequence) beside its device tensors;
+    index tensors are planned on the host per step (`cached`) and sent once."""
+
+    graph_safe: ClassVar[bool] = False
     block_size: int
     starts: np.ndarray  # int64 [B] tokens already cached before this step
     query_lens: np.ndarray  # int64 [B]
@@ -38,7 +45,7 @@ class StepMetadata:
     # True when `build` checked every input id against the vocabulary on the host: the embedding then
     # skips its device-side range check (two device->host reads per step)
     ids_checked: bool = False
-    # True when some of `input_ids` were filled on the device (`RunnerBatch.device_input_ids`): the host
+    # True when some of `input_ids` were filled on the device (`StepBatch.device_input_ids`): the host
     # array the step was built from holds placeholders there, so consumers read `input_ids`
     device_fed: bool = False
     # device copies of per-step index arrays (group gathers), built once and reused by every layer
@@ -47,73 +54,55 @@ class StepMetadata:
     @classmethod
     def build(
         cls,
-        batch: RunnerBatch,
+        step: StepBatch,
         block_size: int,
         num_blocks: int,
         device: torch.device | None = None,
         vocab_size: int | None = None,
+        buffers: StepBuffers | None = None,
     ) -> StepMetadata:
-        """Numpy on the host; the four tensors are sent to `device` (default CPU) once each.
+        """The step's own arrays (positions, slots, query starts, block tables: nothing recomputed), its
+        per-token tensors sent to `device` (default CPU) through `buffers` (the runner's persistent ones:
+        one copy) or one copy each without.
 
         With `vocab_size`, every input id is checked to lie in [0, vocab_size) here, on the host copy,
         once per step (ValueError naming the sequence, the id and the range), and `ids_checked` is set.
         """
         device = torch.device("cpu") if device is None else torch.device(device)
-        starts = np.asarray(batch.start_positions, dtype=np.int64)
-        qlens = np.asarray(batch.query_lens, dtype=np.int64)
-        if np.any(starts < 0) or np.any(qlens < 0):
-            raise ValueError("start_positions and query_lens must be >= 0 for every sequence")
-        input_ids = np.asarray(batch.input_ids, dtype=np.int64)
-        fed = getattr(batch, "device_input_ids", None)  # (rows, device ids): sampled on the device
+        input_ids = step.input_ids
+        fed = step.device_input_ids  # (rows, device ids): sampled on the device
         if vocab_size is not None:
             checked = input_ids
             if fed is not None and len(fed[0]):  # (sampler outputs: in the vocabulary by construction)
                 checked = input_ids.copy()
                 checked[np.asarray(fed[0])] = 0
-            _check_ids(checked, qlens, np.asarray(batch.seq_ids), int(vocab_size))
-        ends = starts + qlens
-        offsets = np.zeros(len(qlens) + 1, dtype=np.int64)
-        np.cumsum(qlens, out=offsets[1:])
-        n = int(offsets[-1])
-        width = max((len(t) for t in batch.block_tables), default=0)
-        tables = np.full((len(qlens), max(width, 1)), -1, dtype=np.int64)
-        for i, t in enumerate(batch.block_tables):  # per sequence, not per token
-            tables[i, : len(t)] = t
-        need = -(-ends // block_size)
-        have = (tables >= 0).sum(axis=1)
-        if np.any(need > have):
-            i = int(np.argmax(need > have))
-            raise ValueError(
-                f"sequence {int(batch.seq_ids[i])}: block table of {int(have[i])} blocks does not cover "
-                f"position {int(ends[i]) - 1} (block_size {block_size})"
-            )
-        if np.any(tables >= num_blocks):
-            raise ValueError(f"block ids must be in [0, {num_blocks}), got {int(tables.max())}")
-        seq_of = np.repeat(np.arange(len(qlens)), qlens)
-        positions = np.arange(n, dtype=np.int64) - offsets[:-1][seq_of] + starts[seq_of]
-        slots = tables[seq_of, positions // block_size] * block_size + positions % block_size
-        llens = np.asarray(batch.logits_lens, dtype=np.int64)
-        # the last llens[i] packed rows of sequence i: offsets[i+1] - llens[i] + k, k < llens[i]
-        k = np.arange(int(llens.sum())) - np.repeat(np.cumsum(llens) - llens, llens)
-        logits_rows = np.repeat(offsets[1:] - llens, llens) + k
-        ids = to_device(input_ids, device)
-        if fed is not None and len(fed[0]):
-            if device.type == "cpu":
+            _check_ids(checked, step.query_lens, step.seq_ids, int(vocab_size))
+        step.check_tables(block_size, num_blocks)
+        step._compute_slots(block_size)
+        slots = step.slot_mapping
+        logits_rows = step.logits_rows()
+        if buffers is not None:
+            ids, positions, write_slots, rows = buffers.load(input_ids, step.positions, slots, logits_rows)
+        else:
+            ids, positions = to_device(input_ids, device), to_device(step.positions, device)
+            write_slots, rows = to_device(slots, device), to_device(logits_rows, device)
+            if fed is not None and len(fed[0]) and device.type == "cpu":
                 ids = ids.clone()  # (a view of the caller's array on the CPU)
+        if fed is not None and len(fed[0]):
             ids[to_device(np.asarray(fed[0], dtype=np.int64), device)] = fed[1].to(device)
         return cls(
             block_size=block_size,
-            starts=starts,
-            query_lens=qlens,
-            ends=ends,
-            offsets=offsets,
-            tables=tables,
+            starts=step.start_positions,
+            query_lens=step.query_lens,
+            ends=step.seq_lens,
+            offsets=step.query_start_loc,
+            tables=step.block_tables,
             input_ids=ids,
-            positions=to_device(positions, device),
-            write_slots=to_device(slots, device),
-            logits_rows=to_device(logits_rows, device),
+            positions=positions,
+            write_slots=write_slots,
+            logits_rows=rows,
             device=device,
-            host_positions=positions,
+            host_positions=step.positions,
             host_write_slots=slots,
             host_logits_rows=logits_rows,
             ids_checked=vocab_size is not None,
@@ -206,111 +195,3 @@ def _check_ids(ids: np.ndarray, qlens: np.ndarray, seq_ids: np.ndarray, vocab_si
             f"sequence {int(seq_ids[i])}: input_ids[{row}] = {int(ids[row])} is outside the vocabulary; "
             f"token ids must be in [0, vocab_size={vocab_size})"
         )
-
-
-def entries_per_block(block_size: int, ratio: int) -> int:
-    if block_size % ratio and ratio % block_size:
-        raise ValueError(
-            f"block_size {block_size} and compress ratio {ratio} must divide one another "
-            "(a compressed entry must map to exactly one block)"
-        )
-    return max(1, block_size // ratio)
-
-
-class StaticDecodeMetadata(StepMetadata):
-    """Device-only metadata of a decode or verification step for the graph-safe forward: one row per
-    query token (its id, position, write slot and its sequence's block table), every row attending as a
-    one-query sequence. The rows of a sequence that feeds 1 + k tokens (verification) are consecutive
-    rows with consecutive positions and the same table: a row at p reads keys <= p from the pools after
-    every row has written its own, which is what the eager step's query at p sees.
-
-    Every tensor is a view of a static device buffer (`cuda_graphs.DecodeGraphRunner` fills it before a
-    replay), so a CUDA graph captured over this metadata reads each step's values at fixed addresses.
-    Nothing is planned on the host: the index tensors the paged attention asks `cached` for (window-key
-    slots, band masks, compressed-entry validity and slots, the entries completed in the step) are
-    computed on the device from `positions` and `dev_tables`, with shapes fixed by the bucket size, the
-    window and `max_entries` instead of the step's context lengths. The block-table width is the
-    (bucket, context tier)'s: ceil(tier / block_size) columns, the tier being at least every row's
-    context, so `max_entries` and with it the index-key scoring follow the tier, not max_context. The
-    host arrays of `StepMetadata` are None.
-
-    Rows may be placeholders (bucket padding): position 0, a block table of `dummy_block` only. A
-    placeholder writes only the reserved dummy block and reads only what it wrote in the step.
-    """
-
-    def __init__(
-        self,
-        block_size: int,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        write_slots: torch.Tensor,
-        tables: torch.Tensor,
-        dummy_block: int,
-        index_builders: dict,
-    ) -> None:
-        n = positions.shape[0]
-        device = positions.device
-        super().__init__(
-            block_size=block_size,
-            starts=None,
-            query_lens=None,
-            ends=None,
-            offsets=None,
-            tables=None,
-            input_ids=input_ids,
-            positions=positions,
-            write_slots=write_slots,
-            logits_rows=torch.arange(n, device=device),
-            device=device,
-            ids_checked=True,  # `StepMetadata.build` checked the real ids; placeholders use id 0
-        )
-        self.dev_tables = tables  # long [N, max_blocks]: every entry a real block id (dummy padded)
-        self.dummy_block = int(dummy_block)
-        self.rows_index = torch.arange(n, device=device)
-        # key kind -> builder(meta, *key[1:]): the model family's device-side index tensors
-        self.index_builders = index_builders
-
-    @property
-    def num_seqs(self) -> int:
-        return self.positions.shape[0]
-
-    def reset(self) -> None:
-        """Forget the index tensors of the last forward (they depend on the buffers' contents)."""
-        self._cache.clear()
-
-    def cached(self, key, make):
-        """The device-side counterpart of the model's host planners, by key kind (`index_builders`, from the
-        model family); any other key raises (a new host-side planner must get a device form before the
-        graph-safe step uses it)."""
-        if key not in self._cache:
-            builder = self.index_builders.get(key[0])
-            if builder is None:
-                raise ValueError(f"the graph-safe decode step has no device-side index for {key[0]!r}")
-            self._cache[key] = builder(self, *key[1:])
-        return self._cache[key]
-
-    def dev_token_slots(self, pos: torch.Tensor) -> torch.Tensor:
-        """Flat token slots of positions `pos` [N, ...] (row i: row i's sequence); blocks past the table read
-        the table's last column (only ever for values that are masked or written to the dummy slot)."""
-        blk = torch.clamp(
-            torch.div(pos, self.block_size, rounding_mode="floor"), max=self.dev_tables.shape[1] - 1
-        )
-        rows = self.rows_index.view(-1, *([1] * (pos.dim() - 1)))
-        return self.dev_tables[rows, blk] * self.block_size + pos % self.block_size
-
-    def dev_entry_slots(self, j: torch.Tensor, ratio: int) -> torch.Tensor:
-        """Flat entry-pool slots of entries `j` [N, ...] (row i: row i's sequence), as `entry_slots_of`."""
-        first = j * ratio
-        per = entries_per_block(self.block_size, ratio)
-        blk = torch.clamp(
-            torch.div(first, self.block_size, rounding_mode="floor"), max=self.dev_tables.shape[1] - 1
-        )
-        rows = self.rows_index.view(-1, *([1] * (j.dim() - 1)))
-        return self.dev_tables[rows, blk] * per + torch.div(
-            first % self.block_size, ratio, rounding_mode="floor"
-        )
-
-    def max_entries(self, ratio: int) -> int:
-        """Entry columns every step reads for `ratio`: all this block table (the context tier's width)
-        can hold (>= 1)."""
-        return max(1, self.dev_tables.shape[1] * self.block_size // ratio)

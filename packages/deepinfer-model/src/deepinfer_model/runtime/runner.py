@@ -1,7 +1,7 @@
 """`PagedRunner`: the cached model runner, a drop-in for `runner.RecomputeRunner`.
 
 Same construction (`model, num_blocks, block_size`) and the same `execute(batch) -> logits` contract
-(a `RunnerBatch` or a `deepinfer_sched.SchedulerOutput`; for each sequence in batch order its last
+(a `StepBatch` or a `deepinfer_sched.SchedulerOutput`; for each sequence in batch order its last
 `logits_lens[i]` query positions, FP32). Each step costs only the new tokens' compute plus reading
 their visible keys, instead of re-running the whole prefix.
 """
@@ -12,11 +12,12 @@ import numpy as np
 import torch
 
 from ..family import family_of
-from ..runner.batch import RunnerBatch
 from ..runner.recompute import RecomputeRunner
+from ..runner.step import StepBatch
 from .device import model_device
 from .metadata import StepMetadata
 from .pools import TOKEN_IDS, PagedKVCache, PoolSpec, blocks_for_budget, log
+from .step_buffers import StepBuffers
 
 
 def cache_specs(model, block_size: int, yoco=None) -> list[PoolSpec]:
@@ -37,7 +38,7 @@ class PagedRunner:
     run the graph-safe static forward through per-bucket CUDA graphs (captured here); the cache then
     holds one reserved dummy block (id `num_blocks`) for the bucket padding. YOCO steps stay eager."""
 
-    # `execute` takes `RunnerBatch.device_input_ids` (ids known only on the device): the asynchronous loop
+    # `execute` takes `StepBatch.device_input_ids` (ids known only on the device): the asynchronous loop
     # may then launch a step before the previous step's tokens reach the host
     takes_device_input_ids = True
 
@@ -74,6 +75,7 @@ class PagedRunner:
             len(self.cache.pools),
         )
         self.metadata_s = 0.0  # cumulative time building step metadata (benchmarks read it)
+        self.buffers = StepBuffers(self.device)  # every step's per-token tensors, reused step after step
         self.graphs = None
         self.draft_graphs = None  # greedy draft steps through CUDA graphs (`draft_graphs`)
         if decode_graphs is not None:
@@ -146,12 +148,14 @@ class PagedRunner:
         import time
 
         t0 = time.perf_counter()
-        if not isinstance(batch, RunnerBatch):
-            batch = RunnerBatch.from_scheduler_output(batch)
+        if not isinstance(batch, StepBatch):
+            batch = StepBatch.from_scheduler_output(batch)
         if len(batch.input_ids) == 0:  # nothing to compute (logits_lens are 0 too)
             return torch.empty(0, self.vocab_size, device=self.device)
         # validates the ids on the host (the embedding then skips its device-side check)
-        meta = StepMetadata.build(batch, self.block_size, self.num_blocks, self.device, self.vocab_size)
+        meta = StepMetadata.build(
+            batch, self.block_size, self.num_blocks, self.device, self.vocab_size, self.buffers
+        )
         extras = None
         if self.yoco is None:
             if prompt_lens is not None:
@@ -190,13 +194,8 @@ class PagedRunner:
         An engine calls it on a prefix-cache hit and recomputes from 0 instead when it is not None."""
         if self.yoco is None:
             return None
-        batch = RunnerBatch(
-            seq_ids=np.zeros(1, dtype=np.int64),
-            start_positions=np.array([start], dtype=np.int64),
-            query_lens=np.array([query_len], dtype=np.int64),
-            block_tables=[np.asarray(block_table, dtype=np.int64)],
-            input_ids=np.zeros(query_len, dtype=np.int64),
-            logits_lens=np.zeros(1, dtype=np.int64),
+        batch = StepBatch.of(
+            [0], [start], [query_len], [np.asarray(block_table, dtype=np.int64)], np.zeros(query_len), [0]
         )
         meta = StepMetadata.build(batch, self.block_size, self.num_blocks)
         return self.family.resume_problem(self.model, self.cache, meta, self.yoco, prompt_len)

@@ -1,4 +1,4 @@
-"""Test sequences as plain dicts, and the `RunnerBatch` of a step over some of them.
+"""Test sequences as plain dicts, and the `StepBatch` of a step over some of them.
 
 A test sequence is `{"id": int, "n": tokens already in its cache, "tokens": list of ids (prompt plus
 what it has generated or been fed), "table": list of block ids}`. Runner tests drive the runtime with
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from ..runner import RunnerBatch
+    from ..runner import StepBatch
 
 
 def grow_tables(seqs: list[dict], query_lens: list[int], free: list[int], block_size: int) -> None:
@@ -22,14 +22,14 @@ def grow_tables(seqs: list[dict], query_lens: list[int], free: list[int], block_
             s["table"].append(free.pop())
 
 
-def batch_of(seqs: list[dict], query_lens: list[int], logits_lens: list[int] | None = None) -> RunnerBatch:
+def batch_of(seqs: list[dict], query_lens: list[int], logits_lens: list[int] | None = None) -> StepBatch:
     """The step that feeds sequence i its next `query_lens[i]` tokens (from position `n`), with logits
     for `logits_lens[i]` rows of it (default: one, the last)."""
     # imported here: the model package imports `testing` (checkpoint.py), and the runner imports the
     # runtime, which imports the model: at module level this would close an import cycle
-    from ..runner import RunnerBatch
+    from ..runner import StepBatch
 
-    return RunnerBatch(
+    return StepBatch.of(
         seq_ids=np.array([s["id"] for s in seqs]),
         start_positions=np.array([s["n"] for s in seqs]),
         query_lens=np.array(query_lens),

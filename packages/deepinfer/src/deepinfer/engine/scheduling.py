@@ -6,7 +6,7 @@ Kept in one file so the rest of the engine speaks in engine terms (sequences, ba
 from __future__ import annotations
 
 import numpy as np
-from deepinfer_model.runner import RunnerBatch
+from deepinfer_model import StepBatch
 from deepinfer_sched import Scheduler, SchedulerConfig
 
 from ..sampling_params import SamplingParams
@@ -77,8 +77,8 @@ def emits_tokens(out) -> np.ndarray:
     return np.asarray(out.emits_tokens, dtype=bool)
 
 
-def to_runner_batch(out, allow_unknown: bool = False) -> RunnerBatch:
-    return RunnerBatch.from_scheduler_output(out, allow_unknown=allow_unknown)
+def to_runner_batch(out, allow_unknown: bool = False) -> StepBatch:
+    return StepBatch.from_scheduler_output(out, allow_unknown=allow_unknown)
 
 
 def num_draft_tokens(out) -> np.ndarray:
@@ -90,11 +90,9 @@ def is_prefill(out) -> np.ndarray:
     return np.asarray(out.is_prefill, dtype=bool)
 
 
-def to_verify_batch(out) -> RunnerBatch:
+def to_verify_batch(out) -> StepBatch:
     """A runner batch whose decode rows ask logits for every query token (1 + drafts each)."""
-    batch = RunnerBatch.from_scheduler_output(out)
-    batch.logits_lens = np.asarray(out.logits_lens, dtype=np.int64).copy()
-    return batch
+    return StepBatch.from_scheduler_output(out, every_row=True)
 
 
 def set_draft_tokens(sched: Scheduler, seq_id: int, drafts: list[int]) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from deepinfer_model.runner import RunnerBatch
+from deepinfer_model import StepBatch
 from deepinfer_model.runtime.device import to_device
 from deepinfer_model.sampling import EMPTY_ROW_MESSAGE, RowParams, Sampler, SamplerOutput, TokenBitmask
 from deepinfer_spec import DraftVerifier
@@ -93,7 +93,7 @@ class ModelWorker:
     @property
     def feeds_device_inputs(self) -> bool:
         """Whether a step may take the previous step's tokens on the device (`launch(..., prev=)`): the
-        runner takes `RunnerBatch.device_input_ids`, the process runs alone (a data-parallel rank's
+        runner takes `StepBatch.device_input_ids`, the process runs alone (a data-parallel rank's
         forwards pair with the other ranks' one for one) and DEEPINFER_ASYNC_DEVICE_INPUTS is on."""
         return (
             getattr(self.runner, "takes_device_input_ids", False)
@@ -107,7 +107,7 @@ class ModelWorker:
 
     def launch(
         self,
-        batch: RunnerBatch,
+        batch: StepBatch,
         rows: list[RowParams | None],
         golden: list[int | None],
         allowed: TokenBitmask | Callable[[], TokenBitmask | None] | None = None,
@@ -207,7 +207,7 @@ class ModelWorker:
 
     def run_verify(
         self,
-        batch: RunnerBatch,
+        batch: StepBatch,
         inputs: list[VerifyInput | None],
         allowed: TokenBitmask | None,
         verifier: DraftVerifier,
@@ -253,7 +253,7 @@ class ModelWorker:
         return result
 
     def _forward(
-        self, batch: RunnerBatch, result, prompt_lens, is_prompt: bool = False
+        self, batch: StepBatch, result, prompt_lens, is_prompt: bool = False
     ) -> tuple[torch.Tensor, list[int]]:
         """Logits of the batch and the indices of the sequences they cover (all, unless it failed)."""
         if self.collectives is None:
@@ -291,7 +291,7 @@ class ModelWorker:
         if self.timeline is not None:
             self.timeline.begin()
 
-    def _timing_end(self, batch: RunnerBatch) -> None:
+    def _timing_end(self, batch: StepBatch) -> None:
         if self.timeline is not None:
             # decode: no prefill chunk in the step (every query token produces logits)
             decode = len(batch.query_lens) > 0 and bool(np.array_equal(batch.query_lens, batch.logits_lens))
@@ -312,9 +312,9 @@ class ModelWorker:
         tokens[to_device(np.asarray(emitting, dtype=np.int64), logits.device)] = out.token_ids
         return tokens, fed
 
-    def _feed_from_device(self, batch: RunnerBatch, prev_rows: np.ndarray, prev: PendingStep) -> None:
+    def _feed_from_device(self, batch: StepBatch, prev_rows: np.ndarray, prev: PendingStep) -> None:
         """`_fill_unknown_inputs` from a step not finished yet: a given (teacher-forced) token is written
-        on the host, a sampled one is read on the device (`RunnerBatch.device_input_ids`). An input whose
+        on the host, a sampled one is read on the device (`StepBatch.device_input_ids`). An input whose
         sequence emitted nothing in `prev` (it failed) stays -1: the runner rejects that sequence alone."""
         unknown = np.flatnonzero(batch.input_ids < 0)
         if len(unknown) == 0:
@@ -335,7 +335,7 @@ class ModelWorker:
             batch.device_input_ids = (unknown[on_device], ids)
             self.device_fed_steps += 1
 
-    def _fill_unknown_inputs(self, batch: RunnerBatch, prev_rows: np.ndarray) -> None:
+    def _fill_unknown_inputs(self, batch: StepBatch, prev_rows: np.ndarray) -> None:
         unknown = np.flatnonzero(batch.input_ids < 0)
         if len(unknown) == 0:
             return
@@ -348,27 +348,18 @@ class ModelWorker:
         # anything still unknown (its sequence failed last step) stays -1: the runner rejects that
         # sequence alone, and its request has already been failed by the engine
 
-    def _execute(self, batch: RunnerBatch, prompt_lens: list[int] | None) -> torch.Tensor:
+    def _execute(self, batch: StepBatch, prompt_lens: list[int] | None) -> torch.Tensor:
         # Runners without truncation take no prompt lengths (the paged runner refuses them when off).
         if prompt_lens is None:
             return self.runner.execute(batch)
         return self.runner.execute(batch, prompt_lens=prompt_lens)
 
     def _execute_one_by_one(
-        self, batch: RunnerBatch, result: StepResult, prompt_lens: list[int] | None = None
+        self, batch: StepBatch, result: StepResult, prompt_lens: list[int] | None = None
     ) -> tuple[torch.Tensor, list[int]]:
         rows, ok = [], []
-        offsets = batch.query_offsets
         for i in range(len(batch.seq_ids)):
-            one = RunnerBatch(
-                seq_ids=batch.seq_ids[i : i + 1],
-                start_positions=batch.start_positions[i : i + 1],
-                query_lens=batch.query_lens[i : i + 1],
-                block_tables=[batch.block_tables[i]],
-                input_ids=batch.input_ids[offsets[i] : offsets[i] + batch.query_lens[i]],
-                logits_lens=batch.logits_lens[i : i + 1],
-                prompt_lens=None if batch.prompt_lens is None else batch.prompt_lens[i : i + 1],
-            )
+            one = batch.one(i)
             try:
                 rows.append(self._execute(one, None if prompt_lens is None else prompt_lens[i : i + 1]))
                 ok.append(i)

@@ -33,8 +33,10 @@ from ...layers.router import route_topk, router_logits
 from ...numerics import carrier, linear, narrow_act, round_narrow
 from ...numerics import logits as head_logits
 from ...ops.model_calls import hc_read, rms_norm
-from ...runtime.metadata import StaticDecodeMetadata, StepMetadata, entries_per_block
+from ...runtime.metadata import StepMetadata
 from ...runtime.pools import TOKEN_IDS, PagedKVCache, PoolSpec
+from ...runtime.static_metadata import StaticDecodeMetadata
+from ...runtime.step_view import StepView, entries_per_block
 from ..grouped_attention import (
     Group,
     NewEntries,
@@ -94,9 +96,7 @@ def query_block_rows(model: DeepseekV41ForCausalLM, meta: StepMetadata) -> int:
 class _StepState:
     """Cross-layer values of this step (the paged counterpart of `CrossLayerState`), packed per token."""
 
-    def __init__(
-        self, meta: StepMetadata, yoco: YocoStep | None = None, block_rows: int | None = None
-    ) -> None:
+    def __init__(self, meta: StepView, yoco: YocoStep | None = None, block_rows: int | None = None) -> None:
         self.meta, self.yoco, self.block_rows = meta, yoco, block_rows
         self._blocks: dict[bool, list] = {}  # consumer half's metadata or not -> its query blocks
         self.fresh: dict[int, NewEntries | None] = {}  # kv source -> entries completed in this step
@@ -104,7 +104,7 @@ class _StepState:
         self.candidates: torch.Tensor | None = None  # [N, candidate_topk_blocks]
         self.shared_hidden: torch.Tensor | None = None
 
-    def query_blocks(self, consumer: bool) -> list[tuple[int, int, StepMetadata, list[Group]]]:
+    def query_blocks(self, consumer: bool) -> list[tuple[int, int, StepView, list[Group]]]:
         """(first row, end row, metadata, groups) of each query block of the step's rows (the consumer
         half's rows with YOCO truncation, which are the step's unless compact mode drops some): the whole
         step when it has at most `block_rows` rows (always for the graph-safe step), else consecutive
@@ -115,7 +115,7 @@ class _StepState:
         key = consumer and self.yoco is not None
         qmeta = self.yoco.qmeta if key else self.meta
         if key not in self._blocks:
-            if isinstance(qmeta, StaticDecodeMetadata):
+            if qmeta.graph_safe:
                 self._blocks[key] = [(0, qmeta.positions.shape[0], qmeta, _static_groups(qmeta))]
             else:
                 self._blocks[key] = row_blocks(qmeta, self.block_rows)
@@ -126,7 +126,7 @@ def _attention(
     model: DeepseekV41ForCausalLM,
     layer: int,
     y: torch.Tensor,
-    meta: StepMetadata,
+    meta: StepView,
     cache: PagedKVCache,
     st: _StepState,
 ) -> torch.Tensor:
@@ -183,7 +183,7 @@ def _attend_rows(
     y: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    qmeta: StepMetadata,
+    qmeta: StepView,
     groups: list[Group],
     row0: int,
     cache: PagedKVCache,
@@ -205,7 +205,7 @@ def _attend_rows(
     out_dtype = act if narrow_act(act) else carrier()
     whole = len(groups) == 1 and groups[0].covers_step  # the group's rows are the step's: no scatter
     out = None if whole else y.new_empty(y.shape[0], cfg.num_attention_heads, cfg.head_dim, dtype=out_dtype)
-    static = isinstance(qmeta, StaticDecodeMetadata)
+    static = qmeta.graph_safe
     invariant = batch_invariant.enabled()
     for g in groups:
         slots = g.slot_rows  # every (padded) query slot; padding duplicates its sequence's last query
@@ -380,7 +380,7 @@ def _engram_rows(model: DeepseekV41ForCausalLM, meta: StepMetadata, cache: Paged
 @torch.no_grad()
 def v41_paged_forward(
     model: DeepseekV41ForCausalLM,
-    meta: StepMetadata,
+    meta: StepView,
     cache: PagedKVCache,
     yoco: YocoStep | None = None,
     moe_fn=None,
@@ -396,7 +396,7 @@ def v41_paged_forward(
     cfg, w, act = model.config, model.weights, model.act_dtype
     if moe_fn is None:  # (not `moe_fn or ...`: Dynamo before torch 2.15 cannot take the truth of a nested
         moe_fn = model.moe_fn  # function and breaks the compiled decode step's graph there)
-    static = isinstance(meta, StaticDecodeMetadata)
+    static = meta.graph_safe
     rows = (_static_engram_rows if static else _engram_rows)(model, meta, cache) if model.engram else {}
     st = _StepState(meta, yoco, None if static else query_block_rows(model, meta))
     compact = yoco is not None and yoco.drops_rows

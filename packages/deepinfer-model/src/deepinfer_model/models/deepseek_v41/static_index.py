@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from ... import batch_invariant
-from ...runtime.metadata import StaticDecodeMetadata, entries_per_block
+from ...runtime.static_metadata import StaticDecodeMetadata
+from ...runtime.step_view import entries_per_block
 
 
 def _static_swa(meta: StaticDecodeMetadata, _group: int, window: int, floor: bool):
