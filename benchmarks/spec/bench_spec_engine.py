@@ -48,7 +48,7 @@ def run_config(path: Path, name: str, args) -> dict:
         num_speculative_tokens=nextn,
     )
     if name == "oracle":
-        engine._spec.drafter = OracleDrafter(engine.model)
+        engine.spec.drafter = OracleDrafter(engine.model)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     for i in range(args.batch):
         prompt = [(17 * i + 7 * j) % 256 for j in range(args.prompt_len)]

@@ -9,6 +9,7 @@ batch changes as requests finish; and one bad row fails alone.
 
 import pytest
 from deepinfer import LLM, SamplingParams
+from deepinfer.engine.step_io import StepInput
 from deepinfer.engine.step_pipeline import StepPipeline
 
 PROMPTS = [[0, 40, 77, 91, 12, 300, 5], [0, 7, 7, 8, 9], [0, 450, 33, 98, 140, 21, 66, 71, 250], [0, 3, 4]]
@@ -31,10 +32,10 @@ def _run(checkpoint, monkeypatch, async_scheduling: bool, device_inputs: bool):
         model=str(checkpoint), async_scheduling=async_scheduling, block_size=16, max_model_len=256
     ) as llm:
         engine = llm.engine
-        if engine._pool is not None:  # on the CPU a step is done when launched: chain every step anyway
-            engine._pool.always_chain = True
+        if engine.pipeline is not None:  # on the CPU a step is done when launched: chain every step anyway
+            engine.pipeline.always_chain = True
         outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=_params(), use_tqdm=False)
-        chained = engine._pool.chained_launches if engine._pool is not None else 0
+        chained = engine.pipeline.chained_launches if engine.pipeline is not None else 0
         return [(o.error, o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], (
             chained,
             engine.worker.device_fed_steps,
@@ -60,7 +61,7 @@ def test_a_step_the_device_has_finished_is_read_before_the_next_launch(micro_che
     kw = dict(async_scheduling=True, block_size=16, max_model_len=256, device="cpu")  # (a CPU property)
     with LLM(model=str(micro_checkpoint), **kw) as llm:
         outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=_params(), use_tqdm=False)
-        assert llm.engine._pool.chained_launches == 0 and llm.engine.worker.device_fed_steps == 0
+        assert llm.engine.pipeline.chained_launches == 0 and llm.engine.worker.device_fed_steps == 0
     assert all(o.error is None for o in outs) and len(outs[0].outputs[0].token_ids) == 9
 
 
@@ -72,7 +73,7 @@ def test_a_row_left_with_no_token_fails_alone(micro_checkpoint, monkeypatch):
     good = [SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)] * 2
     monkeypatch.setenv("DEEPINFER_ASYNC_DEVICE_INPUTS", "1")
     with LLM(model=str(micro_checkpoint), async_scheduling=True, block_size=16, max_model_len=256) as llm:
-        llm.engine._pool.always_chain = True
+        llm.engine.pipeline.always_chain = True
         outs = llm.generate(
             prompt_token_ids=PROMPTS[:3], sampling_params=[good[0], bad, good[1]], use_tqdm=False
         )
@@ -89,7 +90,7 @@ def test_pipeline_keeps_job_order_and_hands_a_launch_error_to_its_future(micro_c
         try:
             order = []
             first = pipe.submit(order.append, "a")
-            broken = pipe.submit_step((None, [], [], None, None, None, False))  # no batch: launch raises
+            broken = pipe.submit_step(StepInput(None, [], []))  # no batch: launch raises
             last = pipe.submit(lambda: order.append("b") or len(order))
             with pytest.raises(AttributeError):
                 broken.result(timeout=30)

@@ -67,8 +67,8 @@ def test_device_fed_graph_steps_launch_without_waiting_for_the_device(tmp_path, 
             async_scheduling=async_scheduling,
         )  # fmt: skip
         engine = LLMEngine(args, num_speculative_tokens=0)
-        if engine._pool is not None:  # (chain even where the tiny step is done before the next arrives)
-            engine._pool.always_chain = True
+        if engine.pipeline is not None:  # (chain even where the tiny step is done before the next arrives)
+            engine.pipeline.always_chain = True
         for j, prompt in enumerate(PROMPTS):
             engine.add_request(str(j), None, params[j % 2], prompt_token_ids=prompt)
         launch = worker_module.ModelWorker.launch

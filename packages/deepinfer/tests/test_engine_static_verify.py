@@ -56,7 +56,7 @@ def run(path, static: bool, monkeypatch, drafter=None, params=None):
     args = EngineArgs(model=str(path), block_size=16, max_model_len=64, max_num_seqs=4, device="cpu")
     engine = llm_engine.LLMEngine(args, num_speculative_tokens=NEXTN)
     if drafter is not None:
-        engine._spec.drafter = drafter(engine.model)
+        engine.spec.drafter = drafter(engine.model)
     params = params or SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     for j, prompt in enumerate(PROMPTS):
         engine.add_request(str(j), None, params, prompt_token_ids=prompt)
@@ -65,7 +65,7 @@ def run(path, static: bool, monkeypatch, drafter=None, params=None):
         for o in engine.step():
             outs[o.request_id] = o
     graphs = engine.runner.graphs
-    accepted = dict(engine._spec.stats.summary())
+    accepted = dict(engine.spec.stats.summary())
     engine.close()
     return [outs[str(j)].outputs[0].token_ids for j in range(len(PROMPTS))], graphs, accepted
 

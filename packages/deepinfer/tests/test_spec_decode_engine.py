@@ -30,7 +30,7 @@ def run(path, params, nextn=0, drafter=None, prompts=PROMPTS, **kw):
     args = EngineArgs(model=str(path), block_size=16, **kw)
     engine = LLMEngine(args, num_speculative_tokens=nextn)
     if drafter is not None:
-        engine._spec.drafter = drafter(engine.model)
+        engine.spec.drafter = drafter(engine.model)
     plist = params if isinstance(params, list) else [params] * len(prompts)
     for j, (prompt, p) in enumerate(zip(prompts, plist)):
         engine.add_request(str(j), None, p, prompt_token_ids=prompt)
@@ -178,7 +178,7 @@ def test_varlen_measures_the_step_time_curve_at_start(v41, monkeypatch):
     monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
     args = EngineArgs(model=str(v41), block_size=16, max_model_len=48, max_num_seqs=2)
     engine = LLMEngine(args, num_speculative_tokens=3)
-    curve = engine._spec.rule.curve
+    curve = engine.spec.rule.curve
     assert engine.spec_stats()["varlen"] and curve.max_tokens == 2 * (1 + 3)
     assert all(ms > 0 for ms in curve.forward_ms)
     engine.close()

@@ -49,7 +49,7 @@ def _generate(path, params, nextn, monkeypatch, strict=False, drafter=None, runn
     with LLM(model=str(path), block_size=16, max_model_len=96, runner=runner) as llm:
         assert llm.engine.num_speculative_tokens == nextn
         if drafter is not None:
-            llm.engine._spec.drafter = drafter(llm.engine.model)
+            llm.engine.spec.drafter = drafter(llm.engine.model)
         kw = dict(prompt_token_ids=PROMPTS) if prompts is None else dict(prompts=prompts)
         if strict:
             with strict_device(allow=HOST_BY_DESIGN):

@@ -62,8 +62,8 @@ def v41(tmp_path_factory):
 def test_paged_drafts_equal_stateless_drafts(v41, params):
     torch.set_num_threads(1)
     engine = LLMEngine(EngineArgs(model=str(v41), block_size=16, max_model_len=48), num_speculative_tokens=3)
-    assert isinstance(engine._spec.drafter, PagedDrafter)  # the default with the paged runner
-    check = engine._spec.drafter = CrossCheck(engine)
+    assert isinstance(engine.spec.drafter, PagedDrafter)  # the default with the paged runner
+    check = engine.spec.drafter = CrossCheck(engine)
     for j, prompt in enumerate(PROMPTS):
         engine.add_request(str(j), None, params, prompt_token_ids=prompt)
     while engine.has_unfinished_requests():

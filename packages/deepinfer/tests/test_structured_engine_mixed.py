@@ -85,7 +85,7 @@ def _generate(path, params, nextn, monkeypatch, drafter=None):
     with LLM(model=str(path), block_size=16, max_model_len=96) as llm:
         assert llm.engine.num_speculative_tokens == nextn
         if drafter is not None:
-            llm.engine._spec.drafter = drafter(llm.engine.model)
+            llm.engine.spec.drafter = drafter(llm.engine.model)
         outs = llm.generate(["x"] * len(params), params, use_tqdm=False)
         stats = llm.engine.spec_stats()
     return outs, stats

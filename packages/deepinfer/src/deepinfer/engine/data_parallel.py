@@ -17,7 +17,8 @@ with no tokens) to catch up; the loop ends when no rank of the group has work. T
 before the engine waits for a forward, so no rank ever waits for a forward the others have not been
 told to join.
 
-Layout: this file is the front; what runs inside a rank is `dp_rank.py`.
+Layout: this file is the front; a rank's process is `rank_process.py`, what its engine holds to take
+part in the vote `dp_rank.py`.
 
 Process model: `spawn` (safe with CUDA), gloo default group through a file rendezvous, the device
 group NCCL on CUDA (one GPU per rank, `cuda:rank`) and gloo on the CPU. Children ignore SIGINT (the
@@ -47,8 +48,10 @@ from ..engine_args import EngineArgs
 from ..outputs import RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
 from ..tokenizer import load_tokenizer, load_tokenizer_config
-from .dp_rank import DataParallelRank, _rank_main
-from .llm_engine import EngineStats
+from .dp_rank import DataParallelRank
+from .prompts import PromptChecks
+from .rank_process import _rank_main
+from .stats import EngineStats
 from .structured import StructuredOutputs
 from .truncation import settings_from_env
 
@@ -92,19 +95,13 @@ def assign_ranks(costs: list[int], world: int) -> list[int]:
     return out
 
 
-class DataParallelEngine:
+class DataParallelEngine(PromptChecks):
     """The `LLMEngine` interface `LLM` uses, served by `data_parallel_size` rank processes.
 
     `add_request` queues; the next `step()` sends the queued requests to the ranks and returns the
     outputs that arrive. A crash of a rank, or no message for `args.distributed_timeout` seconds while
     requests are outstanding, raises RuntimeError / TimeoutError here; the engine is then closed.
     """
-
-    from .llm_engine import LLMEngine as _Engine
-
-    encode = _Engine.encode  # the same code as the single-process engine, on the ranks' model facts
-    validate_prompt = _Engine.validate_prompt
-    del _Engine
 
     def __init__(self, args: EngineArgs) -> None:
         self.args = args

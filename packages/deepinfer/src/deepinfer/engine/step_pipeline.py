@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from .step_io import StepInput
 from .worker import ModelWorker, PendingStep
 
 _FLUSH = object()  # finish the launched step: the engine waits for it and nothing follows it
@@ -65,12 +66,12 @@ class StepPipeline:
         )
         self._thread.start()
 
-    def submit_step(self, args: tuple, chain: bool = False) -> StepFuture:
-        """`worker.run(*args)` as launch + finish. chain: the step's unknown input ids are the tokens of
+    def submit_step(self, step: StepInput, chain: bool = False) -> StepFuture:
+        """`worker.run(step)` as launch + finish. chain: the step's unknown input ids are the tokens of
         the step submitted just before it (its `prev_rows` say which), so it may be launched before that
         step is finished."""
         future = self._new_future()
-        self._jobs.put(("step", future, args, chain))
+        self._jobs.put(("step", future, step, chain))
         return future
 
     def submit(self, fn: Callable, *args) -> StepFuture:
@@ -113,7 +114,7 @@ class StepPipeline:
                 pending = self._finish(pending)
                 _run(future, job[2], *job[3])
                 continue
-            args, chain = job[2], job[3]
+            step, chain = job[2], job[3]
             chained = (
                 chain
                 and pending is not None
@@ -123,7 +124,7 @@ class StepPipeline:
             if not chained:
                 pending = self._finish(pending)
             try:
-                launched = self.worker.launch(*args, prev=pending[1] if chained else None)
+                launched = self.worker.launch(step, prev=pending[1] if chained else None)
             except BaseException as e:  # noqa: BLE001 - handed to the engine through the future
                 pending = self._finish(pending)
                 future.set_exception(e)

@@ -8,30 +8,19 @@ two threads share nothing but the immutable step description.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from deepinfer_model import StepBatch
 from deepinfer_model.runtime.device import to_device
-from deepinfer_model.sampling import EMPTY_ROW_MESSAGE, RowParams, Sampler, SamplerOutput, TokenBitmask
+from deepinfer_model.sampling import EMPTY_ROW_MESSAGE, RowParams, Sampler, SamplerOutput
 from deepinfer_spec import DraftVerifier
 
 from .. import envs
 from .device_timing import DeviceTimeline
-from .spec_decode import VerifyInput, VerifyOutcome, verify_logits
-
-
-@dataclass
-class StepResult:
-    # One entry per sequence of the batch: the sampled token (or -1 when it emits none / failed).
-    tokens: np.ndarray
-    logprobs: list[float | None]
-    top: list[dict[int, float] | None]
-    errors: dict[int, str] = field(default_factory=dict)  # batch index -> message (request failed alone)
-    forward_s: float = 0.0
-    sample_s: float = 0.0
+from .spec_decode import verify_logits
+from .step_io import StepInput, StepResult, VerifyStepInput, VerifyStepResult
 
 
 @dataclass
@@ -56,17 +45,6 @@ class PendingStep:
     def complete(self) -> bool:
         """Whether the device has finished the step (always, where the device is the host)."""
         return self.done is None or self.done.query()
-
-
-@dataclass
-class VerifyStepResult:
-    """A step with drafts: `outcome` covers the batch indices `verified` (in that order)."""
-
-    verified: list[int]
-    outcome: VerifyOutcome | None
-    errors: dict[int, str] = field(default_factory=dict)
-    forward_s: float = 0.0
-    sample_s: float = 0.0
 
 
 class ModelWorker:
@@ -101,35 +79,27 @@ class ModelWorker:
             and envs.DEEPINFER_ASYNC_DEVICE_INPUTS
         )
 
-    def run(self, *args, **kwargs) -> StepResult:
-        """One step: `launch(*args, **kwargs)`, then `finish` (the synchronous loop, and tests)."""
-        return self.finish(self.launch(*args, **kwargs))
+    def run(self, step: StepInput) -> StepResult:
+        """One step: `launch`, then `finish` (the synchronous loop, and tests)."""
+        return self.finish(self.launch(step))
 
-    def launch(
-        self,
-        batch: StepBatch,
-        rows: list[RowParams | None],
-        golden: list[int | None],
-        allowed: TokenBitmask | Callable[[], TokenBitmask | None] | None = None,
-        prev_rows: np.ndarray | None = None,
-        prompt_lens: list[int] | None = None,
-        is_prompt: bool = False,
-        prev: PendingStep | None = None,
-    ) -> PendingStep:
+    def launch(self, step: StepInput, prev: PendingStep | None = None) -> PendingStep:
         """A step up to the read-back: the forward and the sampling are enqueued on the device, the tokens
         stay there (`finish` reads them).
 
-        rows[i]: how sequence i samples (None: it emits nothing this step, e.g. a prefill chunk);
-        allowed: packed masks of the tokens the constrained sequences may produce (structured output),
-        addressed by sequence index; it may be a callable returning them (a mask fill running beside
-        the forward), called after it;
-        prev_rows[i]: sequence i's row in the step this worker ran last, whose sampled token fills
+        step.prev_rows[i]: sequence i's row in the step this worker ran last, whose sampled token fills
         its unknown (-1) input id — the asynchronous loop's correction of a step scheduled ahead;
-        prompt_lens[i]: sequence i's original prompt length (YoCo truncation only, else None);
-        is_prompt: the step has a prefill chunk (data-parallel EPLB counts prefill steps apart);
+        step.allowed, when a callable, is called after the forward (its mask fill ran beside it);
         prev: the step launched just before, not finished yet (only when `feeds_device_inputs`): the
         unknown input ids are then its sampled tokens, read on the device, and this step runs right
         behind it without waiting for the host."""
+        batch, rows, golden, allowed, prev_rows = (
+            step.batch,
+            step.rows,
+            step.golden,
+            step.allowed,
+            step.prev_rows,
+        )
         self._launched += 1  # (first: a step that fails to launch still outdates the tokens kept)
         if prev_rows is not None:
             if prev is not None:
@@ -142,7 +112,7 @@ class ModelWorker:
         pending = PendingStep(rows=rows, golden=golden, result=result, index=self._launched)
         pending.t0 = time.perf_counter()
         self._timing_begin()
-        logits, ok = self._forward(batch, result, prompt_lens, is_prompt)
+        logits, ok = self._forward(batch, result, step.prompt_lens, step.is_prompt)
         pending.t1 = time.perf_counter()
         if callable(allowed):
             allowed = allowed()
@@ -205,22 +175,13 @@ class ModelWorker:
             self._last_tokens = result.tokens
         return result
 
-    def run_verify(
-        self,
-        batch: StepBatch,
-        inputs: list[VerifyInput | None],
-        allowed: TokenBitmask | None,
-        verifier: DraftVerifier,
-        prompt_lens: list[int] | None = None,
-        is_prompt: bool = False,
-    ) -> VerifyStepResult:
-        """A step whose decode rows may verify drafts (batch.logits_lens = 1 + k for them).
-        inputs[i]: None when sequence i emits nothing; allowed: packed masks addressed by row among the
-        emitting sequences' rows (in order, 1 + k each)."""
+    def run_verify(self, step: VerifyStepInput, verifier: DraftVerifier) -> VerifyStepResult:
+        """A step whose decode rows may verify drafts (step.batch.logits_lens = 1 + k for them)."""
+        batch, inputs, allowed = step.batch, step.inputs, step.allowed
         result = VerifyStepResult(verified=[], outcome=None)
         t0 = time.perf_counter()
         self._timing_begin()
-        logits, ok = self._forward(batch, result, prompt_lens, is_prompt)
+        logits, ok = self._forward(batch, result, step.prompt_lens, step.is_prompt)
         t1 = time.perf_counter()
         okset = set(ok)
         picked, kept_of = [], {}  # kept_of: packed row -> row among the verified sequences' rows

@@ -1,0 +1,141 @@
+"""The asynchronous ("zero-overhead") loop: the model runs on a worker thread, one step ahead.
+
+While step N runs, the main thread schedules step N+1 (the scheduler assumes every running sequence
+emits its token and marks the ids it cannot know as -1) and queues it behind N; the worker fills
+those ids from the tokens it sampled in N (`prev_rows`), on the device: N+1 is launched before N's
+tokens are read back (`step_pipeline.py`), so the device runs N+1 right behind N
+(DEEPINFER_ASYNC_DEVICE_INPUTS=0: filled on the host once N is read). The host then commits N
+(`update_from_output`) and detokenizes it while N+1 runs. Steps with structured-output rows instead
+wait for N, `reconcile`, and launch (their grammar masks need N's tokens).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from . import scheduling
+from .step_pipeline import StepPipeline
+from .step_strategy import StepContext, StepStrategy
+
+
+@dataclass
+class _InFlight:
+    out: object  # the scheduler's output the step was built from
+    future: Future  # its StepResult
+
+
+class AsyncStep(StepStrategy):
+    def __init__(self, ctx: StepContext, device: torch.device) -> None:
+        super().__init__(ctx)
+        self.pipeline: StepPipeline | None = StepPipeline(
+            self.worker,
+            # OpenMP thread counts and the current CUDA device are per thread: give the worker
+            # the caller's (a DP rank's collectives run on this thread, on its own GPU).
+            initializer=_init_worker_thread,
+            initargs=(torch.get_num_threads(), device),
+        )
+        # Steps launched on the worker and not yet committed, oldest first (at most two: the one
+        # running and the one queued behind it).
+        self._inflight: deque[_InFlight] = deque()
+
+    def busy(self) -> bool:
+        return bool(self._inflight)
+
+    def step(self) -> None:
+        if not self._inflight:
+            out, _ = self._schedule()
+            if scheduling.is_empty(out):
+                self._idle(out)
+                self._vote_async()
+                return
+            self._launch(out)
+        head = self._inflight[0]
+        # Step N runs on the worker; schedule N+1 meanwhile.
+        nxt, dt = self._schedule()
+        if not head.future.done():
+            self.stats.hidden_schedule_s += dt
+        # A sequence preempted by this schedule while step N was in flight gets N's token dropped
+        # by the scheduler (it will recompute it); the engine must drop it too.
+        preempted = set(scheduling.preempted(nxt))
+        if scheduling.is_empty(nxt):
+            scheduling.retire(self.scheduler, nxt)
+            nxt = None
+        elif not self._needs_reconcile(nxt):
+            # Queue N+1 behind N now: the worker fills its unknown input ids from N's tokens
+            # (prev_rows), so the model never waits for the host.
+            t0 = time.perf_counter()
+            self._launch(nxt, fill_from_previous=True)
+            dt = time.perf_counter() - t0
+            self.stats.prepare_s += dt
+            if not head.future.done():
+                self.stats.hidden_prepare_s += dt
+            nxt = None
+        self._vote_async()  # before waiting: the other ranks join step N's all-to-alls only after it
+        result = head.future.result()
+        self._inflight.popleft()
+        t0 = time.perf_counter()
+        finished = self.output.commit(head.out, result, preempted)
+        t1 = time.perf_counter()
+        self._count_process(t1 - t0)
+        if nxt is not None:  # structured rows: their masks need N's tokens, so reconcile on the host
+            nxt = scheduling.reconcile(self.scheduler, nxt)
+            if scheduling.is_empty(nxt):
+                scheduling.retire(self.scheduler, nxt)
+            else:
+                self._launch(nxt)
+            self.stats.prepare_s += time.perf_counter() - t1
+        # Detokenize N's tokens while N+1 runs.
+        t0 = time.perf_counter()
+        self.output.emit(head.out, result, finished, preempted)
+        self._count_process(time.perf_counter() - t0)
+        self.table.collect_all()
+
+    def settle(self) -> None:
+        while self._inflight:
+            done = self._inflight.popleft()
+            self.output.commit(done.out, done.future.result())
+
+    def close(self) -> None:
+        while self._inflight:
+            try:
+                self._inflight.popleft().future.result()
+            except Exception:  # noqa: BLE001 - shutting down anyway
+                pass
+        if self.pipeline is not None:
+            self.pipeline.shutdown(wait=True)
+            self.pipeline = None
+
+    def _count_process(self, dt: float) -> None:
+        self.stats.process_s += dt
+        if self._inflight and not self._inflight[0].future.done():
+            self.stats.hidden_process_s += dt
+
+    def _needs_reconcile(self, out) -> bool:
+        """Grammar masks are built from the state after the previous step: such steps wait for it."""
+        seqs = self.table.seqs
+        return any(
+            (seq := seqs.get(seq_id)) is not None and seq.grammar is not None
+            for seq_id in scheduling.seq_ids(out).tolist()
+        )
+
+    def _launch(self, out, fill_from_previous: bool = False) -> None:
+        step = self._build(out, fill_from_previous)
+        future = self.pipeline.submit_step(step, chain=fill_from_previous)
+        self._inflight.append(_InFlight(out, future))
+        if self.dp is not None:
+            self.dp.launched += 1
+
+    def _vote_async(self) -> None:
+        """The vote; idle forwards queue on the worker thread behind the launched steps."""
+        self._vote(inline=False, submit_idle=lambda: self.pipeline.submit(self.worker.idle))
+
+
+def _init_worker_thread(num_threads: int, device: torch.device) -> None:
+    torch.set_num_threads(num_threads)
+    if device.type == "cuda" and device.index is not None:  # "cuda" alone: the current device
+        torch.cuda.set_device(device)

@@ -1,0 +1,140 @@
+"""Output processing: a step's tokens committed to the scheduler and the grammars, then emitted into
+the requests (text, stop strings, logprobs) that `step()` returns once finished.
+
+Commit and emit are separate because the asynchronous loop launches the next step between them: the
+scheduler and the grammar states must know step N's tokens before N+1's masks are built, while
+detokenizing N can wait until N+1 runs.
+"""
+
+from __future__ import annotations
+
+from . import scheduling
+from .request import SeqState
+from .request_table import RequestTable
+from .spec_decode import VerifyOutcome
+from .stats import EngineStats
+from .step_io import StepResult, VerifyStepResult
+
+_REASONS = {"stop": "stop", "length": "length", "max_model_len": "length", "abort": "abort"}
+
+
+class OutputProcessor:
+    def __init__(self, table: RequestTable, stats: EngineStats, max_model_len: int) -> None:
+        self.table, self.stats = table, stats
+        self.scheduler = table.scheduler
+        self.eos_token_id, self.max_model_len = table.eos_token_id, max_model_len
+
+    # ---------------------------------------------------------------- one token per sequence
+    def commit(self, out, result: StepResult, preempted: set[int] = frozenset()) -> dict[int, str]:
+        """Tell the scheduler what the step produced; returns {seq_id: scheduler finish reason}.
+
+        Grammar states advance here (not in `emit`) because the next step's masks are built from
+        them before `emit` runs under asynchronous scheduling.
+        """
+        ids = scheduling.seq_ids(out).tolist()
+        self.fail_errors(ids, result.errors)
+        tokens = result.tokens.copy()
+        tokens[list(result.errors)] = -1
+        finished = scheduling.update_from_output(self.scheduler, out, tokens)
+        self.table.release_pending()
+        structured = self.table.structured
+        if structured is not None:
+            for i, seq_id in enumerate(ids):
+                seq = self.table.seqs.get(seq_id)
+                token = int(tokens[i])
+                if seq is None or seq.grammar is None or seq.finished or token < 0:
+                    continue
+                if seq_id in preempted and seq.grammar.num_tokens >= self._committed(seq_id):
+                    continue  # dropped by the scheduler; the recompute produces it again
+                try:
+                    structured.accept(seq.grammar, token)
+                except ValueError as e:
+                    result.errors[i] = f"structured output: {e}"
+                    self.table.fail(seq.request.request_id, result.errors[i])
+        return finished
+
+    def emit(
+        self, out, result: StepResult, finished: dict[int, str], preempted: set[int] = frozenset()
+    ) -> None:
+        for i, seq_id in enumerate(scheduling.seq_ids(out).tolist()):
+            token = int(result.tokens[i])
+            seq = self.table.seqs.get(seq_id)
+            if seq is None or seq.finished or token < 0 or i in result.errors:
+                continue
+            if seq_id in preempted and seq.num_generated >= self._committed(seq_id):
+                continue  # the scheduler dropped this token; recompute will produce it again
+            seq.append(token, self.eos_token_id, self.max_model_len, result.logprobs[i], result.top[i])
+            self.stats.generated_tokens += 1
+            self._settle(seq, finished)
+        self._count_step(result)
+
+    # ---------------------------------------------------------------- verified drafts
+    def commit_verified(self, out, emitted: list[list[int]]) -> dict[int, str]:
+        """emitted: per scheduled sequence, its accepted drafts then its final token ([] for none)."""
+        finished = scheduling.update_from_lists(self.scheduler, out, emitted)
+        self.table.release_pending()
+        return finished
+
+    def emit_verified(
+        self, ids: list[int], emitted: list[list[int]], result: VerifyStepResult, finished: dict[int, str]
+    ) -> None:
+        outcome: VerifyOutcome | None = result.outcome
+        where = {i: idx for idx, i in enumerate(result.verified)}
+        structured = self.table.structured
+        for i, seq_id in enumerate(ids):
+            seq = self.table.seqs.get(seq_id)
+            tokens = emitted[i]
+            if seq is None or seq.finished or not tokens:
+                continue
+            if seq.grammar is not None and structured is not None:
+                try:
+                    structured.accept_many(seq.grammar, tokens)
+                except ValueError as e:
+                    self.table.fail(seq.request.request_id, f"structured output: {e}")
+                    continue
+            idx = where[i]
+            lps, tops = outcome.logprobs[idx], outcome.top[idx]
+            for j, token in enumerate(tokens):
+                seq.append(
+                    token,
+                    self.eos_token_id,
+                    self.max_model_len,
+                    None if lps is None else lps[j],
+                    None if tops is None else tops[j],
+                )
+                self.stats.generated_tokens += 1
+                if seq.finished:
+                    break
+            self._settle(seq, finished)
+        self._count_step(result)
+
+    def stop_cut(self, seq: SeqState, tokens: list[int]) -> list[int]:
+        """Tokens after a stop token are never emitted (the scheduler would drop them too)."""
+        p = seq.request.params
+        for j, t in enumerate(tokens):
+            if (t == self.eos_token_id and not p.ignore_eos) or t in p.stop_token_ids:
+                return tokens[: j + 1]
+        return tokens
+
+    # ---------------------------------------------------------------- shared
+    def fail_errors(self, ids: list[int], errors: dict[int, str]) -> None:
+        """The requests of the sequences (batch indices) whose forward or sampling failed fail alone."""
+        for i, message in errors.items():
+            self.table.fail_seq(ids[i], message)
+
+    def _settle(self, seq: SeqState, finished: dict[int, str]) -> None:
+        """Make the engine and the scheduler agree on whether `seq` has ended."""
+        if seq.finished:
+            if seq.seq_id not in finished:  # ended here by a stop string / token: the scheduler may not know
+                scheduling.abort(self.scheduler, seq.seq_id)
+        elif seq.seq_id in finished:
+            reason = finished[seq.seq_id]
+            seq.finish(_REASONS.get(reason, reason))
+
+    def _committed(self, seq_id: int) -> int:
+        return scheduling.num_output_tokens(self.scheduler, seq_id)
+
+    def _count_step(self, result: StepResult | VerifyStepResult) -> None:
+        self.stats.steps += 1
+        self.stats.forward_s += result.forward_s
+        self.stats.sample_s += result.sample_s

@@ -1,0 +1,197 @@
+"""The speculative loop (DSpark drafts; `spec_decode.py` has the protocol of one step).
+
+It runs synchronously: a step's drafts come from the drafter after the previous step's verification
+on the host, so there is nothing to overlap yet (a device-side draft path would change that); with
+`async_scheduling` and drafts on, the engine runs this loop (same tokens by construction).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from deepinfer_spec import MAX_NEXTN, StepTimeCurve
+
+from .. import envs
+from . import scheduling
+from .drafting import Drafter, DraftRequest, ModelDrafter, PagedDrafter
+from .spec_decode import SpecDecoder, VerifyInput
+from .step_io import VerifyStepInput, VerifyStepResult
+from .step_strategy import StepContext, StepStrategy
+
+logger = logging.getLogger("deepinfer")
+
+
+class SpecStep(StepStrategy):
+    def __init__(self, ctx: StepContext, spec: SpecDecoder) -> None:
+        super().__init__(ctx)
+        self.spec = spec
+        ctx.table.tracker = spec  # drafts live and die with their sequences
+
+    def step(self) -> None:
+        out, _ = self._schedule()
+        for seq_id in scheduling.preempted(out):
+            self.spec.discard(seq_id)
+        self._vote(launching=0 if scheduling.is_empty(out) else 1)
+        if scheduling.is_empty(out):
+            self._idle(out)
+            return
+        t0 = time.perf_counter()
+        step, confs = self._prepare(out)
+        self.stats.prefill_flops += self.builder.prefill_flops(out, step.batch)
+        self.stats.prepare_s += time.perf_counter() - t0
+        result = self.worker.run_verify(step, self.spec.verifier)
+        t0 = time.perf_counter()
+        self._process(out, step, confs, result)
+        self.stats.process_s += time.perf_counter() - t0
+        self.table.collect_all()
+
+    def _prepare(self, out) -> tuple[VerifyStepInput, list[float]]:
+        """Runner batch with 1 + k logits rows per verifying sequence, a VerifyInput per emitting
+        sequence (None otherwise), grammar masks per packed row; and the fed drafts' confidences."""
+        batch = scheduling.to_verify_batch(out)
+        ks = scheduling.num_draft_tokens(out)
+        inputs: list[VerifyInput | None] = []
+        grammar_reqs, confs, packed = [], [], 0
+        for i, seq_id in enumerate(batch.seq_ids.tolist()):
+            n, k = int(batch.logits_lens[i]), int(ks[i])
+            seq = self.table.seqs.get(seq_id)
+            if n == 0 or seq is None:
+                inputs.append(None)
+                continue
+            if n != 1 + k:
+                raise RuntimeError(f"sequence {seq_id}: {n} logits rows for {k} drafts")
+            drafts, probs, c = self.spec.pending(seq_id, k) if k else ([], None, [])
+            first = int(batch.query_offsets[i]) + 1
+            if drafts != batch.input_ids[first : first + k].tolist():
+                raise RuntimeError(f"sequence {seq_id}: the scheduler fed other drafts than were proposed")
+            base = int(batch.start_positions[i] + batch.query_lens[i]) - k  # row 0's token position
+            prompt_len = len(seq.request.prompt_token_ids)
+            g = seq.request.params.golden_token_ids
+            golden = [
+                g[base + j - prompt_len] if g is not None and base + j - prompt_len < len(g) else -1
+                for j in range(1 + k)
+            ]
+            rows = [self.builder.row_params(seq, base + j) for j in range(1 + k)]
+            inputs.append(VerifyInput(rows, drafts, probs, golden))
+            confs.extend(c)
+            if seq.grammar is not None:
+                grammar_reqs.append((seq.grammar, packed, drafts))
+            packed += n
+        structured = self.table.structured
+        allowed = structured.allowed_rows_with_drafts(grammar_reqs, packed) if grammar_reqs else None
+        is_prompt = bool(scheduling.is_prefill(out).any())
+        return VerifyStepInput(batch, inputs, allowed, self.builder.prompt_lens(batch), is_prompt), confs
+
+    def _process(self, out, step: VerifyStepInput, confs: list[float], result: VerifyStepResult) -> None:
+        ids = step.batch.seq_ids.tolist()
+        self.output.fail_errors(ids, result.errors)  # first: a failed request emits nothing below
+        emitted: list[list[int]] = [[] for _ in ids]
+        outcome = result.outcome
+        if outcome is not None:
+            for idx, i in enumerate(result.verified):
+                seq = self.table.seqs.get(ids[i])
+                if seq is not None and not seq.finished:
+                    emitted[i] = self.output.stop_cut(seq, outcome.result.emitted[idx])
+        finished = self.output.commit_verified(out, emitted)
+        accepted_after: dict[int, int] = {}
+        if outcome is not None:
+            prefill = scheduling.is_prefill(out)
+            vids = [ids[i] for i in result.verified]
+            decode = [not bool(prefill[i]) for i in result.verified]
+            rollbacks = self.spec.commit(vids, outcome.result, decode, confs)
+            # The runner forgets the rejected rows; the scheduler already did (num_computed_tokens).
+            self.worker.rollback([(rb.seq_id, rb.num_discarded) for rb in rollbacks])
+            for rb, i in zip(rollbacks, result.verified):
+                accepted_after[i] = rb.num_accepted
+                seq = self.table.seqs.get(ids[i])
+                if seq is not None:
+                    seq.request.metrics.num_draft_tokens += rb.num_verified
+                    seq.request.metrics.num_accepted_draft_tokens += rb.num_accepted
+        self.output.emit_verified(ids, emitted, result, finished)
+        decode_seqs = sum(1 for x in step.inputs if x is not None)
+        self.spec.update_runtime(
+            int(step.batch.query_lens.sum()), result.forward_s, decode_seqs, result.sample_s
+        )
+        self._propose_drafts(ids, step.inputs, accepted_after, finished)
+
+    def _propose_drafts(self, ids, inputs, accepted_after: dict[int, int], finished) -> None:
+        """The drafter proposes after every sequence that emitted and goes on; the varlen rule (or
+        all of them) decides how many the scheduler feeds next step."""
+        requests = []
+        for i, seq_id in enumerate(ids):
+            seq = self.table.seqs.get(seq_id)
+            if i not in accepted_after or seq is None or seq.finished or seq_id in finished:
+                continue
+            p = seq.request.params
+            room = min(p.max_tokens - seq.num_generated, self.output.max_model_len - len(seq.token_ids))
+            k = min(self.spec.nextn, room - 1)  # the step emits one token beyond its drafts
+            if k < 1:
+                continue
+            requests.append(
+                DraftRequest(
+                    seq_id=seq_id,
+                    context=seq.token_ids[:-1],
+                    next_token=seq.token_ids[-1],
+                    num_drafts=k,
+                    params=self.builder.row_params(seq, len(seq.token_ids)),
+                    base_position=inputs[i].base_position,
+                    num_accepted=accepted_after[i],
+                )
+            )
+        t0 = time.perf_counter()
+        for seq_id, drafts in self.spec.propose(requests).items():
+            if drafts:
+                scheduling.set_draft_tokens(self.scheduler, seq_id, drafts)
+        self.stats.draft_s += time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------- building the decoder
+def resolve_nextn(requested: int | None, drafter: Drafter | None, model, is_default_model: bool) -> int:
+    """Drafts per step: the caller's, else DEEPINFER_USE_NEXTN_DECODE; 0 where nothing can draft."""
+    if requested is None and is_default_model and not envs.is_set("DEEPINFER_USE_NEXTN_DECODE"):
+        # deepinfer-tiny's weights are random: its drafts are (almost) never accepted, so drafting
+        # would only slow the demo down (measured 2.5x). Real checkpoints get the reference's 5.
+        logger.info("deepinfer-tiny has random weights: speculative decoding off unless asked for")
+        return 0
+    nextn = int(envs.DEEPINFER_USE_NEXTN_DECODE) if requested is None else requested
+    if isinstance(nextn, bool) or not 0 <= nextn <= MAX_NEXTN:
+        raise ValueError(f"num_speculative_tokens must be in [0, {MAX_NEXTN}], got {nextn!r}")
+    if nextn and drafter is None and getattr(getattr(model, "weights", None), "drafter", None) is None:
+        # The env var is a process-wide default: models without draft blocks just decode plainly.
+        log = logger.debug if requested is None else logger.warning
+        log("speculative decoding off: the checkpoint has no DSpark draft blocks")
+        return 0
+    return nextn
+
+
+def make_spec_decoder(
+    nextn: int, drafter: Drafter | None, curve_given, model, runner, max_num_seqs: int
+) -> SpecDecoder:
+    """The engine's speculative-decoding state; the default drafter reads the paged runner's cached
+    drafter keys where it can, else runs the model's draft blocks."""
+    curve = _step_time_curve(curve_given, nextn, model, max_num_seqs)
+    if drafter is None:
+        paged = hasattr(runner, "last_step_index")
+        drafter = PagedDrafter(runner, model) if paged else ModelDrafter(model)
+    return SpecDecoder(nextn, drafter, curve)
+
+
+def _step_time_curve(given, nextn: int, model, max_num_seqs: int) -> StepTimeCurve | None:
+    """The varlen rule's step-time curve: given / loaded from a file / measured on the model now."""
+    if not envs.DEEPINFER_ENABLE_MTP_VARLEN:
+        return None
+    if isinstance(given, StepTimeCurve):
+        return given
+    if given is not None:
+        return StepTimeCurve.load(given)
+    max_tokens = min(max_num_seqs * (1 + nextn), 64)
+    sizes = sorted({1, 2, 4, 8, 16, 32, 64, max_tokens} & set(range(1, max_tokens + 1)))
+    ids = torch.arange(max_tokens) % int(model.config.vocab_size)
+
+    def step(n: int) -> None:  # one forward over n query tokens: the step's cost grows with them
+        model.forward(ids[:n])
+
+    logger.info("measuring the decode step-time curve for MTP varlen (%d sizes)", len(sizes))
+    return StepTimeCurve.measure(step, sizes, repeats=3, mode="linear")

@@ -1,0 +1,107 @@
+"""From the scheduler's output to the worker's `StepInput`: each emitting sequence's sampling row
+(seed, position, filters, banned tokens), its teacher-forced token, its grammar mask.
+
+The sampler's draw depends only on (seed, position), so a row built here is the same whichever loop
+(sync, async, speculative) asks for it.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from deepinfer_model.sampling import RowParams
+
+from . import scheduling
+from .request import SeqState
+from .request_table import RequestTable
+from .step_io import StepInput
+from .truncation import Truncation
+
+
+class StepBuilder:
+    def __init__(
+        self,
+        table: RequestTable,
+        truncation: Truncation,
+        eos_token_id: int | None,
+        blacklist: tuple[int, ...],
+    ) -> None:
+        self.table, self.truncation = table, truncation
+        self.eos_token_id, self.blacklist = eos_token_id, blacklist
+        # Grammar masks are filled here while the forward runs (xgrammar releases the GIL; the masks
+        # are needed only at sampling), so their cost leaves the step's critical path.
+        self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-masks")
+
+    def step(self, out, fill_from_previous: bool = False) -> StepInput:
+        """The step the scheduler planned. fill_from_previous: its unknown input ids are the tokens of
+        the step launched just before it (the asynchronous loop; `prev_rows` say which)."""
+        batch = scheduling.to_runner_batch(out, fill_from_previous)
+        emits = scheduling.emits_tokens(out)
+        rows: list[RowParams | None] = []
+        golden: list[int | None] = []
+        grammar_rows: dict[int, object] = {}
+        for i, seq_id in enumerate(batch.seq_ids.tolist()):
+            seq = self.table.seqs.get(seq_id)
+            if not emits[i] or seq is None:
+                rows.append(None)
+                golden.append(None)
+                continue
+            position = int(batch.start_positions[i] + batch.query_lens[i])  # index of the token produced
+            rows.append(self.row_params(seq, position))
+            g = seq.request.params.golden_token_ids
+            generated_before = position - len(seq.request.prompt_token_ids)
+            golden.append(g[generated_before] if g is not None and generated_before < len(g) else None)
+            if seq.grammar is not None:
+                grammar_rows[i] = seq.grammar
+        allowed = None
+        if grammar_rows:  # a callable the worker resolves after the forward (filled meanwhile)
+            allowed = self._mask_pool.submit(
+                self.table.structured.allowed_rows, grammar_rows, len(rows)
+            ).result
+        return StepInput(
+            batch,
+            rows,
+            golden,
+            allowed,
+            prev_rows=scheduling.prev_rows(out) if fill_from_previous else None,
+            prompt_lens=self.prompt_lens(batch),
+            is_prompt=bool(scheduling.is_prefill(out).any()),
+        )
+
+    def prompt_lens(self, batch) -> list[int] | None:
+        """YoCo truncation's per-sequence original prompt lengths for the runner (None when off).
+
+        The one place they are computed: once the runner reads them from the scheduler's step output,
+        this method and `StepInput.prompt_lens` go."""
+        return self.truncation.prompt_lens(batch.seq_ids, self.table.prompt_len_of)
+
+    def prefill_flops(self, out, batch) -> float:
+        """Estimated FP8-equivalent FLOPs of the step's prefill chunks (statistics)."""
+        return self.truncation.step_flops(batch, scheduling.is_prefill(out), self.table.prompt_len_of)
+
+    def row_params(self, seq: SeqState, position: int) -> RowParams:
+        """How `seq` samples the token at `position`."""
+        p = seq.request.params
+        return RowParams(
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            min_p=p.min_p,
+            seed=seq.seed,
+            position=position,
+            logprobs=p.logprobs,
+            banned_token_ids=self._banned(seq, position - len(seq.request.prompt_token_ids)),
+        )
+
+    def _banned(self, seq: SeqState, generated_before: int) -> tuple[int, ...]:
+        p = seq.request.params
+        banned = list(self.blacklist)
+        if generated_before < p.min_tokens or (p.first_n_token_no_eos == 1 and generated_before == 0):
+            if self.eos_token_id is not None and not p.ignore_eos:
+                banned.append(self.eos_token_id)
+        if generated_before < p.min_tokens:
+            banned.extend(p.stop_token_ids)
+        return tuple(banned)
+
+    def close(self) -> None:
+        self._mask_pool.shutdown(wait=True)

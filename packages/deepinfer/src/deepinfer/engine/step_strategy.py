@@ -1,0 +1,112 @@
+"""How the engine runs one step: the interface every loop implements, and the synchronous loop.
+
+A strategy owns one way of turning the scheduler's plan into committed tokens; `LLMEngine.step` calls
+`step()` and returns what finished. The loops (this file's `SyncStep`, `async_step.AsyncStep`,
+`spec_step.SpecStep`) share the parts in `StepContext` and emit the same tokens: the sampler's draw
+depends only on (seed, position) and a runner's logits only on the sequence.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from . import scheduling
+from .output_processor import OutputProcessor
+from .request_table import RequestTable
+from .stats import EngineStats
+from .step_builder import StepBuilder
+from .step_io import StepInput
+from .worker import ModelWorker
+
+if TYPE_CHECKING:
+    from .dp_rank import DataParallelRank
+
+
+@dataclass
+class StepContext:
+    """The engine's parts a step strategy works with."""
+
+    scheduler: object  # deepinfer_sched.Scheduler
+    worker: ModelWorker
+    table: RequestTable
+    builder: StepBuilder
+    output: OutputProcessor
+    stats: EngineStats
+    dp: DataParallelRank | None = None
+
+
+class StepStrategy:
+    """One engine step. `busy`: steps launched and not yet committed; `settle`: commit them now (an
+    abort of everything); `close`: stop whatever the strategy started (threads)."""
+
+    def __init__(self, ctx: StepContext) -> None:
+        self.ctx = ctx
+        self.scheduler, self.worker, self.table = ctx.scheduler, ctx.worker, ctx.table
+        self.builder, self.output, self.stats, self.dp = ctx.builder, ctx.output, ctx.stats, ctx.dp
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def busy(self) -> bool:
+        return False
+
+    def settle(self) -> None:
+        """Commit every step in flight (none in a loop that finishes each step before returning)."""
+
+    def close(self) -> None:
+        """Wait for what is in flight and stop what the strategy started (nothing here)."""
+
+    # ------------------------------------------------------------------ shared by the loops
+    def _schedule(self) -> tuple[object, float]:
+        t0 = time.perf_counter()
+        out = scheduling.schedule(self.scheduler)
+        dt = time.perf_counter() - t0
+        self.stats.schedule_s += dt
+        return out, dt
+
+    def _build(self, out, fill_from_previous: bool = False) -> StepInput:
+        step = self.builder.step(out, fill_from_previous)
+        self.stats.prefill_flops += self.builder.prefill_flops(out, step.batch)
+        return step
+
+    def _idle(self, out) -> None:
+        """The schedule is empty: close it, let finished requests go."""
+        scheduling.retire(self.scheduler, out)
+        self.table.release_idle(self.busy())
+
+    def _vote(self, launching: int = 0, inline: bool = True, submit_idle=None) -> None:
+        """Data parallel: the step's vote with the other ranks (DataParallelRank.agree). Exactly one
+        per step() on every rank, before anything waits for a forward. `launching`: forwards this
+        step runs inline after the vote; idle forwards to catch up with the other ranks run inline,
+        or are queued behind the launched ones by `submit_idle() -> Future`."""
+        if self.dp is None:
+            return
+        self.dp.agree(
+            busy=bool(self.table.requests) or self.busy(),
+            launching=launching,
+            idle_inline=inline,
+            run_idle=self.worker.idle,
+            submit_idle=submit_idle,
+        )
+
+
+class SyncStep(StepStrategy):
+    """Schedule, run the model, commit and emit: each step finishes before `step()` returns."""
+
+    def step(self) -> None:
+        out, _ = self._schedule()
+        self._vote(launching=0 if scheduling.is_empty(out) else 1)
+        if scheduling.is_empty(out):
+            self._idle(out)
+            return
+        t0 = time.perf_counter()
+        step = self._build(out)
+        self.stats.prepare_s += time.perf_counter() - t0
+        result = self.worker.run(step)
+        t0 = time.perf_counter()
+        finished = self.output.commit(out, result)
+        self.output.emit(out, result, finished)
+        self.stats.process_s += time.perf_counter() - t0
+        self.table.collect_all()
