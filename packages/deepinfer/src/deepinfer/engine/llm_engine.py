@@ -119,27 +119,24 @@ class LLMEngine(PromptChecks):
             max_model_len=self.max_model_len,
         )
         blacklist = tuple(envs.parse_token_ranges(envs.DEEPINFER_DECODE_TOKEN_BLACKLIST))
-        ctx = StepContext(
-            scheduler=self.scheduler,
-            worker=self.worker,
-            table=self.table,
-            builder=StepBuilder(self.table, self.truncation, self.eos_token_id, blacklist),
-            output=OutputProcessor(self.table, self.stats, self.max_model_len),
-            stats=self.stats,
-            dp=dp,
-        )
+        self.builder = StepBuilder(self.table, self.truncation, self.eos_token_id, blacklist)
+        self.output = OutputProcessor(self.table, self.stats, self.max_model_len)
         self.spec: SpecDecoder | None = None
         if nextn:
             self.spec = make_spec_decoder(
                 nextn, drafter, step_time_curve, self.model, self.runner, args.max_num_seqs
             )
-        self.strategy: StepStrategy = (
-            SpecStep(ctx, self.spec)
-            if self.spec is not None
-            else AsyncStep(ctx, self.device)
-            if self.use_async
-            else SyncStep(ctx)
+        self.strategy = self._choose_strategy()
+
+    def _choose_strategy(self) -> StepStrategy:
+        """Speculative when drafting (it runs synchronously, also under async_scheduling), else the
+        asynchronous or the synchronous loop."""
+        ctx = StepContext(
+            self.scheduler, self.worker, self.table, self.builder, self.output, self.stats, self.dp
         )
+        if self.spec is not None:
+            return SpecStep(ctx, self.spec)
+        return AsyncStep(ctx, self.device) if self.use_async else SyncStep(ctx)
 
     def _load_model(self):
         dtype = _DTYPES[self.args.dtype]
@@ -223,10 +220,12 @@ class LLMEngine(PromptChecks):
             prompt_token_ids = self.encode(prompt)
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         self.validate_prompt(prompt_token_ids)
-        if self.worker.timeline is not None and not self.requests and not self.strategy.busy():
-            # the device sat idle for want of requests, not because of the loop: no gap before the next step
-            self.worker.timeline.break_chain()
+        idle = self.worker.timeline is not None and not self.requests and not self.strategy.busy()
         self.table.add(request_id, prompt, prompt_token_ids, params, arrival_time, seeds)
+        if (
+            idle
+        ):  # the device sat idle for want of requests, not because of the loop: no gap before the next step
+            self.worker.timeline.break_chain()
         self.stats.prompt_tokens += len(prompt_token_ids) * params.n
 
     def abort_request(self, request_id: str) -> bool:
@@ -266,7 +265,7 @@ class LLMEngine(PromptChecks):
 
     def close(self) -> None:
         self.strategy.close()
-        self.strategy.builder.close()
+        self.builder.close()
         self.table.close()
         runner_close = getattr(self.runner, "close", None)  # decode CUDA graphs (before process groups)
         if runner_close is not None:

@@ -21,6 +21,8 @@ from .step_io import StepInput
 from .worker import ModelWorker
 
 if TYPE_CHECKING:
+    from deepinfer_sched import Scheduler
+
     from .dp_rank import DataParallelRank
 
 
@@ -28,7 +30,7 @@ if TYPE_CHECKING:
 class StepContext:
     """The engine's parts a step strategy works with."""
 
-    scheduler: object  # deepinfer_sched.Scheduler
+    scheduler: Scheduler
     worker: ModelWorker
     table: RequestTable
     builder: StepBuilder
