@@ -11,7 +11,8 @@
 # both trees). The medium checkpoint is made
 # once, by this tree's generator, and both trees load it. Knobs: REGRESS_BATCHES (1,8,64), REGRESS_CHUNK
 # (16384), REGRESS_STEPS (measured decode steps, 12), REGRESS_ROUNDS (decode runs per tree, interleaved, 2),
-# REGRESS_LIMIT_S (per bench run, 150).
+# REGRESS_LIMIT_S (per bench run, 150); REGRESS_TESTS: pytest paths of this tree's gpu tests to run while the
+# checkpoint is made (before any timing; `-m "gpu and not slow"`, limit REGRESS_TESTS_LIMIT_S, default 150).
 # Results: $OUT (device tool) or benchmarks/results: regression_{decode,prefill}_{baseline,current}.json and
 # regression.json (one record per configuration with both times and their ratio).
 set -uo pipefail
@@ -41,6 +42,12 @@ for tag in baseline current; do  # each tree's own C++ scheduler (its step outpu
   python3 -m pip install -q --no-build-isolation --no-deps --target "/tmp/sched-$tag" "$tree/packages/deepinfer-sched" \
     > "$out/sched_build_$tag.log" 2>&1 || { tail -20 "$out/sched_build_$tag.log"; exit 1; }
 done
+if [ -n "${REGRESS_TESTS:-}" ]; then  # the GPU is idle while the checkpoint is drawn: this tree's gpu tests
+  el "gpu tests: $REGRESS_TESTS"
+  PYTHONPATH="/tmp/sched-current:$(src_path "$current")/tmp/pysite:$base_path" timeout "${REGRESS_TESTS_LIMIT_S:-150}" \
+    python3 -m pytest -q -p no:cacheprovider -m "gpu and not slow" -n 4 -rfE $REGRESS_TESTS > "$out/gpu_tests.log" 2>&1
+  tail -15 "$out/gpu_tests.log"
+fi
 wait "$medium_pid" || { tail -20 "$out/medium_checkpoint.log"; exit 1; }
 el "$(tail -1 "$out/medium_checkpoint.log")"
 run() {  # run TAG MODE NAME ARGS...: one bench of one tree, its results named NAME
