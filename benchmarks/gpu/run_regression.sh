@@ -22,7 +22,7 @@ out=/tmp/gpu-regression-out
 mkdir -p "$out" "$final"
 trap 'cp "$out"/*.json "$final"/ 2>/dev/null; tar -C "$out" -czf "$final/regression_logs.tar.gz" --exclude="*.json" .' EXIT
 export PYTHONUNBUFFERED=1 HOME=${HOME:-/root} OMP_NUM_THREADS=16 LC_ALL=C
-export DEEPINFER_ACCELERATOR=${DEEPINFER_ACCELERATOR:-nvidia} DEEPINFER_NUMERICS=native
+export DEEPINFER_ACCELERATOR=${DEEPINFER_ACCELERATOR:-nvidia}  # (the benches run native numerics, the tests their own)
 t0=$(date +%s)
 el() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
 bundle=${BUNDLE_DIR:-.gpu}
@@ -54,7 +54,7 @@ run() {  # run TAG MODE NAME ARGS...: one bench of one tree, its results named N
   local tag=$1 mode=$2 name=$3; shift 3
   local tree; tree=$([ "$tag" = baseline ] && echo "$baseline" || echo "$current")
   el "bench $mode: $name"
-  (cd "$tree" && PYTHONPATH="/tmp/sched-$tag:$(src_path "$tree")/tmp/pysite:$base_path" \
+  (cd "$tree" && PYTHONPATH="/tmp/sched-$tag:$(src_path "$tree")/tmp/pysite:$base_path" DEEPINFER_NUMERICS=native \
     timeout "${REGRESS_LIMIT_S:-150}" python3 -m deepinfer.cli bench "$mode" --model "$medium" --device cuda \
     --dtype bfloat16 --no-progress --no-plot --results-dir "$out" --name "$name" "$@") \
     > "$out/$name.log" 2>&1
