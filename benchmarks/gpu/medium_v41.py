@@ -1,4 +1,4 @@
-"""The "medium" V4.1 config of issue #13: the real V4.1 per-layer dimensions, few layers, tens of experts.
+"""The "medium" V4.1 config: the real V4.1 per-layer dimensions, few layers, tens of experts.
 
 Per layer it matches the flagship: head dim 512 (448 latent + 64 RoPE), 64 query heads, one KV head,
 indexer head dim 128, sliding window 128, compressed layers C2 / C1 with sparse top-512 selection and

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on the CUDA machine: the whole engine on the GPU (issue #13's end-to-end part, #16's NVIDIA part).
+# One call on the CUDA machine: the whole engine on the GPU (the model and engine end to end, with the NVIDIA ops).
 # Carry `.gpu` (bundle.tar.xz, setup.sh, pysite.tar.xz, rpds312.tar.xz; see README.md here):
 #     bash benchmarks/gpu/run_engine_suite.sh [STEP ...]     (default: every step)
 # Steps: check / medium (whole model on the GPU vs the CPU: tiny / medium), gputests (every `gpu`-marked test),

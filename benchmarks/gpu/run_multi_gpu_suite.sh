@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on the multi-GPU machine (issue #14). Carry `.gpu-ep` (made by make_ep_bundle.sh; < 64 MiB):
+# One call on the multi-GPU machine. Carry `.gpu-ep` (made by make_ep_bundle.sh; < 64 MiB):
 #     bash benchmarks/gpu/run_multi_gpu_suite.sh [STEP ...]      (default: every step)
 # Steps: deepep (DeepEP vs torch backend tests + the NCCL EP/EPLB test), comm (bench_ep_comm.py: dispatch /
 # combine GB/s, DeepEP vs torch all-to-all), model (EP / CP / EPLB / paged DP model tests on NCCL),

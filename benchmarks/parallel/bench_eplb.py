@@ -12,7 +12,7 @@ set differs from the planning window's).
 
 Imbalance = peak rank load / mean rank load, two ways:
   agg  - on the window's summed counts per layer, averaged over layers (how DeepSeek's EPLB numbers
-         quoted in issue 10 are measured);
+         quoted by the reference are measured);
   step - sum over steps and layers of the peak rank load / the same sum of the mean (the runtime
          `moe_lb` statistic of the reference; what the planner minimises).
 Planners: `deepinfer` (deepinfer_parallel.eplb.rebalance, the spec's two-phase per-step policy),
@@ -35,7 +35,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-# DeepSeek's hierarchical EPLB on a Zipf(1) trace as quoted in issue 10 (before -> after), EP 8/16/32/64.
+# DeepSeek's hierarchical EPLB on a Zipf(1) trace as the reference quotes it (before -> after), EP 8/16/32/64.
 DEEPSEEK_ZIPF1 = {8: (2.14, 1.00), 16: (3.29, 1.05), 32: (5.44, 1.39), 64: (9.60, 2.54)}
 
 

@@ -1,4 +1,4 @@
-"""Multi-GPU checks and benchmarks of the V4.1 model (issue #14): expert parallelism (EP), EPLB and
+"""Multi-GPU checks and benchmarks of the V4.1 model: expert parallelism (EP), EPLB and
 context-parallel (CP) prefill against the single-device run of the same invocation.
 
 One invocation: the single-device reference runs in this process, then `--world` ranks are launched

@@ -1,4 +1,4 @@
-"""The static decode step under torch.compile (`runtime/compiled.py`, issue #13) on the CPU: traced by
+"""The static decode step under torch.compile (`runtime/compiled.py`) on the CPU: traced by
 Dynamo (the `aot_eager` backend: the captured graphs run as ATen ops, no generated kernels), it gives
 bitwise the plain static step's logits across buckets in the engine's numerics; once shapes have gone
 symbolic, a bucket reuses the compiled graphs; the weights' converted copies still come from the cache

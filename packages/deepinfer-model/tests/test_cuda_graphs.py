@@ -1,4 +1,4 @@
-"""Graph-safe decode (issue #13) on the CPU: the static decode step equals the eager paged step, pads to
+"""Graph-safe decode on the CPU: the static decode step equals the eager paged step, pads to
 buckets without touching real rows, makes no host sync; bucket sizes follow spec engine.md §3.5; context
 tiers size the step's block tables and index scoring by its longest context, not by max_context.
 
@@ -579,7 +579,7 @@ def test_index_scoring_follows_context_tier(model, monkeypatch):
     assert torch.equal(logits[MIN_TIER], logits[MAX_CTX])
 
 
-# ------------------------------------------------------------------ batch-invariant mode (issues #13 + #16)
+# ------------------------------------------------------------------ batch-invariant mode
 # With DEEPINFER_BATCH_INVARIANT=1 the static decode / verification step (what a CUDA graph replays) gives
 # logits bitwise equal to the eager batch-invariant paged step, makes no host sync, and a sequence's row
 # does not depend on the other rows of the step; the runner replays it. The replay on CUDA:

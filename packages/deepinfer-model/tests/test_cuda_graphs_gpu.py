@@ -1,4 +1,4 @@
-"""Decode CUDA graphs on the GPU (issue #13): graph replays equal the eager paged step for several batch
+"""Decode CUDA graphs on the GPU: graph replays equal the eager paged step for several batch
 sizes, padded ones included, in exact and native numerics; the static step replayed from a graph
 equals the same static step run without a graph bit for bit, with one context tier and with several
 (a graph per (bucket, tier), captured on first use)."""
@@ -175,7 +175,7 @@ def test_verify_graph_replay_equals_eager(path, native, monkeypatch):
 
 @pytest.mark.parametrize("engine_numerics", [False, True])
 def test_graph_replay_equals_eager_batch_invariant(path, engine_numerics, monkeypatch):
-    """DEEPINFER_BATCH_INVARIANT=1 (issues #13 + #16): decode graph replays (padded buckets, context
+    """DEEPINFER_BATCH_INVARIANT=1: decode graph replays (padded buckets, context
     tiers 16 .. 128) and verification replays (nextn 3) equal the eager batch-invariant step bit for bit,
     so a row's logits do not depend on whether its step was replayed; FP32 and BF16 + quantised KV."""
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")

@@ -1,4 +1,4 @@
-"""The paged drafter drafts every sequence of a step in one batched forward (`draft_blocks`, issue #13).
+"""The paged drafter drafts every sequence of a step in one batched forward (`draft_blocks`).
 
 Oracle: `_draft_block_per_sequence` below is the per-sequence `draft_block` as it was before the
 batched path replaced it (one sequence per forward: its own window and block keys, no padding, no

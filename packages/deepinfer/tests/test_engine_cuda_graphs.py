@@ -1,4 +1,4 @@
-"""Engine greedy output with decode CUDA graphs equals DEEPINFER_ENFORCE_EAGER=1 (issue #13; GPU only)."""
+"""Engine greedy output with decode CUDA graphs equals DEEPINFER_ENFORCE_EAGER=1 (GPU only)."""
 
 import pytest
 import torch

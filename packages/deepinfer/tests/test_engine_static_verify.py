@@ -1,4 +1,4 @@
-"""Speculative decoding through the graph-safe static step (issue #13) on the CPU: the engine's tokens
+"""Speculative decoding through the graph-safe static step on the CPU: the engine's tokens
 with drafting are identical whether decode / verification steps run the static step (the CUDA-graph
 path without capture, `DecodeGraphSettings(capture=False)`) or the eager paged step."""
 

@@ -1,4 +1,4 @@
-"""Structured output end to end through `LLM.generate` (issue 8): mixed batches, per-request failures,
+"""Structured output end to end through `LLM.generate`: mixed batches, per-request failures,
 and constrained decoding with speculative drafts. Outputs are checked by independent checkers
 (`jsonschema`, `re.fullmatch`)."""
 
