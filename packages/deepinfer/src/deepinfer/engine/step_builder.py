@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from deepinfer_model.sampling import RowParams
+from deepinfer_model import RowParams
 
 from . import scheduling
 from .request import SeqState

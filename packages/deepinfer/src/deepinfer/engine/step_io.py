@@ -11,8 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-from deepinfer_model import StepBatch
-from deepinfer_model.sampling import RowParams, TokenBitmask
+from deepinfer_model import RowParams, StepBatch, TokenBitmask
 
 from .spec_decode import VerifyInput, VerifyOutcome
 

@@ -14,7 +14,7 @@ paged runner accepts), including a preempted sequence's own blocks.
 from __future__ import annotations
 
 import numpy as np
-from deepinfer_model.models.deepseek_v41.yoco import (
+from deepinfer_model import (
     YocoSettings,
     check_prompt_logprobs,
     check_settings,

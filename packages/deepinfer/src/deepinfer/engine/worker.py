@@ -12,9 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from deepinfer_model import StepBatch
-from deepinfer_model.runtime.device import to_device
-from deepinfer_model.sampling import EMPTY_ROW_MESSAGE, RowParams, Sampler, SamplerOutput
+from deepinfer_model import EMPTY_ROW_MESSAGE, RowParams, Sampler, SamplerOutput, StepBatch, to_device
 from deepinfer_spec import DraftVerifier
 
 from .. import envs
