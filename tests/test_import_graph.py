@@ -23,59 +23,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Violations left in code that is being restructured (the engine, the model's runtime / runner /
-# models) and in deepinfer-tiny's training recipe. The test fails when one of them is gone, so these lists only shrink; empty them, do not
-# add to them. A private import is keyed by (importing module, imported module), with what to import
-# instead ("not exported yet": the name has no package-level export, it waits for the model's step
-# contract); a cycle is the set of modules that import each other.
-KNOWN_PRIVATE_IMPORTS: dict[tuple[str, str], str] = {
-    ("deepinfer.engine.data_parallel", "deepinfer_model.models.deepseek_v41.yoco"): (
-        "check_prompt_logprobs: not exported yet"
-    ),
-    ("deepinfer.engine.dp_rank", "deepinfer_model.parallel"): (
-        "from deepinfer_model import ExpertParallelMoE, load_v41_ep, shard_experts"
-    ),
-    (
-        "deepinfer.engine.dp_rank",
-        "deepinfer_model.models.deepseek_v41",
-    ): "from deepinfer_model import DeepseekV41Config",
-    ("deepinfer.engine.drafting", "deepinfer_model.runtime.device"): (
-        "from deepinfer_model import model_device, to_device"
-    ),
-    ("deepinfer.engine.drafting", "deepinfer_model.sampling"): (
-        "from deepinfer_model import RowParams, filtered_probs; from deepinfer_spec import Purpose, stream_uniform"
-    ),
-    ("deepinfer.engine.drafting", "deepinfer_spec.verify"): "from deepinfer_spec import inverse_cdf",
-    ("deepinfer.engine.llm_engine", "deepinfer_model.runtime"): "make_runner: not exported yet",
-    ("deepinfer.engine.llm_engine", "deepinfer_model.runtime.cuda_graphs"): (
-        "decode_graph_settings: not exported yet"
-    ),
-    ("deepinfer.engine.llm_engine", "deepinfer_model.sampling"): "from deepinfer_model import RowParams",
-    (
-        "deepinfer.engine.spec_decode",
-        "deepinfer_model.runtime.device",
-    ): "from deepinfer_model import to_device",
-    ("deepinfer.engine.spec_decode", "deepinfer_model.sampling"): (
-        "from deepinfer_model import RowParams, TokenBitmask, filtered_probs, masked_logits"
-    ),
-    ("deepinfer.engine.structured", "deepinfer_model.sampling"): "from deepinfer_model import TokenBitmask",
-    ("deepinfer.engine.truncation", "deepinfer_model.models.deepseek_v41.yoco"): (
-        "YocoSettings, check_prompt_logprobs, check_settings, max_backtracking, prefill_flops: not exported yet"
-    ),
-    ("deepinfer.engine.worker", "deepinfer_model.runtime.device"): "from deepinfer_model import to_device",
-    ("deepinfer.engine.worker", "deepinfer_model.sampling"): (
-        "from deepinfer_model import EMPTY_ROW_MESSAGE, RowParams, Sampler, SamplerOutput, TokenBitmask"
-    ),
-    # deepinfer-tiny's recipe trains V4.1 from the model's building blocks: which of them form a public
-    # (training) surface of deepinfer_model is still to be decided.
-}
-KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset(
-    frozenset(cycle)
-    for cycle in [
-        ("deepinfer.engine.dp_rank", "deepinfer.engine.llm_engine"),
-    ]
-)
-
 
 @dataclass(frozen=True)
 class Package:
@@ -315,27 +262,20 @@ def find_violations(root: Path = ROOT) -> Violations:
     return Violations(private, undeclared, module_cycles, package_cycles)
 
 
-def _private_key(imp: Import) -> tuple[str, str]:
-    return imp.importer, imp.target
-
-
 def describe(violations: Violations) -> dict[str, list[str]]:
     """One line per violation, grouped by the importing package."""
     lines: dict[str, list[str]] = defaultdict(list)
     for imp in violations.private:
-        instead = KNOWN_PRIVATE_IMPORTS.get(_private_key(imp))
-        known = f" (known; instead: {instead})" if instead else ""
         names = f" import {', '.join(imp.names)}" if imp.names else ""
-        lines[package_of(imp.importer)].append(f"private import{known}: {imp.where()}: {imp.target}{names}")
+        lines[package_of(imp.importer)].append(f"private import: {imp.where()}: {imp.target}{names}")
     for imp in violations.undeclared:
         lines[package_of(imp.importer)].append(
             f"undeclared dependency: {imp.where()}: {imp.target} (add {package_of(imp.target)}'s "
             "distribution to pyproject.toml, or do not import it)"
         )
     for cycle, edges in violations.module_cycles.items():
-        known = " (known)" if cycle in KNOWN_CYCLES else ""
         lines[package_of(next(iter(cycle)))].append(
-            f"module cycle{known} of {len(cycle)}: {', '.join(sorted(cycle))}\n"
+            f"module cycle of {len(cycle)}: {', '.join(sorted(cycle))}\n"
             + "\n".join(f"      {imp.where()}: {imp.importer} -> {imp.target}" for imp in edges)
         )
     for cycle, edges in violations.package_cycles.items():
@@ -361,7 +301,7 @@ def _violations() -> Violations:
 
 
 def test_no_cross_package_import_of_a_private_module():
-    found = [imp for imp in _violations().private if _private_key(imp) not in KNOWN_PRIVATE_IMPORTS]
+    found = _violations().private
     assert not found, "import the package (or a module in its __public_modules__) instead:\n" + _format(
         [
             f"{imp.where()}: {imp.target}" + (f" import {', '.join(imp.names)}" if imp.names else "")
@@ -389,7 +329,7 @@ def test_no_import_cycle_between_packages():
 
 
 def test_no_import_cycle_within_a_package():
-    cycles = {c: e for c, e in _violations().module_cycles.items() if c not in KNOWN_CYCLES}
+    cycles = _violations().module_cycles
     assert not cycles, "modules that import each other:\n" + _format(
         [
             f"{', '.join(sorted(cycle))}:\n"
@@ -408,28 +348,16 @@ def test_declared_public_modules_exist():
             )
 
 
-def test_known_violations_still_exist():
-    """The lists of known violations only shrink: one that is fixed must leave the list."""
-    v = _violations()
-    fixed_imports = KNOWN_PRIVATE_IMPORTS.keys() - {_private_key(imp) for imp in v.private}
-    fixed_cycles = KNOWN_CYCLES - set(v.module_cycles)
-    assert not fixed_imports, f"remove from KNOWN_PRIVATE_IMPORTS: {sorted(fixed_imports)}"
-    assert not fixed_cycles, f"remove from KNOWN_CYCLES: {[sorted(c) for c in fixed_cycles]}"
-
-
 def main() -> int:
     v = _violations()
     for pkg, lines in describe(v).items():
         print(f"{pkg}: {len(lines)}")
         print(_format(lines))
-    known_private = sum(_private_key(imp) in KNOWN_PRIVATE_IMPORTS for imp in v.private)
-    known_cycles = sum(cycle in KNOWN_CYCLES for cycle in v.module_cycles)
     print(
-        f"private imports: {len(v.private)} ({known_private} known), undeclared: {len(v.undeclared)}, "
-        f"module cycles: {len(v.module_cycles)} ({known_cycles} known), package cycles: {len(v.package_cycles)}"
+        f"private imports: {len(v.private)}, undeclared: {len(v.undeclared)}, "
+        f"module cycles: {len(v.module_cycles)}, package cycles: {len(v.package_cycles)}"
     )
-    new = len(v.private) - known_private + len(v.undeclared) + len(v.module_cycles) - known_cycles
-    return 1 if new + len(v.package_cycles) else 0
+    return 1 if len(v.private) + len(v.undeclared) + len(v.module_cycles) + len(v.package_cycles) else 0
 
 
 if __name__ == "__main__":

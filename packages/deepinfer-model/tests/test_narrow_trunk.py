@@ -214,8 +214,9 @@ def test_paged_yoco_prefill_and_decode(bf16_model, monkeypatch, mode):
                 block_tables=[table[: -(-(start + q) // bs)]],
                 input_ids=np.asarray(tokens[start : start + q], dtype=np.int64),
                 logits_lens=np.array([1]),
+                prompt_lens=[prompt],
             )
-            out.append(runner.execute(batch, prompt_lens=[prompt]))
+            out.append(runner.execute(batch))
         return out
 
     narrow, wide = _narrow_and_wide(monkeypatch, run)

@@ -72,9 +72,9 @@ def run_steps(model, yoco=None, draft=True):
             block_tables=[np.array(tables[i], dtype=np.int32) for i, *_ in step],
             input_ids=np.concatenate([SEQS[i][lo:hi] for i, lo, hi, _ in step]),
             logits_lens=np.array([n for *_, n in step]),
+            prompt_lens=[PROMPTS[i] for i, *_ in step] if yoco is not None else None,
         )
-        prompt_lens = [PROMPTS[i] for i, *_ in step] if yoco is not None else None
-        logits = runner.execute(batch, prompt_lens)
+        logits = runner.execute(batch)
         assert logits.device == runner.device
         outs.append(logits.cpu())
     if draft:

@@ -73,8 +73,9 @@ class Driver:
             block_tables=[np.array(s["table"], dtype=np.int32) for s, *_ in entries],
             input_ids=np.concatenate([s["tokens"][a : a + q] for s, a, q, _ in entries]),
             logits_lens=np.array([e[3] for e in entries]),
+            prompt_lens=[s["prompt_len"] for s, *_ in entries],
         )
-        got = self.runner.execute(batch, prompt_lens=[s["prompt_len"] for s, *_ in entries])
+        got = self.runner.execute(batch)
         out, row = [], 0
         for *_, n in entries:
             out.append(got[row : row + n])
@@ -247,23 +248,27 @@ def test_preemption_then_recompute_equals(model, mode):
         start += 1
 
 
-def test_settings_are_checked_and_default_path_refuses_prompt_lens(model):
+def test_settings_are_checked_and_a_yoco_step_needs_prompt_lens(model):
     with pytest.raises(ValueError, match=r"8 \+ 6 = 14"):
         PagedRunner(model, 8, 4, yoco=YocoSettings(YocoMode.COMPACT, 13), backtracking=B)
-    plain = PagedRunner(model, 8, 4)
-    batch = StepBatch.of(
-        seq_ids=np.array([0]),
-        start_positions=np.array([0]),
-        query_lens=np.array([3]),
-        block_tables=[np.array([0])],
-        input_ids=np.array([5, 6, 7]),
-        logits_lens=np.array([1]),
-    )
-    with pytest.raises(ValueError, match="prompt_lens"):
-        plain.execute(batch, prompt_lens=[3])
+
+    def step(prompt_lens=None):
+        return StepBatch.of(
+            seq_ids=np.array([0]),
+            start_positions=np.array([0]),
+            query_lens=np.array([3]),
+            block_tables=[np.array([0])],
+            input_ids=np.array([5, 6, 7]),
+            logits_lens=np.array([1]),
+            prompt_lens=prompt_lens,
+        )
+
+    # without truncation a step's prompt lengths (every scheduler step carries them) change nothing
+    with_lens = PagedRunner(model, 8, 4).execute(step(prompt_lens=[3]))
+    assert torch.equal(with_lens, PagedRunner(model, 8, 4).execute(step()))
     yoco = PagedRunner(model, 8, 4, yoco=YocoSettings(YocoMode.COMPACT, KEEP), backtracking=B)
-    with pytest.raises(ValueError, match="prompt_lens"):
-        yoco.execute(batch)
+    with pytest.raises(ValueError, match=r"original prompt length \(StepBatch.prompt_lens\)"):
+        yoco.execute(step())
 
 
 def test_compact_refuses_logits_of_a_skipped_prompt_row(model):
@@ -277,9 +282,10 @@ def test_compact_refuses_logits_of_a_skipped_prompt_row(model):
         block_tables=[np.arange(8)],
         input_ids=ids,
         logits_lens=np.array([20]),  # rows 10..29; rect_lo = 16
+        prompt_lens=[30],
     )
     with pytest.raises(ValueError, match="prompt logprobs"):
-        runner.execute(batch, prompt_lens=[30])
+        runner.execute(batch)
 
 
 def _truncated_draft(model, mode, tokens, prompt_len, n, g):

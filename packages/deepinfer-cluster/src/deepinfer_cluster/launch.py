@@ -29,10 +29,7 @@ from dataclasses import dataclass, field
 
 from deepinfer_cluster.accelerator import AcceleratorKind, accelerator_kind
 from deepinfer_cluster.layout import ParallelLayout, resolve_layout
-from deepinfer_cluster.multicast import (
-    NO_MULTICAST_ENV,
-    no_multicast_environment,  # noqa: F401  (the engine's data-parallel front still imports it from here)
-)
+from deepinfer_cluster.multicast import NO_MULTICAST_ENV
 from deepinfer_cluster.visible import devices_for_rank, visible_devices
 
 log = logging.getLogger(__name__)

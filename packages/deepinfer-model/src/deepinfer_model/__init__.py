@@ -17,9 +17,17 @@ from .models.deepseek_v41 import (
     make_v41_checkpoint,
     tiny_v41_config_dict,
 )
+from .models.deepseek_v41.yoco import (
+    YocoSettings,
+    check_prompt_logprobs,
+    check_settings,
+    max_backtracking,
+    prefill_flops,
+)
 from .parallel import ExpertParallelMoE, load_v41_ep, shard_experts
 from .quant_sm90 import refuse_with_expert_parallelism
 from .runner import StepBatch
+from .runtime import decode_graph_settings, make_runner
 from .runtime.device import model_device, resolve_device, to_device
 from .sampling import (
     EMPTY_ROW_MESSAGE,
@@ -38,7 +46,6 @@ __version__ = "0.1.0"
 __public_modules__ = ("testing", "training")
 
 __all__ = [
-    "StepBatch",
     "CheckpointError",
     "ConfigError",
     "DeepseekV41Config",
@@ -51,18 +58,26 @@ __all__ = [
     "RowParams",
     "Sampler",
     "SamplerOutput",
+    "StepBatch",
     "TokenBitmask",
     "V41Output",
+    "YocoSettings",
+    "check_prompt_logprobs",
+    "check_settings",
+    "decode_graph_settings",
     "filtered_probs",
     "load_config",
     "load_model",
     "load_v41",
     "load_v41_ep",
+    "make_runner",
     "make_v41_checkpoint",
     "masked_logits",
+    "max_backtracking",
     "model_device",
     "normalize_seed",
     "parse_config",
+    "prefill_flops",
     "refuse_with_expert_parallelism",
     "resolve_device",
     "shard_experts",

@@ -64,7 +64,7 @@ class ModelFamily(ABC):
     def step_extras(self, model, meta, cache, settings, seq_ids, prompt_lens):
         """The extras of one step (before its forward, which receives them), or ValueError naming the
         sequence when the step cannot run under them. `prompt_lens`: each sequence's original prompt
-        length, batch order."""
+        length, batch order (the step's `StepBatch.prompt_lens`; None for a hand-built step without them)."""
         raise ValueError(f"{self.model_type} has no per-step extras")
 
     def resume_problem(self, model, cache, meta, settings, prompt_len: int) -> str | None:

@@ -135,11 +135,11 @@ class PagedRunner:
     def bytes_per_block(model, block_size: int) -> int:
         return sum(s.bytes_per_block() for s in cache_specs(model, block_size))
 
-    def execute(self, batch, prompt_lens=None) -> torch.Tensor:
+    def execute(self, batch) -> torch.Tensor:
         """float32 logits [batch.num_logits_rows, vocab] (see the module docstring).
 
         With YOCO truncation each sequence's ORIGINAL prompt length is read from the step
-        (`batch.prompt_lens`, the scheduler's `prompt_lens`); `prompt_lens` [B] (batch order) overrides it:
+        (`batch.prompt_lens`: the scheduler's `prompt_lens`, or given to a hand-built `StepBatch.of`):
         rect_lo = prompt_len - KEEP stays put through decode, rollback and preemption + recompute, so the
         logits equal `model.forward(tokens, yoco_keep_tokens=KEEP, yoco_mode=mode, yoco_prompt_len=prompt_len)`.
         A step that would read consumer SWA keys cached under another rect_lo (see `yoco_resume_problem`)
@@ -157,14 +157,9 @@ class PagedRunner:
             batch, self.block_size, self.num_blocks, self.device, self.vocab_size, self.buffers
         )
         extras = None
-        if self.yoco is None:
-            if prompt_lens is not None:
-                raise ValueError("prompt_lens is only used with YOCO truncation (PagedRunner(..., yoco=...))")
-        else:
-            if prompt_lens is None:
-                prompt_lens = batch.prompt_lens  # the scheduler's (a step built from a SchedulerOutput)
+        if self.yoco is not None:
             extras = self.family.step_extras(
-                self.model, meta, self.cache, self.yoco, batch.seq_ids, prompt_lens
+                self.model, meta, self.cache, self.yoco, batch.seq_ids, batch.prompt_lens
             )
         if self.graphs is not None and self.yoco is None and self.graphs.problem(meta) is None:
             self.metadata_s += time.perf_counter() - t0

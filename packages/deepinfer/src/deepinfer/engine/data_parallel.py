@@ -40,8 +40,8 @@ from multiprocessing import connection
 from pathlib import Path
 
 import torch.multiprocessing as mp
-from deepinfer_cluster.launch import no_multicast_environment
-from deepinfer_model.models.deepseek_v41.yoco import check_prompt_logprobs
+from deepinfer_cluster import no_multicast_environment
+from deepinfer_model import check_prompt_logprobs
 
 from ..default_model import resolve_model
 from ..engine_args import EngineArgs

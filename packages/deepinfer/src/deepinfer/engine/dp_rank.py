@@ -141,13 +141,11 @@ class DataParallelRank:
         if self.ep_size == 1:
             return load_model(path, dtype, device=device)
         import deepinfer_parallel as par
-        from deepinfer_model.parallel import ExpertParallelMoE, load_v41_ep, shard_experts
+        from deepinfer_model import DeepseekV41Config, ExpertParallelMoE, load_v41_ep, shard_experts
 
         group, ep_rank = self.state.ep.group, self.state.ep.rank_in_group
         model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
         if model_type == "deepseek_v41":
-            from deepinfer_model.models.deepseek_v41 import DeepseekV41Config
-
             cfg = DeepseekV41Config.from_file(path)
             extra = par.num_redundant_experts(cfg.n_routed_experts, self.ep_size)
             layout = par.RedundantExpertLayout(

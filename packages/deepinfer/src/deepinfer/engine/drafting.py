@@ -29,10 +29,8 @@ from typing import Protocol
 
 import numpy as np
 import torch
-from deepinfer_model.runtime.device import model_device, to_device
-from deepinfer_model.sampling import Purpose, RowParams, filtered_probs, stream_uniform
-from deepinfer_spec import DRAFT_SEED_OFFSET, draft_position
-from deepinfer_spec.verify import inverse_cdf
+from deepinfer_model import RowParams, filtered_probs, model_device, to_device
+from deepinfer_spec import DRAFT_SEED_OFFSET, Purpose, draft_position, inverse_cdf, stream_uniform
 
 
 @dataclass

@@ -20,9 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from deepinfer_model import load_model
-from deepinfer_model.runtime import make_runner
-from deepinfer_model.runtime.cuda_graphs import decode_graph_settings
+from deepinfer_model import decode_graph_settings, load_model, make_runner
 from deepinfer_spec import StepTimeCurve
 
 from .. import envs

@@ -33,8 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from deepinfer_model.runtime.device import to_device
-from deepinfer_model.sampling import RowParams, TokenBitmask, filtered_probs, masked_logits
+from deepinfer_model import RowParams, TokenBitmask, filtered_probs, masked_logits, to_device
 from deepinfer_spec import (
     ConfidenceScheduler,
     DraftVerifier,

@@ -82,7 +82,7 @@ class SpecStep(StepStrategy):
         structured = self.table.structured
         allowed = structured.allowed_rows_with_drafts(grammar_reqs, packed) if grammar_reqs else None
         is_prompt = bool(scheduling.is_prefill(out).any())
-        return VerifyStepInput(batch, inputs, allowed, self.builder.prompt_lens(batch), is_prompt), confs
+        return VerifyStepInput(batch, inputs, allowed, is_prompt), confs
 
     def _process(self, out, step: VerifyStepInput, confs: list[float], result: VerifyStepResult) -> None:
         ids = step.batch.seq_ids.tolist()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from deepinfer_model.sampling import RowParams
+from deepinfer_model import RowParams
 
 from . import scheduling
 from .request import SeqState
@@ -64,16 +64,8 @@ class StepBuilder:
             golden,
             allowed,
             prev_rows=scheduling.prev_rows(out) if fill_from_previous else None,
-            prompt_lens=self.prompt_lens(batch),
             is_prompt=bool(scheduling.is_prefill(out).any()),
         )
-
-    def prompt_lens(self, batch) -> list[int] | None:
-        """YoCo truncation's per-sequence original prompt lengths for the runner (None when off).
-
-        The one place they are computed: once the runner reads them from the scheduler's step output,
-        this method and `StepInput.prompt_lens` go."""
-        return self.truncation.prompt_lens(batch.seq_ids, self.table.prompt_len_of)
 
     def prefill_flops(self, out, batch) -> float:
         """Estimated FP8-equivalent FLOPs of the step's prefill chunks (statistics)."""

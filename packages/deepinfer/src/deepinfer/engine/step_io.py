@@ -11,8 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-from deepinfer_model import StepBatch
-from deepinfer_model.sampling import RowParams, TokenBitmask
+from deepinfer_model import RowParams, StepBatch, TokenBitmask
 
 from .spec_decode import VerifyInput, VerifyOutcome
 
@@ -32,8 +31,6 @@ class StepInput:
     # Asynchronous loop: sequence i's row in the step launched before this one, whose sampled token
     # fills i's unknown (-1) input id (None: every input id is known).
     prev_rows: np.ndarray | None = None
-    # YoCo truncation only (else None): each sequence's original prompt length (`truncation.py`).
-    prompt_lens: list[int] | None = None
     is_prompt: bool = False  # a prefill chunk is in the step (data-parallel EPLB counts those apart)
 
 
@@ -44,7 +41,6 @@ class VerifyStepInput:
     batch: StepBatch  # logits_lens = 1 + k for a sequence verifying k drafts
     inputs: list[VerifyInput | None]  # per sequence; None when it emits nothing this step
     allowed: TokenBitmask | None = None  # addressed by row among the emitting sequences' rows, in order
-    prompt_lens: list[int] | None = None
     is_prompt: bool = False
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from deepinfer_model.sampling import TokenBitmask
+from deepinfer_model import TokenBitmask
 
 from .. import envs
 

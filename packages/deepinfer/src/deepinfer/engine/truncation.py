@@ -1,20 +1,20 @@
-"""YoCo prefill truncation (spec v41-model §8) as the engine sees it: settings, start-up check, the
-per-step prompt lengths the paged runner needs, and the prefill FLOP estimate.
+"""YoCo prefill truncation (spec v41-model §8) as the engine sees it: settings, start-up check and
+the prefill FLOP estimate.
 
-The model package does the work (`deepinfer_model.models.deepseek_v41.yoco`, the paged runner); the
-engine only has to (1) read and check the settings once, (2) tell the runner every sequence's ORIGINAL
-prompt length on every step — `rect_lo = prompt_len - KEEP` must stay put through chunked prefill,
-decode, draft rollback and the recompute after a preemption (whose "prompt" is prompt + outputs) —
-and (3) keep the scheduler from handing out prefix-cache hits whose consumer SWA keys were computed
-under another `rect_lo`: under truncation every request's prefix-cache namespace (`cache_salt`) is
-its prompt length, so hits only come from prompts of the same length (same `rect_lo`, which the
-paged runner accepts), including a preempted sequence's own blocks.
+The model package does the work (`deepinfer_model`'s YoCo helpers, the paged runner), and the
+runner reads each sequence's ORIGINAL prompt length from the step itself (the scheduler's
+`prompt_lens`, unchanged by chunked prefill, decode, draft rollback and the recompute after a
+preemption, so `rect_lo = prompt_len - KEEP` stays put). The engine only has to (1) read and check
+the settings once and (2) keep the scheduler from handing out prefix-cache hits whose consumer SWA
+keys were computed under another `rect_lo`: under truncation every request's prefix-cache namespace
+(`cache_salt`) is its prompt length, so hits only come from prompts of the same length (same
+`rect_lo`, which the paged runner accepts), including a preempted sequence's own blocks.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from deepinfer_model.models.deepseek_v41.yoco import (
+from deepinfer_model import (
     YocoSettings,
     check_prompt_logprobs,
     check_settings,
@@ -66,13 +66,6 @@ class Truncation:
         (a hit from another length would read consumer SWA keys clipped at another `rect_lo`), the
         shared namespace 0 otherwise."""
         return prompt_len if self.enabled else 0
-
-    def prompt_lens(self, seq_ids, prompt_len_of: dict[int, int]) -> list[int] | None:
-        """Per sequence of a batch (batch order) its original prompt length; None when truncation is off
-        (the runner then takes no prompt lengths)."""
-        if not self.enabled:
-            return None
-        return [prompt_len_of[int(s)] for s in seq_ids]
 
     def step_flops(self, batch, is_prefill: np.ndarray, prompt_len_of: dict[int, int]) -> float:
         """Estimated FP8-equivalent FLOPs of the step's prefill chunks (skipped consumer rows excluded)."""

@@ -12,9 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from deepinfer_model import StepBatch
-from deepinfer_model.runtime.device import to_device
-from deepinfer_model.sampling import EMPTY_ROW_MESSAGE, RowParams, Sampler, SamplerOutput
+from deepinfer_model import EMPTY_ROW_MESSAGE, RowParams, Sampler, SamplerOutput, StepBatch, to_device
 from deepinfer_spec import DraftVerifier
 
 from .. import envs
@@ -112,7 +110,7 @@ class ModelWorker:
         pending = PendingStep(rows=rows, golden=golden, result=result, index=self._launched)
         pending.t0 = time.perf_counter()
         self._timing_begin()
-        logits, ok = self._forward(batch, result, step.prompt_lens, step.is_prompt)
+        logits, ok = self._forward(batch, result, step.is_prompt)
         pending.t1 = time.perf_counter()
         if callable(allowed):
             allowed = allowed()
@@ -181,7 +179,7 @@ class ModelWorker:
         result = VerifyStepResult(verified=[], outcome=None)
         t0 = time.perf_counter()
         self._timing_begin()
-        logits, ok = self._forward(batch, result, step.prompt_lens, step.is_prompt)
+        logits, ok = self._forward(batch, result, step.is_prompt)
         t1 = time.perf_counter()
         okset = set(ok)
         picked, kept_of = [], {}  # kept_of: packed row -> row among the verified sequences' rows
@@ -213,18 +211,16 @@ class ModelWorker:
         result.forward_s, result.sample_s = t1 - t0, time.perf_counter() - t1
         return result
 
-    def _forward(
-        self, batch: StepBatch, result, prompt_lens, is_prompt: bool = False
-    ) -> tuple[torch.Tensor, list[int]]:
+    def _forward(self, batch: StepBatch, result, is_prompt: bool = False) -> tuple[torch.Tensor, list[int]]:
         """Logits of the batch and the indices of the sequences they cover (all, unless it failed)."""
         if self.collectives is None:
             try:
-                return self._execute(batch, prompt_lens), list(range(len(batch.seq_ids)))
+                return self.runner.execute(batch), list(range(len(batch.seq_ids)))
             except Exception:  # noqa: BLE001 - find the sequence(s) at fault; the others go on
-                return self._execute_one_by_one(batch, result, prompt_lens)
+                return self._execute_one_by_one(batch, result)
         self.collectives.begin(is_prompt)
         try:
-            logits, ok = self._execute(batch, prompt_lens), list(range(len(batch.seq_ids)))
+            logits, ok = self.runner.execute(batch), list(range(len(batch.seq_ids)))
         except Exception as e:  # noqa: BLE001 - the rank's batch fails, the world goes on
             # Re-running sequence by sequence would be forwards the other ranks do not join.
             for i in range(len(batch.seq_ids)):
@@ -309,20 +305,11 @@ class ModelWorker:
         # anything still unknown (its sequence failed last step) stays -1: the runner rejects that
         # sequence alone, and its request has already been failed by the engine
 
-    def _execute(self, batch: StepBatch, prompt_lens: list[int] | None) -> torch.Tensor:
-        # Runners without truncation take no prompt lengths (the paged runner refuses them when off).
-        if prompt_lens is None:
-            return self.runner.execute(batch)
-        return self.runner.execute(batch, prompt_lens=prompt_lens)
-
-    def _execute_one_by_one(
-        self, batch: StepBatch, result: StepResult, prompt_lens: list[int] | None = None
-    ) -> tuple[torch.Tensor, list[int]]:
+    def _execute_one_by_one(self, batch: StepBatch, result: StepResult) -> tuple[torch.Tensor, list[int]]:
         rows, ok = [], []
         for i in range(len(batch.seq_ids)):
-            one = batch.one(i)
             try:
-                rows.append(self._execute(one, None if prompt_lens is None else prompt_lens[i : i + 1]))
+                rows.append(self.runner.execute(batch.one(i)))
                 ok.append(i)
             except Exception as e:  # noqa: BLE001
                 result.errors[i] = f"model forward failed: {type(e).__name__}: {e}"

@@ -56,7 +56,11 @@ class DeepseekV41Family(ModelFamily):
 
     def step_extras(self, model, meta, cache, settings, seq_ids, prompt_lens) -> YocoStep:
         if prompt_lens is None:
-            raise ValueError("prompt_lens (one per sequence, batch order) is required with YOCO truncation")
+            raise ValueError(
+                "a step under YOCO truncation needs each sequence's original prompt length "
+                "(StepBatch.prompt_lens): build it from the scheduler's output, or pass "
+                "StepBatch.of(..., prompt_lens=...)"
+            )
         step = YocoStep.build(meta, settings, prompt_lens)
         problem = resume_problem(cache, meta, step, model.config.sliding_window, seq_ids)
         if problem:
