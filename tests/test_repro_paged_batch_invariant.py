@@ -18,8 +18,8 @@ from deepinfer.default_model import resolve_model
 from deepinfer_model import batch_invariant, load_model
 from deepinfer_model.batch_invariant import fixed_bmm, key_layout, tile_products, weight_parts
 from deepinfer_model.layers.attention import sink_attention
-from deepinfer_model.models import grouped_attention as groups
 from deepinfer_model.models.deepseek_v41 import paged
+from deepinfer_model.models.grouped_attention import sizes
 from deepinfer_model.runner import StepBatch
 from deepinfer_model.runtime import PagedRunner
 from deepinfer_model.runtime.device import model_device
@@ -559,7 +559,7 @@ def test_row_blocked_long_step_gives_the_same_bits(model, monkeypatch):
     sim.add(0, target)
     whole = sim.step([(0, TARGET_PROMPT, TARGET_PROMPT)])[0]
     cfg = model.config
-    monkeypatch.setattr(groups, "QUERY_BLOCK_ELEMENTS", 7 * cfg.num_attention_heads * cfg.head_dim)
+    monkeypatch.setattr(sizes, "QUERY_BLOCK_ELEMENTS", 7 * cfg.num_attention_heads * cfg.head_dim)
     blocked_sim = _Sim(model, monkeypatch)
     blocked_sim.add(1, neigh)
     blocked_sim.add(0, target)
