@@ -18,8 +18,8 @@ from deepinfer.default_model import resolve_model
 from deepinfer_model import batch_invariant, load_model
 from deepinfer_model.batch_invariant import fixed_bmm, key_layout, tile_products, weight_parts
 from deepinfer_model.layers.attention import sink_attention
-from deepinfer_model.models import grouped_attention as groups
-from deepinfer_model.models.deepseek_v41 import paged
+from deepinfer_model.models.deepseek_v41.paged import attention as paged_attention
+from deepinfer_model.models.grouped_attention import sizes
 from deepinfer_model.runner import StepBatch
 from deepinfer_model.runtime import PagedRunner
 from deepinfer_model.runtime.device import model_device
@@ -403,7 +403,9 @@ class _Sim:
         self.seqs = {}  # id -> [tokens, computed, block table]
         self.attention: dict[int, list[torch.Tensor]] = {}
         self._ids: list[int] = []
-        real = getattr(paged.attend, "real", paged.attend)  # not an earlier _Sim's observer
+        real = getattr(
+            paged_attention.attend, "real", paged_attention.attend
+        )  # not an earlier _Sim's observer
 
         def observed(*args):  # attend(q, window keys, group, sinks, scale, meta, extra)
             out = real(*args)
@@ -415,7 +417,7 @@ class _Sim:
             return out
 
         observed.real = real
-        monkeypatch.setattr(paged, "attend", observed)
+        monkeypatch.setattr(paged_attention, "attend", observed)
 
     def add(self, sid, tokens, shared_blocks=(), computed=0):
         need = -(-len(tokens) // BLOCK) - len(shared_blocks)
@@ -559,7 +561,7 @@ def test_row_blocked_long_step_gives_the_same_bits(model, monkeypatch):
     sim.add(0, target)
     whole = sim.step([(0, TARGET_PROMPT, TARGET_PROMPT)])[0]
     cfg = model.config
-    monkeypatch.setattr(groups, "QUERY_BLOCK_ELEMENTS", 7 * cfg.num_attention_heads * cfg.head_dim)
+    monkeypatch.setattr(sizes, "QUERY_BLOCK_ELEMENTS", 7 * cfg.num_attention_heads * cfg.head_dim)
     blocked_sim = _Sim(model, monkeypatch)
     blocked_sim.add(1, neigh)
     blocked_sim.add(0, target)

@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 import torch
 from deepinfer_model import numerics
-from deepinfer_model.models import grouped_attention as groups
 from deepinfer_model.models.deepseek_v41 import (
     DeepseekV41ForCausalLM,
     blocks,
     load_v41,
     make_v41_checkpoint,
-    paged,
 )
+from deepinfer_model.models.deepseek_v41.paged import attention as paged_attention
 from deepinfer_model.models.deepseek_v41.yoco import YocoMode, YocoSettings
+from deepinfer_model.models.grouped_attention import index_scores
 from deepinfer_model.ops import model_calls
 from deepinfer_model.runner import StepBatch
 from deepinfer_model.runtime import PagedRunner
@@ -51,7 +51,7 @@ def engine_model(fp32_model):
 
 def _wide(mp: pytest.MonkeyPatch) -> None:
     """No value held narrow: the FP32 carrier everywhere (every module that asks `narrow_act`)."""
-    for module in (numerics, model_calls, paged, groups):
+    for module in (numerics, model_calls, paged_attention, index_scores):
         if hasattr(module, "narrow_act"):
             mp.setattr(module, "narrow_act", lambda act: False)
 

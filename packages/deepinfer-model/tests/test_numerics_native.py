@@ -402,6 +402,7 @@ def test_native_grouped_index_scores_through_the_fused_op(monkeypatch):
     for a padded group of two prefill chunks with their own index keys."""
     from deepinfer_model.backends import cpu as reference
     from deepinfer_model.models import grouped_attention as groups
+    from deepinfer_model.models.grouped_attention import index_scores
     from deepinfer_model.runtime.metadata import StepMetadata
 
     gen = torch.Generator().manual_seed(9)
@@ -431,7 +432,7 @@ def test_native_grouped_index_scores_through_the_fused_op(monkeypatch):
             calls.append((name, shape))
             return reference.index_scores if name == "index_scores" else None
 
-        monkeypatch.setattr(groups, "fused_kernel", fused)
+        monkeypatch.setattr(index_scores, "fused_kernel", fused)
         op_path = groups.grouped_index_scores(qi, keys, hw, g, False, torch.bfloat16)
         scaled = groups.grouped_index_scores(qi, keys, hw, g, True, torch.bfloat16)  # (V4's scaled scores)
     assert calls == [("index_scores", (n_i, d_i))]  # the scaled form keeps the torch path
@@ -455,6 +456,7 @@ def test_native_grouped_index_scores_with_entry_bounds_select_the_same(monkeypat
     from deepinfer_model.layers.indexer import select_topk
     from deepinfer_model.models import grouped_attention as groups
     from deepinfer_model.models.deepseek_v41.sparse import candidate_blocks
+    from deepinfer_model.models.grouped_attention import index_scores
     from deepinfer_model.numerics import round_narrow
     from deepinfer_model.runtime.metadata import StepMetadata
 
@@ -476,7 +478,7 @@ def test_native_grouped_index_scores_with_entry_bounds_select_the_same(monkeypat
         calls.append(args[3])
         return reference.index_scores(*args)
 
-    monkeypatch.setattr(groups, "fused_kernel", lambda name, x, *shape: recorded)
+    monkeypatch.setattr(index_scores, "fused_kernel", lambda name, x, *shape: recorded)
     for ratio in (1, 4):
         meta = StepMetadata.build(batch, 16, num_blocks=16)
         (g,) = groups.make_groups(meta)

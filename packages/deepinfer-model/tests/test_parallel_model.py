@@ -193,8 +193,9 @@ def _narrow_worker(rank, world, ckpt, ref_path):
     torch all-to-all rows, shared expert; the draft blocks' own EP MoE) and context parallelism's gathers
     (the layer input of KV sources, YOCO's S) give bitwise the outputs of the FP32 carrier everywhere."""
     from deepinfer_model import numerics
-    from deepinfer_model.models import grouped_attention as groups
-    from deepinfer_model.models.deepseek_v41 import blocks, paged
+    from deepinfer_model.models.deepseek_v41 import blocks
+    from deepinfer_model.models.deepseek_v41.paged import attention as paged_attention
+    from deepinfer_model.models.grouped_attention import index_scores
     from deepinfer_model.ops import model_calls
 
     os.environ["DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS"] = "0"
@@ -221,7 +222,7 @@ def _narrow_worker(rank, world, ckpt, ref_path):
     narrow = run()
     assert inputs and set(inputs) == {torch.bfloat16}
     inputs.clear()
-    for module in (numerics, model_calls, paged, groups):
+    for module in (numerics, model_calls, paged_attention, index_scores):
         if hasattr(module, "narrow_act"):
             module.narrow_act = lambda act: False
     wide = run()

@@ -14,6 +14,7 @@ from deepinfer_model import batch_invariant
 from deepinfer_model.layers.indexer import select_topk, selection_mask
 from deepinfer_model.models import grouped_attention as groups
 from deepinfer_model.models.deepseek_v41 import load_v41, make_v41_checkpoint
+from deepinfer_model.models.grouped_attention import sizes
 from deepinfer_model.runner import StepBatch
 from deepinfer_model.runtime import PagedRunner
 from deepinfer_model.runtime.metadata import StepMetadata
@@ -133,7 +134,7 @@ def test_band_attention_matches_the_full_span_computation(window, with_floor, wi
     # a selection scores its k entries per query, not all 40
     if with_entries == "selection":
         assert max(widths.entry_widths) == 16
-    block = max(groups.BAND_BLOCK_ROWS, 2 * window)
+    block = max(sizes.BAND_BLOCK_ROWS, 2 * window)
     assert widths.widths and max(widths.widths) <= block + window - 1 < 300 + window - 1
 
 

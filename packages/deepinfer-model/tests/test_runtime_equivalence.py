@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 from deepinfer_model import load_model
-from deepinfer_model.models import grouped_attention as groups
 from deepinfer_model.models.deepseek_v41 import DeepseekV41ForCausalLM, load_v41, make_v41_checkpoint
+from deepinfer_model.models.grouped_attention import sizes
 from deepinfer_model.runner import StepBatch
 from deepinfer_model.runtime import PagedRunner
 from deepinfer_model.testing import make_checkpoint, tiny_config
@@ -132,7 +132,7 @@ def test_row_blocked_query_side_is_bitwise_equal_to_forward(which, request, monk
     packed rows (the path of a 64k-token prefill chunk): still the stateless forward, bit for bit."""
     model = request.getfixturevalue(which)
     cfg = model.config
-    monkeypatch.setattr(groups, "QUERY_BLOCK_ELEMENTS", 4 * cfg.num_attention_heads * cfg.head_dim)
+    monkeypatch.setattr(sizes, "QUERY_BLOCK_ELEMENTS", 4 * cfg.num_attention_heads * cfg.head_dim)
     pairs = run_random_schedule(model, np.random.default_rng(7), 8, 3, max_len=34)
     assert sum(len(p[0]) for p in pairs) > 10
     for got, ref in pairs:

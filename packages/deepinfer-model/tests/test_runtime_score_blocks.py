@@ -7,6 +7,8 @@ import pytest
 import torch
 from deepinfer_model.models import grouped_attention as groups
 from deepinfer_model.models.deepseek_v41 import load_v41, make_v41_checkpoint, paged
+from deepinfer_model.models.grouped_attention import groups as grouping
+from deepinfer_model.models.grouped_attention import sizes
 from deepinfer_model.runner import StepBatch
 from deepinfer_model.runtime import PagedRunner
 
@@ -34,7 +36,7 @@ def _prefill_logits(model, ids: np.ndarray) -> torch.Tensor:
 def test_query_blocked_attention_gives_the_same_logits(model, monkeypatch, elements):
     ids = np.random.default_rng(0).integers(4, model.config.vocab_size, 44)
     whole = _prefill_logits(model, ids)
-    monkeypatch.setattr(groups, "SCORE_BLOCK_ELEMENTS", elements)  # 1: one query slot per block
+    monkeypatch.setattr(sizes, "SCORE_BLOCK_ELEMENTS", elements)  # 1: one query slot per block
     blocked = _prefill_logits(model, ids)
     assert torch.isfinite(blocked).all()
     assert torch.equal(whole, blocked)
@@ -46,7 +48,7 @@ def test_row_blocked_query_side_gives_the_same_logits(model, monkeypatch, elemen
     row per block; the others cut both sequences and the boundary between them)."""
     ids = np.random.default_rng(1).integers(4, model.config.vocab_size, 44)
     whole = _prefill_logits(model, ids)
-    monkeypatch.setattr(groups, "QUERY_BLOCK_ELEMENTS", elements)
+    monkeypatch.setattr(sizes, "QUERY_BLOCK_ELEMENTS", elements)
     step = SimpleNamespace(num_seqs=2, ends=np.array([44, 39]))
     assert paged.query_block_rows(model, step) < 39  # more than one block per sequence
     blocked = _prefill_logits(model, ids)
@@ -74,14 +76,14 @@ def test_one_sequence_output_without_scatter_is_the_scattered_one(model, monkeyp
     order (`covers_step`): its attention output is used as it is. Scattering it into a step-sized buffer
     instead (the general path) must give the same logits."""
     if elements is not None:
-        monkeypatch.setattr(groups, "QUERY_BLOCK_ELEMENTS", elements)
+        monkeypatch.setattr(sizes, "QUERY_BLOCK_ELEMENTS", elements)
     ids = np.random.default_rng(2).integers(4, model.config.vocab_size, 44)
     seen = []
-    make = groups.make_groups
-    monkeypatch.setattr(groups, "make_groups", lambda m: seen.extend(make(m)) or make(m))
+    make = grouping.make_groups
+    monkeypatch.setattr(grouping, "make_groups", lambda m: seen.extend(make(m)) or make(m))
     direct = _one_sequence_logits(model, ids)
     assert seen and all(g.covers_step for g in seen)
-    monkeypatch.setattr(groups, "_covers_step", lambda packed, n: False)
+    monkeypatch.setattr(grouping, "_covers_step", lambda packed, n: False)
     seen.clear()
     scattered = _one_sequence_logits(model, ids)
     assert seen and not any(g.covers_step for g in seen)
@@ -90,9 +92,9 @@ def test_one_sequence_output_without_scatter_is_the_scattered_one(model, monkeyp
 
 
 def test_covers_step_only_for_the_steps_rows_in_order():
-    assert groups._covers_step(np.arange(5), 5)
-    assert not groups._covers_step(np.arange(4), 5)  # padding slots or another group hold a row
-    assert not groups._covers_step(np.array([1, 0, 2]), 3)  # sequences out of row order
+    assert grouping._covers_step(np.arange(5), 5)
+    assert not grouping._covers_step(np.arange(4), 5)  # padding slots or another group hold a row
+    assert not grouping._covers_step(np.array([1, 0, 2]), 3)  # sequences out of row order
 
 
 def test_listed_attention_takes_a_whole_steps_queries_as_they_are():

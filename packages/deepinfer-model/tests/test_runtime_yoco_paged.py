@@ -11,9 +11,9 @@ keys computed for another prompt length is refused.
 import numpy as np
 import pytest
 import torch
-from deepinfer_model.models import grouped_attention as groups
 from deepinfer_model.models.deepseek_v41 import DeepseekV41ForCausalLM, load_v41, make_v41_checkpoint
 from deepinfer_model.models.deepseek_v41.yoco import YocoMode, YocoSettings
+from deepinfer_model.models.grouped_attention import sizes
 from deepinfer_model.runner import StepBatch
 from deepinfer_model.runtime import PagedRunner
 from hypothesis import HealthCheck, given, settings
@@ -386,5 +386,5 @@ def test_row_blocked_query_side_equals_stateless(model, monkeypatch, mode):
     """Steps longer than a query block (3 rows here) run the consumer half's queries per row block of the
     kept rows (compact) or of every row (mask): still the stateless truncated forward, bit for bit."""
     cfg = model.config
-    monkeypatch.setattr(groups, "QUERY_BLOCK_ELEMENTS", 3 * cfg.num_attention_heads * cfg.head_dim)
+    monkeypatch.setattr(sizes, "QUERY_BLOCK_ELEMENTS", 3 * cfg.num_attention_heads * cfg.head_dim)
     assert run_random(model, mode, np.random.default_rng(11), 3) > 0

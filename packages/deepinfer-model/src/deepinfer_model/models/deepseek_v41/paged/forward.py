@@ -1,0 +1,87 @@
+"""The eager paged forward of one packed step (the graph-safe step runs it over static metadata)."""
+
+from __future__ import annotations
+
+import torch
+
+from ....layers.embedding import embed
+from ....numerics import logits as head_logits
+from ....ops.model_calls import hc_read, rms_norm
+from ....runtime.pools import PagedKVCache
+from ....runtime.step_view import StepView
+from ..blocks import ShiftedHC
+from ..drafter import main_keys
+from ..drafter_heads import target_features
+from ..engram import engram_inject
+from ..model import DeepseekV41ForCausalLM
+from ..yoco_step import YocoStep
+from .attention import _attention
+from .engram_rows import _engram_rows, _static_engram_rows
+from .step_state import _StepState, query_block_rows
+
+
+@torch.no_grad()
+def v41_paged_forward(
+    model: DeepseekV41ForCausalLM,
+    meta: StepView,
+    cache: PagedKVCache,
+    yoco: YocoStep | None = None,
+    moe_fn=None,
+) -> torch.Tensor:
+    """FP32 logits [len(meta.logits_rows), vocab] of one packed step, updating `cache`.
+
+    `moe_fn` replaces `model.moe_fn` for this call (the graph-safe decode step passes `static_moe`).
+
+    `yoco` (the step's truncation plan, `yoco_step`): consumer layers clip SWA visibility at each
+    sequence's rect_lo and, in compact mode, run only the kept rows (the stateless forward's
+    `yoco_keep_tokens` / `yoco_mode` / `yoco_prompt_len`, bitwise).
+    """
+    cfg, w, act = model.config, model.weights, model.act_dtype
+    if moe_fn is None:  # (not `moe_fn or ...`: Dynamo before torch 2.15 cannot take the truth of a nested
+        moe_fn = model.moe_fn  # function and breaks the compiled decode step's graph there)
+    static = meta.graph_safe
+    rows = (_static_engram_rows if static else _engram_rows)(model, meta, cache) if model.engram else {}
+    st = _StepState(meta, yoco, None if static else query_block_rows(model, meta))
+    compact = yoco is not None and yoco.drops_rows
+    targets = cfg.dspark.target_layer_ids if (cfg.dspark and w.drafter is not None) else ()
+    feats = {}
+    hc = ShiftedHC(embed(meta.input_ids, w.embed, checked=meta.ids_checked), cfg)
+    for layer, blk in enumerate(w.layers):
+        if compact and layer == cfg.n_prefill_layer:
+            # Compact boundary (§8 item 2): S for every row (consumer compressed KV / index keys need all
+            # of them), then only the kept rows of the trunk, pending pre mix and selections go on.
+            st.shared_hidden = rms_norm(
+                hc_read(hc.trunk, hc.prev_pre, act, narrow=True),
+                blk.attn_norm,
+                cfg.rms_norm_eps,
+                act,
+                narrow=True,
+            )  # (held as the sub-layer inputs are: `ShiftedHC`)
+            hc.trunk, hc.prev_pre = hc.trunk[yoco.kept], hc.prev_pre[yoco.kept]
+            st.selection = {k: v[yoco.kept] for k, v in st.selection.items()}
+            if st.candidates is not None:
+                st.candidates = st.candidates[yoco.kept]
+        if blk.engram is not None:
+            r = rows[layer][yoco.kept] if compact and layer >= cfg.n_prefill_layer else rows[layer]
+            hc.trunk = engram_inject(hc.trunk, r, blk.engram, cfg.rms_norm_eps, act)
+        if layer in targets:
+            feats[layer] = target_features(hc.trunk, act)
+
+        def attention(y, layer=layer):
+            if layer == cfg.n_prefill_layer and not compact:
+                st.shared_hidden = y  # YOCO: consumer-half compressed KV is projected from S
+            return _attention(model, layer, y, meta, cache, st)
+
+        hc.sublayer(blk.hc_attn, blk.attn_norm, attention, act)
+        # the model's MoE hook: all experts in-process, or expert parallel (deepinfer_model.parallel)
+        hc.sublayer(blk.hc_ffn, blk.ffn_norm, lambda y, layer=layer, blk=blk: moe_fn(layer, blk, y), act)
+    if targets:
+        features = torch.cat([feats[t] for t in targets], dim=1)
+        # compact with consumer-side targets: features exist for the kept rows only (§8 item 6)
+        fmeta = yoco.qmeta if compact and features.shape[0] != meta.positions.shape[0] else meta
+        keys = main_keys(cfg, w.drafter, features, fmeta.positions, act, model.kvq)
+        for i in range(keys.shape[0]):
+            cache.write(f"draft_main.{i}", fmeta.write_slots, keys[i])
+    logits_rows = yoco.qmeta.logits_rows if compact else meta.logits_rows
+    hidden = rms_norm(hc.final(act)[logits_rows], w.norm, cfg.rms_norm_eps, act)
+    return head_logits(hidden, w.head, act)  # FP32 logits (§2.1)
