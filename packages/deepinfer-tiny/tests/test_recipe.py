@@ -70,7 +70,6 @@ def test_arithmetic_speaks_the_eval_harness_format():
     extract = pytest.importorskip("deepinfer_eval.extract")
     tok = pytest.importorskip("deepinfer.tokenizer")
     assert arithmetic.AIME_TEMPLATE == prompts.AIME_TEMPLATE
-    assert chat.CHAT_TEMPLATE == tok.DEFAULT_CHAT_TEMPLATE
     p = arithmetic.problems(3, 5, False, 0.05)[0]
     prompt = prompts.aime_prompt({"problem": p["problem"]})
     rendered = tok.render_chat([{"role": "user", "content": prompt}], {"bos_token": chat.BOS})

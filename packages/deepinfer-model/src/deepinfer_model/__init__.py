@@ -40,12 +40,14 @@ from .sampling import (
     normalize_seed,
     validate_sampling_fields,
 )
+from .tokenizer_files import DEFAULT_CHAT_TEMPLATE, write_tokenizer
 
 __version__ = "0.1.0"
 
 __public_modules__ = ("testing", "training")
 
 __all__ = [
+    "DEFAULT_CHAT_TEMPLATE",
     "CheckpointError",
     "ConfigError",
     "DeepseekV41Config",
@@ -72,6 +74,7 @@ __all__ = [
     "load_v41_ep",
     "make_runner",
     "make_v41_checkpoint",
+    "write_tokenizer",
     "masked_logits",
     "max_backtracking",
     "model_device",

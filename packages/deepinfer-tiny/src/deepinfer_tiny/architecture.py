@@ -24,6 +24,8 @@ from __future__ import annotations
 import copy
 import math
 
+from deepinfer_model import tiny_v41_config_dict
+
 # The sharing pattern (kv / index-K / index sources, candidate source, targets) is spelled out once here
 # and reused by the micro config of the tests, so both exercise the same topology.
 _TOPOLOGY = {
@@ -36,76 +38,29 @@ _TOPOLOGY = {
     "dspark_target_layer_ids": [5, 7],
 }
 
-_TINY = {
-    "architectures": ["DeepseekV41ForCausalLM"],
-    "model_type": "deepseek_v41",
-    "dtype": "bfloat16",
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-    "pad_token_id": 2,
-    "quantization_config": {
-        "quant_method": "fp8",
-        "expert_dtype": "fp4",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [32, 32],
-        "scale_fmt": "ue8m0",
-    },
-    "vision_config": {"hidden_size": 64, "downsample_ratio": 2},
-    "text_config": {
-        "vocab_size": 129280,
-        "hidden_size": 64,
-        "num_hidden_layers": 8,
-        "num_nextn_predict_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 1,
-        "head_dim": 128,
-        "qk_rope_head_dim": 64,
-        "q_lora_rank": 64,
-        "o_lora_rank": 32,
-        "o_groups": 2,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 4096,
-        "tie_word_embeddings": False,
-        "rope_theta": 10000.0,
-        "compress_rope_theta": 160000.0,
-        "sliding_window": 128,
-        **_TOPOLOGY,
-        "index_topk": 128,
-        "index_n_heads": 4,
-        "index_head_dim": 128,
-        "candidate_topk_blocks": 32,
-        "candidate_block_size": 16,
-        "use_fp4_sparse_kv": True,
-        "hc_mult": 4,
-        "hc_shifted": True,
-        "hc_eps": 1e-6,
-        "hc_sinkhorn_iters": 20,
-        "moe_intermediate_size": 128,
-        "n_routed_experts": 16,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 2,
-        "routed_scaling_factor": 1.5,
-        "scoring_func": "sqrtsoftplus",
-        "topk_method": "noaux_tc",
-        "norm_topk_prob": True,
-        "swiglu_limit": 10.0,
-        "engram_max_ngram_size": 3,
-        "engram_vocab_size": 4099,
-        "engram_n_heads": 2,
-        "engram_head_dim": 64,
-        "engram_compressed_vocab_size": 129280,
-        "engram_pad_token_id": 2,
-        "dspark_block_size": 5,
-        "dspark_target_attn_input": True,
-        "dspark_markov_rank": 8,
-        "dspark_noise_token_id": 3,
-        "dspark_n_routed_experts": 4,
-        "dspark_num_experts_per_tok": 2,
-    },
+# What differs from the architecture-complete tiny config of spec v41-model §11 (the test checkpoints'):
+# the real vocabulary, a 4,096-token context, two more compressed layers, and sizes that hold information.
+_TINY_TEXT = {
+    **_TOPOLOGY,
+    "vocab_size": 129280,
+    "hidden_size": 64,
+    "num_hidden_layers": 8,
+    "max_position_embeddings": 4096,
+    "sliding_window": 128,
+    "index_topk": 128,
+    "index_n_heads": 4,
+    "candidate_topk_blocks": 32,
+    "candidate_block_size": 16,
+    "moe_intermediate_size": 128,
+    "n_routed_experts": 16,
+    "engram_vocab_size": 4099,
+    "engram_head_dim": 64,
+    "engram_compressed_vocab_size": 129280,
+    "dspark_block_size": 5,
+    "dspark_markov_rank": 8,
 }
+# The §11 config's YaRN scaling stretches its 64-token original context; this model trains at its full one.
+_DROPPED_TEXT = ("rope_scaling",)
 
 # Test-sized dims on the same topology: the CPU verification runs in seconds.
 _MICRO_TEXT = {
@@ -131,7 +86,12 @@ _MICRO_TEXT = {
 
 def tiny_config_dict() -> dict:
     """deepinfer-tiny's `config.json` (a fresh copy)."""
-    return copy.deepcopy(_TINY)
+    cfg = tiny_v41_config_dict()
+    text = cfg["text_config"]
+    for key in _DROPPED_TEXT:
+        text.pop(key, None)
+    text.update(copy.deepcopy(_TINY_TEXT))
+    return cfg
 
 
 def micro_config_dict() -> dict:

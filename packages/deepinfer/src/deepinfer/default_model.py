@@ -9,7 +9,6 @@ makes concurrent first runs wait for one writer instead of racing, and the direc
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -18,7 +17,6 @@ import platformdirs
 from filelock import FileLock
 
 from . import envs
-from .tokenizer import DEFAULT_CHAT_TEMPLATE, bundled_tokenizer_dir
 
 TINY_NAME = "deepinfer-tiny"
 TINY_REVISION = 1  # bump when the generated checkpoint changes, so stale caches are not reused
@@ -52,16 +50,12 @@ def ensure_tiny_model(root: Path | None = None) -> Path:
     with FileLock(str(root / f"{TINY_NAME}.lock")):
         if (target / "config.json").exists():  # another process finished while we waited
             return target
-        from deepinfer_model import make_v41_checkpoint
+        from deepinfer_model import make_v41_checkpoint, write_tokenizer
 
         tmp = root / f".{target.name}.{os.getpid()}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         make_v41_checkpoint(tmp, tiny_config(), seed=TINY_SEED, tokenizer=False)
-        tok_dir = bundled_tokenizer_dir()
-        shutil.copy(tok_dir / "tokenizer.json", tmp / "tokenizer.json")
-        tok_config = json.loads((tok_dir / "tokenizer_config.json").read_text())
-        tok_config["chat_template"] = DEFAULT_CHAT_TEMPLATE
-        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False))
+        write_tokenizer(tmp)
         (tmp / "README.md").write_text(f"# {TINY_NAME}\n\n{RANDOM_WEIGHTS_NOTICE}\n")
         os.replace(tmp, target)
     return target

@@ -6,18 +6,10 @@ import json
 from pathlib import Path
 
 import jinja2
+from deepinfer_model import DEFAULT_CHAT_TEMPLATE
 from tokenizers import Tokenizer
 
-# DeepSeek-V3/V4 chat format, used when the checkpoint's tokenizer_config.json has no chat_template.
-DEFAULT_CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}{% endif %}{% endfor %}"
-    "{% for m in messages %}"
-    "{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
-    "{% elif m['role'] == 'assistant' %}<｜Assistant｜>{{ m['content'] }}<｜end▁of▁sentence｜>{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}"
-)
+__all__ = ["DEFAULT_CHAT_TEMPLATE", "bundled_tokenizer_dir", "load_tokenizer", "render_chat"]
 
 
 def bundled_tokenizer_dir() -> Path:

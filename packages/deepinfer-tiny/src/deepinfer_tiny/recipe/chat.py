@@ -1,7 +1,7 @@
-"""The chat format the engine renders prompts in (`deepinfer.tokenizer`'s default DeepSeek template).
+"""One exchange in the chat format checkpoints carry (`deepinfer_model.DEFAULT_CHAT_TEMPLATE`), as text.
 
-The recipe does not import the engine (it trains where only the model package is on the path), so the
-template is restated here; a test checks that both render every conversation the same.
+Training text is built by string formatting, thousands of exchanges at a time; a test checks that the template
+renders the same text.
 """
 
 from __future__ import annotations
@@ -10,16 +10,6 @@ BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
 USER = "<｜User｜>"
 ASSISTANT = "<｜Assistant｜>"
-
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}{% endif %}{% endfor %}"
-    "{% for m in messages %}"
-    "{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
-    "{% elif m['role'] == 'assistant' %}<｜Assistant｜>{{ m['content'] }}<｜end▁of▁sentence｜>{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}"
-)
 
 
 def render_exchange(user: str, assistant: str) -> str:

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+from deepinfer_model import write_tokenizer as write_checkpoint_tokenizer
 from deepinfer_model.training import (
     BF16,
     F32,
@@ -172,11 +173,4 @@ class TrainableV41:
 def write_tokenizer(path: Path, tokenizer_dir: str | Path) -> list[Path]:
     """tokenizer.json as it is, tokenizer_config.json with the engine's chat template (the format the eval
     harness prompts in, `recipe.arithmetic`)."""
-    from .chat import CHAT_TEMPLATE
-
-    src = Path(tokenizer_dir)
-    (path / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
-    tok_config = json.loads((src / "tokenizer_config.json").read_text())
-    tok_config["chat_template"] = CHAT_TEMPLATE
-    (path / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n")
-    return [path / "tokenizer.json", path / "tokenizer_config.json"]
+    return write_checkpoint_tokenizer(path, tokenizer_dir)
