@@ -59,6 +59,7 @@ run() {  # run TAG MODE NAME ARGS...: one bench of one tree, its results named N
     --dtype bfloat16 --no-progress --no-plot --results-dir "$out" --name "$name" "$@") \
     > "$out/$name.log" 2>&1
   tail -8 "$out/$name.log"
+  cp "$out"/*.json "$final"/ 2>/dev/null  # out at once: a later run may hit the call's limit
 }
 dec=(--max-model-len 1024 --decode-context 128 --batches "${REGRESS_BATCHES:-1,8,64}" --nextn 0
      --measure-steps "${REGRESS_STEPS:-12}")
