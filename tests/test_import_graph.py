@@ -339,6 +339,25 @@ def test_no_import_cycle_within_a_package():
     )
 
 
+# Layering inside a package: (importer prefix, target prefix) pairs no import may join
+FORBIDDEN_LAYERS = [
+    # the paged runtime serves every model through its family (`deepinfer_model.family`), never a model
+    ("deepinfer_model.runtime", "deepinfer_model.models"),
+]
+
+
+def test_no_import_across_a_forbidden_layer():
+    imports = read_imports(find_packages())
+    found = [
+        f"{imp.where()}: {imp.importer} -> {imp.target}"
+        for low, high in FORBIDDEN_LAYERS
+        for imp in imports
+        if (imp.importer == low or imp.importer.startswith(low + "."))
+        and (imp.target == high or imp.target.startswith(high + "."))
+    ]
+    assert not found, "imports across a forbidden layer:\n" + _format(found)
+
+
 def test_declared_public_modules_exist():
     for pkg in find_packages().values():
         for name in pkg.public_modules:
