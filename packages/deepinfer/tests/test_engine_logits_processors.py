@@ -3,6 +3,7 @@ words against a naive float64 greedy loop over the stateless model, in the direc
 identical in the synchronous and asynchronous loops and whatever the batch."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -152,7 +153,7 @@ def test_sync_and_async_loops_and_batch_mates_give_the_same_tokens(llm_sync, llm
 
 def test_bad_words_are_never_generated(llm_sync):
     """A bad word of one token is never produced; one of two tokens never completed."""
-    tok = llm_sync.get_tokenizer()
+    tok = llm_sync.engine.tokenizer  # the engine's own (tokenizers.Tokenizer)
     plain = generate(llm_sync, SamplingParams(temperature=0, max_tokens=N, ignore_eos=True))
     # a generated token that reads back as itself, and a generated pair that does
     single = next(
@@ -186,3 +187,33 @@ def test_ids_outside_the_vocabulary_are_refused_at_the_door(llm_sync):
                 "bad", None, SamplingParams(**{field: value}), prompt_token_ids=[0, 1]
             )
     assert not llm_sync.engine.has_unfinished_requests()
+
+
+def test_processors_compose_with_structured_output(real_vocab_checkpoint):
+    """The grammar mask and the processors both hold: a bias toward a token the grammar forbids
+    changes nothing, a bias toward an allowed one wins, and a bad word beats the bias."""
+    with LLM(model=str(real_vocab_checkpoint), block_size=16, max_model_len=64) as llm:
+        tok = llm.engine.tokenizer
+        (yes,) = tok.encode("yes", add_special_tokens=False).ids
+        (hello,) = tok.encode("hello", add_special_tokens=False).ids
+        so = {"schema_type": "regex", "schema": "(yes|no|maybe)!"}
+        forced = SamplingParams(temperature=0, max_tokens=8, so_args=so, logit_bias={yes: 100, hello: 100})
+        banned = SamplingParams(
+            temperature=0, max_tokens=8, so_args=so, logit_bias={yes: 100}, bad_words=["yes"]
+        )
+        sampled = SamplingParams(
+            n=3,
+            temperature=1.0,
+            seq_seed=4,
+            max_tokens=8,
+            so_args=so,
+            logit_bias={hello: 100},
+            repetition_penalty=2,
+        )
+        outs = llm.generate(["Answer:", "Answer:", "Answer:"], [forced, banned, sampled], use_tqdm=False)
+        assert [o.error for o in outs] == [None] * 3
+        assert outs[0].outputs[0].text == "yes!" and outs[0].outputs[0].token_ids[0] == yes
+        b = outs[1].outputs[0]
+        assert re.fullmatch("(yes|no|maybe)!", b.text) and yes not in b.token_ids
+        for c in outs[2].outputs:
+            assert re.fullmatch("(yes|no|maybe)!", c.text) and hello not in c.token_ids
