@@ -38,7 +38,10 @@ from .sampling import (
     filtered_probs,
     masked_logits,
     normalize_seed,
+    process_logits_,
+    validate_logit_bias,
     validate_sampling_fields,
+    validate_token_ids,
 )
 from .tokenizer_files import DEFAULT_CHAT_TEMPLATE, write_tokenizer
 
@@ -81,10 +84,13 @@ __all__ = [
     "normalize_seed",
     "parse_config",
     "prefill_flops",
+    "process_logits_",
     "refuse_with_expert_parallelism",
     "resolve_device",
     "shard_experts",
     "tiny_v41_config_dict",
     "to_device",
+    "validate_logit_bias",
     "validate_sampling_fields",
+    "validate_token_ids",
 ]

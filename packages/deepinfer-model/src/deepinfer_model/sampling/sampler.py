@@ -11,6 +11,7 @@ from deepinfer_spec import Purpose, stream_uniform
 from ..runtime.device import to_device
 from .bitmask import TokenBitmask, apply_token_bitmask_
 from .params import RowParams
+from .processors import process_logits_
 from .transform import filtered_probs
 
 
@@ -116,17 +117,19 @@ def masked_logits(
     allowed: torch.Tensor | TokenBitmask | None,
     inplace: bool = False,
 ) -> torch.Tensor:
-    """`raw` with each row's banned tokens and disallowed tokens (structured output) set to -inf.
+    """`raw` with each row's banned tokens and disallowed tokens (structured output) set to -inf, then
+    its logits processors applied (`processors.py`: allowed ids, bad words, bias, penalties).
 
-    inplace: write into `raw` and return it. Otherwise a new tensor when anything is masked and
-    `raw` itself (unmodified) when nothing is. A `TokenBitmask` touches only its rows.
+    inplace: write into `raw` and return it. Otherwise a new tensor when anything changes and
+    `raw` itself (unmodified) when nothing does. A `TokenBitmask` touches only its rows.
     """
     banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids if 0 <= t < raw.shape[-1]]
     if isinstance(allowed, TokenBitmask):
         allowed.check(raw)
         if not allowed.rows:
             allowed = None
-    if not banned and allowed is None:
+    processed = any(r.processed for r in rows)
+    if not banned and allowed is None and not processed:
         return raw
     masked = raw if inplace else raw.clone()
     if banned:
@@ -136,4 +139,6 @@ def masked_logits(
         apply_token_bitmask_(masked, allowed)
     elif allowed is not None:
         masked.masked_fill_(~allowed.to(device=masked.device, dtype=torch.bool), float("-inf"))
+    if processed:
+        process_logits_(masked, rows)
     return masked

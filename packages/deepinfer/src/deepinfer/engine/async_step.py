@@ -5,8 +5,9 @@ emits its token and marks the ids it cannot know as -1) and queues it behind N; 
 those ids from the tokens it sampled in N (`prev_rows`), on the device: N+1 is launched before N's
 tokens are read back (`step_pipeline.py`), so the device runs N+1 right behind N
 (DEEPINFER_ASYNC_DEVICE_INPUTS=0: filled on the host once N is read). The host then commits N
-(`update_from_output`) and detokenizes it while N+1 runs. Steps with structured-output rows instead
-wait for N, `reconcile`, and launch (their grammar masks need N's tokens).
+(`update_from_output`) and detokenizes it while N+1 runs. Steps with structured-output rows, or rows
+whose penalties / bad words read the seen tokens, instead wait for N, `reconcile`, and launch (their
+grammar masks and processors need N's tokens).
 """
 
 from __future__ import annotations
@@ -116,10 +117,12 @@ class AsyncStep(StepStrategy):
             self.stats.hidden_process_s += dt
 
     def _needs_reconcile(self, out) -> bool:
-        """Grammar masks are built from the state after the previous step: such steps wait for it."""
+        """Grammar masks and the logits processors that read the seen tokens (penalties, bad words)
+        are built from the state after the previous step: such steps wait for it."""
         seqs = self.table.seqs
         return any(
-            (seq := seqs.get(seq_id)) is not None and seq.grammar is not None
+            (seq := seqs.get(seq_id)) is not None
+            and (seq.grammar is not None or seq.request.reads_seen_tokens)
             for seq_id in scheduling.seq_ids(out).tolist()
         )
 

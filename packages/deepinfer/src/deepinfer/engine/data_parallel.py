@@ -46,7 +46,7 @@ from deepinfer_model import check_prompt_logprobs
 from ..default_model import resolve_model
 from ..engine_args import EngineArgs
 from ..outputs import RequestMetrics, RequestOutput
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, validate_vocab_fields
 from ..tokenizer import load_tokenizer, load_tokenizer_config
 from .dp_rank import DataParallelRank
 from .prompts import PromptChecks
@@ -169,6 +169,7 @@ class DataParallelEngine(PromptChecks):
         if request_id in self._outstanding or any(r[0] == request_id for r in self._pending):
             raise ValueError(f"request_id {request_id!r} is already in use")
         check_prompt_logprobs(settings_from_env(), params.prompt_logprobs)  # YoCo truncation refuses them
+        validate_vocab_fields(params, self.vocab_size)
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("either prompt or prompt_token_ids must be given")

@@ -9,6 +9,9 @@ from (rejection sampling needs it to stay exact).
 * `ModelDrafter` — the checkpoint's own DSpark draft blocks (`model.forward(..., num_draft_tokens=k)`).
   Sampled requests draw draft i from the request's filtered distribution of the drafter logits with
   the request's draft stream (seed + DRAFT_SEED_OFFSET, `draft_position`), so runs are reproducible.
+  A request's logits processors (bias, bans, penalties) shape its drafts as they shape its tokens,
+  the earlier drafts counting as output: drafts the target would refuse are not proposed. The
+  verifier applies them to the target rows regardless, so they keep outputs exact either way.
   On the recompute runner this is one extra stateless forward per sequence and step.
 * `PagedDrafter` — the same drafts read from the paged runner's cached drafter keys (the default with
   the paged runner): no extra forward.
@@ -24,12 +27,12 @@ request; `propose` brings every request's tokens and confidences to the host in 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
 import torch
-from deepinfer_model import RowParams, filtered_probs, model_device, to_device
+from deepinfer_model import RowParams, filtered_probs, model_device, process_logits_, to_device
 from deepinfer_spec import DRAFT_SEED_OFFSET, Purpose, draft_position, inverse_cdf, stream_uniform
 
 
@@ -64,6 +67,7 @@ class _DraftSampler:
         self.req = req
         self.probs: list[torch.Tensor] = []
         self.uniforms: torch.Tensor | None = None
+        self.drafted: list[int] = []  # host copies, read only when the request's processors need them
 
     def _uniforms(self, device: torch.device) -> torch.Tensor:
         """Every draft step's uniform of this request (host, from integers), in one copy to `device`."""
@@ -82,11 +86,19 @@ class _DraftSampler:
 
     def __call__(self, logits: torch.Tensor, step: int) -> torch.Tensor:
         p = self.req.params
+        if p.processed:
+            # draft `step` follows the drafts before it: they are output tokens to its processors
+            row = replace(p, output_token_ids=p.output_token_ids + tuple(self.drafted))
+            logits = process_logits_(logits[None].float().clone(), [row])[0]
         if p.greedy:
-            return torch.argmax(logits)  # first maximum = lowest id
-        q = filtered_probs(logits[None].float(), [p])[0].double()
-        self.probs.append(q)
-        return inverse_cdf(q[None], self._uniforms(q.device)[step : step + 1])[0]
+            token = torch.argmax(logits)  # first maximum = lowest id
+        else:
+            q = filtered_probs(logits[None].float(), [p])[0].double()
+            self.probs.append(q)
+            token = inverse_cdf(q[None], self._uniforms(q.device)[step : step + 1])[0]
+        if p.processed:
+            self.drafted.append(int(token))  # (a host read per draft, for such requests only)
+        return token
 
 
 def _to_host(drafted: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> list[Drafts]:
@@ -149,10 +161,10 @@ class PagedDrafter:
         # attention, so blocks of different lengths cannot share a forward), each request its sampler
         for num_drafts, members in groups.items():
             reqs = [requests[r] for r, _ in members]
-            # a group of greedy requests drafts with the greedy marker (sampler None: the argmax of
-            # every row on the device, no q to keep), which lets the runner replay its draft CUDA
-            # graph; the engine reads tokens and confidences only
-            greedy = all(req.params.greedy for req in reqs)
+            # a group of greedy requests without logits processors drafts with the greedy marker
+            # (sampler None: the argmax of every row on the device, no q to keep), which lets the
+            # runner replay its draft CUDA graph; the engine reads tokens and confidences only
+            greedy = all(req.params.greedy and not req.params.processed for req in reqs)
             samplers = None if greedy else [_DraftSampler(req) for req in reqs]
             drafts = self.runner.draft(
                 [req.next_token for req in reqs],

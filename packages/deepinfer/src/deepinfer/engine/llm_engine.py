@@ -27,7 +27,7 @@ from .. import envs
 from ..default_model import resolve_model
 from ..engine_args import EngineArgs
 from ..outputs import RequestOutput
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, validate_vocab_fields
 from ..tokenizer import load_tokenizer, load_tokenizer_config
 from . import scheduling
 from .async_step import AsyncStep
@@ -212,6 +212,7 @@ class LLMEngine(PromptChecks):
         seeds: the n samples' seeds when params.seq_seed is None (a data-parallel front draws them
         from one stream for all ranks); default: from this engine's seed stream."""
         self.table.check_new(request_id, params)
+        validate_vocab_fields(params, self.vocab_size)
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("either prompt or prompt_token_ids must be given")

@@ -37,6 +37,12 @@ class OutputProcessor:
         tokens[list(result.errors)] = -1
         finished = scheduling.update_from_output(self.scheduler, out, tokens)
         self.table.release_pending()
+        for i, seq_id in enumerate(ids):
+            seq = self.table.seqs.get(seq_id)
+            if seq is not None and seq.request.reads_seen_tokens and tokens[i] >= 0:
+                seq.committed_ahead = [
+                    int(tokens[i])
+                ]  # (a token the scheduler then drops is cut by position)
         structured = self.table.structured
         if structured is not None:
             for i, seq_id in enumerate(ids):
@@ -59,6 +65,8 @@ class OutputProcessor:
         for i, seq_id in enumerate(scheduling.seq_ids(out).tolist()):
             token = int(result.tokens[i])
             seq = self.table.seqs.get(seq_id)
+            if seq is not None:
+                seq.committed_ahead = []
             if seq is None or seq.finished or token < 0 or i in result.errors:
                 continue
             if seq_id in preempted and seq.num_generated >= self._committed(seq_id):

@@ -73,7 +73,7 @@ class SpecStep(StepStrategy):
                 g[base + j - prompt_len] if g is not None and base + j - prompt_len < len(g) else -1
                 for j in range(1 + k)
             ]
-            rows = [self.builder.row_params(seq, base + j) for j in range(1 + k)]
+            rows = [self.builder.row_params(seq, base + j, drafts) for j in range(1 + k)]
             inputs.append(VerifyInput(rows, drafts, probs, golden))
             confs.extend(c)
             if seq.grammar is not None:
