@@ -12,14 +12,23 @@ from dataclasses import dataclass, field
 MAX_LOGPROBS = 1000
 INT32_MAX = 2**31 - 1
 UINT64_MASK = (1 << 64) - 1
+# The sampler divides float32 logits by the temperature: below MIN the quotient of ordinary logits
+# overflows float32 (and a colder draw is the argmax anyway: use 0), above MAX the temperature itself
+# leaves float32's comfortable range. Both bounds keep T and 1/T far from float32's limits.
+MIN_TEMPERATURE = 1e-6
+MAX_TEMPERATURE = 1e6
 
 
 def validate_sampling_fields(
     temperature: float, top_p: float, top_k: int, min_p: float, logprobs: int | None
 ) -> None:
     """Raise a ValueError naming the first field that breaks its rule."""
-    if not isinstance(temperature, int | float) or temperature != temperature or temperature < 0:
-        raise ValueError(f"temperature must be a number >= 0 (0 means greedy), got {temperature!r}")
+    if not isinstance(temperature, int | float) or not (
+        temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE
+    ):
+        raise ValueError(
+            f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], got {temperature!r}"
+        )
     if not isinstance(top_p, int | float) or not (0.0 < top_p <= 1.0):
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k == 0 or top_k < -1 or top_k > INT32_MAX:
