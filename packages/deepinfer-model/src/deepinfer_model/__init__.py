@@ -31,6 +31,8 @@ from .runtime import decode_graph_settings, make_runner
 from .runtime.device import model_device, resolve_device, to_device
 from .sampling import (
     EMPTY_ROW_MESSAGE,
+    MAX_TEMPERATURE,
+    MIN_TEMPERATURE,
     RowParams,
     Sampler,
     SamplerOutput,
@@ -59,6 +61,8 @@ __all__ = [
     "DraftOutput",
     "EMPTY_ROW_MESSAGE",
     "ExpertParallelMoE",
+    "MAX_TEMPERATURE",
+    "MIN_TEMPERATURE",
     "ModelConfig",
     "RowParams",
     "Sampler",

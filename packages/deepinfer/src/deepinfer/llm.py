@@ -44,9 +44,9 @@ class LLM:
         """One `RequestOutput` per prompt, in input order.
 
         A request that is invalid (bad sampling parameters given as a dict, empty or too long prompt,
-        token ids outside the vocabulary) or whose forward fails gets `error` set and no text; the
-        others complete. With `raise_on_error=True`, all requests are validated first and the first
-        problem raises a ValueError before anything runs.
+        any token id outside the vocabulary: prompt, golden, stop or so_args ids) or whose step fails
+        gets `error` set; the others complete. With `raise_on_error=True`, all requests are validated
+        first and the first problem raises a ValueError before anything runs.
         """
         prompts, token_ids = _normalise_prompts(prompts, prompt_token_ids)
         count = len(prompts) if prompts is not None else len(token_ids)
@@ -62,7 +62,7 @@ class LLM:
                 p = SamplingParams(**p) if isinstance(p, dict) else p.clone()
                 if ids is None:
                     ids = engine.encode(prompt)
-                engine.validate_prompt(ids)
+                ids = engine.validate_request(ids, p)
                 prepared.append((prompt, ids, p, None))
             except (ValueError, TypeError) as e:
                 if raise_on_error:
@@ -80,6 +80,9 @@ class LLM:
                     engine.add_request(rid, prompt, p, prompt_token_ids=ids)
                     continue
                 except ValueError as e:
+                    if raise_on_error:  # (a grammar that does not compile): nothing of the call runs
+                        engine.abort_all()
+                        raise ValueError(f"request {len(order) - 1}: {e}") from e
                     error = str(e)
             results[rid] = RequestOutput(
                 rid, prompt, ids or [], [], RequestMetrics(arrival_time=0.0), error=error

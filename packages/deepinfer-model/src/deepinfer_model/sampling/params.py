@@ -16,6 +16,7 @@ UINT64_MASK = (1 << 64) - 1
 # can overflow (1e-300 even rounds to 0 in float32), above 1e5 the distribution is uniform to float32
 # precision while the value may round to inf. Both ends are refused rather than clamped.
 TEMPERATURE_RANGE = (1e-5, 1e5)
+MIN_TEMPERATURE, MAX_TEMPERATURE = TEMPERATURE_RANGE
 # OpenAI's (and vLLM's) ranges for the additive penalties and the logit bias.
 ADDITIVE_PENALTY_RANGE = (-2.0, 2.0)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)

@@ -8,6 +8,10 @@ tokens are read back (`step_pipeline.py`), so the device runs N+1 right behind N
 (`update_from_output`) and detokenizes it while N+1 runs. Steps with structured-output rows, or rows
 whose penalties / bad words read the seen tokens, instead wait for N, `reconcile`, and launch (their
 grammar masks and processors need N's tokens).
+
+A step that fails to build fails its requests at once and stays in line with a result of errors only,
+so the scheduler still commits the steps in the order it scheduled them; a step whose model work
+raised is committed the same way.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from . import scheduling
+from .step_io import StepResult
 from .step_pipeline import StepPipeline
 from .step_strategy import StepContext, StepStrategy
 
@@ -77,10 +82,13 @@ class AsyncStep(StepStrategy):
                 self.stats.hidden_prepare_s += dt
             nxt = None
         self._vote_async()  # before waiting: the other ranks join step N's all-to-alls only after it
-        result = head.future.result()
+        result = self._result(head)
         self._inflight.popleft()
         t0 = time.perf_counter()
-        finished = self.output.commit(head.out, result, preempted)
+        try:
+            finished = self.output.commit(head.out, result, preempted)
+        except Exception as e:  # noqa: BLE001 - (after the scheduler's commit) the step's requests fail
+            result, finished = self._fail_step(head.out, "output processing", e), {}
         t1 = time.perf_counter()
         self._count_process(t1 - t0)
         if nxt is not None:  # structured rows: their masks need N's tokens, so reconcile on the host
@@ -92,14 +100,25 @@ class AsyncStep(StepStrategy):
             self.stats.prepare_s += time.perf_counter() - t1
         # Detokenize N's tokens while N+1 runs.
         t0 = time.perf_counter()
-        self.output.emit(head.out, result, finished, preempted)
+        try:
+            self.output.emit(head.out, result, finished, preempted)
+        except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
+            self._fail_step(head.out, "output processing", e)
         self._count_process(time.perf_counter() - t0)
         self.table.collect_all()
 
     def settle(self) -> None:
         while self._inflight:
             done = self._inflight.popleft()
-            self.output.commit(done.out, done.future.result())
+            self.output.commit(done.out, self._result(done))
+
+    def _result(self, step: _InFlight) -> StepResult:
+        """The step's result; a failure of its model work (launch, forward, sampling, read-back) fails
+        the step's requests."""
+        try:
+            return step.future.result()
+        except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
+            return self._fail_step(step.out, "model step", e)
 
     def close(self) -> None:
         while self._inflight:
@@ -127,7 +146,13 @@ class AsyncStep(StepStrategy):
         )
 
     def _launch(self, out, fill_from_previous: bool = False) -> None:
-        step = self._build(out, fill_from_previous)
+        try:
+            step = self._build(out, fill_from_previous)
+        except Exception as e:  # noqa: BLE001 - its requests fail now; it is committed in its turn
+            future = Future()
+            future.set_result(self._fail_step(out, "prepare", e))
+            self._inflight.append(_InFlight(out, future))
+            return
         future = self.pipeline.submit_step(step, chain=fill_from_previous)
         self._inflight.append(_InFlight(out, future))
         if self.dp is not None:

@@ -174,7 +174,7 @@ class DataParallelEngine(PromptChecks):
             if prompt is None:
                 raise ValueError("either prompt or prompt_token_ids must be given")
             prompt_token_ids = self.encode(prompt)
-        self.validate_prompt(prompt_token_ids)
+        prompt_token_ids = self.validate_request(prompt_token_ids, params)
         if params.so_args is not None:  # compiled here too: a bad grammar fails before any seed is drawn
             if self._structured is None:
                 self._structured = StructuredOutputs(self._tokenizer_dir, self.vocab_size, self.eos_token_id)

@@ -217,8 +217,7 @@ class LLMEngine(PromptChecks):
             if prompt is None:
                 raise ValueError("either prompt or prompt_token_ids must be given")
             prompt_token_ids = self.encode(prompt)
-        prompt_token_ids = [int(t) for t in prompt_token_ids]
-        self.validate_prompt(prompt_token_ids)
+        prompt_token_ids = self.validate_request(prompt_token_ids, params)
         idle = self.worker.timeline is not None and not self.requests and not self.strategy.busy()
         self.table.add(request_id, prompt, prompt_token_ids, params, arrival_time, seeds)
         if (

@@ -133,6 +133,11 @@ def retire(sched: Scheduler, out) -> None:
     sched.update_from_output(out, (np.empty(0, dtype=np.int32), np.empty(0, dtype=np.int32)))
 
 
+def close_failed(sched: Scheduler, out) -> None:
+    """Close a step whose sequences were all aborted (a failed step): none of them receives a token."""
+    sched.update_from_output(out, (np.empty(0, dtype=np.int32), np.zeros(len(seq_ids(out)), dtype=np.int32)))
+
+
 def abort(sched: Scheduler, seq_id: int) -> None:
     sched.abort(seq_id)
 
