@@ -54,7 +54,11 @@ class EngineArgs:
         },
     )
     stop_preempted_request: bool = field(
-        default=False, metadata={"help": "finish preempted requests instead of recomputing them"}
+        default=False,
+        metadata={
+            "help": "a sequence preempted for want of KV blocks finishes with the tokens it has "
+            "(finish_reason 'insufficient_system_resource') instead of being recomputed later"
+        },
     )
     load_format: str = field(
         default="auto", metadata={"help": "auto (safetensors) or dummy (random weights)"}
@@ -110,6 +114,9 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
+        for name in ("stop_preempted_request",):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.runner not in ("paged", "recompute"):
             raise ValueError(f"runner must be 'paged' or 'recompute', got {self.runner!r}")
         if self.load_format not in ("auto", "dummy"):
