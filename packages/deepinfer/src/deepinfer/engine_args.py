@@ -97,8 +97,15 @@ class EngineArgs:
     distributed_timeout: int = field(
         default=600,
         metadata={
-            "help": "seconds a data-parallel rank waits in a collective, and the front process for any "
-            "rank's message, before failing"
+            "help": "seconds a running data-parallel rank may go without a sign of life (it beats every "
+            "second) or without progress (a step done) before the front names it and fails"
+        },
+    )
+    distributed_startup_timeout: int = field(
+        default=1800,
+        metadata={
+            "help": "seconds the data-parallel ranks have to start (load the model, join the process "
+            "groups) before the front names the late ones and fails"
         },
     )
     engine_type: str = field(
@@ -159,6 +166,7 @@ class EngineArgs:
             ("context_parallel_size", 1),
             ("expert_parallel_size", 1),
             ("distributed_timeout", 1),
+            ("distributed_startup_timeout", 1),
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
