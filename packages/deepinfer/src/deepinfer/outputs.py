@@ -38,7 +38,9 @@ class CompletionOutput:
     # {token_id: logprob} dict of the top alternatives.
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None  # "stop", "length", "abort", "error", "prompt_length_exceeded"
+    # "stop", "length", "abort", "error", "prompt_length_exceeded", "insufficient_system_resource"
+    # (preempted and not recomputed: EngineArgs.stop_preempted_request)
+    finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
     @property

@@ -69,7 +69,7 @@ class AsyncStep(StepStrategy):
         # by the scheduler (it will recompute it); the engine must drop it too.
         preempted = set(scheduling.preempted(nxt))
         if scheduling.is_empty(nxt):
-            scheduling.retire(self.scheduler, nxt)
+            self._retire(nxt)
             nxt = None
         elif not self._needs_reconcile(nxt):
             # Queue N+1 behind N now: the worker fills its unknown input ids from N's tokens
@@ -94,7 +94,7 @@ class AsyncStep(StepStrategy):
         if nxt is not None:  # structured rows: their masks need N's tokens, so reconcile on the host
             nxt = scheduling.reconcile(self.scheduler, nxt)
             if scheduling.is_empty(nxt):
-                scheduling.retire(self.scheduler, nxt)
+                self._retire(nxt)
             else:
                 self._launch(nxt)
             self.stats.prepare_s += time.perf_counter() - t1

@@ -97,6 +97,7 @@ class LLMEngine(PromptChecks):
             max_model_len=self.max_model_len,
             chunked_prefill=args.chunked_prefill,
             num_speculative_tokens=nextn,
+            finish_preempted=args.stop_preempted_request,
         )
         self.runner = self._make_runner(num_blocks, nextn)
         self.worker = ModelWorker(

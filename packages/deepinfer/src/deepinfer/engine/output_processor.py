@@ -19,7 +19,15 @@ from .spec_decode import VerifyOutcome
 from .stats import EngineStats
 from .step_io import StepResult, VerifyStepResult
 
-_REASONS = {"stop": "stop", "length": "length", "max_model_len": "length", "abort": "abort"}
+# The scheduler's finish reasons as the user sees them; a preempted sequence that is not recomputed
+# (EngineArgs.stop_preempted_request) gets the reference's name for it.
+_REASONS = {
+    "stop": "stop",
+    "length": "length",
+    "max_model_len": "length",
+    "abort": "abort",
+    "preempted": "insufficient_system_resource",
+}
 
 
 class OutputProcessor:
@@ -88,6 +96,7 @@ class OutputProcessor:
                 self._settle(seq, finished)
             except Exception as e:  # noqa: BLE001 - this request fails, the others go on
                 self.table.fail_seq(seq_id, f"output processing failed: {_describe(e)}")
+        self.settle_finished(finished)
         self._count_step(result)
 
     # ---------------------------------------------------------------- verified drafts
@@ -131,6 +140,7 @@ class OutputProcessor:
                 self._settle(seq, finished)
             except Exception as e:  # noqa: BLE001 - this request fails, the others go on
                 self.table.fail_seq(seq_id, f"output processing failed: {_describe(e)}")
+        self.settle_finished(finished)
         self._count_step(result)
 
     def stop_cut(self, seq: SeqState, tokens: list[int]) -> list[int]:
@@ -146,6 +156,14 @@ class OutputProcessor:
         """The requests of the sequences (batch indices) whose forward or sampling failed fail alone."""
         for i, message in errors.items():
             self.table.fail_seq(ids[i], message)
+
+    def settle_finished(self, finished: dict[int, str]) -> None:
+        """Sequences the scheduler finished outside a step's rows: preempted ones it does not recompute
+        (absent from the step, or their token of the step in flight dropped) end with what they have."""
+        for seq_id, reason in finished.items():
+            seq = self.table.seqs.get(seq_id)
+            if seq is not None and not seq.finished:
+                seq.finish(_REASONS.get(reason, reason))
 
     def _settle(self, seq: SeqState, finished: dict[int, str]) -> None:
         """Make the engine and the scheduler agree on whether `seq` has ended."""

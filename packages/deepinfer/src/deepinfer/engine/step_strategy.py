@@ -84,7 +84,7 @@ class StepStrategy:
 
     def _idle(self, out) -> None:
         """The schedule is empty: close it, let finished requests go."""
-        scheduling.retire(self.scheduler, out)
+        self._retire(out)
         self.table.release_idle(self.busy())
 
     def _fail_step(self, out, stage: str, exc: Exception) -> StepResult:
@@ -115,6 +115,10 @@ class StepStrategy:
         if self.dp is not None and not forward_ran:
             self.worker.idle()
         self.table.collect_all()
+
+    def _retire(self, out) -> None:
+        """Close an empty schedule; the sequences it finished (preempted ones) end now."""
+        self.output.settle_finished(scheduling.retire(self.scheduler, out))
 
     def _vote(self, launching: int = 0, inline: bool = True, submit_idle=None) -> None:
         """Data parallel: the step's vote with the other ranks (DataParallelRank.agree). Exactly one
