@@ -6,9 +6,11 @@ from .random_stream import (
     VERIFY_ROW_STRIDE,
     Purpose,
     draft_position,
+    int64_bits,
     stream_bits,
     stream_uniform,
     stream_uniforms,
+    stream_uniforms_tensor,
     verify_row_position,
 )
 from .state import Rollback, SpecDecodeState, cumulative_rates
@@ -40,12 +42,14 @@ __all__ = [
     "draft_position",
     "expected_calibration_error",
     "full_acceptance_tokens_per_s",
+    "int64_bits",
     "inverse_cdf",
     "nextn_from_env",
     "split_by_rates",
     "stream_bits",
     "stream_uniform",
     "stream_uniforms",
+    "stream_uniforms_tensor",
     "varlen_from_env",
     "verify_row_position",
 ]
