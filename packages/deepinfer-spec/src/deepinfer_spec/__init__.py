@@ -16,7 +16,7 @@ from .random_stream import (
 from .state import Rollback, SpecDecodeState, cumulative_rates
 from .stats import SpecStats, expected_calibration_error, full_acceptance_tokens_per_s
 from .step_time import ForwardRuntimeEstimator, SamplerRuntimeEstimator, StepTimeCurve
-from .varlen import ConfidenceScheduler, VarlenRequest, VerifyPlan, split_by_rates
+from .varlen import ConfidenceScheduler, VarlenRequest, VerifyPlan, split_by_rates, split_by_rates_tensor
 from .verify import DraftVerifier, VerifyResult, inverse_cdf
 
 __version__ = "0.1.0"
@@ -46,6 +46,7 @@ __all__ = [
     "inverse_cdf",
     "nextn_from_env",
     "split_by_rates",
+    "split_by_rates_tensor",
     "stream_bits",
     "stream_uniform",
     "stream_uniforms",
