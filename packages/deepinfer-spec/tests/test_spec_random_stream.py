@@ -142,3 +142,14 @@ def test_the_tensor_stream_wants_int64():
 
     with pytest.raises(ValueError, match="int64 tensors"):
         stream_uniforms_tensor(torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int64))
+
+
+def test_the_tensor_stream_takes_a_purpose_per_draw():
+    import torch
+    from deepinfer_spec import stream_uniforms_tensor
+
+    seeds = torch.tensor([5, -7, 2**40, 3, 3, 3])
+    positions = torch.tensor([0, 9, 123456, 7, 7, 7])
+    purposes = torch.tensor([Purpose.ACCEPT, Purpose.SAMPLE, Purpose.RESIDUAL, 0, 1, 2])
+    got = stream_uniforms_tensor(seeds, positions, purposes).tolist()
+    assert got == [stream_uniform(int(s), int(p), int(u)) for s, p, u in zip(seeds, positions, purposes)]

@@ -110,18 +110,20 @@ def _mix64_tensor(z: torch.Tensor) -> torch.Tensor:
 
 
 def stream_uniforms_tensor(
-    seeds: torch.Tensor, positions: torch.Tensor, purpose: int = Purpose.SAMPLE
+    seeds: torch.Tensor, positions: torch.Tensor, purpose: int | torch.Tensor = Purpose.SAMPLE
 ) -> torch.Tensor:
     """`stream_uniforms` as tensor ops on the device of `seeds` (bit-identical): `seeds` and `positions`
     int64 tensors of one shape holding the 64-bit patterns (`int64_bits`; a position that fits in int64
     is its own pattern), or positions computed on the device from such tensors (an accepted count
-    that only the device knows yet). int64 multiplication and addition wrap modulo 2**64 like the
-    masked Python integers; no host sync, so it can run inside a captured graph. -> float64 tensor."""
+    that only the device knows yet); `purpose` one for all, or an int64 tensor of them (several kinds
+    of draws in one pass: each op is a kernel launch on the GPU). int64 multiplication and addition wrap
+    modulo 2**64 like the masked Python integers; no host sync, so it can run inside a captured graph.
+    -> float64 tensor."""
     if seeds.dtype != torch.int64 or positions.dtype != torch.int64:
         raise ValueError(
             f"seeds and positions must be int64 tensors, got {seeds.dtype} and {positions.dtype}"
         )
-    subsequence = positions * 3 + int(purpose)
+    subsequence = positions * 3 + (purpose if isinstance(purpose, torch.Tensor) else int(purpose))
     z = _mix64_tensor(seeds + (subsequence + 1) * _signed64(_GOLDEN_GAMMA))
     bits = _mix64_tensor(z + seeds + _signed64(_GOLDEN_GAMMA))
     return _shift_right(bits, 11).to(torch.float64) * (1.0 / (1 << 53))

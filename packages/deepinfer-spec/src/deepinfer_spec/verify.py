@@ -125,6 +125,8 @@ class _Packed:
         if len(self.sampled):
             parts["seeds"] = int64_bits(self.seeds)
             parts["base_positions"] = np.asarray(self.base_positions, dtype=np.int64)
+            kinds = [Purpose.ACCEPT, Purpose.RESIDUAL, Purpose.SAMPLE]
+            parts["purposes"] = np.repeat(np.asarray(kinds, dtype=np.int64), [total, total, n])
         flat = to_device(
             np.concatenate([np.asarray(v, dtype=np.int64) for v in parts.values()]), torch.int64, self.device
         )
@@ -144,13 +146,14 @@ class _Packed:
         req, local = dev["req_of_draft"], dev["local_of_draft"]
         seeds, base = dev["seeds"], dev["base_positions"]
         draft_pos = base[req] + local * VERIFY_ROW_STRIDE
-        return {
-            Purpose.ACCEPT: stream_uniforms_tensor(seeds[req], draft_pos, Purpose.ACCEPT),
-            Purpose.RESIDUAL: stream_uniforms_tensor(seeds[req], draft_pos, Purpose.RESIDUAL),
-            Purpose.SAMPLE: stream_uniforms_tensor(
-                seeds, base + dev["ks"] * VERIFY_ROW_STRIDE, Purpose.SAMPLE
-            ),
-        }
+        d = len(req)
+        # the three kinds of draws in one pass of the stream (each op a kernel launch on the GPU)
+        u = stream_uniforms_tensor(
+            torch.cat([seeds[req], seeds[req], seeds]),
+            torch.cat([draft_pos, draft_pos, base + dev["ks"] * VERIFY_ROW_STRIDE]),
+            dev["purposes"],
+        )
+        return {Purpose.ACCEPT: u[:d], Purpose.RESIDUAL: u[d : 2 * d], Purpose.SAMPLE: u[2 * d :]}
 
 
 class DraftVerifier:
