@@ -98,14 +98,20 @@ def int64_bits(values: Sequence[int]) -> np.ndarray:
     return np.array([int(v) & _MASK for v in values], dtype=np.uint64).view(np.int64)
 
 
+# the mixing constants as the int64 that hold their bit patterns
+_MIX1_S64 = _signed64(0xBF58476D1CE4E5B9)
+_MIX2_S64 = _signed64(0x94D049BB133111EB)
+_GAMMA_S64 = _signed64(_GOLDEN_GAMMA)
+
+
 def _shift_right(z: torch.Tensor, n: int) -> torch.Tensor:
     # logical shift of the 64-bit pattern: int64 `>>` is arithmetic, so clear the sign-extended bits
     return (z >> n) & ((1 << (64 - n)) - 1)
 
 
 def _mix64_tensor(z: torch.Tensor) -> torch.Tensor:
-    z = (z ^ _shift_right(z, 30)) * _signed64(0xBF58476D1CE4E5B9)
-    z = (z ^ _shift_right(z, 27)) * _signed64(0x94D049BB133111EB)
+    z = (z ^ _shift_right(z, 30)) * _MIX1_S64
+    z = (z ^ _shift_right(z, 27)) * _MIX2_S64
     return z ^ _shift_right(z, 31)
 
 
@@ -124,6 +130,6 @@ def stream_uniforms_tensor(
             f"seeds and positions must be int64 tensors, got {seeds.dtype} and {positions.dtype}"
         )
     subsequence = positions * 3 + (purpose if isinstance(purpose, torch.Tensor) else int(purpose))
-    z = _mix64_tensor(seeds + (subsequence + 1) * _signed64(_GOLDEN_GAMMA))
-    bits = _mix64_tensor(z + seeds + _signed64(_GOLDEN_GAMMA))
+    z = _mix64_tensor(seeds + (subsequence + 1) * _GAMMA_S64)
+    bits = _mix64_tensor(z + seeds + _GAMMA_S64)
     return _shift_right(bits, 11).to(torch.float64) * (1.0 / (1 << 53))
