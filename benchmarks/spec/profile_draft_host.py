@@ -10,8 +10,9 @@ otherwise, synchronously. Around the two host-side halves of every drafted step,
 logprobs; the forward before it is not counted), it counts:
 
 * python_calls: function calls that cProfile sees (Python functions and builtins, torch ops included);
-* host_syncs: tensor-to-host reads (`.cpu()`, `.item()`, `.tolist()`, `.numpy()`, `bool()` / `int()` /
-  `float()` of a tensor), through a torch function mode; on CUDA each one waits for the device;
+* host_syncs: device-to-host reads (`.cpu()`, and `.item()`, `.tolist()`, `.numpy()`, `bool()` / `int()` /
+  `float()` of a tensor that is not such a copy), through a torch function mode; on CUDA each one waits
+  for the device (the eager MoE's expert counts among them);
 * the calls of the functions the per-row draft sampling went through (`inverse_cdf`, `filtered_probs`).
 
 Everything is reported per drafted step (a decode step that verified drafts), as a table and as flat JSON
@@ -45,18 +46,27 @@ WATCHED = ("inverse_cdf", "filtered_probs")
 
 
 class HostSyncCounter(TorchFunctionMode):
-    """Counts reads of tensor values on the host (each a device sync on CUDA)."""
+    """Counts device-to-host reads: `.cpu()` calls, and reads of a tensor's values on the host (item,
+    tolist, numpy, bool / int / float / index) of a tensor that is not the result of such a copy. On
+    CUDA each of these waits for the device; on the CPU they mark where it would."""
 
-    READS = {"cpu", "item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__"}
+    READS = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__"}
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
+        self.host: set[int] = set()  # storages that a counted `.cpu()` returned
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in self.READS and args and isinstance(args[0], torch.Tensor):
+        out = func(*args, **(kwargs or {}))
+        name = getattr(func, "__name__", "")
+        if name == "cpu":
             self.count += 1
-        return func(*args, **(kwargs or {}))
+            self.host.add(out.untyped_storage().data_ptr())
+        elif name in self.READS and args and isinstance(args[0], torch.Tensor):
+            if args[0].untyped_storage().data_ptr() not in self.host:
+                self.count += 1
+        return out
 
 
 class Probe:
@@ -166,7 +176,9 @@ def main(argv=None) -> int:
         table.add_column(c.replace("_per_step", ""))
     for r in records:
         if (r["batch"], r["nextn"], r["mix"]) == (args.batch, args.nextn, args.mix):
-            table.add_row(*(f"{r.get(c, 0):.4g}" if isinstance(r.get(c), float) else str(r.get(c)) for c in cols))
+            table.add_row(
+                *(f"{r.get(c, 0):.4g}" if isinstance(r.get(c), float) else str(r.get(c)) for c in cols)
+            )
     Console(width=240).print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(records, indent=1) + "\n")
