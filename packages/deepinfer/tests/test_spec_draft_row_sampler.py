@@ -13,6 +13,7 @@ import torch
 from deepinfer.engine.drafting import DraftRequest, DraftRowSampler
 from deepinfer_model import RowParams, filtered_probs
 from deepinfer_spec import DRAFT_SEED_OFFSET, Purpose, draft_position, inverse_cdf, stream_uniform
+from torch.overrides import TorchFunctionMode
 
 VOCAB = 97
 
@@ -142,3 +143,37 @@ def test_a_row_sampler_of_the_wrong_size_is_refused():
             2,
             Two(),
         )
+
+
+class HostReads(TorchFunctionMode):
+    """Counts `.cpu()` copies and host reads of tensor values (item, tolist, numpy, bool / int / float /
+    index): on CUDA each one waits for the device."""
+
+    READS = {"cpu", "item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.READS and args and isinstance(args[0], torch.Tensor):
+            self.seen.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_draft_batch_draws_without_a_host_read_and_with_explicit_devices():
+    """Building the sampler, every draft step and the q rows: no device-to-host read, and no tensor
+    factory without an explicit device (strict_device), so the same code runs unchanged on CUDA."""
+    from deepinfer_model.testing import strict_device
+
+    gen = torch.Generator().manual_seed(8)
+    requests = [_request(i, p, 3, base=20 + i, accepted=i % 2) for i, p in enumerate(MIXES["mixed"])]
+    steps = [torch.randn(len(requests), VOCAB, generator=gen) for _ in range(3)]
+    reads = HostReads()
+    with strict_device(), reads:
+        sampler = DraftRowSampler(requests, torch.device("cpu"))
+        for s, logits in enumerate(steps):
+            sampler.pick_rows(logits, s)
+        probs = sampler.probs()
+    assert reads.seen == []
+    assert [q is None for q in probs] == [p.greedy for p in MIXES["mixed"]]
