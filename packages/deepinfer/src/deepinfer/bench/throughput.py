@@ -88,7 +88,8 @@ def run_bench(args) -> int:
             )
         drafts = int(getattr(llm.engine, "num_speculative_tokens", 0)) > 0
         engines[(loop, drafts)] = llm
-        if drafts and not args.no_plain_baseline:
+        # (a data-parallel front builds its rank engines itself: no plain twin for it here)
+        if drafts and not args.no_plain_baseline and engine_args.data_parallel_size <= 1:
             engines[(loop, False)] = LLM.from_engine(LLMEngine(engine_args, num_speculative_tokens=0))
     prompts, params = make_workload(args, next(iter(engines.values())).engine.vocab_size)
     for llm in engines.values():  # warm-up: one-time costs (allocations, first forward) are not timed
