@@ -17,7 +17,8 @@ logprobs; the forward before it is not counted), it counts:
 
 Everything is reported per drafted step (a decode step that verified drafts), as a table and as flat JSON
 records (units in the key names), appended to --out under --label (e.g. "before" / "after" a change).
-The counts are the portable numbers; the milliseconds are of this CPU and this tiny model.
+The counts are the portable numbers; the milliseconds are of this CPU and this tiny model, measured with
+the profiler attached (which inflates every call), so they are noisy and only comparable within one run.
 """
 
 from __future__ import annotations
