@@ -30,6 +30,13 @@ class LLM:
             self.engine = LLMEngine.from_engine_args(args)
         self._counter = 0
 
+    @classmethod
+    def from_engine(cls, engine) -> LLM:
+        """An `LLM` over an engine built by the caller (e.g. with its own `num_speculative_tokens`)."""
+        llm = cls.__new__(cls)
+        llm.engine, llm._counter = engine, 0
+        return llm
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

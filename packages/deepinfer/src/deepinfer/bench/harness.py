@@ -52,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--nextn", type=int, default=None, help="draft tokens per step (default $DEEPINFER_USE_NEXTN_DECODE)"
     )
+    g.add_argument(
+        "--no-plain-baseline",
+        action="store_true",
+        help="with drafts on (nextn > 0), do not also decode the batches with drafts off (by default the "
+        "drafted rows carry the plain run's tok/s and step time: plain_* and *_vs_plain keys)",
+    )
     g.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps per batch (default 2)")
     g.add_argument("--measure-steps", type=int, default=8, help="timed decode steps per batch (default 8)")
     g.add_argument(
@@ -101,13 +107,15 @@ def _on_gpu() -> bool:
     return envs.DEEPINFER_ACCELERATOR == "nvidia" and torch.cuda.is_available()
 
 
-def _engine(args, **overrides):
+def _engine(args, nextn: int | None = None, **overrides):
+    """The benchmark's engine: --nextn drafts per step, or `nextn` (the plain baseline's 0)."""
     from ..engine.llm_engine import LLMEngine
     from ..engine_args import EngineArgs
 
     base = EngineArgs.from_cli_args(args)
     # --nextn goes to this engine only: setting the env var would leak into everything after us.
-    return LLMEngine(dataclasses.replace(base, **overrides), num_speculative_tokens=args.nextn)
+    nextn = args.nextn if nextn is None else nextn
+    return LLMEngine(dataclasses.replace(base, **overrides), num_speculative_tokens=nextn)
 
 
 def run(args) -> int:
@@ -116,6 +124,7 @@ def run(args) -> int:
     from rich.console import Console
     from tqdm import tqdm
 
+    from .drafts import compare_to_plain
     from .engine_driver import Driver
     from .intervals import FlagCounter
     from .phases import DecodeConfig, PrefillConfig, run_decode, run_prefill
@@ -220,12 +229,10 @@ def run(args) -> int:
         )
         max_len = cfg.context + cfg.max_tokens() + 1
         blocks = -(-max_len // args.block_size) * max(batches) + 1
-        engine = _engine(
-            args,
-            max_num_seqs=max(batches),
-            max_model_len=max_len,
-            num_kv_blocks=args.num_kv_blocks or blocks,
+        sizes = dict(
+            max_num_seqs=max(batches), max_model_len=max_len, num_kv_blocks=args.num_kv_blocks or blocks
         )
+        engine = _engine(args, **sizes)
         effective = int(getattr(engine, "num_speculative_tokens", nextn))
         if effective != nextn:  # e.g. a checkpoint without draft blocks: account for what really runs
             console.print(
@@ -239,6 +246,18 @@ def run(args) -> int:
             drows = run_decode(Driver(engine, args.seed), cfg, flags, progress)
         finally:
             engine.close()
+        if cfg.nextn and not args.no_plain_baseline:
+            # the same batches decoded with drafts off, in this run: the drafted rows compare to them
+            plain = _engine(args, nextn=0, **sizes)
+            plain_cfg = dataclasses.replace(cfg, nextn=0, profile_batch=None)
+            plain_flags = FlagCounter()
+            plain_flags.watch_all(plain)
+            try:
+                prows = {r["batch"]: r for r in run_decode(Driver(plain, args.seed), plain_cfg, plain_flags)}
+            finally:
+                plain.close()
+            for r in drows:
+                r.update(compare_to_plain(r, prows[r["batch"]]))
         for r in drows:
             _, roof = decode_roof(costs, ceil, r["batch"], cfg.nextn)
             r["nextn_requested"] = nextn

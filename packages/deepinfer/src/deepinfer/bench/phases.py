@@ -11,6 +11,7 @@ import torch
 
 from ..engine.device_timing import summarize_timings
 from . import accounting
+from .drafts import spec_keys, spec_snapshot
 from .engine_driver import Driver, profiled
 from .intervals import FlagCounter, Interval, summarize, timed
 
@@ -153,7 +154,7 @@ def run_decode(driver: Driver, cfg: DecodeConfig, flags: FlagCounter | None, pro
                 )
             return engine.stats.generated_tokens - before
 
-        spec_before = _spec_counts(engine)
+        spec_before, snap_before = _spec_counts(engine), spec_snapshot(engine)
         engine.flush_device_timing()  # (before the window: the steps so far are not the window's)
         timings_before, chained_before = len(engine.stats.device_timings), _chained(engine)
         intervals = []
@@ -161,7 +162,7 @@ def run_decode(driver: Driver, cfg: DecodeConfig, flags: FlagCounter | None, pro
             running = driver.running()
             iv, _ = timed(one_step, flags, lambda emitted: emitted, batch=running)
             intervals.append(iv)
-        spec_after = _spec_counts(engine)
+        spec_after, snap_after = _spec_counts(engine), spec_snapshot(engine)
         chained = _chained(engine) - chained_before
         engine.flush_device_timing()
         window = list(engine.stats.device_timings)[timings_before:]
@@ -203,6 +204,8 @@ def run_decode(driver: Driver, cfg: DecodeConfig, flags: FlagCounter | None, pro
             accepted, verified = (a - b for a, b in zip(spec_after, spec_before))
             row.update(window_drafts_verified=verified, window_drafts_accepted=accepted)
             row["window_draft_accept_rate"] = accepted / verified if verified else None
+        # per draft position, mean accepted length, drafter host time (the window's; `nextn` stays cfg's)
+        row.update((k, v) for k, v in spec_keys(snap_before, snap_after).items() if k != "nextn")
         if cfg.profile_batch == batch and cfg.profile_dir is not None:
             path = cfg.profile_dir / f"decode_batch{batch}.json"
             with profiled(path, cfg.profile_stacks):  # attached only now, after the window was measured
