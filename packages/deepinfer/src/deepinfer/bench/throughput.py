@@ -15,8 +15,6 @@ import random
 import time
 from pathlib import Path
 
-from ..engine.device_timing import summarize_timings
-
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workload")
@@ -181,6 +179,8 @@ def run_bench(args) -> int:
 
 def _gap_keys(stats) -> dict:
     """Device idle gap per decode step of one run (None on the CPU, where nothing is timed)."""
+    from ..engine.device_timing import summarize_timings
+
     summary = summarize_timings(stats.device_timings, decode_only=True)
     return {
         "decode_steps_timed": summary["timed_steps"],
