@@ -96,9 +96,6 @@ def engine_args_from(args):
 
 
 def cmd_generate(args) -> int:
-    from rich.console import Console
-
-    console = Console(stderr=True)
     # the checks that import nothing first, so that their mistakes are reported at once
     if args.output is not None:
         check_output_path(args.output)
@@ -110,19 +107,20 @@ def cmd_generate(args) -> int:
     requests = read_requests(args.prompt, args.input, defaults)
     results = ResultsFile(args.output) if args.output else None
     try:
-        return _generate(args, console, engine_args, requests, results)
+        return _generate(args, engine_args, requests, results)
     finally:
         if results is not None:
             results.close()
 
 
-def _generate(args, console, engine_args, requests: list[InputRequest], results: ResultsFile | None) -> int:
+def _generate(args, engine_args, requests: list[InputRequest], results: ResultsFile | None) -> int:
     from ..outputs import RequestMetrics, RequestOutput
 
     source = args.input
-    skipped = [r for r in requests if results is not None and r.resume_key in results.done]
+    done = results.done if results is not None else set()
+    skipped = [r for r in requests if r.error is None and r.resume_key in done]
     if skipped:
-        console.print(
+        say(
             f"resuming: {len(skipped)} of {len(requests)} requests already have a result in "
             f"{results.path}; running the other {len(requests) - len(skipped)}"
         )
@@ -153,9 +151,9 @@ def _generate(args, console, engine_args, requests: list[InputRequest], results:
             hand_out(req, refused(req, req.error))
     runnable = [r for r in todo if r.error is None]
     if not runnable:
-        return _finish(console, finished, 0.0, None)
+        return _finish(finished, 0.0, None)
 
-    llm = _load(console, engine_args)
+    llm = _load(engine_args)
     engine = llm.engine
     decode = _token_decoder(engine)
     by_rid: dict[str, InputRequest] = {}
@@ -179,27 +177,33 @@ def _generate(args, console, engine_args, requests: list[InputRequest], results:
         llm.close()
         done = sum(1 for o in finished if o.error is None)
         where = f" in {results.path}; run the same command again to resume" if results else ""
-        console.print(f"[red]interrupted[/]: {done} finished request(s) kept{where}")
+        say(f"interrupted: {done} finished request(s) kept{where}")
         return INTERRUPTED
     bar.close()
     llm.close()
-    return _finish(console, finished, time.perf_counter() - start, engine)
+    return _finish(finished, time.perf_counter() - start, engine)
 
 
-def _load(console, engine_args):
+def say(message: str) -> None:
+    """A line for the user on stderr, unwrapped (stdout holds the completions)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def _load(engine_args):
     from ..default_model import RANDOM_WEIGHTS_NOTICE, checkpoint_dir, tiny_model_dir
     from ..llm import LLM
 
     if checkpoint_dir(engine_args.model) is None and not (tiny_model_dir() / "config.json").exists():
-        console.print(
+        say(
             f"first use: generating the default model deepinfer-tiny into {tiny_model_dir()} "
             "(once; later runs reuse it)"
         )
+    say(f"loading model {engine_args.model or 'deepinfer-tiny'} ...")
     t0 = time.perf_counter()
     llm = LLM(**vars(engine_args))
     if llm.engine.is_default_model:
-        console.print(f"[bold yellow]note:[/] {RANDOM_WEIGHTS_NOTICE}")
-    console.print(f"model {llm.engine.model_path} loaded in {time.perf_counter() - t0:.1f}s")
+        say(f"note: {RANDOM_WEIGHTS_NOTICE}")
+    say(f"model {llm.engine.model_path} loaded in {time.perf_counter() - t0:.1f}s")
     return llm
 
 
@@ -244,8 +248,10 @@ def _print_lines(lines: list[str]) -> None:
     sys.stdout.flush()
 
 
-def _finish(console, outputs: list, elapsed: float, engine) -> int:
+def _finish(outputs: list, elapsed: float, engine) -> int:
+    from rich.console import Console
+
     from ..summary import summary_table
 
-    console.print(summary_table(outputs, elapsed, engine))
+    Console(stderr=True).print(summary_table(outputs, elapsed, engine))
     return FAILED if any(o.error is not None for o in outputs) else 0

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import platform
 import sys
-from importlib import metadata
 
 PACKAGES = (
     "deepinfer",
@@ -24,6 +23,8 @@ PACKAGES = (
 
 
 def version_lines() -> list[str]:
+    from importlib import metadata
+
     lines = []
     for name in PACKAGES:
         try:
