@@ -43,7 +43,7 @@ def cache_root() -> Path:
 
 def ensure_tiny_model(root: Path | None = None) -> Path:
     root = root or cache_root()
-    target = root / f"{TINY_NAME}-r{TINY_REVISION}"
+    target = tiny_model_dir(root)
     if (target / "config.json").exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
@@ -61,12 +61,26 @@ def ensure_tiny_model(root: Path | None = None) -> Path:
     return target
 
 
-def resolve_model(model: str | None) -> tuple[Path, bool]:
-    """(checkpoint directory, is_the_random_default). Explicit model > $DEEPINFER_HF_MODEL_DIR > tiny."""
+def tiny_model_dir(root: Path | None = None) -> Path:
+    """Where the generated deepinfer-tiny lives (it may not be there yet)."""
+    return (root or cache_root()) / f"{TINY_NAME}-r{TINY_REVISION}"
+
+
+def checkpoint_dir(model: str | None) -> Path | None:
+    """The checkpoint directory `model` names (None: the built-in default), checked without loading or
+    generating anything: the rule `resolve_model` applies, so a caller can refuse a bad path early."""
     model = model or envs.DEEPINFER_HF_MODEL_DIR
     if model in (None, "", TINY_NAME):
-        return ensure_tiny_model(), True
+        return None
     path = Path(model).expanduser()
     if not (path / "config.json").exists():
         raise ValueError(f"model must be a checkpoint directory with config.json, got {model!r}")
+    return path
+
+
+def resolve_model(model: str | None) -> tuple[Path, bool]:
+    """(checkpoint directory, is_the_random_default). Explicit model > $DEEPINFER_HF_MODEL_DIR > tiny."""
+    path = checkpoint_dir(model)
+    if path is None:
+        return ensure_tiny_model(), True
     return path, False

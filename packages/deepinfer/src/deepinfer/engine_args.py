@@ -214,7 +214,9 @@ class EngineArgs:
         group = parser.add_argument_group("engine arguments")
         for f in dataclasses.fields(EngineArgs):
             flag = "--" + f.name.replace("_", "-")
-            help_text = f.metadata.get("help", "") + f" (default: {f.default})"
+            help_text = f.metadata.get("help", "")
+            if "default:" not in help_text:  # each default printed once
+                help_text += f" (default: {f.default})"
             if f.type in ("bool", bool):
                 group.add_argument(
                     flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text

@@ -42,12 +42,19 @@ class DecodeConfig:
     profile_steps: int = 2
     profile_dir: Path | None = None
     profile_stacks: bool = False
+    request_max_tokens: int | None = None  # tokens per request when the model's context caps them
 
     def max_tokens(self) -> int:
-        steps = self.warmup_steps + self.measure_steps + self.profile_steps + 2
+        if self.request_max_tokens is not None:
+            return self.request_max_tokens
         # + FILL_HEADROOM: while a large batch's prompts are still prefilled (several steps once
         # batch x context exceeds the step's token budget), the requests admitted first already decode
-        return (steps + FILL_HEADROOM) * (1 + self.nextn)
+        return self.min_max_tokens() + FILL_HEADROOM * (1 + self.nextn)
+
+    def min_max_tokens(self) -> int:
+        """Tokens a request needs for the warm-up, measured and profiled steps (plus 2 spare)."""
+        steps = self.warmup_steps + self.measure_steps + self.profile_steps + 2
+        return steps * (1 + self.nextn)
 
 
 FILL_HEADROOM = 64  # decode steps a request may take before the last prompt of its batch is prefilled

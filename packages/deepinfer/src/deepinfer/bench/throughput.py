@@ -20,7 +20,6 @@ import random
 import time
 from pathlib import Path
 
-from ..engine.device_timing import summarize_timings
 from .drafts import compare_to_plain, spec_keys, spec_snapshot
 
 
@@ -228,6 +227,8 @@ def _drafts_cell(r: dict) -> str:
 
 def _gap_keys(stats) -> dict:
     """Device idle gap per decode step of one run (None on the CPU, where nothing is timed)."""
+    from ..engine.device_timing import summarize_timings
+
     summary = summarize_timings(stats.device_timings, decode_only=True)
     return {
         "decode_steps_timed": summary["timed_steps"],
