@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -98,14 +99,22 @@ def _decays(name: str, t: torch.Tensor) -> bool:
 
 
 def save_run(tr: TrainableV41, out: Path, tokenizer_dir: Path, state: dict, log: dict) -> None:
-    tr.save_checkpoint(out / "checkpoint", tokenizer_dir)
+    """Write the run into `out/.saving`, then move each part into place: a run killed while saving keeps
+    its previous save whole."""
+    staging = out / ".saving"
+    shutil.rmtree(staging, ignore_errors=True)
+    tr.save_checkpoint(staging / "checkpoint", tokenizer_dir)
     masters = {
         n: t.detach().to(torch.bfloat16).cpu().contiguous()
         for n, t in tr.masters.items()
         if n not in _BF16_IN_CHECKPOINT and tr.layout[n].kind not in ("float", "f32")
     }
-    save_file(masters, out / RESUME_FILE, metadata={"state": json.dumps(state)})
-    (out / LOG_FILE).write_text(json.dumps(log, indent=1) + "\n")
+    save_file(masters, staging / RESUME_FILE, metadata={"state": json.dumps(state, default=int)})
+    (staging / LOG_FILE).write_text(json.dumps(log, indent=1) + "\n")
+    shutil.rmtree(out / "checkpoint", ignore_errors=True)
+    for name in ("checkpoint", RESUME_FILE, LOG_FILE):
+        os.replace(staging / name, out / name)
+    staging.rmdir()
 
 
 def load_run(path: Path, device) -> tuple[TrainableV41, dict, dict]:
@@ -141,6 +150,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-seqs", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--save-every-s", type=float, default=None, help="also save the run this often (a killed run resumes)"
+    )
     p.add_argument("--micro", action="store_true", help="the test-sized config (CPU verification)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = p.parse_args(argv)
@@ -175,6 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
     planned = a.max_steps
     step_times: list[float] = []
     run = {"start_step": first_step, "device": str(device), "started": t_start}
+    last_save = time.time()
     with numerics.resolved():
         while True:
             step = state["step"]
@@ -227,6 +240,10 @@ def main(argv: list[str] | None = None) -> dict:
                     {"step": state["step"], "heldout_loss": heldout_loss(tr, held, act, device)}
                 )
             print(json.dumps(log["steps"][-1]), flush=True)
+            if a.save_every_s and time.time() - last_save > a.save_every_s:
+                partial = dict(run, end_step=state["step"], seconds=time.time() - t_start, tokens=state["tokens"])
+                save_run(tr, out, tok_dir, state, {**log, "runs": [*log["runs"], partial]})
+                last_save = time.time()
         log["evals"].append({"step": state["step"], "heldout_loss": heldout_loss(tr, held, act, device)})
     state["rng"] = int(state["rng"])
     run.update(end_step=state["step"], seconds=time.time() - t_start, tokens=state["tokens"])
