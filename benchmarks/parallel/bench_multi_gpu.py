@@ -22,7 +22,9 @@ and run, in order:
 
 Timing: perf_counter after synchronising the device, warm-up steps excluded; a decode step ends when
 its slowest rank ends. Writes benchmarks/out/bench_multi_gpu.json (bench_multi_gpu_cpu.json for
-`--device cpu`), a list of flat records (`section`: equality / decode / cp_prefill).
+`--device cpu`; `--out` to change the directory), a list of flat records (`section`: equality / decode /
+cp_prefill) whose keys carry their units (`us_per_step`, `tok_per_s_per_gpu`, `ms_per_prefill`,
+`rebalance_ms`, `rebalance_bytes_moved`; ratios and counts have none).
 
     uv run --no-sync python benchmarks/parallel/bench_multi_gpu.py --model /tmp/medium --device cuda
     uv run --no-sync python benchmarks/parallel/bench_multi_gpu.py --model tiny --device cpu --world 2
@@ -111,7 +113,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="skip the DeepEP variants (run by default when deep_ep imports)",
     )
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds for the parallel runs")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out", help="results directory")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=ROOT / "benchmarks" / "out",
+        help="results directory (default benchmarks/out/, untracked; copy a run worth keeping to benchmarks/results/)",
+    )
     args = ap.parse_args(argv)
     d = GPU_DEFAULTS if args.device == "cuda" else CPU_DEFAULTS
     for key, value in d.items():

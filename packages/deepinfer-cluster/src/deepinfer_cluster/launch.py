@@ -1,13 +1,18 @@
 """`deepinfer-launch`: start one process per rank with torchrun-compatible environment variables.
 
     deepinfer-launch [--nproc N | --nnodes M --node-rank R --master-addr A] [--dp D --cp C --ep E]
-                     [--devices-per-rank K] [--bind-numa] -- COMMAND [ARGS...]
+                     [--devices-per-rank K] [--bind-numa | --no-bind-numa] -- COMMAND [ARGS...]
 
 Single host: this module starts the ranks itself, prefixes their output with "[rank i]", and
 when one rank fails stops all others within `--kill-grace` seconds (SIGTERM to each rank's
 process group, then SIGKILL), reporting the failing rank, its exit code and its last lines.
 Several hosts: the same options are handed to torchrun (`python -m torch.distributed.run`), which
 owns rendezvous and restarts; torch must be importable for that, this package does not need it.
+
+NUMA: by default each local rank is pinned to its device's share of its NUMA node (CPU ranks: the
+nodes split in contiguous blocks) where the host has more than one node; on a one-node host there is
+nothing to choose and nothing is changed. What was decided is printed at start (`numa_decision`).
+`--bind-numa` binds on one node too, `--no-bind-numa` never binds.
 """
 
 from __future__ import annotations
@@ -64,8 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--bind-numa",
-        action="store_true",
-        help="pin each rank to its device's NUMA cores and memory before it starts",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="pin each rank to its device's NUMA cores and memory before it starts (default: where "
+        "the host has several NUMA nodes; --no-bind-numa: never)",
     )
     p.add_argument(
         "--kill-grace",
@@ -99,6 +106,22 @@ class Plan:
     command: list[str]
     rank_env: list[dict[str, str]] = field(default_factory=list)  # per local rank, on top of os.environ
     numa_binding: list[tuple[int, tuple[int, ...]] | None] = field(default_factory=list)
+    numa_report: str = ""  # the binding decision, printed at start
+
+
+def numa_decision(requested: bool | None, nodes) -> tuple[bool, str]:
+    """Whether the launcher binds its ranks, and why. `requested`: --bind-numa (True), --no-bind-numa
+    (False) or neither (None: bind where the host has several NUMA nodes); `nodes`: the host's
+    `NumaNode`s."""
+    count = len(nodes)
+    if requested is False:
+        return False, f"NUMA: not binding (--no-bind-numa; {count} node(s) on this host)"
+    if count == 0:
+        return False, "NUMA: no NUMA information on this host; ranks not bound"
+    if requested is None and count == 1:
+        return False, "NUMA: 1 node on this host; ranks not bound (nothing to choose)"
+    why = "--bind-numa" if requested else f"{count} nodes on this host"
+    return True, f"NUMA: binding each rank to its node's cores and memory ({why})"
 
 
 def _local_world(args: argparse.Namespace, kind: AcceleratorKind) -> int | None:
@@ -119,8 +142,11 @@ def _local_world(args: argparse.Namespace, kind: AcceleratorKind) -> int | None:
     return None
 
 
-def make_plan(args: argparse.Namespace, command: list[str], kind: AcceleratorKind | None = None) -> Plan:
-    """Everything decided before the first process starts; ValueError for impossible layouts."""
+def make_plan(
+    args: argparse.Namespace, command: list[str], kind: AcceleratorKind | None = None, host=None
+) -> Plan:
+    """Everything decided before the first process starts; ValueError for impossible layouts.
+    `host`: (devices, NUMA nodes) of the machine (default: probed here, when binding may apply)."""
     kind = accelerator_kind() if kind is None else kind
     if args.nnodes < 1:
         raise ValueError(f"--nnodes={args.nnodes} must be >= 1")
@@ -144,11 +170,16 @@ def make_plan(args: argparse.Namespace, command: list[str], kind: AcceleratorKin
     var = kind.visible_devices_var
     visible = visible_devices(kind) if var else []
     devices = nodes = None
-    if args.bind_numa:
-        from deepinfer_cluster.cpu import numa_nodes
-        from deepinfer_cluster.devices import probe_devices
+    if args.bind_numa is not False:
+        if host is None:
+            from deepinfer_cluster.cpu import numa_nodes
+            from deepinfer_cluster.devices import probe_devices
 
-        devices, nodes = probe_devices(), numa_nodes()
+            host = probe_devices(), numa_nodes()
+        devices, nodes = host
+    bind, plan.numa_report = numa_decision(args.bind_numa, nodes or [])
+    if not bind:
+        devices = None
     for local in range(nproc):
         rank = args.node_rank * nproc + local
         env = {
@@ -369,6 +400,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         opts, command = split_command(argv)
         args = parser.parse_args(opts)
         plan = make_plan(args, command)
+        if plan.numa_report and args.nnodes == 1:
+            bound = [f"{i}->{b[0]}" for i, b in enumerate(plan.numa_binding) if b is not None]
+            extra = f": local rank->node {', '.join(bound)}" if bound else ""
+            sys.stderr.write(
+                f"[deepinfer-launch] {plan.numa_report}{extra}\n"
+            )  # (errors: "deepinfer-launch: ...")
         if args.dry_run:
             _print_plan(plan, args.nnodes)
             return 0

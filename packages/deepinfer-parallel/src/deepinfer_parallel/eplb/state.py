@@ -5,12 +5,17 @@ physical slot processed) and the engine calls ``state.step(is_prompt)`` once per
 rank. Every ``interval`` steps (the first time after a quarter of a period) the window's counts are
 summed over the EP group, planned with ``rebalance``, the weights are shuffled and the layout's maps
 are updated in place.
+
+A rebalance (and each load-statistic flush) is a collective ordinary steps do not carry: listeners
+added with ``add_listener`` hear of each one as ``(kind, start, end)``, ``kind`` ``"eplb_rebalance"``
+or ``"moe_lb_flush"``, the times ``time.perf_counter()`` values of this process.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -113,6 +118,13 @@ class EplbState:
         self.reports: list[RebalanceReport] = []
         # moe_lb: sum of per-(step, layer) peak over mean rank load, all-gathered every N steps.
         self.load_stats = MoeLoadStats(layout.num_layers, lb_stat_interval, group, device)
+        self.listeners: list[Callable[[str, float, float], None]] = []
+
+    def add_listener(self, fn: Callable[[str, float, float], None]) -> None:
+        """Call ``fn(kind, start, end)`` after every rebalance and every load-statistic flush."""
+        if fn not in self.listeners:
+            self.listeners.append(fn)
+        self.load_stats.add_listener(fn)
 
     def _push(self) -> None:
         slots = self.layout.local_slots(self.ep_rank)
@@ -205,6 +217,9 @@ class EplbState:
             seconds=time.perf_counter() - start,
         )
         self.reports.append(report)
+        end = time.perf_counter()
+        for fn in self.listeners:
+            fn("eplb_rebalance", start, end)
         if self.ep_rank == 0:
             logger.info(
                 "EPLB step %d: peak/mean rank load %.3f -> %.3f, %d layers changed, %.1f MiB moved, %.3f s",

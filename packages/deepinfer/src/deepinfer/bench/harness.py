@@ -117,14 +117,45 @@ def _on_gpu() -> bool:
 
 
 def _engine(args, nextn: int | None = None, **overrides):
-    """The benchmark's engine: --nextn drafts per step, or `nextn` (the plain baseline's 0)."""
-    from ..engine.llm_engine import LLMEngine
+    """The benchmark's engine: --nextn drafts per step, or `nextn` (the plain baseline's 0). With
+    data_parallel_size > 1 the data-parallel engine: its rank processes run the steps and report them."""
     from ..engine_args import EngineArgs
 
-    base = EngineArgs.from_cli_args(args)
-    # --nextn goes to this engine only: setting the env var would leak into everything after us.
+    base = dataclasses.replace(EngineArgs.from_cli_args(args), **overrides)
     nextn = args.nextn if nextn is None else nextn
-    return LLMEngine(dataclasses.replace(base, **overrides), num_speculative_tokens=nextn)
+    if base.data_parallel_size > 1:
+        from ..engine.data_parallel import DataParallelEngine
+        from ..reproducibility.ppl import nextn_decode
+
+        # the ranks read the draft count from the environment they are spawned with
+        if nextn is None:
+            return DataParallelEngine(base)
+        with nextn_decode(nextn):
+            return DataParallelEngine(base)
+    from ..engine.llm_engine import LLMEngine
+
+    # --nextn goes to this engine only: setting the env var would leak into everything after us.
+    return LLMEngine(base, num_speculative_tokens=nextn)
+
+
+def _on_ranks(engine) -> bool:
+    """The engine's steps run in rank processes (they report them as step traces)."""
+    return hasattr(engine, "step_traces")
+
+
+def _cost_model(engine, args):
+    """The whole model, for the roofline's costs: the engine's own, or (rank processes hold theirs,
+    experts sharded) the checkpoint loaded once here on the CPU."""
+    if not _on_ranks(engine):
+        return engine.model
+    import torch
+    from deepinfer_model import load_model
+
+    return load_model(engine.model_path, getattr(torch, args.dtype))
+
+
+def _runner_name(engine, args) -> str:
+    return type(engine.runner).__name__ if not _on_ranks(engine) else f"{args.runner} (rank processes)"
 
 
 def run(args) -> int:
@@ -138,6 +169,8 @@ def run(args) -> int:
     from .intervals import FlagCounter
     from .phases import DecodeConfig, PrefillConfig, run_decode, run_prefill
     from .plot import plot_decode, plot_prefill
+    from .rank_phases import decode_max_tokens as rank_decode_max_tokens
+    from .rank_phases import run_decode_ranks, run_prefill_ranks
     from .roofline import decode_roof, machine_ceilings, model_costs, model_device, prefill_roof
     from .table import print_table
 
@@ -148,7 +181,7 @@ def run(args) -> int:
     from .. import envs
 
     nextn = args.nextn if args.nextn is not None else int(envs.DEEPINFER_USE_NEXTN_DECODE)
-    dp, cp = max(1, args.data_parallel_size), args.context_parallel_size
+    cp = args.context_parallel_size
     chunks = args.chunks or _int_list(GPU_CHUNKS if gpu else CPU_CHUNKS)
     batches = args.batches or _int_list(GPU_BATCHES if gpu else CPU_BATCHES)
     name = args.name or f"bench_{args.mode}"
@@ -158,8 +191,8 @@ def run(args) -> int:
     ceil_cache: dict = {}
 
     def ceilings_for(engine):
-        """Ceilings of the device the engine's model runs on, measured once per run."""
-        device = model_device(engine.model)
+        """Ceilings of the device the engine's model runs on (rank 0's), measured once per run."""
+        device = model_device(engine.model) if not _on_ranks(engine) else _rank0_device(args)
         if device.type not in ceil_cache:
             dtype = torch.bfloat16 if device.type == "cuda" else getattr(torch, args.dtype)
             ceil = machine_ceilings(device, dtype, measure=args.measure_ceilings)
@@ -202,26 +235,29 @@ def run(args) -> int:
         )
         flags = FlagCounter()
         watched = flags.watch_all(engine)
-        costs, ceil = model_costs(engine.model), ceilings_for(engine)
+        costs, ceil = model_costs(_cost_model(engine, args)), ceilings_for(engine)
         cfg = PrefillConfig(
             chunks=chunks,
             context=args.prefill_context,
             warmup=args.prefill_warmup,
             repeats=args.prefill_repeats,
-            dp=dp,
             cp=cp,
             profile_chunk=args.profile_prefill_chunk,
             profile_dir=profile_dir,
             profile_stacks=args.profile_stacks,
         )
         try:
-            prows = run_prefill(Driver(engine, args.seed), cfg, flags, progress)
+            if _on_ranks(engine):
+                prows = run_prefill_ranks(Driver(engine, args.seed), cfg, progress)
+            else:
+                prows = run_prefill(Driver(engine, args.seed), cfg, flags, progress)
         finally:
             engine.close()
         for r in prows:
             _, roof = prefill_roof(costs, ceil, r["chunk_tokens"])
-            r.update(common(ceil), model=str(engine.model_path), runner=type(engine.runner).__name__)
-            r.update(loop="async" if engine.use_async else "sync", eplb_objects_watched=watched)
+            r.update(common(ceil), model=str(engine.model_path), runner=_runner_name(engine, args))
+            r.update(loop="async" if engine.use_async else "sync")
+            r.setdefault("eplb_objects_watched", watched)
             r["roofline_tok_per_s_per_gpu"] = roof
             r["fraction_of_roofline"] = r["non_cached_tok_per_s_per_gpu"] / roof
         rows += prows
@@ -239,7 +275,6 @@ def run(args) -> int:
             nextn=nextn,
             warmup_steps=args.warmup_steps,
             measure_steps=args.measure_steps,
-            dp=dp,
             cp=cp,
             profile_batch=args.profile_decode_batch,
             profile_steps=args.profile_steps,
@@ -247,7 +282,14 @@ def run(args) -> int:
             profile_stacks=args.profile_stacks,
             request_max_tokens=decode_max_tokens,
         )
-        max_len = cfg.context + cfg.max_tokens() + 1
+        budget = (
+            args.max_num_batched_tokens or 4096
+        )  # (at most the engine's: it takes max(max_model_len, 4096))
+        if args.data_parallel_size > 1:  # the ranks run each batch's requests to their end: no headroom
+            dp = args.data_parallel_size
+            max_len = cfg.context + max(rank_decode_max_tokens(cfg, b // dp, budget) for b in batches) + 1
+        else:
+            max_len = cfg.context + cfg.max_tokens() + 1
         blocks = -(-max_len // args.block_size) * max(batches) + 1
         sizes = dict(
             max_num_seqs=max(batches), max_model_len=max_len, num_kv_blocks=args.num_kv_blocks or blocks
@@ -261,9 +303,15 @@ def run(args) -> int:
             cfg.nextn = effective
         flags = FlagCounter()
         watched = flags.watch_all(engine)
-        costs, ceil = model_costs(engine.model), ceilings_for(engine)
+        costs, ceil = model_costs(_cost_model(engine, args)), ceilings_for(engine)
+
+        def decode(engine, cfg, flags, progress=None):
+            if _on_ranks(engine):
+                return run_decode_ranks(Driver(engine, args.seed), cfg, budget, progress)
+            return run_decode(Driver(engine, args.seed), cfg, flags, progress)
+
         try:
-            drows = run_decode(Driver(engine, args.seed), cfg, flags, progress)
+            drows = decode(engine, cfg, flags, progress)
         finally:
             engine.close()
         if cfg.nextn and not args.no_plain_baseline:
@@ -273,7 +321,7 @@ def run(args) -> int:
             plain_flags = FlagCounter()
             plain_flags.watch_all(plain)
             try:
-                prows = {r["batch"]: r for r in run_decode(Driver(plain, args.seed), plain_cfg, plain_flags)}
+                prows = {r["batch"]: r for r in decode(plain, plain_cfg, plain_flags)}
             finally:
                 plain.close()
             for r in drows:
@@ -281,8 +329,9 @@ def run(args) -> int:
         for r in drows:
             _, roof = decode_roof(costs, ceil, r["batch"], cfg.nextn)
             r["nextn_requested"] = nextn
-            r.update(common(ceil), model=str(engine.model_path), runner=type(engine.runner).__name__)
-            r.update(loop="async" if engine.use_async else "sync", eplb_objects_watched=watched)
+            r.update(common(ceil), model=str(engine.model_path), runner=_runner_name(engine, args))
+            r.update(loop="async" if engine.use_async else "sync")
+            r.setdefault("eplb_objects_watched", watched)
             r["roofline_tok_per_s_per_gpu"] = roof
             r["fraction_of_roofline"] = r["full_acceptance_tok_per_s_per_gpu"] / roof
         rows += drows
@@ -353,6 +402,16 @@ def _decode_max_tokens(args, nextn: int, console) -> int | None:
         "fit; lower --decode-context or --nextn if a request finishes inside the window)"
     )
     return room
+
+
+def _rank0_device(args):
+    """Where rank 0 of a data-parallel engine runs (rank_process.py: one GPU per rank, cuda:0 first)."""
+    import torch
+
+    from ..engine_args import EngineArgs
+
+    device = EngineArgs.from_cli_args(args).torch_device
+    return torch.device("cuda", 0) if device.type == "cuda" else device
 
 
 def _title(phase: str, engine) -> str:

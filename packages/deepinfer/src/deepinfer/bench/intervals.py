@@ -4,7 +4,9 @@ The reference drops (never smooths over) intervals during which the MoE load-bal
 flushed (an all-gather over the EP group every N steps) or EPLB rebalanced: those steps carry a
 collective or a weight shuffle that ordinary steps do not. `FlagCounter` counts such events; the
 harness reads it before and after each interval and flags the interval if it moved. Anything can
-report an event with `mark(kind)`; `watch(obj)` wires it to `deepinfer_parallel`'s EPLB objects.
+report an event with `mark(kind)`; `watch(obj)` wires it to `deepinfer_parallel`'s EPLB objects of this
+process. The EPLB of data-parallel ranks runs in their own processes: their steps and events come back
+as step traces (`rank_steps.py`), flagged there.
 """
 
 from __future__ import annotations
@@ -35,21 +37,21 @@ class FlagCounter:
         self.kinds[kind] += 1
 
     def watch(self, obj) -> bool:
-        """Count `obj`'s flushes / rebalances: an `EplbState` (both) or a `MoeLoadStats` (flushes).
-
-        Wraps the instance's own methods (not the class), so other instances are untouched.
+        """Count `obj`'s flushes / rebalances: an `EplbState` (both) or a `MoeLoadStats` (flushes),
+        through their listeners (watching an object twice counts its events once).
         Returns False when `obj` is neither.
         """
         from deepinfer_parallel import EplbState, MoeLoadStats
 
-        if isinstance(obj, EplbState):
-            self.watch(obj.load_stats)
-            self._wrap(obj, "rearrange", "eplb_rebalance")
-            return True
-        if isinstance(obj, MoeLoadStats):
-            self._wrap(obj, "flush", "moe_lb_flush")
+        if isinstance(obj, EplbState | MoeLoadStats):
+            obj.add_listener(self.heard)
             return True
         return False
+
+    def heard(self, kind: str, start: float = 0.0, end: float = 0.0) -> None:
+        """An EPLB listener (`kind`, and the event's span, unused here: the interval it fell in is
+        the one being timed)."""
+        self.mark(kind)
 
     def watch_all(self, root, max_depth: int = 4) -> int:
         """Find EPLB objects reachable from `root` (an engine, a runner, a model) and watch them."""
@@ -77,18 +79,6 @@ class FlagCounter:
 
         walk(root, 0)
         return found
-
-    def _wrap(self, obj, name: str, kind: str) -> None:
-        inner = getattr(obj, name)
-        if getattr(inner, "_bench_flag_wrapped", False):
-            return
-
-        def wrapped(*args, **kwargs):
-            self.mark(kind)
-            return inner(*args, **kwargs)
-
-        wrapped._bench_flag_wrapped = True
-        setattr(obj, name, wrapped)
 
 
 def timed(fn, flags: FlagCounter | None, tokens_fn, batch: int = 0) -> tuple[Interval, object]:

@@ -1,6 +1,9 @@
 """The two measured phases. Each runs warm-up, then a measurement window of timed intervals, then
 (optionally) a profiler window: the profiler is attached only after measuring, because leaving it
-costs a residual slowdown (the reference saw 7-11% at decode batch 1) that would bias the numbers."""
+costs a residual slowdown (the reference saw 7-11% at decode batch 1) that would bias the numbers.
+
+These phases time one engine in this process: one rank, so their rows say `dp` 1. A data-parallel
+engine's ranks time their own steps (`rank_phases.py`)."""
 
 from __future__ import annotations
 
@@ -22,7 +25,6 @@ class PrefillConfig:
     context: int = 0  # prompt tokens already in the prefix cache before the timed chunk
     warmup: int = 1  # untimed chunks per size
     repeats: int = 3  # timed chunks per size (each one interval)
-    dp: int = 1
     cp: int = 1
     profile_chunk: int | None = None
     profile_dir: Path | None = None
@@ -36,7 +38,6 @@ class DecodeConfig:
     nextn: int = 0
     warmup_steps: int = 2
     measure_steps: int = 8
-    dp: int = 1
     cp: int = 1
     profile_batch: int | None = None
     profile_steps: int = 2
@@ -87,9 +88,9 @@ def run_prefill(driver: Driver, cfg: PrefillConfig, flags: FlagCounter | None, p
             "dropped_flagged_intervals": w.dropped,
             "chunk_latency_ms": w.seconds / w.intervals * 1e3,
             "non_cached_tok_per_s_per_gpu": accounting.prefill_tok_per_s_per_gpu(
-                w.tokens, w.seconds, cfg.dp, cfg.cp
+                w.tokens, w.seconds, 1, cfg.cp
             ),
-            "dp": cfg.dp,
+            "dp": 1,  # one engine, this process
             "cp": cfg.cp,
         }
         peak = _peak_memory_gib()
@@ -190,16 +191,14 @@ def run_decode(driver: Driver, cfg: DecodeConfig, flags: FlagCounter | None, pro
             "steps_per_s": sps,
             "ms_per_step": w.seconds_per_step * 1e3,
             "full_acceptance_tok_per_s_per_gpu": accounting.decode_full_acceptance_per_gpu(
-                sps, batch, cfg.nextn, cfg.dp, cfg.cp
+                sps, batch, cfg.nextn, 1, cfg.cp
             ),
             "full_acceptance_tok_per_s_per_user": accounting.decode_full_acceptance_per_user(sps, cfg.nextn),
-            "measured_tok_per_s_per_gpu": accounting.decode_measured_per_gpu(
-                w.tokens, w.seconds, cfg.dp, cfg.cp
-            ),
+            "measured_tok_per_s_per_gpu": accounting.decode_measured_per_gpu(w.tokens, w.seconds, 1, cfg.cp),
             "measured_tok_per_s_per_user": accounting.decode_measured_per_user(w.tokens, w.seconds, batch),
             "measured_tokens_per_request_step": w.tokens / (w.steps * batch),
             "measured_accept_rate": (w.tokens / (w.steps * batch) - 1) / cfg.nextn if cfg.nextn else None,
-            "dp": cfg.dp,
+            "dp": 1,  # one engine, this process
             "cp": cfg.cp,
             # the device's side of the window (CUDA events; None on the CPU): each step's span, the idle gap
             # before it, and how many steps the async loop launched behind the one before (device-fed ids)

@@ -120,6 +120,7 @@ class DataParallelEngine(PromptChecks):
         self.tokenizer_config = load_tokenizer_config(tok_path)
         self.stats = DataParallelStats()
         self._rank_stats: list[dict] = [{} for _ in range(self.world)]
+        self._step_traces: list[list[dict]] = [[] for _ in range(self.world)]
         # front messages (add / abort) sent to each rank, and how many of them each rank's last
         # "idle" report (its run loop ended) covered: equal = the rank's counters are final
         self._sent = [0] * self.world
@@ -273,6 +274,30 @@ class DataParallelEngine(PromptChecks):
         total["ranks"] = ranks
         return total
 
+    def start_step_trace(self) -> None:
+        """From the ranks' next step on, each rank times its steps and reports them (`step_trace.py`);
+        the records gathered so far are dropped. Benchmarks use it to report what the ranks ran."""
+        self._check_usable()
+        self._step_traces = [[] for _ in range(self.world)]
+        self._broadcast(("trace", True))
+
+    def stop_step_trace(self) -> None:
+        self._check_usable()
+        self._broadcast(("trace", False))
+
+    def step_traces(self) -> list[dict]:
+        """Per rank, in rank order: who ran (`identity`: rank, pid, host, EP group, EPLB on), the EPLB
+        events it heard (`events`: kind -> count) and its step records since `start_step_trace`
+        (`steps`: `StepRecord.as_dict()`). Complete once `step()` has returned a run's last outputs."""
+        return [
+            {
+                "identity": dict(stats.get("identity", {})),
+                "events": dict(stats.get("step_trace_events", {})),
+                "steps": list(steps),
+            }
+            for stats, steps in zip(self._rank_stats, self._step_traces)
+        ]
+
     def close(self) -> None:
         """Stop the ranks (politely, then by force) and remove the rendezvous directory."""
         self._finalizer()
@@ -360,6 +385,7 @@ class DataParallelEngine(PromptChecks):
                 elif kind == "ready" and on_ready is not None:
                     on_ready(msg)
                 elif kind in ("outputs", "idle"):
+                    self._step_traces[msg[1]] += msg[3].pop("step_trace", [])
                     self._rank_stats[msg[1]] = msg[3]
                     if kind == "idle":
                         self._settled[msg[1]] = msg[4]

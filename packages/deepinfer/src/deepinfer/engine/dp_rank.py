@@ -133,6 +133,7 @@ class DataParallelRank:
         self.messages = 0  # front messages (sent to every rank) this rank has taken in so far
         self.any_busy = False  # result of the last vote: does any rank of the EP group have work
         self._idle_futures: deque[Future] = deque()
+        self.step_trace = None  # the rank loop's StepTrace (rank_process.py), for benchmarks
 
     def load_model(self, path: Path, dtype: torch.dtype, device: torch.device):
         """This rank's model: whole with ep == 1, else the routed experts of its slots only."""

@@ -9,6 +9,7 @@ import dataclasses
 import os
 import queue
 import signal
+import socket
 import threading
 import time
 import traceback
@@ -21,6 +22,7 @@ from ..engine_args import EngineArgs
 from ..outputs import RequestMetrics, RequestOutput
 from .dp_rank import DataParallelRank
 from .llm_engine import LLMEngine
+from .step_trace import StepTrace
 
 HEARTBEAT_S = 5.0  # a running rank reports its stats at least this often
 BEAT_S = 1.0  # a running rank's sign of life (from a thread of its own) at least this often
@@ -112,7 +114,7 @@ def _rank_main(
                     "max_model_len": engine.max_model_len,
                     "bos_token_id": engine.bos_token_id,
                     "eos_token_id": engine.eos_token_id,
-                    "stats": _stats(engine),  # the front's statistics have their shape from the start
+                    "stats": _stats(engine, dp),  # the front's statistics have their shape from the start
                 },
             )
         )
@@ -141,37 +143,58 @@ def _serve(engine, dp: DataParallelRank, conn, outbox: _Outbox, beat: _Heartbeat
     The front sends every batch to every rank (possibly empty), so all ranks of a group start a run
     together; messages arriving during a run are handled between steps (the vote sees the new work,
     and the count of messages taken in, so that no rank leaves the run with a message unread that
-    another rank already acted on).
+    another rank already acted on). While the front has step tracing on, every step is timed here
+    (`step_trace.py`) and the records travel with the statistics.
     """
+    trace = dp.step_trace = StepTrace(async_loop=engine.pipeline is not None)
+    eplb = dp.collectives.eplb if dp.collectives is not None else None
+    if eplb is not None:
+        eplb.add_listener(trace.on_event)
     while True:
         msg = conn.recv()
         beat.running = True
-        if not _handle(engine, dp.rank, msg, outbox):
+        if not _handle(engine, dp, msg, outbox):
             return
         dp.messages += 1
         beat.progress += 1
         last_sent = time.monotonic()
         while True:
             while conn.poll():
-                if not _handle(engine, dp.rank, conn.recv(), outbox):
+                if not _handle(engine, dp, conn.recv(), outbox):
                     return
                 dp.messages += 1
                 beat.progress += 1
-            done = engine.step()
+            done = _traced_step(engine, dp, trace) if trace.enabled else engine.step()
             beat.progress += 1
             if done or time.monotonic() - last_sent > HEARTBEAT_S:
-                outbox.send(("outputs", dp.rank, done, _stats(engine)))
+                outbox.send(("outputs", dp.rank, done, _stats(engine, dp)))
                 last_sent = time.monotonic()
             if not dp.any_busy:
                 break
         dp.wait_idle_forwards()  # so the counters sent below cover every forward of the run
         beat.running = False
-        outbox.send(("idle", dp.rank, [], _stats(engine), dp.messages))
+        outbox.send(("idle", dp.rank, [], _stats(engine, dp), dp.messages))
 
 
-def _handle(engine, rank: int, msg, outbox: _Outbox) -> bool:
+def _traced_step(engine, dp: DataParallelRank, trace: StepTrace) -> list[RequestOutput]:
+    """`engine.step()`, timed and recorded in `trace`."""
+    decoding = all(seq.num_generated > 0 for state in engine.requests.values() for seq in state.seqs)
+    generated = engine.stats.generated_tokens
+    start = time.perf_counter()
+    done = engine.step()
+    end = time.perf_counter()
+    sched = engine.scheduler_stats()
+    trace.record(
+        start, end, emitted_tokens=engine.stats.generated_tokens - generated,
+        running=int(sched["num_running"]), waiting=int(sched["num_waiting"]), decoding=decoding,
+        finished=len(done), forwards=dp.launched,
+    )  # fmt: skip
+    return done
+
+
+def _handle(engine, dp: DataParallelRank, msg, outbox: _Outbox) -> bool:
     """Apply one front message; False on close."""
-    kind = msg[0]
+    kind, rank = msg[0], dp.rank
     if kind == "close":
         return False
     if kind == "add":
@@ -182,7 +205,7 @@ def _handle(engine, rank: int, msg, outbox: _Outbox) -> bool:
             except ValueError as e:  # this request alone fails; the others and the world go on
                 failed.append(RequestOutput(rid, prompt, ids or [], [], RequestMetrics(0.0), error=str(e)))
         if failed:
-            outbox.send(("outputs", rank, failed, _stats(engine)))
+            outbox.send(("outputs", rank, failed, _stats(engine, dp)))
     elif kind == "abort":
         # Not abort_all: it waits for the forwards in flight, which the other ranks join only at
         # the next vote. The step loop settles them instead. msg[1]: the request ids (every rank
@@ -190,18 +213,29 @@ def _handle(engine, rank: int, msg, outbox: _Outbox) -> bool:
         # skipped), None for all.
         for rid in list(engine.requests) if msg[1] is None else msg[1]:
             engine.abort_request(rid)
+    elif kind == "trace":  # msg[1]: step tracing on (afresh) or off
+        dp.step_trace.restart(bool(msg[1]))
     else:
         raise ValueError(f"unknown message {kind!r} from the front process")
     return True
 
 
-def _stats(engine) -> dict:
+def _stats(engine, dp: DataParallelRank) -> dict:
     out = {
         f.name: getattr(engine.stats, f.name)
         for f in dataclasses.fields(engine.stats)
         if isinstance(getattr(engine.stats, f.name), int | float)
     }
-    if engine.dp is not None:
-        out.update(engine.dp.eplb_stats())
+    out.update(dp.eplb_stats())
     out["scheduler"] = engine.scheduler_stats()
+    trace = dp.step_trace
+    # who this rank is (a benchmark reports the processes that ran), and its step records so far
+    out["identity"] = {
+        "rank": dp.rank, "pid": os.getpid(), "host": socket.gethostname(), "ep_rank": dp.state.ep.rank_in_group,
+        "ep_ranks": list(dp.state.ep.ranks), "eplb": dp.collectives is not None and dp.collectives.eplb is not None,
+        "async_loop": engine.pipeline is not None,
+    }  # fmt: skip
+    if trace is not None and trace.enabled:
+        out["step_trace"] = trace.take()
+        out["step_trace_events"] = dict(trace.event_counts)
     return out
