@@ -110,7 +110,11 @@ def cmd_generate(args) -> int:
     )
     engine_args = EngineArgs.from_cli_args(args)
     t0 = time.perf_counter()
-    llm = LLM(**vars(engine_args))
+    llm = LLM(**engine_args.fields())
+    # In a launched world every rank runs this command and gets every output; rank 0 reports them.
+    reporting = getattr(llm.engine, "rank", 0) == 0
+    if not reporting:
+        console.quiet = True
     if llm.engine.is_default_model:
         console.print(f"[bold yellow]note:[/] {RANDOM_WEIGHTS_NOTICE}")
     console.print(f"model {llm.engine.model_path} loaded in {time.perf_counter() - t0:.1f}s")
@@ -132,14 +136,18 @@ def cmd_generate(args) -> int:
         ids.append(t if t is not None else (llm.engine.encode(p) if isinstance(p, str) else []))
     start = time.perf_counter()
     try:
-        outputs = llm.generate(prompts, params, prompt_token_ids=ids, use_tqdm=not args.no_progress)
+        outputs = llm.generate(
+            prompts, params, prompt_token_ids=ids, use_tqdm=reporting and not args.no_progress
+        )
     except KeyboardInterrupt:
         console.print("[red]interrupted[/]: in-flight requests aborted")
         return 130
     finally:
         llm.close()
     elapsed = time.perf_counter() - start
-
+    code = 0 if all(o.error is None for o in outputs) else 1
+    if not reporting:
+        return code
     if args.output:
         with args.output.open("w") as f:
             for r, out in zip(requests, outputs):
@@ -154,7 +162,7 @@ def cmd_generate(args) -> int:
             for c in out.outputs:
                 print(c.text if len(out.outputs) == 1 else f"[{c.index}] {c.text}")
     console.print(summary_table(outputs, elapsed, llm.engine))
-    return 0 if all(o.error is None for o in outputs) else 1
+    return code
 
 
 def run_deepinfer_eval(args: list[str]) -> int:
