@@ -88,7 +88,7 @@ def test_parallel_sizes_are_validated_with_clear_errors(monkeypatch):
         EngineArgs(data_parallel_size=1, expert_parallel_size=2, device="cpu")
     with pytest.raises(ValueError, match="data_parallel_size must be an integer >= 0"):
         EngineArgs(data_parallel_size=-1, device="cpu")
-    with pytest.raises(ValueError, match="context_parallel_size must be 1"):
+    with pytest.raises(ValueError, match="context_parallel_size=2 runs on launched ranks"):
         EngineArgs(data_parallel_size=2, context_parallel_size=2, device="cpu")
     with pytest.raises(ValueError, match="needs runner = 'paged'"):
         EngineArgs(data_parallel_size=2, expert_parallel_size=2, runner="recompute", device="cpu")

