@@ -82,3 +82,28 @@ def test_coords_match_the_group_layout(dp, cp, data):
         assert cp_groups[c.dp_rank][c.cp_rank] == rank
         assert dp_groups[c.cp_rank][c.dp_rank] == rank
         assert ep_groups[c.ep_group][c.ep_rank] == rank
+
+
+def test_derive_layout_follows_the_reference_rule():
+    from deepinfer_cluster import derive_layout
+
+    assert derive_layout(0, 1, 8).describe() == "world_size=8, dp=8, cp=1, ep=8"  # --ep 8
+    assert derive_layout(0, 8, 2).describe() == "world_size=8, dp=1, cp=8, ep=2"  # --ep 2 --cp 8
+    assert derive_layout(8, 1, 2).describe() == "world_size=8, dp=8, cp=1, ep=2"  # --ep 2 --dp 8
+    assert derive_layout(0, 2, 1, world_size=4).describe() == "world_size=4, dp=2, cp=2, ep=1"
+    with pytest.raises(ValueError, match="context_parallel_size=3 must divide the world size 4"):
+        derive_layout(0, 3, 1, world_size=4)
+    with pytest.raises(ValueError, match="context_parallel_size must divide expert_parallel_size"):
+        derive_layout(0, 4, 6)
+    with pytest.raises(ValueError, match="data_parallel_size must be an integer >= 0"):
+        derive_layout(-1, 1, 1)
+
+
+def test_launched_rank_reads_the_launcher_variables():
+    from deepinfer_cluster import launched_rank
+
+    assert launched_rank({}) is None
+    r = launched_rank({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "DEEPINFER_EP_SIZE": "2"})
+    assert (r.rank, r.local_rank, r.world_size, r.dp, r.cp, r.ep) == (3, 1, 4, None, None, 2)
+    with pytest.raises(ValueError, match="WORLD_SIZE='x' is not an integer"):
+        launched_rank({"RANK": "0", "WORLD_SIZE": "x"})

@@ -77,14 +77,18 @@ def test_parallel_sizes_are_validated_with_clear_errors(monkeypatch):
     EngineArgs(data_parallel_size=4, expert_parallel_size=2, device="cpu")  # EP groups of 2 DP ranks
     EngineArgs(data_parallel_size=2, expert_parallel_size=1, device="cpu")  # DP only, experts whole
     with pytest.raises(
-        ValueError, match=r"expert_parallel_size must divide data_parallel_size=2 \(one of \[1, 2\]\)"
+        ValueError,
+        match=r"expert_parallel_size must divide data_parallel_size \* context_parallel_size = 2 "
+        r"\(one of \[1, 2\]",
     ):
         EngineArgs(data_parallel_size=2, expert_parallel_size=3, device="cpu")
-    with pytest.raises(ValueError, match="expert_parallel_size must divide data_parallel_size=1"):
-        EngineArgs(expert_parallel_size=2, device="cpu")
+    # the reference's derivation: expert_parallel_size alone sets data_parallel_size = ep // cp
+    assert EngineArgs(expert_parallel_size=2, device="cpu").data_parallel_size == 2
+    with pytest.raises(ValueError, match="expert_parallel_size must divide data_parallel_size \\* context"):
+        EngineArgs(data_parallel_size=1, expert_parallel_size=2, device="cpu")
     with pytest.raises(ValueError, match="data_parallel_size must be an integer >= 0"):
         EngineArgs(data_parallel_size=-1, device="cpu")
-    with pytest.raises(ValueError, match="context_parallel_size must be 1"):
+    with pytest.raises(ValueError, match="context_parallel_size=2 runs on launched ranks"):
         EngineArgs(data_parallel_size=2, context_parallel_size=2, device="cpu")
     with pytest.raises(ValueError, match="needs runner = 'paged'"):
         EngineArgs(data_parallel_size=2, expert_parallel_size=2, runner="recompute", device="cpu")

@@ -154,11 +154,12 @@ def test_reference_engine_knobs_accepted_or_rejected_by_name():
         served_model_name="x", trust_remote_code=True, gpu_memory_utilization=0.5, data_parallel_size=1
     )
     assert args.gpu_memory_utilization == 0.5
-    for field, value in [
-        ("expert_parallel_size", 8),
-        ("context_parallel_size", 2),
-        ("engine_type", "prompt"),
-        ("gpu_memory_utilization", 1.5),
+    # (expert_parallel_size alone is accepted: data_parallel_size is derived from it, as the reference does)
+    for field, value, others in [
+        ("expert_parallel_size", 8, {"data_parallel_size": 1}),
+        ("context_parallel_size", 2, {}),
+        ("engine_type", "prompt", {}),
+        ("gpu_memory_utilization", 1.5, {}),
     ]:
         with pytest.raises(ValueError, match=field):
-            EngineArgs(**{field: value})
+            EngineArgs(**{field: value, **others})

@@ -50,9 +50,12 @@ _MODULES: dict[str, tuple[str, ...]] = {
         "probe_devices_from_sysfs",
     ),
     "layout": (
+        "LaunchedRank",
         "ParallelLayout",
         "RankCoords",
         "check_layout",
+        "derive_layout",
+        "launched_rank",
         "layout_from_env",
         "resolve_layout",
     ),

@@ -106,3 +106,74 @@ def layout_from_env(env: Mapping[str, str] | None = None) -> ParallelLayout:
         raise ValueError(f"WORLD_SIZE={value!r} is not an integer") from None
     sizes = (envs.get(name, env) for name in (ENV_DP_SIZE, ENV_CP_SIZE, ENV_EP_SIZE))
     return resolve_layout(world_size or 1, *sizes)
+
+
+@dataclass(frozen=True)
+class LaunchedRank:
+    """This process as one rank of a world started by `deepinfer launch` or torchrun: its rank, its
+    index on this host (which device it takes), the world size, and the sizes the launcher exported
+    (None where it exported none: torchrun exports no DEEPINFER_*_SIZE)."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    dp: int | None
+    cp: int | None
+    ep: int | None
+
+
+def launched_rank(env: Mapping[str, str] | None = None) -> LaunchedRank | None:
+    """The rank this process is, when a launcher started it (RANK and WORLD_SIZE set, as
+    `deepinfer launch` and torchrun set them); None otherwise. The rendezvous itself (MASTER_ADDR,
+    MASTER_PORT) is read by torch.distributed's `env://` initialisation."""
+    env = os.environ if env is None else env
+    if env.get("RANK") in (None, "") or env.get("WORLD_SIZE") in (None, ""):
+        return None
+    values = {}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        raw = env.get(name) or ("0" if name == "LOCAL_RANK" else "")
+        try:
+            values[name] = int(raw)
+        except ValueError:
+            raise ValueError(f"{name}={raw!r} is not an integer") from None
+    world, rank = values["WORLD_SIZE"], values["RANK"]
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"RANK={rank} must be in [0, WORLD_SIZE={world})")
+    dp, cp, ep = (envs.get(name, env) for name in (ENV_DP_SIZE, ENV_CP_SIZE, ENV_EP_SIZE))
+    return LaunchedRank(rank, values["LOCAL_RANK"], world, dp, cp, ep)
+
+
+def derive_layout(dp: int, cp: int, ep: int, world_size: int | None = None) -> ParallelLayout:
+    """The reference's derivation of a run's sizes (engine spec §1.4): ``dp == 0`` means derived, as
+    ``world_size // cp`` when the world size is known (a launched run), else ``max(1, ep // cp)``; then
+    the layout rules (cp divides the world, dp*cp is the world, ep divides dp*cp). ValueError naming the
+    broken rule with the engine's field names."""
+    for name, value, low in (("data_parallel_size", dp, 0), ("context_parallel_size", cp, 1),
+                             ("expert_parallel_size", ep, 1)):  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    given = f"(data_parallel_size={dp or 'derived'}, context_parallel_size={cp}, expert_parallel_size={ep}"
+    given += f", world size {world_size})" if world_size is not None else ")"
+    if world_size is not None and world_size % cp:
+        raise ValueError(f"context_parallel_size={cp} must divide the world size {world_size} {given}")
+    if dp == 0:
+        dp = world_size // cp if world_size is not None else max(1, ep // cp)
+    world = dp * cp
+    if world_size is not None and world != world_size:
+        raise ValueError(
+            f"data_parallel_size * context_parallel_size = {dp}*{cp} = {world} must equal the world size "
+            f"{world_size} {given}"
+        )
+    if world % ep:
+        allowed = [d for d in range(1, world + 1) if world % d == 0]
+        hint = (
+            f"; with data_parallel_size derived as max(1, expert_parallel_size // context_parallel_size) = "
+            f"{dp}, context_parallel_size must divide expert_parallel_size or be a multiple of it"
+            if "derived" in given and world_size is None
+            else ""
+        )
+        raise ValueError(
+            f"expert_parallel_size must divide data_parallel_size * context_parallel_size = {world} "
+            f"(one of {allowed}: EP groups are contiguous blocks of ranks), got {ep} {given}{hint}"
+        )
+    return ParallelLayout(world, dp, cp, ep)

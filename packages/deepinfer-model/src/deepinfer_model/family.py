@@ -27,6 +27,8 @@ class ModelFamily(ABC):
     for the graph-safe step), `cache` the runner's `runtime.pools.PagedKVCache`."""
 
     model_type: ClassVar[str]
+    # the eager forward takes `row_split` (a context-parallel step's rows, `runtime.cp_rows`)
+    context_parallel: ClassVar[bool] = False
     # key kind -> device-side index builder of the graph-safe step (`StaticDecodeMetadata.cached`)
     static_index: ClassVar[dict] = {}
     # the family's greedy draft sampler (drafts it can replay from graphs); None without a drafter

@@ -1,7 +1,7 @@
 """deepinfer-parallel: process groups, balanced CP, MoE EP dispatch / combine and EPLB."""
 
 from . import cp, ep, eplb, groups
-from .cp import MirrorSplit, all_gather_restore, mirror_split, mirror_split_plan, restore_order
+from .cp import MirrorSplit, all_gather_restore, mirror_split, mirror_split_plan, restore_order, reverse_index
 from .ep import dispatch_combine
 from .ep_deepep import DeepEPDispatcher, deep_ep_available
 from .eplb import EplbConfig, EplbPlan, EplbState, MoeLoadStats, rebalance
@@ -50,5 +50,6 @@ __all__ = [
     "rebalance",
     "resolve_redundant_experts",
     "restore_order",
+    "reverse_index",
     "validate_parallel_sizes",
 ]

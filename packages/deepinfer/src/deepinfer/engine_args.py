@@ -82,16 +82,35 @@ class EngineArgs:
     data_parallel_size: int = field(
         default=0,
         metadata={
-            "help": "attention data parallel: N > 1 runs N rank processes, each with its own scheduler "
-            "and batch (0 and 1: one process)"
+            "help": "attention data parallel: rank groups with their own scheduler and batch (0: derived, "
+            "the reference's rule: the launched world size / context_parallel_size, else "
+            "max(1, expert_parallel_size // context_parallel_size))",
+            "aliases": ("--dp",),
         },
     )
-    context_parallel_size: int = field(default=1, metadata={"help": "1 only in this engine"})
+    context_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "context parallel: each data-parallel rank is this many processes that split long "
+            "prompts' prefill (the balanced mirror split); must divide the world size",
+            "aliases": ("--cp",),
+        },
+    )
     expert_parallel_size: int = field(
         default=1,
         metadata={
-            "help": "MoE expert parallel: routed experts sharded over groups of this many DP ranks "
-            "(a divisor of data_parallel_size; 1: every rank holds all experts)"
+            "help": "MoE expert parallel: routed experts sharded over contiguous blocks of this many ranks "
+            "(a divisor of data_parallel_size * context_parallel_size; 1: every rank holds all experts)",
+            "aliases": ("--ep",),
+        },
+    )
+    launcher: str = field(
+        default="auto",
+        metadata={
+            "help": "who starts the ranks of a parallel layout: spawn (this process spawns them on this host "
+            "and fronts them), external (this process is one rank started by `deepinfer launch` or torchrun: "
+            "RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK), auto (external when RANK and "
+            "WORLD_SIZE are set, else spawn)"
         },
     )
     distributed_timeout: int = field(
@@ -145,19 +164,19 @@ class EngineArgs:
         if self.device is None:
             self.device = envs.DEEPINFER_DEVICE
         device = self.torch_device  # validate now: a clear error naming `device` before anything is loaded
-        if self.data_parallel_size > 1 and device.type == "cuda":
+        if self.world_size > 1 and self.launched is None and device.type == "cuda":
             import torch
 
             # one GPU per rank: rank r runs on cuda:r
             if str(self.device).strip().lower().startswith("cuda:"):
                 raise ValueError(
-                    f"device must be cpu, cuda or auto with data_parallel_size={self.data_parallel_size} "
+                    f"device must be cpu, cuda or auto with {self.world_size} ranks "
                     f"(rank r runs on cuda:r), got {self.device!r}"
                 )
-            if torch.cuda.device_count() < self.data_parallel_size:
+            if torch.cuda.device_count() < self.world_size:
                 raise ValueError(
-                    f"data_parallel_size={self.data_parallel_size} needs one CUDA device per rank; this "
-                    f"machine has {torch.cuda.device_count()}"
+                    f"{self.layout.describe()} needs one CUDA device per rank; this machine has "
+                    f"{torch.cuda.device_count()}"
                 )
 
     def _check_parallel_sizes(self) -> None:
@@ -171,24 +190,51 @@ class EngineArgs:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        if self.context_parallel_size != 1:
-            raise ValueError(
-                f"context_parallel_size must be 1 in this engine (context-parallel prefill is not wired "
-                f"in), got {self.context_parallel_size!r}"
-            )
-        dp = max(1, self.data_parallel_size)
-        from deepinfer_parallel import validate_parallel_sizes
+        if self.launcher not in ("auto", "spawn", "external"):
+            raise ValueError(f"launcher must be auto, spawn or external, got {self.launcher!r}")
+        from deepinfer_cluster import derive_layout, launched_rank
 
-        try:  # the rule the process groups enforce (EP groups are contiguous blocks of DP ranks)
-            validate_parallel_sizes(
-                dp * self.context_parallel_size, dp=dp, cp=1, ep=self.expert_parallel_size
-            )
-        except ValueError as e:
-            allowed = [d for d in range(1, dp + 1) if dp % d == 0]
+        launched = launched_rank() if self.launcher != "spawn" else None
+        if self.launcher == "external" and launched is None:
             raise ValueError(
-                f"expert_parallel_size must divide data_parallel_size={dp} (one of {allowed}), "
-                f"got {self.expert_parallel_size!r} ({e})"
-            ) from None
+                "launcher = 'external' needs RANK and WORLD_SIZE in the environment (start the ranks with "
+                "`deepinfer launch --nproc N -- ...` or torchrun)"
+            )
+        if launched is not None and launched.world_size == 1 and self.launcher == "auto":
+            launched = None  # a world of one: nothing to rendezvous with
+        self.launched = launched
+        if launched is not None:  # what the launcher exported fills in what the arguments leave at default
+            for name, exported, default, var in (
+                ("data_parallel_size", launched.dp, 0, "DEEPINFER_DP_SIZE"),
+                ("context_parallel_size", launched.cp, 1, "DEEPINFER_CP_SIZE"),
+                ("expert_parallel_size", launched.ep, 1, "DEEPINFER_EP_SIZE"),
+            ):
+                value = getattr(self, name)
+                if exported is None or value == exported:
+                    continue
+                if value != default:
+                    raise ValueError(
+                        f"{name}={value} disagrees with the launcher's layout ({var}={exported}): give the "
+                        "size in one place (the launcher's --dp / --cp / --ep or the engine's)"
+                    )
+                setattr(self, name, exported)
+        self.layout = derive_layout(
+            self.data_parallel_size,
+            self.context_parallel_size,
+            self.expert_parallel_size,
+            launched.world_size if launched is not None else None,
+        )
+        self.data_parallel_size = self.layout.dp
+        if self.context_parallel_size > 1 and launched is None:
+            raise ValueError(
+                f"context_parallel_size={self.context_parallel_size} runs on launched ranks: start them with "
+                f"`deepinfer launch --nproc {self.layout.world_size} -- ...` or torchrun (the spawning front "
+                "serves data and expert parallel layouts)"
+            )
+        if self.context_parallel_size > 1 and self.runner != "paged":
+            raise ValueError(
+                f"context_parallel_size > 1 needs runner = 'paged', got runner = {self.runner!r}"
+            )
         if self.expert_parallel_size > 1:
             from deepinfer_model import refuse_with_expert_parallelism
 
@@ -196,6 +242,11 @@ class EngineArgs:
         if self.expert_parallel_size > 1 and self.runner != "paged":
             # the recompute runner runs one forward per sequence: ranks could not match their all-to-alls
             raise ValueError(f"expert_parallel_size > 1 needs runner = 'paged', got runner = {self.runner!r}")
+
+    @property
+    def world_size(self) -> int:
+        """Processes of the layout: data_parallel_size * context_parallel_size."""
+        return self.layout.world_size
 
     @property
     def torch_device(self):
@@ -213,18 +264,22 @@ class EngineArgs:
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         group = parser.add_argument_group("engine arguments")
         for f in dataclasses.fields(EngineArgs):
-            flag = "--" + f.name.replace("_", "-")
+            flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
             help_text = f.metadata.get("help", "")
             if "default:" not in help_text:  # each default printed once
                 help_text += f" (default: {f.default})"
             if f.type in ("bool", bool):
                 group.add_argument(
-                    flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
+                    *flags, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
                 )
             else:
                 kind = int if "int" in str(f.type) else float if "float" in str(f.type) else str
-                group.add_argument(flag, type=kind, default=f.default, help=help_text)
+                group.add_argument(*flags, type=kind, default=f.default, help=help_text)
         return parser
+
+    def fields(self) -> dict:
+        """The fields as keyword arguments (`LLM(**args.fields())`), without what `__post_init__` derived."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

@@ -16,13 +16,22 @@ from .tokenizer import render_chat
 
 class LLM:
     """`LLM(model=None, **engine_args)`; with no model (and no $DEEPINFER_HF_MODEL_DIR) it runs the
-    built-in random-weight `deepinfer-tiny`. With `data_parallel_size > 1` the requests are spread over
-    that many rank processes (engine/data_parallel.py)."""
+    built-in random-weight `deepinfer-tiny`.
+
+    A parallel layout (`expert_parallel_size`, `data_parallel_size`, `context_parallel_size`, derived as
+    the reference derives them) runs one engine per rank: in a process started by `deepinfer launch` or
+    torchrun (RANK / WORLD_SIZE set) this process is one rank and every rank calls `generate` with the same
+    prompts (engine/launched.py); otherwise this process spawns the ranks on this host and fronts them
+    (engine/data_parallel.py)."""
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         args = EngineArgs(model=model, **kwargs)
-        if args.data_parallel_size > 1:  # one engine per rank process; this process only fronts them
+        if args.launched is not None:  # this process is one rank of a launched world
+            from .engine.launched import LaunchedEngine
+
+            self.engine = LaunchedEngine(args)
+        elif args.world_size > 1:  # one engine per rank process; this process only fronts them
             from .engine.data_parallel import DataParallelEngine
 
             self.engine = DataParallelEngine(args)

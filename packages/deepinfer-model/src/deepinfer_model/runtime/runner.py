@@ -14,6 +14,7 @@ import torch
 from ..family import family_of
 from ..runner.recompute import RecomputeRunner
 from ..runner.step import StepBatch
+from .cp_rows import PagedMirrorRows
 from .device import model_device
 from .metadata import StepMetadata
 from .pools import TOKEN_IDS, PagedKVCache, PoolSpec, blocks_for_budget, log
@@ -60,6 +61,7 @@ class PagedRunner:
         self.family = family_of(model)
         # validated truncation settings (None: off), checked at start-up: YOCO model, KEEP >= W + B
         self.yoco = self.family.check_extras(model, yoco, backtracking)
+        self.cp_group = None  # context parallel: `use_context_parallel`
         specs = cache_specs(model, block_size, self.yoco)
         # pools live where the weights are: the forward reads and writes them with device index tensors
         self.device = model_device(model)
@@ -131,6 +133,19 @@ class PagedRunner:
             model, num_blocks, block_size, yoco=yoco, backtracking=backtracking, decode_graphs=decode_graphs
         )
 
+    def use_context_parallel(self, group) -> None:
+        """Split every step with a chunk over the CP `group` (the balanced mirror split, `runtime.cp_rows`);
+        every CP rank must then run the same steps (collective per layer). ValueError for a model family
+        without it or with YOCO truncation."""
+        if not self.family.context_parallel:
+            raise ValueError(
+                f"context_parallel_size > 1 needs a model family with context-parallel steps (deepseek_v41), "
+                f"not {self.family.model_type!r}"
+            )
+        if self.yoco is not None:
+            raise ValueError("context_parallel_size > 1 cannot be combined with YOCO prefill truncation")
+        self.cp_group = group
+
     @staticmethod
     def bytes_per_block(model, block_size: int) -> int:
         return sum(s.bytes_per_block() for s in cache_specs(model, block_size))
@@ -161,7 +176,17 @@ class PagedRunner:
             extras = self.family.step_extras(
                 self.model, meta, self.cache, self.yoco, batch.seq_ids, batch.prompt_lens
             )
-        if self.graphs is not None and self.yoco is None and self.graphs.problem(meta) is None:
+        split = None
+        if self.cp_group is not None and int(meta.query_lens.max()) > 1:
+            # a step with a chunk (prefill, verify block) is split over the CP ranks; decode-only steps
+            # run whole on every CP rank (one row per sequence: nothing worth a collective)
+            split = PagedMirrorRows(meta, self.cp_group)
+        if (
+            split is None
+            and self.graphs is not None
+            and self.yoco is None
+            and self.graphs.problem(meta) is None
+        ):
             self.metadata_s += time.perf_counter() - t0
             logits = self.graphs.run(meta, batch.input_ids)  # writes token ids itself
             self._last_meta = meta
@@ -170,7 +195,10 @@ class PagedRunner:
         if TOKEN_IDS in self.cache.pools:
             self.cache.write(TOKEN_IDS, meta.write_slots, meta.input_ids)
         self.metadata_s += time.perf_counter() - t0
-        logits = self.family.forward(self.model, meta, self.cache, extras)
+        if split is None:
+            logits = self.family.forward(self.model, meta, self.cache, extras)
+        else:
+            logits = self.family.forward(self.model, meta, self.cache, extras, row_split=split)
         self._last_meta = meta
         self._last_seq_ids = np.asarray(batch.seq_ids, dtype=np.int64)
         return logits

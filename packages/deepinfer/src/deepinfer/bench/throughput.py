@@ -80,7 +80,7 @@ def run_bench(args) -> int:
     for loop in loops:
         engine_args = EngineArgs.from_cli_args(args)
         engine_args.async_scheduling = loop == "async"
-        llm = LLM(**vars(engine_args))
+        llm = LLM(**engine_args.fields())
         if llm.engine.use_async != (loop == "async"):
             raise SystemExit(
                 "DEEPINFER_ZERO_OVERHEAD_SCHEDULING overrides --loops; unset it to compare loops"
@@ -88,7 +88,7 @@ def run_bench(args) -> int:
         drafts = int(getattr(llm.engine, "num_speculative_tokens", 0)) > 0
         engines[(loop, drafts)] = llm
         # (a data-parallel front builds its rank engines itself: no plain twin for it here)
-        if drafts and not args.no_plain_baseline and engine_args.data_parallel_size <= 1:
+        if drafts and not args.no_plain_baseline and engine_args.world_size <= 1:
             engines[(loop, False)] = LLM.from_engine(LLMEngine(engine_args, num_speculative_tokens=0))
     prompts, params = make_workload(args, next(iter(engines.values())).engine.vocab_size)
     for llm in engines.values():  # warm-up: one-time costs (allocations, first forward) are not timed

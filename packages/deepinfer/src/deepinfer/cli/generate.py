@@ -129,6 +129,8 @@ def _generate(args, engine_args, requests: list[InputRequest], results: ResultsF
 
     def hand_out(req: InputRequest, out) -> None:
         finished.append(out)
+        if not reporting:  # a launched world: every rank gets every output, rank 0 reports them
+            return
         if out.error is not None:
             print(f"deepinfer generate: error: {req.label(source)}: {out.error}", file=sys.stderr)
         if results is not None:
@@ -146,6 +148,7 @@ def _generate(args, engine_args, requests: list[InputRequest], results: ResultsF
         )
 
     decode = str  # replaced by the tokenizer's once loaded
+    reporting = True
     for req in todo:
         if req.error is not None:
             hand_out(req, refused(req, req.error))
@@ -155,6 +158,7 @@ def _generate(args, engine_args, requests: list[InputRequest], results: ResultsF
 
     llm = _load(engine_args)
     engine = llm.engine
+    reporting = getattr(engine, "rank", 0) == 0
     decode = _token_decoder(engine)
     by_rid: dict[str, InputRequest] = {}
     for req in runnable:
@@ -164,7 +168,7 @@ def _generate(args, engine_args, requests: list[InputRequest], results: ResultsF
             by_rid[str(req.index)] = req
         except ValueError as e:
             hand_out(req, refused(req, str(e)))
-    bar = _progress(args, len(by_rid))
+    bar = _progress(args, len(by_rid), disable=not reporting)
     start = time.perf_counter()
     try:
         while engine.has_unfinished_requests():
@@ -181,6 +185,8 @@ def _generate(args, engine_args, requests: list[InputRequest], results: ResultsF
         return INTERRUPTED
     bar.close()
     llm.close()
+    if not reporting:
+        return FAILED if any(o.error is not None for o in finished) else 0
     return _finish(finished, time.perf_counter() - start, engine)
 
 
@@ -200,7 +206,7 @@ def _load(engine_args):
         )
     say(f"loading model {engine_args.model or 'deepinfer-tiny'} ...")
     t0 = time.perf_counter()
-    llm = LLM(**vars(engine_args))
+    llm = LLM(**engine_args.fields())
     if llm.engine.is_default_model:
         say(f"note: {RANDOM_WEIGHTS_NOTICE}")
     say(f"model {llm.engine.model_path} loaded in {time.perf_counter() - t0:.1f}s")
@@ -235,10 +241,12 @@ def _token_decoder(engine):
     return decode
 
 
-def _progress(args, total: int):
+def _progress(args, total: int, disable: bool = False):
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="generate", unit="req", disable=args.no_progress, dynamic_ncols=True)
+    return tqdm(
+        total=total, desc="generate", unit="req", disable=disable or args.no_progress, dynamic_ncols=True
+    )
 
 
 def _print_lines(lines: list[str]) -> None:

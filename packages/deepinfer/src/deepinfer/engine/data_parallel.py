@@ -110,7 +110,7 @@ class DataParallelEngine(PromptChecks):
 
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
-        self.world = args.data_parallel_size
+        self.world = args.world_size
         self.use_async = args.use_async
         self.timeout_s = float(args.distributed_timeout)
         self.startup_timeout_s = float(args.distributed_startup_timeout)

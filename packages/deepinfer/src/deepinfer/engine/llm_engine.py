@@ -162,6 +162,12 @@ class LLMEngine(PromptChecks):
         self.max_num_batched_tokens = self.args.max_num_batched_tokens or max(self.max_model_len, 4096)
 
     def _make_runner(self, num_blocks: int, nextn: int):
+        runner = self._new_runner(num_blocks, nextn)
+        if self.dp is not None and self.dp.state.cp.size > 1:  # chunks split over the CP ranks
+            runner.use_context_parallel(self.dp.state.cp.group)
+        return runner
+
+    def _new_runner(self, num_blocks: int, nextn: int):
         args, dp = self.args, self.dp
         return make_runner(
             args.runner,

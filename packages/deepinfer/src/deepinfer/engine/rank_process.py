@@ -75,6 +75,38 @@ class _Heartbeat:
         self._thread.join(timeout=self.period_s + 1.0)
 
 
+def open_rank(
+    rank: int, local_rank: int, args: EngineArgs, init_method: str, timeout_s: float, local_world: int
+) -> tuple[LLMEngine, DataParallelRank]:
+    """Join the world of `args.layout` as `rank` (gloo default group through `init_method`: a file on
+    one host, `env://` for a launched world) and build this rank's engine: its model holds the routed
+    experts of its EP slots, its steps vote with the EP group. `local_rank` picks the GPU (`cuda:N`);
+    `local_world` ranks share this host's cores. Collectives wait up to `timeout_s`."""
+    from deepinfer_parallel import init_parallel
+
+    layout = args.layout
+    if args.num_threads is None:  # the ranks share the host's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    device = args.torch_device
+    cuda = device.type == "cuda"
+    if cuda:  # one GPU per rank
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    # The rank's engine is one process on one device; the world's sizes live in DataParallelRank
+    # (EngineArgs refuses `cuda:N` with several ranks: that check is for the user's choice).
+    rank_args = dataclasses.replace(
+        args, device=str(device), data_parallel_size=1, context_parallel_size=1, expert_parallel_size=1,
+        launcher="spawn",
+    )  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=init_method, rank=rank, world_size=layout.world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )  # fmt: skip
+    state = init_parallel(dp=layout.dp, cp=layout.cp, ep=layout.ep, backend="nccl" if cuda else "gloo")
+    dp = DataParallelRank(state, device)
+    return LLMEngine(rank_args, dp=dp), dp
+
+
 def _rank_main(
     rank: int, world: int, init_file: str, args: EngineArgs, conn, startup_timeout_s: float, timeout_s: float
 ) -> None:
@@ -86,25 +118,9 @@ def _rank_main(
     outbox = _Outbox(conn)
     beat = _Heartbeat(outbox, rank, min(BEAT_S, timeout_s / 4))
     try:
-        from deepinfer_parallel import init_parallel
-
-        if args.num_threads is None:  # the ranks share the host's cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        ep, device = args.expert_parallel_size, args.torch_device
-        cuda = device.type == "cuda"
-        if cuda:  # one GPU per rank
-            device = torch.device("cuda", rank)
-            torch.cuda.set_device(device)
-        # The rank's engine is one process on one device; the world's sizes live in DataParallelRank
-        # (EngineArgs refuses `cuda:N` with data_parallel_size > 1: that check is for the user's choice).
-        args = dataclasses.replace(args, device=str(device), data_parallel_size=1, expert_parallel_size=1)
-        dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-            timeout=timedelta(seconds=max(startup_timeout_s, timeout_s)),
-        )  # fmt: skip
-        state = init_parallel(dp=world, cp=1, ep=ep, backend="nccl" if cuda else "gloo")
-        dp = DataParallelRank(state, device)
-        engine = LLMEngine(args, dp=dp)
+        engine, dp = open_rank(
+            rank, rank, args, f"file://{init_file}", max(startup_timeout_s, timeout_s), world
+        )
         outbox.send(
             (
                 "ready",

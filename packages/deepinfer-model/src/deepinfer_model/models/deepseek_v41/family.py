@@ -34,11 +34,14 @@ class DeepseekV41Family(ModelFamily):
     model_type = MODEL_TYPE
     static_index = STATIC_INDEX
     greedy = staticmethod(greedy)
+    context_parallel = True
 
     def cache_specs(self, model, block_size: int) -> list:
         return v41_cache_specs(model, block_size)
 
-    def forward(self, model, meta, cache, extras=None) -> torch.Tensor:
+    def forward(self, model, meta, cache, extras=None, row_split=None) -> torch.Tensor:
+        if row_split is not None:
+            return _forward(model, meta, cache, extras, row_split=row_split)
         return _forward(model, meta, cache) if extras is None else _forward(model, meta, cache, extras)
 
     def moe_blocks(self, model, part: str = "backbone") -> list:

@@ -49,9 +49,12 @@ def _attention(
     # YOCO truncation: consumer queries are `qmeta`'s rows and see no SWA key below their rect_lo;
     # compressed KV / index keys (from S) stay built over every row of `meta`.
     yoco = st.yoco if topo.is_consumer_half(layer) else None
-    qmeta = yoco.qmeta if yoco else meta
+    split = st.split  # context parallel: `y` holds this rank's rows, the keys are gathered
+    qmeta = yoco.qmeta if yoco else (meta if split is None else split.qmeta)
     cos, sin = cos_sin(rope, qmeta.positions)
     latent = kvq.swa(project_latent(y, w.attn, cos, sin, eps, act))
+    if split is not None:  # per-row projection: gathering the local latents equals projecting every row
+        latent = split.gather(latent)
     if yoco is None:
         cache.write(f"swa.{layer}", meta.write_slots, latent)
     else:  # keys below rect_lo are never visible: not stored (the tag pool says so)
@@ -59,7 +62,7 @@ def _attention(
         cache.write(f"swa.{layer}", qmeta.write_slots[stored], latent[stored])
     n_tok = y.shape[0]
     if ratio and topo.is_kv_source(layer):
-        x = st.shared_hidden if topo.is_consumer_half(layer) else y
+        x = st.shared_hidden if topo.is_consumer_half(layer) else (y if split is None else split.gather(y))
         hidden = f"hidden.{layer}" if ratio > 1 else None
         if hidden:
             cache.write(hidden, meta.write_slots, x)

