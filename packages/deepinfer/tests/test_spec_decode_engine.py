@@ -65,6 +65,12 @@ def test_greedy_with_model_drafts_equals_plain_greedy_for_several_nextn(v41, pla
         assert s["verified"] > 0 and s["nextn"] == nextn
         # the random drafter's drafts are verified; each request step emits 1 + accepted tokens
         assert s["tokens_per_request_step"] == pytest.approx(1 + s["avg_accepted_len"])
+        # the confidence head's reliability bins hold every verified draft; greedy accept probs are 1 or 0
+        bins = s["confidence_reliability"]
+        assert sum(b["count"] for b in bins) == s["verified"]
+        for b in bins:
+            assert b["low"] <= b["mean_confidence"] <= b["high"]
+            assert (b["mean_accept_prob"] * b["count"]) == pytest.approx(round(b["mean_accept_prob"] * b["count"]))
 
 
 def test_oracle_drafts_all_accepted_and_each_step_emits_one_plus_k(v41, plain):
