@@ -65,8 +65,15 @@ def card(tmp_path_factory):
     train += ["--out", str(root / "run"), "--tokenizer-dir", str(TOKENIZER_DIR), "--micro", "--device", "cpu"]
     train += ["--seq-len", "32", "--accum", "1", "--eval-seqs", "1", "--max-steps", "1", "--warmup", "1"]
     subprocess.run(train, check=True, env=dict(_env(), DEEPINFER_NUMERICS="native"), capture_output=True)
+    # the drafter stage on the frozen base: its checkpoint (base + trained draft blocks) is the shipped model
+    drafter = [sys.executable, "-m", "deepinfer_tiny.recipe.train_drafter", "--data", str(root / "data")]
+    drafter += ["--base", str(root / "run" / "checkpoint"), "--out", str(root / "drafter"), "--device", "cpu"]
+    drafter += ["--tokenizer-dir", str(TOKENIZER_DIR), "--max-steps", "1", "--seq-len", "32", "--accum", "1"]
+    drafter += ["--anchors", "4", "--warmup", "1"]
+    subprocess.run(drafter, check=True, env=dict(_env(), DEEPINFER_NUMERICS="native"), capture_output=True)
     make_v41_checkpoint(root / "random", micro_config_dict(), seed=0)
     run = root / "run"
+    logs = [str(run / "train_log.json"), str(root / "drafter" / "train_log.json")]
     cmd = [
         sys.executable,
         str(CARD_DIR / "model_card.py"),
@@ -76,22 +83,9 @@ def card(tmp_path_factory):
         "--nextn",
         str(NEXTN),
     ]
-    cmd += [
-        "--model",
-        str(run / "checkpoint"),
-        "--data",
-        str(root / "data"),
-        "--masters",
-        str(run / "resume.safetensors"),
-    ]
-    cmd += [
-        "--log",
-        str(run / "train_log.json"),
-        "--baseline-model",
-        str(root / "random"),
-        "--out",
-        str(root / "out"),
-    ]
+    cmd += ["--model", str(root / "drafter" / "checkpoint"), "--data", str(root / "data")]
+    cmd += ["--masters", str(run / "resume.safetensors"), "--log", *logs]
+    cmd += ["--baseline-model", str(root / "random"), "--out", str(root / "out")]
     done = subprocess.run(cmd, env=_env(), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "deepinfer-tiny model card measurements" in done.stdout
@@ -191,7 +185,12 @@ def test_code_eval_and_training_records(card):
     scored = (root / "out" / "eval_scores.jsonl").read_text().splitlines()
     assert sum(json.loads(x)["correct"] for x in scored) == round(e["pass_at_1"] * 4)
     t = _one(rows, "training", run="base")
-    assert t["steps"] == 1 and t["tokens"] == 32
+    assert t["steps"] == 1 and t["tokens"] == 32 and t["logs"] == 1
+    d = _one(rows, "training", run="drafter_1")
+    assert d["steps"] == 1 and [k for k in d if k.startswith("accept_rate_p")] == [
+        f"accept_rate_p{j}" for j in range(1, 6)
+    ]
+    assert d["accepted_tokens_per_step"] >= 1
     assert (root / "out" / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -267,3 +266,19 @@ def test_judge_cuts_at_column_zero_and_requires_a_statement_for_a_body():
     assert (empty["ended"], empty["parses"], empty["with_body"]) == (True, True, False)
     cut_off = card_code.judge(prompt, "\n    return (a +")
     assert (cut_off["ended"], cut_off["parses"], cut_off["with_body"]) == (False, False, False)
+
+
+def test_prompts_come_from_the_heldout_stream_when_the_manifest_files_are_elsewhere(tmp_path):
+    """Data built on another machine: its manifest's files are absent here, so the held-out token stream's
+    documents are decoded and those that parse as Python give the prompts."""
+    from deepinfer_tiny.recipe.data import tokenize
+
+    tokenizer = TOKENIZER_DIR / "tokenizer.json"
+    np.save(tmp_path / "heldout.npy", tokenize(["Plain prose, not Python: (", SOURCE], tokenizer))
+    missing = [str(tmp_path / "elsewhere.py"), 10, "0" * 64, "heldout", "pkg"]
+    manifest = {"sources": {"site": {"files": [missing]}}}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    prompts, source = card_code.collect_prompts(tmp_path, tokenizer, count=5)
+    assert source == "heldout_stream" and prompts == card_code.function_prompts(SOURCE)
+    ids = card_code.encode_prompts(prompts, tokenizer)
+    assert all(x[0] == 0 and len(x) > 5 for x in ids)
