@@ -96,3 +96,18 @@ def test_full_acceptance_formula_and_ece_edges():
     assert expected_calibration_error([1.0, 1.0], [1.0, 0.0], num_bins=4) == pytest.approx(0.5)
     assert expected_calibration_error([0.25, 0.75], [0.25, 0.75], num_bins=2) == 0.0
     assert expected_calibration_error([], []) == 0.0
+
+
+def test_reliability_bins_hand_computed_and_consistent_with_ece():
+    stats = SpecStats(nextn=3)
+    assert stats.reliability_bins() == [] and stats.summary()["confidence_reliability"] == []
+    stats.record_step([3, 2], [1, 2], [0.95, 0.5, 0.12, 0.18, 1.0], [1.0, 0.0, 0.5, 0.0, 1.0])
+    bins = stats.reliability_bins(5)  # edges 0, .2, .4, .6, .8, 1; 1.0 joins the last bin
+    assert [(b["low"], b["high"], b["count"]) for b in bins] == [(0.0, 0.2, 2), (0.4, 0.6, 1), (0.8, 1.0, 2)]
+    assert [b["mean_confidence"] for b in bins] == pytest.approx([0.15, 0.5, 0.975])
+    assert [b["mean_accept_prob"] for b in bins] == pytest.approx([0.25, 0.0, 1.0])
+    ece = sum(b["count"] / 5 * abs(b["mean_confidence"] - b["mean_accept_prob"]) for b in bins)
+    assert ece == pytest.approx(stats.calibration_error(5))
+    assert stats.summary()["confidence_reliability"] == stats.reliability_bins(10)
+    with pytest.raises(ValueError, match="num_bins"):
+        stats.reliability_bins(0)

@@ -65,6 +65,14 @@ def test_greedy_with_model_drafts_equals_plain_greedy_for_several_nextn(v41, pla
         assert s["verified"] > 0 and s["nextn"] == nextn
         # the random drafter's drafts are verified; each request step emits 1 + accepted tokens
         assert s["tokens_per_request_step"] == pytest.approx(1 + s["avg_accepted_len"])
+        # the confidence head's reliability bins hold every verified draft; greedy accept probs are 1 or 0
+        bins = s["confidence_reliability"]
+        assert sum(b["count"] for b in bins) == s["verified"]
+        for b in bins:
+            assert b["low"] <= b["mean_confidence"] <= b["high"]
+            assert (b["mean_accept_prob"] * b["count"]) == pytest.approx(
+                round(b["mean_accept_prob"] * b["count"])
+            )
 
 
 def test_oracle_drafts_all_accepted_and_each_step_emits_one_plus_k(v41, plain):
@@ -116,6 +124,33 @@ def test_varlen_with_a_curve_keeps_greedy_exact(v41, plain, tmp_path, monkeypatc
     assert [[outs[str(j)].outputs[0].token_ids] for j in range(3)] == plain
     s = engine.spec_stats()
     assert 0 < s["avg_verified_len"] < 5  # a prefix of the drafts, not all of them
+
+
+@pytest.mark.parametrize(
+    "prompts, sizes",
+    [
+        ([list(range(30, 60)), list(range(100, 120))], [1, 2, 4, 8]),  # a 50-token prompt step
+        (PROMPTS, [1, 2]),  # decode steps of 3 sequences: at least 3 tokens
+    ],
+    ids=["prompt-step", "more-sequences"],
+)
+def test_varlen_survives_steps_larger_than_its_curve(v41, monkeypatch, prompts, sizes):
+    """Steps holding more tokens than the step-time curve covers (prompt steps; decode steps of more sequences
+    than it was measured for) are not fed back to it, and decoding goes on, greedy-exact."""
+    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
+    ref, _ = run(v41, GREEDY, prompts=prompts, max_model_len=64)
+    curve = StepTimeCurve(sizes, [1.0] * len(sizes), mode="linear")
+    args = EngineArgs(model=str(v41), block_size=16, max_model_len=64)
+    engine = LLMEngine(args, num_speculative_tokens=3, step_time_curve=curve)
+    for j, prompt in enumerate(prompts):
+        engine.add_request(str(j), None, GREEDY, prompt_token_ids=prompt)
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step()})
+    engine.close()
+    assert [o.error for o in outs.values()] == [None] * len(prompts)
+    assert [[outs[str(j)].outputs[0].token_ids] for j in range(len(prompts))] == tokens(ref)
+    assert engine.spec_stats()["verified"] > 0 or sizes[-1] < len(prompts)
 
 
 def test_sampled_with_drafts_is_seeded_and_batch_independent(v41):

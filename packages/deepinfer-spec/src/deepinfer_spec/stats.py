@@ -6,7 +6,8 @@ Definitions (per recorded window):
   avg_verified_len = Σ verified / Σ request-steps; tokens per step = 1 + avg_accepted_len;
 * avg_confidence_error = mean over verified drafts of |accept_prob - confidence|, where accept_prob
   = Σ_v min(p, q) is the true probability that the draft passes its test (the reference's measure);
-* ECE = Σ_bins (n_b / N) · |mean confidence_b - mean accept_prob_b| with equal-width bins on [0, 1];
+* ECE = Σ_bins (n_b / N) · |mean confidence_b - mean accept_prob_b| with equal-width bins on [0, 1]
+  (`reliability_bins` lists the bins' counts and means, the reliability diagram);
 * full-acceptance throughput (the reference's headline) = steps/s × batch × (1 + nextn) / cp: it
   counts every draft as accepted. The real rate counts emitted tokens (one per request-step plus the
   accepted drafts). Both are reported side by side.
@@ -152,6 +153,31 @@ class SpecStats:
             return None
         return expected_calibration_error(self.confidences, self.accept_probs, num_bins)
 
+    def reliability_bins(self, num_bins: int = 10) -> list[dict[str, float]]:
+        """The reliability diagram behind `calibration_error`: per non-empty equal-width confidence bin,
+        its edges, the number of verified drafts in it, their mean confidence and mean accept probability
+        (the realised acceptance rate under greedy verification, where accept probabilities are 1 or 0)."""
+        if num_bins < 1:
+            raise ValueError(f"num_bins must be >= 1, got {num_bins}")
+        if not self.confidences:
+            return []
+        conf = np.asarray(self.confidences, dtype=np.float64)
+        acc = np.asarray(self.accept_probs, dtype=np.float64)
+        bins = np.minimum((conf * num_bins).astype(np.int64), num_bins - 1)  # as expected_calibration_error
+        out = []
+        for b in np.unique(bins):
+            sel = bins == b
+            out.append(
+                {
+                    "low": float(b / num_bins),
+                    "high": float((b + 1) / num_bins),
+                    "count": int(sel.sum()),
+                    "mean_confidence": float(conf[sel].mean()),
+                    "mean_accept_prob": float(acc[sel].mean()),
+                }
+            )
+        return out
+
     def throughput(self) -> dict[str, float]:
         """Tokens per second both ways (needs step seconds recorded)."""
         if self.seconds <= 0 or self.steps == 0:
@@ -179,6 +205,7 @@ class SpecStats:
             "tokens_per_request_step": self.tokens_per_request_step(),
             "avg_confidence_error": self.avg_confidence_error(),
             "confidence_ece": self.calibration_error(),
+            "confidence_reliability": self.reliability_bins(),
         }
         if self.seconds > 0:
             out.update(self.throughput())

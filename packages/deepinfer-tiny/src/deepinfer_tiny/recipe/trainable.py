@@ -119,20 +119,27 @@ class TrainableV41:
     def drafter_names(self) -> list[str]:
         return [n for n in self.layout if n.startswith("mtp.")]
 
-    def stored_values(self) -> dict[str, torch.Tensor]:
+    def stored_values(self, quantised: bool = True) -> dict[str, torch.Tensor]:
+        """Each tensor as the checkpoint stores it; `quantised=False`: the master tensors themselves (the
+        model before its storage rounding, to measure what that rounding costs)."""
+        if not quantised:
+            return dict(self.masters)
         return {n: stored_value(self.masters[n], spec.kind, self.block) for n, spec in self.layout.items()}
 
-    def weights(self, with_drafter: bool = True) -> V41Weights:
-        """`V41Weights` of this step's stored values (the drafter's only where asked: the base stage skips it)."""
-        values = self.stored_values()
+    def weights(self, with_drafter: bool = True, quantised: bool = True) -> V41Weights:
+        """`V41Weights` of this step's stored values (the drafter's only where asked: the base stage skips it);
+        `quantised=False` reads the masters as they are (see `stored_values`)."""
+        values = self.stored_values(quantised)
         w = V41Weights.from_tensors(self.cfg, values.__getitem__)
         if not with_drafter:
             w.drafter = None
         return w
 
-    def model(self, act_dtype: torch.dtype, with_drafter: bool = True, moe_fn=None) -> DeepseekV41ForCausalLM:
+    def model(
+        self, act_dtype: torch.dtype, with_drafter: bool = True, moe_fn=None, quantised: bool = True
+    ) -> DeepseekV41ForCausalLM:
         return DeepseekV41ForCausalLM(
-            self.cfg, self.weights(with_drafter), self.vocab, act_dtype=act_dtype, moe_fn=moe_fn
+            self.cfg, self.weights(with_drafter, quantised), self.vocab, act_dtype=act_dtype, moe_fn=moe_fn
         )
 
     def save_checkpoint(self, path: str | Path, tokenizer_dir: str | Path) -> list[Path]:

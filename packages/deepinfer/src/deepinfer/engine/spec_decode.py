@@ -240,7 +240,9 @@ class SpecDecoder:
         return out
 
     def update_runtime(self, num_tokens: int, forward_s: float, num_seqs: int, sample_s: float) -> None:
-        if self.varlen and num_seqs:
+        """Feed a decode step's times to the varlen rule; a step larger than its step-time curve's largest
+        size (more sequences than the curve was measured for) is left out: the curve cannot charge it."""
+        if self.varlen and num_seqs and num_tokens <= self.rule.curve.max_tokens:
             self.rule.update_runtime(num_tokens, forward_s * 1e3, num_seqs, sample_s * 1e3)
 
     def summary(self) -> dict:

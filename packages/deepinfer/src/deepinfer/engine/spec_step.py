@@ -117,9 +117,10 @@ class SpecStep(StepStrategy):
                     seq.request.metrics.num_accepted_draft_tokens += rb.num_accepted
         self.output.emit_verified(ids, emitted, result, finished)
         decode_seqs = sum(1 for x in step.inputs if x is not None)
-        self.spec.update_runtime(
-            int(step.batch.query_lens.sum()), result.forward_s, decode_seqs, result.sample_s
-        )
+        if not scheduling.is_prefill(out).any():  # the varlen rule's step-time curve models decode steps
+            self.spec.update_runtime(
+                int(step.batch.query_lens.sum()), result.forward_s, decode_seqs, result.sample_s
+            )
         self._propose_drafts(ids, step.inputs, accepted_after, finished)
 
     def _propose_drafts(self, ids, inputs, accepted_after: dict[int, int], finished) -> None:
