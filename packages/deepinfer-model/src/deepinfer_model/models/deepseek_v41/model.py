@@ -26,6 +26,7 @@ from .drafter_heads import confidence_temperatures, target_features
 from .engram import EngramHasher, engram_inject
 from .engram_vocab import CompressedVocabulary
 from .kv_quant import KVQuant
+from .vision import VisionTower
 from .weights import BlockWeights, V41Weights
 from .yoco import YocoMode, check_keep, chunk_plan
 
@@ -96,6 +97,7 @@ class DeepseekV41ForCausalLM:
         self.engram = EngramHasher(config.engram, vocab, self.device) if config.engram else None
         self.moe_fn: MoEFn = moe_fn or self.local_moe
         self.draft_moe_fn: MoEFn | None = draft_moe_fn
+        self.vision = VisionTower(config.vision, weights.vision) if weights.vision is not None else None
 
     @property
     def device(self) -> torch.device:
