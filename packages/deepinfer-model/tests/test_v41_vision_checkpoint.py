@@ -79,7 +79,9 @@ def test_writer_loader_round_trip(tmp_path):
     values = random_v41_tensors(cfg, seed=4)
     w = model.weights.vision
     assert torch.equal(w.patch_embed, values["vision.patch_embed.weight"].to(torch.bfloat16).float())
-    assert torch.equal(w.blocks[1].qkv_bias, values["vision.blocks.1.attn.qkv.bias"].to(torch.bfloat16).float())
+    assert torch.equal(
+        w.blocks[1].qkv_bias, values["vision.blocks.1.attn.qkv.bias"].to(torch.bfloat16).float()
+    )
     assert torch.equal(w.fc2, values["aligner.fc2.weight"].to(torch.bfloat16).float())
     emb = model.weights.image_embeds
     assert torch.equal(emb[1], values["image_newline"].to(torch.bfloat16).float())

@@ -107,7 +107,10 @@ def test_rope_scores_depend_only_on_the_offset():
     dh, theta = 16, 10000.0
     ang = axial_rope_angles(5, 7, dh, theta, torch.float64)
     g = torch.Generator().manual_seed(0)
-    q, k = torch.randn(dh, generator=g, dtype=torch.float64), torch.randn(dh, generator=g, dtype=torch.float64)
+    q, k = (
+        torch.randn(dh, generator=g, dtype=torch.float64),
+        torch.randn(dh, generator=g, dtype=torch.float64),
+    )
 
     def rot(x, a):
         e, o = x[0::2], x[1::2]
@@ -135,7 +138,9 @@ def test_attention_spans_the_whole_image(tower):
 def test_pixel_unshuffle_order():
     feats = torch.arange(4 * 6).float()[:, None]  # patch id as its feature, grid 4 x 6
     m = pixel_unshuffle(feats, 4, 6, 2)
-    assert m.tolist()[0] == [0, 1, 6, 7] and m.tolist()[1] == [2, 3, 8, 9] and m.tolist()[3] == [12, 13, 18, 19]
+    assert (
+        m.tolist()[0] == [0, 1, 6, 7] and m.tolist()[1] == [2, 3, 8, 9] and m.tolist()[3] == [12, 13, 18, 19]
+    )
     with pytest.raises(ValueError, match="multiple of the merge size 2"):
         pixel_unshuffle(torch.zeros(15, 1), 3, 5, 2)
 

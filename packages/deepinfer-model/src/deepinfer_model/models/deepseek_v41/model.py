@@ -94,7 +94,9 @@ class DeepseekV41ForCausalLM:
         self.weights = weights
         self.act_dtype = act_dtype
         self.kvq = KVQuant(enabled=quantize_kv, fp4_main_kv=config.use_fp4_sparse_kv)
-        self.engram = EngramHasher(config.engram, vocab, self.device) if config.engram else None
+        self.engram = (
+            EngramHasher(config.engram, vocab, self.device, config.vocab_size) if config.engram else None
+        )
         self.moe_fn: MoEFn = moe_fn or self.local_moe
         self.draft_moe_fn: MoEFn | None = draft_moe_fn
         self.vision = VisionTower(config.vision, weights.vision) if weights.vision is not None else None

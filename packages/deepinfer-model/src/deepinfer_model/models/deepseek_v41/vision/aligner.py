@@ -15,7 +15,9 @@ from .weights import VisionWeights
 def pixel_unshuffle(features: torch.Tensor, rows: int, cols: int, r: int) -> torch.Tensor:
     """[rows*cols, W] patch features (row-major) -> [(rows/r)*(cols/r), r*r*W] merged cells (row-major)."""
     if rows % r or cols % r:
-        raise ValueError(f"the patch grid {rows}x{cols} must be a multiple of the merge size {r} on each side")
+        raise ValueError(
+            f"the patch grid {rows}x{cols} must be a multiple of the merge size {r} on each side"
+        )
     W = features.shape[-1]
     grid = features.reshape(rows // r, r, cols // r, r, W)  # [i, a, j, b, W]
     return grid.permute(0, 2, 1, 3, 4).reshape((rows // r) * (cols // r), r * r * W)
