@@ -4,7 +4,17 @@ the image token layout."""
 from .aligner import align, pixel_unshuffle
 from .config import VisionConfig, parse_vision_config
 from .encoder import axial_rope_angles, encode_image
+from .encoder_cache import EncoderCache
 from .layout import vision_layout
+from .preprocess import (
+    MAX_IMAGE_PIXELS,
+    ImageError,
+    PreparedImage,
+    image_digest,
+    image_grid_of,
+    image_size,
+    prepare_image,
+)
 from .tokens import (
     IMAGE,
     IMAGE_END,
@@ -23,6 +33,7 @@ from .tokens import (
 )
 from .tower import VisionTower
 from .weights import VisionBlockWeights, VisionWeights
+from .workers import ImagePreprocessor
 
 __all__ = [
     "IMAGE",
@@ -31,11 +42,20 @@ __all__ = [
     "IMAGE_PAD",
     "IMAGE_START",
     "NUM_IMAGE_SENTINELS",
+    "EncoderCache",
+    "ImageError",
+    "ImagePreprocessor",
     "ImageSentinels",
+    "MAX_IMAGE_PIXELS",
+    "PreparedImage",
     "ImageSpan",
     "compression_stride",
     "expand_images",
     "image_block",
+    "image_digest",
+    "image_grid_of",
+    "image_size",
+    "prepare_image",
     "image_grid",
     "image_positions",
     "leading_padding",
