@@ -27,6 +27,7 @@ from .engram import EngramHasher, engram_inject
 from .engram_vocab import CompressedVocabulary
 from .kv_quant import KVQuant
 from .vision import VisionTower
+from .vision.embed import image_input_embeddings
 from .weights import BlockWeights, V41Weights
 from .yoco import YocoMode, check_keep, chunk_plan
 
@@ -125,6 +126,7 @@ class DeepseekV41ForCausalLM:
         yoco_prompt_len: int | None = None,
         logit_rows: torch.Tensor | list[int] | None = None,
         row_split: RowSplit | None = None,
+        image_features: list[torch.Tensor] | None = None,
     ) -> V41Output:
         """Logits for every position of one sequence; with `num_draft_tokens > 0` also draft that many
         tokens after `next_token` (default: the greedy next token of the last position).
@@ -145,10 +147,20 @@ class DeepseekV41ForCausalLM:
         each attention layer computes queries and outputs for this rank's rows only and all-gathers the
         keys (SWA latents; the layer input on KV sources, S once); the final hidden state is gathered,
         so every rank returns the full output.
+
+        `image_features`: the aligned embeddings [cells, H] of each image whose sentinel block
+        (`vision/tokens.py`) `token_ids` holds, in order (`self.vision.embed_image` makes them); needs a
+        checkpoint with a vision tower.
         """
         cfg, w, act = self.config, self.weights, self.act_dtype
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)
-        x0 = embed(ids, w.embed)
+        if image_features is None:
+            x0 = embed(ids, w.embed)
+        elif w.image_embeds is None:
+            raise ValueError("image_features given, but this checkpoint has no vision tower")
+        else:
+            pad = int(cfg.extra.get("pad_token_id", 2))
+            x0 = image_input_embeddings(ids, w.embed, w.image_embeds, pad, image_features, act)
         if x0.shape[0] == 0:
             raise ValueError("token_ids must hold at least one token")
         split = row_split or _NO_SPLIT
