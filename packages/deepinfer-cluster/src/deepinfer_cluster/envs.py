@@ -318,6 +318,13 @@ _VARS = [
         "deepinfer_model.quant_sm90",
     ),
     EnvVar(
+        "DEEPINFER_MULTI_MODAL_WORKER_TIMEOUT",
+        integer(1),
+        1800,
+        "seconds an image's preprocessing may take before its request fails (the worker pool is replaced)",
+        "deepinfer_model.models.deepseek_v41.vision.workers",
+    ),
+    EnvVar(
         "DEEPINFER_ENGRAM_PAD_TOKEN",
         integer(),
         2,
@@ -550,7 +557,6 @@ _VARS += [
     _reference_knob("USE_MULTIMODAL_POOL", BOOLEAN, False, "pinned pool of preprocessed images"),
     _reference_knob("MULTIMODAL_POOL_SIZE_GB", integer(), 8, "its size per rank (GB)"),
     _reference_knob("MULTI_MODAL_BUFFER_SIZE", integer(), 512, "vision worker output queue bound"),
-    _reference_knob("MULTI_MODAL_WORKER_TIMEOUT", integer(), 1800, "vision worker progress deadline (s)"),
     _reference_knob("CPP_LOG_LEVEL", choice("off", "error", "warn", "info"), "info", "C++ log level"),
     _reference_knob("FUSED_SAMPLE_STRESS_TEST", BOOLEAN, False, "test knob of the fused sampler"),
     _reference_knob("FUSED_SAMPLE_DETAIL_LOG", BOOLEAN, False, "test knob of the fused sampler"),

@@ -15,6 +15,7 @@ from typing import Any
 
 from ...config import CSA, MOE, SLIDING, AttentionSpec, ModelConfig, QuantConfig, RopeSpec, YarnScaling
 from .topology import Topology, build_topology
+from .vision.config import VisionConfig, parse_vision_config
 
 ARCHITECTURE = "DeepseekV41ForCausalLM"
 MODEL_TYPE = "deepseek_v41"
@@ -100,6 +101,7 @@ class DeepseekV41Config(ModelConfig):
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     hc_post_mult: float = 2.0  # fixed by the reference (`hc_post_mult_value`, §1.3)
+    vision: VisionConfig | None = None  # the vision tower, when `vision_config` describes one
 
     @property
     def n_prefill_layer(self) -> int:
@@ -233,6 +235,7 @@ class DeepseekV41Config(ModelConfig):
             topology=topology,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
+            vision=parse_vision_config(cfg),
         )
 
 

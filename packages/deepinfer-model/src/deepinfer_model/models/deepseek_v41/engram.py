@@ -56,11 +56,20 @@ def engram_inject(
 class EngramHasher:
     """Everything Engram needs before the layers run: vocabulary compression, layout and multipliers."""
 
-    def __init__(self, cfg: EngramConfig, vocab: CompressedVocabulary, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        cfg: EngramConfig,
+        vocab: CompressedVocabulary,
+        device: torch.device | str = "cpu",
+        text_vocab_size: int | None = None,
+    ):
         """The lookup tables (vocabulary map, row offsets, multipliers) are kept on `device`, the model's,
-        so hashing runs where the token ids are."""
+        so hashing runs where the token ids are. `text_vocab_size`: ids at or above it (the image sentinels,
+        `vision/tokens.py`) compress to the image sentinel -1 even where the tokenizer is larger than the
+        text model's vocabulary."""
         self.cfg = cfg
-        self.vocab = dataclasses.replace(vocab, table=vocab.table.to(device))
+        table = vocab.table if text_vocab_size is None else vocab.table[:text_vocab_size]
+        self.vocab = dataclasses.replace(vocab, table=table.to(device))
         layout = EngramLayout.from_config(cfg)
         self.layout = dataclasses.replace(layout, offsets=tuple(o.to(device) for o in layout.offsets))
         self.multipliers = {

@@ -10,6 +10,7 @@ from __future__ import annotations
 from ...layout import TensorSpec
 from .config import DeepseekV41Config
 from .engram_hash import EngramLayout
+from .vision.layout import vision_layout
 
 BF16, F32, FP8, FP4 = "float", "f32", "fp8", "expert"
 FP8_ROWS = "fp8_rows"  # FP8 with one UE8M0 scale per row and 32 columns (Engram tables)
@@ -89,7 +90,8 @@ def _block(prefix: str, cfg: DeepseekV41Config, layer: int | None, n_experts: in
 
 
 def checkpoint_layout(cfg: DeepseekV41Config) -> dict[str, TensorSpec]:
-    """Every tensor a V4.1 checkpoint must contain (vision tower tensors aside), by name, in a stable order."""
+    """Every tensor a V4.1 checkpoint must contain, by name, in a stable order; the vision tower's come last
+    and only when the config describes one (so a text-only layout, and its random draws, stay as they are)."""
     V, H = cfg.vocab_size, cfg.hidden_size
     specs = [
         TensorSpec("embed.weight", (V, H), BF16),
@@ -117,4 +119,6 @@ def checkpoint_layout(cfg: DeepseekV41Config) -> dict[str, TensorSpec]:
             TensorSpec(last + "markov_head.head.weight", (V, ds.markov_rank), BF16),
             TensorSpec(last + "confidence_head.proj.weight", (1, H + ds.markov_rank), BF16),
         ]
+    if cfg.vision:
+        specs += vision_layout(cfg.vision, H)
     return {s.name: s for s in specs}

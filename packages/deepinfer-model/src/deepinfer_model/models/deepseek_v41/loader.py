@@ -15,14 +15,14 @@ from .layout import checkpoint_layout
 from .model import DeepseekV41ForCausalLM
 from .weights import V41Weights
 
-# Stored but not read by the text model: the vision tower and the per-draft-block copies of the
-# embedding / LM head (tied to the backbone's, §9.3).
+# Stored but not read: the per-draft-block copies of the embedding / LM head (tied to the backbone's,
+# §9.3), and the vision tower of a config that describes none (`vision/config.py`).
 _VISION_PREFIXES = ("vision.", "aligner.")
 
 
 def ignored_prefixes(cfg: DeepseekV41Config) -> tuple[str, ...]:
     tied = tuple(f"mtp.{i}.{n}." for i in range(cfg.num_nextn_predict_layers) for n in ("embed", "head"))
-    return _VISION_PREFIXES + tied
+    return tied if cfg.vision else _VISION_PREFIXES + tied
 
 
 def load_v41(

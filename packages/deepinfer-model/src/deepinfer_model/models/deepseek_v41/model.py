@@ -26,6 +26,8 @@ from .drafter_heads import confidence_temperatures, target_features
 from .engram import EngramHasher, engram_inject
 from .engram_vocab import CompressedVocabulary
 from .kv_quant import KVQuant
+from .vision import VisionTower
+from .vision.embed import image_input_embeddings
 from .weights import BlockWeights, V41Weights
 from .yoco import YocoMode, check_keep, chunk_plan
 
@@ -93,9 +95,12 @@ class DeepseekV41ForCausalLM:
         self.weights = weights
         self.act_dtype = act_dtype
         self.kvq = KVQuant(enabled=quantize_kv, fp4_main_kv=config.use_fp4_sparse_kv)
-        self.engram = EngramHasher(config.engram, vocab, self.device) if config.engram else None
+        self.engram = (
+            EngramHasher(config.engram, vocab, self.device, config.vocab_size) if config.engram else None
+        )
         self.moe_fn: MoEFn = moe_fn or self.local_moe
         self.draft_moe_fn: MoEFn | None = draft_moe_fn
+        self.vision = VisionTower(config.vision, weights.vision) if weights.vision is not None else None
 
     @property
     def device(self) -> torch.device:
@@ -121,6 +126,7 @@ class DeepseekV41ForCausalLM:
         yoco_prompt_len: int | None = None,
         logit_rows: torch.Tensor | list[int] | None = None,
         row_split: RowSplit | None = None,
+        image_features: list[torch.Tensor] | None = None,
     ) -> V41Output:
         """Logits for every position of one sequence; with `num_draft_tokens > 0` also draft that many
         tokens after `next_token` (default: the greedy next token of the last position).
@@ -141,10 +147,20 @@ class DeepseekV41ForCausalLM:
         each attention layer computes queries and outputs for this rank's rows only and all-gathers the
         keys (SWA latents; the layer input on KV sources, S once); the final hidden state is gathered,
         so every rank returns the full output.
+
+        `image_features`: the aligned embeddings [cells, H] of each image whose sentinel block
+        (`vision/tokens.py`) `token_ids` holds, in order (`self.vision.embed_image` makes them); needs a
+        checkpoint with a vision tower.
         """
         cfg, w, act = self.config, self.weights, self.act_dtype
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)
-        x0 = embed(ids, w.embed)
+        if image_features is None:
+            x0 = embed(ids, w.embed)
+        elif w.image_embeds is None:
+            raise ValueError("image_features given, but this checkpoint has no vision tower")
+        else:
+            pad = int(cfg.extra.get("pad_token_id", 2))
+            x0 = image_input_embeddings(ids, w.embed, w.image_embeds, pad, image_features, act)
         if x0.shape[0] == 0:
             raise ValueError("token_ids must hold at least one token")
         split = row_split or _NO_SPLIT

@@ -41,10 +41,12 @@ def random_v41_tensors(
             t = 0.5 + torch.rand(shape, generator=g, device=device)
         elif "hc_" in name and name.endswith("_fn"):
             t = randn(*shape, std=1.0 / math.sqrt(shape[1]))
-        elif name.endswith("norm.weight") or name.endswith("q_weight") or name.endswith("k_weight"):
+        elif name.endswith(("norm.weight", "norm1.weight", "norm2.weight", "q_weight", "k_weight")):
             t = 1.0 + randn(*shape, std=0.1)
         elif name.endswith("attn_sink"):
             t = randn(*shape)
+        elif name.startswith(("vision.", "aligner.")) and name.endswith(".bias"):
+            t = randn(*shape, std=0.1)
         elif name.endswith("gate.bias") or name.endswith("gate.bias_vl"):
             t = randn(*shape, std=0.1)
         elif name in ("embed.weight", "image_start", "image_end", "image_newline") or "engram.embed" in name:

@@ -89,6 +89,24 @@ _TINY = {
 }
 
 
-def tiny_v41_config_dict() -> dict:
-    """A fresh (deep-copied) §11 `config.json` dict, safe to mutate in tests."""
-    return copy.deepcopy(_TINY)
+# A small DeepSeek-ViT for tests: 2 blocks of width 64 (4 heads of 16), 2x2 merge (28-pixel cells), at most
+# 48 language-model positions per image. Opt-in: deepinfer-tiny and the default model build on the §11
+# config, and their checkpoints stay text-only.
+_TINY_VISION_TOWER = {
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 96,
+    "patch_size": 14,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "max_image_tokens": 48,
+}
+
+
+def tiny_v41_config_dict(vision_tower: bool = False) -> dict:
+    """A fresh (deep-copied) §11 `config.json` dict, safe to mutate in tests; `vision_tower=True` adds the
+    small encoder to its `vision_config` (the checkpoint writer then writes `vision.*` / `aligner.*`)."""
+    cfg = copy.deepcopy(_TINY)
+    if vision_tower:
+        cfg["vision_config"].update(_TINY_VISION_TOWER)
+    return cfg

@@ -20,6 +20,7 @@ from ...layers.moe import MoEWeights
 from .config import DeepseekV41Config
 from .drafter_heads import MarkovHead
 from .engram import EngramWeights
+from .vision.weights import VisionWeights
 
 Getter = Callable[[str], torch.Tensor]
 
@@ -56,6 +57,9 @@ class V41Weights:
     norm: torch.Tensor
     layers: list[BlockWeights]
     drafter: DrafterWeights | None
+    # [3, H]: the learned image-start, image-newline and image-end embeddings, in that order
+    image_embeds: torch.Tensor | None = None
+    vision: VisionWeights | None = None  # encoder + aligner, when the config describes a vision tower
 
     @classmethod
     def from_tensors(
@@ -96,7 +100,13 @@ class V41Weights:
                 ),
                 confidence_proj=get(last + "confidence_head.proj.weight"),
             )
-        return cls(get("embed.weight"), get("head.weight"), get("norm.weight"), layers, drafter)
+        image_embeds = vision = None
+        if cfg.vision:
+            image_embeds = torch.stack([get("image_start"), get("image_newline"), get("image_end")])
+            vision = VisionWeights.from_tensors(cfg.vision, get)
+        return cls(
+            get("embed.weight"), get("head.weight"), get("norm.weight"), layers, drafter, image_embeds, vision
+        )
 
 
 def _hc(get: Getter, p: str, side: str) -> HCParams:
