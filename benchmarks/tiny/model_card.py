@@ -34,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from deepinfer_cluster import envs  # noqa: E402
 from card_common import Inputs, Records, read_config  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "out" / "tiny"
@@ -220,7 +221,7 @@ def measure(inputs: Inputs, sections: list[str]) -> Records:
         data=str(inputs.data),
         device=str(device),
         device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
-        numerics=os.environ.get("DEEPINFER_NUMERICS", "exact"),
+        numerics=envs.DEEPINFER_NUMERICS or "exact",
         dtype="float32",
         quick=inputs.quick,
         torch=torch.__version__,

@@ -102,7 +102,7 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init([](int32_t block_size, int32_t num_blocks, int32_t max_num_seqs, int32_t max_num_batched_tokens,
                        int32_t max_model_len, bool enable_prefix_caching, bool enable_chunked_prefill,
                        EngineType engine_type, int32_t num_speculative_tokens, int32_t prefix_hash_bits,
-                       bool finish_preempted) {
+                       bool finish_preempted, bool report_evictions) {
              SchedulerConfig c;
              c.block_size = block_size;
              c.num_blocks = num_blocks;
@@ -115,13 +115,15 @@ PYBIND11_MODULE(_core, m) {
              c.num_speculative_tokens = num_speculative_tokens;
              c.prefix_hash_bits = prefix_hash_bits;
              c.finish_preempted = finish_preempted;
+             c.report_evictions = report_evictions;
              c.validate();
              return c;
            }),
            py::arg("block_size"), py::arg("num_blocks"), py::arg("max_num_seqs"), py::arg("max_num_batched_tokens"),
            py::arg("max_model_len"), py::arg("enable_prefix_caching"), py::arg("enable_chunked_prefill"),
            py::arg("engine_type"), py::arg("num_speculative_tokens"),
-           py::arg("prefix_hash_bits") = 64, py::arg("finish_preempted") = false);
+           py::arg("prefix_hash_bits") = 64, py::arg("finish_preempted") = false,
+           py::arg("report_evictions") = false);
 
   py::class_<StepOutput, std::shared_ptr<StepOutput>>(m, "SchedulerOutput", R"doc(
 One step's schedule. Array properties are read-only numpy views of this object's storage:
@@ -201,6 +203,40 @@ per sequence (n = num_seqs) and per query token (T = num_batched_tokens).)doc")
                                return view(o.logits_lens, self, o.num_seqs());
                              })
       .def_property_readonly("preempted_seq_ids", [](const StepOutput& o) { return copy_of(o.preempted_seq_ids); })
+      .def_property_readonly("evicted_blocks", [](const StepOutput& o) {
+        // (block_ids int32 [E], hashes uint64 [E], checks uint64 [E], tokens int32 [E, block_size])
+        const size_t n = o.evicted.size();
+        std::vector<int32_t> ids(n), toks;
+        std::vector<uint64_t> hashes(n), checks(n);
+        const size_t bs = n ? o.evicted[0].tokens.size() : 0;
+        toks.reserve(n * bs);
+        for (size_t i = 0; i < n; ++i) {
+          ids[i] = o.evicted[i].block_id;
+          hashes[i] = o.evicted[i].key.hash;
+          checks[i] = o.evicted[i].key.check;
+          toks.insert(toks.end(), o.evicted[i].tokens.begin(), o.evicted[i].tokens.end());
+        }
+        py::array tokens = copy_of(toks);
+        return py::make_tuple(copy_of(ids), copy_of(hashes), copy_of(checks),
+                              tokens.attr("reshape")(static_cast<py::ssize_t>(n), static_cast<py::ssize_t>(bs)));
+      })
+      .def_property_readonly("block_loads", [](const StepOutput& o) {
+        // (seq_ids int64 [L], indices int32 [L], block_ids int32 [L], hashes uint64 [L], checks uint64 [L])
+        const size_t n = o.loads.size();
+        std::vector<int64_t> seqs(n);
+        std::vector<int32_t> idx(n), ids(n);
+        std::vector<uint64_t> hashes(n), checks(n);
+        for (size_t i = 0; i < n; ++i) {
+          seqs[i] = o.loads[i].seq_id;
+          idx[i] = o.loads[i].index;
+          ids[i] = o.loads[i].block_id;
+          hashes[i] = o.loads[i].key.hash;
+          checks[i] = o.loads[i].key.check;
+        }
+        return py::make_tuple(copy_of(seqs), copy_of(idx), copy_of(ids), copy_of(hashes), copy_of(checks));
+      })
+      .def_property_readonly("has_tier_transfers",
+                             [](const StepOutput& o) { return !o.evicted.empty() || !o.loads.empty(); })
       .def_property_readonly("scheduled_seqs", [](const StepOutput& o) {
         py::list out(o.entries.size());
         for (size_t i = 0; i < o.entries.size(); ++i) {
@@ -265,6 +301,28 @@ per sequence (n = num_seqs) and per query token (T = num_batched_tokens).)doc")
           },
           py::arg("sched_output"), py::arg("sampled"), py::arg("counts"))
       .def("reconcile", &Scheduler::reconcile, py::arg("sched_output"))
+      .def(
+          "add_loadable",
+          [](Scheduler& s, py::array_t<uint64_t, py::array::c_style | py::array::forcecast> hashes,
+             py::array_t<uint64_t, py::array::c_style | py::array::forcecast> checks) {
+            if (hashes.size() != checks.size()) throw std::invalid_argument("hashes and checks must have one length");
+            for (py::ssize_t i = 0; i < hashes.size(); ++i) s.add_loadable(BlockKey{hashes.data()[i], checks.data()[i]});
+          },
+          py::arg("hashes"), py::arg("checks"),
+          "Keys (hash, check) a lower KV tier now holds: prefix hits there are loaded, not computed.")
+      .def(
+          "drop_loadable",
+          [](Scheduler& s, py::array_t<uint64_t, py::array::c_style | py::array::forcecast> hashes,
+             py::array_t<uint64_t, py::array::c_style | py::array::forcecast> checks) {
+            if (hashes.size() != checks.size()) throw std::invalid_argument("hashes and checks must have one length");
+            for (py::ssize_t i = 0; i < hashes.size(); ++i) s.drop_loadable(BlockKey{hashes.data()[i], checks.data()[i]});
+          },
+          py::arg("hashes"), py::arg("checks"), "Keys the lower tier no longer holds.")
+      .def_property_readonly("num_loadable", &Scheduler::num_loadable)
+      .def(
+          "uncache_block",
+          [](Scheduler& s, int32_t block_id) { s.uncache_block(block_id); }, py::arg("block_id"),
+          "Forget a block's cached content (a lower-tier load that failed): no request hits it again.")
       .def("has_unfinished", &Scheduler::has_unfinished)
       .def_property_readonly("num_unfinished", &Scheduler::num_unfinished)
       .def_property_readonly("num_inflight_steps", &Scheduler::num_inflight_steps)
@@ -298,6 +356,8 @@ per sequence (n = num_seqs) and per query token (T = num_batched_tokens).)doc")
       .def("num_computed_tokens", [](const Scheduler& s, int64_t id) { return s.get(id).num_computed; },
            py::arg("seq_id"))
       .def("num_cached_tokens", [](const Scheduler& s, int64_t id) { return s.get(id).num_cached_tokens; },
+           py::arg("seq_id"))
+      .def("num_loaded_tokens", [](const Scheduler& s, int64_t id) { return s.get(id).num_loaded_tokens; },
            py::arg("seq_id"))
       .def("num_preemptions", [](const Scheduler& s, int64_t id) { return s.get(id).num_preemptions; },
            py::arg("seq_id"))
@@ -345,6 +405,8 @@ per sequence (n = num_seqs) and per query token (T = num_batched_tokens).)doc")
         d["prefix_cache_hit_tokens"] = st.prefix_hit_tokens;
         d["prefix_cache_hit_rate"] =
             st.prefix_query_tokens ? static_cast<double>(st.prefix_hit_tokens) / st.prefix_query_tokens : 0.0;
+        d["tier_hit_tokens"] = st.tier_hit_tokens;
+        d["num_evicted_blocks"] = st.num_evicted_blocks;
         d["num_preemptions"] = st.num_preemptions;
         d["num_steps"] = st.num_steps;
         d["num_finished"] = st.num_finished;

@@ -60,20 +60,33 @@ bool Scheduler::admit_waiting(Sequence* s, int32_t budget, StepEntry& e) {
   int32_t max_hit_blocks = (len - 1) / cfg_.block_size;  // at least one token must be computed
   hit_chain_.copy_root(s->chain);  // the request's salt
   int32_t free_hits = bm_.match_prefix(s->tokens.data(), max_hit_blocks, hit_blocks_, hit_chain_);
-  int32_t start = static_cast<int32_t>(hit_blocks_.size()) * cfg_.block_size;
+  const int32_t device_hits = static_cast<int32_t>(hit_blocks_.size());
+  // Past the device hit, blocks a lower tier holds are loaded, not computed (a device block after a
+  // tier block cannot match: its parent's registration is gone).
+  const int32_t loads = bm_.match_loadable(s->tokens.data(), max_hit_blocks, hit_chain_);
+  int32_t start = (device_hits + loads) * cfg_.block_size;
   int32_t rest = len - start;
   int32_t q = std::min(rest, budget);
   if (!cfg_.enable_chunked_prefill && q < rest) return false;
-  int32_t fresh = cdiv(start + q, cfg_.block_size) - static_cast<int32_t>(hit_blocks_.size());
+  int32_t fresh = cdiv(start + q, cfg_.block_size) - device_hits;
   if (fresh > bm_.num_free() - free_hits) return false;
   bm_.claim_cached(hit_blocks_);
   s->block_table = hit_blocks_;
   for (int32_t i = 0; i < fresh; ++i) s->block_table.push_back(bm_.allocate());
   s->chain = hit_chain_;
+  if (loads > 0) {
+    // Registered now (their entries arrive before this step's forward), so later requests share them.
+    bm_.register_full_blocks(s->tokens.data(), device_hits + loads, s->block_table, s->chain);
+    for (int32_t i = device_hits; i < device_hits + loads; ++i) {
+      pending_loads_.push_back(BlockLoad{s->seq_id, i, s->block_table[i], BlockKey{s->chain.hashes[i], s->chain.checks[i]}});
+    }
+  }
   s->num_computed = start;
   s->num_cached_tokens = start;
+  s->num_loaded_tokens = loads * cfg_.block_size;
   st_.prefix_query_tokens += len;
-  st_.prefix_hit_tokens += start;
+  st_.prefix_hit_tokens += device_hits * cfg_.block_size;
+  st_.tier_hit_tokens += loads * cfg_.block_size;
   e = StepEntry{};
   e.seq = s;
   e.epoch = s->epoch;
@@ -142,6 +155,12 @@ std::shared_ptr<StepOutput> Scheduler::schedule() {
   }
 
   fill_arrays(*out, drafts);
+  out->loads.swap(pending_loads_);
+  pending_loads_.clear();
+  if (cfg_.report_evictions) {
+    out->evicted = bm_.take_evicted();
+    st_.num_evicted_blocks += static_cast<int64_t>(out->evicted.size());
+  }
   double now = -1.0;
   for (StepEntry& e : out->entries) {
     Sequence* s = e.seq;

@@ -67,6 +67,7 @@ Scheduler::Scheduler(const SchedulerConfig& config)
       bm_(config.num_blocks, config.block_size,
           config.enable_prefix_caching && config.engine_type != EngineType::kCompletion, config.prefix_hash_bits) {
   st_.num_blocks = cfg_.num_blocks;
+  bm_.set_report_evictions(cfg_.report_evictions);
 }
 
 Scheduler::~Scheduler() = default;

@@ -33,6 +33,8 @@ struct SchedulerConfig {
   // Finish a preempted sequence (reason kPreempted, with the tokens it has) instead of recomputing
   // it later; a COMPLETION engine always does, having no prefill to recompute with.
   bool finish_preempted = false;
+  // Report the cached blocks each schedule() evicts (StepOutput::evicted), for a lower KV tier.
+  bool report_evictions = false;
 
   // Throws std::invalid_argument naming the field and the allowed range.
   void validate() const;
@@ -49,6 +51,15 @@ struct StepEntry {
   bool prefill = false;
   bool unknown_inputs = false;  // token ids come from an unprocessed step (async scheduling)
   int32_t token_offset = 0;     // first row in the flat per-token arrays
+};
+
+// A block whose entries a lower KV tier holds: the engine writes them into `block_id` before the step
+// runs (the scheduler counts its tokens as computed). `index`: the block's position in the sequence.
+struct BlockLoad {
+  int64_t seq_id = 0;
+  int32_t index = 0;
+  int32_t block_id = -1;
+  BlockKey key;
 };
 
 // What one schedule() decided, as flat arrays ready to become tensors. Immutable once built (numpy
@@ -84,6 +95,12 @@ struct StepOutput {
   bool any_prefill = false;
   bool has_unknown_inputs = false;
   std::vector<int64_t> preempted_seq_ids;
+  // KV tier transfers of this schedule() call, before the step's forward and in this order: fetch the
+  // loads' entries from the tier (storing evicted blocks may push them out), read the evicted blocks'
+  // entries out of the pools (which still hold them; a load may target one of them), then write the
+  // loads in. They belong to the call: reconcile() does not carry them over.
+  std::vector<EvictedBlock> evicted;
+  std::vector<BlockLoad> loads;
 
   int32_t num_seqs() const { return static_cast<int32_t>(entries.size()); }
 };
@@ -96,7 +113,7 @@ struct FinishedSeq {
 struct SchedulerStats {
   int32_t num_waiting = 0, num_running = 0;
   int32_t num_blocks = 0, num_free_blocks = 0, num_cached_free_blocks = 0;
-  int64_t prefix_query_tokens = 0, prefix_hit_tokens = 0;
+  int64_t prefix_query_tokens = 0, prefix_hit_tokens = 0, tier_hit_tokens = 0, num_evicted_blocks = 0;
   int64_t num_preemptions = 0, num_steps = 0, num_finished = 0, num_aborted = 0;
   int32_t last_num_seqs = 0, last_num_batched_tokens = 0, last_num_prefill_tokens = 0;
 };
@@ -134,6 +151,13 @@ class Scheduler {
   int32_t num_inflight_steps() const { return static_cast<int32_t>(inflight_.size()); }
   SchedulerStats stats() const;
   const BlockManager& block_manager() const { return bm_; }
+  // Keys a lower KV tier holds (the engine keeps this in step with its tier): a waiting request's
+  // blocks past its device-cache hit whose keys are loadable are loaded instead of computed.
+  void add_loadable(const BlockKey& key) { bm_.add_loadable(key); }
+  void drop_loadable(const BlockKey& key) { bm_.drop_loadable(key); }
+  size_t num_loadable() const { return bm_.num_loadable(); }
+  // A load that could not be done: forget the block's cached content so no request hits it.
+  void uncache_block(int32_t block_id) { bm_.uncache(block_id); }
   std::vector<int64_t> waiting_ids() const;
   std::vector<int64_t> running_ids() const;
   std::vector<int64_t> live_ids() const;  // every known, unreleased sequence
@@ -173,6 +197,7 @@ class Scheduler {
   // Scratch buffers reused across steps.
   std::vector<int32_t> hit_blocks_;
   PrefixChain hit_chain_;
+  std::vector<BlockLoad> pending_loads_;  // admitted this schedule(), handed to its output
 };
 
 double monotonic_seconds();

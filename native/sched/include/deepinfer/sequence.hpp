@@ -62,7 +62,8 @@ struct Sequence {
   bool release_pending = false;            // released by the caller while a step still points here
 
   // Metrics.
-  int32_t num_cached_tokens = 0;  // prefix-cache hit at the latest admission
+  int32_t num_cached_tokens = 0;  // prefix-cache hit at the latest admission (device + lower tier)
+  int32_t num_loaded_tokens = 0;  // of which loaded from a lower KV tier
   int32_t num_preemptions = 0;
   double arrival_time = 0.0, first_scheduled_time = -1.0, first_token_time = -1.0, finished_time = -1.0;
 

@@ -198,6 +198,31 @@ _VARS = [
         "(CUDA tensors); unset: the build's accelerator, cpu where no CUDA device is visible",
         "deepinfer_model.ops.registry",
     ),
+    # the KV cache tier below the device prefix cache
+    EnvVar(
+        "DEEPINFER_KV_HOST_TIER_BYTES",
+        integer(lo=0),
+        0,
+        "bytes of host memory that keep prefix-cache blocks the device cache evicts (0: no host tier); "
+        "EngineArgs.kv_host_tier_bytes overrides",
+        "deepinfer.engine_args",
+    ),
+    EnvVar(
+        "DEEPINFER_KV_DISK_TIER_BYTES",
+        integer(lo=0),
+        0,
+        "bytes of disk below the host tier, in DEEPINFER_KV_DISK_TIER_DIR (0: no disk tier); "
+        "EngineArgs.kv_disk_tier_bytes overrides",
+        "deepinfer.engine_args",
+    ),
+    EnvVar(
+        "DEEPINFER_KV_DISK_TIER_DIR",
+        TEXT,
+        None,
+        "directory of the disk KV tier (one subdirectory per model fingerprint; engines of one model may "
+        "share it); EngineArgs.kv_disk_tier_dir overrides",
+        "deepinfer.engine_args",
+    ),
     # the engine loop
     EnvVar(
         "DEEPINFER_ZERO_OVERHEAD_SCHEDULING",

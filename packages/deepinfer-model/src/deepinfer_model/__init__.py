@@ -27,7 +27,14 @@ from .models.deepseek_v41.yoco import (
 from .parallel import ExpertParallelMoE, load_v41_ep, shard_experts
 from .quant_sm90 import refuse_with_expert_parallelism
 from .runner import StepBatch
-from .runtime import decode_graph_settings, make_runner
+from .runtime import (
+    BlockPayload,
+    PayloadError,
+    cache_layout,
+    decode_graph_settings,
+    export_request,
+    make_runner,
+)
 from .runtime.device import model_device, resolve_device, to_device
 from .sampling import (
     EMPTY_ROW_MESSAGE,
@@ -52,6 +59,10 @@ __version__ = "0.1.0"
 __public_modules__ = ("testing", "training")
 
 __all__ = [
+    "BlockPayload",
+    "PayloadError",
+    "export_request",
+    "cache_layout",
     "DEFAULT_CHAT_TEMPLATE",
     "CheckpointError",
     "ConfigError",

@@ -35,6 +35,9 @@ class SchedulerConfig:
       collisions (hits are confirmed token by token, so collisions cost time, never correctness).
     - ``finish_preempted``: a sequence preempted for want of KV blocks finishes (reason "preempted",
       with the tokens it has) instead of waiting to be recomputed; COMPLETION engines always do.
+    - ``report_evictions``: each output lists the cached blocks its schedule evicted
+      (``SchedulerOutput.evicted_blocks``), for a lower KV tier to keep; a tier's keys are given back with
+      ``Scheduler.add_loadable`` and hits on them come as ``SchedulerOutput.block_loads``.
     """
 
     num_blocks: int
@@ -48,6 +51,7 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     prefix_hash_bits: int = 64
     finish_preempted: bool = False
+    report_evictions: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "engine_type", _engine_type(self.engine_type))
@@ -65,8 +69,9 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be an int, got {value!r}")
             if not -(2**31) <= value < 2**31:
                 raise ValueError(f"{name} must fit in int32, got {value}")
-        if not isinstance(self.finish_preempted, bool):
-            raise ValueError(f"finish_preempted must be a bool, got {self.finish_preempted!r}")
+        for name in ("finish_preempted", "report_evictions"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self.to_native()  # raises ValueError naming the field and its allowed range
 
     def to_native(self) -> _NativeConfig:
@@ -82,4 +87,5 @@ class SchedulerConfig:
             num_speculative_tokens=self.num_speculative_tokens,
             prefix_hash_bits=self.prefix_hash_bits,
             finish_preempted=self.finish_preempted,
+            report_evictions=self.report_evictions,
         )

@@ -130,6 +130,24 @@ class EngineArgs:
     engine_type: str = field(
         default="normal", metadata={"help": "normal only (prompt / completion: PD split)"}
     )
+    kv_host_tier_bytes: int | None = field(
+        default=None,
+        metadata={
+            "help": "host memory (bytes) that keeps prefix-cache blocks the device cache evicts; a later "
+            "prefix hit there loads them instead of recomputing (default: $DEEPINFER_KV_HOST_TIER_BYTES, 0 = off)"
+        },
+    )
+    kv_disk_tier_bytes: int | None = field(
+        default=None,
+        metadata={
+            "help": "disk (bytes) below the host tier, in kv_disk_tier_dir "
+            "(default: $DEEPINFER_KV_DISK_TIER_BYTES, 0 = off)"
+        },
+    )
+    kv_disk_tier_dir: str | None = field(
+        default=None,
+        metadata={"help": "directory of the disk KV tier (default: $DEEPINFER_KV_DISK_TIER_DIR)"},
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size"):
@@ -159,6 +177,7 @@ class EngineArgs:
             raise ValueError(
                 f"engine_type must be 'normal' (prompt / completion engines are not wired in), got {self.engine_type!r}"
             )
+        self._resolve_kv_tier()
         if self.model is None:
             self.model = envs.DEEPINFER_HF_MODEL_DIR
         if self.device is None:
@@ -178,6 +197,24 @@ class EngineArgs:
                     f"{self.layout.describe()} needs one CUDA device per rank; this machine has "
                     f"{torch.cuda.device_count()}"
                 )
+
+    def _resolve_kv_tier(self) -> None:
+        """Tier sizes from the fields, else the environment; a disk tier needs its directory."""
+        if self.kv_host_tier_bytes is None:
+            self.kv_host_tier_bytes = envs.DEEPINFER_KV_HOST_TIER_BYTES
+        if self.kv_disk_tier_bytes is None:
+            self.kv_disk_tier_bytes = envs.DEEPINFER_KV_DISK_TIER_BYTES
+        if self.kv_disk_tier_dir is None:
+            self.kv_disk_tier_dir = envs.DEEPINFER_KV_DISK_TIER_DIR
+        for name in ("kv_host_tier_bytes", "kv_disk_tier_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0 (bytes; 0 = off), got {value!r}")
+        if self.kv_disk_tier_bytes > 0 and not self.kv_disk_tier_dir:
+            raise ValueError(
+                f"kv_disk_tier_dir must name a directory when kv_disk_tier_bytes > 0 "
+                f"(got kv_disk_tier_bytes={self.kv_disk_tier_bytes}, kv_disk_tier_dir={self.kv_disk_tier_dir!r})"
+            )
 
     def _check_parallel_sizes(self) -> None:
         for name, low in (

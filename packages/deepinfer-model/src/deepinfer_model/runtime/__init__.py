@@ -10,6 +10,15 @@ runner = PagedRunner(model, 256, 16, yoco=YocoSettings.from_env(), backtracking=
 logits = runner.execute(scheduler_output)   # prompt lengths: the step's own (SchedulerOutput.prompt_lens)
 """
 
+from .block_io import (
+    BlockPayload,
+    PayloadError,
+    PoolLayout,
+    cache_layout,
+    export_blocks,
+    export_request,
+    import_blocks,
+)
 from .cuda_graphs import (
     DecodeGraphRunner,
     DecodeGraphSettings,
@@ -25,6 +34,13 @@ from .static_metadata import StaticDecodeMetadata
 from .step_view import StepView
 
 __all__ = [
+    "BlockPayload",
+    "PayloadError",
+    "PoolLayout",
+    "cache_layout",
+    "export_blocks",
+    "export_request",
+    "import_blocks",
     "RUNNERS",
     "DecodeGraphRunner",
     "DecodeGraphSettings",

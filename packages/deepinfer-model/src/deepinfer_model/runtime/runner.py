@@ -14,6 +14,7 @@ import torch
 from ..family import family_of
 from ..runner.recompute import RecomputeRunner
 from ..runner.step import StepBatch
+from .block_io import export_blocks, import_blocks
 from .cp_rows import PagedMirrorRows
 from .device import model_device
 from .metadata import StepMetadata
@@ -202,6 +203,14 @@ class PagedRunner:
         self._last_meta = meta
         self._last_seq_ids = np.asarray(batch.seq_ids, dtype=np.int64)
         return logits
+
+    def export_blocks(self, block_ids, meta: dict | None = None):
+        """Every pool's rows of `block_ids` on the host (`block_io.BlockPayload`)."""
+        return export_blocks(self.cache, block_ids, self.block_size, meta)
+
+    def import_blocks(self, block_ids, payload) -> None:
+        """Write an exported payload's blocks into `block_ids` (one id per block, same pool layout)."""
+        import_blocks(self.cache, block_ids, payload, self.block_size)
 
     def last_step_index(self, seq_id: int) -> int | None:
         """The batch index of `seq_id` in the last executed step (None if it was not in it)."""

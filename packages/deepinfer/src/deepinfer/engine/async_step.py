@@ -59,7 +59,11 @@ class AsyncStep(StepStrategy):
                 self._idle(out)
                 self._vote_async()
                 return
-            self._launch(out)
+            self._launch_after_transfers(out)
+            if not self._inflight:  # its tier loads failed and nothing of it was left to run
+                self.table.release_idle(self.busy())
+                self._vote_async()
+                return
         head = self._inflight[0]
         # Step N runs on the worker; schedule N+1 meanwhile.
         nxt, dt = self._schedule()
@@ -91,7 +95,8 @@ class AsyncStep(StepStrategy):
             result, finished = self._fail_step(head.out, "output processing", e), {}
         t1 = time.perf_counter()
         self._count_process(t1 - t0)
-        if nxt is not None:  # structured rows: their masks need N's tokens, so reconcile on the host
+        if nxt is not None:  # structured rows / tier transfers: wait for N, then reconcile on the host
+            self._transfer_or_fail(nxt)
             nxt = scheduling.reconcile(self.scheduler, nxt)
             if scheduling.is_empty(nxt):
                 self._retire(nxt)
@@ -137,13 +142,37 @@ class AsyncStep(StepStrategy):
 
     def _needs_reconcile(self, out) -> bool:
         """Grammar masks and the logits processors that read the seen tokens (penalties, bad words)
-        are built from the state after the previous step: such steps wait for it."""
+        are built from the state after the previous step: such steps wait for it. So do steps with KV
+        tier transfers (a block freed by this schedule may still be written by the step in flight)."""
+        if self._has_transfers(out):
+            return True
         seqs = self.table.seqs
         return any(
             (seq := seqs.get(seq_id)) is not None
             and (seq.grammar is not None or seq.request.reads_seen_tokens)
             for seq_id in scheduling.seq_ids(out).tolist()
         )
+
+    def _transfer_or_fail(self, out) -> bool:
+        """The schedule's tier transfers; if they fail, the step's requests fail (a reconcile then drops
+        them) and False is returned."""
+        try:
+            self._transfer(out)
+            return True
+        except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
+            self._fail_step(out, "kv tier", e)
+            return False
+
+    def _launch_after_transfers(self, out) -> None:
+        """Nothing in flight: do the transfers, then launch (what a failure left of the step)."""
+        if not self._has_transfers(out) or self._transfer_or_fail(out):
+            self._launch(out)
+            return
+        out = self.scheduler.reconcile(out)
+        if scheduling.is_empty(out):
+            self._retire(out)
+        else:
+            self._launch(out)
 
     def _launch(self, out, fill_from_previous: bool = False) -> None:
         try:

@@ -33,6 +33,7 @@ from . import scheduling
 from .async_step import AsyncStep
 from .device_timing import device_timeline
 from .drafting import Drafter
+from .kv_tier import KVTier, TierSettings
 from .output_processor import OutputProcessor
 from .prompts import PromptChecks
 from .request import RequestState, SeqState
@@ -42,6 +43,8 @@ from .spec_step import SpecStep, make_spec_decoder, resolve_nextn
 from .stats import EngineStats, collect_device_timing, log_stats
 from .step_builder import StepBuilder
 from .step_strategy import StepContext, StepStrategy, SyncStep
+from .tier_fingerprint import tier_fingerprint
+from .tier_transfers import TierTransfers
 from .truncation import Truncation, settings_from_env
 from .worker import ModelWorker
 
@@ -89,6 +92,11 @@ class LLMEngine(PromptChecks):
         self.truncation = Truncation(settings_from_env(), self.model, nextn)
         blocks_per_seq = -(-self.max_model_len // args.block_size)
         num_blocks = args.num_kv_blocks or blocks_per_seq * min(args.max_num_seqs, 64) + 1
+        tier_settings = TierSettings(args.kv_host_tier_bytes, args.kv_disk_tier_bytes, args.kv_disk_tier_dir)
+        if tier_settings.enabled and args.runner != "paged":
+            raise ValueError(
+                f"a KV tier (kv_host_tier_bytes / kv_disk_tier_bytes) needs runner='paged', got {args.runner!r}"
+            )
         self.scheduler = scheduling.make_scheduler(
             block_size=args.block_size,
             num_blocks=num_blocks,
@@ -98,8 +106,10 @@ class LLMEngine(PromptChecks):
             chunked_prefill=args.chunked_prefill,
             num_speculative_tokens=nextn,
             finish_preempted=args.stop_preempted_request,
+            report_evictions=tier_settings.enabled,
         )
         self.runner = self._make_runner(num_blocks, nextn)
+        self.kv_tier = self._make_kv_tier(tier_settings)
         self.worker = ModelWorker(
             self.runner,
             timeline=device_timeline(self.device),
@@ -131,7 +141,14 @@ class LLMEngine(PromptChecks):
         """Speculative when drafting (it runs synchronously, also under async_scheduling), else the
         asynchronous or the synchronous loop."""
         ctx = StepContext(
-            self.scheduler, self.worker, self.table, self.builder, self.output, self.stats, self.dp
+            self.scheduler,
+            self.worker,
+            self.table,
+            self.builder,
+            self.output,
+            self.stats,
+            self.dp,
+            self.kv_tier,
         )
         if self.spec is not None:
             return SpecStep(ctx, self.spec)
@@ -192,6 +209,19 @@ class LLMEngine(PromptChecks):
                 nextn=nextn,
             ),
         )
+
+    def _make_kv_tier(self, settings: TierSettings) -> TierTransfers | None:
+        """The host / disk tier below the device prefix cache (None when off). A data-parallel rank keeps
+        its disk files apart from the other ranks'."""
+        if not settings.enabled:
+            return None
+        if settings.disk_bytes > 0 and self.dp is not None:
+            settings = TierSettings(
+                settings.host_bytes, settings.disk_bytes, str(Path(settings.disk_dir) / f"rank{self.dp.rank}")
+            )
+        fingerprint = tier_fingerprint(self.model_path, self.args, self.runner, self.truncation, self.device)
+        tier = KVTier(settings, fingerprint, pin_memory=self.device.type == "cuda")
+        return TierTransfers(tier, self.scheduler, self.runner, self.args.block_size)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -284,6 +314,21 @@ class LLMEngine(PromptChecks):
 
     def scheduler_stats(self) -> dict:
         return scheduling.stats(self.scheduler)
+
+    def kv_tier_stats(self) -> dict | None:
+        """The KV tier's counters (blocks loaded per tier, stored, demoted to disk, dropped, failed loads,
+        seconds storing and loading, bytes and blocks held); None when the tier is off."""
+        if self.kv_tier is None:
+            return None
+        tier = self.kv_tier.tier
+        d = tier.stats.as_dict()
+        d.update(
+            host_bytes_used=tier.host_bytes,
+            disk_bytes_used=tier.disk_bytes,
+            blocks_held=len(tier.keys()),
+            block_size=self.args.block_size,
+        )
+        return d
 
     def spec_stats(self) -> dict | None:
         """Speculative-decoding accounting (SpecStats.summary() + nextn, varlen, drafter seconds);

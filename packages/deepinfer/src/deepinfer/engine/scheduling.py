@@ -22,6 +22,7 @@ def make_scheduler(
     num_speculative_tokens: int = 0,
     enable_prefix_caching: bool = True,
     finish_preempted: bool = False,
+    report_evictions: bool = False,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -34,6 +35,7 @@ def make_scheduler(
             num_speculative_tokens=num_speculative_tokens,
             enable_prefix_caching=enable_prefix_caching,
             finish_preempted=finish_preempted,
+            report_evictions=report_evictions,
         )
     )
 

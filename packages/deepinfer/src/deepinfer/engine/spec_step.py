@@ -37,8 +37,10 @@ class SpecStep(StepStrategy):
         if scheduling.is_empty(out):
             self._idle(out)
             return
-        stage, forward_ran = "prepare", False
+        stage, forward_ran = "kv tier", False
         try:
+            self._transfer(out)
+            stage = "prepare"
             t0 = time.perf_counter()
             step, confs = self._prepare(out)
             self.stats.prefill_flops += self.builder.prefill_flops(out, step.batch)

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from deepinfer_sched import Scheduler
 
     from .dp_rank import DataParallelRank
+    from .tier_transfers import TierTransfers
 
 logger = logging.getLogger("deepinfer")
 
@@ -46,6 +47,7 @@ class StepContext:
     output: OutputProcessor
     stats: EngineStats
     dp: DataParallelRank | None = None
+    tier: TierTransfers | None = None  # the KV tier below the device prefix cache
 
 
 class StepStrategy:
@@ -56,6 +58,7 @@ class StepStrategy:
         self.ctx = ctx
         self.scheduler, self.worker, self.table = ctx.scheduler, ctx.worker, ctx.table
         self.builder, self.output, self.stats, self.dp = ctx.builder, ctx.output, ctx.stats, ctx.dp
+        self.tier = ctx.tier
 
     def step(self) -> None:
         raise NotImplementedError
@@ -76,6 +79,15 @@ class StepStrategy:
         dt = time.perf_counter() - t0
         self.stats.schedule_s += dt
         return out, dt
+
+    def _has_transfers(self, out) -> bool:
+        return self.tier is not None and out is not None and out.has_tier_transfers
+
+    def _transfer(self, out) -> None:
+        """The schedule's KV tier transfers (before its forward, with no step in flight: a block a
+        preemption freed in this schedule may still be written by the step in flight)."""
+        if self.tier is not None:
+            self.tier.apply(out)
 
     def _build(self, out, fill_from_previous: bool = False) -> StepInput:
         step = self.builder.step(out, fill_from_previous)
@@ -145,8 +157,10 @@ class SyncStep(StepStrategy):
         if scheduling.is_empty(out):
             self._idle(out)
             return
-        stage, forward_ran = "prepare", False
+        stage, forward_ran = "kv tier", False
         try:
+            self._transfer(out)
+            stage = "prepare"
             t0 = time.perf_counter()
             step = self._build(out)
             self.stats.prepare_s += time.perf_counter() - t0
