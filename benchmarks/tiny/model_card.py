@@ -25,7 +25,6 @@ eval stages' files. A table of the headline numbers is printed at the end. The m
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import sys
 import time
@@ -34,8 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from deepinfer_cluster import envs  # noqa: E402
 from card_common import Inputs, Records, read_config  # noqa: E402
+from deepinfer_cluster import envs  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "out" / "tiny"
 SECTIONS = ("heldout", "quant", "code", "eval", "dspark", "curves")
