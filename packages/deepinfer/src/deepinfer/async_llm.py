@@ -102,6 +102,8 @@ class AsyncLLM:
         self._task: asyncio.Task | None = None
         self._dead: BaseException | None = None
         self._closed = False
+        self.engine_stats: dict = {}
+        self._refresh_stats()
 
     # ------------------------------------------------------------------ facts of the engine
     @property
@@ -120,6 +122,11 @@ class AsyncLLM:
     def num_waiting(self) -> int:
         """Requests added that have no token yet (queued here, waiting in the scheduler or prefilling)."""
         return len(self._waiting)
+
+    @property
+    def num_queued(self) -> int:
+        """Requests added that the loop has not handed to the engine yet."""
+        return len(self._admissions)
 
     @property
     def num_unfinished(self) -> int:
@@ -223,6 +230,7 @@ class AsyncLLM:
                     continue
                 finished = await loop.run_in_executor(self._executor, self.engine.step)
                 self._publish(finished)
+                self._refresh_stats()
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # noqa: BLE001 - every waiting request learns why, then the loop ends
@@ -273,6 +281,21 @@ class AsyncLLM:
             stream.put(out)
             if out.finished:
                 self._forget(request_id)
+
+    def _refresh_stats(self) -> None:
+        """What the engine counts, read between steps (its scheduler is not safe to read during one):
+        "scheduler" (`scheduler_stats()`), "generated_tokens", "prompt_tokens", and with speculative
+        decoding "draft_tokens" / "accepted_draft_tokens"."""
+        engine = self.engine
+        stats = {
+            "scheduler": engine.scheduler_stats(),
+            "generated_tokens": engine.stats.generated_tokens,
+            "prompt_tokens": engine.stats.prompt_tokens,
+        }
+        spec = engine.spec_stats() if hasattr(engine, "spec_stats") else None
+        if spec is not None:
+            stats["draft_tokens"], stats["accepted_draft_tokens"] = spec["verified"], spec["accepted"]
+        self.engine_stats = stats
 
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

@@ -61,6 +61,8 @@ def _build_parser() -> argparse.ArgumentParser:
     add_bench_args(bench)
     EngineArgs.add_cli_args(bench)
 
+    sub.add_parser("serve", help="OpenAI-compatible HTTP server (deepinfer.serve)", add_help=False)
+    sub.add_parser("run-batch", help="OpenAI batch file in, results out (deepinfer.batch)", add_help=False)
     sub.add_parser("launch", help="multi-process launch (deepinfer_cluster.launch)", add_help=False)
     sub.add_parser(
         "eval", help="AIME / HLE / GPQA evaluation (runs the deepinfer-eval command)", add_help=False
@@ -182,6 +184,14 @@ def main(argv: list[str] | None = None) -> int:
         from deepinfer_cluster.launch import main as launch_main
 
         return launch_main(argv[1:])
+    if argv and argv[0] == "serve":
+        from .serve.cli import main as serve_main
+
+        return serve_main(argv[1:])
+    if argv and argv[0] == "run-batch":
+        from .batch import main as batch_main
+
+        return batch_main(argv[1:])
     if argv and argv[0] == "eval":
         return run_deepinfer_eval(argv[1:])
     if argv[:1] == ["bench"] and argv[1:2] and argv[1] in ("prefill", "decode", "sweep"):
