@@ -76,6 +76,14 @@ def _loc(loc: tuple) -> str:
     return out
 
 
+def from_validation_errors(errors: list[dict]) -> APIError:
+    """pydantic's complaints about a body as a 400 naming the first field at fault."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    param = _loc(tuple(first.get("loc", ())))
+    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    return bad_request(message, param or None)
+
+
 def install_handlers(app) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -83,11 +91,7 @@ def install_handlers(app) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        errors = exc.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-        param = _loc(tuple(first.get("loc", ())))
-        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-        return bad_request(message, param or None).response()
+        return from_validation_errors(exc.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
