@@ -37,8 +37,9 @@ class EngineDeadError(RuntimeError):
     """The step loop stopped on an error (or the engine was closed); no request can complete."""
 
 
-# Called after each delivery of new tokens: (output so far, tokens new in it, seconds since the
-# previous delivery or None for the first, perf_counter time now).
+# Called after each delivery of new tokens and once a request finishes: (output so far, tokens new in
+# it (0 for a finish without any), seconds since the previous delivery or None before the first,
+# perf_counter time now).
 DeliveryListener = Callable[[RequestOutput, int, "float | None", float], None]
 
 
@@ -272,10 +273,11 @@ class AsyncLLM:
                     continue
                 out = snapshot(state)
             new = num_tokens(out) - stream.tokens_seen
+            gap = None if stream.last_delivery is None else now - stream.last_delivery
             if new > 0:
-                gap = None if stream.last_delivery is None else now - stream.last_delivery
                 stream.tokens_seen, stream.last_delivery = stream.tokens_seen + new, now
                 self._waiting.discard(request_id)
+            if new > 0 or out.finished:
                 for listener in self.listeners:
                     listener(out, new, gap, now)
             stream.put(out)

@@ -1,7 +1,7 @@
 """An app served by uvicorn on a thread of this process, on loopback: for tests and the load benchmark.
 
-    with BackgroundServer(build_app(llm, "name")) as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+with BackgroundServer(build_app(llm, "name")) as server:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
 """
 
 from __future__ import annotations

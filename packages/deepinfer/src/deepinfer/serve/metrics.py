@@ -57,7 +57,9 @@ class ServerMetrics:
         llm.listeners.append(self.on_delivery)
 
     def on_delivery(self, out: RequestOutput, new_tokens: int, gap: float | None, now: float) -> None:
-        if gap is None:
+        if new_tokens == 0:
+            pass
+        elif gap is None:
             self.ttft.labels(self.model_name).observe(now - out.metrics.arrival_time)
         else:
             for _ in range(new_tokens):
