@@ -184,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=64, help="streaming clients at once")
     parser.add_argument("--input-len", type=int, nargs=2, default=(8, 48), metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, nargs=2, default=(8, 32), metavar=("MIN", "MAX"))
-    parser.add_argument("--workload-seed", type=int, default=0, help="seed of the prompts, lengths and request seeds")
+    parser.add_argument(
+        "--workload-seed", type=int, default=0, help="seed of the prompts, lengths and request seeds"
+    )
     parser.add_argument(
         "--time-limit-s", type=float, default=3600, help="the server phase is stopped after this"
     )
