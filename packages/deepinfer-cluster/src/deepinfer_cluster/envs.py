@@ -177,6 +177,13 @@ _VARS = [
         "deepinfer.default_model",
     ),
     EnvVar(
+        "DEEPINFER_API_KEY",
+        TEXT,
+        None,
+        "API key `deepinfer serve` requires (Authorization: Bearer KEY) when --api-key is not given (unset: none)",
+        "deepinfer.serve",
+    ),
+    EnvVar(
         "DEEPINFER_DEBUG",
         BOOLEAN,
         False,

@@ -8,7 +8,9 @@ from importlib import resources
 from pathlib import Path
 
 # The DeepSeek-V3/V4 chat format: what the engine renders messages in when a checkpoint's
-# tokenizer_config.json has no chat_template, and what checkpoints we write carry.
+# tokenizer_config.json has no chat_template, and what checkpoints we write carry. The optional
+# template variable `thinking` picks DeepSeek's mode: true opens the reply with <think> (the model
+# reasons first), false closes it at once with </think>; left out, the reply opens bare.
 DEFAULT_CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}{% endif %}{% endfor %}"
@@ -16,7 +18,9 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
     "{% elif m['role'] == 'assistant' %}<｜Assistant｜>{{ m['content'] }}<｜end▁of▁sentence｜>{% endif %}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}"
+    "{% if add_generation_prompt %}<｜Assistant｜>"
+    "{% if thinking is defined %}{% if thinking %}<think>{% else %}</think>{% endif %}{% endif %}"
+    "{% endif %}"
 )
 
 

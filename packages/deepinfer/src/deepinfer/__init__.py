@@ -4,6 +4,9 @@ from deepinfer import LLM, SamplingParams
 llm = LLM()  # the built-in random-weight deepinfer-tiny, or LLM(model="/path/to/checkpoint")
 out = llm.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0.8, seq_seed=1))
 
+Streaming, in an event loop: `async for out in AsyncLLM(...).generate(prompt, params)` (async_llm.py);
+`deepinfer serve` puts it behind an OpenAI-compatible HTTP server (deepinfer.serve).
+
 The names below are imported from their modules on first use, so that the `deepinfer` command's help,
 version and usage errors do not pay for torch and the model package.
 """
@@ -17,11 +20,13 @@ __version__ = "0.1.0"
 
 # module -> the public names it defines
 _MODULES: dict[str, tuple[str, ...]] = {
+    "async_llm": ("AsyncLLM", "EngineDeadError", "QueueFullError"),
     "engine.llm_engine": ("LLMEngine",),
     "engine_args": ("EngineArgs",),
     "llm": ("LLM",),
     "outputs": ("CompletionOutput", "RequestMetrics", "RequestOutput"),
     "sampling_params": ("SamplingParams",),
+    "streaming": ("RequestStream",),
 }
 _WHERE = {name: module for module, names in _MODULES.items() for name in names}
 

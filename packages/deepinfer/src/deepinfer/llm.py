@@ -126,11 +126,14 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
         **kwargs,
     ) -> list[RequestOutput]:
-        """Render each conversation with the checkpoint's chat template, then `generate`."""
+        """Render each conversation with the checkpoint's chat template, then `generate`.
+        chat_template_kwargs: extra template variables ({"thinking": True | False}: DeepSeek's modes)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [render_chat(c, self.engine.tokenizer_config, add_generation_prompt) for c in conversations]
+        config = self.engine.tokenizer_config
+        prompts = [render_chat(c, config, add_generation_prompt, chat_template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, **kwargs)
 
     def close(self) -> None:

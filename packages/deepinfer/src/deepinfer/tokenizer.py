@@ -35,7 +35,19 @@ def _token_content(tok) -> str | None:
     return tok.get("content") if isinstance(tok, dict) else tok
 
 
-def render_chat(messages: list[dict], tokenizer_config: dict, add_generation_prompt: bool = True) -> str:
+def render_chat(
+    messages: list[dict],
+    tokenizer_config: dict,
+    add_generation_prompt: bool = True,
+    chat_template_kwargs: dict | None = None,
+) -> str:
+    """The conversation as the checkpoint's chat template (or DEFAULT_CHAT_TEMPLATE) renders it.
+    chat_template_kwargs: extra template variables, e.g. {"thinking": False} for DeepSeek's
+    non-thinking mode; they cannot replace the ones the engine sets."""
+    extra = dict(chat_template_kwargs or {})
+    clash = sorted(set(extra) & {"messages", "add_generation_prompt", "bos_token", "eos_token"})
+    if clash:
+        raise ValueError(f"chat_template_kwargs must not set {clash}: the engine sets them")
     for i, m in enumerate(messages):
         if (
             not isinstance(m, dict)
@@ -50,4 +62,5 @@ def render_chat(messages: list[dict], tokenizer_config: dict, add_generation_pro
         add_generation_prompt=add_generation_prompt,
         bos_token=_token_content(tokenizer_config.get("bos_token")) or "",
         eos_token=_token_content(tokenizer_config.get("eos_token")) or "",
+        **extra,
     )

@@ -1,4 +1,4 @@
-"""The `deepinfer` command: generate, bench, launch, eval.
+"""The `deepinfer` command: generate, bench, serve, run-batch, launch, eval.
 
 Only argparse and the standard library load before a command runs, so `--help`, `--version` and
 usage errors answer at once; torch and the model package are imported by the command that needs them.
@@ -23,6 +23,14 @@ def main(argv: list[str] | None = None) -> int:
         from deepinfer_cluster.launch import main as launch_main
 
         return launch_main(argv[1:])
+    if argv and argv[0] == "serve":
+        from ..serve.cli import main as serve_main
+
+        return serve_main(argv[1:])
+    if argv and argv[0] == "run-batch":
+        from ..batch import main as batch_main
+
+        return batch_main(argv[1:])
     if argv and argv[0] == "eval":
         return run_deepinfer_eval(argv[1:])
     if argv[:1] == ["bench"] and argv[1:2] and argv[1] in ("prefill", "decode", "sweep"):

@@ -144,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_debug_flag(bench)
     EngineArgs.add_cli_args(bench)
 
+    sub.add_parser("serve", help="OpenAI-compatible HTTP server (deepinfer.serve)", add_help=False)
+    sub.add_parser("run-batch", help="OpenAI batch file in, results out (deepinfer.batch)", add_help=False)
     sub.add_parser("launch", help="multi-process launch (deepinfer_cluster.launch)", add_help=False)
     sub.add_parser(
         "eval", help="AIME / HLE / GPQA evaluation (runs the deepinfer-eval command)", add_help=False
