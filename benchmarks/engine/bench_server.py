@@ -9,7 +9,7 @@ official `openai` client). Checked, and a failure exits 1: every request answere
 stream complete (one finish reason, usage, [DONE]), each text equal to the offline text of the same
 request, the server's own count of finished requests equal to the number sent. Reported: tokens/s of
 both and their ratio, the clients' TTFT and inter-token latency percentiles. A table on stdout and a flat
-JSON (--output-dir, default benchmarks/.out/, untracked). The run stops by itself: the requests are
+JSON (--output-dir, default benchmarks/out/, untracked). The run stops by itself: the requests are
 bounded and --time-limit-s bounds the whole server phase. Engine flags (--model, --max-num-seqs, ...)
 apply to both; without --model it runs the built-in deepinfer-tiny.
 """
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from deepinfer.engine_args import EngineArgs
 
-OUT_DIR = Path(__file__).resolve().parents[1] / ".out"
+OUT_DIR = Path(__file__).resolve().parents[1] / "out"
 
 
 @dataclasses.dataclass
