@@ -178,7 +178,7 @@ def main(argv: list[str]) -> int:
     engine_args = EngineArgs.from_cli_args(args)
 
     async def go() -> int:
-        async with AsyncLLM(**vars(engine_args)) as llm:
+        async with AsyncLLM(**engine_args.fields()) as llm:
             return await run_batch(
                 llm,
                 engine_args.served_model_name,

@@ -39,7 +39,7 @@ def make_app(args: argparse.Namespace):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     engine_args = EngineArgs.from_cli_args(args)
     api_key = args.api_key if args.api_key is not None else envs.DEEPINFER_API_KEY
-    llm = AsyncLLM(max_waiting_requests=args.max_waiting_requests, **vars(engine_args))
+    llm = AsyncLLM(max_waiting_requests=args.max_waiting_requests, **engine_args.fields())
     return build_app(llm, engine_args.served_model_name, api_key=api_key or None)
 
 
