@@ -58,7 +58,7 @@ def workload(args, vocab_size: int) -> list[Request]:
 def run_offline(engine_args: EngineArgs, requests: list[Request]) -> tuple[list[str], int, float]:
     from deepinfer import LLM, SamplingParams
 
-    with LLM(**vars(engine_args)) as llm:
+    with LLM(**engine_args.fields()) as llm:
         params = [
             SamplingParams(max_tokens=r.max_tokens, temperature=0.8, seq_seed=r.seed, ignore_eos=True)
             for r in requests
