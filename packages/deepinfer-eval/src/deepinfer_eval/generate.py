@@ -84,7 +84,7 @@ class EngineGenerator:
             )
             for seed in seeds
         ]
-        return [_completions(out, n) for out in self._llm.chat(conversations, params)]
+        return [_completions(out, n) for out in self._llm.chat(conversations, params, raise_on_error=False)]
 
     def close(self) -> None:
         self._llm.close()

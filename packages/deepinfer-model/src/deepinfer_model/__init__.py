@@ -40,7 +40,7 @@ from .sampling import (
     normalize_seed,
     validate_sampling_fields,
 )
-from .tokenizer_files import DEFAULT_CHAT_TEMPLATE, write_tokenizer
+from .tokenizer_files import DEFAULT_CHAT_TEMPLATE, EARLIER_DEFAULT_CHAT_TEMPLATES, write_tokenizer
 
 __version__ = "0.1.0"
 
@@ -48,6 +48,7 @@ __public_modules__ = ("testing", "training")
 
 __all__ = [
     "DEFAULT_CHAT_TEMPLATE",
+    "EARLIER_DEFAULT_CHAT_TEMPLATES",
     "CheckpointError",
     "ConfigError",
     "DeepseekV41Config",

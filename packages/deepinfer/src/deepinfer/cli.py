@@ -132,7 +132,9 @@ def cmd_generate(args) -> int:
         ids.append(t if t is not None else (llm.engine.encode(p) if isinstance(p, str) else []))
     start = time.perf_counter()
     try:
-        outputs = llm.generate(prompts, params, prompt_token_ids=ids, use_tqdm=not args.no_progress)
+        outputs = llm.generate(
+            prompts, params, prompt_token_ids=ids, use_tqdm=not args.no_progress, raise_on_error=False
+        )
     except KeyboardInterrupt:
         console.print("[red]interrupted[/]: in-flight requests aborted")
         return 130

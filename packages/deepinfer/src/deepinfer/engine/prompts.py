@@ -3,15 +3,14 @@ answers them from its ranks' model facts, without a model of its own)."""
 
 from __future__ import annotations
 
+from ..tokenizer import encode_prompt
+
 
 class PromptChecks:
     """Needs `tokenizer`, `bos_token_id`, `vocab_size` and `max_model_len` on the engine."""
 
     def encode(self, prompt: str) -> list[int]:
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
-        if self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
-            ids = [self.bos_token_id, *ids]
-        return ids
+        return encode_prompt(self.tokenizer, self.bos_token_id, prompt)
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if len(prompt_token_ids) == 0:
