@@ -17,6 +17,7 @@ import platformdirs
 from filelock import FileLock
 
 from . import envs
+from .hf_cache import cached_snapshot, looks_like_repo_id
 
 TINY_NAME = "deepinfer-tiny"
 TINY_REVISION = 1  # bump when the generated checkpoint changes, so stale caches are not reused
@@ -62,11 +63,18 @@ def ensure_tiny_model(root: Path | None = None) -> Path:
 
 
 def resolve_model(model: str | None) -> tuple[Path, bool]:
-    """(checkpoint directory, is_the_random_default). Explicit model > $DEEPINFER_HF_MODEL_DIR > tiny."""
+    """(checkpoint directory, is_the_random_default). Explicit model > $DEEPINFER_HF_MODEL_DIR > tiny.
+    A model that is no directory but reads `org/name[@revision]` is looked up in the local Hugging
+    Face cache (hf_cache.py)."""
     model = model or envs.DEEPINFER_HF_MODEL_DIR
     if model in (None, "", TINY_NAME):
         return ensure_tiny_model(), True
     path = Path(model).expanduser()
-    if not (path / "config.json").exists():
-        raise ValueError(f"model must be a checkpoint directory with config.json, got {model!r}")
-    return path, False
+    if (path / "config.json").exists():
+        return path, False
+    if not path.exists() and looks_like_repo_id(model):  # org/name: the local Hugging Face cache
+        return cached_snapshot(model), False
+    raise ValueError(
+        f"model must be a checkpoint directory with config.json or an org/name in the local Hugging "
+        f"Face cache, got {model!r}"
+    )

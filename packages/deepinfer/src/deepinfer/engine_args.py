@@ -18,7 +18,8 @@ class EngineArgs:
     model: str | None = field(
         default=None,
         metadata={
-            "help": "checkpoint directory (default: $DEEPINFER_HF_MODEL_DIR, else the built-in deepinfer-tiny)"
+            "help": "checkpoint directory, or org/name[@revision] already in the local Hugging Face cache "
+            "(default: $DEEPINFER_HF_MODEL_DIR, else the built-in deepinfer-tiny)"
         },
     )
     tokenizer: str | None = field(
