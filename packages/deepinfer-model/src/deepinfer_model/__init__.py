@@ -27,7 +27,7 @@ from .models.deepseek_v41.yoco import (
 from .parallel import ExpertParallelMoE, load_v41_ep, shard_experts
 from .quant_sm90 import refuse_with_expert_parallelism
 from .runner import StepBatch
-from .runtime import decode_graph_settings, make_runner
+from .runtime import cache_specs, decode_graph_settings, make_runner
 from .runtime.device import model_device, resolve_device, to_device
 from .sampling import (
     EMPTY_ROW_MESSAGE,
@@ -73,6 +73,7 @@ __all__ = [
     "load_model",
     "load_v41",
     "load_v41_ep",
+    "cache_specs",
     "make_runner",
     "make_v41_checkpoint",
     "write_tokenizer",
