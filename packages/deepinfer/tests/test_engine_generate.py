@@ -122,7 +122,7 @@ def test_stop_token_ids_and_logprobs(llm_sync):
     )
     c = base[0].outputs[0]
     assert len(c.logprobs) == 6 and len(c.top_logprobs) == 6
-    for tok, lp, top in zip(c.token_ids, c.logprobs, c.top_logprobs):
+    for tok, lp, top in zip(c.token_ids, c.token_logprobs, c.top_logprobs):
         assert len(top) == 2 and max(top.values()) == pytest.approx(lp, abs=1e-5)  # greedy: chosen is the top
         assert tok in top
     stop_tok = c.token_ids[2]
@@ -284,4 +284,4 @@ def test_golden_tokens_are_emitted_then_sampling_continues(llm_sync):
     forced_lp = torch.log_softmax(llm_sync.engine.model.forward(torch.tensor(PROMPTS[0]))[-1].double(), -1)[
         11
     ]
-    assert out.logprobs[0] == pytest.approx(float(forced_lp), abs=1e-5)
+    assert out.token_logprobs[0] == pytest.approx(float(forced_lp), abs=1e-5)

@@ -8,7 +8,7 @@ out = llm.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0.8, seq
 from .engine.llm_engine import LLMEngine
 from .engine_args import EngineArgs
 from .llm import LLM
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 
 __version__ = "0.1.0"
@@ -18,6 +18,7 @@ __all__ = [
     "CompletionOutput",
     "EngineArgs",
     "LLMEngine",
+    "Logprob",
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",

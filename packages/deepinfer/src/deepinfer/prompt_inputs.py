@@ -78,13 +78,17 @@ def parse_prompts(prompts, prompt_token_ids=None) -> list[ParsedPrompt]:
         raise ValueError("either prompts or prompt_token_ids must be given")
     parsed: list[ParsedPrompt] | None = None
     if prompts is not None:
-        if isinstance(prompts, str | dict) or (
-            isinstance(prompts, list | tuple) and _is_token_list(prompts) and prompts
-        ):
+        if isinstance(prompts, str | dict) or (_is_token_list(prompts) and prompts):
             prompts = [prompts]
         if not isinstance(prompts, Sequence) or isinstance(prompts, str):
             raise ValueError(f"prompts must be a prompt or a list of prompts, got {_describe(prompts)}")
-        parsed = [parse_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
+        # beside prompt_token_ids, a None prompt only labels nothing (the ids are the prompt)
+        parsed = [
+            ParsedPrompt(None, None)
+            if p is None and prompt_token_ids is not None
+            else parse_prompt(p, f"prompts[{i}]")
+            for i, p in enumerate(prompts)
+        ]
     if prompt_token_ids is None:
         return parsed
     if _is_token_list(prompt_token_ids) and len(prompt_token_ids):

@@ -63,7 +63,14 @@ class OutputProcessor:
                 continue
             if seq_id in preempted and seq.num_generated >= self._committed(seq_id):
                 continue  # the scheduler dropped this token; recompute will produce it again
-            seq.append(token, self.eos_token_id, self.max_model_len, result.logprobs[i], result.top[i])
+            seq.append(
+                token,
+                self.eos_token_id,
+                self.max_model_len,
+                result.logprobs[i],
+                result.top[i],
+                result.ranks[i],
+            )
             self.stats.generated_tokens += 1
             self._settle(seq, finished)
         self._count_step(result)
@@ -93,7 +100,7 @@ class OutputProcessor:
                     self.table.fail(seq.request.request_id, f"structured output: {e}")
                     continue
             idx = where[i]
-            lps, tops = outcome.logprobs[idx], outcome.top[idx]
+            lps, tops, ranks = outcome.logprobs[idx], outcome.top[idx], outcome.ranks[idx]
             for j, token in enumerate(tokens):
                 seq.append(
                     token,
@@ -101,6 +108,7 @@ class OutputProcessor:
                     self.max_model_len,
                     None if lps is None else lps[j],
                     None if tops is None else tops[j],
+                    None if ranks is None else ranks[j],
                 )
                 self.stats.generated_tokens += 1
                 if seq.finished:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from tokenizers import Tokenizer
 
 from ..detokenizer import IncrementalDetokenizer, find_stop
-from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
+from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
 
 
@@ -51,8 +51,11 @@ class SeqState:
         max_model_len: int,
         logprob: float | None = None,
         top: dict[int, float] | None = None,
+        rank: int | None = None,
     ) -> None:
-        """Record one generated token and decide whether the sequence ends with it."""
+        """Record one generated token and decide whether the sequence ends with it. logprob / rank:
+        the token's raw log-probability and 1 + the number of tokens more likely; top: the requested
+        alternatives, most likely first."""
         if self.finished:
             return
         p = self.request.params
@@ -64,8 +67,8 @@ class SeqState:
         out.token_ids.append(token_id)
         self.request.metrics.num_output_tokens += 1
         if out.logprobs is not None:
-            out.logprobs.append(logprob)
-            out.top_logprobs.append(top or {})
+            out.logprobs.append(self._logprob_entry(token_id, logprob, rank, top or {}))
+            out.cumulative_logprob += logprob
 
         if token_id == eos_token_id and not p.ignore_eos:
             self._emit_text(token_id, skip=True)
@@ -82,6 +85,19 @@ class SeqState:
             self.finish("length")
         elif len(self.token_ids) >= max_model_len:
             self.finish("length")
+
+    def _logprob_entry(self, token_id: int, logprob: float, rank: int, top: dict[int, float]) -> dict:
+        """vLLM's per-position dict: the chosen token first, then the alternatives ranked by place;
+        a chosen token outside them ranks after them."""
+        decode = self.detok.decode_one
+        k = self.output.num_logprobs or 0
+        places = {t: place for place, t in enumerate(top, start=1)}
+        rank = places.get(token_id, max(rank, k + 1) if k else rank)
+        entry = {token_id: Logprob(logprob, rank, decode(token_id))}
+        for t, value in top.items():
+            if t != token_id:
+                entry[t] = Logprob(value, places[t], decode(t))
+        return entry
 
     def _emit_text(self, token_id: int, skip: bool = False) -> None:
         p = self.request.params
@@ -127,7 +143,7 @@ class RequestState:
         for index, (seq_id, seed) in enumerate(zip(seq_ids, seeds)):
             out = CompletionOutput(index=index)
             if params.logprobs is not None:
-                out.logprobs, out.top_logprobs = [], []
+                out.logprobs, out.cumulative_logprob, out.num_logprobs = [], 0.0, params.logprobs
             self.seqs.append(
                 SeqState(
                     seq_id=seq_id,

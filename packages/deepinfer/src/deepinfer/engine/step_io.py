@@ -50,6 +50,7 @@ class StepResult:
     tokens: np.ndarray
     logprobs: list[float | None]
     top: list[dict[int, float] | None]
+    ranks: list[int | None] = field(default_factory=list)  # 1 + tokens more likely than the emitted one
     errors: dict[int, str] = field(default_factory=dict)  # batch index -> message (request failed alone)
     forward_s: float = 0.0
     sample_s: float = 0.0

@@ -106,7 +106,9 @@ class ModelWorker:
                 self._fill_unknown_inputs(batch, prev_rows)
         self._last_tokens = None  # never let a later step read tokens of a step before this one
         n = len(rows)
-        result = StepResult(tokens=np.full(n, -1, dtype=np.int64), logprobs=[None] * n, top=[None] * n)
+        result = StepResult(
+            tokens=np.full(n, -1, dtype=np.int64), logprobs=[None] * n, top=[None] * n, ranks=[None] * n
+        )
         pending = PendingStep(rows=rows, golden=golden, result=result, index=self._launched)
         pending.t0 = time.perf_counter()
         self._timing_begin()
@@ -163,7 +165,10 @@ class ModelWorker:
                 result.tokens[i] = token
                 if rows[i].logprobs is not None:
                     lp = torch.log_softmax(pending.picked[k].float(), dim=-1)
-                    result.logprobs[i] = float(lp[token])
+                    chosen = lp[token]
+                    # one copy for both: the count is exact in float32 (vocabularies < 2**24)
+                    value, above = torch.stack((chosen, (lp > chosen).sum().to(lp.dtype))).tolist()
+                    result.logprobs[i], result.ranks[i] = value, int(above) + 1
                     if rows[i].logprobs > 0:
                         top = out.top_token_ids[k, : rows[i].logprobs].tolist()
                         vals = out.top_logprobs[k, : rows[i].logprobs].tolist()
