@@ -31,6 +31,7 @@ from .runtime import cache_specs, decode_graph_settings, make_runner
 from .runtime.device import model_device, resolve_device, to_device
 from .sampling import (
     EMPTY_ROW_MESSAGE,
+    MAX_LOGPROBS,
     RowParams,
     Sampler,
     SamplerOutput,
@@ -49,6 +50,7 @@ __public_modules__ = ("testing", "training")
 __all__ = [
     "DEFAULT_CHAT_TEMPLATE",
     "EARLIER_DEFAULT_CHAT_TEMPLATES",
+    "MAX_LOGPROBS",
     "CheckpointError",
     "ConfigError",
     "DeepseekV41Config",

@@ -56,6 +56,7 @@ class OutputProcessor:
     def emit(
         self, out, result: StepResult, finished: dict[int, str], preempted: set[int] = frozenset()
     ) -> None:
+        self._record_prompt_rows(scheduling.seq_ids(out).tolist(), result)
         for i, seq_id in enumerate(scheduling.seq_ids(out).tolist()):
             token = int(result.tokens[i])
             seq = self.table.seqs.get(seq_id)
@@ -85,6 +86,7 @@ class OutputProcessor:
     def emit_verified(
         self, ids: list[int], emitted: list[list[int]], result: VerifyStepResult, finished: dict[int, str]
     ) -> None:
+        self._record_prompt_rows(ids, result)
         outcome: VerifyOutcome | None = result.outcome
         where = {i: idx for idx, i in enumerate(result.verified)}
         structured = self.table.structured
@@ -125,6 +127,12 @@ class OutputProcessor:
         return tokens
 
     # ---------------------------------------------------------------- shared
+    def _record_prompt_rows(self, ids: list[int], result: StepResult | VerifyStepResult) -> None:
+        for i, rows in result.prompt_rows.items():
+            seq = self.table.seqs.get(ids[i])
+            if seq is not None and i not in result.errors:
+                seq.request.add_prompt_rows(rows, seq.detok.decode_one)
+
     def fail_errors(self, ids: list[int], errors: dict[int, str]) -> None:
         """The requests of the sequences (batch indices) whose forward or sampling failed fail alone."""
         for i, message in errors.items():

@@ -16,6 +16,20 @@ from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
 
 
+def logprob_entry(
+    token_id: int, logprob: float, rank: int, top: dict[int, float], k: int, decode
+) -> dict[int, Logprob]:
+    """vLLM's per-position dict: the scored token first, then the k alternatives ranked by place; a
+    scored token outside them ranks after them (ties go to the listed ones)."""
+    places = {t: place for place, t in enumerate(top, start=1)}
+    rank = places.get(token_id, max(rank, k + 1) if k else rank)
+    entry = {token_id: Logprob(logprob, rank, decode(token_id))}
+    for t, value in top.items():
+        if t != token_id:
+            entry[t] = Logprob(value, places[t], decode(t))
+    return entry
+
+
 @dataclass
 class SeqState:
     seq_id: int
@@ -87,17 +101,9 @@ class SeqState:
             self.finish("length")
 
     def _logprob_entry(self, token_id: int, logprob: float, rank: int, top: dict[int, float]) -> dict:
-        """vLLM's per-position dict: the chosen token first, then the alternatives ranked by place;
-        a chosen token outside them ranks after them."""
-        decode = self.detok.decode_one
-        k = self.output.num_logprobs or 0
-        places = {t: place for place, t in enumerate(top, start=1)}
-        rank = places.get(token_id, max(rank, k + 1) if k else rank)
-        entry = {token_id: Logprob(logprob, rank, decode(token_id))}
-        for t, value in top.items():
-            if t != token_id:
-                entry[t] = Logprob(value, places[t], decode(t))
-        return entry
+        return logprob_entry(
+            token_id, logprob, rank, top, self.output.num_logprobs or 0, self.detok.decode_one
+        )
 
     def _emit_text(self, token_id: int, skip: bool = False) -> None:
         p = self.request.params
@@ -139,6 +145,12 @@ class RequestState:
         )
         self.num_unfinished = len(seq_ids)
         self.error: str | None = None
+        # position p (>= 1): the prompt token's logprob given tokens 0..p-1; filled by the prefill
+        self.prompt_logprobs: list | None = None
+        self._prompt_positions_missing = 0
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(prompt_token_ids)
+            self._prompt_positions_missing = len(prompt_token_ids) - 1
         self.seqs: list[SeqState] = []
         for index, (seq_id, seed) in enumerate(zip(seq_ids, seeds)):
             out = CompletionOutput(index=index)
@@ -155,6 +167,22 @@ class RequestState:
                     token_ids=list(prompt_token_ids),
                 )
             )
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self._prompt_positions_missing > 0
+
+    def add_prompt_rows(self, rows, decode) -> None:
+        """Scored prompt rows of a prefill chunk (`prompt_logprobs.PromptRows`); a position scored
+        twice (n sequences, a recompute) keeps its first entry, which is the same."""
+        k = self.params.prompt_logprobs or 0
+        for j, token in enumerate(rows.token_ids):
+            position = rows.first_position + j
+            if self.prompt_logprobs[position] is None:
+                self.prompt_logprobs[position] = logprob_entry(
+                    token, rows.logprobs[j], rows.ranks[j], rows.top[j], k, decode
+                )
+                self._prompt_positions_missing -= 1
 
     def on_seq_finished(self) -> None:
         self.num_unfinished -= 1
@@ -173,4 +201,5 @@ class RequestState:
             outputs=[s.output for s in self.seqs],
             metrics=self.metrics,
             error=self.error,
+            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
         )
