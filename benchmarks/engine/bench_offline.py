@@ -3,7 +3,7 @@ synchronous loop vs asynchronous (zero-overhead) loop on the same workload.
 
     uv run --no-sync python benchmarks/engine/bench_offline.py --num-requests 16
 
-Prints a table and writes benchmarks/results/bench_offline.json (one record per loop; the async
+Prints a table and writes benchmarks/out/bench_offline.json (one record per loop; the async
 record's speedup_vs_sync is the async gain measured in the same run). Engine flags (--model,
 --max-num-seqs, ...) are accepted too; without --model it runs the built-in deepinfer-tiny.
 
@@ -26,7 +26,7 @@ from pathlib import Path
 from deepinfer.bench import add_bench_args, run_bench
 from deepinfer.engine_args import EngineArgs
 
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "bench_offline.json"
+RESULTS = Path(__file__).resolve().parents[1] / "out" / "bench_offline.json"
 
 
 def main(argv: list[str] | None = None) -> int:

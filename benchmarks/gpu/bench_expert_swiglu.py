@@ -9,7 +9,7 @@ least one pair) plus activations, over the time, and `fraction_of_copy_bw` again
 is checked against the CPU reference (relative error, FP64), so a fast wrong configuration shows in the table.
 
     python benchmarks/gpu/bench_expert_swiglu.py [--batches 1 8 32 64 128] [--configs 32,64,4 16,32,4 ...]
-writes benchmarks/results/bench_expert_swiglu.json (one flat record per implementation and pair count).
+writes benchmarks/out/bench_expert_swiglu.json (one flat record per implementation and pair count).
 """
 
 from __future__ import annotations

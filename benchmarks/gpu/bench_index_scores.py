@@ -13,7 +13,7 @@ previous kernel's call) at the same n. Every output is checked against the torch
 FP64 norms), so a fast wrong configuration shows in the table.
 
     python benchmarks/gpu/bench_index_scores.py [--entries 8192 16384] [--configs legacy k128_n128 ...]
-writes benchmarks/results/bench_index_scores.json (one flat record per configuration, shape, bounds, output).
+writes benchmarks/out/bench_index_scores.json (one flat record per configuration, shape, bounds, output).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "out"
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "packages" / "deepinfer-model" / "src"))
 
 

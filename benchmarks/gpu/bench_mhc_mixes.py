@@ -9,7 +9,7 @@ CPU reference (relative error, FP64), so a fast wrong kernel shows up in the tab
 
     python benchmarks/gpu/bench_mhc_mixes.py [--tokens 1 8 64 4096 16384] [--hidden 4096]
         [--project-tokens 16384] [--project-configs 64x64x4 64x128x4 ...]
-writes benchmarks/results/bench_mhc_mixes.json (one flat record per implementation and token count).
+writes benchmarks/out/bench_mhc_mixes.json (one flat record per implementation and token count).
 
 The prefill projection alone (`triton_mhc.project`: the 16-bit trunk times fn, FP32 result, and the row sums
 of squares) is swept over its launch (tokens per program, columns per chunk, warps) at `--project-tokens`, against cuBLAS's FP32

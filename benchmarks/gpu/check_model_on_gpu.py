@@ -101,7 +101,7 @@ def main() -> None:
     )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--threads", type=int, default=16, help="CPU threads for the reference")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out")
     args = ap.parse_args()
     from deepinfer_model.models.deepseek_v41 import load_v41, make_v41_checkpoint
 

@@ -58,7 +58,7 @@ def greedy(model, prompt: torch.Tensor, steps: int) -> list[int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out")
     ap.add_argument("--tokens", type=int, default=48, help="teacher-forced sequence length")
     ap.add_argument("--steps", type=int, default=8, help="greedy steps")
     ap.add_argument("--backend", default="nvidia", help="op table the hot ops go to (cpu: self-check)")

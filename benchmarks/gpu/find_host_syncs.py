@@ -8,7 +8,7 @@ new prompt, so no prefix is cached), then a third under `torch.cuda.set_sync_deb
 frames above it and how many times per request it ran.
 
     python benchmarks/gpu/find_host_syncs.py --model /tmp/medium-v41 [--tokens 16384] [--max-tokens 1]
-writes benchmarks/results/find_host_syncs.json (one record per call site).
+writes benchmarks/out/find_host_syncs.json (one record per call site).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "out"
 OURS = ("deepinfer_model", "deepinfer_sched", "deepinfer_spec", "deepinfer_structured", "deepinfer/")
 
 

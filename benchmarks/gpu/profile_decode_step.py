@@ -12,7 +12,7 @@ replay with the default mode's uncompiled one of the same batch; `--compile indu
 compiled by torch.compile (`runtime/compiled.py`; `first_step_s` then includes the compilation).
 
     python benchmarks/gpu/profile_decode_step.py [--model PATH] [--numerics exact] [--batches 1 8]
-writes benchmarks/results/profile_decode_step.json (flat records) and profile_decode_step.txt.
+writes benchmarks/out/profile_decode_step.json (flat records) and profile_decode_step.txt.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 from deepinfer_cluster import envs
 from deepinfer_model.runtime.compiled import BACKENDS
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "out"
 MODES = {"default": "0", "batch_invariant": "1"}
 
 

@@ -7,7 +7,7 @@ and the ops with the most calls and the most host time (in `<out>.txt`); `step_c
 batch-invariant step with the default one of the same batch.
 
     python benchmarks/gpu/profile_prefill_step.py [--model PATH] [--batches 1 8] [--context 64]
-writes benchmarks/results/profile_prefill_step.json (flat records) and profile_prefill_step.txt.
+writes benchmarks/out/profile_prefill_step.json (flat records) and profile_prefill_step.txt.
 """
 
 from __future__ import annotations

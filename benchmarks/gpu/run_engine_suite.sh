@@ -32,9 +32,9 @@
 # syncs (find_host_syncs.py: every host sync of one medium native request, by call site; SYNC_TOKENS,
 # SYNC_MAX_TOKENS),
 # Modifiers: nodecode / noprefill (bench: only the other half).
-# Results: $OUT (device tool) or benchmarks/results; logs in engine_logs.tar.gz.
+# Results: $OUT (device tool) or benchmarks/out; logs in engine_logs.tar.gz.
 set -uo pipefail
-final=${OUT:-benchmarks/results}
+final=${OUT:-benchmarks/out}
 out=/tmp/gpu-engine-out
 mkdir -p "$out" "$final"
 collect() {

@@ -790,7 +790,7 @@ def write_report(out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="output folder")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out", help="output folder")
     ap.add_argument("--budget-s", type=float, default=310, help="wall-clock budget of the whole suite")
     ap.add_argument("--deep-gemm-build-pid", type=int, default=0, help="pid of the background DeepGEMM build")
     ap.add_argument("--skip-tests", action="store_true", help="do not run pytest")

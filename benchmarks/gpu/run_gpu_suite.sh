@@ -3,9 +3,9 @@
 # (built here by ../shared/gpu/make-bundle.sh; carried with `carry: [".gpu"]`):
 #     bash benchmarks/gpu/run_gpu_suite.sh [run_gpu_suite.py options]
 # Unpacks the bundle, builds DeepGEMM in the background, then run_gpu_suite.py checks and times everything.
-# Results go to $OUT (the device tool's folder) or benchmarks/results.
+# Results go to $OUT (the device tool's folder) or benchmarks/out.
 set -uo pipefail
-final=${OUT:-benchmarks/results}
+final=${OUT:-benchmarks/out}
 # The device tool returns only a few files from $OUT: the suite writes into a work folder, and on exit
 # the JSON / PNG results are copied to $OUT and every log goes into one logs.tar.gz.
 out=/tmp/gpu-suite-out

@@ -19,9 +19,9 @@
 # make_long_tiny_checkpoint.py; each --refresh-ppl-baseline, then checked by a second run = a restarted engine
 # reproduces it; PPL_LIMIT_S (420) per pytest run; PPL_PASSES=refresh / check splits the passes over two calls;
 # tests/models/offline_decode_ppl.json -> $OUT).
-# ENGINE_K: a pytest -k filter for the engine step (e.g. deepep). Results: $OUT (device tool) or benchmarks/results; logs in multi_gpu_logs.tar.gz.
+# ENGINE_K: a pytest -k filter for the engine step (e.g. deepep). Results: $OUT (device tool) or benchmarks/out; logs in multi_gpu_logs.tar.gz.
 set -uo pipefail
-final=${OUT:-benchmarks/results}
+final=${OUT:-benchmarks/out}
 out=/tmp/multi-gpu-out
 mkdir -p "$out" "$final"
 collect() {

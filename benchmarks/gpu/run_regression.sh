@@ -13,11 +13,11 @@
 # (16384), REGRESS_STEPS (measured decode steps, 12), REGRESS_ROUNDS (decode runs per tree, interleaved, 2),
 # REGRESS_LIMIT_S (per bench run, 150); REGRESS_TESTS: pytest paths of this tree's gpu tests to run while the
 # checkpoint is made (before any timing; `-m "gpu and not slow"`, limit REGRESS_TESTS_LIMIT_S, default 150).
-# Results: $OUT (device tool) or benchmarks/results: regression_{decode,prefill}_{baseline,current}.json and
+# Results: $OUT (device tool) or benchmarks/out: regression_{decode,prefill}_{baseline,current}.json and
 # regression.json (one record per configuration with both times and their ratio).
 set -uo pipefail
 baseline=$(cd "${1:-.baseline}" && pwd) || { echo "no baseline tree at ${1:-.baseline}" >&2; exit 2; }
-final=${OUT:-benchmarks/results}
+final=${OUT:-benchmarks/out}
 out=/tmp/gpu-regression-out
 mkdir -p "$out" "$final"
 trap 'cp "$out"/*.json "$final"/ 2>/dev/null; tar -C "$out" -czf "$final/regression_logs.tar.gz" --exclude="*.json" .' EXIT

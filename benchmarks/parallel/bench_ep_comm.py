@@ -13,7 +13,7 @@ Routing is uniform random top-k over ``experts`` (no redundancy), distinct exper
 
     python benchmarks/parallel/bench_ep_comm.py --world 2            # GPU machine, after setup_ep.sh
     python benchmarks/parallel/bench_ep_comm.py --device cpu --world 2 --tokens 64 --hidden 256
-Writes benchmarks/results/bench_ep_comm.json (one record per configuration and backend).
+Writes benchmarks/out/bench_ep_comm.json (one record per configuration and backend).
 """
 
 from __future__ import annotations
@@ -142,9 +142,7 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--no-deepep", action="store_true", help="torch backend only")
-    ap.add_argument(
-        "--out", default=str(Path(__file__).resolve().parents[1] / "results" / "bench_ep_comm.json")
-    )
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "out" / "bench_ep_comm.json"))
     args = ap.parse_args()
     world = args.world or (torch.cuda.device_count() if args.device == "cuda" else 2)
     if world < 2:

@@ -112,7 +112,7 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=2, help="planner timing: best of N")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "bench_eplb.json"))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "out" / "bench_eplb.json"))
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -21,7 +21,7 @@ and run, in order:
  c. CP prefill - tokens/s per GPU of CP=N vs the single device at `--cp-lens` prompt lengths.
 
 Timing: perf_counter after synchronising the device, warm-up steps excluded; a decode step ends when
-its slowest rank ends. Writes benchmarks/results/bench_multi_gpu.json (bench_multi_gpu_cpu.json for
+its slowest rank ends. Writes benchmarks/out/bench_multi_gpu.json (bench_multi_gpu_cpu.json for
 `--device cpu`), a list of flat records (`section`: equality / decode / cp_prefill).
 
     uv run --no-sync python benchmarks/parallel/bench_multi_gpu.py --model /tmp/medium --device cuda
@@ -111,7 +111,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="skip the DeepEP variants (run by default when deep_ep imports)",
     )
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds for the parallel runs")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="results directory")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out", help="results directory")
     args = ap.parse_args(argv)
     d = GPU_DEFAULTS if args.device == "cuda" else CPU_DEFAULTS
     for key, value in d.items():

@@ -15,7 +15,7 @@ modes gave the same greedy tokens. `--clock cpu` times the process's CPU time in
 (on a shared, loaded host the wall-clock pairs scatter widely). `--cuda-graphs` (CUDA): decode steps
 replay CUDA graphs in both modes (one runner per batch size and mode, captured in the warm-up), prefill
 stays eager.
-Prints a table and writes benchmarks/results/bench_batch_invariant.json.
+Prints a table and writes benchmarks/out/bench_batch_invariant.json.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "bench_batch_invariant.json"
+RESULTS = Path(__file__).resolve().parents[1] / "out" / "bench_batch_invariant.json"
 
 
 def _runner(model, batch: int, prompt_len: int, decode_steps: int, block_size: int, graphs: bool):

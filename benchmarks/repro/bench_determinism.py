@@ -7,7 +7,7 @@ with the paged runner, in the async loop. Each round submits a random number of 
 `--max-copies`) shuffled together with random filler requests (other prompts, lengths, seeds), until
 `--num-requests` copies have run. As a control, the same number of copies with distinct seq_seeds at
 `--temperature` must give more than one completion. Prints a table and writes
-benchmarks/results/bench_determinism.json.
+benchmarks/out/bench_determinism.json.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "bench_determinism.json"
+RESULTS = Path(__file__).resolve().parents[1] / "out" / "bench_determinism.json"
 
 
 def _llm(args):

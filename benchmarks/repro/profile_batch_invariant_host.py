@@ -11,7 +11,7 @@ of the mode against a torch op of the same shape (the host time the step pays pe
 head's product at batch 8 on the device (the row kernel against cuBLAS).
 
     python benchmarks/repro/profile_batch_invariant_host.py [--device cuda] [--batch-sizes 1 8] [--top 25]
-Prints a table per (phase, batch) and writes benchmarks/results/profile_batch_invariant_host[_cuda].json.
+Prints a table per (phase, batch) and writes benchmarks/out/profile_batch_invariant_host[_cuda].json.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "profile_batch_invariant_host.json"
+RESULTS = Path(__file__).resolve().parents[1] / "out" / "profile_batch_invariant_host.json"
 PHASES = ("prefill", "decode")
 
 

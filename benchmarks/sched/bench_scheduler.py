@@ -7,7 +7,7 @@ happens). Measured at several running-batch sizes against an in-run pure-Python 
     uv run --no-sync python benchmarks/sched/bench_scheduler.py            # 64, 256, 1024
     uv run --no-sync python benchmarks/sched/bench_scheduler.py --quick    # smaller workload
 
-Writes benchmarks/results/bench_scheduler.json: one record per running-batch size.
+Writes benchmarks/out/bench_scheduler.json: one record per running-batch size.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "bench_scheduler.json"
+RESULTS = Path(__file__).resolve().parents[1] / "out" / "bench_scheduler.json"
 
 
 def make_workload(args, rng: np.random.Generator) -> list[tuple[list[int], int]]:

@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "bench_spec.json"
+RESULTS = Path(__file__).resolve().parents[1] / "out" / "bench_spec.json"
 DRAFTERS = {"oracle": 1.0, "mixture": 0.7, "random": 0.0}
 
 

@@ -38,7 +38,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "bench_spec_engine.json"
+RESULTS = Path(__file__).resolve().parents[1] / "out" / "bench_spec_engine.json"
 
 
 def run_config(path: Path, name: str, args) -> dict:

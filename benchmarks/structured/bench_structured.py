@@ -9,7 +9,7 @@ What it measures (the engine does not exist yet, so this is NOT end-to-end throu
 The ratio to a real decode step (forward of DeepSeek-V4 at batch 64 + sampling) comes once the
 engine exists (benchmarks/engine); the goal there is < 5 % throughput cost at batch 64.
 
-Writes benchmarks/results/bench_structured.json (one flat record per configuration).
+Writes benchmarks/out/bench_structured.json (one flat record per configuration).
 """
 
 from __future__ import annotations
@@ -234,7 +234,7 @@ def main() -> None:
     )
     parser.add_argument("--device", default="cpu", help="where logits live: cpu (default) or cuda")
     parser.add_argument(
-        "--out", type=Path, default=Path(__file__).resolve().parents[1] / "results" / "bench_structured.json"
+        "--out", type=Path, default=Path(__file__).resolve().parents[1] / "out" / "bench_structured.json"
     )
     args = parser.parse_args()
     if args.vocab < 129280:

@@ -39,7 +39,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "bench_structured_engine.json"
+RESULTS = Path(__file__).resolve().parents[1] / "out" / "bench_structured_engine.json"
 SCHEMA = {
     "type": "object",
     "properties": {

@@ -10,7 +10,7 @@ usage: benchmarks/sweep/run_sweep.sh [--contexts LIST] [--nextn-values LIST] [--
 
   --contexts LIST      cached context before each prefill chunk, comma list (default: 0)
   --nextn-values LIST  draft tokens per decode step, comma list (default: 0)
-  --results-dir DIR    where JSON / PNGs go (default: benchmarks/results)
+  --results-dir DIR    where JSON / PNGs go (default: benchmarks/out, untracked)
   BENCH ARGS           passed to every `deepinfer bench prefill|decode` call, e.g.
                        --chunks 4096,8192,16384,32768,65536 --batches 8,16,32,64,128,256 (GPU defaults)
                        --chunks 16,32,64,128 --batches 1,2,4,8 --num-threads 1 (CPU defaults)
@@ -21,7 +21,7 @@ USAGE
 
 contexts="0"
 nextns="0"
-results="benchmarks/results"
+results="benchmarks/out"
 while [[ $# -gt 0 ]]; do
     case "$1" in
         -h|--help) usage; exit 0 ;;

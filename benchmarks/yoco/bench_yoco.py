@@ -4,7 +4,7 @@ Writes a random quantised §11 checkpoint (max_position_embeddings raised to the
 for each prompt length times one whole-prompt prefill (`model.forward(ids, logit_rows=[-1])`, the sampled
 row only) with truncation `off`, `mask` and `compact` (KEEP = --keep, default W + B = 14), and
 estimates its FP8-equivalent FLOPs with `deepinfer_model.models.deepseek_v41.yoco.prefill_flops`.
-Prints a table and writes benchmarks/results/bench_yoco.json (one flat record per prompt length and
+Prints a table and writes benchmarks/out/bench_yoco.json (one flat record per prompt length and
 mode; ratios are against `off` at the same length, measured in the same run).
 """
 
@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "bench_yoco.json"
+RESULTS = Path(__file__).resolve().parents[1] / "out" / "bench_yoco.json"
 MODES = ("off", "mask", "compact")
 
 

@@ -5,7 +5,7 @@ for each prompt length and mode runs one engine (paged runner, chunked prefill w
 --max-num-batched-tokens per step) over --num-requests prompts with `max_tokens` = --gen-tokens, and
 reports prefill tokens/s (prompt tokens / time of the steps up to the last first token), total wall
 time and the engine's `EngineStats.prefill_flops` estimate. Ratios are against `off` at the same length
-in the same run. Writes benchmarks/results/bench_yoco_engine.json (one flat record per configuration).
+in the same run. Writes benchmarks/out/bench_yoco_engine.json (one flat record per configuration).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "bench_yoco_engine.json"
+RESULTS = Path(__file__).resolve().parents[1] / "out" / "bench_yoco_engine.json"
 MODES = ("off", "mask", "compact")
 
 

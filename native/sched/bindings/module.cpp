@@ -101,7 +101,8 @@ PYBIND11_MODULE(_core, m) {
   py::class_<SchedulerConfig>(m, "_NativeConfig")
       .def(py::init([](int32_t block_size, int32_t num_blocks, int32_t max_num_seqs, int32_t max_num_batched_tokens,
                        int32_t max_model_len, bool enable_prefix_caching, bool enable_chunked_prefill,
-                       EngineType engine_type, int32_t num_speculative_tokens, int32_t prefix_hash_bits) {
+                       EngineType engine_type, int32_t num_speculative_tokens, int32_t prefix_hash_bits,
+                       bool finish_preempted) {
              SchedulerConfig c;
              c.block_size = block_size;
              c.num_blocks = num_blocks;
@@ -113,13 +114,14 @@ PYBIND11_MODULE(_core, m) {
              c.engine_type = engine_type;
              c.num_speculative_tokens = num_speculative_tokens;
              c.prefix_hash_bits = prefix_hash_bits;
+             c.finish_preempted = finish_preempted;
              c.validate();
              return c;
            }),
            py::arg("block_size"), py::arg("num_blocks"), py::arg("max_num_seqs"), py::arg("max_num_batched_tokens"),
            py::arg("max_model_len"), py::arg("enable_prefix_caching"), py::arg("enable_chunked_prefill"),
            py::arg("engine_type"), py::arg("num_speculative_tokens"),
-           py::arg("prefix_hash_bits") = 64);
+           py::arg("prefix_hash_bits") = 64, py::arg("finish_preempted") = false);
 
   py::class_<StepOutput, std::shared_ptr<StepOutput>>(m, "SchedulerOutput", R"doc(
 One step's schedule. Array properties are read-only numpy views of this object's storage:

@@ -250,8 +250,9 @@ void Scheduler::preempt(Sequence* s, StepOutput& out) {
   ++st_.num_preemptions;
   ++s->num_preemptions;
   out.preempted_seq_ids.push_back(s->seq_id);
-  if (cfg_.engine_type == EngineType::kCompletion) {
-    // Recompute would need a prefill, which a decode-only engine cannot run.
+  if (cfg_.finish_preempted || cfg_.engine_type == EngineType::kCompletion) {
+    // Asked to, or it cannot recompute: recompute would need a prefill, which a decode-only engine
+    // cannot run. Its results of a step still in flight are dropped (it has finished).
     finish(s, FinishReason::kPreempted, &finished_in_schedule_);
     return;
   }

@@ -93,3 +93,24 @@ def test_convert_score_report_cli_without_torch(tmp_path):
     report = json.loads((tmp_path / "r.json").read_text())["benchmarks"]
     assert report["aime"]["pass_at_1"] == 0.5  # k = 2: I-1 1/2, I-2 1/2 (sample 1 missing)
     assert abs(report["hle"]["calibration_error"] - 0.2) < 1e-12
+
+
+def test_generate_without_the_engine_is_one_line_and_exit_2(tmp_path):
+    """The generate stage where the engine (an optional extra) is not installed: one line that says what
+    to install, exit status 2, no traceback."""
+    (tmp_path / "aime.csv").write_text("id,problem,answer\nI-1,Compute 40 + 2.,042\n")
+    code = textwrap.dedent("""
+        from deepinfer_eval.cli import main
+        assert main(["convert", "--benchmark", "aime", "--input", "aime.csv", "--output", "tasks.jsonl"]) == 0
+        argv = ["generate", "--benchmark", "aime", "--tasks", "tasks.jsonl", "--samples", "1"]
+        print("status", main(argv + ["--output", "gen.jsonl"]))
+    """)
+    proc = _run(code, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "status 2" in proc.stdout
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert errors == [
+        "deepinfer-eval generate: error: the generate stage needs the engine: "
+        "pip install 'deepinfer-eval[generate]'"
+    ]
+    assert "Traceback" not in proc.stderr

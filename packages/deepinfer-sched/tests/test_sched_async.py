@@ -132,3 +132,36 @@ def test_empty_steps_need_no_update():
     assert sched.num_inflight_steps == 1
     assert sched.update_from_output(out, model.run(sched, out)) == [(sid, "length")]
     assert sched.num_inflight_steps == 0
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_finish_preempted_ends_the_victims_with_what_they_have(asynchronous):
+    """finish_preempted: a victim finishes at once (reason "preempted") with a prefix of its stream,
+    its blocks freed and its results of a step still in flight dropped; the others are untouched."""
+    for finish in (False, True):
+        sched, model = make(num_blocks=14, finish_preempted=finish)
+        specs = [RequestSpec(i, [(i * 5 + j) % V for j in range(3 + 2 * i)], 8 + i) for i in range(10)]
+        for spec in specs:
+            sched.add_request(spec.prompt, seq_id=spec.seq_id, max_tokens=spec.max_tokens)
+        victims: list[int] = []
+        drv = Driver(
+            sched,
+            model,
+            asynchronous=asynchronous,
+            on_schedule=lambda out, _, v=victims: v.extend(out.preempted_seq_ids.tolist()),
+            on_update=lambda out, s=sched: s.check_invariants(),
+        )
+        drv.drain(400)
+        assert victims and sched.stats()["num_preemptions"] == len(victims)
+        assert sorted(drv.finished) == [s.seq_id for s in specs]  # every finish is reported once
+        for spec in specs:
+            full, reason = expected_stream(spec, 48, V)
+            got = sched.output_token_ids(spec.seq_id).tolist()
+            if finish and spec.seq_id in victims:
+                assert drv.finished[spec.seq_id] == "preempted"
+                assert sched.finish_reason(spec.seq_id) == "preempted"
+                assert len(got) < len(full) and got == full[: len(got)]
+                assert sched.num_preemptions(spec.seq_id) == 1  # preempted once: it never ran again
+            else:
+                assert (got, drv.finished[spec.seq_id]) == (full, reason)
+        assert sched.stats()["num_free_blocks"] == 14

@@ -90,3 +90,66 @@ def test_vectorised_stream_is_bit_identical_to_the_scalar_one():
     for purpose in Purpose:
         got = stream_uniforms(seeds, positions, purpose).tolist()
         assert got == [stream_uniform(s, p, purpose) for s, p in zip(seeds, positions)]
+
+
+def test_the_tensor_stream_is_bitwise_the_host_stream():
+    """Device-side draws (int64 tensor arithmetic) equal the numpy / Python ones, including seeds and
+    positions past 2**63, negative seeds and every purpose."""
+    import numpy as np
+    import torch
+    from deepinfer_spec import int64_bits, stream_uniforms_tensor
+
+    rng = random.Random(11)
+    seeds = [0, 1, -5, 2**63 - 1, 2**63, 2**64 - 1, 10**30] + [
+        rng.randrange(-(2**70), 2**70) for _ in range(200)
+    ]
+    positions = [0, 1, 2**62, 2**63 - 1, 5, 10_000_019 * 5 + 3, 7] + [
+        rng.randrange(0, 2**63) for _ in range(200)
+    ]
+    for purpose in Purpose:
+        want = stream_uniforms(seeds, positions, purpose)
+        got = stream_uniforms_tensor(
+            torch.from_numpy(int64_bits(seeds)), torch.from_numpy(int64_bits(positions)), purpose
+        )
+        assert got.dtype == torch.float64
+        assert np.array_equal(got.numpy(), want)
+        assert [stream_uniform(s, p, purpose) for s, p in zip(seeds[:20], positions[:20])] == got[
+            :20
+        ].tolist()
+
+
+def test_the_tensor_stream_takes_positions_computed_on_the_device():
+    """A draft position base + accepted + step + 1 built from device tensors draws what the host does."""
+    import torch
+    from deepinfer_spec import DRAFT_SEED_OFFSET, draft_position, int64_bits, stream_uniforms_tensor
+
+    seeds, base, accepted = [3, 2**64 - 2, 99], [10, 0, 12345], [0, 2, 5]
+    dev_seeds = torch.from_numpy(int64_bits([s + DRAFT_SEED_OFFSET for s in seeds]))
+    for step in range(4):
+        pos = torch.tensor(base) + torch.tensor(accepted) + step + 1
+        got = stream_uniforms_tensor(dev_seeds, pos, Purpose.SAMPLE).tolist()
+        want = [
+            stream_uniform(s + DRAFT_SEED_OFFSET, draft_position(b, a, step), Purpose.SAMPLE)
+            for s, b, a in zip(seeds, base, accepted)
+        ]
+        assert got == want
+
+
+def test_the_tensor_stream_wants_int64():
+    import pytest
+    import torch
+    from deepinfer_spec import stream_uniforms_tensor
+
+    with pytest.raises(ValueError, match="int64 tensors"):
+        stream_uniforms_tensor(torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int64))
+
+
+def test_the_tensor_stream_takes_a_purpose_per_draw():
+    import torch
+    from deepinfer_spec import stream_uniforms_tensor
+
+    seeds = torch.tensor([5, -7, 2**40, 3, 3, 3])
+    positions = torch.tensor([0, 9, 123456, 7, 7, 7])
+    purposes = torch.tensor([Purpose.ACCEPT, Purpose.SAMPLE, Purpose.RESIDUAL, 0, 1, 2])
+    got = stream_uniforms_tensor(seeds, positions, purposes).tolist()
+    assert got == [stream_uniform(int(s), int(p), int(u)) for s, p, u in zip(seeds, positions, purposes)]

@@ -190,3 +190,38 @@ def test_zero_drafts_reproduce_the_model_sampler():
         probs, [], [0] * 6, seeds=list(range(6)), base_positions=list(range(3, 9)), greedy=[False] * 6
     )
     assert result.final_tokens == expected
+
+
+def test_accept_tests_use_each_rows_own_uniform_and_counts_stay_on_the_device():
+    """A naive per-row reference of the sampled accept test (U * q(t) < p(t), U the row's ACCEPT draw at
+    base + j * VERIFY_ROW_STRIDE, prefix rule) gives the verifier's accepted counts; the device copies of
+    the counts and final tokens equal the host ones."""
+    from deepinfer_spec import VERIFY_ROW_STRIDE, Purpose
+
+    gen = torch.Generator().manual_seed(4)
+    vocab, ks, seeds, bases = 6, [3, 2, 4, 1], [3, 2**64 - 9, 77, 5], [11, 0, 400, 9]
+    target = torch.softmax(torch.randn(sum(ks) + len(ks), vocab, generator=gen, dtype=torch.float64), -1)
+    verify_rows = [sum(ks[:i]) + i + j for i, k in enumerate(ks) for j in range(k)]
+    q = (
+        0.5 * target[verify_rows]
+        + 0.5 * torch.softmax(torch.randn(sum(ks), vocab, generator=gen), -1).double()
+    )
+    drafts = torch.multinomial(q, 1, generator=gen).squeeze(1).tolist()
+    result = DraftVerifier().verify(
+        target, drafts, ks, seeds=seeds, base_positions=bases, greedy=[False] * 4, draft_probs=q
+    )
+    want, d = [], 0
+    for i, k in enumerate(ks):
+        row0 = sum(ks[:i]) + i
+        a = 0
+        for j in range(k):
+            u = stream_uniform(seeds[i], bases[i] + j * VERIFY_ROW_STRIDE, Purpose.ACCEPT)
+            t = drafts[d + j]
+            if a == j and u * float(q[d + j, t]) < float(target[row0 + j, t]):
+                a += 1
+        want.append(a)
+        d += k
+    assert result.num_accepted == want
+    assert 0 < sum(want) < sum(ks)  # both outcomes occur
+    assert result.accepted_device.tolist() == result.num_accepted
+    assert result.final_device.tolist() == result.final_tokens

@@ -174,3 +174,29 @@ def test_sampler_estimator_per_size_then_global_then_zero():
     for v in range(20):
         est.add(4, 100 + v)
     assert est.get(4) == 115.0  # window of the last 9: 111..119
+
+
+def test_the_device_split_equals_the_host_split():
+    """`split_by_rates_tensor` (the ZOS re-split on the device) against `split_by_rates` on random
+    rates with ties, requests with fewer drafts than nextn, and totals as ints and as tensors."""
+    import torch
+    from deepinfer_spec import split_by_rates_tensor
+
+    rng = random.Random(3)
+    for _ in range(300):
+        num_seqs, nextn = rng.randint(1, 6), rng.randint(1, 5)
+        levels = [0.0, 0.25, 0.5, 1.0] if rng.random() < 0.5 else None  # many ties
+        nds = [rng.randint(0, nextn) for _ in range(num_seqs)]
+        rates = [
+            cumulative_rates([rng.choice(levels) if levels else rng.random() for _ in range(nd)])
+            for nd in nds
+        ]
+        total = rng.randint(0, sum(nds))
+        want = split_by_rates(total, rates)
+        padded = torch.tensor([r + [0.5] * (nextn - len(r)) for r in rates], dtype=torch.float64)
+        nd = torch.tensor(nds)
+        for t in (total, torch.tensor(total)):
+            assert split_by_rates_tensor(t, padded, nd).tolist() == want
+    ties = torch.tensor([[0.5, 0.5], [0.5, 0.5]])
+    assert split_by_rates_tensor(3, ties, torch.tensor([2, 2])).tolist() == [2, 1]
+    assert split_by_rates_tensor(9, ties, torch.tensor([2, 1])).tolist() == [2, 1]

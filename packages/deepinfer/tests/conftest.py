@@ -84,3 +84,20 @@ def first_token_close():
             assert max(abs(a[t] - b[t]) for t in shared) < 0.05, (a, b)
 
     return check
+
+
+@pytest.fixture(scope="session")
+def engine_clean():
+    """Checker for an `LLMEngine` between calls: no request or step left, the C++ scheduler's invariants
+    hold and every KV block is free."""
+
+    def check(engine) -> None:
+        assert not engine.has_unfinished_requests()
+        assert not engine.requests and not engine.seqs
+        assert engine.scheduler.num_inflight_steps == 0
+        engine.scheduler.check_invariants()
+        stats = engine.scheduler_stats()
+        assert stats["num_free_blocks"] == stats["num_blocks"], stats
+        assert stats["num_waiting"] == 0 and stats["num_running"] == 0, stats
+
+    return check

@@ -121,3 +121,21 @@ def test_measured_ceilings_are_positive_and_accepted_by_the_peak_table():
     m = measure_ceilings(torch.device("cpu"), torch.float32)
     assert m["bf16_tflops"] > 0 and m["hbm_tbps"] > 0
     assert peak_rates("some cpu", m).source == "measured"
+
+
+def test_drafted_decode_rows_report_acceptance_and_the_plain_run(sweep):
+    """--nextn 1: each decode row carries the window's acceptance per draft position and the same batch
+    decoded with drafts off in the same run (plain_* values, drafted / plain ratios)."""
+    rows = json.loads((sweep / "t.json").read_text())
+    for r in (r for r in rows if r["phase"] == "decode"):
+        assert r["drafts_on"] and r["nextn"] == 1
+        assert r["verified_drafts_pos1"] == r["window_drafts_verified"]
+        assert r["accept_rate_pos1"] == pytest.approx(r["window_draft_accept_rate"])
+        assert r["mean_accepted_len_tokens"] == pytest.approx(
+            r["window_drafts_accepted"] / (r["intervals"] * r["batch"])
+        )
+        assert r["plain_ms_per_step"] > 0
+        assert r["ms_per_step_vs_plain"] == pytest.approx(r["ms_per_step"] / r["plain_ms_per_step"])
+        assert r["tok_per_s_per_user_vs_plain"] == pytest.approx(
+            r["measured_tok_per_s_per_user"] / r["plain_measured_tok_per_s_per_user"]
+        )

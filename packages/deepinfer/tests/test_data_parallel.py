@@ -150,7 +150,7 @@ def test_bad_requests_fail_alone(dp_sync, reference):
     engine = dp_sync.engine
     for i in range(len(PROMPTS)):
         engine.add_request(f"ok{i}", None, GREEDY[i], prompt_token_ids=PROMPTS[i])
-    with pytest.raises(ValueError, match=r"prompt_token_ids must be in \[0, 512\)"):
+    with pytest.raises(ValueError, match=r"prompt_token_ids\[1\]=100000: must be in \[0, 512\)"):
         engine.add_request("bad", None, GREEDY[0], prompt_token_ids=[1, 100_000])
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("ok1", None, GREEDY[0], prompt_token_ids=PROMPTS[0])

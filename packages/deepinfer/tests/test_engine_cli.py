@@ -71,12 +71,18 @@ def test_generate_jsonl_round_trip(real_vocab_checkpoint, tmp_path, capsys):
         ]
     )
     assert code == 1  # one request failed
-    records = [json.loads(x) for x in dst.read_text().splitlines()]
-    assert [r["id"] for r in records] == ["a", "b", "c", "bad"]
-    assert [len(r["outputs"][0]["token_ids"]) for r in records[:3]] == [3, 2, 3]
-    assert all(r["error"] is None and isinstance(r["outputs"][0]["text"], str) for r in records[:3])
-    assert records[3]["error"] and "top_k" in records[3]["error"] and records[3]["outputs"] == []
-    assert records[0]["metrics"]["ttft_s"] >= 0
+    # one line per request, in the order they finished (the refused one first: it never ran)
+    lines = [json.loads(x) for x in dst.read_text().splitlines()]
+    assert sorted(r["id"] for r in lines) == ["a", "b", "bad", "c"]
+    records = {r["id"]: r for r in lines}
+    assert [records[i]["index"] for i in "abc"] == [0, 1, 2]
+    assert [len(records[i]["outputs"][0]["token_ids"]) for i in "abc"] == [3, 2, 3]
+    assert all(
+        records[i]["error"] is None and isinstance(records[i]["outputs"][0]["text"], str) for i in "abc"
+    )
+    bad = records["bad"]
+    assert bad["error"] and "top_k" in bad["error"] and bad["outputs"] == []
+    assert records["a"]["metrics"]["ttft_s"] >= 0
     assert "output tokens/s" in capsys.readouterr().err
 
 

@@ -20,6 +20,25 @@ from deepinfer.sampling_params import SamplingParams
         ("top_k", -5),
         ("min_p", 1.1),
         ("max_tokens", -3),
+        ("max_tokens", 0),  # vLLM refuses it (the reference turned it into 1)
+        ("temperature", 1e-300),
+        ("temperature", float("inf")),
+        ("temperature", 1e308),
+        ("temperature", float("nan")),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3.0),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", -1.0),
+        ("logit_bias", {5: 101.0}),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {"x": 1.0}),
+        ("logit_bias", [5, 1.0]),
+        ("allowed_token_ids", []),
+        ("allowed_token_ids", [3, -2]),
+        ("allowed_token_ids", [2**31]),
+        ("bad_words", [""]),
+        ("bad_words", ["ok", 3]),
+        ("seed", 1.5),
         ("min_tokens", -1),
         ("logprobs", 1001),
         ("stop", [""]),
@@ -36,14 +55,45 @@ def test_sampling_params_errors_name_the_field(field, value):
 
 
 def test_sampling_params_normalisation():
-    p = SamplingParams(max_tokens=0, stop="END", seq_seed=-1, top_logprobs=3)
-    assert p.max_tokens == 1  # reference: 0 becomes 1
+    p = SamplingParams(max_tokens=1, stop="END", seq_seed=-1, top_logprobs=3)
+    assert p.max_tokens == 1
     assert p.stop == ["END"]
     assert p.seq_seed == 2**64 - 1
     assert p.logprobs == 3
     assert SamplingParams(logprobs=True).logprobs == 0
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(min_tokens=5, max_tokens=4)
+
+
+def test_sampling_params_vllm_fields():
+    """seed is seq_seed's alias; logit_bias keys may be JSON's strings; the error ranges are named."""
+    assert SamplingParams(seed=-1).seq_seed == 2**64 - 1
+    assert SamplingParams(seed=7, seq_seed=7).seq_seed == 7
+    assert SamplingParams(seq_seed=7).seed == 7
+    assert SamplingParams(seed=True).seq_seed == 1  # a bool is an int, as seq_seed takes it
+    with pytest.raises(ValueError, match="seed is an alias of seq_seed"):
+        SamplingParams(seed=1, seq_seed=2)
+    assert SamplingParams(logit_bias={"12": 1.5, 3: -2}).logit_bias == {3: -2.0, 12: 1.5}
+    assert SamplingParams(bad_words="no").bad_words == ["no"]
+    with pytest.raises(ValueError, match=r"temperature must be 0 \(greedy\) or in \[1e-05, 100000\]"):
+        SamplingParams(temperature=1e-6)
+    with pytest.raises(ValueError, match=r"presence_penalty must be in \[-2, 2\]"):
+        SamplingParams(presence_penalty=-2.01)
+    with pytest.raises(ValueError, match=r"repetition_penalty must be in \[0.01, 100\]"):
+        SamplingParams(repetition_penalty=float("inf"))
+    with pytest.raises(ValueError, match=r"logit_bias values must be in \[-100, 100\]"):
+        SamplingParams(logit_bias={1: float("nan")})
+    for edge in (0.0, 1e-5, 1e5):
+        assert SamplingParams(temperature=edge).temperature == edge
+
+
+def test_vocab_fields_checked_against_the_model():
+    from deepinfer.sampling_params import validate_vocab_fields
+
+    validate_vocab_fields(SamplingParams(logit_bias={511: 1.0}, allowed_token_ids=[0, 511]), 512)
+    for field, value in [("logit_bias", {512: 1.0}), ("allowed_token_ids", [1, 600])]:
+        with pytest.raises(ValueError, match=rf"{field} must hold token ids in \[0, 512\)"):
+            validate_vocab_fields(SamplingParams(**{field: value}), 512)
 
 
 def test_engine_args_cli_round_trip():

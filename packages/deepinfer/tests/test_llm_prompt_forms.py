@@ -70,8 +70,14 @@ def test_malformed_prompt_raises_naming_it(llm, bad, message):
 def test_invalid_requests_raise_by_default_and_run_nothing(llm):
     vocab = llm.engine.vocab_size
     before = llm.engine.stats.prompt_tokens
-    with pytest.raises(ValueError, match="request 1: .*prompt_token_ids must be in"):
+    with pytest.raises(
+        ValueError, match=rf"request 1: prompt_token_ids\[0\]={vocab + 1}: must be in \[0, {vocab}\)"
+    ):
         llm.generate([IDS[0], [vocab + 1]], GREEDY, use_tqdm=False)
+    # a list of integers is a token prompt; a bool in it is named by its position, in every form
+    for form in ([IDS[0], [0, True]], [IDS[0], {"prompt_token_ids": [0, True]}]):
+        with pytest.raises(ValueError, match=r"request 1: prompt_token_ids\[1\]=True: must be an integer"):
+            llm.generate(form, GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="request 0: .*top_p"):
         llm.generate(IDS[:1], {"top_p": 2.0}, use_tqdm=False)
     with pytest.raises(ValueError, match="request 0: .*empty"):

@@ -67,3 +67,20 @@ def test_logprobs_in_the_json_record(llm):
     token = str(out.outputs[0].token_ids[0])
     assert set(first) == {token} and set(first[token]) == {"logprob", "rank", "decoded_token"}
     assert record["cumulative_logprob"] == out.outputs[0].cumulative_logprob
+
+
+def test_the_cli_shows_each_tokens_logprob_rank_and_alternatives_in_rank_order(llm):
+    """`deepinfer generate`'s lines for a completion with logprobs (cli/display.py) read the `Logprob`
+    objects: the chosen token's text, logprob and rank, then the alternatives most likely first."""
+    from deepinfer.cli.display import logprob_lines
+
+    params = SamplingParams(temperature=0.9, max_tokens=4, ignore_eos=True, seq_seed=5, logprobs=2)
+    c = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    lines = logprob_lines(c, decode=lambda t: f"<{t}>")
+    assert len(lines) == 4
+    for line, token, entry, top in zip(lines, c.token_ids, c.logprobs, c.top_logprobs):
+        chosen = entry[token]
+        head = f"  {chosen.decoded_token!r} {chosen.logprob:.4f} (rank {chosen.rank})"
+        alts = ", ".join(f"{entry[t].decoded_token!r} {v:.4f}" for t, v in top.items())
+        assert line == f"{head}  top: {alts}"
+        assert [entry[t].rank for t in top] == [1, 2]

@@ -174,6 +174,20 @@ def test_async_scheduling_with_drafts_runs_the_synchronous_step(v41, plain):
     assert tokens(spec) == plain
 
 
+def test_async_scheduling_with_seeded_sampled_drafts_gives_the_sync_tokens(v41):
+    """Seeded sampling with drafts (greedy, top-p and top-k rows in one batch): the asynchronous loop
+    emits exactly the synchronous loop's tokens."""
+    p = [
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, ignore_eos=True, seq_seed=5),
+        SamplingParams(temperature=1.2, top_k=8, max_tokens=8, ignore_eos=True, seq_seed=6),
+    ]
+    sync, _ = run(v41, p, nextn=3, async_scheduling=False)
+    asyn, engine = run(v41, p, nextn=3, async_scheduling=True)
+    assert engine.use_async and engine.spec_stats()["verified"] > 0
+    assert tokens(asyn) == tokens(sync)
+
+
 def test_varlen_measures_the_step_time_curve_at_start(v41, monkeypatch):
     monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
     args = EngineArgs(model=str(v41), block_size=16, max_model_len=48, max_num_seqs=2)

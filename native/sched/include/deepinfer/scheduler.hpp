@@ -30,6 +30,9 @@ struct SchedulerConfig {
   int32_t num_speculative_tokens = 0;
   // Bits kept of each prefix-cache key (64 = all); fewer force hash collisions in tests.
   int32_t prefix_hash_bits = 64;
+  // Finish a preempted sequence (reason kPreempted, with the tokens it has) instead of recomputing
+  // it later; a COMPLETION engine always does, having no prefill to recompute with.
+  bool finish_preempted = false;
 
   // Throws std::invalid_argument naming the field and the allowed range.
   void validate() const;
@@ -162,7 +165,7 @@ class Scheduler {
   std::map<Key, Sequence*> waiting_;
   std::vector<Sequence*> running_;  // sorted by Key
   std::deque<std::shared_ptr<StepOutput>> inflight_;
-  // Finished while scheduling (a COMPLETION engine's preemption); reported by the next update.
+  // Finished while scheduling (a preemption that finishes); reported by the next update.
   std::vector<FinishedSeq> finished_in_schedule_;
   int64_t next_step_id_ = 0, next_arrival_ = 0, next_auto_id_ = 0;
   int32_t num_unfinished_ = 0;

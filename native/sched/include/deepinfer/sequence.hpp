@@ -18,7 +18,7 @@ enum class FinishReason : int8_t {
   kMaxModelLen = 3,  // the sequence reached max_model_len tokens
   kAbort = 4,        // abort() was called
   kPrefilled = 5,    // PROMPT engine: the prompt is in the KV cache (blocks handed back)
-  kPreempted = 6,    // COMPLETION engine: out of KV blocks, and it cannot recompute a prompt
+  kPreempted = 6,    // out of KV blocks and not recomputed (finish_preempted, or a COMPLETION engine)
 };
 
 const char* finish_reason_name(FinishReason r);

@@ -177,6 +177,13 @@ _VARS = [
         "deepinfer.default_model",
     ),
     EnvVar(
+        "DEEPINFER_DEBUG",
+        BOOLEAN,
+        False,
+        "the deepinfer command prints an error's traceback (as --debug does) instead of one line",
+        "deepinfer.cli",
+    ),
+    EnvVar(
         "DEEPINFER_DEVICE",
         TEXT,
         "auto",

@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return _COMMANDS[args.command](args)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, ImportError) as e:  # ImportError: the engine (an extra) is not installed
         print(f"deepinfer-eval {args.command}: error: {e}", file=sys.stderr)
         return 2
 

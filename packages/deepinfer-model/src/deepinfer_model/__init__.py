@@ -32,6 +32,8 @@ from .runtime.device import model_device, resolve_device, to_device
 from .sampling import (
     EMPTY_ROW_MESSAGE,
     MAX_LOGPROBS,
+    MAX_TEMPERATURE,
+    MIN_TEMPERATURE,
     RowParams,
     Sampler,
     SamplerOutput,
@@ -39,7 +41,10 @@ from .sampling import (
     filtered_probs,
     masked_logits,
     normalize_seed,
+    process_logits_,
+    validate_logit_bias,
     validate_sampling_fields,
+    validate_token_ids,
 )
 from .tokenizer_files import DEFAULT_CHAT_TEMPLATE, EARLIER_DEFAULT_CHAT_TEMPLATES, write_tokenizer
 
@@ -59,6 +64,8 @@ __all__ = [
     "DraftOutput",
     "EMPTY_ROW_MESSAGE",
     "ExpertParallelMoE",
+    "MAX_TEMPERATURE",
+    "MIN_TEMPERATURE",
     "ModelConfig",
     "RowParams",
     "Sampler",
@@ -85,10 +92,13 @@ __all__ = [
     "normalize_seed",
     "parse_config",
     "prefill_flops",
+    "process_logits_",
     "refuse_with_expert_parallelism",
     "resolve_device",
     "shard_experts",
     "tiny_v41_config_dict",
     "to_device",
+    "validate_logit_bias",
     "validate_sampling_fields",
+    "validate_token_ids",
 ]

@@ -33,6 +33,8 @@ class SchedulerConfig:
       is scheduled ahead of the unprocessed one (0 = no speculative decoding).
     - ``prefix_hash_bits``: bits kept of each prefix-cache key; only tests lower it, to force hash
       collisions (hits are confirmed token by token, so collisions cost time, never correctness).
+    - ``finish_preempted``: a sequence preempted for want of KV blocks finishes (reason "preempted",
+      with the tokens it has) instead of waiting to be recomputed; COMPLETION engines always do.
     """
 
     num_blocks: int
@@ -45,6 +47,7 @@ class SchedulerConfig:
     engine_type: EngineType = EngineType.NORMAL
     num_speculative_tokens: int = 0
     prefix_hash_bits: int = 64
+    finish_preempted: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "engine_type", _engine_type(self.engine_type))
@@ -62,6 +65,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be an int, got {value!r}")
             if not -(2**31) <= value < 2**31:
                 raise ValueError(f"{name} must fit in int32, got {value}")
+        if not isinstance(self.finish_preempted, bool):
+            raise ValueError(f"finish_preempted must be a bool, got {self.finish_preempted!r}")
         self.to_native()  # raises ValueError naming the field and its allowed range
 
     def to_native(self) -> _NativeConfig:
@@ -76,4 +81,5 @@ class SchedulerConfig:
             engine_type=self.engine_type,
             num_speculative_tokens=self.num_speculative_tokens,
             prefix_hash_bits=self.prefix_hash_bits,
+            finish_preempted=self.finish_preempted,
         )

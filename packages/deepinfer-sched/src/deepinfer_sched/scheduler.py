@@ -117,7 +117,8 @@ class Scheduler(_NativeScheduler):
         sampled_token_ids: np.ndarray | tuple[np.ndarray, np.ndarray] | Sequence[Sequence[int] | int],
     ) -> list[FinishedSequence]:
         """Commit one step's sampled tokens; returns the sequences that finished (including those a
-        COMPLETION engine had to drop while scheduling this step: reason "preempted").
+        scheduler finished while scheduling this step, reason "preempted": ``finish_preempted``, or a
+        COMPLETION engine out of blocks).
 
         ``sampled_token_ids`` is, per scheduled sequence in ``sched_output`` order, either
         - a 1-D int array with exactly one token each (plain decoding; the token of a prompt chunk that

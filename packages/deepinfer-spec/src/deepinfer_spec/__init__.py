@@ -6,15 +6,17 @@ from .random_stream import (
     VERIFY_ROW_STRIDE,
     Purpose,
     draft_position,
+    int64_bits,
     stream_bits,
     stream_uniform,
     stream_uniforms,
+    stream_uniforms_tensor,
     verify_row_position,
 )
 from .state import Rollback, SpecDecodeState, cumulative_rates
 from .stats import SpecStats, expected_calibration_error, full_acceptance_tokens_per_s
 from .step_time import ForwardRuntimeEstimator, SamplerRuntimeEstimator, StepTimeCurve
-from .varlen import ConfidenceScheduler, VarlenRequest, VerifyPlan, split_by_rates
+from .varlen import ConfidenceScheduler, VarlenRequest, VerifyPlan, split_by_rates, split_by_rates_tensor
 from .verify import DraftVerifier, VerifyResult, inverse_cdf
 
 __version__ = "0.1.0"
@@ -40,12 +42,15 @@ __all__ = [
     "draft_position",
     "expected_calibration_error",
     "full_acceptance_tokens_per_s",
+    "int64_bits",
     "inverse_cdf",
     "nextn_from_env",
     "split_by_rates",
+    "split_by_rates_tensor",
     "stream_bits",
     "stream_uniform",
     "stream_uniforms",
+    "stream_uniforms_tensor",
     "varlen_from_env",
     "verify_row_position",
 ]

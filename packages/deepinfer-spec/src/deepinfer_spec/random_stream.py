@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from enum import IntEnum
 
 import numpy as np
+import torch
 
 _MASK = (1 << 64) - 1
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15
@@ -83,3 +84,52 @@ def stream_uniforms(
         z = _mix64_array(seed + np.uint64(_GOLDEN_GAMMA) * (subsequence + np.uint64(1)))
         bits = _mix64_array(z + seed + np.uint64(_GOLDEN_GAMMA))
     return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def _signed64(value: int) -> int:
+    """A 64-bit pattern as the int64 that holds it (torch has no full uint64 arithmetic)."""
+    value &= _MASK
+    return value - (1 << 64) if value >> 63 else value
+
+
+def int64_bits(values: Sequence[int]) -> np.ndarray:
+    """Integers (any sign, any size) reduced modulo 2**64, as int64 bit patterns: the seeds and positions
+    `stream_uniforms_tensor` takes, built on the host."""
+    return np.array([int(v) & _MASK for v in values], dtype=np.uint64).view(np.int64)
+
+
+# the mixing constants as the int64 that hold their bit patterns
+_MIX1_S64 = _signed64(0xBF58476D1CE4E5B9)
+_MIX2_S64 = _signed64(0x94D049BB133111EB)
+_GAMMA_S64 = _signed64(_GOLDEN_GAMMA)
+
+
+def _shift_right(z: torch.Tensor, n: int) -> torch.Tensor:
+    # logical shift of the 64-bit pattern: int64 `>>` is arithmetic, so clear the sign-extended bits
+    return (z >> n) & ((1 << (64 - n)) - 1)
+
+
+def _mix64_tensor(z: torch.Tensor) -> torch.Tensor:
+    z = (z ^ _shift_right(z, 30)) * _MIX1_S64
+    z = (z ^ _shift_right(z, 27)) * _MIX2_S64
+    return z ^ _shift_right(z, 31)
+
+
+def stream_uniforms_tensor(
+    seeds: torch.Tensor, positions: torch.Tensor, purpose: int | torch.Tensor = Purpose.SAMPLE
+) -> torch.Tensor:
+    """`stream_uniforms` as tensor ops on the device of `seeds` (bit-identical): `seeds` and `positions`
+    int64 tensors of one shape holding the 64-bit patterns (`int64_bits`; a position that fits in int64
+    is its own pattern), or positions computed on the device from such tensors (an accepted count
+    that only the device knows yet); `purpose` one for all, or an int64 tensor of them (several kinds
+    of draws in one pass: each op is a kernel launch on the GPU). int64 multiplication and addition wrap
+    modulo 2**64 like the masked Python integers; no host sync, so it can run inside a captured graph.
+    -> float64 tensor."""
+    if seeds.dtype != torch.int64 or positions.dtype != torch.int64:
+        raise ValueError(
+            f"seeds and positions must be int64 tensors, got {seeds.dtype} and {positions.dtype}"
+        )
+    subsequence = positions * 3 + (purpose if isinstance(purpose, torch.Tensor) else int(purpose))
+    z = _mix64_tensor(seeds + (subsequence + 1) * _GAMMA_S64)
+    bits = _mix64_tensor(z + seeds + _GAMMA_S64)
+    return _shift_right(bits, 11).to(torch.float64) * (1.0 / (1 << 53))

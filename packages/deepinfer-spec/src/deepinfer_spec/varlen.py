@@ -13,8 +13,11 @@ along a request, so that is always a prefix of its drafts.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import torch
 
 from .step_time import ForwardRuntimeEstimator, SamplerRuntimeEstimator, StepTimeCurve
 
@@ -81,6 +84,25 @@ def split_by_rates(total_drafts: int, rates: Sequence[Sequence[float]]) -> list[
     for _, i, _ in ranked[:total_drafts]:
         counts[i] += 1
     return counts
+
+
+def split_by_rates_tensor(
+    total_drafts: int | torch.Tensor, rates: torch.Tensor, num_drafts: torch.Tensor
+) -> torch.Tensor:
+    """`split_by_rates` as tensor ops on the device of `rates` (the ZOS re-split of the verify lengths
+    with the freshest confidences, spec §3.3): `rates` float [N, nextn] cumulative estimates, of which
+    request i owns the first `num_drafts[i]` (long [N]); `total_drafts` an int or a 0-d device tensor
+    (no host read). Same ranking: rate descending, ties by request index, then position (a stable
+    descending sort of the row-major positions). -> long [N] drafts per request; a total beyond the
+    owned positions gives every request all of its drafts."""
+    n, width = rates.shape
+    dev = rates.device
+    owned = torch.arange(width, device=dev)[None, :] < num_drafts[:, None]
+    ranked = torch.where(owned, rates.double(), torch.full((), -math.inf, dtype=torch.float64, device=dev))
+    order = torch.sort(ranked.reshape(-1), descending=True, stable=True).indices
+    taken = (torch.arange(n * width, device=dev) < total_drafts) & owned.reshape(-1)[order]
+    counts = torch.zeros(n, dtype=torch.long, device=dev)
+    return counts.index_add_(0, torch.div(order, width, rounding_mode="floor"), taken.long())
 
 
 class ConfidenceScheduler:

@@ -14,9 +14,11 @@ for the token after row j's input, so it verifies draft d_{j+1}; the last row is
 Every uniform comes from `stream_uniform(seed, base + j * VERIFY_ROW_STRIDE, purpose)`, so a
 request's result is a pure function of its own rows and key, whatever else is in the batch.
 
-Devices: everything runs on the device of `target_probs`. Host inputs (draft ids, seeds, positions,
-the uniforms, which are computed on the host from integers) go there in two copies per call, and the
-results come back in one (`_to_host`): no per-row or per-token synchronisation. Bad distributions
+Devices: everything runs on the device of `target_probs`. Host inputs (draft ids, indices, the
+streams' seeds and positions, built with numpy: no per-row Python) go there in one copy per call; the
+uniforms are computed there (`stream_uniforms_tensor`), and the results come back in one copy
+(`_to_host`): no per-row or per-token synchronisation. The accepted counts and final tokens also stay
+on the device (`VerifyResult.accepted_device` / `final_device`). Bad distributions
 are detected on the device and raised after that copy.
 p and q are the *processed* distributions (after temperature / top-p / top-k / grammar mask) that the
 model package's sampler computes; they need not be normalised.
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .random_stream import VERIFY_ROW_STRIDE, Purpose, stream_uniforms
+from .random_stream import VERIFY_ROW_STRIDE, Purpose, int64_bits, stream_uniforms_tensor
 
 
 @dataclass
@@ -45,6 +47,10 @@ class VerifyResult:
     # Flat over the Σ k_i verified drafts, in packed order (host tensors, whatever device verified):
     row_accepted: torch.Tensor  # bool: the row's own test passed (before the prefix rule)
     accept_probs: torch.Tensor  # float64: Σ_v min(p, q) = probability the test passes (1/0 when greedy)
+    # The same a_i and final tokens as long tensors on the verifying device, before the copy back: what
+    # a step launched before this one's read-back (or a device-side length correction) consumes.
+    accepted_device: torch.Tensor | None = None
+    final_device: torch.Tensor | None = None
 
     @property
     def num_emitted(self) -> list[int]:
@@ -83,42 +89,44 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 @dataclass
 class _Packed:
-    """Where each request's rows are in the packed batch, and its random-stream key. Host lists for the
-    bookkeeping; their device copies (one transfer) for the tensor work."""
+    """Where each request's rows are in the packed batch, and its random-stream key: numpy arrays for the
+    host bookkeeping (no per-row Python), their device copies (one transfer) for the tensor work."""
 
-    ks: list[int]
-    drafts: list[int]  # Σ k_i draft ids (host)
+    ks: np.ndarray  # int64 [n]
+    drafts: np.ndarray  # int64 [Σ k_i] draft ids (host)
     seeds: Sequence[int]
     base_positions: Sequence[int]
-    greedy: Sequence[bool]
+    greedy: np.ndarray  # bool [n]
     device: torch.device
 
     def __post_init__(self) -> None:
-        n = len(self.ks)
-        self.draft_offsets = [0]
-        for k in self.ks:
-            self.draft_offsets.append(self.draft_offsets[-1] + k)
-        self.req_of_draft = [i for i, k in enumerate(self.ks) for _ in range(k)]
-        self.local_of_draft = [j for k in self.ks for j in range(k)]
+        n, total = len(self.ks), int(self.ks.sum())
+        self.draft_offsets = np.concatenate([[0], np.cumsum(self.ks)]).astype(np.int64)
+        req_of_draft = np.repeat(np.arange(n, dtype=np.int64), self.ks)
+        local_of_draft = np.arange(total, dtype=np.int64) - self.draft_offsets[req_of_draft]
         # Flat draft d of request i is verified by target row d + i; request i's rows start at
         # draft_offsets[i] + i, its fresh row follows its last verify row.
-        self.row_starts = [self.draft_offsets[i] + i for i in range(n)]
-        self.fresh_rows = [self.row_starts[i] + k for i, k in enumerate(self.ks)]
-        self.sampled = [i for i in range(n) if not self.greedy[i]]
-        self.sampled_drafts = [d for d, i in enumerate(self.req_of_draft) if not self.greedy[i]]
-        # One host-to-device copy of every index the verification needs, sliced into views.
+        self.row_starts = self.draft_offsets[:-1] + np.arange(n, dtype=np.int64)
+        self.sampled = np.flatnonzero(~self.greedy)
+        self.sampled_drafts = np.flatnonzero(~self.greedy[req_of_draft])
+        # One host-to-device copy of every index (and of the random streams' keys), sliced into views.
         parts = {
             "drafts": self.drafts,
-            "verify_rows": [d + i for d, i in enumerate(self.req_of_draft)],
-            "req_of_draft": self.req_of_draft,
-            "local_of_draft": self.local_of_draft,
-            "greedy_of_draft": [int(bool(self.greedy[i])) for i in self.req_of_draft],
+            "verify_rows": np.arange(total, dtype=np.int64) + req_of_draft,
+            "req_of_draft": req_of_draft,
+            "local_of_draft": local_of_draft,
+            "greedy_of_draft": self.greedy[req_of_draft],
             "draft_offsets": self.draft_offsets[:-1],
             "row_starts": self.row_starts,
             "ks": self.ks,
             "sampled": self.sampled,
             "sampled_drafts": self.sampled_drafts,
         }
+        if len(self.sampled):
+            parts["seeds"] = int64_bits(self.seeds)
+            parts["base_positions"] = np.asarray(self.base_positions, dtype=np.int64)
+            kinds = [Purpose.ACCEPT, Purpose.RESIDUAL, Purpose.SAMPLE]
+            parts["purposes"] = np.repeat(np.asarray(kinds, dtype=np.int64), [total, total, n])
         flat = to_device(
             np.concatenate([np.asarray(v, dtype=np.int64) for v in parts.values()]), torch.int64, self.device
         )
@@ -130,22 +138,22 @@ class _Packed:
         self.dev["greedy_of_draft"] = self.dev["greedy_of_draft"].bool()
 
     def uniforms(self) -> dict[Purpose, torch.Tensor]:
-        """The sampled requests' uniforms on the device, one copy: ACCEPT and RESIDUAL for every verified
-        draft (flat, indexed by draft; row = its local index), SAMPLE at each request's fresh row k_i
-        (indexed by request). Computed on the host from (seed, position, purpose) as before; drawing
-        the ones a step turns out not to need costs nothing on the device and keeps this one copy."""
-        rows = {
-            Purpose.ACCEPT: (self.req_of_draft, self.local_of_draft),
-            Purpose.RESIDUAL: (self.req_of_draft, self.local_of_draft),
-            Purpose.SAMPLE: (list(range(len(self.ks))), self.ks),
-        }
-        host = []
-        for purpose, (requests, local) in rows.items():
-            positions = [int(self.base_positions[i]) + r * VERIFY_ROW_STRIDE for i, r in zip(requests, local)]
-            host.append(stream_uniforms([self.seeds[i] for i in requests], positions, purpose))
-        u = to_device(np.concatenate(host), torch.float64, self.device)
-        d, n = len(self.req_of_draft), len(self.ks)
-        return {Purpose.ACCEPT: u[:d], Purpose.RESIDUAL: u[d : 2 * d], Purpose.SAMPLE: u[2 * d : 2 * d + n]}
+        """The uniforms on the device, computed there (`stream_uniforms_tensor`, bitwise the host stream):
+        ACCEPT and RESIDUAL for every verified draft (flat, indexed by draft; row = its local index),
+        SAMPLE at each request's fresh row k_i (indexed by request). Drawing the ones a step turns out
+        not to need costs nothing on the host."""
+        dev = self.dev
+        req, local = dev["req_of_draft"], dev["local_of_draft"]
+        seeds, base = dev["seeds"], dev["base_positions"]
+        draft_pos = base[req] + local * VERIFY_ROW_STRIDE
+        d = len(req)
+        # the three kinds of draws in one pass of the stream (each op a kernel launch on the GPU)
+        u = stream_uniforms_tensor(
+            torch.cat([seeds[req], seeds[req], seeds]),
+            torch.cat([draft_pos, draft_pos, base + dev["ks"] * VERIFY_ROW_STRIDE]),
+            dev["purposes"],
+        )
+        return {Purpose.ACCEPT: u[:d], Purpose.RESIDUAL: u[d : 2 * d], Purpose.SAMPLE: u[2 * d :]}
 
 
 class DraftVerifier:
@@ -202,9 +210,9 @@ class DraftVerifier:
         greedy_ok = valid & (argmax[dev["verify_rows"]] == drafts)
         row_accepted = greedy_ok
         accept_probs = greedy_ok.double()
-        uniforms = batch.uniforms() if batch.sampled else None
+        uniforms = batch.uniforms() if len(batch.sampled) else None
         p_rows = q_rows = None
-        if batch.sampled_drafts:
+        if len(batch.sampled_drafts):
             # Only sampled rows are normalised: greedy rows may carry logits and need only an argmax.
             sampled = dev["sampled_drafts"]
             p_rows = target[dev["verify_rows"]].clone()
@@ -221,7 +229,7 @@ class DraftVerifier:
 
         forced_of_row = None
         if forced:
-            rows = [-1] * (sum(ks) + len(ks))
+            rows = [-1] * (int(ks.sum()) + len(ks))
             for (i, j), tok in forced.items():
                 rows[batch.row_starts[i] + j] = tok
             forced_of_row = to_device(rows, torch.int64, target.device)
@@ -237,41 +245,51 @@ class DraftVerifier:
             at_final = forced_of_row[dev["row_starts"] + num_accepted]
             final = torch.where(at_final >= 0, at_final, final)
 
+        accepted_device, final_device = num_accepted, final
         num_accepted, final_tokens, row_accepted, accept_probs = _to_host(
             num_accepted, final, row_accepted, accept_probs, checks
         )
+        offsets = batch.draft_offsets
         emitted = [
-            batch.drafts[batch.draft_offsets[i] : batch.draft_offsets[i] + num_accepted[i]]
-            + [final_tokens[i]]
-            for i in range(len(ks))
+            [*batch.drafts[offsets[i] : offsets[i] + a].tolist(), t]
+            for i, (a, t) in enumerate(zip(num_accepted, final_tokens))
         ]
-        return VerifyResult(ks, num_accepted, final_tokens, emitted, row_accepted, accept_probs)
+        return VerifyResult(
+            ks.tolist(),
+            num_accepted,
+            final_tokens,
+            emitted,
+            row_accepted,
+            accept_probs,
+            accepted_device,
+            final_device,
+        )
 
     @staticmethod
     def _validate(target_probs, draft_tokens, num_drafts, seeds, base_positions, greedy, draft_probs):
         num_requests = len(num_drafts)
         for name, values in (("seeds", seeds), ("base_positions", base_positions), ("greedy", greedy)):
             _validate_counts(name, values, num_requests)
-        ks = [int(k) for k in num_drafts]
-        if any(k < 0 for k in ks):
+        ks = np.asarray(num_drafts, dtype=np.int64).reshape(-1)
+        if (ks < 0).any():
             raise ValueError(f"num_drafts must be >= 0 per request, got {list(num_drafts)}")
-        if any(int(p) < 0 for p in base_positions):
+        if (np.asarray(base_positions, dtype=np.int64) < 0).any():
             raise ValueError(f"base_positions must be >= 0, got {list(base_positions)}")
-        total_drafts, total_rows = sum(ks), sum(ks) + num_requests
+        total_drafts = int(ks.sum())
+        total_rows = total_drafts + num_requests
         if target_probs.dim() != 2 or target_probs.shape[0] != total_rows:
             raise ValueError(
                 f"target_probs must be [sum(1 + num_drafts)={total_rows}, vocab], got {tuple(target_probs.shape)}"
             )
         vocab = target_probs.shape[1]
         if isinstance(draft_tokens, torch.Tensor):
-            drafts = [int(t) for t in draft_tokens.reshape(-1).tolist()]
-        else:
-            drafts = [int(t) for t in draft_tokens]
+            draft_tokens = draft_tokens.reshape(-1).cpu().numpy()
+        drafts = np.asarray(draft_tokens, dtype=np.int64).reshape(-1)
         if len(drafts) != total_drafts:
             raise ValueError(
                 f"draft_tokens must have sum(num_drafts)={total_drafts} entries, got {len(drafts)}"
             )
-        if total_drafts and max(drafts) >= vocab:
+        if total_drafts and drafts.max() >= vocab:
             raise ValueError(
                 f"draft_tokens must be < vocab ({vocab}) (negative = padding), got {max(drafts)}"
             )
@@ -279,7 +297,8 @@ class DraftVerifier:
             raise ValueError(
                 f"draft_probs must be [sum(num_drafts)={total_drafts}, vocab={vocab}], got {tuple(draft_probs.shape)}"
             )
-        if draft_probs is None and any(not g and k > 0 for g, k in zip(greedy, ks)):
+        greedy = np.asarray(greedy, dtype=bool).reshape(-1)
+        if draft_probs is None and (~greedy & (ks > 0)).any():
             raise ValueError(
                 "draft_probs is required when a sampled (temperature > 0) request verifies drafts"
             )
@@ -293,7 +312,7 @@ class DraftVerifier:
         dev = batch.dev
         final_rows = dev["row_starts"] + num_accepted
         final = argmax[final_rows]
-        if not batch.sampled:
+        if not len(batch.sampled):
             return final
         s = dev["sampled"]
         a, k = num_accepted[s], dev["ks"][s]

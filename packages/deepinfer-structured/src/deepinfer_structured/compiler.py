@@ -130,12 +130,13 @@ class GrammarCompileService:
     def submit(self, so_args: dict | StructuredOutputRequest) -> PendingGrammar:
         """Validate (raises StructuredOutputError now) and start compiling (errors come from poll)."""
         request = parse_so_args(so_args)
-        for token in request.trigger_token_ids + (
-            (request.bound_token_id,) if request.bound_token_id is not None else ()
-        ):
+        fields = [("trigger_token_ids", t) for t in request.trigger_token_ids]
+        if request.bound_token_id is not None:
+            fields.append(("bound_token_id", request.bound_token_id))
+        for field, token in fields:  # each named by its own key
             if token >= self.vocab_size:
                 raise StructuredOutputError(
-                    "trigger_token_ids", f"token id {token} is outside the vocabulary [0, {self.vocab_size})"
+                    field, f"token id {token} is outside the vocabulary [0, {self.vocab_size})"
                 )
         deadline = time.monotonic() + self._timeout_s
         with self._lock:

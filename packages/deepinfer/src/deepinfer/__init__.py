@@ -3,23 +3,40 @@
 from deepinfer import LLM, SamplingParams
 llm = LLM()  # the built-in random-weight deepinfer-tiny, or LLM(model="/path/to/checkpoint")
 out = llm.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0.8, seq_seed=1))
+
+The names below are imported from their modules on first use, so that the `deepinfer` command's help,
+version and usage errors do not pay for torch and the model package.
 """
 
-from .engine.llm_engine import LLMEngine
-from .engine_args import EngineArgs
-from .llm import LLM
-from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from .sampling_params import SamplingParams
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "LLM",
-    "CompletionOutput",
-    "EngineArgs",
-    "LLMEngine",
-    "Logprob",
-    "RequestMetrics",
-    "RequestOutput",
-    "SamplingParams",
-]
+# module -> the public names it defines
+_MODULES: dict[str, tuple[str, ...]] = {
+    "engine.llm_engine": ("LLMEngine",),
+    "engine_args": ("EngineArgs",),
+    "llm": ("LLM",),
+    "outputs": ("CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput"),
+    "sampling_params": ("SamplingParams",),
+}
+_WHERE = {name: module for module, names in _MODULES.items() for name in names}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'deepinfer' has no attribute {name!r}")
+    loaded = importlib.import_module(f"deepinfer.{module}")
+    for public in _MODULES[module]:
+        globals()[public] = getattr(loaded, public)
+    return globals()[name]
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -44,7 +44,7 @@ def cache_root() -> Path:
 
 def ensure_tiny_model(root: Path | None = None) -> Path:
     root = root or cache_root()
-    target = root / f"{TINY_NAME}-r{TINY_REVISION}"
+    target = tiny_model_dir(root)
     if (target / "config.json").exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
@@ -62,19 +62,33 @@ def ensure_tiny_model(root: Path | None = None) -> Path:
     return target
 
 
-def resolve_model(model: str | None) -> tuple[Path, bool]:
-    """(checkpoint directory, is_the_random_default). Explicit model > $DEEPINFER_HF_MODEL_DIR > tiny.
+def tiny_model_dir(root: Path | None = None) -> Path:
+    """Where the generated deepinfer-tiny lives (it may not be there yet)."""
+    return (root or cache_root()) / f"{TINY_NAME}-r{TINY_REVISION}"
+
+
+def checkpoint_dir(model: str | None) -> Path | None:
+    """The checkpoint directory `model` names (None: the built-in default), checked without loading or
+    generating anything: the rule `resolve_model` applies, so a caller can refuse a bad path early.
     A model that is no directory but reads `org/name[@revision]` is looked up in the local Hugging
     Face cache (hf_cache.py)."""
     model = model or envs.DEEPINFER_HF_MODEL_DIR
     if model in (None, "", TINY_NAME):
-        return ensure_tiny_model(), True
+        return None
     path = Path(model).expanduser()
     if (path / "config.json").exists():
-        return path, False
+        return path
     if not path.exists() and looks_like_repo_id(model):  # org/name: the local Hugging Face cache
-        return cached_snapshot(model), False
+        return cached_snapshot(model)
     raise ValueError(
         f"model must be a checkpoint directory with config.json or an org/name in the local Hugging "
         f"Face cache, got {model!r}"
     )
+
+
+def resolve_model(model: str | None) -> tuple[Path, bool]:
+    """(checkpoint directory, is_the_random_default). Explicit model > $DEEPINFER_HF_MODEL_DIR > tiny."""
+    path = checkpoint_dir(model)
+    if path is None:
+        return ensure_tiny_model(), True
+    return path, False

@@ -55,7 +55,11 @@ class EngineArgs:
         },
     )
     stop_preempted_request: bool = field(
-        default=False, metadata={"help": "finish preempted requests instead of recomputing them"}
+        default=False,
+        metadata={
+            "help": "a sequence preempted for want of KV blocks finishes with the tokens it has "
+            "(finish_reason 'insufficient_system_resource') instead of being recomputed later"
+        },
     )
     load_format: str = field(
         default="auto", metadata={"help": "auto (safetensors) or dummy (random weights)"}
@@ -108,8 +112,15 @@ class EngineArgs:
     distributed_timeout: int = field(
         default=600,
         metadata={
-            "help": "seconds a data-parallel rank waits in a collective, and the front process for any "
-            "rank's message, before failing"
+            "help": "seconds a running data-parallel rank may go without a sign of life (it beats every "
+            "second) or without progress (a step done) before the front names it and fails"
+        },
+    )
+    distributed_startup_timeout: int = field(
+        default=1800,
+        metadata={
+            "help": "seconds the data-parallel ranks have to start (load the model, join the process "
+            "groups) before the front names the late ones and fails"
         },
     )
     engine_type: str = field(
@@ -125,6 +136,9 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
+        for name in ("stop_preempted_request",):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.runner not in ("paged", "recompute"):
             raise ValueError(f"runner must be 'paged' or 'recompute', got {self.runner!r}")
         if self.load_format not in ("auto", "dummy"):
@@ -167,6 +181,7 @@ class EngineArgs:
             ("context_parallel_size", 1),
             ("expert_parallel_size", 1),
             ("distributed_timeout", 1),
+            ("distributed_startup_timeout", 1),
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -214,7 +229,9 @@ class EngineArgs:
         group = parser.add_argument_group("engine arguments")
         for f in dataclasses.fields(EngineArgs):
             flag = "--" + f.name.replace("_", "-")
-            help_text = f.metadata.get("help", "") + f" (default: {f.default})"
+            help_text = f.metadata.get("help", "")
+            if "default:" not in help_text:  # each default printed once
+                help_text += f" (default: {f.default})"
             if f.type in ("bool", bool):
                 group.add_argument(
                     flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text

@@ -31,6 +31,13 @@ class LLM:
             self.engine = LLMEngine.from_engine_args(args)
         self._counter = 0
 
+    @classmethod
+    def from_engine(cls, engine) -> LLM:
+        """An `LLM` over an engine built by the caller (e.g. with its own `num_speculative_tokens`)."""
+        llm = cls.__new__(cls)
+        llm.engine, llm._counter = engine, 0
+        return llm
+
     def get_tokenizer(self) -> ChatTokenizer:
         """The checkpoint's tokenizer: `encode(text)` -> ids (as `generate` tokenizes a text prompt),
         `decode(ids)` -> text, `apply_chat_template(messages)`."""
@@ -54,11 +61,12 @@ class LLM:
         pass token prompts.
 
         As in vLLM, an invalid request (malformed prompt, bad sampling parameters given as a dict,
-        empty or too long prompt, token ids outside the vocabulary, `so_args` that do not compile)
-        raises a ValueError naming the request's index before any request runs. With
-        `raise_on_error=False` such a request gets `error` set and empty `outputs` instead, and the
-        others complete. A request that fails while running (its forward or its grammar) always
-        comes back with `error` set, without disturbing the others.
+        empty or too long prompt, any token id outside the vocabulary: prompt, golden, stop or so_args
+        ids; `so_args` that do not compile) raises a ValueError naming the request's index before any
+        request runs. With `raise_on_error=False` such a request gets `error` set and empty `outputs`
+        instead, and the others complete. A request that fails while running (its step: the forward,
+        sampling, detokenizing or its grammar) always comes back with `error` set, without disturbing
+        the others.
         """
         parsed = parse_prompts(prompts, prompt_token_ids)
         count = len(parsed)
@@ -75,7 +83,7 @@ class LLM:
                 p = SamplingParams(**p) if isinstance(p, dict) else p.clone()
                 if ids is None:
                     ids = engine.encode(prompt.text)
-                engine.validate_prompt(ids)
+                ids = engine.validate_request(ids, p)
                 prepared.append((prompt.text, ids, p, None))
             except (ValueError, TypeError) as e:
                 if raise_on_error:
@@ -93,7 +101,7 @@ class LLM:
                     engine.add_request(rid, prompt, p, prompt_token_ids=ids)
                     continue
                 except ValueError as e:  # found only on admission (e.g. so_args that do not compile)
-                    if raise_on_error:
+                    if raise_on_error:  # nothing of the call runs
                         engine.abort_all()  # the requests of this call already added
                         raise ValueError(f"request {i}: {e}") from e
                     error = str(e)

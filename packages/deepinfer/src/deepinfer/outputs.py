@@ -55,7 +55,9 @@ class CompletionOutput:
     # token, when not among them, ranks after them (ties go to the listed ones).
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None  # sum of the chosen tokens' logprobs (when requested)
-    finish_reason: str | None = None  # "stop", "length", "abort", "error", "prompt_length_exceeded"
+    # "stop", "length", "abort", "error", "prompt_length_exceeded", "insufficient_system_resource"
+    # (preempted and not recomputed: EngineArgs.stop_preempted_request)
+    finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     num_logprobs: int | None = None  # the alternatives asked for per position (SamplingParams.logprobs)
 

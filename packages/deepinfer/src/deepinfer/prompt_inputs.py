@@ -4,12 +4,17 @@ One prompt is a string, a list of token ids, `{"prompt": str}` or `{"prompt_toke
 (a dict may carry both: the ids are run, the text is reported as the output's prompt). `prompts`
 is one prompt or a list of them; a list of ints is one token prompt, never a batch of one-token
 prompts.
+
+Here only the form is decided: a token prompt is a list (or tuple) of integers. Whether each id is a
+usable token (not a bool, inside the vocabulary) is the engine's check (`engine/request_checks.py`),
+whose message names the position.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from numbers import Integral
 
 _DICT_KEYS = ("prompt", "prompt_token_ids")
 
@@ -22,20 +27,18 @@ class ParsedPrompt:
 
 
 def _is_token_list(value) -> bool:
-    return isinstance(value, list | tuple) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value
-    )
+    return isinstance(value, list | tuple) and all(isinstance(t, Integral) for t in value)
 
 
 def _token_ids(value, where: str) -> list[int]:
     if not isinstance(value, list | tuple) or not _is_token_list(value):
         raise ValueError(f"{where} must be a list of int token ids, got {_describe(value)}")
-    return [int(t) for t in value]
+    return list(value)  # as given: the engine's check names a bad id by its position
 
 
 def _describe(value) -> str:
     if isinstance(value, list | tuple):
-        bad = next((t for t in value if not isinstance(t, int) or isinstance(t, bool)), None)
+        bad = next((t for t in value if not isinstance(t, Integral)), None)
         return f"a {type(value).__name__} holding {type(bad).__name__} {bad!r}"
     return f"{type(value).__name__} {value!r}"[:120]
 

@@ -11,6 +11,7 @@ from deepinfer_spec import Purpose, stream_uniform
 from ..runtime.device import to_device
 from .bitmask import TokenBitmask, apply_token_bitmask_
 from .params import RowParams
+from .processors import process_logits_
 from .transform import filtered_probs
 
 
@@ -22,12 +23,15 @@ class SamplerOutput:
     logprobs: torch.Tensor | None = None
     top_token_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
-    # `defer_checks=True`: bool [B], True for a sampled row left with no token of positive probability
-    # (its token is then meaningless); None when no row samples
+    # `defer_checks=True`: bool [B], True for a row, greedy or sampled, left with no token it may produce
+    # (its token is then meaningless); None otherwise
     empty_rows: torch.Tensor | None = None
 
 
-EMPTY_ROW_MESSAGE = "a sampled row has no token left with positive probability (all masked?)"
+EMPTY_ROW_MESSAGE = (
+    "no token left with positive probability: every token is banned (stop_token_ids or EOS before "
+    "min_tokens, the decode blacklist) or disallowed by the structured-output grammar"
+)
 
 
 class Sampler:
@@ -57,8 +61,10 @@ class Sampler:
         overwrite_logits: the caller is done with `logits`, so masking may write into them instead
         of into a copy (a whole [B, V] allocation less); ignored when a row asks for logprobs (they
         are taken from the unmasked logits).
-        defer_checks: instead of raising ValueError when a sampled row has no token left, flag it in
-        `empty_rows` (no host read here; the caller fails that row alone once it reads the tokens)."""
+        defer_checks: instead of raising ValueError when a row has no token left, flag it in
+        `empty_rows` (no host read here; the caller fails that row alone once it reads the tokens).
+        A greedy row has none when its argmax is not finite (every logit masked), a sampled row when
+        its filtered distribution has no mass: both fail alike instead of emitting a banned token."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}")
         raw = logits.float()
@@ -69,7 +75,7 @@ class Sampler:
         dev = raw.device
         greedy = [i for i, r in enumerate(rows) if r.greedy]
         sampled = [i for i, r in enumerate(rows) if not r.greedy]
-        empty = None
+        bad = None
         if not sampled:  # (every row greedy: the decode benchmarks, temperature 0)
             tokens = torch.argmax(masked, dim=-1)  # first maximum = lowest id
         else:
@@ -84,8 +90,6 @@ class Sampler:
             cdf = torch.cumsum(probs, dim=-1)
             total = cdf[:, -1]
             bad = (total <= 0) | ~torch.isfinite(total)
-            if not defer_checks and bool(bad.any()):
-                raise ValueError(EMPTY_ROW_MESSAGE)
             u = to_device(
                 np.array([stream_uniform(rows[i].seed, rows[i].position, purpose) for i in sampled]), dev
             )
@@ -94,11 +98,19 @@ class Sampler:
             last_nonzero = probs.shape[-1] - 1 - torch.argmax((probs.flip(-1) > 0).to(torch.int8), dim=-1)
             picked = torch.minimum(picked, last_nonzero)
             if idx is None:
-                tokens, empty = picked, bad
+                tokens = picked
             else:
                 tokens[idx] = picked
-                empty = torch.zeros(len(rows), dtype=torch.bool, device=dev)
-                empty[idx] = bad
+                sampled_bad = torch.zeros(len(rows), dtype=torch.bool, device=dev)
+                sampled_bad[idx] = bad
+                bad = sampled_bad
+        # A chosen token whose masked logit is not finite was banned: for a greedy row that means every
+        # token was (a sampled row that is not `bad` only draws tokens of positive probability).
+        empty = ~torch.isfinite(masked.gather(1, tokens[:, None]).squeeze(1))
+        if bad is not None:
+            empty |= bad
+        if not defer_checks and bool(empty.any()):
+            raise ValueError(EMPTY_ROW_MESSAGE)
 
         out = SamplerOutput(token_ids=tokens, empty_rows=empty if defer_checks else None)
         if wants:
@@ -116,17 +128,19 @@ def masked_logits(
     allowed: torch.Tensor | TokenBitmask | None,
     inplace: bool = False,
 ) -> torch.Tensor:
-    """`raw` with each row's banned tokens and disallowed tokens (structured output) set to -inf.
+    """`raw` with each row's banned tokens and disallowed tokens (structured output) set to -inf, then
+    its logits processors applied (`processors.py`: allowed ids, bad words, bias, penalties).
 
-    inplace: write into `raw` and return it. Otherwise a new tensor when anything is masked and
-    `raw` itself (unmodified) when nothing is. A `TokenBitmask` touches only its rows.
+    inplace: write into `raw` and return it. Otherwise a new tensor when anything changes and
+    `raw` itself (unmodified) when nothing does. A `TokenBitmask` touches only its rows.
     """
     banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids if 0 <= t < raw.shape[-1]]
     if isinstance(allowed, TokenBitmask):
         allowed.check(raw)
         if not allowed.rows:
             allowed = None
-    if not banned and allowed is None:
+    processed = any(r.processed for r in rows)
+    if not banned and allowed is None and not processed:
         return raw
     masked = raw if inplace else raw.clone()
     if banned:
@@ -136,4 +150,6 @@ def masked_logits(
         apply_token_bitmask_(masked, allowed)
     elif allowed is not None:
         masked.masked_fill_(~allowed.to(device=masked.device, dtype=torch.bool), float("-inf"))
+    if processed:
+        process_logits_(masked, rows)
     return masked

@@ -1,7 +1,10 @@
 """`deepinfer bench prefill|decode|sweep`: Pareto sweeps with the reference's methodology.
 
 One run measures prefill and decode in separate sections (each with its own engine sized for it),
-writes the rows as JSON to `<results-dir>/<name>.json` and one Pareto PNG per phase next to it.
+writes the rows as JSON to `<results-dir>/<name>.json` (rewritten as each phase ends, so a later
+failure keeps what was measured) and one Pareto PNG per phase next to it. The default results
+directory, `benchmarks/out`, is untracked: the published results in `benchmarks/results` stay as
+they are unless `--results-dir` points there.
 """
 
 from __future__ import annotations
@@ -52,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--nextn", type=int, default=None, help="draft tokens per step (default $DEEPINFER_USE_NEXTN_DECODE)"
     )
+    g.add_argument(
+        "--no-plain-baseline",
+        action="store_true",
+        help="with drafts on (nextn > 0), do not also decode the batches with drafts off (by default the "
+        "drafted rows carry the plain run's tok/s and step time: plain_* and *_vs_plain keys)",
+    )
     g.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps per batch (default 2)")
     g.add_argument("--measure-steps", type=int, default=8, help="timed decode steps per batch (default 8)")
     g.add_argument(
@@ -61,7 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode accounting on the plot's main series (both are in the JSON; default full)",
     )
     g = parser.add_argument_group("output, roofline, profiler")
-    g.add_argument("--results-dir", type=Path, default=Path("benchmarks/results"))
+    g.add_argument(
+        "--results-dir",
+        type=Path,
+        default=Path("benchmarks/out"),
+        help="where the JSON rows, PNGs and profiles go (default: %(default)s, untracked)",
+    )
     g.add_argument("--name", default=None, help="file stem of the JSON / PNGs (default bench_<mode>)")
     g.add_argument("--no-plot", action="store_true")
     g.add_argument(
@@ -89,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--profile-dir", type=Path, default=None, help="traces go here (default <results-dir>/profiles)"
     )
     g.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--debug", action="store_true", help="print an error's traceback instead of one line")
     EngineArgs.add_cli_args(parser)
     return parser
 
@@ -101,13 +116,15 @@ def _on_gpu() -> bool:
     return envs.DEEPINFER_ACCELERATOR == "nvidia" and torch.cuda.is_available()
 
 
-def _engine(args, **overrides):
+def _engine(args, nextn: int | None = None, **overrides):
+    """The benchmark's engine: --nextn drafts per step, or `nextn` (the plain baseline's 0)."""
     from ..engine.llm_engine import LLMEngine
     from ..engine_args import EngineArgs
 
     base = EngineArgs.from_cli_args(args)
     # --nextn goes to this engine only: setting the env var would leak into everything after us.
-    return LLMEngine(dataclasses.replace(base, **overrides), num_speculative_tokens=args.nextn)
+    nextn = args.nextn if nextn is None else nextn
+    return LLMEngine(dataclasses.replace(base, **overrides), num_speculative_tokens=nextn)
 
 
 def run(args) -> int:
@@ -116,6 +133,7 @@ def run(args) -> int:
     from rich.console import Console
     from tqdm import tqdm
 
+    from .drafts import compare_to_plain
     from .engine_driver import Driver
     from .intervals import FlagCounter
     from .phases import DecodeConfig, PrefillConfig, run_decode, run_prefill
@@ -161,6 +179,15 @@ def run(args) -> int:
 
     rows: list[dict] = []
     pngs = []
+    out = args.results_dir / f"{name}.json"
+    if args.mode in ("decode", "sweep"):  # checked before any engine is built
+        decode_max_tokens = _decode_max_tokens(args, nextn, console)
+
+    def save() -> None:
+        """The rows so far, rewritten after each phase: a failure in the next one keeps them."""
+        args.results_dir.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(rows, indent=2) + "\n")
+
     n_configs = (len(chunks) if args.mode != "decode" else 0) + (
         len(batches) if args.mode != "prefill" else 0
     )
@@ -198,6 +225,7 @@ def run(args) -> int:
             r["roofline_tok_per_s_per_gpu"] = roof
             r["fraction_of_roofline"] = r["non_cached_tok_per_s_per_gpu"] / roof
         rows += prows
+        save()
         if not args.no_plot:
             pngs.append(
                 plot_prefill(
@@ -217,15 +245,14 @@ def run(args) -> int:
             profile_steps=args.profile_steps,
             profile_dir=profile_dir,
             profile_stacks=args.profile_stacks,
+            request_max_tokens=decode_max_tokens,
         )
         max_len = cfg.context + cfg.max_tokens() + 1
         blocks = -(-max_len // args.block_size) * max(batches) + 1
-        engine = _engine(
-            args,
-            max_num_seqs=max(batches),
-            max_model_len=max_len,
-            num_kv_blocks=args.num_kv_blocks or blocks,
+        sizes = dict(
+            max_num_seqs=max(batches), max_model_len=max_len, num_kv_blocks=args.num_kv_blocks or blocks
         )
+        engine = _engine(args, **sizes)
         effective = int(getattr(engine, "num_speculative_tokens", nextn))
         if effective != nextn:  # e.g. a checkpoint without draft blocks: account for what really runs
             console.print(
@@ -239,6 +266,18 @@ def run(args) -> int:
             drows = run_decode(Driver(engine, args.seed), cfg, flags, progress)
         finally:
             engine.close()
+        if cfg.nextn and not args.no_plain_baseline:
+            # the same batches decoded with drafts off, in this run: the drafted rows compare to them
+            plain = _engine(args, nextn=0, **sizes)
+            plain_cfg = dataclasses.replace(cfg, nextn=0, profile_batch=None)
+            plain_flags = FlagCounter()
+            plain_flags.watch_all(plain)
+            try:
+                prows = {r["batch"]: r for r in run_decode(Driver(plain, args.seed), plain_cfg, plain_flags)}
+            finally:
+                plain.close()
+            for r in drows:
+                r.update(compare_to_plain(r, prows[r["batch"]]))
         for r in drows:
             _, roof = decode_roof(costs, ceil, r["batch"], cfg.nextn)
             r["nextn_requested"] = nextn
@@ -247,6 +286,7 @@ def run(args) -> int:
             r["roofline_tok_per_s_per_gpu"] = roof
             r["fraction_of_roofline"] = r["full_acceptance_tok_per_s_per_gpu"] / roof
         rows += drows
+        save()
         if not args.no_plot:
             pngs.append(
                 plot_decode(
@@ -260,13 +300,59 @@ def run(args) -> int:
             )
     progress.close()
     print_table(console, rows)
-    args.results_dir.mkdir(parents=True, exist_ok=True)
-    out = args.results_dir / f"{name}.json"
-    out.write_text(json.dumps(rows, indent=2) + "\n")
+    save()
     console.print(
         f"wrote {out}" + "".join(f", {p}" for p in pngs) + f" ({time.perf_counter() - t_start:.1f}s)"
     )
     return 0
+
+
+def model_position_limit(model: str | None) -> int | None:
+    """The checkpoint's max_position_embeddings (top level or text_config), read without loading it."""
+    from ..default_model import resolve_model
+
+    path, _ = resolve_model(model)
+    raw = json.loads((path / "config.json").read_text())
+    limit = raw.get("max_position_embeddings") or raw.get("text_config", {}).get("max_position_embeddings")
+    return int(limit) if limit else None
+
+
+def _decode_max_tokens(args, nextn: int, console) -> int | None:
+    """Tokens each decode request may generate, fitted to the model's context: the fill headroom
+    (decode steps taken while the rest of a large batch is prefilled) shrinks to what fits, with a
+    note; if even the measured steps do not fit, the run stops here, before any engine is built."""
+    from .phases import DecodeConfig
+
+    cfg = DecodeConfig(
+        batches=[1],
+        context=args.decode_context,
+        nextn=nextn,
+        warmup_steps=args.warmup_steps,
+        measure_steps=args.measure_steps,
+        profile_steps=args.profile_steps,
+    )
+    wanted = cfg.max_tokens()
+    limits = [x for x in (args.max_model_len, model_position_limit(args.model)) if x]
+    if not limits:
+        return None
+    limit = min(limits)
+    room = limit - cfg.context - 1  # positions left for generated tokens
+    if wanted <= room:
+        return None
+    needed = cfg.min_max_tokens()
+    if needed > room:
+        raise ValueError(
+            f"decode needs {cfg.context} prompt + {needed} generated + 1 = {cfg.context + needed + 1} "
+            f"positions per request ({cfg.measure_steps} measured, {cfg.warmup_steps} warm-up and "
+            f"{cfg.profile_steps} profiled steps of 1 + nextn = {1 + nextn} tokens, 2 spare), but the "
+            f"model allows {limit}: lower --decode-context, --measure-steps or --nextn"
+        )
+    console.print(
+        f"[yellow]note:[/] the model allows {limit} positions; each decode request generates {room} "
+        f"tokens instead of {wanted} (less fill headroom: a batch whose prefill spans many steps may not "
+        "fit; lower --decode-context or --nextn if a request finishes inside the window)"
+    )
+    return room
 
 
 def _title(phase: str, engine) -> str:

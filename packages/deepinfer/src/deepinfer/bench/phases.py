@@ -11,6 +11,7 @@ import torch
 
 from ..engine.device_timing import summarize_timings
 from . import accounting
+from .drafts import spec_keys, spec_snapshot
 from .engine_driver import Driver, profiled
 from .intervals import FlagCounter, Interval, summarize, timed
 
@@ -41,12 +42,19 @@ class DecodeConfig:
     profile_steps: int = 2
     profile_dir: Path | None = None
     profile_stacks: bool = False
+    request_max_tokens: int | None = None  # tokens per request when the model's context caps them
 
     def max_tokens(self) -> int:
-        steps = self.warmup_steps + self.measure_steps + self.profile_steps + 2
+        if self.request_max_tokens is not None:
+            return self.request_max_tokens
         # + FILL_HEADROOM: while a large batch's prompts are still prefilled (several steps once
         # batch x context exceeds the step's token budget), the requests admitted first already decode
-        return (steps + FILL_HEADROOM) * (1 + self.nextn)
+        return self.min_max_tokens() + FILL_HEADROOM * (1 + self.nextn)
+
+    def min_max_tokens(self) -> int:
+        """Tokens a request needs for the warm-up, measured and profiled steps (plus 2 spare)."""
+        steps = self.warmup_steps + self.measure_steps + self.profile_steps + 2
+        return steps * (1 + self.nextn)
 
 
 FILL_HEADROOM = 64  # decode steps a request may take before the last prompt of its batch is prefilled
@@ -153,7 +161,7 @@ def run_decode(driver: Driver, cfg: DecodeConfig, flags: FlagCounter | None, pro
                 )
             return engine.stats.generated_tokens - before
 
-        spec_before = _spec_counts(engine)
+        spec_before, snap_before = _spec_counts(engine), spec_snapshot(engine)
         engine.flush_device_timing()  # (before the window: the steps so far are not the window's)
         timings_before, chained_before = len(engine.stats.device_timings), _chained(engine)
         intervals = []
@@ -161,7 +169,7 @@ def run_decode(driver: Driver, cfg: DecodeConfig, flags: FlagCounter | None, pro
             running = driver.running()
             iv, _ = timed(one_step, flags, lambda emitted: emitted, batch=running)
             intervals.append(iv)
-        spec_after = _spec_counts(engine)
+        spec_after, snap_after = _spec_counts(engine), spec_snapshot(engine)
         chained = _chained(engine) - chained_before
         engine.flush_device_timing()
         window = list(engine.stats.device_timings)[timings_before:]
@@ -203,6 +211,8 @@ def run_decode(driver: Driver, cfg: DecodeConfig, flags: FlagCounter | None, pro
             accepted, verified = (a - b for a, b in zip(spec_after, spec_before))
             row.update(window_drafts_verified=verified, window_drafts_accepted=accepted)
             row["window_draft_accept_rate"] = accepted / verified if verified else None
+        # per draft position, mean accepted length, drafter host time (the window's; `nextn` stays cfg's)
+        row.update((k, v) for k, v in spec_keys(snap_before, snap_after).items() if k != "nextn")
         if cfg.profile_batch == batch and cfg.profile_dir is not None:
             path = cfg.profile_dir / f"decode_batch{batch}.json"
             with profiled(path, cfg.profile_stacks):  # attached only now, after the window was measured

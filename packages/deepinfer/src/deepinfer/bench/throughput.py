@@ -5,7 +5,12 @@ On CUDA each record also has the device's idle gap before each decode step (CUDA
 engine/device_timing.py): `idle_gap_us_median` / `_p90` / `_mean` / `_max`, `device_busy_us_median`,
 `device_idle_fraction` (gap / (gap + busy) over decode steps), `decode_steps_timed`; the async record's
 `idle_gap_median_vs_sync` is its median gap over the sync loop's (how much host time it hides).
-On the CPU these are None (nothing is timed there)."""
+On the CPU these are None (nothing is timed there).
+
+When the engine drafts (nextn > 0) the same workload also runs with drafts off (unless
+--no-plain-baseline), interleaved with the drafted runs: records carry `drafts_on`, the drafted ones
+acceptance per draft position, mean accepted length, and their tok/s, step time and device timings
+against the plain run (`*_vs_plain`, `plain_*`; `bench/drafts.py`)."""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ import random
 import time
 from pathlib import Path
 
-from ..engine.device_timing import summarize_timings
+from .drafts import compare_to_plain, spec_keys, spec_snapshot
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +37,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=2,
         help="timed runs per loop, interleaved; the median is reported (default: 2)",
+    )
+    g.add_argument(
+        "--no-plain-baseline",
+        action="store_true",
+        help="when the engine drafts (nextn > 0), do not also run the workload with drafts off "
+        "(by default both run, interleaved, and the drafted records compare themselves to the plain ones)",
     )
     g.add_argument("--output-json", type=Path, default=None, help="write the result records here")
 
@@ -56,6 +67,7 @@ def run_bench(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from ..engine.llm_engine import LLMEngine
     from ..engine_args import EngineArgs
     from ..llm import LLM
 
@@ -64,7 +76,7 @@ def run_bench(args) -> int:
     for loop in loops:
         if loop not in ("sync", "async"):
             raise SystemExit(f"--loops entries must be sync or async, got {loop!r}")
-    engines = {}
+    engines: dict[tuple[str, bool], LLM] = {}  # (loop, drafts on) -> engine
     for loop in loops:
         engine_args = EngineArgs.from_cli_args(args)
         engine_args.async_scheduling = loop == "async"
@@ -73,28 +85,35 @@ def run_bench(args) -> int:
             raise SystemExit(
                 "DEEPINFER_ZERO_OVERHEAD_SCHEDULING overrides --loops; unset it to compare loops"
             )
-        engines[loop] = llm
+        drafts = int(getattr(llm.engine, "num_speculative_tokens", 0)) > 0
+        engines[(loop, drafts)] = llm
+        # (a data-parallel front builds its rank engines itself: no plain twin for it here)
+        if drafts and not args.no_plain_baseline and engine_args.data_parallel_size <= 1:
+            engines[(loop, False)] = LLM.from_engine(LLMEngine(engine_args, num_speculative_tokens=0))
     prompts, params = make_workload(args, next(iter(engines.values())).engine.vocab_size)
     for llm in engines.values():  # warm-up: one-time costs (allocations, first forward) are not timed
         llm.generate(prompt_token_ids=[prompts[0][:8]], sampling_params=params[0], use_tqdm=False)
 
-    runs: dict[str, list[dict]] = {loop: [] for loop in loops}
-    tokens_by_loop = {}
+    runs: dict[tuple[str, bool], list[dict]] = {key: [] for key in engines}
+    tokens_by_run = {}
     for rep in range(args.repeats):
-        order = loops if rep % 2 == 0 else loops[::-1]  # interleave so machine noise hits both loops
-        for loop in order:
-            llm = engines[loop]
+        keys = list(engines)
+        order = keys if rep % 2 == 0 else keys[::-1]  # interleave so machine noise hits every run
+        for key in order:
+            loop = key[0]
+            llm = engines[key]
             engine = llm.engine
             engine.flush_device_timing()  # the warm-up's / previous run's last steps go to the old stats
             engine.stats.__init__()
+            spec_before = spec_snapshot(engine)
             t0 = time.perf_counter()
             outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=True)
             elapsed = time.perf_counter() - t0
             engine.flush_device_timing()  # after the clock: waiting for the events is not the run's time
             gen = sum(len(c.token_ids) for o in outs for c in o.outputs)
-            tokens_by_loop[loop] = [c.token_ids for o in outs for c in o.outputs]
+            tokens_by_run[key] = [c.token_ids for o in outs for c in o.outputs]
             st = engine.stats
-            runs[loop].append(
+            runs[key].append(
                 {
                     "loop": loop,
                     "model": str(engine.model_path),
@@ -105,6 +124,7 @@ def run_bench(args) -> int:
                     "output_tok_per_s": gen / elapsed,
                     "total_tok_per_s": (gen + sum(map(len, prompts))) / elapsed,
                     "steps": st.steps,
+                    "ms_per_step": elapsed * 1e3 / st.steps if st.steps else None,
                     "schedule_ms": st.schedule_s * 1e3,
                     "hidden_schedule_ms": st.hidden_schedule_s * 1e3,
                     "prepare_ms": st.prepare_s * 1e3,
@@ -113,32 +133,38 @@ def run_bench(args) -> int:
                     "hidden_process_ms": st.hidden_process_s * 1e3,
                     "forward_ms": st.forward_s * 1e3,
                     "sample_ms": st.sample_s * 1e3,
+                    **spec_keys(spec_before, spec_snapshot(engine)),
                     **_gap_keys(st),
                 }
             )
     for llm in engines.values():
         llm.close()
     records = []
-    for loop in loops:
-        ordered = sorted(runs[loop], key=lambda r: r["output_tok_per_s"])
+    for key in engines:
+        ordered = sorted(runs[key], key=lambda r: r["output_tok_per_s"])
         median = dict(ordered[len(ordered) // 2])
         median["repeats"] = len(ordered)
         median["output_tok_per_s_min"] = ordered[0]["output_tok_per_s"]
         median["output_tok_per_s_max"] = ordered[-1]["output_tok_per_s"]
         records.append(median)
-    base = next((r for r in records if r["loop"] == "sync"), None)
     for r in records:
+        same_drafts = [b for b in records if b["drafts_on"] == r["drafts_on"]]
+        base = next((b for b in same_drafts if b["loop"] == "sync"), None)
         r["speedup_vs_sync"] = r["output_tok_per_s"] / base["output_tok_per_s"] if base else None
         gap, base_gap = r["idle_gap_us_median"], base["idle_gap_us_median"] if base else None
         r["idle_gap_median_vs_sync"] = gap / base_gap if gap is not None and base_gap else None
-    if {"sync", "async"} <= tokens_by_loop.keys():
-        same = tokens_by_loop["sync"] == tokens_by_loop["async"]
-        for r in records:
-            r["tokens_identical_sync_async"] = same
+        both = [(loop, r["drafts_on"]) for loop in ("sync", "async")]
+        if all(k in tokens_by_run for k in both):
+            r["tokens_identical_sync_async"] = tokens_by_run[both[0]] == tokens_by_run[both[1]]
+        if r["drafts_on"]:
+            plain = next((b for b in records if b["loop"] == r["loop"] and not b["drafts_on"]), None)
+            if plain is not None:
+                r.update(compare_to_plain(r, plain))
 
     table = Table(title="deepinfer offline throughput")
     for col in (
         "loop",
+        "drafts",
         "requests",
         "out tokens",
         "tok/s",
@@ -155,6 +181,7 @@ def run_bench(args) -> int:
     for r in records:
         table.add_row(
             r["loop"],
+            _drafts_cell(r),
             str(r["num_requests"]),
             str(r["output_tokens"]),
             f"{r['output_tok_per_s']:.1f}",
@@ -170,8 +197,20 @@ def run_bench(args) -> int:
             "-" if r["idle_gap_median_vs_sync"] is None else f"{r['idle_gap_median_vs_sync']:.3f}x",
         )
     console.print(table)
-    if "tokens_identical_sync_async" in records[0]:
-        console.print(f"sync and async tokens identical: {records[0]['tokens_identical_sync_async']}")
+    for r in records:
+        if "tokens_identical_sync_async" in r and r["loop"] == "async":
+            on = "on" if r["drafts_on"] else "off"
+            console.print(f"drafts {on}: sync and async tokens identical: {r['tokens_identical_sync_async']}")
+        if r.get("output_tok_per_s_vs_plain") is not None:
+            console.print(
+                f"{r['loop']} loop, nextn {r['nextn']}: tok/s {r['output_tok_per_s_vs_plain']:.3f}x of drafts off, "
+                f"step time {r['ms_per_step_vs_plain']:.3f}x, mean accepted {r['mean_accepted_len_tokens']:.3f} "
+                f"drafts/step, acceptance per position "
+                + " ".join(
+                    "-" if r[f"accept_rate_pos{j}"] is None else f"{r[f'accept_rate_pos{j}']:.3f}"
+                    for j in range(1, r["nextn"] + 1)
+                )
+            )
     if args.output_json:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)
         args.output_json.write_text(json.dumps(records, indent=2) + "\n")
@@ -179,8 +218,17 @@ def run_bench(args) -> int:
     return 0
 
 
+def _drafts_cell(r: dict) -> str:
+    if not r["drafts_on"]:
+        return "off"
+    acc = r.get("mean_accepted_len_tokens")
+    return f"{r['nextn']} (acc {acc:.2f})" if acc is not None else str(r["nextn"])
+
+
 def _gap_keys(stats) -> dict:
     """Device idle gap per decode step of one run (None on the CPU, where nothing is timed)."""
+    from ..engine.device_timing import summarize_timings
+
     summary = summarize_timings(stats.device_timings, decode_only=True)
     return {
         "decode_steps_timed": summary["timed_steps"],

@@ -5,8 +5,13 @@ emits its token and marks the ids it cannot know as -1) and queues it behind N; 
 those ids from the tokens it sampled in N (`prev_rows`), on the device: N+1 is launched before N's
 tokens are read back (`step_pipeline.py`), so the device runs N+1 right behind N
 (DEEPINFER_ASYNC_DEVICE_INPUTS=0: filled on the host once N is read). The host then commits N
-(`update_from_output`) and detokenizes it while N+1 runs. Steps with structured-output rows instead
-wait for N, `reconcile`, and launch (their grammar masks need N's tokens).
+(`update_from_output`) and detokenizes it while N+1 runs. Steps with structured-output rows, or rows
+whose penalties / bad words read the seen tokens, instead wait for N, `reconcile`, and launch (their
+grammar masks and processors need N's tokens).
+
+A step that fails to build fails its requests at once and stays in line with a result of errors only,
+so the scheduler still commits the steps in the order it scheduled them; a step whose model work
+raised is committed the same way.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from . import scheduling
+from .step_io import StepResult
 from .step_pipeline import StepPipeline
 from .step_strategy import StepContext, StepStrategy
 
@@ -63,7 +69,7 @@ class AsyncStep(StepStrategy):
         # by the scheduler (it will recompute it); the engine must drop it too.
         preempted = set(scheduling.preempted(nxt))
         if scheduling.is_empty(nxt):
-            scheduling.retire(self.scheduler, nxt)
+            self._retire(nxt)
             nxt = None
         elif not self._needs_reconcile(nxt):
             # Queue N+1 behind N now: the worker fills its unknown input ids from N's tokens
@@ -76,29 +82,43 @@ class AsyncStep(StepStrategy):
                 self.stats.hidden_prepare_s += dt
             nxt = None
         self._vote_async()  # before waiting: the other ranks join step N's all-to-alls only after it
-        result = head.future.result()
+        result = self._result(head)
         self._inflight.popleft()
         t0 = time.perf_counter()
-        finished = self.output.commit(head.out, result, preempted)
+        try:
+            finished = self.output.commit(head.out, result, preempted)
+        except Exception as e:  # noqa: BLE001 - (after the scheduler's commit) the step's requests fail
+            result, finished = self._fail_step(head.out, "output processing", e), {}
         t1 = time.perf_counter()
         self._count_process(t1 - t0)
         if nxt is not None:  # structured rows: their masks need N's tokens, so reconcile on the host
             nxt = scheduling.reconcile(self.scheduler, nxt)
             if scheduling.is_empty(nxt):
-                scheduling.retire(self.scheduler, nxt)
+                self._retire(nxt)
             else:
                 self._launch(nxt)
             self.stats.prepare_s += time.perf_counter() - t1
         # Detokenize N's tokens while N+1 runs.
         t0 = time.perf_counter()
-        self.output.emit(head.out, result, finished, preempted)
+        try:
+            self.output.emit(head.out, result, finished, preempted)
+        except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
+            self._fail_step(head.out, "output processing", e)
         self._count_process(time.perf_counter() - t0)
         self.table.collect_all()
 
     def settle(self) -> None:
         while self._inflight:
             done = self._inflight.popleft()
-            self.output.commit(done.out, done.future.result())
+            self.output.commit(done.out, self._result(done))
+
+    def _result(self, step: _InFlight) -> StepResult:
+        """The step's result; a failure of its model work (launch, forward, sampling, read-back) fails
+        the step's requests."""
+        try:
+            return step.future.result()
+        except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
+            return self._fail_step(step.out, "model step", e)
 
     def close(self) -> None:
         while self._inflight:
@@ -116,15 +136,23 @@ class AsyncStep(StepStrategy):
             self.stats.hidden_process_s += dt
 
     def _needs_reconcile(self, out) -> bool:
-        """Grammar masks are built from the state after the previous step: such steps wait for it."""
+        """Grammar masks and the logits processors that read the seen tokens (penalties, bad words)
+        are built from the state after the previous step: such steps wait for it."""
         seqs = self.table.seqs
         return any(
-            (seq := seqs.get(seq_id)) is not None and seq.grammar is not None
+            (seq := seqs.get(seq_id)) is not None
+            and (seq.grammar is not None or seq.request.reads_seen_tokens)
             for seq_id in scheduling.seq_ids(out).tolist()
         )
 
     def _launch(self, out, fill_from_previous: bool = False) -> None:
-        step = self._build(out, fill_from_previous)
+        try:
+            step = self._build(out, fill_from_previous)
+        except Exception as e:  # noqa: BLE001 - its requests fail now; it is committed in its turn
+            future = Future()
+            future.set_result(self._fail_step(out, "prepare", e))
+            self._inflight.append(_InFlight(out, future))
+            return
         future = self.pipeline.submit_step(step, chain=fill_from_previous)
         self._inflight.append(_InFlight(out, future))
         if self.dp is not None:

@@ -35,6 +35,7 @@ import random
 import shutil
 import tempfile
 import time
+import weakref
 from collections import deque
 from multiprocessing import connection
 from pathlib import Path
@@ -45,8 +46,8 @@ from deepinfer_model import check_prompt_logprobs
 
 from ..default_model import resolve_model
 from ..engine_args import EngineArgs
-from ..outputs import RequestMetrics, RequestOutput
-from ..sampling_params import SamplingParams
+from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
+from ..sampling_params import SamplingParams, validate_vocab_fields
 from ..tokenizer import load_tokenizer, load_tokenizer_config
 from .dp_rank import DataParallelRank
 from .prompts import PromptChecks
@@ -99,8 +100,12 @@ class DataParallelEngine(PromptChecks):
     """The `LLMEngine` interface `LLM` uses, served by `data_parallel_size` rank processes.
 
     `add_request` queues; the next `step()` sends the queued requests to the ranks and returns the
-    outputs that arrive. A crash of a rank, or no message for `args.distributed_timeout` seconds while
-    requests are outstanding, raises RuntimeError / TimeoutError here; the engine is then closed.
+    outputs that arrive; `abort_request` / `abort_all` stop requests on whichever rank holds them. The
+    ranks must start within `args.distributed_startup_timeout` seconds; once running, a rank that
+    sends no sign of life (it beats every second from a thread of its own) or makes no progress for
+    `args.distributed_timeout` seconds is named in a TimeoutError, and a crashed rank in a
+    RuntimeError, raised here; the engine is then closed. The ranks stop when the engine is closed,
+    garbage-collected or the interpreter exits.
     """
 
     def __init__(self, args: EngineArgs) -> None:
@@ -108,6 +113,7 @@ class DataParallelEngine(PromptChecks):
         self.world = args.data_parallel_size
         self.use_async = args.use_async
         self.timeout_s = float(args.distributed_timeout)
+        self.startup_timeout_s = float(args.distributed_startup_timeout)
         self.model_path, self.is_default_model = resolve_model(args.model)
         tok_path = Path(args.tokenizer) if args.tokenizer else self.model_path
         self.tokenizer = load_tokenizer(tok_path)
@@ -123,20 +129,32 @@ class DataParallelEngine(PromptChecks):
         self._outstanding: set[str] = set()
         self._ready: deque[RequestOutput] = deque()
         self._failed: str | None = None
-        self._last_heard = time.monotonic()  # last message from any rank (or dispatch to them)
+        # Per rank: when the front last heard from it (any message, or a message sent to it while it
+        # was idle: its silence starts then), and when it last made progress (its beats' counter moved,
+        # or it sent outputs).
+        now = time.monotonic()
+        self._heard_at = [now] * self.world
+        self._progress_at = [now] * self.world
+        self._progress = [0] * self.world
         self._tokenizer_dir = tok_path
         self._structured = None  # StructuredOutputs, built on the first so_args request
         self._dir = tempfile.mkdtemp(prefix="deepinfer-dp-")
         child_args = dataclasses.replace(args, model=str(self.model_path))
         ctx = mp.get_context("spawn")
         self._conns, self._procs = [], []
+        # Stops the ranks at close(), when the engine is collected, or at interpreter exit while every
+        # module still works (a __del__ run late in the shutdown would find them torn down).
+        self._finalizer = weakref.finalize(self, _stop_ranks, self._conns, self._procs, self._dir)
         try:
             with no_multicast_environment():  # NVLink multicast off in every rank
                 for rank in range(self.world):
                     ours, theirs = ctx.Pipe()
                     p = ctx.Process(
                         target=_rank_main,
-                        args=(rank, self.world, os.path.join(self._dir, "rendezvous"), child_args, theirs, self.timeout_s),
+                        args=(
+                            rank, self.world, os.path.join(self._dir, "rendezvous"), child_args, theirs,
+                            self.startup_timeout_s, self.timeout_s,
+                        ),
                         name=f"deepinfer-dp{rank}",
                         daemon=True,
                     )  # fmt: skip
@@ -171,11 +189,12 @@ class DataParallelEngine(PromptChecks):
         check_prompt_logprobs(
             settings_from_env(), params.prompt_logprobs is not None
         )  # YoCo truncation refuses them
+        validate_vocab_fields(params, self.vocab_size)
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("either prompt or prompt_token_ids must be given")
             prompt_token_ids = self.encode(prompt)
-        self.validate_prompt(prompt_token_ids)
+        prompt_token_ids = self.validate_request(prompt_token_ids, params)
         if params.so_args is not None:  # compiled here too: a bad grammar fails before any seed is drawn
             if self._structured is None:
                 self._structured = StructuredOutputs(self._tokenizer_dir, self.vocab_size, self.eos_token_id)
@@ -209,52 +228,65 @@ class DataParallelEngine(PromptChecks):
         self._ready.clear()
         return done
 
+    def abort_request(self, request_id: str) -> bool:
+        """Stop one request, as `LLMEngine.abort_request`: False if the front does not hold it. A queued
+        one ends here; a dispatched one on its rank, which frees its blocks. Its output (finish_reason
+        "abort", or its normal end if it finished before the abort arrived) comes from `step()`."""
+        self._check_usable()
+        for i, req in enumerate(self._pending):
+            if req[0] == request_id:
+                del self._pending[i]
+                self._ready.append(_aborted_output(req))
+                return True
+        if request_id not in self._outstanding:
+            return False
+        self._broadcast(("abort", [request_id]))
+        return True
+
     def abort_all(self) -> list[RequestOutput]:
         """Abort every request (queued ones never leave the front); returns their outputs."""
         done = list(self._ready)
         self._ready.clear()
-        for rid, prompt, ids, _, _ in self._pending:
-            done.append(
-                RequestOutput(rid, prompt, ids, [], RequestMetrics(time.perf_counter()), error="aborted")
-            )
+        done += [_aborted_output(req) for req in self._pending]
         self._pending = []
         if self._outstanding and self._failed is None:
-            self._last_heard = time.monotonic()
-            self._broadcast(("abort",))
+            self._broadcast(("abort", None))
             self._receive(until=lambda: not self._outstanding)
             done += list(self._ready)
             self._ready.clear()
         return done
 
+    def scheduler_stats(self) -> dict:
+        """`LLMEngine.scheduler_stats()` summed over the ranks (kv_usage and prefix_cache_hit_rate
+        recomputed from the sums), plus "ranks": each rank's own. As of each rank's last report: final
+        once `step()` has returned the last outputs of a run, at most ~5 s old while one runs."""
+        ranks = [dict(s.get("scheduler", {})) for s in self._rank_stats]
+        total: dict = {}
+        for stats in ranks:
+            for key, value in stats.items():
+                if isinstance(value, int) and not isinstance(value, bool):
+                    total[key] = total.get(key, 0) + value
+        if total:
+            total["kv_usage"] = (
+                1.0 - total["num_free_blocks"] / total["num_blocks"] if total["num_blocks"] else 0.0
+            )
+            queried = total["prefix_cache_query_tokens"]
+            total["prefix_cache_hit_rate"] = total["prefix_cache_hit_tokens"] / queried if queried else 0.0
+        total["ranks"] = ranks
+        return total
+
     def close(self) -> None:
         """Stop the ranks (politely, then by force) and remove the rendezvous directory."""
-        for conn, p in zip(self._conns, self._procs):
-            if p.is_alive():
-                with contextlib.suppress(OSError):
-                    conn.send(("close",))
-        deadline = time.monotonic() + 10.0
-        for p in self._procs:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
-        self._kill()
-        for conn in self._conns:
-            conn.close()
-        self._conns, self._procs = [], []
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._finalizer()
         if self._structured is not None:
             self._structured.close()
             self._structured = None
         if self._failed is None:
             self._failed = "the data-parallel engine is closed"
 
-    def __del__(self):
-        with contextlib.suppress(Exception):
-            self.close()
-
     # ------------------------------------------------------------------ internals
     def _dispatch(self) -> None:
         pending, self._pending = self._pending, []
-        if not self._outstanding:  # the ranks were idle: the silence starts now
-            self._last_heard = time.monotonic()
         ranks = assign_ranks([len(r[2]) * r[3].n for r in pending], self.world)
         shares = [[] for _ in range(self.world)]
         for req, r in zip(pending, ranks):
@@ -268,8 +300,11 @@ class DataParallelEngine(PromptChecks):
             self._send(conn, msg)
 
     def _send(self, conn, msg) -> None:
+        rank = self._conns.index(conn)
+        if self._settled[rank] == self._sent[rank]:  # the rank was idle: its silence starts now
+            self._heard_at[rank] = self._progress_at[rank] = time.monotonic()
         self._send_raw(conn, msg)
-        self._sent[self._conns.index(conn)] += 1  # every message but close, which ends the rank
+        self._sent[rank] += 1  # every message but close, which ends the rank
 
     def _send_raw(self, conn, msg) -> None:
         try:
@@ -287,13 +322,26 @@ class DataParallelEngine(PromptChecks):
 
         def on_ready(msg):
             ready[msg[1]] = msg[2]
+            self._rank_stats[msg[1]] = msg[2]["stats"]
 
-        self._receive(until=lambda: len(ready) == self.world, on_ready=on_ready, what="starting")
+        deadline = time.monotonic() + self.startup_timeout_s
+
+        def started() -> bool:
+            if len(ready) < self.world and time.monotonic() > deadline:
+                late = [r for r in range(self.world) if r not in ready]
+                self._fail(
+                    f"data-parallel {_ranks(late)} not ready after {self.startup_timeout_s:.0f} s "
+                    "(distributed_startup_timeout)",
+                    TimeoutError,
+                )
+            return len(ready) == self.world
+
+        self._receive(until=started, on_ready=on_ready, what="starting")
         return ready[0]
 
     def _receive(self, until, on_ready=None, what: str = "running", max_wait_s: float | None = None) -> None:
         """Handle rank messages until `until()` (or `max_wait_s` passed); raise on a dead rank, an
-        error report or no message from any rank for `distributed_timeout` seconds."""
+        error report, or a running rank silent or without progress for `distributed_timeout` s."""
         start = time.monotonic()
         while not until() and (max_wait_s is None or time.monotonic() - start < max_wait_s):
             ready = connection.wait(self._conns, timeout=POLL_S)
@@ -302,9 +350,14 @@ class DataParallelEngine(PromptChecks):
                     msg = conn.recv()
                 except (EOFError, OSError):
                     continue  # the process is gone: its exit code is reported below
-                self._last_heard = time.monotonic()
+                rank, now = self._conns.index(conn), time.monotonic()
+                self._heard_at[rank] = now
                 kind = msg[0]
-                if kind == "error":
+                if kind != "beat" or msg[2] != self._progress[rank]:
+                    self._progress_at[rank] = now
+                if kind == "beat":
+                    self._progress[rank] = msg[2]
+                elif kind == "error":
                     self._fail(f"data-parallel rank {msg[1]} failed while {what}:\n{msg[2]}")
                 elif kind == "ready" and on_ready is not None:
                     on_ready(msg)
@@ -319,12 +372,30 @@ class DataParallelEngine(PromptChecks):
             for rank, p in enumerate(self._procs):
                 if p.exitcode is not None:
                     self._fail(f"data-parallel rank {rank} exited with code {p.exitcode} while {what}")
-            if time.monotonic() - self._last_heard > self.timeout_s:
-                self._fail(
-                    f"no message from any data-parallel rank for {self.timeout_s:.0f} s while {what} "
-                    "(distributed_timeout)",
-                    TimeoutError,
-                )
+            if what != "starting":
+                self._check_running_ranks(what)
+
+    def _check_running_ranks(self, what: str) -> None:
+        """Fail naming the running ranks that sent nothing (frozen, or dead without exiting yet) or
+        made no progress (alive, stuck: in a step, or in a collective waiting for a silent rank) for
+        `distributed_timeout` seconds. A rank that has reported the end of its run is not watched."""
+        now, limit = time.monotonic(), self.timeout_s
+        running = [r for r in range(self.world) if self._settled[r] != self._sent[r]]
+        silent = [r for r in running if now - self._heard_at[r] > limit]
+        stuck = [r for r in running if r not in silent and now - self._progress_at[r] > limit]
+        if not silent and not stuck:
+            return
+        parts = []
+        if silent:
+            quiet = max(now - self._heard_at[r] for r in silent)
+            parts.append(f"data-parallel {_ranks(silent)} sent nothing for {quiet:.0f} s (frozen or hung)")
+        if stuck:
+            still = max(now - self._progress_at[r] for r in stuck)
+            waiting = " (waiting for the silent rank)" if silent else " (stuck in a step or a collective)"
+            parts.append(
+                f"data-parallel {_ranks(stuck)} alive but made no progress for {still:.0f} s{waiting}"
+            )
+        self._fail(f"{'; '.join(parts)} while {what} (distributed_timeout={limit:.0f} s)", TimeoutError)
 
     def _update_stats(self) -> None:
         for name in ("steps",):  # steps run in lockstep: the slowest rank's count
@@ -345,18 +416,54 @@ class DataParallelEngine(PromptChecks):
         raise kind(message)
 
     def _kill(self) -> None:
-        for p in self._procs:
-            if p.is_alive():
-                p.terminate()
-        for p in self._procs:
-            p.join(timeout=5.0)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5.0)
+        _kill(self._procs)
 
     def _check_usable(self) -> None:
         if self._failed is not None:
             raise RuntimeError(f"the data-parallel engine cannot be used: {self._failed}")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _aborted_output(req: tuple) -> RequestOutput:
+    """The output of a request aborted before it left the front: as one engine reports a request
+    aborted before its first step (each sample finished "abort", no tokens)."""
+    rid, prompt, ids, params, _ = req
+    metrics = RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(ids))
+    metrics.finish_time = metrics.arrival_time
+    outputs = [CompletionOutput(index=i, finish_reason="abort") for i in range(params.n)]
+    return RequestOutput(rid, prompt, list(ids), outputs, metrics)
+
+
+def _kill(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=5.0)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5.0)
+
+
+def _stop_ranks(conns: list, procs: list, rendezvous_dir: str) -> None:
+    """Ask the ranks to close, give them 10 s, then kill the rest; remove the rendezvous directory.
+    The lists are the engine's own, emptied here, so a second call does nothing."""
+    for conn, p in zip(conns, procs):
+        if p.is_alive():
+            with contextlib.suppress(OSError):
+                conn.send(("close",))
+    deadline = time.monotonic() + 10.0
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    _kill(procs)
+    for conn in conns:
+        conn.close()
+    conns.clear()
+    procs.clear()
+    shutil.rmtree(rendezvous_dir, ignore_errors=True)
 
 
 __all__ = ["DataParallelEngine", "DataParallelRank", "DataParallelStats", "assign_ranks"]

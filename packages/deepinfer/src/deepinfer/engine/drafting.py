@@ -9,6 +9,9 @@ from (rejection sampling needs it to stay exact).
 * `ModelDrafter` — the checkpoint's own DSpark draft blocks (`model.forward(..., num_draft_tokens=k)`).
   Sampled requests draw draft i from the request's filtered distribution of the drafter logits with
   the request's draft stream (seed + DRAFT_SEED_OFFSET, `draft_position`), so runs are reproducible.
+  A request's logits processors (bias, bans, penalties) shape its drafts as they shape its tokens,
+  the earlier drafts counting as output: drafts the target would refuse are not proposed. The
+  verifier applies them to the target rows regardless, so they keep outputs exact either way.
   On the recompute runner this is one extra stateless forward per sequence and step.
 * `PagedDrafter` — the same drafts read from the paged runner's cached drafter keys (the default with
   the paged runner): no extra forward.
@@ -16,21 +19,28 @@ from (rejection sampling needs it to stay exact).
   the stateless model (k extra forwards per sequence). Under greedy decoding every draft is accepted,
   which shows the mechanism's ceiling and overhead in tests and benchmarks.
 
-Devices: the drafted tokens stay on the model's device through the draft loop (the sampler returns
-0-d device tensors, so the model feeds them to the next draft step without a host round trip); a
-sampled request's uniforms are computed on the host from integers, as always, and sent once per
-request; `propose` brings every request's tokens and confidences to the host in one copy.
+Devices: the drafted tokens stay on the model's device through the draft loop. `DraftRowSampler`
+draws draft s of every sequence of a draft batch at once (greedy and sampled rows, tensor ops, uniforms
+computed on the device from the counter-based stream), so a batch costs no per-sequence or per-position
+Python and no host sync; `propose` brings every request's tokens and confidences to the host in one copy.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
 import torch
-from deepinfer_model import RowParams, filtered_probs, model_device, to_device
-from deepinfer_spec import DRAFT_SEED_OFFSET, Purpose, draft_position, inverse_cdf, stream_uniform
+from deepinfer_model import RowParams, filtered_probs, model_device, process_logits_, to_device
+from deepinfer_spec import (
+    DRAFT_SEED_OFFSET,
+    Purpose,
+    draft_position,
+    int64_bits,
+    inverse_cdf,
+    stream_uniforms_tensor,
+)
 
 
 @dataclass
@@ -55,38 +65,80 @@ class Drafter(Protocol):
     def propose(self, requests: list[DraftRequest]) -> list[Drafts]: ...
 
 
-class _DraftSampler:
-    """The `sampler(logits, step)` callback of the model's draft loop: greedy, or a draw from the
-    request's filtered distribution with its draft stream; remembers q for rejection sampling.
-    Returns the token as a 0-d tensor on the logits' device (no host sync per draft step)."""
+class DraftRowSampler:
+    """The seeded draft sampler of a draft batch (the model's `RowSampler`): draft s of every row in one
+    pass of tensor ops. Greedy rows take the argmax of their logits; sampled rows draw by inverse CDF
+    from their request's filtered distribution (`filtered_probs`, the sampler's one logits transform)
+    with their draft stream: seed + DRAFT_SEED_OFFSET at `draft_position(base, accepted, s)`. Row for
+    row these are the draws of sampling each request alone (tested bitwise against recorded drafts).
 
-    def __init__(self, req: DraftRequest) -> None:
-        self.req = req
-        self.probs: list[torch.Tensor] = []
-        self.uniforms: torch.Tensor | None = None
+    The uniforms of every sampled row and draft step are computed on the device at construction
+    (`stream_uniforms_tensor`) from one host-to-device copy of the rows' keys; q of each step is kept
+    (rejection sampling needs it). Nothing is read back to the host, except for rows whose logits
+    processors (penalties, bad words) read the seen tokens: their drafts so far are output tokens to
+    the next draft's processors, read back once per draft step."""
 
-    def _uniforms(self, device: torch.device) -> torch.Tensor:
-        """Every draft step's uniform of this request (host, from integers), in one copy to `device`."""
-        if self.uniforms is None:
-            p, r = self.req.params, self.req
-            u = [
-                stream_uniform(
-                    p.seed + DRAFT_SEED_OFFSET,
-                    draft_position(r.base_position, r.num_accepted, s),
-                    Purpose.SAMPLE,
-                )
-                for s in range(r.num_drafts)
+    def __init__(self, requests: list[DraftRequest], device: torch.device) -> None:
+        self.num_rows = len(requests)
+        self.params = [r.params for r in requests]
+        self.processed = [i for i, r in enumerate(requests) if r.params.processed]
+        self.processed_at = torch.as_tensor(self.processed, dtype=torch.long, device=device)
+        self.drafted: dict[int, list[int]] = {row: [] for row in self.processed}
+        sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
+        self.sampled_params = [requests[i].params for i in sampled]
+        self.slot = {row: m for m, row in enumerate(sampled)}  # row -> its index among sampled rows
+        self.q: list[torch.Tensor] = []  # per draft step: [M, V] float64 of the sampled rows
+        if not sampled:
+            return
+        steps = max(requests[i].num_drafts for i in sampled)
+        keys = np.stack(
+            [
+                np.asarray(sampled, dtype=np.int64),
+                int64_bits([requests[i].params.seed + DRAFT_SEED_OFFSET for i in sampled]),
+                np.asarray(
+                    [draft_position(requests[i].base_position, requests[i].num_accepted, 0) for i in sampled],
+                    dtype=np.int64,
+                ),
             ]
-            self.uniforms = to_device(np.array(u, dtype=np.float64), device, torch.float64)
-        return self.uniforms
+        )
+        at, seeds, first = to_device(keys, device, torch.long)  # one copy
+        self.at = at
+        later = torch.arange(steps, dtype=torch.long, device=device)
+        # [steps, M]: row s holds every sampled row's uniform of draft step s (its position is step 0's + s)
+        self.uniforms = stream_uniforms_tensor(
+            seeds[None, :].expand(steps, -1), first[None, :] + later[:, None], Purpose.SAMPLE
+        )
 
-    def __call__(self, logits: torch.Tensor, step: int) -> torch.Tensor:
-        p = self.req.params
-        if p.greedy:
-            return torch.argmax(logits)  # first maximum = lowest id
-        q = filtered_probs(logits[None].float(), [p])[0].double()
-        self.probs.append(q)
-        return inverse_cdf(q[None], self._uniforms(q.device)[step : step + 1])[0]
+    def pick_rows(self, logits: torch.Tensor, step: int) -> torch.Tensor:
+        if self.processed:
+            logits = self._process(logits)
+        tokens = torch.argmax(logits, dim=-1)  # first maximum = lowest id
+        if self.sampled_params:
+            q = filtered_probs(logits[self.at].float(), self.sampled_params).double()
+            self.q.append(q)
+            tokens = tokens.index_copy(0, self.at, inverse_cdf(q, self.uniforms[step]))
+        if self.processed:
+            for row, token in zip(self.processed, tokens[self.processed_at].tolist(), strict=True):
+                self.drafted[row].append(token)
+        return tokens
+
+    def _process(self, logits: torch.Tensor) -> torch.Tensor:
+        """The processed rows' logits through their processors, the drafts before this one counted as
+        output (as verification will count them)."""
+        rows = [
+            replace(self.params[r], output_token_ids=self.params[r].output_token_ids + tuple(self.drafted[r]))
+            for r in self.processed
+        ]
+        logits = logits.float().clone()
+        logits[self.processed_at] = process_logits_(logits[self.processed_at], rows)
+        return logits
+
+    def probs(self) -> list[torch.Tensor | None]:
+        """Per row: q of its drafts [k, V] (float64), None for a greedy row."""
+        if not self.q:
+            return [None] * self.num_rows
+        stacked = torch.stack(self.q, dim=1)  # [M, k, V]
+        return [stacked[self.slot[row]] if row in self.slot else None for row in range(self.num_rows)]
 
 
 def _to_host(drafted: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> list[Drafts]:
@@ -113,7 +165,7 @@ class ModelDrafter:
 
     def draft(self, req: DraftRequest) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """One request's drafted tokens, confidences and q rows, on the model's device."""
-        sampler = _DraftSampler(req)
+        sampler = DraftRowSampler([req], self.device)
         res = self.model.forward(
             to_device(np.asarray(req.context, dtype=np.int64), self.device, torch.long),
             num_draft_tokens=req.num_drafts,
@@ -121,8 +173,7 @@ class ModelDrafter:
             sampler=sampler,
             logit_rows=[-1],
         )
-        probs = torch.stack(sampler.probs) if sampler.probs else None
-        return res.draft.tokens, res.draft.confidence, probs
+        return res.draft.tokens, res.draft.confidence, sampler.probs()[0]
 
 
 class PagedDrafter:
@@ -149,22 +200,22 @@ class PagedDrafter:
         # attention, so blocks of different lengths cannot share a forward), each request its sampler
         for num_drafts, members in groups.items():
             reqs = [requests[r] for r, _ in members]
-            # a group of greedy requests drafts with the greedy marker (sampler None: the argmax of
-            # every row on the device, no q to keep), which lets the runner replay its draft CUDA
-            # graph; the engine reads tokens and confidences only
-            greedy = all(req.params.greedy for req in reqs)
-            samplers = None if greedy else [_DraftSampler(req) for req in reqs]
+            # a group of greedy requests without logits processors drafts with the greedy marker
+            # (sampler None: the argmax of every row on the device, no q to keep), which lets the
+            # runner replay its draft CUDA graph; the engine reads tokens and confidences only
+            greedy = all(req.params.greedy and not req.params.processed for req in reqs)
+            sampler = None if greedy else DraftRowSampler(reqs, self.fallback.device)
             drafts = self.runner.draft(
                 [req.next_token for req in reqs],
                 num_drafts,
                 seq_indices=[index for _, index in members],
-                sampler=samplers,
+                sampler=sampler,
                 last_positions=[len(req.context) - 1 for req in reqs],
                 tokens_only=True,
             )
-            for j, ((r, _), d) in enumerate(zip(members, drafts)):
-                probs = None if greedy or not samplers[j].probs else torch.stack(samplers[j].probs)
-                out[r] = (d.tokens, d.confidence, probs)
+            probs = [None] * len(reqs) if greedy else sampler.probs()
+            for (r, _), d, q in zip(members, drafts, probs):
+                out[r] = (d.tokens, d.confidence, q)
         return _to_host(out)
 
 

@@ -27,7 +27,7 @@ from .. import envs
 from ..default_model import resolve_model
 from ..engine_args import EngineArgs
 from ..outputs import RequestOutput
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, validate_vocab_fields
 from ..tokenizer import load_tokenizer, load_tokenizer_config
 from . import scheduling
 from .async_step import AsyncStep
@@ -106,6 +106,7 @@ class LLMEngine(PromptChecks):
             chunked_prefill=args.chunked_prefill,
             num_speculative_tokens=nextn,
             enable_prefix_caching=args.enable_prefix_caching,
+            finish_preempted=args.stop_preempted_request,
         )
         self.runner = self._make_runner(num_blocks, nextn)
         self.worker = ModelWorker(
@@ -230,12 +231,12 @@ class LLMEngine(PromptChecks):
         seeds: the n samples' seeds when params.seq_seed is None (a data-parallel front draws them
         from one stream for all ranks); default: from this engine's seed stream."""
         self.table.check_new(request_id, params)
+        validate_vocab_fields(params, self.vocab_size)
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("either prompt or prompt_token_ids must be given")
             prompt_token_ids = self.encode(prompt)
-        prompt_token_ids = [int(t) for t in prompt_token_ids]
-        self.validate_prompt(prompt_token_ids)
+        prompt_token_ids = self.validate_request(prompt_token_ids, params)
         idle = self.worker.timeline is not None and not self.requests and not self.strategy.busy()
         self.table.add(request_id, prompt, prompt_token_ids, params, arrival_time, seeds)
         if (

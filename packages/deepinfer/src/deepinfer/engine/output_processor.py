@@ -4,6 +4,10 @@ the requests (text, stop strings, logprobs) that `step()` returns once finished.
 Commit and emit are separate because the asynchronous loop launches the next step between them: the
 scheduler and the grammar states must know step N's tokens before N+1's masks are built, while
 detokenizing N can wait until N+1 runs.
+
+A failure while committing or emitting one sequence (a grammar that refuses its token, the detokenizer)
+fails that sequence's request alone; a commit the scheduler refuses fails the step's requests and closes
+the step with no tokens, so the scheduler never keeps an unprocessed step behind.
 """
 
 from __future__ import annotations
@@ -15,7 +19,15 @@ from .spec_decode import VerifyOutcome
 from .stats import EngineStats
 from .step_io import StepResult, VerifyStepResult
 
-_REASONS = {"stop": "stop", "length": "length", "max_model_len": "length", "abort": "abort"}
+# The scheduler's finish reasons as the user sees them; a preempted sequence that is not recomputed
+# (EngineArgs.stop_preempted_request) gets the reference's name for it.
+_REASONS = {
+    "stop": "stop",
+    "length": "length",
+    "max_model_len": "length",
+    "abort": "abort",
+    "preempted": "insufficient_system_resource",
+}
 
 
 class OutputProcessor:
@@ -35,8 +47,21 @@ class OutputProcessor:
         self.fail_errors(ids, result.errors)
         tokens = result.tokens.copy()
         tokens[list(result.errors)] = -1
-        finished = scheduling.update_from_output(self.scheduler, out, tokens)
+        try:
+            finished = scheduling.update_from_output(self.scheduler, out, tokens)
+        except Exception as e:  # noqa: BLE001 - the scheduler checks a commit before applying any of it
+            message = f"update failed: {type(e).__name__}: {e}"
+            result.errors.update(dict.fromkeys(range(len(ids)), message))
+            self.fail_errors(ids, result.errors)
+            tokens[:] = -1
+            finished = scheduling.update_from_output(self.scheduler, out, tokens)
         self.table.release_pending()
+        for i, seq_id in enumerate(ids):
+            seq = self.table.seqs.get(seq_id)
+            if seq is not None and seq.request.reads_seen_tokens and tokens[i] >= 0:
+                seq.committed_ahead = [
+                    int(tokens[i])
+                ]  # (a token the scheduler then drops is cut by position)
         structured = self.table.structured
         if structured is not None:
             for i, seq_id in enumerate(ids):
@@ -48,8 +73,8 @@ class OutputProcessor:
                     continue  # dropped by the scheduler; the recompute produces it again
                 try:
                     structured.accept(seq.grammar, token)
-                except ValueError as e:
-                    result.errors[i] = f"structured output: {e}"
+                except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                    result.errors[i] = f"structured output: {_describe(e)}"
                     self.table.fail(seq.request.request_id, result.errors[i])
         return finished
 
@@ -60,20 +85,26 @@ class OutputProcessor:
         for i, seq_id in enumerate(scheduling.seq_ids(out).tolist()):
             token = int(result.tokens[i])
             seq = self.table.seqs.get(seq_id)
+            if seq is not None:
+                seq.committed_ahead = []
             if seq is None or seq.finished or token < 0 or i in result.errors:
                 continue
             if seq_id in preempted and seq.num_generated >= self._committed(seq_id):
                 continue  # the scheduler dropped this token; recompute will produce it again
-            seq.append(
-                token,
-                self.eos_token_id,
-                self.max_model_len,
-                result.logprobs[i],
-                result.top[i],
-                result.ranks[i],
-            )
-            self.stats.generated_tokens += 1
-            self._settle(seq, finished)
+            try:
+                seq.append(
+                    token,
+                    self.eos_token_id,
+                    self.max_model_len,
+                    result.logprobs[i],
+                    result.top[i],
+                    result.ranks[i],
+                )
+                self.stats.generated_tokens += 1
+                self._settle(seq, finished)
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                self.table.fail_seq(seq_id, f"output processing failed: {_describe(e)}")
+        self.settle_finished(finished)
         self._count_step(result)
 
     # ---------------------------------------------------------------- verified drafts
@@ -98,24 +129,28 @@ class OutputProcessor:
             if seq.grammar is not None and structured is not None:
                 try:
                     structured.accept_many(seq.grammar, tokens)
-                except ValueError as e:
-                    self.table.fail(seq.request.request_id, f"structured output: {e}")
+                except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                    self.table.fail(seq.request.request_id, f"structured output: {_describe(e)}")
                     continue
             idx = where[i]
             lps, tops, ranks = outcome.logprobs[idx], outcome.top[idx], outcome.ranks[idx]
-            for j, token in enumerate(tokens):
-                seq.append(
-                    token,
-                    self.eos_token_id,
-                    self.max_model_len,
-                    None if lps is None else lps[j],
-                    None if tops is None else tops[j],
-                    None if ranks is None else ranks[j],
-                )
-                self.stats.generated_tokens += 1
-                if seq.finished:
-                    break
-            self._settle(seq, finished)
+            try:
+                for j, token in enumerate(tokens):
+                    seq.append(
+                        token,
+                        self.eos_token_id,
+                        self.max_model_len,
+                        None if lps is None else lps[j],
+                        None if tops is None else tops[j],
+                        None if ranks is None else ranks[j],
+                    )
+                    self.stats.generated_tokens += 1
+                    if seq.finished:
+                        break
+                self._settle(seq, finished)
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                self.table.fail_seq(seq_id, f"output processing failed: {_describe(e)}")
+        self.settle_finished(finished)
         self._count_step(result)
 
     def stop_cut(self, seq: SeqState, tokens: list[int]) -> list[int]:
@@ -138,6 +173,14 @@ class OutputProcessor:
         for i, message in errors.items():
             self.table.fail_seq(ids[i], message)
 
+    def settle_finished(self, finished: dict[int, str]) -> None:
+        """Sequences the scheduler finished outside a step's rows: preempted ones it does not recompute
+        (absent from the step, or their token of the step in flight dropped) end with what they have."""
+        for seq_id, reason in finished.items():
+            seq = self.table.seqs.get(seq_id)
+            if seq is not None and not seq.finished:
+                seq.finish(_REASONS.get(reason, reason))
+
     def _settle(self, seq: SeqState, finished: dict[int, str]) -> None:
         """Make the engine and the scheduler agree on whether `seq` has ended."""
         if seq.finished:
@@ -154,3 +197,8 @@ class OutputProcessor:
         self.stats.steps += 1
         self.stats.forward_s += result.forward_s
         self.stats.sample_s += result.sample_s
+
+
+def _describe(e: Exception) -> str:
+    """A user's mistake (ValueError) reads as its message; anything else names its type too."""
+    return str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"

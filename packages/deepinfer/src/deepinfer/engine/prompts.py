@@ -1,9 +1,11 @@
-"""Prompt encoding and checks shared by the single-process engine and the data-parallel front (which
-answers them from its ranks' model facts, without a model of its own)."""
+"""Prompt encoding and request checks shared by the single-process engine and the data-parallel front
+(which answers them from its ranks' model facts, without a model of its own)."""
 
 from __future__ import annotations
 
+from ..sampling_params import SamplingParams
 from ..tokenizer import encode_prompt
+from .request_checks import check_params, check_prompt
 
 
 class PromptChecks:
@@ -12,13 +14,13 @@ class PromptChecks:
     def encode(self, prompt: str) -> list[int]:
         return encode_prompt(self.tokenizer, self.bos_token_id, prompt)
 
-    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        if len(prompt_token_ids) == 0:
-            raise ValueError("prompt must not be empty")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {len(prompt_token_ids)} tokens; it must be shorter than max_model_len={self.max_model_len}"
-            )
+    def validate_prompt(self, prompt_token_ids: list[int]) -> list[int]:
+        """The prompt's ids as Python ints; ValueError naming what is wrong."""
+        return check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """Every field of a request checked against this model (request_checks.py); the prompt's ids
+        as Python ints."""
+        ids = self.validate_prompt(prompt_token_ids)
+        check_params(params, self.vocab_size)
+        return ids

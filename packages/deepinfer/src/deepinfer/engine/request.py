@@ -40,6 +40,9 @@ class SeqState:
     output: CompletionOutput
     token_ids: list[int] = field(default_factory=list)  # prompt + generated so far (model input)
     grammar: object | None = None  # deepinfer_structured.GrammarState when so_args is set
+    # The asynchronous loop builds the next step between committing a token to the scheduler and
+    # appending it here: that token, for the logits processors that read the seen tokens.
+    committed_ahead: list[int] = field(default_factory=list)
 
     @property
     def num_generated(self) -> int:
@@ -151,6 +154,9 @@ class RequestState:
         if params.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * len(prompt_token_ids)
             self._prompt_positions_missing = len(prompt_token_ids) - 1
+        # the logits processors' inputs the engine resolves at admission (`RequestTable.add`)
+        self.bad_words: tuple[tuple[int, ...], ...] = ()
+        self._prompt_tuple: tuple[int, ...] | None = None
         self.seqs: list[SeqState] = []
         for index, (seq_id, seed) in enumerate(zip(seq_ids, seeds)):
             out = CompletionOutput(index=index)
@@ -183,6 +189,20 @@ class RequestState:
                     token, rows.logprobs[j], rows.ranks[j], rows.top[j], k, decode
                 )
                 self._prompt_positions_missing -= 1
+
+    @property
+    def reads_seen_tokens(self) -> bool:
+        """Whether a row's sampling depends on the tokens before it (penalties, bad words of several
+        tokens): its rows carry those tokens, and the asynchronous loop builds them once the previous
+        step's tokens are known."""
+        return self.params.reads_seen_tokens or any(len(w) > 1 for w in self.bad_words)
+
+    @property
+    def prompt_tuple(self) -> tuple[int, ...]:
+        """The prompt as the (immutable, shared) tuple every row of the request carries."""
+        if self._prompt_tuple is None:
+            self._prompt_tuple = tuple(self.prompt_token_ids)
+        return self._prompt_tuple
 
     def on_seq_finished(self) -> None:
         self.num_unfinished -= 1

@@ -19,6 +19,7 @@ from tokenizers import Tokenizer
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from . import scheduling
+from .bad_words import bad_words_token_ids
 from .request import RequestState, SeqState
 from .structured import StructuredOutputs
 from .truncation import Truncation
@@ -86,6 +87,7 @@ class RequestTable:
         state = RequestState(
             request_id, prompt, prompt_token_ids, params, self.tokenizer, seq_ids, seeds, arrival_time
         )
+        state.bad_words = bad_words_token_ids(self.tokenizer, params.bad_words, self.vocab_size)
         for seq, grammar in zip(state.seqs, grammars):
             seq.grammar = grammar
             if self.tracker is not None:

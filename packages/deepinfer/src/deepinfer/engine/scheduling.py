@@ -21,6 +21,7 @@ def make_scheduler(
     chunked_prefill: bool,
     num_speculative_tokens: int = 0,
     enable_prefix_caching: bool = True,
+    finish_preempted: bool = False,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -32,6 +33,7 @@ def make_scheduler(
             enable_chunked_prefill=chunked_prefill,
             num_speculative_tokens=num_speculative_tokens,
             enable_prefix_caching=enable_prefix_caching,
+            finish_preempted=finish_preempted,
         )
     )
 
@@ -119,7 +121,8 @@ def update_from_output(sched: Scheduler, out, tokens: np.ndarray) -> dict[int, s
 
 
 def preempted(out) -> list[int]:
-    """Sequences this schedule preempted (their KV is dropped; they recompute later)."""
+    """Sequences this schedule preempted (their KV is dropped; they recompute later, or have finished
+    with reason "preempted" when the scheduler finishes preempted sequences)."""
     return [] if out is None else np.asarray(out.preempted_seq_ids).tolist()
 
 
@@ -128,9 +131,16 @@ def num_output_tokens(sched: Scheduler, seq_id: int) -> int:
     return len(sched.output_token_ids(seq_id))
 
 
-def retire(sched: Scheduler, out) -> None:
-    """Close a step that will not run (empty): the scheduler counts every scheduled step until updated."""
-    sched.update_from_output(out, (np.empty(0, dtype=np.int32), np.empty(0, dtype=np.int32)))
+def retire(sched: Scheduler, out) -> dict[int, str]:
+    """Close a step that will not run (empty): the scheduler counts every scheduled step until updated.
+    Returns {seq_id: finish reason} of the sequences its schedule finished (preempted ones)."""
+    finished = sched.update_from_output(out, (np.empty(0, dtype=np.int32), np.empty(0, dtype=np.int32)))
+    return {int(f.seq_id): str(f.finish_reason) for f in finished}
+
+
+def close_failed(sched: Scheduler, out) -> None:
+    """Close a step whose sequences were all aborted (a failed step): none of them receives a token."""
+    sched.update_from_output(out, (np.empty(0, dtype=np.int32), np.zeros(len(seq_ids(out)), dtype=np.int32)))
 
 
 def abort(sched: Scheduler, seq_id: int) -> None:

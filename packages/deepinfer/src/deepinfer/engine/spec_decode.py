@@ -6,7 +6,8 @@ One step with drafts (synchronous loop):
    (`k` = `num_draft_tokens`, possibly capped by max_tokens / max_model_len); the runner returns
    logits for all `1 + k` rows (`to_verify_batch`).
 2. `verify_logits` turns the rows into the processed target distributions (banned tokens, grammar
-   masks of every draft row, temperature / top-p / top-k / min-p) and `DraftVerifier.verify` accepts a
+   masks of every draft row, logits processors with drafts 1..j as row j's output, temperature /
+   top-p / top-k / min-p) and `DraftVerifier.verify` accepts a
    prefix: greedy match, or rejection sampling with the request's seeded streams. A sequence with
    k = 0 (prefill end, first decode) is exactly the plain sampler's draw.
 3. The engine commits the accepted drafts + the final token to the scheduler (its num_computed_tokens

@@ -37,15 +37,21 @@ class SpecStep(StepStrategy):
         if scheduling.is_empty(out):
             self._idle(out)
             return
-        t0 = time.perf_counter()
-        step, confs = self._prepare(out)
-        self.stats.prefill_flops += self.builder.prefill_flops(out, step.batch)
-        self.stats.prepare_s += time.perf_counter() - t0
-        result = self.worker.run_verify(step, self.spec.verifier)
-        t0 = time.perf_counter()
-        self._process(out, step, confs, result)
-        self.stats.process_s += time.perf_counter() - t0
-        self.table.collect_all()
+        stage, forward_ran = "prepare", False
+        try:
+            t0 = time.perf_counter()
+            step, confs = self._prepare(out)
+            self.stats.prefill_flops += self.builder.prefill_flops(out, step.batch)
+            self.stats.prepare_s += time.perf_counter() - t0
+            stage, forward_ran = "model step", True
+            result = self.worker.run_verify(step, self.spec.verifier)
+            stage = "output processing"
+            t0 = time.perf_counter()
+            self._process(out, step, confs, result)
+            self.stats.process_s += time.perf_counter() - t0
+            self.table.collect_all()
+        except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
+            self._recover(out, stage, e, forward_ran)
 
     def _prepare(self, out) -> tuple[VerifyStepInput, list[float]]:
         """Runner batch with 1 + k logits rows per verifying sequence, a VerifyInput per emitting
@@ -73,7 +79,7 @@ class SpecStep(StepStrategy):
                 g[base + j - prompt_len] if g is not None and base + j - prompt_len < len(g) else -1
                 for j in range(1 + k)
             ]
-            rows = [self.builder.row_params(seq, base + j) for j in range(1 + k)]
+            rows = [self.builder.row_params(seq, base + j, drafts) for j in range(1 + k)]
             inputs.append(VerifyInput(rows, drafts, probs, golden))
             confs.extend(c)
             if seq.grammar is not None:

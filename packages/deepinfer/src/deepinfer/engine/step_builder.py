@@ -7,6 +7,7 @@ The sampler's draw depends only on (seed, position), so a row built here is the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from deepinfer_model import RowParams
@@ -90,9 +91,11 @@ class StepBuilder:
         """Estimated FP8-equivalent FLOPs of the step's prefill chunks (statistics)."""
         return self.truncation.step_flops(batch, scheduling.is_prefill(out), self.table.prompt_len_of)
 
-    def row_params(self, seq: SeqState, position: int) -> RowParams:
-        """How `seq` samples the token at `position`."""
+    def row_params(self, seq: SeqState, position: int, drafts: Sequence[int] = ()) -> RowParams:
+        """How `seq` samples the token at `position`; `drafts`: tokens after the sequence's own, being
+        verified (the rows after the first see them as output)."""
         p = seq.request.params
+        prompt, output = self._seen(seq, position, drafts)
         return RowParams(
             temperature=p.temperature,
             top_p=p.top_p,
@@ -102,7 +105,33 @@ class StepBuilder:
             position=position,
             logprobs=p.logprobs,
             banned_token_ids=self._banned(seq, position - len(seq.request.prompt_token_ids)),
+            allowed_token_ids=None if p.allowed_token_ids is None else tuple(p.allowed_token_ids),
+            bad_words=seq.request.bad_words,
+            logit_bias=tuple((p.logit_bias or {}).items()),
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty,
+            prompt_token_ids=prompt,
+            output_token_ids=output,
         )
+
+    @staticmethod
+    def _seen(seq: SeqState, position: int, drafts: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The prompt and output tokens before `position`, for the rows whose processors read them
+        (empty otherwise: the copy costs O(length) per row)."""
+        req = seq.request
+        if not req.reads_seen_tokens:
+            return (), ()
+        tokens = seq.token_ids + seq.committed_ahead + list(drafts)
+        if position > len(tokens):
+            # the asynchronous loop builds such rows only after the previous step is committed
+            raise RuntimeError(
+                f"sequence {seq.seq_id}: the tokens before position {position} are not known yet"
+            )
+        n = len(req.prompt_token_ids)
+        output = tokens[n:position]
+        prompt = req.prompt_tuple if req.params.repetition_penalty != 1.0 else ()
+        return prompt, tuple(output)
 
     def _banned(self, seq: SeqState, generated_before: int) -> tuple[int, ...]:
         p = seq.request.params

@@ -4,26 +4,35 @@ A strategy owns one way of turning the scheduler's plan into committed tokens; `
 `step()` and returns what finished. The loops (this file's `SyncStep`, `async_step.AsyncStep`,
 `spec_step.SpecStep`) share the parts in `StepContext` and emit the same tokens: the sampler's draw
 depends only on (seed, position) and a runner's logits only on the sequence.
+
+A step that raises (building it, the forward, sampling, committing, detokenizing, a grammar) fails the
+requests it carries, as an abort with the error would, and is closed in the scheduler with no tokens:
+the engine, its scheduler and the block accounting stay consistent and the next step runs.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from . import scheduling
 from .output_processor import OutputProcessor
 from .request_table import RequestTable
 from .stats import EngineStats
 from .step_builder import StepBuilder
-from .step_io import StepInput
+from .step_io import StepInput, StepResult
 from .worker import ModelWorker
 
 if TYPE_CHECKING:
     from deepinfer_sched import Scheduler
 
     from .dp_rank import DataParallelRank
+
+logger = logging.getLogger("deepinfer")
 
 
 @dataclass
@@ -75,8 +84,42 @@ class StepStrategy:
 
     def _idle(self, out) -> None:
         """The schedule is empty: close it, let finished requests go."""
-        scheduling.retire(self.scheduler, out)
+        self._retire(out)
         self.table.release_idle(self.busy())
+
+    def _fail_step(self, out, stage: str, exc: Exception) -> StepResult:
+        """`stage` raised for the step `out`: every request with a sequence in it fails now (its sequences
+        are aborted, so no step scheduled after this one carries them); returns the step's result, no
+        token and an error per row, whose commit closes the step in the scheduler."""
+        message = f"{stage} failed: {type(exc).__name__}: {exc}"
+        logger.warning("%s; the step's requests fail, the engine goes on", message, exc_info=exc)
+        ids = scheduling.seq_ids(out).tolist()
+        for seq_id in ids:
+            self.table.fail_seq(seq_id, message)
+        n = len(ids)
+        return StepResult(
+            tokens=np.full(n, -1, dtype=np.int64),
+            logprobs=[None] * n,
+            top=[None] * n,
+            ranks=[None] * n,
+            errors=dict.fromkeys(range(n), message),
+        )
+
+    def _recover(self, out, stage: str, exc: Exception, forward_ran: bool) -> None:
+        """A loop that finishes each step before the next is scheduled: fail the step's requests, close
+        the step in the scheduler if it is still open, and (data parallel) join the other ranks'
+        collectives with an idle forward if this rank's forward never ran."""
+        self._fail_step(out, stage, exc)
+        if self.scheduler.num_inflight_steps:
+            scheduling.close_failed(self.scheduler, out)
+            self.table.release_pending()
+        if self.dp is not None and not forward_ran:
+            self.worker.idle()
+        self.table.collect_all()
+
+    def _retire(self, out) -> None:
+        """Close an empty schedule; the sequences it finished (preempted ones) end now."""
+        self.output.settle_finished(scheduling.retire(self.scheduler, out))
 
     def _vote(self, launching: int = 0, inline: bool = True, submit_idle=None) -> None:
         """Data parallel: the step's vote with the other ranks (DataParallelRank.agree). Exactly one
@@ -103,12 +146,18 @@ class SyncStep(StepStrategy):
         if scheduling.is_empty(out):
             self._idle(out)
             return
-        t0 = time.perf_counter()
-        step = self._build(out)
-        self.stats.prepare_s += time.perf_counter() - t0
-        result = self.worker.run(step)
-        t0 = time.perf_counter()
-        finished = self.output.commit(out, result)
-        self.output.emit(out, result, finished)
-        self.stats.process_s += time.perf_counter() - t0
-        self.table.collect_all()
+        stage, forward_ran = "prepare", False
+        try:
+            t0 = time.perf_counter()
+            step = self._build(out)
+            self.stats.prepare_s += time.perf_counter() - t0
+            stage, forward_ran = "model step", True
+            result = self.worker.run(step)
+            stage = "output processing"
+            t0 = time.perf_counter()
+            finished = self.output.commit(out, result)
+            self.output.emit(out, result, finished)
+            self.stats.process_s += time.perf_counter() - t0
+            self.table.collect_all()
+        except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
+            self._recover(out, stage, e, forward_ran)

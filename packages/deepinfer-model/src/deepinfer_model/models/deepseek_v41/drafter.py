@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -31,6 +32,18 @@ from .weights import BlockWeights, DrafterWeights
 # (fp32 logits [V], draft step) -> token id: an int, or a 0-d long tensor on the logits' device (which
 # keeps the draft loop free of host syncs; `greedy` does that)
 Sampler = Callable[[torch.Tensor, int], "int | torch.Tensor"]
+
+
+class RowSampler(Protocol):
+    """Draft `step` of every sequence of a draft batch in one call: `pick_rows(logits [N, V], step)`
+    -> long [N] on the logits' device, as tensor ops (no per-sequence Python, no host sync). `num_rows`
+    is N. The engine's seeded draft sampler is one (`deepinfer.engine.drafting.DraftRowSampler`)."""
+
+    num_rows: int
+
+    def pick_rows(self, logits: torch.Tensor, step: int) -> torch.Tensor: ...
+
+
 # (draft block index, its weights, normed input rows [T, H]) -> MoE output rows [T, H]
 MoEFn = Callable[[int, BlockWeights, torch.Tensor], torch.Tensor]
 
@@ -213,7 +226,7 @@ def draft_blocks(
     next_tokens: Sequence[int] | torch.Tensor,
     last_positions: Sequence[int],
     num_draft_tokens: int,
-    sampler: Sampler | Sequence[Sampler] = greedy,
+    sampler: Sampler | Sequence[Sampler] | RowSampler = greedy,
     temperatures: torch.Tensor | float = 1.0,
     act_dtype: torch.dtype = torch.float32,
     kvq: KVQuant = EXACT_KV,
@@ -245,6 +258,9 @@ def draft_blocks(
             f"draft_blocks: next_tokens ({len(next_tokens)}) and windows [Ld, N, L, D] "
             f"({tuple(windows.shape)}) must hold one entry per last position ({n})"
         )
+    rows_sampler = getattr(sampler, "pick_rows", None)
+    if rows_sampler is not None and sampler.num_rows != n:
+        raise ValueError(f"draft_blocks: the row sampler drafts {sampler.num_rows} rows, not {n} sequences")
     samplers = list(sampler) if isinstance(sampler, Sequence) else None
     if samplers is not None and len(samplers) != n:
         raise ValueError(f"draft_blocks: got {len(samplers)} samplers for {n} sequences (one per sequence)")
@@ -263,6 +279,8 @@ def draft_blocks(
     temps = torch.as_tensor(temperatures, dtype=torch.float32, device=dev).expand(bd)
     if samplers is None and sampler is greedy:
         pick = _greedy_rows
+    elif rows_sampler is not None:
+        pick = rows_sampler
     else:
 
         def pick(logits, s):
