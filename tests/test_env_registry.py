@@ -136,6 +136,12 @@ def test_readme_table_matches_the_registry():
     assert not wrong, f"README default vs registry: {wrong}"
 
 
+def test_readme_table_is_the_generated_one():
+    """The whole table, meanings included, is what `python -m deepinfer_cluster.envs` prints."""
+    section = README.read_text(encoding="utf-8").split("## Environment variables", 1)[1].split("\n## ", 1)[0]
+    assert envs.markdown_table() in section, "regenerate it: python -m deepinfer_cluster.envs"
+
+
 def test_compile_backends_are_the_runtimes():
     from deepinfer_model.runtime.compiled import BACKENDS
 

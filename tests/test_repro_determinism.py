@@ -33,7 +33,7 @@ def _params(temperature: float, seq_seed: int | None = 1234, max_tokens: int = 5
 def _completion(out):
     assert out.error is None, out.error
     c = out.outputs[0]
-    return tuple(c.token_ids), tuple(c.logprobs)
+    return tuple(c.token_ids), tuple(c.token_logprobs)
 
 
 def _generate_mixed(llm, copies: int, fillers: list[list[int]], params: SamplingParams, rng) -> list:

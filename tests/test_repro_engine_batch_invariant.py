@@ -45,7 +45,11 @@ def _result(out):
     assert out.error is None, out.error
     c = out.outputs[0]
     assert len(c.token_ids) == TOKENS  # no vacuous agreement
-    return tuple(c.token_ids), tuple(c.logprobs), tuple(tuple(sorted(d.items())) for d in c.top_logprobs)
+    return (
+        tuple(c.token_ids),
+        tuple(c.token_logprobs),
+        tuple(tuple(sorted(d.items())) for d in c.top_logprobs),
+    )
 
 
 def _fillers(seed: int) -> list[tuple[list[int], SamplingParams]]:

@@ -203,3 +203,20 @@ def test_failed_requests_are_written_and_score_as_wrong(tmp_path):
     assert all(r["response"] is None and r["error"] == "prompt too long" for r in lines)
     scored, _ = score_records(read_jsonl(out).records)
     assert [s["correct"] for s in scored] == [False] * 4
+
+
+def test_resume_warns_when_its_parameters_changed(tmp_path):
+    from deepinfer_eval import SamplingConfig
+
+    tasks, out = _aime_tasks(3), tmp_path / "gen.jsonl"
+    sampling = SamplingConfig(temperature=0.6, top_p=0.95, max_tokens=100)
+    run_generation(tasks, SumGenerator(), out, samples=2, seed=1, sampling=sampling, progress=False)
+    same = run_generation(tasks, SumGenerator(), out, samples=3, seed=1, sampling=sampling, progress=False)
+    assert same.written == 3 and same.warnings == []
+
+    other = SamplingConfig(temperature=1.0, top_p=0.95, max_tokens=100)
+    summary = run_generation(tasks, SumGenerator(), out, samples=4, seed=2, sampling=other, progress=False)
+    assert summary.written == 3 and len(summary.warnings) == 2
+    seed_warning, temp_warning = sorted(summary.warnings)
+    assert "9 existing sample(s) were generated with seed (from --seed)" in seed_warning
+    assert "temperature 0.6, this run uses 1.0" in temp_warning

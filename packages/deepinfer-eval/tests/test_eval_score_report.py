@@ -48,9 +48,12 @@ def test_score_skips_malformed_lines_with_line_numbers_and_counts_missing_wrong(
     assert [(s["id"], s["sample"], s["correct"], s["extracted"]) for s in scored] == [
         ("a", 0, True, "42"),
         ("a", 1, False, None),
-        ("g", 0, True, "C"),
+        ("g", 0, False, "c"),  # simple-evals compares the letter case-sensitively
         ("g", 1, False, None),
     ]
+    assert main(["score", "--generations", str(gen), "--output", str(out), "--gpqa-ignore-case"]) == 0
+    lenient = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(s["correct"], s["extracted"]) for s in lenient if s["id"] == "g"] == [(True, "C"), (False, None)]
     assert scored[0]["finish_reason"] == "length"
     report, _ = build_report(scored)
     assert report["benchmarks"]["aime"]["samples_truncated"] == 1
@@ -143,3 +146,39 @@ def test_cli_errors_are_clear(tmp_path, capsys):
         main(["score", "--generations", str(gen), "--output", str(tmp_path / "o"), "--judge", "openai"]) == 2
     )
     assert "--judge-model" in capsys.readouterr().err
+
+
+def test_score_conventions_and_their_lenient_modes(tmp_path):
+    gen = _write(
+        tmp_path / "gen.jsonl",
+        [
+            {
+                "benchmark": "aime",
+                "id": "a",
+                "sample": 0,
+                "answer": "13",
+                "response": "\\boxed{12} or \\boxed{13}",
+            },
+            {
+                "benchmark": "hle",
+                "id": "h",
+                "sample": 0,
+                "answer": "B",
+                "answer_type": "multipleChoice",
+                "response": "Explanation: x\nAnswer: B or C\nConfidence: 50%",
+            },
+        ],
+    )
+    out = tmp_path / "scores.jsonl"
+
+    def scores(*flags):
+        assert main(["score", "--generations", str(gen), "--output", str(out), *flags]) == 0
+        return [
+            (s["id"], s["correct"], s["extracted"]) for s in map(json.loads, out.read_text().splitlines())
+        ]
+
+    assert scores() == [("a", True, "13"), ("h", False, "B or C")]
+    assert scores("--aime-boxed", "all", "--hle-accept-hedged") == [
+        ("a", False, "{12, 13}"),
+        ("h", True, "B"),
+    ]

@@ -76,6 +76,9 @@ def test_help_documents_every_sampling_flag_with_its_default_once():
         ("--top-k", "-1"),
         ("--min-p", "0.0"),
         ("--n", "1"),
+        ("--presence-penalty", "0.0"),
+        ("--frequency-penalty", "0.0"),
+        ("--repetition-penalty", "1.0"),
     ]:
         line = lines[flag]
         assert line.count("default:") == 1 and f"(default: {default})" in line, line
@@ -108,6 +111,9 @@ def help_entries(text: str) -> dict[str, str]:
         ("--temperature", "-1", "temperature"),
         ("--top-p", "0", "top_p"),
         ("--n", "0", "n"),
+        ("--presence-penalty", "2.5", "presence_penalty must be in [-2, 2]"),
+        ("--frequency-penalty", "-3", "frequency_penalty must be in [-2, 2]"),
+        ("--repetition-penalty", "0", "repetition_penalty must be in [0.01, 100]"),
         ("--regex", "(", "schema"),
         ("--json-schema", "not-a-file", "neither a file nor JSON"),
     ],

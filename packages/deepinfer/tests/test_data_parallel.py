@@ -145,7 +145,9 @@ def test_bad_requests_fail_alone(dp_sync, reference):
     # Rejected in the front (invalid sampling parameters) ...
     params = list(GREEDY)
     params[2] = {"temperature": -1.0}
-    got = dp_sync.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)
+    got = dp_sync.generate(
+        prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False, raise_on_error=False
+    )
     assert "temperature" in got[2].error and not got[2].outputs
     assert_same(got[:2] + got[3:], reference["greedy"][:2] + reference["greedy"][3:])
     # ... and by the engine API, which runs the checks of one engine's add_request before queueing
@@ -218,11 +220,15 @@ def test_structured_sampled_and_bad_grammar_requests_under_async_dp(real_vocab_c
         for i in range(len(PROMPTS))
     ]
     with LLM(str(real_vocab_checkpoint)) as llm:
-        want = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)
+        want = llm.generate(
+            prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False, raise_on_error=False
+        )
     with LLM(
         str(real_vocab_checkpoint), data_parallel_size=2, expert_parallel_size=2, distributed_timeout=60
     ) as llm:
-        got = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)
+        got = llm.generate(
+            prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False, raise_on_error=False
+        )
     assert "lookahead" in got[2].error and "lookahead" in want[2].error
     assert_same(got[:2] + got[3:], want[:2] + want[3:])
     for i in (0, 4):

@@ -45,7 +45,8 @@ from deepinfer.sampling_params import SamplingParams
         ("stop_token_ids", [-1]),
         ("first_n_token_no_eos", 2),
         ("seq_seed", 1.5),
-        ("prompt_logprobs", True),
+        ("prompt_logprobs", -1),
+        ("prompt_logprobs", 1001),
     ],
 )
 def test_sampling_params_errors_name_the_field(field, value):

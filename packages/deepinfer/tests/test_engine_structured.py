@@ -35,7 +35,9 @@ def test_regex_and_json_schema_are_obeyed(llm):
         so_args={"schema_type": "json_schema", "schema": SCHEMA, "max_whitespace": 1},
     )
     bad = SamplingParams(max_tokens=4, so_args={"schema_type": "regex", "schema": "(?=lookahead)x"})
-    outs = llm.generate(["Answer:", "JSON please:", "Broken:"], [regex, js, bad], use_tqdm=False)
+    outs = llm.generate(
+        ["Answer:", "JSON please:", "Broken:"], [regex, js, bad], use_tqdm=False, raise_on_error=False
+    )
     for c in outs[0].outputs:
         assert re.fullmatch("(yes|no)!", c.text), c.text
         assert c.finish_reason == "stop"

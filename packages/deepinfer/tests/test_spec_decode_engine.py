@@ -243,5 +243,5 @@ def test_stop_tokens_min_tokens_and_logprobs_with_accepted_drafts(v41, plain):
     spec, _ = run(v41, p, nextn=4, drafter=OracleDrafter, prompts=PROMPTS[:1])
     a, b = ref[0].outputs[0], spec[0].outputs[0]
     assert b.token_ids == a.token_ids and b.token_ids[-1] == stop and b.finish_reason == "stop"
-    assert b.logprobs == pytest.approx(a.logprobs, abs=1e-4)
+    assert b.token_logprobs == pytest.approx(a.token_logprobs, abs=1e-4)
     assert [list(t) for t in b.top_logprobs] == [list(t) for t in a.top_logprobs]

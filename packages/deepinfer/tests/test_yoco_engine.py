@@ -136,8 +136,7 @@ def test_truncation_refused_on_a_model_without_yoco_split(micro_checkpoint, yoco
 def test_prompt_logprobs_refused_per_request(v41, yoco_env):
     yoco_env("compact", 10)
     engine = LLMEngine(EngineArgs(model=str(v41), block_size=16, max_model_len=48))
-    bad = SamplingParams(temperature=0, max_tokens=4)
-    bad.prompt_logprobs = True  # SamplingParams itself refuses it today; the engine must too
+    bad = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=True)
     with pytest.raises(ValueError, match="prompt_logprobs = True is not available with"):
         engine.add_request("bad", None, bad, prompt_token_ids=PROMPTS[0])
     engine.add_request("good", None, GREEDY, prompt_token_ids=PROMPTS[1])

@@ -67,6 +67,22 @@ def _parser() -> argparse.ArgumentParser:
         help="retries of a call that failed with 429 / 5xx / a connection error (backoff 2, 4, ... s)",
     )
     s.add_argument("--judge-cache", help="judge reply cache (default: <output>.judge-cache.jsonl)")
+    s.add_argument(
+        "--aime-boxed",
+        choices=("last", "all"),
+        default="last",
+        help="AIME: grade the last \\boxed{} (reference convention) or every box as a set (hedges wrong)",
+    )
+    s.add_argument(
+        "--gpqa-ignore-case",
+        action="store_true",
+        help="GPQA: upper-case the extracted letter (lenient; simple-evals compares case-sensitively)",
+    )
+    s.add_argument(
+        "--hle-accept-hedged",
+        action="store_true",
+        help="HLE exact judge: grade 'Answer: B or C' on its first letter (lenient; the HLE criteria reject it)",
+    )
 
     r = sub.add_parser("report", help="Pass@1 with a 95%% interval; a table and JSON")
     r.add_argument("--scores", required=True)
@@ -123,6 +139,8 @@ def cmd_generate(a) -> int:
     finally:
         generator.close()
     _warn(summary.problems)
+    for warning in summary.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     print(
         f"wrote {summary.written} sample(s) ({summary.failed} failed requests, scored wrong); "
         f"{summary.already_done} already done; "
@@ -136,7 +154,7 @@ def _judge(a):
     from deepinfer_eval.judges import ExactMatchJudge, GeneratorBackend, HttpChatBackend, JudgeCache, LLMJudge
 
     if a.judge == "exact":
-        return ExactMatchJudge()
+        return ExactMatchJudge(accept_hedged=a.hle_accept_hedged)
     if not a.judge_model:
         raise ValueError(f"--judge {a.judge} needs --judge-model")
     cache = JudgeCache(a.judge_cache or f"{a.output}.judge-cache.jsonl")
@@ -165,7 +183,13 @@ def cmd_score(a) -> int:
     data = read_jsonl(a.generations, required=GENERATION_FIELDS)
     _warn(data.problems)
     judge = _judge(a)
-    scored, summary = score_records(data.records, judge, source=a.generations)
+    scored, summary = score_records(
+        data.records,
+        judge,
+        source=a.generations,
+        aime_boxed=a.aime_boxed,
+        gpqa_ignore_case=a.gpqa_ignore_case,
+    )
     _warn(summary.problems)
     write_jsonl(a.output, scored)
     calls = f"; {judge.calls} judge call(s)" if hasattr(judge, "calls") else ""

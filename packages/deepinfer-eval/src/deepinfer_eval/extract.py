@@ -30,13 +30,59 @@ def final_part(response: str | None) -> str:
 _TEXT_DIGITS = re.compile(r"\\text\{\s*(\d+)\s*\}")
 
 
-def aime_extract(response: str | None):
-    """math-verify's parse of the final part: [value, matched string] or [] when none."""
-    from math_verify import parse
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+AIME_BOXED_MODES = ("last", "all")
 
+
+def boxed_contents(text: str) -> list[str]:
+    """The contents of every ``\\boxed{...}`` (or ``\\fbox{...}``) that closes, braces matched, in order."""
+    out = []
+    for m in _BOXED.finditer(text):
+        depth = 1
+        for i in range(m.end(), len(text)):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                out.append(text[m.end() : i])
+                break
+    return out
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last box; None if none closes.
+
+    The reference convention of math answer grading (the MATH harness's ``last_boxed_only_string``):
+    a response with several boxes is graded on its last one, so ``\\boxed{99} or \\boxed{100}`` is
+    ``100``, never the two read together."""
+    boxes = boxed_contents(text)
+    return boxes[-1] if boxes else None
+
+
+class HedgedBoxes(str):
+    """Several boxes holding different values (``aime_extract(..., boxed="all")``): never correct."""
+
+
+def aime_extract(response: str | None, boxed: str = "last"):
+    """math-verify's parse of the final answer: [value, matched string] or [] when none.
+
+    boxed="last" (default, the reference convention): when the final part has a box, only the last
+    box is parsed. boxed="all": every box is parsed on its own; boxes that agree give their value,
+    boxes that differ give ``[HedgedBoxes("{12, 13}"), ...]``, which scores as wrong (a hedge)."""
+    from math_verify import parse, verify
+
+    if boxed not in AIME_BOXED_MODES:
+        raise ValueError(f"boxed must be one of {AIME_BOXED_MODES}, got {boxed!r}")
     text = final_part(response)
     if not text.strip():
         return []
+    boxes = boxed_contents(text)
+    if boxed == "all" and len(boxes) > 1:
+        parsed = [parse(_TEXT_DIGITS.sub(r"\1", f"\\boxed{{{c}}}")) for c in boxes]
+        if all(p and parsed[0] and verify(parsed[0], p) for p in parsed[1:]):
+            return parsed[0]
+        hedge = "{" + ", ".join(c.strip() for c in boxes) + "}"
+        return [HedgedBoxes(hedge), hedge]
+    if boxes:
+        text = f"\\boxed{{{boxes[-1]}}}"
     # \text{042} would otherwise parse as a symbol named "042"
     text = _TEXT_DIGITS.sub(r"\1", text)
     return parse(text)
@@ -48,14 +94,15 @@ def aime_gold(answer: str):
     return parse(f"${answer.strip()}$")
 
 
-def aime_score(response: str | None, answer: str) -> tuple[bool, str | None]:
-    """(correct, extracted). Several \\boxed{} answers with different values become a set
-    (math-verify's rule), which never equals a single integer, so hedging scores as wrong."""
+def aime_score(response: str | None, answer: str, boxed: str = "last") -> tuple[bool, str | None]:
+    """(correct, extracted); `boxed` as in `aime_extract`."""
     from math_verify import verify
 
-    extracted = aime_extract(response)
+    extracted = aime_extract(response, boxed)
     if not extracted:
         return False, None
+    if isinstance(extracted[0], HedgedBoxes):
+        return False, str(extracted[0])
     return bool(verify(aime_gold(answer), extracted)), str(extracted[0])
 
 
@@ -69,8 +116,8 @@ _GPQA_LINE = re.compile(
 )
 
 
-def gpqa_extract(response: str | None) -> str | None:
-    """The letter of the last answer line, upper-cased, or None.
+def gpqa_extract(response: str | None, ignore_case: bool = False) -> str | None:
+    """The letter of the last answer line as written (upper-cased with `ignore_case`), or None.
 
     A lower-case letter only counts when nothing but punctuation follows it on the line, so
     "Answer: a mix of both" is not read as option A.
@@ -80,13 +127,16 @@ def gpqa_extract(response: str | None) -> str | None:
     for m in _GPQA_LINE.finditer(text):
         if m.group(1).islower() and re.search(r"[A-Za-z0-9]", m.group(2)):
             continue
-        letter = m.group(1).upper()
+        letter = m.group(1).upper() if ignore_case else m.group(1)
     return letter
 
 
-def gpqa_score(response: str | None, answer: str) -> tuple[bool, str | None]:
-    extracted = gpqa_extract(response)
-    return extracted is not None and extracted == answer.strip().upper(), extracted
+def gpqa_score(response: str | None, answer: str, ignore_case: bool = False) -> tuple[bool, str | None]:
+    """simple-evals compares the extracted letter with the gold one as strings: `Answer: c` is not
+    `C`. `ignore_case=True` is the lenient mode that upper-cases both."""
+    extracted = gpqa_extract(response, ignore_case)
+    gold = answer.strip().upper() if ignore_case else answer.strip()
+    return extracted is not None and extracted == gold, extracted
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,6 +169,15 @@ def normalize_exact(text: str) -> str:
     if len(t) >= 2 and t.startswith("$") and t.endswith("$"):
         t = t.strip("$").strip().rstrip(".").strip()
     return " ".join(t.casefold().split())
+
+
+_HEDGE = re.compile(r"^\(?[A-Z]\)?\s*(?:,|/|&|;|\b(?i:or|and)\b)\s*\(?[A-Z]\)?(?:[).:,;/&\s]|$)")
+
+
+def is_hedged_choice(text: str) -> bool:
+    """An answer naming several option letters ("B or C", "B, C", "(B)/(C)", "B and C"): HLE's judge
+    criteria count it wrong whatever the gold option is."""
+    return bool(_HEDGE.match(text.strip()))
 
 
 def multiple_choice_letter(text: str) -> str | None:

@@ -75,6 +75,14 @@ class EngineGenerator:
         self._params = SamplingParams
         self._sampling = sampling
         self._llm = LLM(model=model, **llm_kwargs)
+        self.max_model_len = int(self._llm.engine.max_model_len)
+        self.notices: list[str] = []
+        if sampling.max_tokens >= self.max_model_len:
+            self.notices.append(
+                f"max_tokens {sampling.max_tokens} does not fit the engine's context (max_model_len "
+                f"{self.max_model_len}, prompt included): completions stop at the context, recorded as "
+                f"finish_reason 'context' (raise it with --engine-arg max_model_len=N up to the model's limit)"
+            )
 
     def generate(self, conversations, n, seeds):
         s = self._sampling
@@ -84,17 +92,30 @@ class EngineGenerator:
             )
             for seed in seeds
         ]
-        return [_completions(out, n) for out in self._llm.chat(conversations, params)]
+        outs = self._llm.chat(conversations, params, raise_on_error=False)
+        return [_completions(out, n, s.max_tokens, self.max_model_len) for out in outs]
 
     def close(self) -> None:
         self._llm.close()
 
 
-def _completions(output, n: int) -> list[Completion]:
-    """The samples of one engine ``RequestOutput``; a failed request gives n failed samples."""
+def _completions(output, n: int, max_tokens: int, max_model_len: int) -> list[Completion]:
+    """The samples of one engine ``RequestOutput``; a failed request gives n failed samples. A sample
+    the engine stopped at the context before max_tokens gets finish_reason "context", not "length"."""
     if getattr(output, "error", None):
         return [Completion(None, "error", output.error)] * n
-    return [Completion(c.text, getattr(c, "finish_reason", None)) for c in output.outputs]
+    prompt_len = len(output.prompt_token_ids)
+    out = []
+    for c in output.outputs:
+        reason = getattr(c, "finish_reason", None)
+        if (
+            reason == "length"
+            and len(c.token_ids) < max_tokens
+            and prompt_len + len(c.token_ids) >= max_model_len
+        ):
+            reason = "context"
+        out.append(Completion(c.text, reason))
+    return out
 
 
 @dataclass
@@ -115,6 +136,7 @@ class GenerationSummary:
     failed: int = 0  # samples written with an error instead of a response (they score as wrong)
     image_tasks_skipped: int = 0
     problems: list[Problem] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # e.g. a resume whose parameters changed
 
 
 def _runs(samples: list[int]) -> list[list[int]]:
@@ -172,11 +194,14 @@ def _batches(items: list, size: int) -> Iterable[list]:
         yield items[i : i + size]
 
 
-def _read_done(output, benchmarks: set[str], summary: GenerationSummary) -> tuple[set, set]:
+def _read_done(
+    output, benchmarks: set[str], summary: GenerationSummary, seed: int, sampling: SamplingConfig | None
+) -> tuple[set, set]:
     done: set[tuple[str, int]] = set()
     skipped: set[str] = set()
     if not os.path.exists(output):
         return done, skipped
+    changed: dict[str, tuple[int, object, object]] = {}  # what -> (lines, first old value, new value)
     existing = read_jsonl(output, required=("benchmark", "id"))
     summary.problems = existing.problems
     for r in existing.records:
@@ -188,7 +213,30 @@ def _read_done(output, benchmarks: set[str], summary: GenerationSummary) -> tupl
             skipped.add(str(r["id"]))
         elif isinstance(r.get("sample"), int):
             done.add((str(r["id"]), r["sample"]))
+            _note_changes(r, seed, sampling, changed)
+    for what, (count, old, new) in changed.items():
+        summary.warnings.append(
+            f"resuming {output}: {count} existing sample(s) were generated with {what} {old!r}, this run "
+            f"uses {new!r}; the file now mixes both (use a new --output to keep runs apart)"
+        )
     return done, skipped
+
+
+def _note_changes(record: dict, seed: int, sampling: SamplingConfig | None, changed: dict) -> None:
+    """Compare one existing line with this run's parameters: the seed it would get now, and the
+    sampling settings it records."""
+    expected = stable_seed(seed, record["benchmark"], record["id"]) + record["sample"]
+    found = {}
+    if isinstance(record.get("seed"), int) and record["seed"] != expected:
+        found["seed (from --seed)"] = (record["seed"], expected)
+    old = record.get("sampling")
+    if sampling is not None and isinstance(old, dict):
+        for key, new in vars(sampling).items():
+            if key in old and old[key] != new:
+                found[key] = (old[key], new)
+    for what, (old_value, new_value) in found.items():
+        count, first, _ = changed.get(what, (0, old_value, new_value))
+        changed[what] = (count + 1, first, new_value)
 
 
 def run_generation(
@@ -207,7 +255,8 @@ def run_generation(
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     summary = GenerationSummary()
-    done, skipped_before = _read_done(output, {t["benchmark"] for t in tasks}, summary)
+    done, skipped_before = _read_done(output, {t["benchmark"] for t in tasks}, summary, seed, sampling)
+    summary.warnings.extend(getattr(generator, "notices", []))
 
     # The engine has no vision path yet: image tasks are recorded as skipped, never dropped.
     image_tasks = [t for t in tasks if t.get("image")]

@@ -23,6 +23,7 @@ from deepinfer_eval.extract import (
     final_part,
     hle_confidence,
     hle_extract,
+    is_hedged_choice,
     multiple_choice_letter,
     normalize_exact,
 )
@@ -52,20 +53,26 @@ class Judge(Protocol):
 
 class ExactMatchJudge:
     """The answer line must equal the gold answer up to case, spacing, $...$ and a final period;
-    for multiple choice, the option letter it starts with must equal the gold letter."""
+    for multiple choice, the option letter it starts with must equal the gold letter, and an answer
+    naming several options ("B or C") is wrong, as HLE's judge criteria have it.
+    `accept_hedged=True` is the lenient mode that grades such an answer on its first letter."""
 
     name = "exact"
+
+    def __init__(self, accept_hedged: bool = False) -> None:
+        self.accept_hedged = accept_hedged
 
     def judge(self, items: list[JudgeItem]) -> list[Verdict]:
         return [self._one(item) for item in items]
 
-    @staticmethod
-    def _one(item: JudgeItem) -> Verdict:
+    def _one(self, item: JudgeItem) -> Verdict:
         extracted = hle_extract(item.response)
         confidence = hle_confidence(item.response)
         if extracted is None:
             return Verdict(False, None, confidence)
         if item.answer_type == "multipleChoice":
+            if not self.accept_hedged and is_hedged_choice(extracted):
+                return Verdict(False, extracted, confidence)
             letter = multiple_choice_letter(extracted)
             gold = multiple_choice_letter(item.answer) or item.answer.strip().upper()
             return Verdict(letter is not None and letter == gold, letter or extracted, confidence)

@@ -56,6 +56,7 @@ def build_report(
     confidences: dict[str, list[tuple[float, bool]]] = defaultdict(list)
     judge_errors: dict[str, int] = defaultdict(int)
     truncated: dict[str, int] = defaultdict(int)  # samples that hit max_tokens
+    cut_at_context: dict[str, int] = defaultdict(int)  # samples the model's context stopped first
     for i, r in enumerate(scores):
         line = r.get("_line", i + 1)
         if r["benchmark"] not in BENCHMARKS:
@@ -93,6 +94,8 @@ def build_report(
             judge_errors[r["benchmark"]] += 1
         if r.get("finish_reason") == "length":
             truncated[r["benchmark"]] += 1
+        elif r.get("finish_reason") == "context":
+            cut_at_context[r["benchmark"]] += 1
         if isinstance(r.get("confidence"), int | float):
             confidences[r["benchmark"]].append((float(r["confidence"]), correct))
     for t in tasks or []:  # tasks never generated or scored count as all wrong
@@ -110,6 +113,7 @@ def build_report(
             "skipped_tasks": sum(1 for t in by_id.values() if t.skipped),
             "judge_errors": judge_errors[bench],
             "samples_truncated": truncated[bench],
+            "samples_cut_at_context": cut_at_context[bench],
         }
         if confidences[bench]:
             conf, ok = zip(*confidences[bench])
@@ -172,6 +176,11 @@ def print_report(report: dict, console=None) -> None:
             )
         if e["samples_truncated"]:
             console.print(f"{bench}: {e['samples_truncated']} sample(s) stopped at max_tokens")
+        if e.get("samples_cut_at_context"):
+            console.print(
+                f"{bench}: {e['samples_cut_at_context']} sample(s) stopped at the model's context "
+                "(max_model_len) before max_tokens"
+            )
         if e["judge_errors"]:
             console.print(f"{bench}: {e['judge_errors']} sample(s) counted wrong because the judge failed")
     if report["skipped_lines"]:

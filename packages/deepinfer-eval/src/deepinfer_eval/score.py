@@ -31,8 +31,19 @@ def _base(record: dict) -> dict:
     return out
 
 
-def score_records(records: list[dict], judge: Judge | None = None, source: str = "generations"):
-    """Scored lines in input order, and a summary; records need a ``_line`` for problem reports."""
+def score_records(
+    records: list[dict],
+    judge: Judge | None = None,
+    source: str = "generations",
+    aime_boxed: str = "last",
+    gpqa_ignore_case: bool = False,
+):
+    """Scored lines in input order, and a summary; records need a ``_line`` for problem reports.
+
+    The defaults are the reference conventions: AIME graded on the last ``\\boxed{}`` (``aime_boxed="all"``:
+    math-verify over every box), GPQA's letter compared case-sensitively as simple-evals does
+    (``gpqa_ignore_case=True``: upper-cased first), HLE by ``judge`` (default: the exact judge, which
+    counts hedged multiple-choice answers wrong)."""
     judge = judge or ExactMatchJudge()
     summary = ScoreSummary()
     out: list[dict | None] = [None] * len(records)
@@ -58,9 +69,9 @@ def score_records(records: list[dict], judge: Judge | None = None, source: str =
             continue
         bench = r["benchmark"]
         if bench == "aime":
-            correct, extracted = aime_score(response, r["answer"])
+            correct, extracted = aime_score(response, r["answer"], aime_boxed)
         elif bench == "gpqa":
-            correct, extracted = gpqa_score(response, r["answer"])
+            correct, extracted = gpqa_score(response, r["answer"], gpqa_ignore_case)
         elif bench == "hle":
             hle.append(i)
             continue

@@ -31,6 +31,7 @@ from .runtime import (
     BlockPayload,
     PayloadError,
     cache_layout,
+    cache_specs,
     decode_graph_settings,
     export_request,
     make_runner,
@@ -38,6 +39,7 @@ from .runtime import (
 from .runtime.device import model_device, resolve_device, to_device
 from .sampling import (
     EMPTY_ROW_MESSAGE,
+    MAX_LOGPROBS,
     MAX_TEMPERATURE,
     MIN_TEMPERATURE,
     RowParams,
@@ -52,7 +54,7 @@ from .sampling import (
     validate_sampling_fields,
     validate_token_ids,
 )
-from .tokenizer_files import DEFAULT_CHAT_TEMPLATE, write_tokenizer
+from .tokenizer_files import DEFAULT_CHAT_TEMPLATE, EARLIER_DEFAULT_CHAT_TEMPLATES, write_tokenizer
 
 __version__ = "0.1.0"
 
@@ -64,6 +66,8 @@ __all__ = [
     "export_request",
     "cache_layout",
     "DEFAULT_CHAT_TEMPLATE",
+    "EARLIER_DEFAULT_CHAT_TEMPLATES",
+    "MAX_LOGPROBS",
     "CheckpointError",
     "ConfigError",
     "DeepseekV41Config",
@@ -90,6 +94,7 @@ __all__ = [
     "load_model",
     "load_v41",
     "load_v41_ep",
+    "cache_specs",
     "make_runner",
     "make_v41_checkpoint",
     "write_tokenizer",

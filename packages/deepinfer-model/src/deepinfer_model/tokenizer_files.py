@@ -8,19 +8,40 @@ from importlib import resources
 from pathlib import Path
 
 # The DeepSeek-V3/V4 chat format: what the engine renders messages in when a checkpoint's
-# tokenizer_config.json has no chat_template, and what checkpoints we write carry. The optional
-# template variable `thinking` picks DeepSeek's mode: true opens the reply with <think> (the model
-# reasons first), false closes it at once with </think>; left out, the reply opens bare.
+# tokenizer_config.json has no chat_template, and what checkpoints we write carry. Roles system,
+# user, assistant (with optional OpenAI-style `tool_calls`) and tool. `thinking`, when given
+# (chat_template_kwargs), picks DeepSeek's reasoning mode: the generation prompt ends in `<think>`
+# (thinking) or `</think>` (answer directly), and earlier assistant turns carry the closed `</think>`
+# of a finished reasoning; without it the prompt is the plain format.
 DEFAULT_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}<｜Assistant｜>{% if thinking is defined %}</think>{% endif %}"
+    "{% if m['content'] is not none %}{{ m['content'] }}{% endif %}"
+    "{% if m['tool_calls'] is defined and m['tool_calls'] %}<｜tool▁calls▁begin｜>"
+    "{% for call in m['tool_calls'] %}<｜tool▁call▁begin｜>{{ call['function']['name'] }}<｜tool▁sep｜>"
+    "{% if call['function']['arguments'] is string %}{{ call['function']['arguments'] }}"
+    "{% else %}{{ call['function']['arguments'] | tojson }}{% endif %}<｜tool▁call▁end｜>{% endfor %}"
+    "<｜tool▁calls▁end｜>{% endif %}<｜end▁of▁sentence｜>"
+    "{% elif m['role'] == 'tool' %}<｜tool▁output▁begin｜>{{ m['content'] }}<｜tool▁output▁end｜>{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<｜Assistant｜>"
+    "{% if thinking is defined %}{% if thinking %}<think>{% else %}</think>{% endif %}{% endif %}{% endif %}"
+)
+
+# Built-in templates of earlier releases, still in the tokenizer_config.json of checkpoints we generated
+# then: they render as DEFAULT_CHAT_TEMPLATE (identically for their roles) so those checkpoints get
+# thinking modes and tool messages too.
+EARLIER_DEFAULT_CHAT_TEMPLATES = (
     "{{ bos_token }}"
     "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}{% endif %}{% endfor %}"
     "{% for m in messages %}"
     "{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
     "{% elif m['role'] == 'assistant' %}<｜Assistant｜>{{ m['content'] }}<｜end▁of▁sentence｜>{% endif %}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}<｜Assistant｜>"
-    "{% if thinking is defined %}{% if thinking %}<think>{% else %}</think>{% endif %}{% endif %}"
-    "{% endif %}"
+    "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}",
 )
 
 

@@ -24,7 +24,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "engine.llm_engine": ("LLMEngine",),
     "engine_args": ("EngineArgs",),
     "llm": ("LLM",),
-    "outputs": ("CompletionOutput", "RequestMetrics", "RequestOutput"),
+    "outputs": ("CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput"),
     "sampling_params": ("SamplingParams",),
     "streaming": ("RequestStream",),
 }

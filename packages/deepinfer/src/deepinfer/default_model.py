@@ -17,6 +17,7 @@ import platformdirs
 from filelock import FileLock
 
 from . import envs
+from .hf_cache import cached_snapshot, looks_like_repo_id
 
 TINY_NAME = "deepinfer-tiny"
 TINY_REVISION = 1  # bump when the generated checkpoint changes, so stale caches are not reused
@@ -68,14 +69,21 @@ def tiny_model_dir(root: Path | None = None) -> Path:
 
 def checkpoint_dir(model: str | None) -> Path | None:
     """The checkpoint directory `model` names (None: the built-in default), checked without loading or
-    generating anything: the rule `resolve_model` applies, so a caller can refuse a bad path early."""
+    generating anything: the rule `resolve_model` applies, so a caller can refuse a bad path early.
+    A model that is no directory but reads `org/name[@revision]` is looked up in the local Hugging
+    Face cache (hf_cache.py)."""
     model = model or envs.DEEPINFER_HF_MODEL_DIR
     if model in (None, "", TINY_NAME):
         return None
     path = Path(model).expanduser()
-    if not (path / "config.json").exists():
-        raise ValueError(f"model must be a checkpoint directory with config.json, got {model!r}")
-    return path
+    if (path / "config.json").exists():
+        return path
+    if not path.exists() and looks_like_repo_id(model):  # org/name: the local Hugging Face cache
+        return cached_snapshot(model)
+    raise ValueError(
+        f"model must be a checkpoint directory with config.json or an org/name in the local Hugging "
+        f"Face cache, got {model!r}"
+    )
 
 
 def resolve_model(model: str | None) -> tuple[Path, bool]:

@@ -26,6 +26,10 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
+    def decode_one(self, token_id: int) -> str:
+        """One token's text on its own, special tokens included (a logprob's `decoded_token`)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def add(self, token_id: int) -> str:
         """Append one token; return the newly completed text (possibly empty)."""
         self.token_ids.append(token_id)

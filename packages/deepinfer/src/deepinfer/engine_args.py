@@ -18,7 +18,8 @@ class EngineArgs:
     model: str | None = field(
         default=None,
         metadata={
-            "help": "checkpoint directory (default: $DEEPINFER_HF_MODEL_DIR, else the built-in deepinfer-tiny)"
+            "help": "checkpoint directory, or org/name[@revision] already in the local Hugging Face cache "
+            "(default: $DEEPINFER_HF_MODEL_DIR, else the built-in deepinfer-tiny)"
         },
     )
     tokenizer: str | None = field(
@@ -78,7 +79,21 @@ class EngineArgs:
     # Reference knobs accepted for compatibility; values this engine cannot honour are rejected.
     served_model_name: str = field(default="deepinfer-model", metadata={"help": "name reported in outputs"})
     trust_remote_code: bool = field(default=False, metadata={"help": "accepted; no remote code is ever run"})
-    gpu_memory_utilization: float = field(default=0.9, metadata={"help": "accepted; unused on the CPU path"})
+    gpu_memory_utilization: float = field(
+        default=0.9,
+        metadata={
+            "help": "CUDA: share of the device's memory this engine may fill; the KV cache gets what is left "
+            "of it after the weights (engine/kv_sizing.py). Ignored on the CPU (num_kv_blocks sizes the cache)"
+        },
+    )
+    enforce_eager: bool = field(
+        default=False,
+        metadata={"help": "no CUDA graphs: every step runs eagerly (also $DEEPINFER_ENFORCE_EAGER)"},
+    )
+    enable_prefix_caching: bool = field(
+        default=True,
+        metadata={"help": "reuse the KV blocks of identical full-block prompt prefixes across requests"},
+    )
     data_parallel_size: int = field(
         default=0,
         metadata={

@@ -10,8 +10,9 @@ from tqdm import tqdm
 from .engine.llm_engine import LLMEngine
 from .engine_args import EngineArgs
 from .outputs import RequestMetrics, RequestOutput
+from .prompt_inputs import parse_prompts
 from .sampling_params import SamplingParams
-from .tokenizer import render_chat
+from .tokenizer import ChatTokenizer, render_chat
 
 
 class LLM:
@@ -46,48 +47,61 @@ class LLM:
         llm.engine, llm._counter = engine, 0
         return llm
 
-    def get_tokenizer(self):
-        return self.engine.tokenizer
+    def get_tokenizer(self) -> ChatTokenizer:
+        """The checkpoint's tokenizer: `encode(text)` -> ids (as `generate` tokenizes a text prompt),
+        `decode(ids)` -> text, `apply_chat_template(messages)`."""
+        engine = self.engine
+        return ChatTokenizer(
+            engine.tokenizer, engine.tokenizer_config, engine.bos_token_id, engine.eos_token_id
+        )
 
     def generate(
         self,
-        prompts: str | Sequence[str] | None = None,
+        prompts=None,
         sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
         prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
         use_tqdm: bool = True,
-        raise_on_error: bool = False,
+        raise_on_error: bool = True,
     ) -> list[RequestOutput]:
         """One `RequestOutput` per prompt, in input order.
 
-        A request that is invalid (bad sampling parameters given as a dict, empty or too long prompt,
-        any token id outside the vocabulary: prompt, golden, stop or so_args ids) or whose step fails
-        gets `error` set; the others complete. With `raise_on_error=True`, all requests are validated
-        first and the first problem raises a ValueError before anything runs.
+        prompts: one prompt or a list; a prompt is a str, a list of token ids, `{"prompt": str}` or
+        `{"prompt_token_ids": list[int]}` (prompt_inputs.py). `prompt_token_ids` is the older way to
+        pass token prompts.
+
+        As in vLLM, an invalid request (malformed prompt, bad sampling parameters given as a dict,
+        empty or too long prompt, any token id outside the vocabulary: prompt, golden, stop or so_args
+        ids; `so_args` that do not compile) raises a ValueError naming the request's index before any
+        request runs. With `raise_on_error=False` such a request gets `error` set and empty `outputs`
+        instead, and the others complete. A request that fails while running (its step: the forward,
+        sampling, detokenizing or its grammar) always comes back with `error` set, without disturbing
+        the others.
         """
-        prompts, token_ids = _normalise_prompts(prompts, prompt_token_ids)
-        count = len(prompts) if prompts is not None else len(token_ids)
+        parsed = parse_prompts(prompts, prompt_token_ids)
+        count = len(parsed)
         params_list = _normalise_params(sampling_params, count)
         engine = self.engine
 
         prepared: list[tuple[str | None, list[int] | None, SamplingParams | None, str | None]] = []
-        for i in range(count):
-            prompt = prompts[i] if prompts is not None else None
-            ids = list(token_ids[i]) if token_ids is not None else None
+        for i, prompt in enumerate(parsed):
+            ids = prompt.token_ids
             try:
+                if prompt.error is not None:
+                    raise ValueError(prompt.error)
                 p = params_list[i]
                 p = SamplingParams(**p) if isinstance(p, dict) else p.clone()
                 if ids is None:
-                    ids = engine.encode(prompt)
+                    ids = engine.encode(prompt.text)
                 ids = engine.validate_request(ids, p)
-                prepared.append((prompt, ids, p, None))
+                prepared.append((prompt.text, ids, p, None))
             except (ValueError, TypeError) as e:
                 if raise_on_error:
                     raise ValueError(f"request {i}: {e}") from e
-                prepared.append((prompt, ids, None, str(e)))
+                prepared.append((prompt.text, ids, None, str(e)))
 
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
-        for prompt, ids, p, error in prepared:
+        for i, (prompt, ids, p, error) in enumerate(prepared):
             rid = str(self._counter)
             self._counter += 1
             order.append(rid)
@@ -95,10 +109,10 @@ class LLM:
                 try:
                     engine.add_request(rid, prompt, p, prompt_token_ids=ids)
                     continue
-                except ValueError as e:
-                    if raise_on_error:  # (a grammar that does not compile): nothing of the call runs
-                        engine.abort_all()
-                        raise ValueError(f"request {len(order) - 1}: {e}") from e
+                except ValueError as e:  # found only on admission (e.g. so_args that do not compile)
+                    if raise_on_error:  # nothing of the call runs
+                        engine.abort_all()  # the requests of this call already added
+                        raise ValueError(f"request {i}: {e}") from e
                     error = str(e)
             results[rid] = RequestOutput(
                 rid, prompt, ids or [], [], RequestMetrics(arrival_time=0.0), error=error
@@ -130,10 +144,16 @@ class LLM:
         **kwargs,
     ) -> list[RequestOutput]:
         """Render each conversation with the checkpoint's chat template, then `generate`.
-        chat_template_kwargs: extra template variables ({"thinking": True | False}: DeepSeek's modes)."""
+
+        Messages have role system, user, assistant (optionally with OpenAI-style `tool_calls`) or
+        tool. chat_template_kwargs: template variables, e.g. `{"thinking": True}` for DeepSeek's
+        reasoning mode (the prompt ends in `<think>`) or `{"thinking": False}` to answer directly
+        (`</think>`); without it the plain format of the checkpoint's template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        config = self.engine.tokenizer_config
-        prompts = [render_chat(c, config, add_generation_prompt, chat_template_kwargs) for c in conversations]
+        prompts = [
+            render_chat(c, self.engine.tokenizer_config, add_generation_prompt, chat_template_kwargs)
+            for c in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, **kwargs)
 
     def close(self) -> None:
@@ -144,22 +164,6 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _normalise_prompts(prompts, prompt_token_ids):
-    if prompts is None and prompt_token_ids is None:
-        raise ValueError("either prompts or prompt_token_ids must be given")
-    if isinstance(prompts, str):
-        prompts = [prompts]
-    if prompt_token_ids is not None and len(prompt_token_ids) and isinstance(prompt_token_ids[0], int):
-        prompt_token_ids = [prompt_token_ids]
-    if prompts is not None and prompt_token_ids is not None and len(prompts) != len(prompt_token_ids):
-        raise ValueError(
-            f"prompts ({len(prompts)}) and prompt_token_ids ({len(prompt_token_ids)}) must have the same length"
-        )
-    return (list(prompts) if prompts is not None else None), (
-        list(prompt_token_ids) if prompt_token_ids is not None else None
-    )
 
 
 def _normalise_params(sampling_params, count: int) -> list:

@@ -30,22 +30,58 @@ class RequestMetrics:
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability under the model (raw logits: before temperature, top-p / top-k
+    and masks), its rank in the vocabulary (1 = most likely) and its text on its own."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position, {token id: Logprob}: the chosen token and the `logprobs` most likely alternatives.
+SampleLogprobs = list[dict[int, Logprob]]
+# Per prompt position, the same for the prompt's own token; None for the first (nothing precedes it).
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    # Per generated token, when logprobs were requested: the chosen token's log-probability and a
-    # {token_id: logprob} dict of the top alternatives.
-    logprobs: list[float] | None = None
-    top_logprobs: list[dict[int, float]] | None = None
+    # When `logprobs` was requested (vLLM's form): per generated token, the chosen token and the top
+    # `num_logprobs` alternatives. Ranks of the alternatives are their places 1..num_logprobs; the chosen
+    # token, when not among them, ranks after them (ties go to the listed ones).
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None  # sum of the chosen tokens' logprobs (when requested)
     # "stop", "length", "abort", "error", "prompt_length_exceeded", "insufficient_system_resource"
     # (preempted and not recomputed: EngineArgs.stop_preempted_request)
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    num_logprobs: int | None = None  # the alternatives asked for per position (SamplingParams.logprobs)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def token_logprobs(self) -> list[float] | None:
+        """The chosen token's log-probability at each position."""
+        if self.logprobs is None:
+            return None
+        return [d[t].logprob for t, d in zip(self.token_ids, self.logprobs)]
+
+    @property
+    def top_logprobs(self) -> list[dict[int, float]] | None:
+        """The top alternatives at each position as {token id: logprob}, most likely first."""
+        if self.logprobs is None:
+            return None
+        k = self.num_logprobs or 0
+        return [
+            {t: lp.logprob for t, lp in sorted(d.items(), key=lambda kv: kv[1].rank) if lp.rank <= k}
+            for d in self.logprobs
+        ]
 
 
 @dataclass
@@ -56,6 +92,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     metrics: RequestMetrics
     error: str | None = None  # set when this request failed alone (bad input); outputs are then empty
+    prompt_logprobs: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs is set
 
     @property
     def finished(self) -> bool:
@@ -68,10 +105,26 @@ class RequestOutput:
             "prompt": self.prompt,
             "prompt_token_ids": self.prompt_token_ids,
             "error": self.error,
-            "outputs": [asdict(o) | {"top_logprobs": _jsonable_top(o.top_logprobs)} for o in self.outputs],
+            "prompt_logprobs": _jsonable(self.prompt_logprobs),
+            "outputs": [_completion_json(o) for o in self.outputs],
             "metrics": asdict(self.metrics) | {"ttft_s": self.metrics.ttft, "tpot_s": self.metrics.tpot},
         }
 
 
-def _jsonable_top(top: list[dict[int, float]] | None):
-    return None if top is None else [{str(k): v for k, v in d.items()} for d in top]
+def _completion_json(o: CompletionOutput) -> dict:
+    return {
+        "index": o.index,
+        "text": o.text,
+        "token_ids": o.token_ids,
+        "logprobs": _jsonable(o.logprobs),
+        "cumulative_logprob": o.cumulative_logprob,
+        "finish_reason": o.finish_reason,
+        "stop_reason": o.stop_reason,
+    }
+
+
+def _jsonable(positions: list[dict[int, Logprob] | None] | None):
+    """JSON has string keys only: {"token id": {"logprob", "rank", "decoded_token"}} per position."""
+    if positions is None:
+        return None
+    return [None if d is None else {str(t): asdict(lp) for t, lp in d.items()} for d in positions]

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deepinfer_model import (
+    MAX_LOGPROBS,
     normalize_seed,
     validate_logit_bias,
     validate_sampling_fields,
@@ -44,7 +45,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # logprob of each chosen token plus this many top alternatives
     top_logprobs: int = 0  # reference name: number of top alternatives (implies logprobs)
-    prompt_logprobs: bool = False
+    # Per prompt token, its logprob and this many top alternatives (vLLM's int; the reference's
+    # boolean: True = 0 alternatives, False = off); computed from the prefill's logits.
+    prompt_logprobs: int | bool | None = None
     first_n_token_no_eos: int = 0  # reference: 1 forbids EOS as the first generated token
     skip_special_tokens: bool = True
     seq_seed: int | None = None
@@ -102,8 +105,16 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if self.first_n_token_no_eos not in (0, 1):
             raise ValueError(f"first_n_token_no_eos must be 0 or 1, got {self.first_n_token_no_eos!r}")
-        if self.prompt_logprobs:
-            raise ValueError("prompt_logprobs is not supported by this engine yet; leave it False")
+        if self.prompt_logprobs is False:
+            self.prompt_logprobs = None
+        elif self.prompt_logprobs is True:
+            self.prompt_logprobs = 0
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"prompt_logprobs must be None, a bool or an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}"
+            )
         self._check_seed()
         self._check_processors()
         if self.so_args is not None and not isinstance(self.so_args, dict):

@@ -40,12 +40,25 @@ def completion_lines(req: InputRequest, out, decode) -> list[str]:
 
 
 def logprob_lines(completion, decode) -> list[str]:
-    """One line per generated token: the token, its logprob, then the top alternatives."""
-    top = completion.top_logprobs or [None] * len(completion.token_ids)
+    """One line per generated token: the token, its logprob and rank in the vocabulary, then the top
+    alternatives (the `Logprob` entries ranked 1..num_logprobs), most likely first."""
+    k = completion.num_logprobs or 0
     lines = []
-    for tid, lp, alts in zip(completion.token_ids, completion.logprobs, top):
-        line = f"  {decode(tid)!r} {lp:.4f}"
+    for tid, entry in zip(completion.token_ids, completion.logprobs):
+        chosen = entry[tid]
+        line = f"  {_text(tid, chosen, decode)!r} {chosen.logprob:.4f}"
+        if chosen.rank is not None:
+            line += f" (rank {chosen.rank})"
+        alts = sorted(
+            ((t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= k),
+            key=lambda item: item[1].rank,
+        )
         if alts:
-            line += "  top: " + ", ".join(f"{decode(int(t))!r} {v:.4f}" for t, v in alts.items())
+            line += "  top: " + ", ".join(f"{_text(t, lp, decode)!r} {lp.logprob:.4f}" for t, lp in alts)
         lines.append(line)
     return lines
+
+
+def _text(token_id: int, logprob, decode) -> str:
+    """The token's text as the engine decoded it, else as `decode` gives it."""
+    return logprob.decoded_token if logprob.decoded_token is not None else decode(int(token_id))

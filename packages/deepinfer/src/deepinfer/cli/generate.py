@@ -28,6 +28,9 @@ def sampling_defaults(args) -> dict:
         stop=args.stop,
         ignore_eos=args.ignore_eos,
         logprobs=args.logprobs,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
     )
     so_args = structured_output_args(args)
     if so_args is not None:

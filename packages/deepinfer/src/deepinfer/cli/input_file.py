@@ -64,13 +64,22 @@ def read_requests(prompts: list[str] | None, source: Path | None, defaults: dict
                 seen_ids[req.user_id] = line
         if req.error is None:
             try:
-                req.params = SamplingParams(**{**defaults, **record.get("sampling_params", {})})
+                req.params = SamplingParams(**_sampling_fields(defaults, record.get("sampling_params", {})))
             except TypeError as e:  # an unknown field name
                 req.error = f"sampling_params: {e}".replace("SamplingParams.__init__() ", "")
             except ValueError as e:
                 req.error = f"sampling_params: {e}"
         requests.append(req)
     return requests
+
+
+def _sampling_fields(defaults: dict, overrides: dict) -> dict:
+    """The flags' fields overridden by a line's; a line's `seed` (vLLM's name of `seq_seed`) replaces
+    the --seq-seed default instead of clashing with it."""
+    fields = {**defaults, **overrides}
+    if "seed" in overrides and "seq_seed" not in overrides:
+        fields.pop("seq_seed", None)
+    return fields
 
 
 def _lines(source: Path):

@@ -84,8 +84,30 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
         "--seq-seed",
         type=int,
         default=None,
-        help="per-request random seed: each draw is a pure function of (seed, position), whatever else "
-        "runs in the batch (default: derived from the engine's --seed)",
+        help="per-request random seed (SamplingParams.seq_seed, vLLM's `seed`; --seed is the engine's, as "
+        "in vLLM): each draw is a pure function of (seed, position), whatever else runs in the batch "
+        "(default: derived from the engine's --seed)",
+    )
+    g.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        help="subtracted once from the logit of each token already in the output, in [-2, 2]; 0 is off "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="subtracted from a token's logit per occurrence in the output, in [-2, 2]; 0 is off "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="tokens of the prompt and output: a positive logit divided by it, any other multiplied, in "
+        "[0.01, 100]; 1 is off (default: %(default)s)",
     )
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable; default: none)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating after EOS")

@@ -187,7 +187,9 @@ class DataParallelEngine(PromptChecks):
         self._check_usable()
         if request_id in self._outstanding or any(r[0] == request_id for r in self._pending):
             raise ValueError(f"request_id {request_id!r} is already in use")
-        check_prompt_logprobs(settings_from_env(), params.prompt_logprobs)  # YoCo truncation refuses them
+        check_prompt_logprobs(
+            settings_from_env(), params.prompt_logprobs is not None
+        )  # YoCo truncation refuses them
         validate_vocab_fields(params, self.vocab_size)
         if prompt_token_ids is None:
             if prompt is None:

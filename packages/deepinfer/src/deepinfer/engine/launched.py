@@ -152,7 +152,10 @@ class LaunchedEngine:
             if not self.dp.any_busy:
                 break
         self.dp.wait_idle_forwards()
-        report = (local if self.cp_rank == 0 else [], _stats(self.engine, self.dp) if self.cp_rank == 0 else None)
+        report = (
+            local if self.cp_rank == 0 else [],
+            _stats(self.engine, self.dp) if self.cp_rank == 0 else None,
+        )
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, report)
         by_id = {out.request_id: out for outs, _ in gathered for out in outs}

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from deepinfer_model import decode_graph_settings, load_model, make_runner
+from deepinfer_model import cache_specs, decode_graph_settings, load_model, make_runner
 from deepinfer_spec import StepTimeCurve
 
 from .. import envs
@@ -33,6 +33,7 @@ from . import scheduling
 from .async_step import AsyncStep
 from .device_timing import device_timeline
 from .drafting import Drafter
+from .kv_sizing import kv_cache_blocks
 from .kv_tier import KVTier, TierSettings
 from .output_processor import OutputProcessor
 from .prompts import PromptChecks
@@ -90,8 +91,15 @@ class LLMEngine(PromptChecks):
             )
         # YoCo truncation: checked here (V4.1 split, KEEP >= W + B) before anything is allocated.
         self.truncation = Truncation(settings_from_env(), self.model, nextn)
-        blocks_per_seq = -(-self.max_model_len // args.block_size)
-        num_blocks = args.num_kv_blocks or blocks_per_seq * min(args.max_num_seqs, 64) + 1
+        num_blocks = kv_cache_blocks(
+            device=self.device,
+            block_size=args.block_size,
+            max_model_len=self.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            num_kv_blocks=args.num_kv_blocks,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            bytes_per_block=self._kv_bytes_per_block(),
+        )
         tier_settings = TierSettings(args.kv_host_tier_bytes, args.kv_disk_tier_bytes, args.kv_disk_tier_dir)
         if tier_settings.enabled and args.runner != "paged":
             raise ValueError(
@@ -105,6 +113,7 @@ class LLMEngine(PromptChecks):
             max_model_len=self.max_model_len,
             chunked_prefill=args.chunked_prefill,
             num_speculative_tokens=nextn,
+            enable_prefix_caching=args.enable_prefix_caching,
             finish_preempted=args.stop_preempted_request,
             report_evictions=tier_settings.enabled,
         )
@@ -178,6 +187,13 @@ class LLMEngine(PromptChecks):
             raise ValueError(f"max_model_len must be <= the model's max_position_embeddings ({model_limit})")
         self.max_num_batched_tokens = self.args.max_num_batched_tokens or max(self.max_model_len, 4096)
 
+    def _kv_bytes_per_block(self) -> int | None:
+        """One block of every paged KV pool of this model (None for the recompute runner: no cache)."""
+        if self.args.runner != "paged":
+            return None
+        yoco = self.truncation.settings if self.truncation.enabled else None
+        return sum(s.bytes_per_block() for s in cache_specs(self.model, self.args.block_size, yoco))
+
     def _make_runner(self, num_blocks: int, nextn: int):
         runner = self._new_runner(num_blocks, nextn)
         if self.dp is not None and self.dp.state.cp.size > 1:  # chunks split over the CP ranks
@@ -200,7 +216,9 @@ class LLMEngine(PromptChecks):
                 args.max_num_seqs,
                 self.max_model_len,
                 # expert parallel: the all-to-alls have host-side split sizes, nothing to capture
-                enforce_eager=envs.DEEPINFER_ENFORCE_EAGER or (dp is not None and dp.ep_size > 1),
+                enforce_eager=args.enforce_eager
+                or envs.DEEPINFER_ENFORCE_EAGER
+                or (dp is not None and dp.ep_size > 1),
                 interval=envs.DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL,
                 capture_all=envs.DEEPINFER_CUDAGRAPH_CAPTURE_ALL,
                 batch_invariant=envs.DEEPINFER_CUDAGRAPH_BATCH_INVARIANT,

@@ -81,6 +81,7 @@ class OutputProcessor:
     def emit(
         self, out, result: StepResult, finished: dict[int, str], preempted: set[int] = frozenset()
     ) -> None:
+        self._record_prompt_rows(scheduling.seq_ids(out).tolist(), result)
         for i, seq_id in enumerate(scheduling.seq_ids(out).tolist()):
             token = int(result.tokens[i])
             seq = self.table.seqs.get(seq_id)
@@ -91,7 +92,14 @@ class OutputProcessor:
             if seq_id in preempted and seq.num_generated >= self._committed(seq_id):
                 continue  # the scheduler dropped this token; recompute will produce it again
             try:
-                seq.append(token, self.eos_token_id, self.max_model_len, result.logprobs[i], result.top[i])
+                seq.append(
+                    token,
+                    self.eos_token_id,
+                    self.max_model_len,
+                    result.logprobs[i],
+                    result.top[i],
+                    result.ranks[i],
+                )
                 self.stats.generated_tokens += 1
                 self._settle(seq, finished)
             except Exception as e:  # noqa: BLE001 - this request fails, the others go on
@@ -109,6 +117,7 @@ class OutputProcessor:
     def emit_verified(
         self, ids: list[int], emitted: list[list[int]], result: VerifyStepResult, finished: dict[int, str]
     ) -> None:
+        self._record_prompt_rows(ids, result)
         outcome: VerifyOutcome | None = result.outcome
         where = {i: idx for idx, i in enumerate(result.verified)}
         structured = self.table.structured
@@ -124,7 +133,7 @@ class OutputProcessor:
                     self.table.fail(seq.request.request_id, f"structured output: {_describe(e)}")
                     continue
             idx = where[i]
-            lps, tops = outcome.logprobs[idx], outcome.top[idx]
+            lps, tops, ranks = outcome.logprobs[idx], outcome.top[idx], outcome.ranks[idx]
             try:
                 for j, token in enumerate(tokens):
                     seq.append(
@@ -133,6 +142,7 @@ class OutputProcessor:
                         self.max_model_len,
                         None if lps is None else lps[j],
                         None if tops is None else tops[j],
+                        None if ranks is None else ranks[j],
                     )
                     self.stats.generated_tokens += 1
                     if seq.finished:
@@ -152,6 +162,12 @@ class OutputProcessor:
         return tokens
 
     # ---------------------------------------------------------------- shared
+    def _record_prompt_rows(self, ids: list[int], result: StepResult | VerifyStepResult) -> None:
+        for i, rows in result.prompt_rows.items():
+            seq = self.table.seqs.get(ids[i])
+            if seq is not None and i not in result.errors:
+                seq.request.add_prompt_rows(rows, seq.detok.decode_one)
+
     def fail_errors(self, ids: list[int], errors: dict[int, str]) -> None:
         """The requests of the sequences (batch indices) whose forward or sampling failed fail alone."""
         for i, message in errors.items():

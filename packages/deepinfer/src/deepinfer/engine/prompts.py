@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from ..sampling_params import SamplingParams
+from ..tokenizer import encode_prompt
 from .request_checks import check_params, check_prompt
 
 
@@ -11,10 +12,7 @@ class PromptChecks:
     """Needs `tokenizer`, `bos_token_id`, `vocab_size` and `max_model_len` on the engine."""
 
     def encode(self, prompt: str) -> list[int]:
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
-        if self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
-            ids = [self.bos_token_id, *ids]
-        return ids
+        return encode_prompt(self.tokenizer, self.bos_token_id, prompt)
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> list[int]:
         """The prompt's ids as Python ints; ValueError naming what is wrong."""

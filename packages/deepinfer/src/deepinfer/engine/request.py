@@ -12,8 +12,22 @@ from dataclasses import dataclass, field
 from tokenizers import Tokenizer
 
 from ..detokenizer import IncrementalDetokenizer, find_stop
-from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
+from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
+
+
+def logprob_entry(
+    token_id: int, logprob: float, rank: int, top: dict[int, float], k: int, decode
+) -> dict[int, Logprob]:
+    """vLLM's per-position dict: the scored token first, then the k alternatives ranked by place; a
+    scored token outside them ranks after them (ties go to the listed ones)."""
+    places = {t: place for place, t in enumerate(top, start=1)}
+    rank = places.get(token_id, max(rank, k + 1) if k else rank)
+    entry = {token_id: Logprob(logprob, rank, decode(token_id))}
+    for t, value in top.items():
+        if t != token_id:
+            entry[t] = Logprob(value, places[t], decode(t))
+    return entry
 
 
 @dataclass
@@ -54,8 +68,11 @@ class SeqState:
         max_model_len: int,
         logprob: float | None = None,
         top: dict[int, float] | None = None,
+        rank: int | None = None,
     ) -> None:
-        """Record one generated token and decide whether the sequence ends with it."""
+        """Record one generated token and decide whether the sequence ends with it. logprob / rank:
+        the token's raw log-probability and 1 + the number of tokens more likely; top: the requested
+        alternatives, most likely first."""
         if self.finished:
             return
         p = self.request.params
@@ -67,8 +84,8 @@ class SeqState:
         out.token_ids.append(token_id)
         self.request.metrics.num_output_tokens += 1
         if out.logprobs is not None:
-            out.logprobs.append(logprob)
-            out.top_logprobs.append(top or {})
+            out.logprobs.append(self._logprob_entry(token_id, logprob, rank, top or {}))
+            out.cumulative_logprob += logprob
 
         if token_id == eos_token_id and not p.ignore_eos:
             self._emit_text(token_id, skip=True)
@@ -85,6 +102,11 @@ class SeqState:
             self.finish("length")
         elif len(self.token_ids) >= max_model_len:
             self.finish("length")
+
+    def _logprob_entry(self, token_id: int, logprob: float, rank: int, top: dict[int, float]) -> dict:
+        return logprob_entry(
+            token_id, logprob, rank, top, self.output.num_logprobs or 0, self.detok.decode_one
+        )
 
     def _emit_text(self, token_id: int, skip: bool = False) -> None:
         p = self.request.params
@@ -126,6 +148,12 @@ class RequestState:
         )
         self.num_unfinished = len(seq_ids)
         self.error: str | None = None
+        # position p (>= 1): the prompt token's logprob given tokens 0..p-1; filled by the prefill
+        self.prompt_logprobs: list | None = None
+        self._prompt_positions_missing = 0
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(prompt_token_ids)
+            self._prompt_positions_missing = len(prompt_token_ids) - 1
         # the logits processors' inputs the engine resolves at admission (`RequestTable.add`)
         self.bad_words: tuple[tuple[int, ...], ...] = ()
         self._prompt_tuple: tuple[int, ...] | None = None
@@ -133,7 +161,7 @@ class RequestState:
         for index, (seq_id, seed) in enumerate(zip(seq_ids, seeds)):
             out = CompletionOutput(index=index)
             if params.logprobs is not None:
-                out.logprobs, out.top_logprobs = [], []
+                out.logprobs, out.cumulative_logprob, out.num_logprobs = [], 0.0, params.logprobs
             self.seqs.append(
                 SeqState(
                     seq_id=seq_id,
@@ -145,6 +173,22 @@ class RequestState:
                     token_ids=list(prompt_token_ids),
                 )
             )
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self._prompt_positions_missing > 0
+
+    def add_prompt_rows(self, rows, decode) -> None:
+        """Scored prompt rows of a prefill chunk (`prompt_logprobs.PromptRows`); a position scored
+        twice (n sequences, a recompute) keeps its first entry, which is the same."""
+        k = self.params.prompt_logprobs or 0
+        for j, token in enumerate(rows.token_ids):
+            position = rows.first_position + j
+            if self.prompt_logprobs[position] is None:
+                self.prompt_logprobs[position] = logprob_entry(
+                    token, rows.logprobs[j], rows.ranks[j], rows.top[j], k, decode
+                )
+                self._prompt_positions_missing -= 1
 
     @property
     def reads_seen_tokens(self) -> bool:
@@ -177,4 +221,5 @@ class RequestState:
             outputs=[s.output for s in self.seqs],
             metrics=self.metrics,
             error=self.error,
+            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
         )

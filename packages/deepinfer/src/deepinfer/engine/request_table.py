@@ -9,6 +9,7 @@ scheduler: all or none) and leaves once every sequence has finished (`collect`):
 
 from __future__ import annotations
 
+import hashlib
 import random
 from pathlib import Path
 from typing import Protocol
@@ -64,7 +65,7 @@ class RequestTable:
         """What is wrong with the request before its prompt is even read (ValueError)."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        self.truncation.check_request(params.prompt_logprobs)
+        self.truncation.check_request(params.prompt_logprobs is not None)
 
     def add(
         self,
@@ -92,6 +93,10 @@ class RequestTable:
             if self.tracker is not None:
                 self.tracker.add(seq.seq_id, seq.seed)
         max_tokens = min(params.max_tokens, self.max_model_len - len(prompt_token_ids))
+        salt = self.truncation.cache_salt(len(prompt_token_ids))
+        if params.prompt_logprobs is not None:
+            # a namespace of its own: a prefix found in the cache would not be computed, its rows unscored
+            salt = _own_cache_salt(salt, seq_ids[0])
         self._next_seq_id += params.n
         added: list[int] = []
         try:
@@ -103,7 +108,7 @@ class RequestTable:
                     params,
                     self.eos_token_id,
                     max_tokens,
-                    cache_salt=self.truncation.cache_salt(len(prompt_token_ids)),
+                    cache_salt=salt,
                 )
                 added.append(seq.seq_id)
                 self.prompt_len_of[seq.seq_id] = len(prompt_token_ids)
@@ -194,3 +199,9 @@ class RequestTable:
         if self.structured is not None:
             self.structured.close()
             self.structured = None
+
+
+def _own_cache_salt(salt: int, seq_id: int) -> int:
+    """A prefix-cache namespace no other request shares (the table's sequence ids never repeat)."""
+    digest = hashlib.sha256(f"prompt-logprobs:{salt}:{seq_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)

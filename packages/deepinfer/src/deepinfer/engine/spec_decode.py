@@ -69,6 +69,7 @@ class VerifyOutcome:
     result: VerifyResult
     logprobs: list[list[float] | None] = field(default_factory=list)
     top: list[list[dict[int, float]] | None] = field(default_factory=list)
+    ranks: list[list[int] | None] = field(default_factory=list)
 
 
 def verify_logits(
@@ -121,7 +122,7 @@ def verify_logits(
         golden=[inp.golden for inp in inputs],
     )
     out = VerifyOutcome(result)
-    out.logprobs, out.top = _emitted_logprobs(raw, inputs, result.emitted)
+    out.logprobs, out.top, out.ranks = _emitted_logprobs(raw, inputs, result.emitted)
     return out
 
 
@@ -131,6 +132,7 @@ def _emitted_logprobs(raw: torch.Tensor, inputs: list[VerifyInput], emitted: lis
     logits' device; one copy to the host for the whole step (float64 holds the ids exactly)."""
     logprobs: list[list[float] | None] = [None] * len(inputs)
     top: list[list[dict[int, float]] | None] = [None] * len(inputs)
+    ranks: list[list[int] | None] = [None] * len(inputs)
     rows, tokens, spans, offset = [], [], [], 0  # spans: (input, first row in `lp`, rows)
     for i, (inp, em) in enumerate(zip(inputs, emitted)):
         if inp.rows[0].logprobs is not None:
@@ -139,11 +141,12 @@ def _emitted_logprobs(raw: torch.Tensor, inputs: list[VerifyInput], emitted: lis
             tokens.extend(em)
         offset += len(inp.rows)
     if not spans:
-        return logprobs, top
+        return logprobs, top, ranks
     dev = raw.device
     lp = torch.log_softmax(raw[to_device(rows, dev, torch.int64)], dim=-1)
     tok = to_device(tokens, dev, torch.int64)
-    parts = [lp.gather(1, tok[:, None]).squeeze(1).double()]
+    chosen = lp.gather(1, tok[:, None])
+    parts = [chosen.squeeze(1).double(), (lp > chosen).sum(-1).double()]  # logprob, tokens more likely
     by_n: dict[int, list[tuple[int, int, int]]] = {}  # one topk per distinct n (ties keep their order)
     for i, lo, m in spans:
         n = inputs[i].rows[0].logprobs
@@ -156,8 +159,9 @@ def _emitted_logprobs(raw: torch.Tensor, inputs: list[VerifyInput], emitted: lis
     host = torch.cat(parts).cpu().tolist()
     for i, lo, m in spans:
         logprobs[i] = host[lo : lo + m]
+        ranks[i] = [int(c) + 1 for c in host[len(rows) + lo : len(rows) + lo + m]]
         top[i] = [{} for _ in range(m)]
-    at = len(rows)
+    at = 2 * len(rows)
     for n, group in by_n.items():
         count = sum(m for _, _, m in group) * n
         vals, ids = host[at : at + count], host[at + count : at + 2 * count]
@@ -174,7 +178,7 @@ def _emitted_logprobs(raw: torch.Tensor, inputs: list[VerifyInput], emitted: lis
                 for j in range(m)
             ]
             r += m
-    return logprobs, top
+    return logprobs, top, ranks
 
 
 class SpecDecoder:

@@ -89,8 +89,9 @@ class SpecStep(StepStrategy):
             packed += n
         structured = self.table.structured
         allowed = structured.allowed_rows_with_drafts(grammar_reqs, packed) if grammar_reqs else None
-        is_prompt = bool(scheduling.is_prefill(out).any())
-        return VerifyStepInput(batch, inputs, allowed, is_prompt), confs
+        prefill = scheduling.is_prefill(out)
+        prompt_targets = self.builder.prompt_rows(batch, prefill)  # after the loop: it widens logits_lens
+        return VerifyStepInput(batch, inputs, allowed, bool(prefill.any()), prompt_targets), confs
 
     def _process(self, out, step: VerifyStepInput, confs: list[float], result: VerifyStepResult) -> None:
         ids = step.batch.seq_ids.tolist()

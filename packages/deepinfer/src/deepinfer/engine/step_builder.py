@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from deepinfer_model import RowParams
 
 from . import scheduling
+from .prompt_logprobs import PromptTargets, set_prompt_rows
 from .request import SeqState
 from .request_table import RequestTable
 from .step_io import StepInput
@@ -54,6 +55,7 @@ class StepBuilder:
             golden.append(g[generated_before] if g is not None and generated_before < len(g) else None)
             if seq.grammar is not None:
                 grammar_rows[i] = seq.grammar
+        prompt_targets = self.prompt_rows(batch, scheduling.is_prefill(out))
         allowed = None
         if grammar_rows:  # a callable the worker resolves after the forward (filled meanwhile)
             allowed = self._mask_pool.submit(
@@ -66,7 +68,24 @@ class StepBuilder:
             allowed,
             prev_rows=scheduling.prev_rows(out) if fill_from_previous else None,
             is_prompt=bool(scheduling.is_prefill(out).any()),
+            prompt_targets=prompt_targets,
         )
+
+    def prompt_rows(self, batch, prefill) -> dict[int, PromptTargets]:
+        """The prefill chunks whose rows score prompt tokens (`SamplingParams.prompt_logprobs`, until
+        every prompt position has its logprobs); their `logits_lens` become the chunk's length."""
+        targets: dict[int, PromptTargets] = {}
+        for i, seq_id in enumerate(batch.seq_ids.tolist()):
+            seq = self.table.seqs.get(seq_id)
+            if not prefill[i] or seq is None or not seq.request.wants_prompt_logprobs:
+                continue
+            prompt = seq.request.prompt_token_ids
+            start, length = int(batch.start_positions[i]), int(batch.query_lens[i])
+            scored = prompt[start + 1 : start + 1 + length]  # row j predicts the token at start + j + 1
+            if scored:
+                targets[i] = PromptTargets(start + 1, list(scored), seq.request.params.prompt_logprobs)
+                set_prompt_rows(batch, i, targets[i])
+        return targets
 
     def prefill_flops(self, out, batch) -> float:
         """Estimated FP8-equivalent FLOPs of the step's prefill chunks (statistics)."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from deepinfer_model import RowParams, StepBatch, TokenBitmask
 
+from .prompt_logprobs import PromptRows, PromptTargets
 from .spec_decode import VerifyInput, VerifyOutcome
 
 # Packed masks of the tokens the constrained sequences may produce (structured output), or a
@@ -32,6 +33,7 @@ class StepInput:
     # fills i's unknown (-1) input id (None: every input id is known).
     prev_rows: np.ndarray | None = None
     is_prompt: bool = False  # a prefill chunk is in the step (data-parallel EPLB counts those apart)
+    prompt_targets: dict[int, PromptTargets] = field(default_factory=dict)  # prompt logprobs to score
 
 
 @dataclass
@@ -42,6 +44,7 @@ class VerifyStepInput:
     inputs: list[VerifyInput | None]  # per sequence; None when it emits nothing this step
     allowed: TokenBitmask | None = None  # addressed by row among the emitting sequences' rows, in order
     is_prompt: bool = False
+    prompt_targets: dict[int, PromptTargets] = field(default_factory=dict)
 
 
 @dataclass
@@ -50,7 +53,9 @@ class StepResult:
     tokens: np.ndarray
     logprobs: list[float | None]
     top: list[dict[int, float] | None]
+    ranks: list[int | None] = field(default_factory=list)  # 1 + tokens more likely than the emitted one
     errors: dict[int, str] = field(default_factory=dict)  # batch index -> message (request failed alone)
+    prompt_rows: dict[int, PromptRows] = field(default_factory=dict)  # batch index -> its scored prompt
     forward_s: float = 0.0
     sample_s: float = 0.0
 
@@ -62,5 +67,6 @@ class VerifyStepResult:
     verified: list[int]
     outcome: VerifyOutcome | None
     errors: dict[int, str] = field(default_factory=dict)
+    prompt_rows: dict[int, PromptRows] = field(default_factory=dict)
     forward_s: float = 0.0
     sample_s: float = 0.0

@@ -113,6 +113,7 @@ class StepStrategy:
             tokens=np.full(n, -1, dtype=np.int64),
             logprobs=[None] * n,
             top=[None] * n,
+            ranks=[None] * n,
             errors=dict.fromkeys(range(n), message),
         )
 

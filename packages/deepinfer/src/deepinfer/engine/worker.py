@@ -17,6 +17,7 @@ from deepinfer_spec import DraftVerifier
 
 from .. import envs
 from .device_timing import DeviceTimeline
+from .prompt_logprobs import PendingPromptRows
 from .spec_decode import verify_logits
 from .step_io import StepInput, StepResult, VerifyStepInput, VerifyStepResult
 
@@ -36,6 +37,7 @@ class PendingStep:
     device_tokens: torch.Tensor | None = None  # long [rows]: each row's sampled token on the device, or -1
     fed: np.ndarray | None = None  # bool [rows]: a next step may read the row's token in `device_tokens`
     readback: tuple | None = None  # CUDA: pinned host copies of the tokens and the empty-row flags
+    prompt_rows: PendingPromptRows | None = None  # prompt logprobs reduced on the device
     done: torch.cuda.Event | None = None  # CUDA: recorded after the step's last work (copies included)
     t0: float = 0.0
     t1: float = 0.0
@@ -106,7 +108,9 @@ class ModelWorker:
                 self._fill_unknown_inputs(batch, prev_rows)
         self._last_tokens = None  # never let a later step read tokens of a step before this one
         n = len(rows)
-        result = StepResult(tokens=np.full(n, -1, dtype=np.int64), logprobs=[None] * n, top=[None] * n)
+        result = StepResult(
+            tokens=np.full(n, -1, dtype=np.int64), logprobs=[None] * n, top=[None] * n, ranks=[None] * n
+        )
         pending = PendingStep(rows=rows, golden=golden, result=result, index=self._launched)
         pending.t0 = time.perf_counter()
         self._timing_begin()
@@ -115,9 +119,12 @@ class ModelWorker:
         if callable(allowed):
             allowed = allowed()
         emitting = [i for i in ok if rows[i] is not None]
+        # logits rows follow the batch order of sequences with logits_lens > 0: a sequence's rows end
+        # with the one it samples from (before it: the prompt rows whose logprobs were asked)
+        first_row = _first_rows(batch, ok)
+        pending.prompt_rows = _prompt_rows(logits, first_row, step.prompt_targets)
         if emitting:
-            # logits rows follow the batch order of sequences with logits_lens > 0
-            row_of = {i: r for r, i in enumerate(j for j in ok if batch.logits_lens[j] > 0)}
+            row_of = {i: first_row[i] + int(batch.logits_lens[i]) - 1 for i in emitting}
             # a gathered copy, so the sampler may mask it in place (the runner's logits may be inference
             # tensors); the index reaches the device without waiting for it
             take = to_device(np.asarray([row_of[i] for i in emitting], dtype=np.int64), logits.device)
@@ -163,11 +170,16 @@ class ModelWorker:
                 result.tokens[i] = token
                 if rows[i].logprobs is not None:
                     lp = torch.log_softmax(pending.picked[k].float(), dim=-1)
-                    result.logprobs[i] = float(lp[token])
+                    chosen = lp[token]
+                    # one copy for both: the count is exact in float32 (vocabularies < 2**24)
+                    value, above = torch.stack((chosen, (lp > chosen).sum().to(lp.dtype))).tolist()
+                    result.logprobs[i], result.ranks[i] = value, int(above) + 1
                     if rows[i].logprobs > 0:
                         top = out.top_token_ids[k, : rows[i].logprobs].tolist()
                         vals = out.top_logprobs[k, : rows[i].logprobs].tolist()
                         result.top[i] = dict(zip(top, vals))
+        if pending.prompt_rows is not None:
+            result.prompt_rows = pending.prompt_rows.read()
         result.forward_s, result.sample_s = pending.t1 - pending.t0, time.perf_counter() - pending.t1
         if pending.index == self._launched:  # (a step launched after this one owns the next fill)
             self._last_tokens = result.tokens
@@ -186,13 +198,15 @@ class ModelWorker:
         offset = packed = kept = 0  # row in logits / in all emitting inputs / in the verified ones
         for i, inp in enumerate(inputs):
             n = int(batch.logits_lens[i])
+            m = len(inp.rows) if inp is not None else 0  # its verify rows: the last m of its n
             if inp is not None and i in okset:
-                picked.append(logits[offset : offset + n])
+                picked.append(logits[offset + n - m : offset + n])
                 result.verified.append(i)
-                kept_of.update((packed + j, kept + j) for j in range(n))
-                kept += n
-            packed += n if inp is not None else 0
+                kept_of.update((packed + j, kept + j) for j in range(m))
+                kept += m
+            packed += m
             offset += n if i in okset else 0
+        prompt_rows = _prompt_rows(logits, _first_rows(batch, ok), step.prompt_targets)
         mask = allowed.remap(kept_of) if allowed is not None else None
         if result.verified:
             try:
@@ -207,6 +221,8 @@ class ModelWorker:
                 for i in result.verified:
                     result.errors[i] = f"sampling failed: {e}"
                 result.verified, result.outcome = [], None
+        if prompt_rows is not None:
+            result.prompt_rows = prompt_rows.read()
         self._timing_end(batch)  # after verification (which copies its results to the host)
         result.forward_s, result.sample_s = t1 - t0, time.perf_counter() - t1
         return result
@@ -344,3 +360,17 @@ def _read_back(out: SamplerOutput, pending: PendingStep) -> tuple[list[int], lis
     pending.done.synchronize()
     tokens, empty = pending.readback
     return tokens.tolist(), None if empty is None else empty.tolist()
+
+
+def _first_rows(batch: StepBatch, ok: list[int]) -> dict[int, int]:
+    """Each computed sequence's first row in the step's logits."""
+    first, at = {}, 0
+    for j in ok:
+        first[j] = at
+        at += int(batch.logits_lens[j])
+    return first
+
+
+def _prompt_rows(logits: torch.Tensor, first_row: dict[int, int], targets: dict) -> PendingPromptRows | None:
+    spans = [(i, first_row[i], t) for i, t in targets.items() if i in first_row]
+    return PendingPromptRows(logits, spans) if spans else None

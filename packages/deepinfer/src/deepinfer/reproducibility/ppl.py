@@ -86,7 +86,7 @@ def run_workload(llm, workload: PplWorkload) -> dict:
             raise RuntimeError(
                 f"workload {workload.name}: got {len(completion.token_ids)} tokens, expected {workload.output_len}"
             )
-        ppl.append(decode_ppl(completion.logprobs))
+        ppl.append(decode_ppl(completion.token_logprobs))
         digests.append(tokens_digest(completion.token_ids))
     return workload.describe() | {"model": model_tag(llm), "ppl": ppl, "tokens_sha256": digests}
 

@@ -1,0 +1,105 @@
+"""`LLM.get_tokenizer()` and chat rendering: DeepSeek's thinking modes, tool messages, template kwargs."""
+
+import pytest
+from deepinfer import LLM, SamplingParams
+from deepinfer.tokenizer import (
+    ChatTokenizer,
+    bundled_tokenizer_dir,
+    load_tokenizer,
+    load_tokenizer_config,
+    render_chat,
+)
+from deepinfer_model import DEFAULT_CHAT_TEMPLATE, EARLIER_DEFAULT_CHAT_TEMPLATES
+
+BOS = "<｜begin▁of▁sentence｜>"
+CONFIG = {"bos_token": BOS, "chat_template": DEFAULT_CHAT_TEMPLATE}
+USER = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+
+
+def test_plain_rendering_is_unchanged_without_thinking():
+    history = [*USER, {"role": "assistant", "content": "4"}, {"role": "user", "content": "3+3?"}]
+    want = f"{BOS}Be brief.<｜User｜>2+2?<｜Assistant｜>4<｜end▁of▁sentence｜><｜User｜>3+3?<｜Assistant｜>"
+    assert render_chat(history, CONFIG) == want
+    # a checkpoint that carries the earlier built-in template renders the same, and gets the new modes
+    old = {"bos_token": BOS, "chat_template": EARLIER_DEFAULT_CHAT_TEMPLATES[0]}
+    assert render_chat(history, old) == want
+    assert render_chat(USER, old, chat_template_kwargs={"thinking": True}).endswith("<｜Assistant｜><think>")
+
+
+def test_thinking_and_non_thinking_modes():
+    thinking = render_chat(USER, CONFIG, chat_template_kwargs={"thinking": True})
+    direct = render_chat(USER, CONFIG, chat_template_kwargs={"thinking": False})
+    assert thinking == f"{BOS}Be brief.<｜User｜>2+2?<｜Assistant｜><think>"
+    assert direct == f"{BOS}Be brief.<｜User｜>2+2?<｜Assistant｜></think>"
+    # earlier turns carry the closed reasoning marker in either mode
+    history = [*USER, {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"}]
+    assert "<｜Assistant｜></think>4<｜end▁of▁sentence｜>" in render_chat(
+        history, CONFIG, chat_template_kwargs={"thinking": True}
+    )
+
+
+def test_tool_calls_and_tool_messages():
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}
+            ],
+        },
+        {"role": "tool", "content": '{"temp_c": 21}'},
+    ]
+    got = render_chat(messages, CONFIG, chat_template_kwargs={"thinking": False})
+    assert got == (
+        f"{BOS}<｜User｜>Weather in Paris?<｜Assistant｜></think><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>weather"
+        '<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>'
+        '<｜tool▁output▁begin｜>{"temp_c": 21}<｜tool▁output▁end｜><｜Assistant｜></think>'
+    )
+
+
+@pytest.mark.parametrize(
+    "messages, kwargs, message",
+    [
+        ([{"role": "robot", "content": "x"}], None, r"messages\[0\] must be a dict with role"),
+        ([{"role": "tool"}], None, r"messages\[0\] \(role tool\) must have a str 'content'"),
+        ([{"role": "assistant", "content": None, "tool_calls": [{"name": "f"}]}], None, "tool_calls"),
+        (USER, {"thinkng": True}, r"chat_template_kwargs\['thinkng'\]: this checkpoint's chat template"),
+        (USER, {"messages": []}, "must not set 'messages'"),
+        ([], None, "messages must be a non-empty list"),
+    ],
+)
+def test_bad_messages_and_kwargs_are_refused(messages, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        render_chat(messages, CONFIG, chat_template_kwargs=kwargs)
+
+
+def test_chat_tokenizer_encode_decode_round_trip():
+    path = bundled_tokenizer_dir()
+    tok = ChatTokenizer(load_tokenizer(path), load_tokenizer_config(path), 0, 1)
+    text = "Hello, world! 你好 🙂"
+    ids = tok.encode(text)
+    assert isinstance(ids, list) and all(isinstance(t, int) for t in ids)
+    assert ids[0] == 0 and ids[1:] == tok.encode(text, add_special_tokens=False)
+    assert ids[1:] == load_tokenizer(path).encode(text, add_special_tokens=False).ids
+    assert tok.decode(ids) == text
+    assert tok.decode(ids, skip_special_tokens=False) == BOS + text
+    assert tok.token_to_id("<think>") is not None  # the HF tokenizer's own methods stay reachable
+    assert tok.convert_ids_to_tokens(ids[:1]) == [BOS]
+
+
+def test_llm_get_tokenizer_and_chat_modes(real_vocab_checkpoint):
+    greedy = SamplingParams(max_tokens=1, temperature=0)
+    with LLM(model=str(real_vocab_checkpoint), block_size=16, max_model_len=128) as llm:
+        tok = llm.get_tokenizer()
+        out = llm.generate("Hi there", greedy, use_tqdm=False)[0]
+        assert tok.encode("Hi there") == out.prompt_token_ids
+        assert tok.decode(out.prompt_token_ids) == "Hi there"
+        think, direct = tok.token_to_id("<think>"), tok.token_to_id("</think>")
+        for thinking, last in ((True, think), (False, direct)):
+            out = llm.chat(USER, greedy, use_tqdm=False, chat_template_kwargs={"thinking": thinking})[0]
+            assert out.prompt_token_ids[-2:] == [tok.token_to_id("<｜Assistant｜>"), last]
+            assert out.prompt_token_ids == tok.apply_chat_template(USER, tokenize=True, thinking=thinking)
+        tool = [*USER, {"role": "tool", "content": "42"}]
+        out = llm.chat(tool, greedy, use_tqdm=False)[0]
+        assert tok.token_to_id("<｜tool▁output▁begin｜>") in out.prompt_token_ids
