@@ -116,7 +116,6 @@ def render_chat(
                     f"{name!r} (it reads {sorted(set(reads) - set(_TEMPLATE_INPUTS))})"
                 )
     return env.from_string(template).render(
-        **extra,
         messages=messages,
         add_generation_prompt=add_generation_prompt,
         bos_token=_token_content(tokenizer_config.get("bos_token")) or "",
