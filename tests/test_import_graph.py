@@ -6,6 +6,8 @@ Three rules, each checked over module-level and function-local imports alike:
 - another package imports only a package itself (`from deepinfer_model import X`) or one of the
   submodules that the package lists in `__public_modules__` in its `__init__.py`; never a module or
   a name whose last part starts with `_`.
+A package that exports lazily (a module-level `__getattr__`) imports the modules its `_MODULES` table
+names, as an import statement spells them: each entry counts as an import of its `__init__`.
 
 `python tests/test_import_graph.py` prints every violation, grouped by the importing package.
 """
@@ -157,6 +159,31 @@ def read_imports(packages: dict[str, Package], root: Path = ROOT) -> list[Import
             for target, names in found:
                 if target.split(".")[0] in packages:
                     imports.append(Import(module, target, names, str(path.relative_to(root)), node.lineno))
+        if is_package:
+            imports += _lazy_imports(module, trees[module], packages, str(path.relative_to(root)))
+    return imports
+
+
+def _lazy_imports(package: str, tree: ast.Module, packages: dict[str, Package], path: str) -> list[Import]:
+    """The imports a package that exports lazily makes on first use: its `_MODULES` table maps each module,
+    spelled as an import statement spells it (`.config`, `deepinfer_spec`), to the names taken from it."""
+    if not any(isinstance(node, ast.FunctionDef) and node.name == "__getattr__" for node in tree.body):
+        return []
+    imports = []
+    for node in tree.body:
+        target = node.target if isinstance(node, ast.AnnAssign) else None
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target = node.targets[0]
+        if not (
+            isinstance(target, ast.Name) and target.id == "_MODULES" and isinstance(node.value, ast.Dict)
+        ):
+            continue
+        for key, value in zip(node.value.keys, node.value.values, strict=True):
+            spelled = ast.literal_eval(key)
+            level = len(spelled) - len(spelled.lstrip("."))
+            module = _resolve_relative(package, True, level, spelled[level:] or None) if level else spelled
+            if module.split(".")[0] in packages:
+                imports.append(Import(package, module, tuple(ast.literal_eval(value)), path, key.lineno))
     return imports
 
 
@@ -469,3 +496,28 @@ def test_a_clean_workspace_has_no_violations(tmp_path):
     )
     v = find_violations(tmp_path)
     assert (v.private, v.undeclared, v.module_cycles, v.package_cycles) == ([], [], {}, {})
+
+
+def test_a_lazy_export_table_counts_as_imports(tmp_path):
+    """The modules a package's `_MODULES` table names (imported by its `__getattr__` on first use) are
+    edges like any import: a cycle through the table and an undeclared package in it are found."""
+    _write(
+        tmp_path,
+        {
+            "packages/base/pyproject.toml": _project("base"),
+            "packages/base/src/base/__init__.py": "",
+            "packages/lazy/pyproject.toml": _project("lazy"),
+            "packages/lazy/src/lazy/__init__.py": (
+                "_MODULES: dict = {\n    '.core': ('thing',),\n    'base': ('x',),\n}\n\n"
+                "def __getattr__(name):\n    pass\n"
+            ),
+            "packages/lazy/src/lazy/core.py": "def thing():\n    from lazy import other\n",
+        },
+    )
+    v = find_violations(tmp_path)
+    assert [(i.importer, i.target, i.names, i.line) for i in v.undeclared] == [("lazy", "base", ("x",), 3)]
+    assert list(v.module_cycles) == [frozenset({"lazy", "lazy.core"})]
+    assert [(i.importer, i.target, i.line) for i in v.module_cycles[frozenset({"lazy", "lazy.core"})]] == [
+        ("lazy", "lazy.core", 2),
+        ("lazy.core", "lazy", 2),
+    ]

@@ -1,6 +1,6 @@
-"""The `deepinfer` command through a subprocess: help, version and usage errors without torch; mistakes in
-flags, paths and the model reported in one line with exit status 2 before anything loads; tracebacks
-only with --debug / DEEPINFER_DEBUG=1. (How fast these answer is measured by
+"""The `deepinfer` command through a subprocess: help, version, usage errors and the sampling flag checks
+without torch; mistakes in flags, paths and the model reported in one line with exit status 2 before anything
+loads; tracebacks only with --debug / DEEPINFER_DEBUG=1. (How fast these answer is measured by
 benchmarks/engine/cli_startup.py, not here.)"""
 
 import json
@@ -54,6 +54,38 @@ def test_help_version_and_early_errors_import_neither_torch_nor_the_model(argv, 
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result == {"code": code, "loaded": []}, run.stderr
     assert "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize(
+    "flag, value, field",
+    [
+        ("--top-p", "0", "top_p"),
+        ("--temperature", "-1", "temperature"),
+        ("--max-tokens", "-1", "max_tokens"),
+        ("--n", "0", "n"),
+    ],
+)
+def test_bad_sampling_flags_import_no_torch(flag, value, field):
+    """The flag checks build a SamplingParams: its rules are plain Python, so the check answers at once
+    (the model package's `__init__` is loaded, none of its torch code)."""
+    argv = ["generate", "--prompt", "x", flag, value]
+    run = subprocess.run([sys.executable, "-c", PROBE, *argv], capture_output=True, text=True, timeout=300)
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result == {"code": 2, "loaded": ["deepinfer_model"]}, run.stderr
+    assert run.stderr.splitlines() == [run.stderr.strip()]  # one line
+    assert run.stderr.startswith(f"deepinfer generate: error: {flag}:") and field in run.stderr
+
+
+def test_sampling_params_import_no_torch():
+    code = (
+        "import sys\n"
+        "import deepinfer.sampling_params\n"
+        "from deepinfer import SamplingParams\n"
+        "SamplingParams(temperature=0.5, top_p=0.9, max_tokens=4, seed=3)\n"
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
 
 
 def test_version_names_the_packages():

@@ -4,113 +4,86 @@ Other packages import what they need from here; `testing` (tiny checkpoints and 
 is the one submodule they may import directly.
 """
 
-from .config import ConfigError, ModelConfig, load_config, parse_config
-from .loader import CheckpointError
-from .models import load_model
-from .models.deepseek_v4 import DeepseekV4Model
-from .models.deepseek_v41 import (
-    DeepseekV41Config,
-    DeepseekV41ForCausalLM,
-    DraftOutput,
-    V41Output,
-    load_v41,
-    make_v41_checkpoint,
-    tiny_v41_config_dict,
-)
-from .models.deepseek_v41.yoco import (
-    YocoSettings,
-    check_prompt_logprobs,
-    check_settings,
-    max_backtracking,
-    prefill_flops,
-)
-from .parallel import ExpertParallelMoE, load_v41_ep, shard_experts
-from .quant_sm90 import refuse_with_expert_parallelism
-from .runner import StepBatch
-from .runtime import (
-    BlockPayload,
-    PayloadError,
-    cache_layout,
-    cache_specs,
-    decode_graph_settings,
-    export_request,
-    make_runner,
-)
-from .runtime.device import model_device, resolve_device, to_device
-from .sampling import (
-    EMPTY_ROW_MESSAGE,
-    MAX_LOGPROBS,
-    MAX_TEMPERATURE,
-    MIN_TEMPERATURE,
-    RowParams,
-    Sampler,
-    SamplerOutput,
-    TokenBitmask,
-    filtered_probs,
-    masked_logits,
-    normalize_seed,
-    process_logits_,
-    validate_logit_bias,
-    validate_sampling_fields,
-    validate_token_ids,
-)
-from .tokenizer_files import DEFAULT_CHAT_TEMPLATE, EARLIER_DEFAULT_CHAT_TEMPLATES, write_tokenizer
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# module (as an import statement spells it, relative to this package) -> the public names it defines.
+# Each is imported on first use: the engine's parameter checks (`validate_sampling_fields`) need no torch.
+_MODULES: dict[str, tuple[str, ...]] = {
+    ".config": ("ConfigError", "ModelConfig", "load_config", "parse_config"),
+    ".loader": ("CheckpointError",),
+    ".models": ("load_model",),
+    ".models.deepseek_v4": ("DeepseekV4Model",),
+    ".models.deepseek_v41": (
+        "DeepseekV41Config",
+        "DeepseekV41ForCausalLM",
+        "DraftOutput",
+        "V41Output",
+        "load_v41",
+        "make_v41_checkpoint",
+        "tiny_v41_config_dict",
+    ),
+    ".models.deepseek_v41.yoco": (
+        "YocoSettings",
+        "check_prompt_logprobs",
+        "check_settings",
+        "max_backtracking",
+        "prefill_flops",
+    ),
+    ".parallel": ("ExpertParallelMoE", "load_v41_ep", "shard_experts"),
+    ".quant_sm90": ("refuse_with_expert_parallelism",),
+    ".runner": ("StepBatch",),
+    ".runtime": (
+        "BlockPayload",
+        "PayloadError",
+        "cache_layout",
+        "cache_specs",
+        "decode_graph_settings",
+        "export_request",
+        "make_runner",
+    ),
+    ".runtime.device": ("model_device", "resolve_device", "to_device"),
+    ".sampling": (
+        "EMPTY_ROW_MESSAGE",
+        "MAX_LOGPROBS",
+        "Sampler",
+        "SamplerOutput",
+        "TokenBitmask",
+        "filtered_probs",
+        "masked_logits",
+        "process_logits_",
+    ),
+    ".sampling.params": (
+        "MAX_TEMPERATURE",
+        "MIN_TEMPERATURE",
+        "RowParams",
+        "normalize_seed",
+        "validate_logit_bias",
+        "validate_sampling_fields",
+        "validate_token_ids",
+    ),
+    ".tokenizer_files": ("DEFAULT_CHAT_TEMPLATE", "EARLIER_DEFAULT_CHAT_TEMPLATES", "write_tokenizer"),
+}
+_WHERE = {name: module for module, names in _MODULES.items() for name in names}
 
 __version__ = "0.1.0"
 
 __public_modules__ = ("testing", "training")
 
-__all__ = [
-    "BlockPayload",
-    "PayloadError",
-    "export_request",
-    "cache_layout",
-    "DEFAULT_CHAT_TEMPLATE",
-    "EARLIER_DEFAULT_CHAT_TEMPLATES",
-    "MAX_LOGPROBS",
-    "CheckpointError",
-    "ConfigError",
-    "DeepseekV41Config",
-    "DeepseekV41ForCausalLM",
-    "DeepseekV4Model",
-    "DraftOutput",
-    "EMPTY_ROW_MESSAGE",
-    "ExpertParallelMoE",
-    "MAX_TEMPERATURE",
-    "MIN_TEMPERATURE",
-    "ModelConfig",
-    "RowParams",
-    "Sampler",
-    "SamplerOutput",
-    "StepBatch",
-    "TokenBitmask",
-    "V41Output",
-    "YocoSettings",
-    "check_prompt_logprobs",
-    "check_settings",
-    "decode_graph_settings",
-    "filtered_probs",
-    "load_config",
-    "load_model",
-    "load_v41",
-    "load_v41_ep",
-    "cache_specs",
-    "make_runner",
-    "make_v41_checkpoint",
-    "write_tokenizer",
-    "masked_logits",
-    "max_backtracking",
-    "model_device",
-    "normalize_seed",
-    "parse_config",
-    "prefill_flops",
-    "process_logits_",
-    "refuse_with_expert_parallelism",
-    "resolve_device",
-    "shard_experts",
-    "tiny_v41_config_dict",
-    "to_device",
-    "validate_logit_bias",
-    "validate_sampling_fields",
-    "validate_token_ids",
-]
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    loaded = importlib.import_module(module, __name__)
+    for public in _MODULES[module]:
+        globals()[public] = getattr(loaded, public)
+    return globals()[name]
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

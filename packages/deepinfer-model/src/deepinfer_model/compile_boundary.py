@@ -10,6 +10,7 @@ are outside a compiled region, and as one opaque call (a graph break) inside one
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 
 import torch
@@ -18,16 +19,41 @@ from deepinfer_cluster import envs
 
 def outside_compiled_graph(fn: Callable, traced: Callable | None = None) -> Callable:
     """`fn`, called eagerly when a compiled region reaches it (attributes of `fn` are kept); with `traced`
-    (a torch version of `fn`), the region traces `traced` instead of calling `fn`."""
-    outside = torch.compiler.disable(fn) if traced is None else traced
+    (a torch version of `fn`), the region traces `traced` instead of calling `fn`.
+
+    `torch.compiler.disable` imports Dynamo (seconds), which a process that compiles nothing never needs:
+    the disabled copy of `fn` is made at once only where Dynamo is loaded already, else by
+    `prepare_for_compile` (which `runtime.compiled` calls before it compiles). A region traced before that
+    makes the copy itself, at the cost of one more graph break in its first trace."""
+    outside = [traced]
+    if traced is None:
+        if "torch._dynamo" in sys.modules:
+            outside[0] = torch.compiler.disable(fn)
+        else:
+            _NOT_DISABLED.append((fn, outside))
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
         if torch.compiler.is_compiling():
-            return outside(*args, **kwargs)
+            if outside[0] is None:
+                outside[0] = torch.compiler.disable(fn)
+            return outside[0](*args, **kwargs)
         return fn(*args, **kwargs)
 
     return call
+
+
+# (fn, the cell of its disabled copy) for each `outside_compiled_graph(fn)` made while Dynamo was not loaded
+_NOT_DISABLED: list[tuple[Callable, list]] = []
+
+
+def prepare_for_compile() -> None:
+    """Make the disabled copy of every function `outside_compiled_graph` has marked so far (imports Dynamo):
+    called before `torch.compile`, so that a traced region finds each one ready."""
+    while _NOT_DISABLED:
+        fn, outside = _NOT_DISABLED.pop()
+        if outside[0] is None:
+            outside[0] = torch.compiler.disable(fn)
 
 
 # DEEPINFER_COMPILE_CUSTOM_OPS=0: the functions given to `as_custom_op` stay graph breaks (the earlier behaviour,

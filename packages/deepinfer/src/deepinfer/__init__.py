@@ -18,15 +18,15 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-# module -> the public names it defines
+# module (as an import statement spells it, relative to this package) -> the public names it defines
 _MODULES: dict[str, tuple[str, ...]] = {
-    "async_llm": ("AsyncLLM", "EngineDeadError", "QueueFullError"),
-    "engine.llm_engine": ("LLMEngine",),
-    "engine_args": ("EngineArgs",),
-    "llm": ("LLM",),
-    "outputs": ("CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput"),
-    "sampling_params": ("SamplingParams",),
-    "streaming": ("RequestStream",),
+    ".async_llm": ("AsyncLLM", "EngineDeadError", "QueueFullError"),
+    ".engine.llm_engine": ("LLMEngine",),
+    ".engine_args": ("EngineArgs",),
+    ".llm": ("LLM",),
+    ".outputs": ("CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput"),
+    ".sampling_params": ("SamplingParams",),
+    ".streaming": ("RequestStream",),
 }
 _WHERE = {name: module for module, names in _MODULES.items() for name in names}
 
@@ -37,7 +37,7 @@ def __getattr__(name: str) -> Any:
     module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module 'deepinfer' has no attribute {name!r}")
-    loaded = importlib.import_module(f"deepinfer.{module}")
+    loaded = importlib.import_module(module, __name__)
     for public in _MODULES[module]:
         globals()[public] = getattr(loaded, public)
     return globals()[name]

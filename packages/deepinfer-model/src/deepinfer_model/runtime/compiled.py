@@ -26,7 +26,7 @@ import functools
 import torch
 
 from .. import numerics
-from ..compile_boundary import custom_op_overloads
+from ..compile_boundary import custom_op_overloads, prepare_for_compile
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 # every (bucket, tier) of a deployment may need a guard set of its own before shapes go symbolic
@@ -41,7 +41,9 @@ def compiled_static_forward(static_forward, backend: str):
     step must equal the plain one bitwise)."""
     if backend not in BACKENDS:
         raise ValueError(f"compile backend must be one of {BACKENDS}, got {backend!r}")
+    import torch._dynamo
 
+    prepare_for_compile()
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
     # inductor's default mode: no CUDA graphs of its own inside ours. The numerics settings are read
     # outside the compiled region (`numerics.pinned`): traced, they are constants its guards check once.

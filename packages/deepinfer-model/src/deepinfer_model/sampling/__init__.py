@@ -1,54 +1,52 @@
 """Sampling: logits rows -> tokens, with per-row parameters and seeded, batch-independent streams.
 
 The random stream is deepinfer-spec's, the one the speculative verifier draws from too, so a plain
-decode and verification row 0 sample with the same uniforms by construction."""
+decode and verification row 0 sample with the same uniforms by construction.
 
-from deepinfer_spec import DRAFT_SEED_OFFSET, Purpose, stream_bits, stream_uniform
+The names below are imported from their modules on first use: `params` (the rules every entry point
+validates with) is plain Python, and checking a request's parameters must not wait for torch."""
 
-from .bitmask import TokenBitmask, apply_token_bitmask_, disallowed_from_bitmask
-from .params import (
-    ADDITIVE_PENALTY_RANGE,
-    LOGIT_BIAS_RANGE,
-    MAX_LOGPROBS,
-    MAX_TEMPERATURE,
-    MIN_TEMPERATURE,
-    REPETITION_PENALTY_RANGE,
-    TEMPERATURE_RANGE,
-    RowParams,
-    normalize_seed,
-    validate_logit_bias,
-    validate_sampling_fields,
-    validate_token_ids,
-)
-from .processors import bad_word_bans, process_logits_
-from .sampler import EMPTY_ROW_MESSAGE, Sampler, SamplerOutput, masked_logits
-from .transform import filtered_probs
+from __future__ import annotations
 
-__all__ = [
-    "ADDITIVE_PENALTY_RANGE",
-    "DRAFT_SEED_OFFSET",
-    "EMPTY_ROW_MESSAGE",
-    "LOGIT_BIAS_RANGE",
-    "MAX_LOGPROBS",
-    "MAX_TEMPERATURE",
-    "MIN_TEMPERATURE",
-    "Purpose",
-    "REPETITION_PENALTY_RANGE",
-    "RowParams",
-    "Sampler",
-    "SamplerOutput",
-    "TEMPERATURE_RANGE",
-    "TokenBitmask",
-    "apply_token_bitmask_",
-    "bad_word_bans",
-    "disallowed_from_bitmask",
-    "filtered_probs",
-    "masked_logits",
-    "normalize_seed",
-    "process_logits_",
-    "stream_bits",
-    "stream_uniform",
-    "validate_logit_bias",
-    "validate_sampling_fields",
-    "validate_token_ids",
-]
+import importlib
+from typing import Any
+
+# module (as an import statement spells it, relative to this package) -> the public names it defines
+_MODULES: dict[str, tuple[str, ...]] = {
+    "deepinfer_spec": ("DRAFT_SEED_OFFSET", "Purpose", "stream_bits", "stream_uniform"),
+    ".bitmask": ("TokenBitmask", "apply_token_bitmask_", "disallowed_from_bitmask"),
+    ".params": (
+        "ADDITIVE_PENALTY_RANGE",
+        "LOGIT_BIAS_RANGE",
+        "MAX_LOGPROBS",
+        "MAX_TEMPERATURE",
+        "MIN_TEMPERATURE",
+        "REPETITION_PENALTY_RANGE",
+        "TEMPERATURE_RANGE",
+        "RowParams",
+        "normalize_seed",
+        "validate_logit_bias",
+        "validate_sampling_fields",
+        "validate_token_ids",
+    ),
+    ".processors": ("bad_word_bans", "process_logits_"),
+    ".sampler": ("EMPTY_ROW_MESSAGE", "Sampler", "SamplerOutput", "masked_logits"),
+    ".transform": ("filtered_probs",),
+}
+_WHERE = {name: module for module, names in _MODULES.items() for name in names}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    loaded = importlib.import_module(module, __name__)
+    for public in _MODULES[module]:
+        globals()[public] = getattr(loaded, public)
+    return globals()[name]
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
