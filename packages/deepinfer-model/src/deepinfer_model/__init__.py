@@ -47,7 +47,6 @@ _MODULES: dict[str, tuple[str, ...]] = {
     ".runtime.device": ("model_device", "resolve_device", "to_device"),
     ".sampling": (
         "EMPTY_ROW_MESSAGE",
-        "MAX_LOGPROBS",
         "Sampler",
         "SamplerOutput",
         "TokenBitmask",
@@ -56,6 +55,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
         "process_logits_",
     ),
     ".sampling.params": (
+        "MAX_LOGPROBS",
         "MAX_TEMPERATURE",
         "MIN_TEMPERATURE",
         "RowParams",
