@@ -64,11 +64,18 @@ class VerifyResult:
 
     def select(self, requests: Sequence[int]) -> VerifyResult:
         """The result of the requests at these indices only (in that order), e.g. those still running."""
+        if list(requests) == list(range(len(self.num_drafts))):
+            return self  # (every step without a failed request: no copy, nothing on the device)
         offsets = np.concatenate([[0], np.cumsum(self.num_drafts)]).astype(np.int64)
         flat = torch.as_tensor(
-            [d for i in requests for d in range(offsets[i], offsets[i + 1])], dtype=torch.long
+            [d for i in requests for d in range(offsets[i], offsets[i + 1])], dtype=torch.long, device="cpu"
         )
-        at = torch.as_tensor(list(requests), dtype=torch.long)
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return (
+                None if t is None else t[torch.as_tensor(list(requests), dtype=torch.long, device=t.device)]
+            )
+
         return VerifyResult(
             [self.num_drafts[i] for i in requests],
             [self.num_accepted[i] for i in requests],
@@ -76,10 +83,8 @@ class VerifyResult:
             [list(self.emitted[i]) for i in requests],
             self.row_accepted[flat],
             self.accept_probs[flat],
-            None
-            if self.accepted_device is None
-            else self.accepted_device[at.to(self.accepted_device.device)],
-            None if self.final_device is None else self.final_device[at.to(self.final_device.device)],
+            pick(self.accepted_device),
+            pick(self.final_device),
             None if self.no_token is None else [self.no_token[i] for i in requests],
         )
 
