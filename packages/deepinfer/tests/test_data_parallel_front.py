@@ -1,6 +1,7 @@
 """The data-parallel front (engine/data_parallel.py) on 2 CPU processes: start-up and step timeouts kept
-apart, a frozen rank named while the healthy one still works, per-request abort, scheduler statistics
-summed over the ranks, and a clean interpreter exit with or without close().
+apart, a frozen rank named while the healthy one still works (EP 1) or waits for it in a collective
+(EP 2), per-request abort, scheduler statistics summed over the ranks, and a clean interpreter exit with
+or without close().
 
 Ranks are frozen with SIGSTOP, as a hung host would be: the process stays alive and sends nothing.
 """
@@ -135,6 +136,42 @@ def test_a_frozen_rank_is_named_while_the_other_still_works(dp):
     assert "on-rank-0" in engine._outstanding
     with pytest.raises(RuntimeError, match="cannot be used"):
         engine.step()
+
+
+@pytest.mark.slow  # (about 60 s: two ranks start, then the timeout and the kill of a stopped process)
+def test_a_frozen_rank_is_named_while_the_other_waits_for_it_in_a_collective(micro_checkpoint):
+    # EP 2: the healthy rank's next vote (or all-to-all) needs the frozen one, so it blocks there; it is
+    # alive (beats) but makes no progress, and the front must blame the rank that went silent.
+    with LLM(
+        str(micro_checkpoint), data_parallel_size=2, expert_parallel_size=2,
+        distributed_timeout=STEP_TIMEOUT, max_num_seqs=1,
+    ) as llm:  # fmt: skip
+        engine = llm.engine
+        engine.add_request("on-rank-0", None, LONG, prompt_token_ids=PROMPTS[0])
+        engine.add_request("on-rank-1", None, LONG, prompt_token_ids=PROMPTS[1])
+        engine.step()  # dispatched: one request per rank
+        victim = engine._procs[1].pid
+        os.kill(victim, signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(TimeoutError) as e:
+                while engine.has_unfinished_requests():
+                    engine.step()
+            failed_at = time.monotonic()
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # the front has killed it already
+                os.kill(victim, signal.SIGCONT)
+        message = str(e.value)
+        assert "data-parallel rank 1 sent nothing for" in message and "frozen or hung" in message, message
+        assert "rank 0 sent nothing" not in message, message  # the waiting rank is not blamed
+        if "rank 0" in message:  # named at most as the one waiting
+            assert "rank 0 alive but made no progress" in message, message
+            assert "(waiting for the silent rank)" in message, message
+        assert failed_at - t0 < STEP_TIMEOUT + 10, failed_at - t0
+        # rank 0 was alive to the end (beating) but blocked: no progress since the freeze
+        assert engine._heard_at[0] > t0 + STEP_TIMEOUT - 2, (engine._heard_at[0] - t0, message)
+        assert engine._progress_at[0] < t0 + 3, engine._progress_at[0] - t0
+        assert "on-rank-0" in engine._outstanding
 
 
 @pytest.mark.slow

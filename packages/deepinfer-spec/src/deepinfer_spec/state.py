@@ -186,7 +186,7 @@ class SpecDecodeState:
         stored = [p for _, p in probs if p is not None]
         if stored:
             # Requests that kept no distribution (greedy ones need none) get zero rows; the verifier
-            # refuses a zero row for a sampled request.
+            # rejects the draft of a zero row of a sampled request.
             zeros = stored[0].new_zeros
             draft_probs = torch.cat([p if p is not None else zeros(k, stored[0].shape[1]) for k, p in probs])
         # Draft ids are host bookkeeping (the verifier validates them on the host and sends them to the

@@ -10,6 +10,10 @@ for the token after row j's input, so it verifies draft d_{j+1}; the last row is
   draft is accepted the fresh row is sampled from p. The emitted sequence then has exactly the
   distribution of sampling from p step by step (Leviathan et al. 2023, Chen et al. 2023).
 * Prefix rule: a draft counts as accepted only if every earlier draft of its request was accepted.
+* No token left: a target row may allow nothing (every token masked: a greedy row of -inf logits, a
+  sampled row of zero mass). Its draft is rejected, so the request stops there; when that row is the
+  request's final row the request has no final token (`VerifyResult.no_token`): it emits only its
+  accepted drafts, and the caller fails it as the plain sampler fails such a row.
 
 Every uniform comes from `stream_uniform(seed, base + j * VERIFY_ROW_STRIDE, purpose)`, so a
 request's result is a pure function of its own rows and key, whatever else is in the batch.
@@ -19,7 +23,7 @@ streams' seeds and positions, built with numpy: no per-row Python) go there in o
 uniforms are computed there (`stream_uniforms_tensor`), and the results come back in one copy
 (`_to_host`): no per-row or per-token synchronisation. The accepted counts and final tokens also stay
 on the device (`VerifyResult.accepted_device` / `final_device`). Bad distributions
-are detected on the device and raised after that copy.
+are detected on the device and raised after that copy (rows with no token left are not bad: see above).
 p and q are the *processed* distributions (after temperature / top-p / top-k / grammar mask) that the
 model package's sampler computes; they need not be normalised.
 """
@@ -42,8 +46,8 @@ class VerifyResult:
 
     num_drafts: list[int]  # k_i: drafts verified
     num_accepted: list[int]  # a_i: accepted drafts (prefix rule), 0 <= a_i <= k_i
-    final_tokens: list[int]  # the correction (first rejected row) or bonus (fresh row) token
-    emitted: list[list[int]]  # accepted drafts then the final token: a_i + 1 tokens
+    final_tokens: list[int]  # the correction (first rejected row) or bonus (fresh row) token; -1: no_token
+    emitted: list[list[int]]  # accepted drafts then the final token: a_i + 1 tokens (a_i when no_token)
     # Flat over the Σ k_i verified drafts, in packed order (host tensors, whatever device verified):
     row_accepted: torch.Tensor  # bool: the row's own test passed (before the prefix rule)
     accept_probs: torch.Tensor  # float64: Σ_v min(p, q) = probability the test passes (1/0 when greedy)
@@ -51,10 +55,38 @@ class VerifyResult:
     # a step launched before this one's read-back (or a device-side length correction) consumes.
     accepted_device: torch.Tensor | None = None
     final_device: torch.Tensor | None = None
+    # Per request: its final row allowed no token (every token masked); it emitted its accepted drafts only.
+    no_token: list[bool] | None = None
 
     @property
     def num_emitted(self) -> list[int]:
-        return [a + 1 for a in self.num_accepted]
+        return [len(e) for e in self.emitted]
+
+    def select(self, requests: Sequence[int]) -> VerifyResult:
+        """The result of the requests at these indices only (in that order), e.g. those still running."""
+        if list(requests) == list(range(len(self.num_drafts))):
+            return self  # (every step without a failed request: no copy, nothing on the device)
+        offsets = np.concatenate([[0], np.cumsum(self.num_drafts)]).astype(np.int64)
+        flat = torch.as_tensor(
+            [d for i in requests for d in range(offsets[i], offsets[i + 1])], dtype=torch.long, device="cpu"
+        )
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return (
+                None if t is None else t[torch.as_tensor(list(requests), dtype=torch.long, device=t.device)]
+            )
+
+        return VerifyResult(
+            [self.num_drafts[i] for i in requests],
+            [self.num_accepted[i] for i in requests],
+            [self.final_tokens[i] for i in requests],
+            [list(self.emitted[i]) for i in requests],
+            self.row_accepted[flat],
+            self.accept_probs[flat],
+            pick(self.accepted_device),
+            pick(self.final_device),
+            None if self.no_token is None else [self.no_token[i] for i in requests],
+        )
 
     def prefix_accepted(self) -> torch.Tensor:
         """bool [Σ k_i]: drafts that count as accepted (prefix rule)."""
@@ -116,6 +148,7 @@ class _Packed:
             "req_of_draft": req_of_draft,
             "local_of_draft": local_of_draft,
             "greedy_of_draft": self.greedy[req_of_draft],
+            "greedy_of_row": np.repeat(self.greedy, self.ks + 1),
             "draft_offsets": self.draft_offsets[:-1],
             "row_starts": self.row_starts,
             "ks": self.ks,
@@ -136,6 +169,7 @@ class _Packed:
             self.dev[name] = flat[lo : lo + len(values)]
             lo += len(values)
         self.dev["greedy_of_draft"] = self.dev["greedy_of_draft"].bool()
+        self.dev["greedy_of_row"] = self.dev["greedy_of_row"].bool()
 
     def uniforms(self) -> dict[Purpose, torch.Tensor]:
         """The uniforms on the device, computed there (`stream_uniforms_tensor`, bitwise the host stream):
@@ -185,10 +219,12 @@ class DraftVerifier:
         """Verify the packed drafts of a batch.
 
         target_probs: [Σ (1 + k_i), V] target distributions (for greedy rows logits work as well), on
-            the device the verification runs on.
+            the device the verification runs on. A row may allow no token: -inf everywhere (a greedy
+            row's masked logits) or zero mass (a sampled row); see `VerifyResult.no_token`.
         draft_tokens: [Σ k_i] draft ids; a negative id (padding) is always rejected. Best passed from
             the host (a list): a device tensor costs one extra copy back.
-        draft_probs:  [Σ k_i, V] draft distributions q; needed when a sampled request verifies drafts.
+        draft_probs:  [Σ k_i, V] draft distributions q; needed when a sampled request verifies drafts. A
+            zero row (the drafter had no token left there) rejects its draft.
         seeds, base_positions, greedy: per request; base_position is the request's plain decode position.
         golden: per request, forced tokens for its rows 0, 1, ... (-1 or missing: none; spec §5.6). A
             forced row emits its forced token, and its draft counts as accepted iff it equals it.
@@ -200,6 +236,7 @@ class DraftVerifier:
         forced = self._forced_rows(golden, ks, vocab)
         target = target_probs.double()
         argmax = torch.argmax(target, dim=-1)  # first maximum = lowest id
+        no_token_row = self._no_token_rows(target, argmax, dev["greedy_of_row"])
         drafts = dev["drafts"]
         valid = drafts >= 0
         safe_drafts = drafts.clamp(min=0)
@@ -218,11 +255,13 @@ class DraftVerifier:
             p_rows = target[dev["verify_rows"]].clone()
             p_rows[sampled] = self._normalise(p_rows[sampled], "target_probs", checks)
             q_rows = draft_probs.to(target.device).double().clone()
+            drawn = q_rows.sum(-1) > 0  # a zero q row: the drafter had no token there, its draft is void
             q_rows[sampled] = self._normalise(q_rows[sampled], "draft_probs", checks)
             p_t = p_rows.gather(1, safe_drafts[:, None]).squeeze(1)
             q_t = q_rows.gather(1, safe_drafts[:, None]).squeeze(1)
-            # Division-free form of U < min(1, p/q); q(t) = 0 accepts iff p(t) > 0.
-            sampled_ok = valid & (uniforms[Purpose.ACCEPT] * q_t < p_t)
+            # Division-free form of U < min(1, p/q); q(t) = 0 accepts iff p(t) > 0. A void draft is
+            # rejected, and its row draws from the residual max(0, p - 0) = p: a plain draw, exact.
+            sampled_ok = valid & drawn & (uniforms[Purpose.ACCEPT] * q_t < p_t)
             row_accepted = torch.where(is_greedy, row_accepted, sampled_ok)
             overlap = torch.minimum(p_rows, q_rows * self.draft_scale).sum(-1).clamp(0.0, 1.0)
             accept_probs = torch.where(is_greedy, accept_probs, overlap)
@@ -235,6 +274,8 @@ class DraftVerifier:
             forced_of_row = to_device(rows, torch.int64, target.device)
             forced_draft = forced_of_row[dev["verify_rows"]]
             row_accepted = torch.where(forced_draft >= 0, forced_draft == drafts, row_accepted)
+        # a row that allows no token accepts no draft, forced or not: the request stops at that row
+        row_accepted = row_accepted & ~no_token_row[dev["verify_rows"]]
 
         # Prefix rule: a_i = local index of the first non-accepted draft of request i (k_i if none).
         first_rejected = torch.where(row_accepted, dev["ks"][dev["req_of_draft"]], dev["local_of_draft"])
@@ -244,6 +285,8 @@ class DraftVerifier:
         if forced_of_row is not None:
             at_final = forced_of_row[dev["row_starts"] + num_accepted]
             final = torch.where(at_final >= 0, at_final, final)
+        no_token = no_token_row[dev["row_starts"] + num_accepted]
+        final = torch.where(no_token, -1, final)
 
         accepted_device, final_device = num_accepted, final
         num_accepted, final_tokens, row_accepted, accept_probs = _to_host(
@@ -251,7 +294,7 @@ class DraftVerifier:
         )
         offsets = batch.draft_offsets
         emitted = [
-            [*batch.drafts[offsets[i] : offsets[i] + a].tolist(), t]
+            [*batch.drafts[offsets[i] : offsets[i] + a].tolist(), *([t] if t >= 0 else [])]
             for i, (a, t) in enumerate(zip(num_accepted, final_tokens))
         ]
         return VerifyResult(
@@ -263,6 +306,7 @@ class DraftVerifier:
             accept_probs,
             accepted_device,
             final_device,
+            [t < 0 for t in final_tokens],
         )
 
     @staticmethod
@@ -319,9 +363,7 @@ class DraftVerifier:
         rejected = a < k
         weights = target[final_rows[s]]  # the fresh row of a request that accepted every draft
         _, bad = self._mass(weights)
-        checks.append(
-            ((bad & ~rejected).any(), "target_probs rows must be finite, >= 0 and have positive mass")
-        )
+        checks.append(((bad & ~rejected).any(), "target_probs rows must be finite and >= 0"))
         u = uniforms[Purpose.SAMPLE][s]
         empty = None
         if p_rows is not None:
@@ -356,16 +398,26 @@ class DraftVerifier:
         return forced
 
     @staticmethod
+    def _no_token_rows(
+        target: torch.Tensor, argmax: torch.Tensor, greedy_of_row: torch.Tensor
+    ) -> torch.Tensor:
+        """bool [rows]: the row allows no token. A greedy row (logits) when its maximum is not finite, as
+        the plain sampler judges a greedy row; a sampled row (probabilities) when it has no mass."""
+        top = target.gather(1, argmax[:, None]).squeeze(1)
+        return torch.where(greedy_of_row, ~torch.isfinite(top), target.sum(-1) == 0)
+
+    @staticmethod
     def _mass(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row sums and, per row, whether it is not a usable distribution (negative, non-finite, no mass)."""
+        """Row sums and, per row, whether it is not a distribution (negative or non-finite entries)."""
         total = rows.sum(-1)
-        return total, (rows < 0).any(-1) | ~torch.isfinite(total) | (total <= 0)
+        return total, (rows < 0).any(-1) | ~torch.isfinite(total)
 
     @classmethod
     def _normalise(cls, rows: torch.Tensor, name: str, checks: list) -> torch.Tensor:
+        """Rows scaled to sum 1; a row of zero mass (no token left) stays zero."""
         total, bad = cls._mass(rows)
-        checks.append((bad.any(), f"{name} rows must be finite, >= 0 and have positive mass"))
-        return rows / total[:, None]
+        checks.append((bad.any(), f"{name} rows must be finite and >= 0"))
+        return rows / torch.where(total > 0, total, 1.0)[:, None]
 
 
 def _to_host(num_accepted, final, row_accepted, accept_probs, checks):

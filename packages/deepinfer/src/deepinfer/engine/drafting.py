@@ -114,7 +114,11 @@ class DraftRowSampler:
             logits = self._process(logits)
         tokens = torch.argmax(logits, dim=-1)  # first maximum = lowest id
         if self.sampled_params:
-            q = filtered_probs(logits[self.at].float(), self.sampled_params).double()
+            # a row whose processors left no token has no q (softmax of -inf everywhere is NaN): a zero
+            # row, whose draft the verifier rejects (the target has no token there either)
+            q = torch.nan_to_num(
+                filtered_probs(logits[self.at].float(), self.sampled_params).double(), nan=0.0
+            )
             self.q.append(q)
             tokens = tokens.index_copy(0, self.at, inverse_cdf(q, self.uniforms[step]))
         if self.processed:

@@ -82,27 +82,34 @@ def open_rank(
     one host, `env://` for a launched world) and build this rank's engine: its model holds the routed
     experts of its EP slots, its steps vote with the EP group. `local_rank` picks the GPU (`cuda:N`);
     `local_world` ranks share this host's cores. Collectives wait up to `timeout_s`."""
-    from deepinfer_parallel import init_parallel
-
     layout = args.layout
     if args.num_threads is None:  # the ranks share the host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     device = args.torch_device
-    cuda = device.type == "cuda"
-    if cuda:  # one GPU per rank
+    if device.type == "cuda":  # one GPU per rank
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
+    dist.init_process_group(
+        "gloo", init_method=init_method, rank=rank, world_size=layout.world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )  # fmt: skip
+    return rank_engine(args, device)
+
+
+def rank_engine(args: EngineArgs, device: torch.device) -> tuple[LLMEngine, DataParallelRank]:
+    """This rank's engine and its `DataParallelRank` in a world already joined (the default process
+    group up): the process groups of `args.layout`, then the engine on `device`."""
+    from deepinfer_parallel import init_parallel
+
+    layout = args.layout
     # The rank's engine is one process on one device; the world's sizes live in DataParallelRank
     # (EngineArgs refuses `cuda:N` with several ranks: that check is for the user's choice).
     rank_args = dataclasses.replace(
         args, device=str(device), data_parallel_size=1, context_parallel_size=1, expert_parallel_size=1,
         launcher="spawn",
     )  # fmt: skip
-    dist.init_process_group(
-        "gloo", init_method=init_method, rank=rank, world_size=layout.world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )  # fmt: skip
-    state = init_parallel(dp=layout.dp, cp=layout.cp, ep=layout.ep, backend="nccl" if cuda else "gloo")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    state = init_parallel(dp=layout.dp, cp=layout.cp, ep=layout.ep, backend=backend)
     dp = DataParallelRank(state, device)
     return LLMEngine(rank_args, dp=dp), dp
 

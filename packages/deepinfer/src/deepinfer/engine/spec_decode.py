@@ -84,7 +84,8 @@ def verify_logits(
     into them (ignored when an input asks for logprobs, which come from the unmasked logits).
 
     Greedy rows keep their (masked) logits — the verifier only takes their argmax, as the plain
-    sampler does; sampled rows become the sampler's filtered distribution."""
+    sampler does; sampled rows become the sampler's filtered distribution. A row that allows no token
+    stops its input there (`VerifyResult.no_token` when it is the input's final row)."""
     rows = [r for inp in inputs for r in inp.rows]
     if logits.shape[0] != len(rows):
         raise ValueError(f"logits must have one row per verify row ({len(rows)}), got {logits.shape[0]}")
@@ -98,7 +99,10 @@ def verify_logits(
         # a Python-list index would be a pageable host->device copy, which waits for the forward to finish
         # before the sampler's kernels are launched (find_host_syncs.py); a pinned index does not
         at = to_device(np.asarray(sampled, dtype=np.int64), target.device)
-        target[at] = filtered_probs(masked[at], [rows[i] for i in sampled]).double()
+        # a row with every token masked has no distribution (the softmax of -inf everywhere is NaN): zero
+        # mass, which the verifier reads as no token left, as the plain sampler reads such a row
+        probs = filtered_probs(masked[at], [rows[i] for i in sampled]).double()
+        target[at] = torch.nan_to_num(probs, nan=0.0)
     ks = [len(inp.drafts) for inp in inputs]
     draft_probs = None
     if any(inp.draft_probs is not None for inp in inputs):

@@ -11,6 +11,7 @@ import logging
 import time
 
 import torch
+from deepinfer_model import EMPTY_ROW_MESSAGE
 from deepinfer_spec import MAX_NEXTN, StepTimeCurve
 
 from .. import envs
@@ -55,9 +56,10 @@ class SpecStep(StepStrategy):
         except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
             self._recover(out, stage, e, forward_ran)
 
-    def _prepare(self, out) -> tuple[VerifyStepInput, list[float]]:
+    def _prepare(self, out) -> tuple[VerifyStepInput, list[list[float]]]:
         """Runner batch with 1 + k logits rows per verifying sequence, a VerifyInput per emitting
-        sequence (None otherwise), grammar masks per packed row; and the fed drafts' confidences."""
+        sequence (None otherwise), grammar masks per packed row; and per sequence the confidences of
+        the drafts it was fed."""
         batch = scheduling.to_verify_batch(out)
         ks = scheduling.num_draft_tokens(out)
         inputs: list[VerifyInput | None] = []
@@ -67,6 +69,7 @@ class SpecStep(StepStrategy):
             seq = self.table.seqs.get(seq_id)
             if n == 0 or seq is None:
                 inputs.append(None)
+                confs.append([])
                 continue
             if n != 1 + k:
                 raise RuntimeError(f"sequence {seq_id}: {n} logits rows for {k} drafts")
@@ -83,7 +86,7 @@ class SpecStep(StepStrategy):
             ]
             rows = [self.builder.row_params(seq, base + j, drafts) for j in range(1 + k)]
             inputs.append(VerifyInput(rows, drafts, probs, golden))
-            confs.extend(c)
+            confs.append(list(c))
             if seq.grammar is not None:
                 grammar_reqs.append((seq.grammar, packed, drafts))
             packed += n
@@ -93,32 +96,51 @@ class SpecStep(StepStrategy):
         prompt_targets = self.builder.prompt_rows(batch, prefill)  # after the loop: it widens logits_lens
         return VerifyStepInput(batch, inputs, allowed, bool(prefill.any()), prompt_targets), confs
 
-    def _process(self, out, step: VerifyStepInput, confs: list[float], result: VerifyStepResult) -> None:
+    def _process(
+        self, out, step: VerifyStepInput, confs: list[list[float]], result: VerifyStepResult
+    ) -> None:
         ids = step.batch.seq_ids.tolist()
         self.output.fail_errors(ids, result.errors)  # first: a failed request emits nothing below
         emitted: list[list[int]] = [[] for _ in ids]
+        no_token: list[int] = []  # batch indices that reached a row allowing no token
         outcome = result.outcome
         if outcome is not None:
             for idx, i in enumerate(result.verified):
                 seq = self.table.seqs.get(ids[i])
-                if seq is not None and not seq.finished:
-                    emitted[i] = self.output.stop_cut(seq, outcome.result.emitted[idx])
+                if seq is None or seq.finished:
+                    continue
+                emitted[i] = self.output.stop_cut(seq, outcome.result.emitted[idx])
+                if outcome.result.no_token[idx]:
+                    # Its accepted drafts are what plain decoding emits before reaching that row; they may
+                    # end the request (a stop token), else it fails after them as a plain row would.
+                    if emitted[i]:
+                        no_token.append(i)
+                    else:
+                        self.table.fail_seq(ids[i], f"sampling failed: {EMPTY_ROW_MESSAGE}")
         finished = self.output.commit_verified(out, emitted)
         accepted_after: dict[int, int] = {}
         if outcome is not None:
             prefill = scheduling.is_prefill(out)
-            vids = [ids[i] for i in result.verified]
-            decode = [not bool(prefill[i]) for i in result.verified]
-            rollbacks = self.spec.commit(vids, outcome.result, decode, confs)
+            # (the sequences of requests that failed this step have left the spec state)
+            kept = [idx for idx, i in enumerate(result.verified) if ids[i] in self.table.seqs]
+            verified = [result.verified[idx] for idx in kept]
+            vids = [ids[i] for i in verified]
+            decode = [not bool(prefill[i]) for i in verified]
+            fed_confs = [c for i in verified for c in confs[i]]
+            rollbacks = self.spec.commit(vids, outcome.result.select(kept), decode, fed_confs)
             # The runner forgets the rejected rows; the scheduler already did (num_computed_tokens).
             self.worker.rollback([(rb.seq_id, rb.num_discarded) for rb in rollbacks])
-            for rb, i in zip(rollbacks, result.verified):
+            for rb, i in zip(rollbacks, verified):
                 accepted_after[i] = rb.num_accepted
                 seq = self.table.seqs.get(ids[i])
                 if seq is not None:
                     seq.request.metrics.num_draft_tokens += rb.num_verified
                     seq.request.metrics.num_accepted_draft_tokens += rb.num_accepted
         self.output.emit_verified(ids, emitted, result, finished)
+        for i in no_token:
+            seq = self.table.seqs.get(ids[i])
+            if seq is not None and not seq.finished:
+                self.table.fail_seq(ids[i], f"sampling failed: {EMPTY_ROW_MESSAGE}")
         decode_seqs = sum(1 for x in step.inputs if x is not None)
         if not scheduling.is_prefill(out).any():  # the varlen rule's step-time curve models decode steps
             self.spec.update_runtime(
