@@ -109,7 +109,7 @@ def test_completion_stream_adds_up_with_usage_and_logprobs(client, offline):
     finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finals == [want.finish_reason]
     logprobs = [lp for c in chunks if c.choices for lp in c.choices[0].logprobs.token_logprobs]
-    assert logprobs == pytest.approx(want.logprobs)
+    assert logprobs == pytest.approx(want.token_logprobs)
     assert chunks[-1].usage.completion_tokens == len(want.token_ids) and chunks[-1].choices == []
 
 
@@ -126,7 +126,7 @@ def test_chat_equals_offline_with_thinking_modes_and_streams(client, offline):
         assert got.choices[0].message.role == "assistant"
         assert got.usage.prompt_tokens == len(want.prompt_token_ids)
         lps = got.choices[0].logprobs.content
-        assert [e.logprob for e in lps] == pytest.approx(want.outputs[0].logprobs)
+        assert [e.logprob for e in lps] == pytest.approx(want.outputs[0].token_logprobs)
         assert all(len(e.top_logprobs) == 2 for e in lps)
         stream = client.chat.completions.create(
             model="micro",

@@ -31,9 +31,10 @@ def snapshot(state) -> RequestOutput:
             text=visible_text(o, stop),
             token_ids=list(o.token_ids),
             logprobs=None if o.logprobs is None else list(o.logprobs),
-            top_logprobs=None if o.top_logprobs is None else list(o.top_logprobs),
+            cumulative_logprob=o.cumulative_logprob,
             finish_reason=o.finish_reason,
             stop_reason=o.stop_reason,
+            num_logprobs=o.num_logprobs,
         )
         for o in (s.output for s in state.seqs)
     ]

@@ -45,7 +45,7 @@ def completion_logprobs(
         pos += len(t)
     return {
         "tokens": tokens,
-        "token_logprobs": list(out.logprobs[start:end]),
+        "token_logprobs": out.token_logprobs[start:end],
         "top_logprobs": [{token_text(t): lp for t, lp in top.items()} for top in out.top_logprobs[start:end]],
         "text_offset": offsets,
     }
@@ -58,7 +58,7 @@ def chat_logprobs(out: CompletionOutput, start: int, end: int, token_text: Token
 
     content = []
     for i in range(start, end):
-        item = entry(out.token_ids[i], out.logprobs[i])
+        item = entry(out.token_ids[i], out.token_logprobs[i])
         item["top_logprobs"] = [entry(t, lp) for t, lp in out.top_logprobs[i].items()]
         content.append(item)
     return {"content": content}
