@@ -92,7 +92,7 @@ def reference(micro_checkpoint):
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=2) for m in MAX_TOKENS]
     with LLM(str(micro_checkpoint), async_scheduling=False) as llm:
         outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)
-    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+    return [(o.outputs[0].token_ids, o.to_json()["outputs"][0]["logprobs"]) for o in outs]
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +211,7 @@ def v41(tmp_path_factory):
     ]
     with LLM(str(ckpt), async_scheduling=False) as llm:
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    return ckpt, requests, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+    return ckpt, requests, [(o.outputs[0].token_ids, o.to_json()["outputs"][0]["logprobs"]) for o in outs]
 
 
 @pytest.mark.distributed
