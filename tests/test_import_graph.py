@@ -23,6 +23,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -100,20 +102,32 @@ def _resolve_relative(module: str, is_package: bool, level: int, name: str | Non
     return ".".join(base + ([name] if name else []))
 
 
+def _exports_lazily(tree: ast.Module) -> bool:
+    """A module-level `__getattr__`: defined there, or bound there (`deepinfer_cluster.lazy_exports`)."""
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
+            return True
+        if isinstance(node, ast.Assign) and any(
+            isinstance(n, ast.Name) and n.id == "__getattr__" for t in node.targets for n in ast.walk(t)
+        ):
+            return True
+    return False
+
+
 def _names_bound_by(module: str, tree: ast.Module, files: dict[str, Path]) -> set[str]:
     """Names a package's `__init__` binds to something other than its own submodule of that name:
     `from pkg import name` gets these from the package, as Python looks at attributes first. A package
     that exports lazily (a module-level `__getattr__`) binds the names it lists in tuples of strings."""
     bound = set()
+    if _exports_lazily(tree):
+        bound |= {
+            element.value
+            for literal in ast.walk(tree)
+            if isinstance(literal, ast.Tuple)
+            for element in literal.elts
+            if isinstance(element, ast.Constant) and isinstance(element.value, str)
+        }
     for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
-            bound |= {
-                element.value
-                for literal in ast.walk(tree)
-                if isinstance(literal, ast.Tuple)
-                for element in literal.elts
-                if isinstance(element, ast.Constant) and isinstance(element.value, str)
-            }
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             bound.add(node.name)
         elif isinstance(node, ast.Assign | ast.AnnAssign):
@@ -167,7 +181,7 @@ def read_imports(packages: dict[str, Package], root: Path = ROOT) -> list[Import
 def _lazy_imports(package: str, tree: ast.Module, packages: dict[str, Package], path: str) -> list[Import]:
     """The imports a package that exports lazily makes on first use: its `_MODULES` table maps each module,
     spelled as an import statement spells it (`.config`, `deepinfer_spec`), to the names taken from it."""
-    if not any(isinstance(node, ast.FunctionDef) and node.name == "__getattr__" for node in tree.body):
+    if not _exports_lazily(tree):
         return []
     imports = []
     for node in tree.body:
@@ -498,9 +512,18 @@ def test_a_clean_workspace_has_no_violations(tmp_path):
     assert (v.private, v.undeclared, v.module_cycles, v.package_cycles) == ([], [], {}, {})
 
 
-def test_a_lazy_export_table_counts_as_imports(tmp_path):
-    """The modules a package's `_MODULES` table names (imported by its `__getattr__` on first use) are
-    edges like any import: a cycle through the table and an undeclared package in it are found."""
+@pytest.mark.parametrize(
+    "getattr_source",
+    [
+        "def __getattr__(name):\n    pass\n",
+        "__getattr__, __dir__, __all__ = lazy_exports(__name__, globals(), _MODULES)\n",
+    ],
+    ids=["defined", "from-lazy_exports"],
+)
+def test_a_lazy_export_table_counts_as_imports(tmp_path, getattr_source):
+    """The modules a package's `_MODULES` table names (imported by its `__getattr__` on first use, defined
+    in the `__init__` or bound there by `deepinfer_cluster.lazy_exports`) are edges like any import: a
+    cycle through the table and an undeclared package in it are found."""
     _write(
         tmp_path,
         {
@@ -508,8 +531,7 @@ def test_a_lazy_export_table_counts_as_imports(tmp_path):
             "packages/base/src/base/__init__.py": "",
             "packages/lazy/pyproject.toml": _project("lazy"),
             "packages/lazy/src/lazy/__init__.py": (
-                "_MODULES: dict = {\n    '.core': ('thing',),\n    'base': ('x',),\n}\n\n"
-                "def __getattr__(name):\n    pass\n"
+                "_MODULES: dict = {\n    '.core': ('thing',),\n    'base': ('x',),\n}\n\n" + getattr_source
             ),
             "packages/lazy/src/lazy/core.py": "def thing():\n    from lazy import other\n",
         },

@@ -49,6 +49,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
         "probe_devices",
         "probe_devices_from_sysfs",
     ),
+    "lazy": ("lazy_exports",),
     "layout": (
         "LaunchedRank",
         "ParallelLayout",

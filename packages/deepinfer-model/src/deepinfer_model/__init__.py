@@ -6,8 +6,7 @@ is the one submodule they may import directly.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from deepinfer_cluster import lazy_exports
 
 # module (as an import statement spells it, relative to this package) -> the public names it defines.
 # Each is imported on first use: the engine's parameter checks (`validate_sampling_fields`) need no torch.
@@ -66,24 +65,9 @@ _MODULES: dict[str, tuple[str, ...]] = {
     ),
     ".tokenizer_files": ("DEFAULT_CHAT_TEMPLATE", "EARLIER_DEFAULT_CHAT_TEMPLATES", "write_tokenizer"),
 }
-_WHERE = {name: module for module, names in _MODULES.items() for name in names}
 
 __version__ = "0.1.0"
 
 __public_modules__ = ("testing", "training")
 
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    loaded = importlib.import_module(module, __name__)
-    for public in _MODULES[module]:
-        globals()[public] = getattr(loaded, public)
-    return globals()[name]
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__, __all__ = lazy_exports(__name__, globals(), _MODULES)

@@ -13,8 +13,7 @@ version and usage errors do not pay for torch and the model package.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from deepinfer_cluster import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -28,20 +27,5 @@ _MODULES: dict[str, tuple[str, ...]] = {
     ".sampling_params": ("SamplingParams",),
     ".streaming": ("RequestStream",),
 }
-_WHERE = {name: module for module, names in _MODULES.items() for name in names}
 
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'deepinfer' has no attribute {name!r}")
-    loaded = importlib.import_module(module, __name__)
-    for public in _MODULES[module]:
-        globals()[public] = getattr(loaded, public)
-    return globals()[name]
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__, __all__ = lazy_exports(__name__, globals(), _MODULES)

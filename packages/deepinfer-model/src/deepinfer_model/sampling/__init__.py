@@ -8,8 +8,7 @@ validates with) is plain Python, and checking a request's parameters must not wa
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from deepinfer_cluster import lazy_exports
 
 # module (as an import statement spells it, relative to this package) -> the public names it defines
 _MODULES: dict[str, tuple[str, ...]] = {
@@ -33,20 +32,5 @@ _MODULES: dict[str, tuple[str, ...]] = {
     ".sampler": ("EMPTY_ROW_MESSAGE", "Sampler", "SamplerOutput", "masked_logits"),
     ".transform": ("filtered_probs",),
 }
-_WHERE = {name: module for module, names in _MODULES.items() for name in names}
 
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    loaded = importlib.import_module(module, __name__)
-    for public in _MODULES[module]:
-        globals()[public] = getattr(loaded, public)
-    return globals()[name]
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__, __all__ = lazy_exports(__name__, globals(), _MODULES)
