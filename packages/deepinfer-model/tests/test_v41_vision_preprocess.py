@@ -100,8 +100,11 @@ def test_worker_pool_and_deadline():
             want = prepare_image(data, VCFG)
             assert (got.rows, got.cols, got.digest) == (want.rows, want.cols, want.digest)
             np.testing.assert_array_equal(got.patches, want.patches)
-        pre.timeout_s = 1e-4  # nothing finishes that fast (a fresh job round-trips through a process)
-        late = pre.prepare([good[0]])
+        # decoding 64 M pixels takes a worker far longer than 0.1 ms, however the threads are scheduled
+        buf = io.BytesIO()
+        Image.new("RGB", (8000, 8000), (40, 80, 120)).save(buf, format="PNG")
+        pre.timeout_s = 1e-4
+        late = pre.prepare([buf.getvalue()])
         assert isinstance(late[0], ImageError) and "did not finish within 0.0001 s" in str(late[0])
         assert pre._pool is None  # replaced
         pre.timeout_s = 120

@@ -120,7 +120,9 @@ def _env() -> dict:
 
 def _check(run: subprocess.CompletedProcess, out, reference) -> None:
     assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-3000:])
-    got = [json.loads(line) for line in out.read_text().splitlines()]
+    # records are appended as requests finish; "index" is each one's place in the input
+    got = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda g: g["index"])
+    assert [g["index"] for g in got] == list(range(len(reference)))
     assert [(g["outputs"][0]["token_ids"], g["outputs"][0]["logprobs"]) for g in got] == [
         (ids, lps) for ids, lps in json.loads(json.dumps(reference))
     ]

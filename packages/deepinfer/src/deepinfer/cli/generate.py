@@ -108,7 +108,9 @@ def cmd_generate(args) -> int:
     defaults = sampling_defaults(args)
     engine_args = engine_args_from(args)
     requests = read_requests(args.prompt, args.input, defaults)
-    results = ResultsFile(args.output) if args.output else None
+    # in a launched world every rank gets every output and rank 0 alone writes them
+    reports = engine_args.launched is None or engine_args.launched.rank == 0
+    results = ResultsFile(args.output) if args.output and reports else None
     try:
         return _generate(args, engine_args, requests, results)
     finally:
