@@ -17,6 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 from deepinfer import LLM, SamplingParams
+from deepinfer.bench.drafts import spec_keys, spec_snapshot
+from deepinfer.bench.engine_driver import Driver
+from deepinfer.bench.phases import DecodeConfig
+from deepinfer.bench.rank_phases import run_decode_ranks
 from deepinfer.cli import main as cli_main
 from deepinfer.engine.data_parallel import DataParallelRank, assign_ranks
 from deepinfer.engine_args import EngineArgs
@@ -255,12 +259,30 @@ def test_v41_with_dspark_drafts_under_dp2_ep2(tmp_path, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, logprobs=1)
     with LLM(path, max_model_len=48) as llm:
         want = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        want_counts = llm.engine.spec_counts()
     with LLM(
         path, max_model_len=48, data_parallel_size=2, expert_parallel_size=2, distributed_timeout=60
     ) as llm:
+        assert llm.engine.num_speculative_tokens == 2
+        before = spec_snapshot(llm.engine)
         got = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        got_counts = llm.engine.spec_counts()
+        keys = spec_keys(before, spec_snapshot(llm.engine))
+        # the bench's decode rows from the ranks carry the per-position acceptance too
+        (row,) = run_decode_ranks(
+            Driver(llm.engine, 0), DecodeConfig(batches=[2], context=4, warmup_steps=1, measure_steps=2, nextn=2),
+            token_budget=4096,
+        )  # fmt: skip
     assert_same(got, want)
     assert all(o.metrics.num_draft_tokens > 0 for o in got)
+    # the ranks' draft counts reach the front summed: per request, drafting and verification do not
+    # depend on the batch, so they equal the single engine's
+    assert want_counts["verified"][0] > 0
+    for key in ("verified", "accepted", "request_steps"):
+        assert got_counts[key] == want_counts[key], key
+    assert [keys[f"verified_drafts_pos{j}"] for j in (1, 2)] == want_counts["verified"]
+    assert row["verified_drafts_pos1"] > 0 and row["accept_rate_pos1"] is not None
+    assert row["mean_accepted_len_tokens"] is not None
 
 
 def _unfinished_forward_worker(rank, world, ckpt, ref_path):

@@ -276,6 +276,25 @@ class DataParallelEngine(PromptChecks):
         total["ranks"] = ranks
         return total
 
+    def spec_counts(self) -> dict | None:
+        """`LLMEngine.spec_counts()` summed over the ranks, as of each rank's last report (final once
+        `step()` has returned a run's last outputs). None when no rank drafts."""
+        counts = [s["spec_counts"] for s in self._rank_stats if s.get("spec_counts")]
+        if not counts:
+            return None
+        total = {"nextn": max(c["nextn"] for c in counts)}
+        for key in ("verified", "accepted"):
+            total[key] = [sum(c[key][j] for c in counts if j < len(c[key])) for j in range(total["nextn"])]
+        for key in ("request_steps", "draft_s"):
+            total[key] = sum(c[key] for c in counts)
+        total["steps"] = max(c["steps"] for c in counts)  # the ranks step in lockstep
+        return total
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        counts = self.spec_counts()
+        return 0 if counts is None else counts["nextn"]
+
     def start_step_trace(self) -> None:
         """From the ranks' next step on, each rank times its steps and reports them (`step_trace.py`);
         the records gathered so far are dropped. Benchmarks use it to report what the ranks ran."""

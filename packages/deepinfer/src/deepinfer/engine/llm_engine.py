@@ -353,6 +353,22 @@ class LLMEngine(PromptChecks):
         None when drafting is off. Throughput keys use the decode steps' forward + sample + draft time."""
         return None if self.spec is None else self.spec.summary()
 
+    def spec_counts(self) -> dict | None:
+        """The cumulative draft counts (plain lists and numbers, so a rank can send them to its front):
+        nextn, per draft position drafts verified / accepted, request-steps and steps drafted, drafter
+        host seconds. A window's acceptance is the difference of two. None when drafting is off."""
+        if self.spec is None:
+            return None
+        s = self.spec.stats
+        return {
+            "nextn": self.spec.nextn,
+            "verified": [int(v) for v in s.verified],
+            "accepted": [int(a) for a in s.accepted],
+            "request_steps": int(s.request_steps),
+            "steps": int(s.steps),
+            "draft_s": float(self.spec.draft_s),
+        }
+
     @property
     def num_speculative_tokens(self) -> int:
         return 0 if self.spec is None else self.spec.nextn

@@ -251,6 +251,7 @@ def _stats(engine, dp: DataParallelRank) -> dict:
     }
     out.update(dp.eplb_stats())
     out["scheduler"] = engine.scheduler_stats()
+    out["spec_counts"] = engine.spec_counts()
     trace = dp.step_trace
     # who this rank is (a benchmark reports the processes that ran), and its step records so far
     out["identity"] = {
