@@ -145,6 +145,10 @@ def close_failed(sched: Scheduler, out) -> None:
     sched.update_from_output(out, (np.empty(0, dtype=np.int32), np.zeros(len(seq_ids(out)), dtype=np.int32)))
 
 
+def block_table(sched: Scheduler, seq_id: int) -> list[int]:
+    return list(sched.block_table(seq_id))
+
+
 def abort(sched: Scheduler, seq_id: int) -> None:
     sched.abort(seq_id)
 
