@@ -2,13 +2,8 @@
 chat prompt, and the streaming split, whose pieces must add up to the whole split however the text is cut
 into deltas (markers split across deltas included)."""
 
-from deepinfer.reasoning import (
-    THINK_END,
-    ReasoningSplit,
-    ReasoningStream,
-    split_reasoning,
-    starts_in_reasoning,
-)
+from deepinfer import ReasoningSplit, ReasoningStream, split_reasoning  # the public names
+from deepinfer.reasoning import THINK_END, starts_in_reasoning
 from deepinfer.tokenizer import render_chat
 from deepinfer_model.tokenizer_files import DEFAULT_CHAT_TEMPLATE
 from hypothesis import given, settings
