@@ -6,7 +6,8 @@ The front process (`DataParallelEngine`, used by `LLM` when `data_parallel_size 
 process per DP rank. Each rank builds its own `LLMEngine`: tokenizer, its own `deepinfer_sched`
 scheduler, KV pools, and a model whose routed experts are sharded over the EP group (only the local
 experts are loaded). The front assigns requests to ranks (balanced by prompt tokens, deterministic),
-sends them, and gathers the `RequestOutput`s back.
+sends them, and gathers the `RequestOutput`s back: the finished ones, and for an `AsyncLLM` (which
+turns `stream_outputs` on) each request's output so far after every step that gave it tokens.
 
 Why ranks must agree every step: each MoE layer of a forward is an all-to-all over the EP group, so
 every EP rank must run the same number of forwards. Each engine step, the ranks of an EP group take
@@ -129,6 +130,11 @@ class DataParallelEngine(PromptChecks):
         self._pending: list[tuple] = []
         self._outstanding: set[str] = set()
         self._ready: deque[RequestOutput] = deque()
+        # With `stream_outputs` on, the ranks also send each request's output so far after every step
+        # that gave it tokens (`rank_streaming.py`); the latest one of each unfinished request is here.
+        self.stream_outputs = False
+        self.partial_outputs: dict[str, RequestOutput] = {}
+        self._partial_arrived = False
         self._failed: str | None = None
         # Per rank: when the front last heard from it (any message, or a message sent to it while it
         # was idle: its silence starts then), and when it last made progress (its beats' counter moved,
@@ -214,13 +220,14 @@ class DataParallelEngine(PromptChecks):
         return len(self._pending) + len(self._outstanding)
 
     def step(self) -> list[RequestOutput]:
-        """Send the queued requests, then return the outputs that have arrived (waiting up to POLL_S
-        seconds for the first one)."""
+        """Send the queued requests, then return the finished outputs that have arrived (waiting up to
+        POLL_S seconds for the first one, or with `stream_outputs` for any news in `partial_outputs`)."""
         self._check_usable()
         if self._pending:
             self._dispatch()
+        self._partial_arrived = False
         if not self._ready and self._outstanding:
-            self._receive(until=lambda: bool(self._ready), max_wait_s=POLL_S)
+            self._receive(until=lambda: bool(self._ready) or self._partial_arrived, max_wait_s=POLL_S)
         if not self._outstanding and self._settled != self._sent:
             # The last outputs are in: the ranks end their loops within a step. Wait for that, so
             # `stats` covers the whole run (the idle forwards and EPLB steps after a rank's last output).
@@ -250,6 +257,7 @@ class DataParallelEngine(PromptChecks):
         self._ready.clear()
         done += [_aborted_output(req) for req in self._pending]
         self._pending = []
+        self.partial_outputs.clear()
         if self._outstanding and self._failed is None:
             self._broadcast(("abort", None))
             self._receive(until=lambda: not self._outstanding)
@@ -337,7 +345,7 @@ class DataParallelEngine(PromptChecks):
             shares[r].append(req)
             self._outstanding.add(req[0])
         for conn, share in zip(self._conns, shares):  # every rank, so every rank starts its loop
-            self._send(conn, ("add", share))
+            self._send(conn, ("add", share, self.stream_outputs))
 
     def _broadcast(self, msg) -> None:
         for conn in self._conns:
@@ -413,7 +421,12 @@ class DataParallelEngine(PromptChecks):
                     self._update_stats()
                     for out in msg[2]:
                         self._outstanding.discard(out.request_id)
+                        self.partial_outputs.pop(out.request_id, None)
                         self._ready.append(out)
+                    for out in msg[4] if kind == "outputs" else ():
+                        if out.request_id in self._outstanding:
+                            self.partial_outputs[out.request_id] = out
+                            self._partial_arrived = True
             for rank, p in enumerate(self._procs):
                 if p.exitcode is not None:
                     self._fail(f"data-parallel rank {rank} exited with code {p.exitcode} while {what}")

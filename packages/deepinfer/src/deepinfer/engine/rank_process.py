@@ -22,6 +22,7 @@ from ..engine_args import EngineArgs
 from ..outputs import RequestMetrics, RequestOutput
 from .dp_rank import DataParallelRank
 from .llm_engine import LLMEngine
+from .rank_streaming import StreamedRequests
 from .step_trace import StepTrace
 
 HEARTBEAT_S = 5.0  # a running rank reports its stats at least this often
@@ -167,30 +168,33 @@ def _serve(engine, dp: DataParallelRank, conn, outbox: _Outbox, beat: _Heartbeat
     together; messages arriving during a run are handled between steps (the vote sees the new work,
     and the count of messages taken in, so that no rank leaves the run with a message unread that
     another rank already acted on). While the front has step tracing on, every step is timed here
-    (`step_trace.py`) and the records travel with the statistics.
+    (`step_trace.py`) and the records travel with the statistics. Requests the front streams get a
+    snapshot after each step that gave them tokens (`rank_streaming.py`), sent with the finished ones.
     """
     trace = dp.step_trace = StepTrace(async_loop=engine.pipeline is not None)
     eplb = dp.collectives.eplb if dp.collectives is not None else None
     if eplb is not None:
         eplb.add_listener(trace.on_event)
+    streamed = StreamedRequests()
     while True:
         msg = conn.recv()
         beat.running = True
-        if not _handle(engine, dp, msg, outbox):
+        if not _handle(engine, dp, msg, outbox, streamed):
             return
         dp.messages += 1
         beat.progress += 1
         last_sent = time.monotonic()
         while True:
             while conn.poll():
-                if not _handle(engine, dp, conn.recv(), outbox):
+                if not _handle(engine, dp, conn.recv(), outbox, streamed):
                     return
                 dp.messages += 1
                 beat.progress += 1
             done = _traced_step(engine, dp, trace) if trace.enabled else engine.step()
             beat.progress += 1
-            if done or time.monotonic() - last_sent > HEARTBEAT_S:
-                outbox.send(("outputs", dp.rank, done, _stats(engine, dp)))
+            partial = streamed.take(engine, done)
+            if done or partial or time.monotonic() - last_sent > HEARTBEAT_S:
+                outbox.send(("outputs", dp.rank, done, _stats(engine, dp), partial))
                 last_sent = time.monotonic()
             if not dp.any_busy:
                 break
@@ -215,20 +219,23 @@ def _traced_step(engine, dp: DataParallelRank, trace: StepTrace) -> list[Request
     return done
 
 
-def _handle(engine, dp: DataParallelRank, msg, outbox: _Outbox) -> bool:
+def _handle(engine, dp: DataParallelRank, msg, outbox: _Outbox, streamed: StreamedRequests) -> bool:
     """Apply one front message; False on close."""
     kind, rank = msg[0], dp.rank
     if kind == "close":
         return False
-    if kind == "add":
+    if kind == "add":  # msg[2]: stream these requests' outputs as they grow
         failed = []
         for rid, prompt, ids, params, seeds in msg[1]:
             try:
                 engine.add_request(rid, prompt, params, prompt_token_ids=ids, seeds=seeds)
             except ValueError as e:  # this request alone fails; the others and the world go on
                 failed.append(RequestOutput(rid, prompt, ids or [], [], RequestMetrics(0.0), error=str(e)))
+                continue
+            if msg[2]:
+                streamed.add(rid)
         if failed:
-            outbox.send(("outputs", rank, failed, _stats(engine, dp)))
+            outbox.send(("outputs", rank, failed, _stats(engine, dp), []))
     elif kind == "abort":
         # Not abort_all: it waits for the forwards in flight, which the other ranks join only at
         # the next vote. The step loop settles them instead. msg[1]: the request ids (every rank
