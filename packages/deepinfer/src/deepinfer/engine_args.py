@@ -237,7 +237,9 @@ class EngineArgs:
         """engine_type and disaggregation: the allowed values, and what each needs."""
         self.engine_type = str(self.engine_type).lower()
         if self.engine_type not in ENGINE_TYPES:
-            raise ValueError(f"engine_type must be one of {', '.join(ENGINE_TYPES)}, got {self.engine_type!r}")
+            raise ValueError(
+                f"engine_type must be one of {', '.join(ENGINE_TYPES)}, got {self.engine_type!r}"
+            )
         if self.disaggregation not in DISAGGREGATION_MODES:
             raise ValueError(
                 f"disaggregation must be one of {', '.join(DISAGGREGATION_MODES)}, got {self.disaggregation!r}"

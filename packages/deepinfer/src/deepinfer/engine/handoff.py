@@ -54,7 +54,9 @@ class HandoffRecord:
     def from_bytes(cls, data: bytes | memoryview) -> HandoffRecord:
         data = memoryview(data)
         if len(data) < _PREFIX.size:
-            raise HandoffError(f"hand-off of {len(data)} bytes is shorter than its {_PREFIX.size}-byte prefix")
+            raise HandoffError(
+                f"hand-off of {len(data)} bytes is shorter than its {_PREFIX.size}-byte prefix"
+            )
         magic, n = _PREFIX.unpack_from(data)
         if magic != MAGIC:
             raise HandoffError(f"not a DeepInfer hand-off record (magic {bytes(magic)!r})")
@@ -62,8 +64,19 @@ class HandoffRecord:
         if len(data) < end:
             raise HandoffError(f"hand-off header truncated ({len(data)} bytes, header of {n})")
         head = pickle.loads(data[_PREFIX.size : end])
-        payload = BlockPayload.from_bytes(data[end:], source=f"hand-off of request {head.get('request_id')!r}")
+        payload = BlockPayload.from_bytes(
+            data[end:], source=f"hand-off of request {head.get('request_id')!r}"
+        )
         return cls(payload=payload, **head)
+
+    @staticmethod
+    def peek_request_id(data: bytes | memoryview) -> str:
+        """The request id of a flat record, reading only its header (a front routes records unparsed)."""
+        data = memoryview(data)
+        magic, n = _PREFIX.unpack_from(data)
+        if magic != MAGIC:
+            raise HandoffError(f"not a DeepInfer hand-off record (magic {bytes(magic)!r})")
+        return pickle.loads(data[_PREFIX.size : _PREFIX.size + n])["request_id"]
 
     @property
     def num_blocks(self) -> int:

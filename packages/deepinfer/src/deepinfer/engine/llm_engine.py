@@ -33,9 +33,9 @@ from . import scheduling
 from .async_step import AsyncStep
 from .device_timing import device_timeline
 from .drafting import Drafter
+from .handoff import HandoffRecord
 from .kv_sizing import kv_cache_blocks
 from .kv_tier import KVTier, TierSettings
-from .handoff import HandoffRecord
 from .output_processor import OutputProcessor
 from .pd_roles import CompletionRole, PromptRole, needs_role
 from .prompts import PromptChecks
@@ -329,13 +329,17 @@ class LLMEngine(PromptChecks):
         engine's cache facts or block size, named), ValueError (the request itself), or DecodeFull when
         its blocks or sequences are not free now (hold it and try again after a step)."""
         if not isinstance(self.role, CompletionRole):
-            raise ValueError(f"add_handoff needs engine_type='completion', this engine is {self.engine_type!r}")
+            raise ValueError(
+                f"add_handoff needs engine_type='completion', this engine is {self.engine_type!r}"
+            )
         self.role.add(record)
 
     def handoff_capacity(self) -> dict:
         """COMPLETION engine: {"free_blocks", "free_seqs"} not reserved by the requests it holds."""
         if not isinstance(self.role, CompletionRole):
-            raise ValueError(f"handoff_capacity needs engine_type='completion', this engine is {self.engine_type!r}")
+            raise ValueError(
+                f"handoff_capacity needs engine_type='completion', this engine is {self.engine_type!r}"
+            )
         return self.role.capacity()
 
     def abort_all(self) -> list[RequestOutput]:

@@ -48,7 +48,9 @@ def refuse_for_split_engines(params: SamplingParams, engine_type: str) -> None:
 class PromptRole:
     def __init__(self, engine) -> None:
         self.engine = engine
-        self.facts = cache_facts(engine.model_path, engine.args, engine.runner, engine.truncation, engine.device)
+        self.facts = cache_facts(
+            engine.model_path, engine.args, engine.runner, engine.truncation, engine.device
+        )
         self.fingerprint = fingerprint_of(self.facts)
         self.requests: dict[str, tuple[SamplingParams, list[int] | None]] = {}
         self.handoffs: list[HandoffRecord] = []
@@ -110,7 +112,9 @@ class PromptRole:
 class CompletionRole:
     def __init__(self, engine) -> None:
         self.engine = engine
-        self.facts = cache_facts(engine.model_path, engine.args, engine.runner, engine.truncation, engine.device)
+        self.facts = cache_facts(
+            engine.model_path, engine.args, engine.runner, engine.truncation, engine.device
+        )
         self.fingerprint = fingerprint_of(self.facts)
         self.num_blocks = int(engine.scheduler.config.num_blocks)
         self.max_num_seqs = int(engine.args.max_num_seqs)
