@@ -96,6 +96,7 @@ class DisaggregatedEngine(PromptChecks):
         self._requests: dict[str, _Request] = {}
         self._queued: deque[str] = deque()
         self._held: deque[tuple[str, bytes]] = deque()
+        self.held_peak = 0  # most hand-offs held at once (back-pressure at work)
         self._sent: dict[str, bytes] = {}  # sent to the decode engine, not yet admitted
         self._capacity: dict = {}
         self._progress: dict[str, int] = {}
@@ -303,6 +304,7 @@ class DisaggregatedEngine(PromptChecks):
             return
         req.stage = "held"
         self._held.append((rid, data))
+        self.held_peak = max(self.held_peak, len(self._held))
 
     def _on_message(self, proc: _Proc, msg) -> None:
         kind = msg[0]
