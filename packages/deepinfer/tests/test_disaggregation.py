@@ -214,7 +214,7 @@ def test_front_outputs_equal_normal_with_a_full_decode_engine(micro_checkpoint, 
     """8 blocks: the decode engine holds at most one request at its longest, the front holds the rest."""
     prompts = PROMPTS * 2
     params = [GREEDY, SEEDED, SAMPLED.clone(), GREEDY] * 2
-    with LLM(str(micro_checkpoint), async_scheduling=False, num_speculative_tokens=0, **FRONT) as llm:
+    with LLM(str(micro_checkpoint), async_scheduling=False, **FRONT) as llm:
         want = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     with LLM(str(micro_checkpoint), disaggregation=transport, disaggregation_max_held=3, **FRONT) as llm:
         got = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)

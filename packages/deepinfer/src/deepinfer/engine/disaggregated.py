@@ -100,7 +100,9 @@ class DisaggregatedEngine(PromptChecks):
         self._sent: dict[str, bytes] = {}  # sent to the decode engine, not yet admitted
         self._capacity: dict = {}
         self._progress: dict[str, int] = {}
-        self.token_times: dict[str, list[tuple[float, int]]] = {}  # request -> (when seen, tokens so far)
+        # With record_token_times: per request, (when the front heard, output tokens so far), n = 1
+        self.record_token_times = False
+        self.token_times: dict[str, list[tuple[float, int]]] = {}
         self._ready: deque[RequestOutput] = deque()
         self._failed: str | None = None
         self._procs: dict[str, _Proc] = {}
@@ -320,9 +322,12 @@ class DisaggregatedEngine(PromptChecks):
             for rid, count in report.get("progress", {}).items():
                 if rid in self._requests and count != self._progress.get(rid, 0):
                     self._progress[rid] = count
-                    self.token_times.setdefault(rid, []).append((now, count))
+                    if self.record_token_times:
+                        self._note_tokens(rid, now, count)
         if kind == "outputs":
             for out in msg[1]:
+                if proc.role == "completion" and self.record_token_times and out.outputs:
+                    self._note_tokens(out.request_id, now, len(out.outputs[0].token_ids))
                 self._finish(out)
         elif kind == "admitted":
             req = self._requests.get(msg[1])
@@ -337,6 +342,11 @@ class DisaggregatedEngine(PromptChecks):
                 self._held.appendleft((msg[1], data))
         elif kind == "bad_frame":
             logger.warning("the completion engine could not read a hand-off: %s", msg[1])
+
+    def _note_tokens(self, rid: str, now: float, count: int) -> None:
+        times = self.token_times.setdefault(rid, [])
+        if not times or times[-1][1] != count:
+            times.append((now, count))
 
     def _finish(self, out: RequestOutput) -> None:
         if self._requests.pop(out.request_id, None) is None:
