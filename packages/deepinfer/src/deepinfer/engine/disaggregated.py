@@ -92,6 +92,7 @@ class DisaggregatedEngine(PromptChecks):
         self.tokenizer_config = load_tokenizer_config(tok_path)
         self.stats = EngineStats()
         self.num_speculative_tokens = 0
+        self.use_async = False  # both engines run the synchronous loop (pd_roles.py)
         self._seed_rng = random.Random(args.seed)
         self._requests: dict[str, _Request] = {}
         self._queued: deque[str] = deque()
