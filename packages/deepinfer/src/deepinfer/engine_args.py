@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 from . import envs
 
-
 ENGINE_TYPES = ("normal", "prompt", "completion")
 DISAGGREGATION_MODES = ("off", "shm", "tcp")
 
