@@ -65,7 +65,11 @@ class AsyncLLM:
     ) -> None:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         args = EngineArgs(model=model, **kwargs)
-        if args.data_parallel_size > 1:
+        if args.disaggregation != "off":
+            from .engine.disaggregated import DisaggregatedEngine
+
+            engine = DisaggregatedEngine(args)
+        elif args.data_parallel_size > 1:
             from .engine.data_parallel import DataParallelEngine
 
             engine = DataParallelEngine(args)
