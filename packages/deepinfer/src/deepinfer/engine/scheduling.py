@@ -153,6 +153,12 @@ def block_table(sched: Scheduler, seq_id: int) -> list[int]:
     return list(sched.block_table(seq_id))
 
 
+def requeue(sched: Scheduler, out, seq_id: int) -> bool:
+    """Send a running sequence of `out` (the latest unprocessed step) back to waiting to recompute;
+    False where the scheduler would finish a preempted sequence instead."""
+    return bool(sched.requeue(seq_id, out))
+
+
 def abort(sched: Scheduler, seq_id: int) -> None:
     sched.abort(seq_id)
 
