@@ -285,6 +285,15 @@ class LLMEngine(PromptChecks):
         """Stop a request now; its blocks are freed. Its output (finish_reason "abort") is returned by step()."""
         return self.table.abort(request_id)
 
+    def withdraw_request(self, request_id: str):
+        """Take back a request that has not started (waiting, never scheduled, no grammar) without an
+        output, for another engine to serve (a data-parallel move); its `RequestState`, or None when
+        it cannot be taken back."""
+        state = self.table.withdraw(request_id)
+        if state is not None:
+            self.stats.prompt_tokens -= len(state.prompt_token_ids) * state.params.n
+        return state
+
     def abort_all(self) -> list[RequestOutput]:
         """Abort every request and settle the step in flight (Ctrl-C path); returns their outputs."""
         for request_id in list(self.requests):

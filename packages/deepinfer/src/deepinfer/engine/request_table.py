@@ -145,6 +145,26 @@ class RequestTable:
         self._end(state, "abort")
         return True
 
+    def withdraw(self, request_id: str) -> RequestState | None:
+        """Take back a request none of whose sequences has started (`scheduling.is_unstarted`) and
+        forget it without an output, so that another engine can serve it from the start; None (and
+        nothing changed) when it has started, has a grammar, or is not here."""
+        state = self.requests.get(request_id)
+        if (
+            state is None
+            or state.params.so_args is not None
+            or not all(scheduling.is_unstarted(self.scheduler, seq.seq_id) for seq in state.seqs)
+        ):
+            return None
+        del self.requests[request_id]
+        for seq in state.seqs:
+            scheduling.abort(self.scheduler, seq.seq_id)
+            self.seqs.pop(seq.seq_id, None)
+            self.pending_release.append(seq.seq_id)
+            if self.tracker is not None:
+                self.tracker.remove(seq.seq_id)
+        return state
+
     def fail(self, request_id: str, message: str) -> None:
         state = self.requests[request_id]
         state.error = message
