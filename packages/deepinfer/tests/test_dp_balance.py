@@ -227,3 +227,42 @@ def test_engine_args_take_the_policy_from_the_field_or_the_environment(monkeypat
     parser = EngineArgs.add_cli_args(__import__("argparse").ArgumentParser())
     monkeypatch.delenv("DEEPINFER_DP_ROUTING")
     assert EngineArgs.from_cli_args(parser.parse_args(["--dp-routing", "static"])).dp_routing == "static"
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_engine_hands_back_only_requests_it_has_not_started(micro_checkpoint, async_scheduling):
+    from deepinfer import LLM, SamplingParams
+
+    prompts = [[5 + i, 6, 7, 8, 9] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with LLM(str(micro_checkpoint), max_num_seqs=1, async_scheduling=async_scheduling) as llm:
+        engine = llm.engine
+        want = {o.prompt_token_ids[0]: o.outputs[0].token_ids for o in llm.generate(
+            prompt_token_ids=prompts, sampling_params=params, use_tqdm=False
+        )}  # fmt: skip
+        prompt_tokens = engine.stats.prompt_tokens
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", None, params, prompt_token_ids=prompt)
+        assert engine.table.tokens_left() == (4 * 9, 4 * 9)
+        engine.step()  # r0 is scheduled (and with the async loop, already the step after)
+        queued, movable = engine.table.tokens_left()
+        assert movable == 3 * 9 and queued < 4 * 9
+        assert engine.withdraw_request("r0") is None  # started
+        assert engine.withdraw_request("nope") is None
+        state = engine.withdraw_request("r2")
+        assert state is not None and state.prompt_token_ids == prompts[2] and "r2" not in engine.requests
+        assert engine.table.tokens_left()[1] == 2 * 9
+        assert engine.stats.prompt_tokens == prompt_tokens + 3 * 5
+        outs = {}
+        while engine.has_unfinished_requests():
+            outs.update((o.request_id, o) for o in engine.step())
+        assert sorted(outs) == ["r0", "r1", "r3"]  # nothing comes out for the request handed back
+        # served from the start elsewhere (here: the same engine, later), with its seeds, it is unchanged
+        engine.add_request(
+            "r2", None, state.params, state.prompt_token_ids, seeds=[s.seed for s in state.seqs]
+        )
+        while engine.has_unfinished_requests():
+            outs.update((o.request_id, o) for o in engine.step())
+        for rid, out in outs.items():
+            assert out.outputs[0].token_ids == want[out.prompt_token_ids[0]], rid
+        assert engine.scheduler_stats()["num_running"] == engine.scheduler_stats()["num_waiting"] == 0

@@ -169,6 +169,7 @@ class DataParallelEngine(PromptChecks):
         )
         self._moves: dict[int, tuple[Move, int]] = {}  # per source rank: the move asked, its message index
         self._aborted: set[str] = set()  # aborted while possibly on their way between ranks
+        self._rank_of: dict[str, int] = {}  # outstanding request -> the rank it was last sent to
         self.bos_token_id = info["bos_token_id"]
         self.eos_token_id = info["eos_token_id"]
 
@@ -278,6 +279,10 @@ class DataParallelEngine(PromptChecks):
         total["ranks"] = ranks
         return total
 
+    def routed_rank(self, request_id: str) -> int | None:
+        """The rank an outstanding request was last sent to (None once its output has arrived)."""
+        return self._rank_of.get(request_id)
+
     def routing_stats(self) -> dict:
         """What the front's router did since the engine started (`dp_balance.RoutingStats`): requests and
         tokens routed per rank (moved ones counted where they went), requests sent where the front
@@ -325,6 +330,7 @@ class DataParallelEngine(PromptChecks):
         for req, r in zip(pending, ranks):
             shares[r].append(req)
             self._outstanding.add(req[0])
+            self._rank_of[req[0]] = r
         for rank, (conn, share) in enumerate(zip(self._conns, shares)):  # every rank starts its loop
             self._send(conn, ("add", share))
             self.router.sent(rank, self._sent[rank])
@@ -358,9 +364,11 @@ class DataParallelEngine(PromptChecks):
             if req[0] in self._aborted:
                 self._aborted.discard(req[0])
                 self._outstanding.discard(req[0])
+                self._rank_of.pop(req[0], None)
                 self._ready.append(_aborted_output(req))
             else:
                 self.router.assign(move.dst, req[2], self._cost(req))
+                self._rank_of[req[0]] = move.dst
                 share.append(req)
         if share:
             self._send_to(move.dst, ("add", share), ("add", []))
@@ -446,6 +454,7 @@ class DataParallelEngine(PromptChecks):
                     for out in msg[2]:
                         self._outstanding.discard(out.request_id)
                         self._aborted.discard(out.request_id)
+                        self._rank_of.pop(out.request_id, None)
                         self._ready.append(out)
             for rank, p in enumerate(self._procs):
                 if p.exitcode is not None:

@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 from ..engine_args import EngineArgs
 from ..outputs import RequestMetrics, RequestOutput
-from . import scheduling
 from .dp_balance import RankLoad, request_cost
 from .dp_rank import DataParallelRank
 from .llm_engine import LLMEngine
@@ -258,18 +257,8 @@ def _handle(engine, dp: DataParallelRank, msg, outbox: _Outbox) -> bool:
 def _load(engine, dp: DataParallelRank) -> RankLoad:
     """Tokens still to compute in this rank's requests (prompt and output budget of every unfinished
     sample, less what it has computed), of which in requests that could move, and KV usage."""
-    sched = engine.scheduler
-    queued = movable = 0
-    for state in engine.requests.values():
-        total = request_cost(len(state.prompt_token_ids), state.params.max_tokens, 1, engine.max_model_len)
-        left, unstarted = 0, state.params.so_args is None
-        for seq in state.seqs:
-            if not seq.finished:
-                left += max(0, total - scheduling.num_computed_tokens(sched, seq.seq_id))
-                unstarted = unstarted and scheduling.is_unstarted(sched, seq.seq_id)
-        queued += left
-        movable += left if unstarted else 0
-    kv_usage = float(scheduling.stats(sched)["kv_usage"])
+    queued, movable = engine.table.tokens_left()
+    kv_usage = float(engine.scheduler_stats()["kv_usage"])
     return RankLoad(queued_tokens=queued, movable_tokens=movable, kv_usage=kv_usage, messages=dp.messages)
 
 

@@ -156,7 +156,7 @@ def is_unstarted(sched: Scheduler, seq_id: int) -> bool:
         sched.status(seq_id) == SequenceStatus.WAITING
         and sched.num_computed_tokens(seq_id) == 0
         and sched.num_preemptions(seq_id) == 0
-        and not sched.output_token_ids(seq_id)
+        and len(sched.output_token_ids(seq_id)) == 0
     )
 
 
