@@ -208,7 +208,9 @@ class Router:
         return ranks
 
     def route(self, token_ids: list[int], cost: int) -> int:
-        """The balanced choice for one request (see the module docstring)."""
+        """The balanced choice for one request (see the module docstring). A cached prefix makes the
+        request cheaper on the rank that holds it for the choice; the load counts it whole until the
+        rank reports it started."""
         hashes = prefix_block_hashes(token_ids, self.block_size)
         overlap = [self.prefix.overlap(r, hashes) for r in range(self.world)]
         # Cached prefix tokens need no compute on the rank that holds them (the last prompt token is
@@ -225,7 +227,9 @@ class Router:
         else:
             rank = min(range(self.world), key=lambda r: (full[r], loads[r] + extra[r], r))
         self.prefix.record(rank, hashes)
-        self._account(rank, extra[rank])
+        # Counted whole, as the rank counts a request that has not started: its cached prefix shows
+        # as computed once it is scheduled.
+        self._account(rank, cost)
         return rank
 
     def assign(self, rank: int, token_ids: list[int], cost: int) -> None:
