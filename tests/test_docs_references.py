@@ -5,6 +5,7 @@ link resolves. What users and contributors need from the reference is in docs/RE
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -13,8 +14,17 @@ LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
 
 def _markdown() -> list[Path]:
-    skip = {".venv", ".git", "node_modules", ".gpu"}
-    return sorted(p for p in ROOT.rglob("*.md") if not skip & set(p.relative_to(ROOT).parts))
+    """The repository's Markdown: what git tracks or would add (local scratch that .gitignore keeps
+    out is not the repository's), else every file outside the tool folders."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.md"],
+            cwd=ROOT, capture_output=True, text=True, check=True,
+        ).stdout.split()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        skip = {".venv", ".git", "node_modules", ".gpu"}
+        return sorted(p for p in ROOT.rglob("*.md") if not skip & set(p.relative_to(ROOT).parts))
+    return sorted(ROOT / name for name in listed if (ROOT / name).is_file())
 
 
 def test_no_pointers_to_documents_outside_the_repository():

@@ -7,6 +7,7 @@ finish at different steps (the finished rank joins the others' expert all-to-all
 and hold only half of the routed experts each.
 """
 
+import asyncio
 import os
 import re
 import shutil
@@ -16,7 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from deepinfer import LLM, SamplingParams
+from deepinfer import LLM, AsyncLLM, SamplingParams
+from deepinfer.bench.drafts import spec_keys, spec_snapshot
+from deepinfer.bench.engine_driver import Driver
+from deepinfer.bench.phases import DecodeConfig
+from deepinfer.bench.rank_phases import run_decode_ranks
 from deepinfer.cli import main as cli_main
 from deepinfer.engine.data_parallel import DataParallelRank, assign_ranks
 from deepinfer.engine_args import EngineArgs
@@ -124,6 +129,38 @@ def test_dp2_ep2_sync_loop_equals_single_process(dp_sync, reference):
     got = dp_sync.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, use_tqdm=False)
     assert_same(got, reference["greedy"])
     assert all(s["generated_tokens"] > 0 for s in dp_sync.engine._rank_stats)  # both ranks served requests
+
+
+def test_async_llm_over_dp2_streams_tokens_as_they_arrive(micro_checkpoint, reference):
+    """The ranks report each streamed request's output after every step that gave it tokens: a stream
+    grows over several outputs, never takes text back, and ends in exactly the single-process output."""
+
+    async def collect(llm, ids, params):
+        return [out async for out in llm.generate(prompt_token_ids=ids, sampling_params=params)]
+
+    async def run():
+        async with AsyncLLM(
+            str(micro_checkpoint), data_parallel_size=2, expert_parallel_size=2, distributed_timeout=60
+        ) as llm:
+            streams = await asyncio.gather(*(collect(llm, ids, p) for ids, p in zip(PROMPTS, GREEDY)))
+            assert llm.engine.partial_outputs == {}  # the finished outputs replaced them
+            return streams
+
+    streams = asyncio.run(run())
+    for want, outs, max_tokens in zip(reference["greedy"], streams, MAX_TOKENS):
+        assert_same([outs[-1]], [want])
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+        if max_tokens > 2:
+            assert len(outs) > 1, want.request_id  # not all at the end
+        deltas = []
+        for before, after in zip([None, *outs], outs):
+            seen = before.outputs[0] if before is not None else None
+            now = after.outputs[0]
+            if seen is not None:
+                assert now.token_ids[: len(seen.token_ids)] == seen.token_ids
+                assert now.text.startswith(seen.text)
+            deltas.append(now.text[len(seen.text) if seen is not None else 0 :])
+        assert "".join(deltas) == want.outputs[0].text
 
 
 def test_uneven_request_counts_leave_a_rank_idle(dp_sync, reference):
@@ -255,12 +292,30 @@ def test_v41_with_dspark_drafts_under_dp2_ep2(tmp_path, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, logprobs=1)
     with LLM(path, max_model_len=48) as llm:
         want = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        want_counts = llm.engine.spec_counts()
     with LLM(
         path, max_model_len=48, data_parallel_size=2, expert_parallel_size=2, distributed_timeout=60
     ) as llm:
+        assert llm.engine.num_speculative_tokens == 2
+        before = spec_snapshot(llm.engine)
         got = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        got_counts = llm.engine.spec_counts()
+        keys = spec_keys(before, spec_snapshot(llm.engine))
+        # the bench's decode rows from the ranks carry the per-position acceptance too
+        (row,) = run_decode_ranks(
+            Driver(llm.engine, 0), DecodeConfig(batches=[2], context=4, warmup_steps=1, measure_steps=2, nextn=2),
+            token_budget=4096,
+        )  # fmt: skip
     assert_same(got, want)
     assert all(o.metrics.num_draft_tokens > 0 for o in got)
+    # the ranks' draft counts reach the front summed: per request, drafting and verification do not
+    # depend on the batch, so they equal the single engine's
+    assert want_counts["verified"][0] > 0
+    for key in ("verified", "accepted", "request_steps"):
+        assert got_counts[key] == want_counts[key], key
+    assert [keys[f"verified_drafts_pos{j}"] for j in (1, 2)] == want_counts["verified"]
+    assert row["verified_drafts_pos1"] > 0 and row["accept_rate_pos1"] is not None
+    assert row["mean_accepted_len_tokens"] is not None
 
 
 def _unfinished_forward_worker(rank, world, ckpt, ref_path):

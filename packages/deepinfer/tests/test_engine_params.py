@@ -159,7 +159,7 @@ def test_reference_engine_knobs_accepted_or_rejected_by_name():
     for field, value, others in [
         ("expert_parallel_size", 8, {"data_parallel_size": 1}),
         ("context_parallel_size", 2, {}),
-        ("engine_type", "prompt", {}),
+        ("engine_type", "decode", {}),
         ("gpu_memory_utilization", 1.5, {}),
     ]:
         with pytest.raises(ValueError, match=field):

@@ -128,6 +128,42 @@ def test_corrupt_file_fails_only_its_requests(micro_checkpoint, share_loaded_mod
     assert engine.kv_tier_stats()["failed_loads"] > 0
 
 
+@pytest.mark.parametrize("use_async", [False, True])
+def test_a_failed_load_fails_only_the_requests_that_needed_it(
+    micro_checkpoint, share_loaded_models, tmp_path, use_async
+):
+    """A request whose prefix file is corrupt, scheduled in one step with a request that loads nothing:
+    the first fails, the second gets the tokens it gets alone."""
+    prompts = workload(512, rounds=1)
+    fresh = np.random.default_rng(1).integers(4, 512, 9).tolist()
+    base, _ = run(micro_checkpoint, [fresh])
+    disk = dict(kv_host_tier_bytes=0, kv_disk_tier_bytes=1 << 30, kv_disk_tier_dir=str(tmp_path))
+    run(micro_checkpoint, prompts, **disk)
+    for f in tmp_path.rglob("*.kv"):
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 0xFF
+        f.write_bytes(bytes(data))
+    kw = dict(
+        max_model_len=40, block_size=BLOCK, num_kv_blocks=12, max_num_seqs=2, async_scheduling=use_async
+    )
+    engine = LLMEngine(EngineArgs(model=str(micro_checkpoint), **kw, **disk), num_speculative_tokens=0)
+    engine.add_request("corrupt", None, GREEDY, prompt_token_ids=prompts[0])
+    engine.add_request("fresh", None, GREEDY, prompt_token_ids=fresh)
+    got = {}
+    while engine.has_unfinished_requests():
+        got.update((o.request_id, o) for o in engine.step())
+    assert engine.kv_tier_stats()["failed_loads"] > 0
+    assert "KV tier load failed" in got["corrupt"].error
+    assert got["fresh"].error is None
+    assert [list(c.token_ids) for c in got["fresh"].outputs] == tokens(base)["0"][1]
+    # nothing is left held: the engine serves the corrupt prompt again (recomputed now)
+    engine.add_request("again", None, GREEDY, prompt_token_ids=prompts[0])
+    while engine.has_unfinished_requests():
+        got.update((o.request_id, o) for o in engine.step())
+    assert got["again"].error is None and engine.scheduler_stats()["num_free_blocks"] > 0
+    engine.close()
+
+
 @pytest.fixture(scope="module")
 def v41(tmp_path_factory, share_loaded_models):
     return make_v41_checkpoint(tmp_path_factory.mktemp("v41-tier"), seed=4)

@@ -12,6 +12,7 @@ import jsonschema
 import openai
 import pytest
 from deepinfer import LLM, AsyncLLM, EngineArgs, LLMEngine, SamplingParams
+from deepinfer.reasoning import THINK_END, split_reasoning
 from deepinfer.serve import build_app
 from deepinfer.serve.background import BackgroundServer
 
@@ -122,8 +123,14 @@ def test_chat_equals_offline_with_thinking_modes_and_streams(client, offline):
             model="micro", messages=MESSAGES, max_completion_tokens=8, temperature=0.9, seed=21,
             logprobs=True, top_logprobs=2, extra_body=extra,
         )  # fmt: skip
-        assert got.choices[0].message.content == want.outputs[0].text
-        assert got.choices[0].message.role == "assistant"
+        # thinking mode: the completion starts in the reasoning; these 8 random tokens never close it
+        thinking = bool(kwargs and kwargs["thinking"])
+        split = split_reasoning(want.outputs[0].text, thinking)
+        message = got.choices[0].message
+        assert message.content == split.content
+        assert getattr(message, "reasoning_content", None) == split.reasoning
+        assert (message.reasoning_content if thinking else message.content) == want.outputs[0].text
+        assert message.role == "assistant"
         assert got.usage.prompt_tokens == len(want.prompt_token_ids)
         lps = got.choices[0].logprobs.content
         assert [e.logprob for e in lps] == pytest.approx(want.outputs[0].token_logprobs)
@@ -139,7 +146,9 @@ def test_chat_equals_offline_with_thinking_modes_and_streams(client, offline):
         )
         chunks = list(stream)
         assert chunks[0].choices[0].delta.role == "assistant"
-        assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.outputs[0].text
+        deltas = [c.choices[0].delta for c in chunks]
+        assert "".join(d.content or "" for d in deltas) == (split.content or "")
+        assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == (split.reasoning or "")
     tokenizer = offline.get_tokenizer()
     # the thinking modes differ by the one token that opens or closes the reasoning
     lens = [
@@ -154,6 +163,61 @@ def test_chat_equals_offline_with_thinking_modes_and_streams(client, offline):
     base = client.chat.completions.create(model="micro", messages=MESSAGES, max_tokens=1).usage.prompt_tokens
     assert lens == [base + 1, base + 1]
     assert tokenizer.token_to_id("<think>") is not None
+
+
+def test_thinking_output_is_split_into_reasoning_and_content(client, offline):
+    """A regex makes the random model close its reasoning; whole message and stream deltas carry the text
+    before `</think>` as reasoning_content and the rest as content, exactly the offline text split."""
+    so = {"schema_type": "regex", "schema": "[a-z]{2,5} ?</think>[A-Z][a-z]{1,4}[.]"}
+    thinking = {"chat_template_kwargs": {"thinking": True}}
+    kw = dict(model="micro", messages=MESSAGES, seed=9, n=2, temperature=1.0)
+    end_id = offline.get_tokenizer().token_to_id(THINK_END)
+    for max_tokens in (40, 3):  # 3: cut short inside the reasoning, which is then all there is
+        params = SamplingParams(n=2, max_tokens=max_tokens, temperature=1.0, seq_seed=9, so_args=so)
+        want = offline.chat(MESSAGES, params, chat_template_kwargs={"thinking": True}, use_tqdm=False)[0]
+        got = client.chat.completions.create(
+            **kw, max_tokens=max_tokens, extra_body=thinking | {"so_args": so}
+        )
+        chunks = list(
+            client.chat.completions.create(
+                **kw, max_tokens=max_tokens, stream=True, extra_body=thinking | {"so_args": so}
+            )
+        )
+        for choice, out in zip(got.choices, want.outputs, strict=True):
+            if max_tokens == 40:
+                assert out.finish_reason == "stop" and THINK_END in out.text, out.text
+                # spelled over several tokens: the stream held back the marker's first pieces
+                assert end_id not in out.token_ids
+                reasoning, content = out.text.split(THINK_END, 1)
+            else:
+                assert out.finish_reason == "length" and THINK_END not in out.text, out.text
+                reasoning, content = out.text, None
+            message = choice.message
+            assert (message.reasoning_content, message.content) == (reasoning, content)
+            assert choice.finish_reason == out.finish_reason
+            deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].index == out.index]
+            assert deltas[0].role == "assistant"
+            assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == reasoning
+            assert "".join(d.content or "" for d in deltas) == (content or "")
+            if max_tokens == 40:  # reasoning streams first, then the answer
+                kinds = [bool(getattr(d, "reasoning_content", None)) for d in deltas if d.content or
+                         getattr(d, "reasoning_content", None)]  # fmt: skip
+                assert kinds[0] and not kinds[-1] and kinds == sorted(kinds, reverse=True)
+                assert len(deltas) > 3
+    # without thinking mode the same text is all content, the marker included
+    plain = (
+        client.chat.completions.create(
+            model="micro",
+            messages=MESSAGES,
+            seed=9,
+            max_tokens=40,
+            temperature=1.0,
+            extra_body={"so_args": so},
+        )
+        .choices[0]
+        .message
+    )
+    assert THINK_END in plain.content and getattr(plain, "reasoning_content", None) is None
 
 
 def test_structured_outputs(client, offline):

@@ -24,6 +24,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     ".engine_args": ("EngineArgs",),
     ".llm": ("LLM",),
     ".outputs": ("CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput"),
+    ".reasoning": ("ReasoningSplit", "ReasoningStream", "split_reasoning"),
     ".sampling_params": ("SamplingParams",),
     ".streaming": ("RequestStream",),
 }

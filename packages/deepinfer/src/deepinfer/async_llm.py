@@ -65,7 +65,11 @@ class AsyncLLM:
     ) -> None:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         args = EngineArgs(model=model, **kwargs)
-        if args.data_parallel_size > 1:
+        if args.disaggregation != "off":
+            from .engine.disaggregated import DisaggregatedEngine
+
+            engine = DisaggregatedEngine(args)
+        elif args.data_parallel_size > 1:
             from .engine.data_parallel import DataParallelEngine
 
             engine = DataParallelEngine(args)
@@ -92,6 +96,8 @@ class AsyncLLM:
                 f"max_waiting_requests must be an integer >= 1 or None, got {max_waiting_requests!r}"
             )
         self.engine = engine
+        if hasattr(engine, "stream_outputs"):  # a data-parallel front: its ranks report outputs so far
+            engine.stream_outputs = True
         self.max_waiting_requests = max_waiting_requests
         self.listeners: list[DeliveryListener] = []
         self._streams: dict[str, RequestStream] = {}
@@ -264,14 +270,21 @@ class AsyncLLM:
     def _publish(self, finished: list[RequestOutput]) -> None:
         now = time.perf_counter()
         done = {out.request_id: out for out in finished}
-        live = getattr(self.engine, "requests", {})  # a data-parallel front streams only final outputs
+        live = getattr(self.engine, "requests", {})
+        # a data-parallel front holds no request states, but the latest outputs its ranks reported
+        partial = getattr(self.engine, "partial_outputs", {})
         for request_id, stream in list(self._streams.items()):
             out = done.get(request_id)
             if out is None:
                 state = live.get(request_id)
-                if state is None or sum(s.num_generated for s in state.seqs) == stream.tokens_seen:
-                    continue
-                out = snapshot(state)
+                if state is not None:
+                    if sum(s.num_generated for s in state.seqs) == stream.tokens_seen:
+                        continue
+                    out = snapshot(state)
+                else:
+                    out = partial.get(request_id)
+                    if out is None or num_tokens(out) == stream.tokens_seen:
+                        continue
             new = num_tokens(out) - stream.tokens_seen
             gap = None if stream.last_delivery is None else now - stream.last_delivery
             if new > 0:

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 
 from . import envs
 
+ENGINE_TYPES = ("normal", "prompt", "completion")
+DISAGGREGATION_MODES = ("off", "shm", "tcp")
+
 
 @dataclass
 class EngineArgs:
@@ -151,7 +154,26 @@ class EngineArgs:
         },
     )
     engine_type: str = field(
-        default="normal", metadata={"help": "normal only (prompt / completion: PD split)"}
+        default="normal",
+        metadata={
+            "help": "normal (prefill and decode), prompt (prefill only: each request ends 'prefilled' and "
+            "leaves as a hand-off record) or completion (decode only: takes hand-off records; needs "
+            "--stop-preempted-request). A disaggregated front (--disaggregation) starts one of each"
+        },
+    )
+    disaggregation: str = field(
+        default="off",
+        metadata={
+            "help": "prefill / decode disaggregation: off, shm (a prompt and a completion engine process on "
+            "this host, hand-offs through shared memory) or tcp (the same, hand-offs over TCP sockets)"
+        },
+    )
+    disaggregation_max_held: int = field(
+        default=8,
+        metadata={
+            "help": "hand-offs the disaggregated front holds while the completion engine is full; the "
+            "prompt engine gets no new request while this many are held or being prefilled"
+        },
     )
     kv_host_tier_bytes: int | None = field(
         default=None,
@@ -196,10 +218,7 @@ class EngineArgs:
         ):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         self._check_parallel_sizes()
-        if str(self.engine_type).lower() != "normal":
-            raise ValueError(
-                f"engine_type must be 'normal' (prompt / completion engines are not wired in), got {self.engine_type!r}"
-            )
+        self._check_disaggregation()
         self._resolve_kv_tier()
         if self.dp_routing is None:
             self.dp_routing = envs.DEEPINFER_DP_ROUTING
@@ -226,6 +245,40 @@ class EngineArgs:
                     f"{self.layout.describe()} needs one CUDA device per rank; this machine has "
                     f"{torch.cuda.device_count()}"
                 )
+
+    def _check_disaggregation(self) -> None:
+        """engine_type and disaggregation: the allowed values, and what each needs."""
+        self.engine_type = str(self.engine_type).lower()
+        if self.engine_type not in ENGINE_TYPES:
+            raise ValueError(
+                f"engine_type must be one of {', '.join(ENGINE_TYPES)}, got {self.engine_type!r}"
+            )
+        if self.disaggregation not in DISAGGREGATION_MODES:
+            raise ValueError(
+                f"disaggregation must be one of {', '.join(DISAGGREGATION_MODES)}, got {self.disaggregation!r}"
+            )
+        v = self.disaggregation_max_held
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"disaggregation_max_held must be an integer >= 1, got {v!r}")
+        split = self.engine_type != "normal" or self.disaggregation != "off"
+        if not split:
+            return
+        if self.engine_type != "normal" and self.disaggregation != "off":
+            raise ValueError(
+                f"disaggregation={self.disaggregation!r} starts its own prompt and completion engines: "
+                f"engine_type must be 'normal' there, got {self.engine_type!r}"
+            )
+        if self.runner != "paged":
+            raise ValueError(f"prefill / decode disaggregation needs runner='paged', got {self.runner!r}")
+        if self.world_size > 1:
+            raise ValueError(
+                f"prefill / decode disaggregation runs one engine per role, got {self.layout.describe()}"
+            )
+        if self.engine_type == "completion" and not self.stop_preempted_request:
+            raise ValueError(
+                "engine_type='completion' needs stop_preempted_request=True (a decode-only engine cannot "
+                "recompute a preempted sequence's prompt)"
+            )
 
     def _resolve_kv_tier(self) -> None:
         """Tier sizes from the fields, else the environment; a disk tier needs its directory."""

@@ -32,6 +32,10 @@ class LLM:
             from .engine.launched import LaunchedEngine
 
             self.engine = LaunchedEngine(args)
+        elif args.disaggregation != "off":  # a prompt and a completion engine process behind a front
+            from .engine.disaggregated import DisaggregatedEngine
+
+            self.engine = DisaggregatedEngine(args)
         elif args.world_size > 1:  # one engine per rank process; this process only fronts them
             from .engine.data_parallel import DataParallelEngine
 

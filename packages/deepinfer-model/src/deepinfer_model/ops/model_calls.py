@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from .. import batch_invariant
-from ..layers.rope import in_place_problem
 from ..numerics import carrier, narrow_act
 from .registry import OpTable, get_ops
 
@@ -169,3 +168,8 @@ def fused_kernel(name: str, x: torch.Tensor, *shape: int):
     fn = table[name]
     supports = getattr(fn, "supports", None)
     return fn if supports is None or supports(*shape) else None
+
+
+# Last: importing `layers` runs its package, whose attention module imports this one's ops above; a
+# top-level import of it before they are defined is a cycle when this module is imported first.
+from ..layers.rope import in_place_problem  # noqa: E402

@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..runtime.device import model_device
 from .step import StepBatch
 
 
@@ -25,6 +24,9 @@ class RecomputeRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.vocab_size = int(model.config.vocab_size)
+        # (imported here: runtime's package imports this module, so a top-level import is a cycle)
+        from ..runtime.device import model_device
+
         self.device = model_device(model)  # logits come back on the model's device
         # -1 marks "never written": reading it back means the scheduler's bookkeeping is wrong.
         self.token_pool = np.full((num_blocks, block_size), -1, dtype=np.int64)

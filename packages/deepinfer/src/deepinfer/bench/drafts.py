@@ -23,13 +23,18 @@ class SpecSnapshot:
 
 
 def spec_snapshot(engine) -> SpecSnapshot | None:
-    """None when the engine does not draft (nextn 0, or an engine without speculative state)."""
-    spec = getattr(engine, "spec", None)
-    if spec is None:
+    """None when the engine does not draft (nextn 0, or an engine without speculative state). A
+    data-parallel front gives its ranks' counts summed."""
+    counts = engine.spec_counts() if hasattr(engine, "spec_counts") else None
+    if counts is None:
         return None
-    s = spec.stats
     return SpecSnapshot(
-        spec.nextn, s.verified.copy(), s.accepted.copy(), s.request_steps, s.steps, float(spec.draft_s)
+        counts["nextn"],
+        np.asarray(counts["verified"], dtype=np.int64),
+        np.asarray(counts["accepted"], dtype=np.int64),
+        counts["request_steps"],
+        counts["steps"],
+        float(counts["draft_s"]),
     )
 
 

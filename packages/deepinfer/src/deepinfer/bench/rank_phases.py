@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import Counter
 
 from . import accounting
+from .drafts import spec_keys, spec_snapshot
 from .engine_driver import Driver
 from .intervals import summarize
 from .phases import DecodeConfig, PrefillConfig, _check_positive
@@ -111,9 +112,11 @@ def run_decode_ranks(driver: Driver, cfg: DecodeConfig, token_budget: int, progr
         per_rank = batch // dp
         max_tokens = decode_max_tokens(cfg, per_rank, token_budget)
         engine.start_step_trace()
+        spec_before = spec_snapshot(engine)
         traces = _run(
             driver, {driver.add(driver.random_prompt(cfg.context), max_tokens) for _ in range(batch)}
         )
+        spec_after = spec_snapshot(engine)
         engine.stop_step_trace()
         ranks = ranks_that_ran(traces)
         window = decode_window(traces, per_rank, cfg.warmup_steps, cfg.measure_steps)
@@ -150,6 +153,9 @@ def run_decode_ranks(driver: Driver, cfg: DecodeConfig, token_budget: int, progr
             ],
             **_eplb_keys(engine, window_events(traces, window), ranks),
         }
+        # acceptance per draft position summed over the ranks, over the whole run (the ranks count
+        # drafts per run, not per traced step); `nextn` stays cfg's
+        row.update((k, v) for k, v in spec_keys(spec_before, spec_after).items() if k != "nextn")
         rows.append(row)
         if progress:
             progress.update(1)

@@ -9,5 +9,6 @@ the only contact with `deepinfer_sched`.
 `step_builder` turns the scheduler's output into the `step_io` dataclasses the `worker` runs (forward
 and sampling), and `output_processor` commits the tokens and emits the outputs. `stats` and
 `device_timing` count host and device time. Data parallel: the front in `data_parallel`, each rank's
-process in `rank_process` and its vote, idle forwards and expert-parallel model in `dp_rank`.
+process in `rank_process` and its vote, idle forwards and expert-parallel model in `dp_rank`; what a
+rank reports of the requests an `AsyncLLM` streams, in `rank_streaming`.
 """

@@ -27,6 +27,7 @@ from . import scheduling
 from .step_io import StepResult
 from .step_pipeline import StepPipeline
 from .step_strategy import StepContext, StepStrategy
+from .tier_transfers import TierLoadError
 
 
 @dataclass
@@ -154,11 +155,14 @@ class AsyncStep(StepStrategy):
         )
 
     def _transfer_or_fail(self, out) -> bool:
-        """The schedule's tier transfers; if they fail, the step's requests fail (a reconcile then drops
-        them) and False is returned."""
+        """The schedule's tier transfers; False when some failed: the requests that needed a failed load
+        fail (all of the step's if the transfers broke otherwise), and a reconcile then drops them."""
         try:
             self._transfer(out)
             return True
+        except TierLoadError as e:
+            self._fail_loads(out, e)
+            return False
         except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
             self._fail_step(out, "kv tier", e)
             return False

@@ -7,7 +7,9 @@ process per DP rank. Each rank builds its own `LLMEngine`: tokenizer, its own `d
 scheduler, KV pools, and a model whose routed experts are sharded over the EP group (only the local
 experts are loaded). The front routes requests to ranks (`dp_balance.py`: by default on the ranks'
 reported load and the prompts' cached prefixes, moving waiting requests that have not started between
-ranks when one is overloaded), sends them, and gathers the `RequestOutput`s back.
+ranks when one is overloaded), sends them, and gathers the `RequestOutput`s back: the finished ones, and
+for an `AsyncLLM` (which turns `stream_outputs` on) each request's output so far after every step that
+gave it tokens.
 
 Why ranks must agree every step: each MoE layer of a forward is an all-to-all over the EP group, so
 every EP rank must run the same number of forwards. Each engine step, the ranks of an EP group take
@@ -119,6 +121,11 @@ class DataParallelEngine(PromptChecks):
         self._pending: list[tuple] = []
         self._outstanding: set[str] = set()
         self._ready: deque[RequestOutput] = deque()
+        # With `stream_outputs` on, the ranks also send each request's output so far after every step
+        # that gave it tokens (`rank_streaming.py`); the latest one of each unfinished request is here.
+        self.stream_outputs = False
+        self.partial_outputs: dict[str, RequestOutput] = {}
+        self._partial_arrived = False
         self._failed: str | None = None
         # Per rank: when the front last heard from it (any message, or a message sent to it while it
         # was idle: its silence starts then), and when it last made progress (its beats' counter moved,
@@ -215,13 +222,14 @@ class DataParallelEngine(PromptChecks):
         return len(self._pending) + len(self._outstanding)
 
     def step(self) -> list[RequestOutput]:
-        """Send the queued requests, then return the outputs that have arrived (waiting up to POLL_S
-        seconds for the first one)."""
+        """Send the queued requests, then return the finished outputs that have arrived (waiting up to
+        POLL_S seconds for the first one, or with `stream_outputs` for any news in `partial_outputs`)."""
         self._check_usable()
         if self._pending:
             self._dispatch()
+        self._partial_arrived = False
         if not self._ready and self._outstanding:
-            self._receive(until=lambda: bool(self._ready), max_wait_s=POLL_S)
+            self._receive(until=lambda: bool(self._ready) or self._partial_arrived, max_wait_s=POLL_S)
         if not self._outstanding and self._settled != self._sent:
             # The last outputs are in: the ranks end their loops within a step. Wait for that, so
             # `stats` covers the whole run (the idle forwards and EPLB steps after a rank's last output).
@@ -252,6 +260,7 @@ class DataParallelEngine(PromptChecks):
         self._ready.clear()
         done += [_aborted_output(req) for req in self._pending]
         self._pending = []
+        self.partial_outputs.clear()
         if self._outstanding and self._failed is None:
             self._aborted |= self._outstanding
             self._broadcast(("abort", None))
@@ -288,6 +297,25 @@ class DataParallelEngine(PromptChecks):
         tokens routed per rank (moved ones counted where they went), requests sent where the front
         had routed part of their prefix before, and the moves between ranks; plus the policy."""
         return {"policy": self.router.policy, **dataclasses.asdict(self.router.stats)}
+
+    def spec_counts(self) -> dict | None:
+        """`LLMEngine.spec_counts()` summed over the ranks, as of each rank's last report (final once
+        `step()` has returned a run's last outputs). None when no rank drafts."""
+        counts = [s["spec_counts"] for s in self._rank_stats if s.get("spec_counts")]
+        if not counts:
+            return None
+        total = {"nextn": max(c["nextn"] for c in counts)}
+        for key in ("verified", "accepted"):
+            total[key] = [sum(c[key][j] for c in counts if j < len(c[key])) for j in range(total["nextn"])]
+        for key in ("request_steps", "draft_s"):
+            total[key] = sum(c[key] for c in counts)
+        total["steps"] = max(c["steps"] for c in counts)  # the ranks step in lockstep
+        return total
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        counts = self.spec_counts()
+        return 0 if counts is None else counts["nextn"]
 
     def start_step_trace(self) -> None:
         """From the ranks' next step on, each rank times its steps and reports them (`step_trace.py`);
@@ -332,7 +360,7 @@ class DataParallelEngine(PromptChecks):
             self._outstanding.add(req[0])
             self._rank_of[req[0]] = r
         for rank, (conn, share) in enumerate(zip(self._conns, shares)):  # every rank starts its loop
-            self._send(conn, ("add", share))
+            self._send(conn, ("add", share, self.stream_outputs))
             self.router.sent(rank, self._sent[rank])
 
     def _cost(self, req: tuple) -> int:
@@ -371,7 +399,7 @@ class DataParallelEngine(PromptChecks):
                 self._rank_of[req[0]] = move.dst
                 share.append(req)
         if share:
-            self._send_to(move.dst, ("add", share), ("add", []))
+            self._send_to(move.dst, ("add", share, self.stream_outputs), ("add", [], self.stream_outputs))
             self.router.sent(move.dst, self._sent[move.dst])
 
     def _broadcast(self, msg) -> None:
@@ -455,7 +483,12 @@ class DataParallelEngine(PromptChecks):
                         self._outstanding.discard(out.request_id)
                         self._aborted.discard(out.request_id)
                         self._rank_of.pop(out.request_id, None)
+                        self.partial_outputs.pop(out.request_id, None)
                         self._ready.append(out)
+                    for out in msg[4] if kind == "outputs" else ():
+                        if out.request_id in self._outstanding:
+                            self.partial_outputs[out.request_id] = out
+                            self._partial_arrived = True
             for rank, p in enumerate(self._procs):
                 if p.exitcode is not None:
                     self._fail(f"data-parallel rank {rank} exited with code {p.exitcode} while {what}")

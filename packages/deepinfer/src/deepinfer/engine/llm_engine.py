@@ -33,9 +33,11 @@ from . import scheduling
 from .async_step import AsyncStep
 from .device_timing import device_timeline
 from .drafting import Drafter
+from .handoff import HandoffRecord
 from .kv_sizing import kv_cache_blocks
 from .kv_tier import KVTier, TierSettings
 from .output_processor import OutputProcessor
+from .pd_roles import CompletionRole, PromptRole, needs_role
 from .prompts import PromptChecks
 from .request import RequestState, SeqState
 from .request_table import RequestTable
@@ -84,6 +86,14 @@ class LLMEngine(PromptChecks):
         self.device = args.torch_device
         self.model = self._load_model()
         self._read_model_limits()
+        self.engine_type = args.engine_type
+        if self.engine_type != "normal":  # pd_roles.py: synchronous, no drafts
+            if num_speculative_tokens or drafter is not None:
+                raise ValueError(
+                    f"num_speculative_tokens must be 0 on a {self.engine_type} engine (prefill / decode "
+                    f"disaggregation does not draft), got {num_speculative_tokens}"
+                )
+            num_speculative_tokens = 0
         nextn = resolve_nextn(num_speculative_tokens, drafter, self.model, self.is_default_model)
         if dp is not None:  # a forward carries at most the token budget, or every sequence's verify rows
             dp.attach_deepep(
@@ -116,6 +126,7 @@ class LLMEngine(PromptChecks):
             enable_prefix_caching=args.enable_prefix_caching,
             finish_preempted=args.stop_preempted_request,
             report_evictions=tier_settings.enabled,
+            engine_type=self.engine_type,
         )
         self.runner = self._make_runner(num_blocks, nextn)
         self.kv_tier = self._make_kv_tier(tier_settings)
@@ -124,7 +135,7 @@ class LLMEngine(PromptChecks):
             timeline=device_timeline(self.device),
             collectives=dp.collectives if dp is not None else None,
         )
-        self.use_async = args.use_async
+        self.use_async = args.use_async and self.engine_type == "normal"
         self.stats = EngineStats()
         self.table = RequestTable(
             self.scheduler,
@@ -139,6 +150,10 @@ class LLMEngine(PromptChecks):
         blacklist = tuple(envs.parse_token_ranges(envs.DEEPINFER_DECODE_TOKEN_BLACKLIST))
         self.builder = StepBuilder(self.table, self.truncation, self.eos_token_id, blacklist)
         self.output = OutputProcessor(self.table, self.stats, self.max_model_len)
+        self.role = needs_role(self.engine_type, self)
+        if isinstance(self.role, PromptRole):  # its prefills sample nothing; their blocks leave right after
+            self.output.prompt_only = True
+            self.output.on_finished = self.role.on_finished
         self.spec: SpecDecoder | None = None
         if nextn:
             self.spec = make_spec_decoder(
@@ -262,10 +277,12 @@ class LLMEngine(PromptChecks):
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
         seeds: list[int] | None = None,
+        cached_blocks: list[list[int]] | None = None,
     ) -> None:
         """Queue one request; raises ValueError (naming the problem) without touching other requests.
         seeds: the n samples' seeds when params.seq_seed is None (a data-parallel front draws them
-        from one stream for all ranks); default: from this engine's seed stream."""
+        from one stream for all ranks); default: from this engine's seed stream. cached_blocks: a
+        COMPLETION engine's per-sample blocks already holding the prompt (`add_handoff` passes them)."""
         self.table.check_new(request_id, params)
         validate_vocab_fields(params, self.vocab_size)
         if prompt_token_ids is None:
@@ -273,16 +290,30 @@ class LLMEngine(PromptChecks):
                 raise ValueError("either prompt or prompt_token_ids must be given")
             prompt_token_ids = self.encode(prompt)
         prompt_token_ids = self.validate_request(prompt_token_ids, params)
+        if self.engine_type == "completion" and cached_blocks is None:
+            raise ValueError("a completion engine takes requests as hand-offs (add_handoff), not prompts")
+        run_params = params
+        if isinstance(self.role, PromptRole):
+            run_params = self.role.admit(request_id, params, seeds)
         idle = self.worker.timeline is not None and not self.requests and not self.strategy.busy()
-        self.table.add(request_id, prompt, prompt_token_ids, params, arrival_time, seeds)
+        try:
+            self.table.add(
+                request_id, prompt, prompt_token_ids, run_params, arrival_time, seeds, cached_blocks
+            )
+        except ValueError:
+            if isinstance(self.role, PromptRole):
+                self.role.forget(request_id)
+            raise
         if (
             idle
         ):  # the device sat idle for want of requests, not because of the loop: no gap before the next step
             self.worker.timeline.break_chain()
-        self.stats.prompt_tokens += len(prompt_token_ids) * params.n
+        self.stats.prompt_tokens += len(prompt_token_ids) * run_params.n
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now; its blocks are freed. Its output (finish_reason "abort") is returned by step()."""
+        if isinstance(self.role, PromptRole):
+            self.role.forget(request_id)
         return self.table.abort(request_id)
 
     def withdraw_request(self, request_id: str):
@@ -293,6 +324,32 @@ class LLMEngine(PromptChecks):
         if state is not None:
             self.stats.prompt_tokens -= len(state.prompt_token_ids) * state.params.n
         return state
+
+    # ------------------------------------------------------------------ prefill / decode hand-offs
+    def take_handoffs(self) -> list[HandoffRecord]:
+        """PROMPT engine: the hand-off records of the requests prefilled since the last call (their
+        outputs from step() finish "prefilled")."""
+        if not isinstance(self.role, PromptRole):
+            raise ValueError(f"take_handoffs needs engine_type='prompt', this engine is {self.engine_type!r}")
+        return self.role.take()
+
+    def add_handoff(self, record: HandoffRecord) -> None:
+        """COMPLETION engine: decode a request a PROMPT engine prefilled. Raises HandoffError (another
+        engine's cache facts or block size, named), ValueError (the request itself), or DecodeFull when
+        its blocks or sequences are not free now (hold it and try again after a step)."""
+        if not isinstance(self.role, CompletionRole):
+            raise ValueError(
+                f"add_handoff needs engine_type='completion', this engine is {self.engine_type!r}"
+            )
+        self.role.add(record)
+
+    def handoff_capacity(self) -> dict:
+        """COMPLETION engine: {"free_blocks", "free_seqs"} not reserved by the requests it holds."""
+        if not isinstance(self.role, CompletionRole):
+            raise ValueError(
+                f"handoff_capacity needs engine_type='completion', this engine is {self.engine_type!r}"
+            )
+        return self.role.capacity()
 
     def abort_all(self) -> list[RequestOutput]:
         """Abort every request and settle the step in flight (Ctrl-C path); returns their outputs."""
@@ -315,6 +372,8 @@ class LLMEngine(PromptChecks):
     def step(self) -> list[RequestOutput]:
         """Advance by one model step; returns the requests that finished in it."""
         self.strategy.step()
+        if isinstance(self.role, PromptRole):  # exported: a prefilled sequence's blocks are free now
+            self.table.release_pending()
         collect_device_timing(self.stats, self.worker.timeline)  # non-blocking: the completed steps
         if not self.args.disable_log_stats:
             log_stats(self.stats, self.scheduler)
@@ -361,6 +420,22 @@ class LLMEngine(PromptChecks):
         """Speculative-decoding accounting (SpecStats.summary() + nextn, varlen, drafter seconds);
         None when drafting is off. Throughput keys use the decode steps' forward + sample + draft time."""
         return None if self.spec is None else self.spec.summary()
+
+    def spec_counts(self) -> dict | None:
+        """The cumulative draft counts (plain lists and numbers, so a rank can send them to its front):
+        nextn, per draft position drafts verified / accepted, request-steps and steps drafted, drafter
+        host seconds. A window's acceptance is the difference of two. None when drafting is off."""
+        if self.spec is None:
+            return None
+        s = self.spec.stats
+        return {
+            "nextn": self.spec.nextn,
+            "verified": [int(v) for v in s.verified],
+            "accepted": [int(a) for a in s.accepted],
+            "request_steps": int(s.request_steps),
+            "steps": int(s.steps),
+            "draft_s": float(self.spec.draft_s),
+        }
 
     @property
     def num_speculative_tokens(self) -> int:

@@ -27,6 +27,7 @@ _REASONS = {
     "max_model_len": "length",
     "abort": "abort",
     "preempted": "insufficient_system_resource",
+    "prefilled": "prefilled",  # a PROMPT engine's request, handed off for decoding
 }
 
 
@@ -35,6 +36,10 @@ class OutputProcessor:
         self.table, self.stats = table, stats
         self.scheduler = table.scheduler
         self.eos_token_id, self.max_model_len = table.eos_token_id, max_model_len
+        # A PROMPT engine (pd_roles.py): its prefills commit no token (they finish "prefilled"), and
+        # `on_finished` sees the scheduler's finish reasons right after each update.
+        self.prompt_only = False
+        self.on_finished = None
 
     # ---------------------------------------------------------------- one token per sequence
     def commit(self, out, result: StepResult, preempted: set[int] = frozenset()) -> dict[int, str]:
@@ -47,6 +52,8 @@ class OutputProcessor:
         self.fail_errors(ids, result.errors)
         tokens = result.tokens.copy()
         tokens[list(result.errors)] = -1
+        if self.prompt_only:
+            tokens[:] = -1
         try:
             finished = scheduling.update_from_output(self.scheduler, out, tokens)
         except Exception as e:  # noqa: BLE001 - the scheduler checks a commit before applying any of it
@@ -55,6 +62,8 @@ class OutputProcessor:
             self.fail_errors(ids, result.errors)
             tokens[:] = -1
             finished = scheduling.update_from_output(self.scheduler, out, tokens)
+        if self.on_finished is not None:
+            self.on_finished(finished)
         self.table.release_pending()
         for i, seq_id in enumerate(ids):
             seq = self.table.seqs.get(seq_id)
@@ -83,7 +92,7 @@ class OutputProcessor:
     ) -> None:
         self._record_prompt_rows(scheduling.seq_ids(out).tolist(), result)
         for i, seq_id in enumerate(scheduling.seq_ids(out).tolist()):
-            token = int(result.tokens[i])
+            token = -1 if self.prompt_only else int(result.tokens[i])
             seq = self.table.seqs.get(seq_id)
             if seq is not None:
                 seq.committed_ahead = []

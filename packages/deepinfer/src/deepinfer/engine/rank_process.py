@@ -25,6 +25,7 @@ from ..outputs import RequestMetrics, RequestOutput
 from .dp_balance import RankLoad, request_cost
 from .dp_rank import DataParallelRank
 from .llm_engine import LLMEngine
+from .rank_streaming import StreamedRequests
 from .step_trace import StepTrace
 
 HEARTBEAT_S = 5.0  # a running rank reports its stats at least this often
@@ -170,7 +171,8 @@ def _serve(engine, dp: DataParallelRank, conn, outbox: _Outbox, beat: _Heartbeat
     together; messages arriving during a run are handled between steps (the vote sees the new work,
     and the count of messages taken in, so that no rank leaves the run with a message unread that
     another rank already acted on). While the front has step tracing on, every step is timed here
-    (`step_trace.py`) and the records travel with the statistics.
+    (`step_trace.py`) and the records travel with the statistics. Requests the front streams get a
+    snapshot after each step that gave them tokens (`rank_streaming.py`), sent with the finished ones.
     """
     trace = dp.step_trace = StepTrace(async_loop=engine.pipeline is not None)
     reports_load = engine.args.dp_routing == "balanced"
@@ -178,17 +180,18 @@ def _serve(engine, dp: DataParallelRank, conn, outbox: _Outbox, beat: _Heartbeat
     eplb = dp.collectives.eplb if dp.collectives is not None else None
     if eplb is not None:
         eplb.add_listener(trace.on_event)
+    streamed = StreamedRequests()
     while True:
         msg = conn.recv()
         beat.running = True
-        if not _handle(engine, dp, msg, outbox):
+        if not _handle(engine, dp, msg, outbox, streamed):
             return
         dp.messages += 1
         beat.progress += 1
         last_sent = time.monotonic()
         while True:
             while conn.poll():
-                if not _handle(engine, dp, conn.recv(), outbox):
+                if not _handle(engine, dp, conn.recv(), outbox, streamed):
                     return
                 dp.messages += 1
                 beat.progress += 1
@@ -197,8 +200,9 @@ def _serve(engine, dp: DataParallelRank, conn, outbox: _Outbox, beat: _Heartbeat
             if reports_load and (now := _load(engine, dp)) != load:
                 load = now
                 outbox.send(("load", dp.rank, load))
-            if done or time.monotonic() - last_sent > HEARTBEAT_S:
-                outbox.send(("outputs", dp.rank, done, _stats(engine, dp)))
+            partial = streamed.take(engine, done)
+            if done or partial or time.monotonic() - last_sent > HEARTBEAT_S:
+                outbox.send(("outputs", dp.rank, done, _stats(engine, dp), partial))
                 last_sent = time.monotonic()
             if not dp.any_busy:
                 break
@@ -223,20 +227,23 @@ def _traced_step(engine, dp: DataParallelRank, trace: StepTrace) -> list[Request
     return done
 
 
-def _handle(engine, dp: DataParallelRank, msg, outbox: _Outbox) -> bool:
+def _handle(engine, dp: DataParallelRank, msg, outbox: _Outbox, streamed: StreamedRequests) -> bool:
     """Apply one front message; False on close."""
     kind, rank = msg[0], dp.rank
     if kind == "close":
         return False
-    if kind == "add":
+    if kind == "add":  # msg[2]: stream these requests' outputs as they grow
         failed = []
         for rid, prompt, ids, params, seeds in msg[1]:
             try:
                 engine.add_request(rid, prompt, params, prompt_token_ids=ids, seeds=seeds)
             except ValueError as e:  # this request alone fails; the others and the world go on
                 failed.append(RequestOutput(rid, prompt, ids or [], [], RequestMetrics(0.0), error=str(e)))
+                continue
+            if msg[2]:
+                streamed.add(rid)
         if failed:
-            outbox.send(("outputs", rank, failed, _stats(engine, dp)))
+            outbox.send(("outputs", rank, failed, _stats(engine, dp), []))
     elif kind == "abort":
         # Not abort_all: it waits for the forwards in flight, which the other ranks join only at
         # the next vote. The step loop settles them instead. msg[1]: the request ids (every rank
@@ -287,6 +294,7 @@ def _stats(engine, dp: DataParallelRank) -> dict:
     }
     out.update(dp.eplb_stats())
     out["scheduler"] = engine.scheduler_stats()
+    out["spec_counts"] = engine.spec_counts()
     trace = dp.step_trace
     # who this rank is (a benchmark reports the processes that ran), and its step records so far
     out["identity"] = {

@@ -76,8 +76,12 @@ class RequestTable:
         params: SamplingParams,
         arrival_time: float | None = None,
         seeds: list[int] | None = None,
+        cached_blocks: list[list[int]] | None = None,
     ) -> None:
-        """Admit a checked prompt; raises ValueError and leaves nothing behind when it cannot."""
+        """Admit a checked prompt; raises ValueError and leaves nothing behind when it cannot.
+        cached_blocks: per sample, the blocks already holding its prompt (a COMPLETION engine)."""
+        if cached_blocks is not None and len(cached_blocks) != params.n:
+            raise ValueError(f"cached_blocks has {len(cached_blocks)} block lists for n={params.n} samples")
         grammars = [None] * params.n
         if params.so_args is not None:
             if self.structured is None:
@@ -101,7 +105,7 @@ class RequestTable:
         self._next_seq_id += params.n
         added: list[int] = []
         try:
-            for seq in state.seqs:
+            for i, seq in enumerate(state.seqs):
                 scheduling.add_sequence(
                     self.scheduler,
                     seq.seq_id,
@@ -110,6 +114,7 @@ class RequestTable:
                     self.eos_token_id,
                     max_tokens,
                     cache_salt=salt,
+                    cached_block_ids=None if cached_blocks is None else cached_blocks[i],
                 )
                 added.append(seq.seq_id)
                 self.prompt_len_of[seq.seq_id] = len(prompt_token_ids)

@@ -23,6 +23,7 @@ def make_scheduler(
     enable_prefix_caching: bool = True,
     finish_preempted: bool = False,
     report_evictions: bool = False,
+    engine_type: str = "normal",
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -36,6 +37,7 @@ def make_scheduler(
             enable_prefix_caching=enable_prefix_caching,
             finish_preempted=finish_preempted,
             report_evictions=report_evictions,
+            engine_type=engine_type,
         )
     )
 
@@ -48,6 +50,7 @@ def add_sequence(
     eos_token_id: int | None,
     max_tokens: int,
     cache_salt: int = 0,
+    cached_block_ids: list[int] | None = None,
 ) -> None:
     sched.add_request(
         np.asarray(prompt, dtype=np.int32),
@@ -58,6 +61,7 @@ def add_sequence(
         eos_token_id=eos_token_id,
         ignore_eos=params.ignore_eos,
         cache_salt=cache_salt,
+        cached_block_ids=cached_block_ids,
     )
 
 
@@ -158,6 +162,10 @@ def is_unstarted(sched: Scheduler, seq_id: int) -> bool:
         and sched.num_preemptions(seq_id) == 0
         and len(sched.output_token_ids(seq_id)) == 0
     )
+
+
+def block_table(sched: Scheduler, seq_id: int) -> list[int]:
+    return list(sched.block_table(seq_id))
 
 
 def abort(sched: Scheduler, seq_id: int) -> None:

@@ -40,7 +40,9 @@ class SpecStep(StepStrategy):
             return
         stage, forward_ran = "kv tier", False
         try:
-            self._transfer(out)
+            out = self._transfer_sync(out)
+            if out is None:
+                return
             stage = "prepare"
             t0 = time.perf_counter()
             step, confs = self._prepare(out)

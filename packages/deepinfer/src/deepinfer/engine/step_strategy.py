@@ -25,6 +25,7 @@ from .request_table import RequestTable
 from .stats import EngineStats
 from .step_builder import StepBuilder
 from .step_io import StepInput, StepResult
+from .tier_transfers import TierLoadError
 from .worker import ModelWorker
 
 if TYPE_CHECKING:
@@ -88,6 +89,38 @@ class StepStrategy:
         preemption freed in this schedule may still be written by the step in flight)."""
         if self.tier is not None:
             self.tier.apply(out)
+
+    def _fail_loads(self, out, exc: TierLoadError) -> None:
+        """Loads failed: the requests whose sequences hold a block that was not loaded fail (their
+        sequences are aborted; a reconcile drops them from the step), the others run on."""
+        lost = set(exc.blocks)
+        message = f"kv tier failed: {type(exc).__name__}: {exc}"
+        hit = [
+            s
+            for s in scheduling.seq_ids(out).tolist()
+            if lost.intersection(scheduling.block_table(self.scheduler, s))
+        ]
+        logger.warning("%s; %d sequence(s) of the step fail, the rest runs", message, len(hit))
+        for seq_id in hit:
+            self.table.fail_seq(seq_id, message)
+
+    def _transfer_sync(self, out):
+        """`_transfer` for the loops that finish each step before the next: returns what is left of the
+        step to run, or None when a failed load left nothing of it (the step is then closed, and with
+        data parallelism an idle forward joins the other ranks' collectives)."""
+        try:
+            self._transfer(out)
+            return out
+        except TierLoadError as e:
+            self._fail_loads(out, e)
+        out = scheduling.reconcile(self.scheduler, out)
+        if not scheduling.is_empty(out):
+            return out
+        self._retire(out)
+        if self.dp is not None:
+            self.worker.idle()
+        self.table.collect_all()
+        return None
 
     def _build(self, out, fill_from_previous: bool = False) -> StepInput:
         step = self.builder.step(out, fill_from_previous)
@@ -160,7 +193,9 @@ class SyncStep(StepStrategy):
             return
         stage, forward_ran = "kv tier", False
         try:
-            self._transfer(out)
+            out = self._transfer_sync(out)
+            if out is None:
+                return
             stage = "prepare"
             t0 = time.perf_counter()
             step = self._build(out)

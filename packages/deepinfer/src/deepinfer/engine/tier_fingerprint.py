@@ -15,6 +15,16 @@ from .. import envs
 def tier_fingerprint(model_path: Path, args, runner, truncation, device) -> str:
     """xxh3-64 (hex) of the checkpoint (config, weight file names, sizes and modification times), the
     compute dtype, the device kind, the numerics settings, YOCO truncation and the pool layout."""
+    return fingerprint_of(cache_facts(model_path, args, runner, truncation, device))
+
+
+def fingerprint_of(facts: dict) -> str:
+    return xxhash.xxh3_64_hexdigest(json.dumps(facts, sort_keys=True, default=str).encode())
+
+
+def cache_facts(model_path: Path, args, runner, truncation, device) -> dict:
+    """The facts `tier_fingerprint` hashes, by name (a hand-off carries them, so a refusal can say which
+    one differs); JSON-compatible values."""
     model_path = Path(model_path)
     weights = sorted(
         (p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in model_path.glob("*.safetensors")
@@ -29,6 +39,6 @@ def tier_fingerprint(model_path: Path, args, runner, truncation, device) -> str:
         batch_invariant=bool(envs.DEEPINFER_BATCH_INVARIANT),
         accelerator=envs.DEEPINFER_ACCELERATOR,
         yoco=repr(truncation.settings) if truncation.enabled else None,
-        layout=[tuple(vars(p).values()) for p in cache_layout(runner.cache)],
+        layout=[list(vars(p).values()) for p in cache_layout(runner.cache)],
     )
-    return xxhash.xxh3_64_hexdigest(json.dumps(facts, sort_keys=True, default=str).encode())
+    return json.loads(json.dumps(facts, default=str))

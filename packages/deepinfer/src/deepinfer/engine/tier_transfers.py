@@ -12,8 +12,10 @@ still be written by the step in flight. A device stream would overlap them: `exp
 evicted block in one copy per pool and `import_blocks` scatters every load in one copy per pool.
 
 A load that fails (its file corrupt or gone, its metadata not the request's tokens) is never used: its
-block is forgotten by the device cache, the key leaves the tier, and `apply` raises after finishing the
-rest, so the step's requests fail as any failed step does.
+block is forgotten by the device cache, the key leaves the tier, and `apply` raises `TierLoadError`
+naming the blocks after finishing the rest. The step strategies then fail the requests whose block
+tables hold one of those blocks (the loading one, and any admitted in the same schedule that shares the
+block) and run the rest of the step.
 """
 
 from __future__ import annotations
@@ -30,7 +32,12 @@ logger = logging.getLogger("deepinfer")
 
 
 class TierLoadError(RuntimeError):
-    """A block the scheduler counted as loadable could not be loaded (named in the message)."""
+    """Blocks the scheduler counted as loadable could not be loaded (named in the message); `blocks`
+    are their device block ids, whose content is not the prefix the scheduler registered."""
+
+    def __init__(self, message: str, blocks: list[int]) -> None:
+        super().__init__(message)
+        self.blocks = blocks
 
 
 class TierTransfers:
@@ -61,7 +68,8 @@ class TierTransfers:
                 self.tier.discard(key)
             self._announce([key for _, key, _ in failed], add=False)
             raise TierLoadError(
-                "KV tier load failed: " + "; ".join(f"block {key_name(k)}: {why}" for _, k, why in failed)
+                "KV tier load failed: " + "; ".join(f"block {key_name(k)}: {why}" for _, k, why in failed),
+                [block for block, _, _ in failed],
             )
 
     def _fetch(self, out) -> tuple[list[tuple[int, BlockPayload]], list[tuple[int, Key, str]]]:

@@ -1,7 +1,8 @@
 """Response bodies of the two endpoints: whole responses, streamed chunks, logprobs and usage.
 
 A stream sends each choice's text as deltas of the cumulative outputs `AsyncLLM` produces; `ChoiceCursor`
-remembers how much of a choice was sent.
+remembers how much of a choice was sent. A chat completion in thinking mode (`reasoning.py`) carries its
+reasoning as `reasoning_content` beside `content`, in whole messages and in deltas alike.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import json
 from dataclasses import dataclass
 
 from ..outputs import CompletionOutput
+from ..reasoning import ReasoningStream, split_reasoning
 
 
 @dataclass
@@ -18,6 +20,7 @@ class ChoiceCursor:
     tokens: int = 0  # tokens whose logprobs were sent
     started: bool = False  # the first chunk (chat: the role) was sent
     finished: bool = False
+    reasoning: ReasoningStream | None = None  # chat in thinking mode: the reasoning / content split so far
 
 
 class TokenText:
@@ -62,6 +65,35 @@ def chat_logprobs(out: CompletionOutput, start: int, end: int, token_text: Token
         item["top_logprobs"] = [entry(t, lp) for t, lp in out.top_logprobs[i].items()]
         content.append(item)
     return {"content": content}
+
+
+def chat_message(text: str, thinking: bool) -> dict:
+    """A whole chat completion's message; in thinking mode the reasoning apart from the answer, whose
+    `content` is None when the completion ended before its reasoning did."""
+    if not thinking:
+        return {"role": "assistant", "content": text}
+    split = split_reasoning(text)
+    return {"role": "assistant", "reasoning_content": split.reasoning, "content": split.content}
+
+
+def chat_delta(text: str, cur: ChoiceCursor, thinking: bool, finished: bool) -> dict:
+    """The delta of a chat stream for `text`, new since the last chunk. In thinking mode the reasoning
+    goes in `reasoning_content` and the answer in `content` (both when a chunk holds the end of the
+    reasoning); text that may be the start of the think-end marker waits for the next chunk."""
+    delta = {} if cur.started else {"role": "assistant"}
+    if not thinking:
+        return delta | {"content": text}
+    if cur.reasoning is None:
+        cur.reasoning = ReasoningStream()
+    reasoning, content = cur.reasoning.feed(text)
+    if finished:
+        rest, _ = cur.reasoning.finish()
+        reasoning += rest
+    if reasoning:
+        delta["reasoning_content"] = reasoning
+    if content or not reasoning:  # a chunk without new text still says which part it continues
+        delta["content" if content or not cur.reasoning.in_reasoning else "reasoning_content"] = content
+    return delta
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from ..async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from ..outputs import RequestOutput
+from ..reasoning import starts_in_reasoning
 from ..sampling_params import SamplingParams
 from . import responses
 from .chat import render_messages
@@ -102,6 +103,8 @@ class OpenAIServing:
         prompt = render_messages(
             req.messages, self.llm.tokenizer_config, req.add_generation_prompt, req.chat_template_kwargs
         )
+        # thinking mode: the completion starts inside the reasoning, sent apart as reasoning_content
+        thinking = starts_in_reasoning(prompt)
         ids = self.llm.engine.encode(prompt)
         limit = max_new_tokens(requested, len(ids), self.llm.max_model_len, param, "messages")
         names = {
@@ -122,9 +125,9 @@ class OpenAIServing:
             )
             text = c.text[cur.text :]
             if stream:
-                delta = {"content": text} if cur.started else {"role": "assistant", "content": text}
+                delta = responses.chat_delta(text, cur, thinking, c.finished)
                 return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason}
-            message = {"role": "assistant", "content": text}
+            message = responses.chat_message(text, thinking)
             return {"index": c.index, "message": message, "logprobs": lp, "finish_reason": c.finish_reason}
 
         def chunk(choices: list[dict]) -> dict:
