@@ -227,10 +227,13 @@ def test_front_outputs_equal_normal_with_a_full_decode_engine(micro_checkpoint, 
 def test_front_survives_a_decode_engine_that_dies(micro_checkpoint):
     """Killed mid-request, the decode engine fails only the requests it held (named in their error);
     the front starts it again and later requests come out as a NORMAL engine's."""
-    long = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    # long enough that the kill lands mid-request however fast the decode engine runs ahead of the front
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
     with LLM(str(micro_checkpoint), async_scheduling=False, **FRONT) as llm:
         want = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, use_tqdm=False)
-    with LLM(str(micro_checkpoint), disaggregation="shm", **(FRONT | {"num_kv_blocks": 32})) as llm:
+    with LLM(
+        str(micro_checkpoint), disaggregation="shm", **(FRONT | {"num_kv_blocks": 128, "max_model_len": 512})
+    ) as llm:
         engine = llm.engine
         engine.add_request("victim", None, long, prompt_token_ids=list(range(1, 10)))
         deadline = time.monotonic() + 120
