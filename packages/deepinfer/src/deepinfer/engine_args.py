@@ -145,6 +145,14 @@ class EngineArgs:
             "groups) before the front names the late ones and fails"
         },
     )
+    dp_routing: str | None = field(
+        default=None,
+        metadata={
+            "help": "how the data-parallel front routes requests to its ranks: balanced (by queued tokens, KV "
+            "usage and prefix-cache overlap; waiting requests move between ranks), static (longest first per "
+            "batch) or round_robin (default: $DEEPINFER_DP_ROUTING, else balanced)"
+        },
+    )
     engine_type: str = field(
         default="normal",
         metadata={
@@ -212,6 +220,12 @@ class EngineArgs:
         self._check_parallel_sizes()
         self._check_disaggregation()
         self._resolve_kv_tier()
+        if self.dp_routing is None:
+            self.dp_routing = envs.DEEPINFER_DP_ROUTING
+        if self.dp_routing not in envs.DP_ROUTING_POLICIES:
+            raise ValueError(
+                f"dp_routing must be one of {', '.join(envs.DP_ROUTING_POLICIES)}, got {self.dp_routing!r}"
+            )
         if self.model is None:
             self.model = envs.DEEPINFER_HF_MODEL_DIR
         if self.device is None:

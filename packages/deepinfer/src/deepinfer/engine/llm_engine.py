@@ -316,6 +316,15 @@ class LLMEngine(PromptChecks):
             self.role.forget(request_id)
         return self.table.abort(request_id)
 
+    def withdraw_request(self, request_id: str):
+        """Take back a request that has not started (waiting, never scheduled, no grammar) without an
+        output, for another engine to serve (a data-parallel move); its `RequestState`, or None when
+        it cannot be taken back."""
+        state = self.table.withdraw(request_id)
+        if state is not None:
+            self.stats.prompt_tokens -= len(state.prompt_token_ids) * state.params.n
+        return state
+
     # ------------------------------------------------------------------ prefill / decode hand-offs
     def take_handoffs(self) -> list[HandoffRecord]:
         """PROMPT engine: the hand-off records of the requests prefilled since the last call (their

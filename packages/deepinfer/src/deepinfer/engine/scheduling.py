@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 from deepinfer_model import StepBatch
-from deepinfer_sched import Scheduler, SchedulerConfig
+from deepinfer_sched import Scheduler, SchedulerConfig, SequenceStatus
 
 from ..sampling_params import SamplingParams
 
@@ -147,6 +147,21 @@ def retire(sched: Scheduler, out) -> dict[int, str]:
 def close_failed(sched: Scheduler, out) -> None:
     """Close a step whose sequences were all aborted (a failed step): none of them receives a token."""
     sched.update_from_output(out, (np.empty(0, dtype=np.int32), np.zeros(len(seq_ids(out)), dtype=np.int32)))
+
+
+def num_computed_tokens(sched: Scheduler, seq_id: int) -> int:
+    """Tokens of the sequence whose KV the scheduler counts as computed (cached prefix included)."""
+    return sched.num_computed_tokens(seq_id)
+
+
+def is_unstarted(sched: Scheduler, seq_id: int) -> bool:
+    """Waiting, never scheduled: no KV, no tokens, nothing in flight, so it may start anywhere else."""
+    return (
+        sched.status(seq_id) == SequenceStatus.WAITING
+        and sched.num_computed_tokens(seq_id) == 0
+        and sched.num_preemptions(seq_id) == 0
+        and len(sched.output_token_ids(seq_id)) == 0
+    )
 
 
 def block_table(sched: Scheduler, seq_id: int) -> list[int]:
