@@ -201,3 +201,24 @@ def test_settings_are_checked(micro_checkpoint, monkeypatch):
         EngineArgs(model=str(micro_checkpoint))
     with pytest.raises(ValueError, match="needs runner='paged'"):
         LLMEngine(EngineArgs(model=str(micro_checkpoint), runner="recompute", kv_host_tier_bytes=1 << 20))
+
+
+def test_two_live_engines_share_one_directory(micro_checkpoint, share_loaded_models, tmp_path, monkeypatch):
+    """The second engine starts before the first has written anything; it loads the first one's files
+    once it has looked again (every schedule here), with the tokens it computes alone."""
+    from deepinfer.engine import kv_tier
+
+    monkeypatch.setattr(kv_tier, "RESCAN_S", 0.0)
+    prompts = workload(512, rounds=1)
+    base, _ = run(micro_checkpoint, prompts[:1])
+    disk = dict(kv_host_tier_bytes=0, kv_disk_tier_bytes=1 << 30, kv_disk_tier_dir=str(tmp_path))
+    kw = dict(max_model_len=40, block_size=BLOCK, num_kv_blocks=12, max_num_seqs=2)
+    second = LLMEngine(EngineArgs(model=str(micro_checkpoint), **kw, **disk), num_speculative_tokens=0)
+    run(micro_checkpoint, prompts, **disk)  # the first engine: evicts prompts[0]'s prefix to disk
+    second.add_request("0", None, GREEDY, prompt_token_ids=prompts[0])
+    got = []
+    while second.has_unfinished_requests():
+        got += second.step()
+    assert tokens(got) == tokens(base)
+    assert second.kv_tier_stats()["disk_hits"] > 0
+    second.close()

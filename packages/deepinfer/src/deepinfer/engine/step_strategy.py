@@ -76,6 +76,8 @@ class StepStrategy:
     # ------------------------------------------------------------------ shared by the loops
     def _schedule(self) -> tuple[object, float]:
         t0 = time.perf_counter()
+        if self.tier is not None:
+            self.tier.refresh()
         out = scheduling.schedule(self.scheduler)
         dt = time.perf_counter() - t0
         self.stats.schedule_s += dt

@@ -47,6 +47,13 @@ class TierTransfers:
         self.tier, self.scheduler, self.runner, self.block_size = tier, scheduler, runner, block_size
         self._announce(tier.keys(), add=True)  # what a shared disk directory already holds
 
+    def refresh(self) -> None:
+        """Before a schedule: the files that engines sharing the disk directory wrote become loadable,
+        those they deleted stop being so (`KVTier.refresh`, at most every few seconds)."""
+        appeared, gone = self.tier.refresh()
+        self._announce(appeared, add=True)
+        self._announce(gone, add=False)
+
     def apply(self, out) -> None:
         if not out.has_tier_transfers:
             return
