@@ -52,13 +52,15 @@ def sampling_params(
     max_tokens: int,
     logprobs: int | None,
     names: dict[str, str],
+    so_args: dict | None = None,
 ) -> SamplingParams:
-    """names: the engine's field name -> the request's, for the fields the two endpoints name apart."""
+    """names: the engine's field name -> the request's, for the fields the two endpoints name apart;
+    so_args: a constraint of the server's own (a forced tool call) in place of the request's."""
     kwargs = {"n": req.n, "max_tokens": max_tokens, "logprobs": logprobs}
     kwargs.update({name: getattr(req, name) for name in _PASSED if getattr(req, name) is not None})
     if req.seed is not None:
         kwargs["seq_seed"] = req.seed
-    kwargs["so_args"] = structured_outputs(req)
+    kwargs["so_args"] = so_args if so_args is not None else structured_outputs(req)
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as e:

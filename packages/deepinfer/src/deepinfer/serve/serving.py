@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from ..outputs import RequestOutput
-from ..reasoning import starts_in_reasoning
+from ..reasoning import THINK_END, starts_in_reasoning
 from ..sampling_params import SamplingParams
 from . import responses
 from .chat import render_messages
@@ -25,6 +25,7 @@ from .errors import APIError, bad_request, from_value_error, model_not_found, ov
 from .params import chat_logprobs, completion_logprobs, field_names, max_new_tokens, sampling_params
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses import ChoiceCursor, TokenText, sse
+from .tools import plan_tools
 
 
 @dataclass
@@ -100,11 +101,17 @@ class OpenAIServing:
         if requested is None and req.max_tokens is not None:
             requested, param = req.max_tokens, "max_tokens"
         logprobs = chat_logprobs(req)
+        tools = plan_tools(req)
         prompt = render_messages(
-            req.messages, self.llm.tokenizer_config, req.add_generation_prompt, req.chat_template_kwargs
+            req.messages,
+            self.llm.tokenizer_config,
+            req.add_generation_prompt,
+            req.chat_template_kwargs,
+            tools.tools,
         )
         # thinking mode: the completion starts inside the reasoning, sent apart as reasoning_content
         thinking = starts_in_reasoning(prompt)
+        forced_call = tools.so_args(thinking, self.llm.tokenizer.token_to_id(THINK_END))
         ids = self.llm.engine.encode(prompt)
         limit = max_new_tokens(requested, len(ids), self.llm.max_model_len, param, "messages")
         names = {
@@ -113,7 +120,7 @@ class OpenAIServing:
             "prompt": "messages",
             "prompt_token_ids": "messages",
         }
-        job = _Job(prompt, ids, sampling_params(req, limit, logprobs, names))
+        job = _Job(prompt, ids, sampling_params(req, limit, logprobs, names, forced_call))
         rid, streams = await self._admit([job], "chatcmpl", names)
         created = int(time.time())
 
@@ -123,12 +130,17 @@ class OpenAIServing:
                 if logprobs is None
                 else responses.chat_logprobs(c, cur.tokens, len(c.token_ids), self.token_text)
             )
-            text = c.text[cur.text :]
+            text, finish_reason = c.text[cur.text :], c.finish_reason
             if stream:
                 delta = responses.chat_delta(text, cur, thinking, c.finished)
-                return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason}
+                if tools.read_calls:
+                    delta = responses.tool_call_delta(delta, cur, c.finished)
+                    finish_reason = responses.stream_finish_reason(cur, finish_reason)
+                return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
             message = responses.chat_message(text, thinking)
-            return {"index": c.index, "message": message, "logprobs": lp, "finish_reason": c.finish_reason}
+            if tools.read_calls:
+                message, finish_reason = responses.with_tool_calls(message, finish_reason)
+            return {"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish_reason}
 
         def chunk(choices: list[dict]) -> dict:
             return {
