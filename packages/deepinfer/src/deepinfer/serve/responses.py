@@ -13,7 +13,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from ..outputs import CompletionOutput
+from ..outputs import CompletionOutput, RequestOutput
 from ..reasoning import ReasoningStream, split_reasoning
 from ..tool_calls import StreamPiece, ToolCallStream, parse_tool_calls
 
@@ -58,6 +58,30 @@ def completion_logprobs(
         "top_logprobs": [{token_text(t): lp for t, lp in top.items()} for top in out.top_logprobs[start:end]],
         "text_offset": offsets,
     }
+
+
+def prompt_logprobs(out: RequestOutput, k: int, token_text: TokenText, bos_token_id: int | None) -> dict:
+    """The echoed prompt's tokens in the legacy completions format: the first has no logprob (nothing
+    precedes it); offsets index the echoed text, which shows no BOS."""
+    tokens, logprobs, tops, offsets, pos = [], [], [], [], 0
+    for i, (token, entry) in enumerate(zip(out.prompt_token_ids, out.prompt_logprobs, strict=True)):
+        text = token_text(token)
+        tokens.append(text)
+        offsets.append(pos)
+        if entry is None:
+            logprobs.append(None)
+            tops.append(None)
+        else:
+            logprobs.append(entry[token].logprob)
+            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)
+            tops.append({token_text(t): lp.logprob for t, lp in ranked if lp.rank <= k})
+        if not (i == 0 and token == bos_token_id):
+            pos += len(text)
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def joined_logprobs(first: dict, then: dict) -> dict:
+    return {key: first[key] + then[key] for key in first}
 
 
 def chat_logprobs(out: CompletionOutput, start: int, end: int, token_text: TokenText) -> dict:

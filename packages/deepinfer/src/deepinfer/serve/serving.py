@@ -50,15 +50,22 @@ class OpenAIServing:
     async def completions(self, req: CompletionRequest) -> dict | AsyncIterator[str]:
         self._check_model(req.model)
         if req.suffix is not None:
-            raise bad_request("suffix is not supported", "suffix")
+            raise bad_request(
+                "suffix is not supported: this model has no fill-in-the-middle mode (no documented format "
+                "for its tokenizer's FIM tokens)",
+                "suffix",
+            )
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request(f"best_of must equal n ({req.n}) or be left out", "best_of")
         logprobs = completion_logprobs(req)
+        # echo with logprobs: the prompt's tokens scored too, from the prefill's logits
+        echo_logprobs = logprobs if req.echo else None
         names = {"logprobs": "logprobs", "max_tokens": "max_tokens"}
         jobs = []
         for text, ids in self._prompts(req.prompt):
             limit = max_new_tokens(req.max_tokens, len(ids), self.llm.max_model_len, "max_tokens", "prompt")
-            jobs.append(_Job(text, ids, sampling_params(req, limit, logprobs, names)))
+            params = sampling_params(req, limit, logprobs, names, prompt_logprobs=echo_logprobs)
+            jobs.append(_Job(text, ids, params))
         rid, streams = await self._admit(jobs, "cmpl", names)
         created = int(time.time())
         echo = [
@@ -66,14 +73,21 @@ class OpenAIServing:
             for j in jobs
         ]
 
-        def choice(p: int, c, cur: ChoiceCursor) -> dict:
+        def choice(p: int, out: RequestOutput, c, cur: ChoiceCursor) -> dict:
             start, end = cur.tokens, len(c.token_ids)
+            lp = None
+            if logprobs is not None:
+                # offsets index the choice's whole text: the echoed prompt, then the completion
+                lp = responses.completion_logprobs(c, start, end, self.token_text, len(echo[p]) + cur.text)
+                if echo_logprobs is not None and not cur.started:
+                    bos = self.llm.engine.bos_token_id
+                    lp = responses.joined_logprobs(
+                        responses.prompt_logprobs(out, echo_logprobs, self.token_text, bos), lp
+                    )
             return {
                 "index": p * req.n + c.index,
                 "text": ("" if cur.started else echo[p]) + c.text[cur.text :],
-                "logprobs": None
-                if logprobs is None
-                else responses.completion_logprobs(c, start, end, self.token_text, cur.text),
+                "logprobs": lp,
                 "finish_reason": c.finish_reason,
             }
 
@@ -89,7 +103,7 @@ class OpenAIServing:
         if req.stream:
             return self._stream(streams, choice, body, req.n, _include_usage(req))
         outs = await self._finals(streams)
-        choices = [choice(p, c, ChoiceCursor()) for p, out in enumerate(outs) for c in out.outputs]
+        choices = [choice(p, out, c, ChoiceCursor()) for p, out in enumerate(outs) for c in out.outputs]
         return body(choices) | {"usage": _usage(outs)}
 
     # ------------------------------------------------------------------ /v1/chat/completions
@@ -124,7 +138,7 @@ class OpenAIServing:
         rid, streams = await self._admit([job], "chatcmpl", names)
         created = int(time.time())
 
-        def choice(p: int, c, cur: ChoiceCursor, stream: bool = True) -> dict:
+        def choice(p: int, out: RequestOutput, c, cur: ChoiceCursor, stream: bool = True) -> dict:
             lp = (
                 None
                 if logprobs is None
@@ -159,7 +173,7 @@ class OpenAIServing:
             "object": "chat.completion",
             "created": created,
             "model": self.model_name,
-            "choices": [choice(0, c, ChoiceCursor(), stream=False) for c in outs[0].outputs],
+            "choices": [choice(0, outs[0], c, ChoiceCursor(), stream=False) for c in outs[0].outputs],
             "usage": _usage(outs),
         }
 
@@ -250,7 +264,7 @@ class OpenAIServing:
                         and not c.finished
                     ):
                         continue
-                    yield sse(body([choice(p, c, cur)]))
+                    yield sse(body([choice(p, out, c, cur)]))
                     cur.text, cur.tokens, cur.started, cur.finished = (
                         len(c.text),
                         len(c.token_ids),
