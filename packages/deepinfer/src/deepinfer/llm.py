@@ -145,6 +145,7 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
         **kwargs,
     ) -> list[RequestOutput]:
         """Render each conversation with the checkpoint's chat template, then `generate`.
@@ -152,10 +153,11 @@ class LLM:
         Messages have role system, user, assistant (optionally with OpenAI-style `tool_calls`) or
         tool. chat_template_kwargs: template variables, e.g. `{"thinking": True}` for DeepSeek's
         reasoning mode (the prompt ends in `<think>`) or `{"thinking": False}` to answer directly
-        (`</think>`); without it the plain format of the checkpoint's template."""
+        (`</think>`); without it the plain format of the checkpoint's template. tools: OpenAI-style
+        function definitions the model may call (`deepinfer.parse_tool_calls` reads its calls)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            render_chat(c, self.engine.tokenizer_config, add_generation_prompt, chat_template_kwargs)
+            render_chat(c, self.engine.tokenizer_config, add_generation_prompt, chat_template_kwargs, tools)
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, **kwargs)

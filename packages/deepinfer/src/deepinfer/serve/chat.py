@@ -27,24 +27,40 @@ def message_text(i: int, message: ChatMessage) -> str:
     return "".join(texts)
 
 
+def _plain(i: int, m: ChatMessage) -> dict:
+    # OpenAI's "developer" role is the system prompt of newer clients
+    out = {"role": "system" if m.role == "developer" else m.role, "content": message_text(i, m)}
+    if m.tool_calls:
+        if m.role != "assistant":
+            raise bad_request(
+                f"messages[{i}].tool_calls: only assistant messages make tool calls", f"messages[{i}]"
+            )
+        out["tool_calls"] = [
+            {"type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+            for c in m.tool_calls
+        ]
+        out["content"] = None if m.content is None else out["content"]
+    return out
+
+
 def render_messages(
     messages: list[ChatMessage],
     tokenizer_config: dict,
     add_generation_prompt: bool,
     chat_template_kwargs: dict | None,
+    tools: list[dict] | None = None,
 ) -> str:
     if not messages:
         raise bad_request("messages must hold at least one message", "messages")
-    plain = [
-        # OpenAI's "developer" role is the system prompt of newer clients
-        {"role": "system" if m.role == "developer" else m.role, "content": message_text(i, m)}
-        for i, m in enumerate(messages)
-    ]
+    plain = [_plain(i, m) for i, m in enumerate(messages)]
     try:
-        return render_chat(plain, tokenizer_config, add_generation_prompt, chat_template_kwargs)
+        return render_chat(plain, tokenizer_config, add_generation_prompt, chat_template_kwargs, tools)
     except ValueError as e:
-        raise bad_request(
-            str(e), "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages"
-        ) from None
+        message = str(e)
+        param = "messages"
+        for field in ("chat_template_kwargs", "tools"):
+            if message.startswith(field):
+                param = field
+        raise bad_request(message, param) from None
     except jinja2.TemplateError as e:
         raise bad_request(f"the chat template failed on these messages: {e}", "messages") from None
