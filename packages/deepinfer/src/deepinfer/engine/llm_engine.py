@@ -33,6 +33,7 @@ from . import scheduling
 from .async_step import AsyncStep
 from .device_timing import device_timeline
 from .drafting import Drafter
+from .images import ImageInputs
 from .kv_sizing import kv_cache_blocks
 from .kv_tier import KVTier, TierSettings
 from .output_processor import OutputProcessor
@@ -145,6 +146,8 @@ class LLMEngine(PromptChecks):
                 nextn, drafter, step_time_curve, self.model, self.runner, args.max_num_seqs
             )
         self.strategy = self._choose_strategy()
+        # requests with images (worker processes start on the first)
+        self.images = ImageInputs(self.model, args.encoder_cache_tokens)
 
     def _choose_strategy(self) -> StepStrategy:
         """Speculative when drafting (it runs synchronously, also under async_scheduling), else the
@@ -262,19 +265,42 @@ class LLMEngine(PromptChecks):
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
         seeds: list[int] | None = None,
+        multi_modal_data: dict | None = None,
     ) -> None:
         """Queue one request; raises ValueError (naming the problem) without touching other requests.
         seeds: the n samples' seeds when params.seq_seed is None (a data-parallel front draws them
-        from one stream for all ranks); default: from this engine's seed stream."""
+        from one stream for all ranks); default: from this engine's seed stream.
+        multi_modal_data: `{"image": [bytes | PIL image | path, ...]}`, each image taking the next `<image>`
+        of the text `prompt`, or the next image placeholder id of `prompt_token_ids` when given
+        (`images.py`); the images are encoded here, once per distinct image."""
         self.table.check_new(request_id, params)
         validate_vocab_fields(params, self.vocab_size)
-        if prompt_token_ids is None:
+        images = None
+        if multi_modal_data is not None:
+            if self.truncation.enabled or self.dp is not None:
+                # (the step's images cannot yet be split over CP ranks nor replayed under truncation)
+                raise ValueError(
+                    "multi_modal_data: images are not supported with YoCo prefill truncation or a "
+                    "parallel layout yet"
+                )
+            if params.prompt_logprobs is not None:
+                raise ValueError(
+                    "prompt_logprobs: not supported for a request with images (its image positions "
+                    "hold no vocabulary token to score)"
+                )
+            images = self.images.prompt(
+                prompt, prompt_token_ids, multi_modal_data, self.encode, self.tokenizer
+            )
+            prompt_token_ids = images.ids
+        elif prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("either prompt or prompt_token_ids must be given")
             prompt_token_ids = self.encode(prompt)
-        prompt_token_ids = self.validate_request(prompt_token_ids, params)
+        prompt_token_ids = self.validate_request(
+            prompt_token_ids, params, None if images is None else images.sentinel
+        )
         idle = self.worker.timeline is not None and not self.requests and not self.strategy.busy()
-        self.table.add(request_id, prompt, prompt_token_ids, params, arrival_time, seeds)
+        self.table.add(request_id, prompt, prompt_token_ids, params, arrival_time, seeds, images)
         if (
             idle
         ):  # the device sat idle for want of requests, not because of the loop: no gap before the next step
@@ -320,6 +346,7 @@ class LLMEngine(PromptChecks):
         self.strategy.close()
         self.builder.close()
         self.table.close()
+        self.images.close()
         runner_close = getattr(self.runner, "close", None)  # decode CUDA graphs (before process groups)
         if runner_close is not None:
             runner_close()

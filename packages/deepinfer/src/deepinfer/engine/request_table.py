@@ -75,8 +75,10 @@ class RequestTable:
         params: SamplingParams,
         arrival_time: float | None = None,
         seeds: list[int] | None = None,
+        images=None,
     ) -> None:
-        """Admit a checked prompt; raises ValueError and leaves nothing behind when it cannot."""
+        """Admit a checked prompt; raises ValueError and leaves nothing behind when it cannot.
+        `images`: the `images.ImagePrompt` the prompt was expanded from (a request with images)."""
         grammars = [None] * params.n
         if params.so_args is not None:
             if self.structured is None:
@@ -87,6 +89,7 @@ class RequestTable:
         state = RequestState(
             request_id, prompt, prompt_token_ids, params, self.tokenizer, seq_ids, seeds, arrival_time
         )
+        state.images = images
         state.bad_words = bad_words_token_ids(self.tokenizer, params.bad_words, self.vocab_size)
         for seq, grammar in zip(state.seqs, grammars):
             seq.grammar = grammar
@@ -94,6 +97,8 @@ class RequestTable:
                 self.tracker.add(seq.seq_id, seq.seed)
         max_tokens = min(params.max_tokens, self.max_model_len - len(prompt_token_ids))
         salt = self.truncation.cache_salt(len(prompt_token_ids))
+        if images is not None:  # blocks are shared only between requests with the same images
+            salt = images.cache_salt(salt)
         if params.prompt_logprobs is not None:
             # a namespace of its own: a prefix found in the cache would not be computed, its rows unscored
             salt = _own_cache_salt(salt, seq_ids[0])
