@@ -31,6 +31,7 @@ class _Job:
     text: str | None
     ids: list[int]
     params: SamplingParams
+    images: list | None = None  # a chat's images: the engine expands `text` with them at admission
 
 
 class OpenAIServing:
@@ -99,9 +100,11 @@ class OpenAIServing:
         if requested is None and req.max_tokens is not None:
             requested, param = req.max_tokens, "max_tokens"
         logprobs = chat_logprobs(req)
-        prompt = render_messages(
+        prompt, images = render_messages(
             req.messages, self.llm.tokenizer_config, req.add_generation_prompt, req.chat_template_kwargs
         )
+        # with images, the text's ids only: the image blocks are added at admission, and the engine
+        # then holds max_tokens to the context the expanded prompt leaves
         ids = self.llm.engine.encode(prompt)
         limit = max_new_tokens(requested, len(ids), self.llm.max_model_len, param, "messages")
         names = {
@@ -109,8 +112,9 @@ class OpenAIServing:
             "max_tokens": param,
             "prompt": "messages",
             "prompt_token_ids": "messages",
+            "multi_modal_data": "messages",
         }
-        job = _Job(prompt, ids, sampling_params(req, limit, logprobs, names))
+        job = _Job(prompt, ids, sampling_params(req, limit, logprobs, names), images or None)
         rid, streams = await self._admit([job], "chatcmpl", names)
         created = int(time.time())
 
@@ -176,9 +180,15 @@ class OpenAIServing:
         try:
             for i, job in enumerate(jobs):
                 request_id = rid if len(jobs) == 1 else f"{rid}-{i}"
-                streams.append(
-                    await self.llm.add_request(job.text, job.params, request_id, prompt_token_ids=job.ids)
-                )
+                if job.images is None:
+                    stream = await self.llm.add_request(
+                        job.text, job.params, request_id, prompt_token_ids=job.ids
+                    )
+                else:
+                    stream = await self.llm.add_request(
+                        job.text, job.params, request_id, multi_modal_data={"image": job.images}
+                    )
+                streams.append(stream)
         except BaseException as e:
             for s in streams:
                 self.llm.abort(s.request_id)
