@@ -359,6 +359,14 @@ _VARS = [
         "deepinfer_model.models.deepseek_v41.vision.workers",
     ),
     EnvVar(
+        "DEEPINFER_ENCODER_CACHE_TOKENS",
+        integer(1),
+        1 << 16,
+        "image embedding rows (image tokens) the encoder cache keeps by image content hash; "
+        "EngineArgs.encoder_cache_tokens overrides",
+        "deepinfer.engine_args",
+    ),
+    EnvVar(
         "DEEPINFER_ENGRAM_PAD_TOKEN",
         integer(),
         2,

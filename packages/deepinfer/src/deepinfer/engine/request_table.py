@@ -77,9 +77,11 @@ class RequestTable:
         arrival_time: float | None = None,
         seeds: list[int] | None = None,
         cached_blocks: list[list[int]] | None = None,
+        images=None,
     ) -> None:
         """Admit a checked prompt; raises ValueError and leaves nothing behind when it cannot.
-        cached_blocks: per sample, the blocks already holding its prompt (a COMPLETION engine)."""
+        cached_blocks: per sample, the blocks already holding its prompt (a COMPLETION engine).
+        `images`: the `images.ImagePrompt` the prompt was expanded from (a request with images)."""
         if cached_blocks is not None and len(cached_blocks) != params.n:
             raise ValueError(f"cached_blocks has {len(cached_blocks)} block lists for n={params.n} samples")
         grammars = [None] * params.n
@@ -92,6 +94,7 @@ class RequestTable:
         state = RequestState(
             request_id, prompt, prompt_token_ids, params, self.tokenizer, seq_ids, seeds, arrival_time
         )
+        state.images = images
         state.bad_words = bad_words_token_ids(self.tokenizer, params.bad_words, self.vocab_size)
         for seq, grammar in zip(state.seqs, grammars):
             seq.grammar = grammar
@@ -99,6 +102,8 @@ class RequestTable:
                 self.tracker.add(seq.seq_id, seq.seed)
         max_tokens = min(params.max_tokens, self.max_model_len - len(prompt_token_ids))
         salt = self.truncation.cache_salt(len(prompt_token_ids))
+        if images is not None:  # blocks are shared only between requests with the same images
+            salt = images.cache_salt(salt)
         if params.prompt_logprobs is not None:
             # a namespace of its own: a prefix found in the cache would not be computed, its rows unscored
             salt = _own_cache_salt(salt, seq_ids[0])

@@ -33,6 +33,7 @@ class _Job:
     text: str | None
     ids: list[int]
     params: SamplingParams
+    images: list | None = None  # a chat's images: the engine expands `text` with them at admission
 
 
 class OpenAIServing:
@@ -116,13 +117,15 @@ class OpenAIServing:
             requested, param = req.max_tokens, "max_tokens"
         logprobs = chat_logprobs(req)
         tools = plan_tools(req)
-        prompt = render_messages(
+        prompt, images = render_messages(
             req.messages,
             self.llm.tokenizer_config,
             req.add_generation_prompt,
             req.chat_template_kwargs,
             tools.tools,
         )
+        # with images, the text's ids only: the image blocks are added at admission, and the engine
+        # then holds max_tokens to the context the expanded prompt leaves
         # thinking mode: the completion starts inside the reasoning, sent apart as reasoning_content
         thinking = starts_in_reasoning(prompt)
         forced_call = tools.so_args(thinking, self.llm.tokenizer.token_to_id(THINK_END))
@@ -133,8 +136,9 @@ class OpenAIServing:
             "max_tokens": param,
             "prompt": "messages",
             "prompt_token_ids": "messages",
+            "multi_modal_data": "messages",
         }
-        job = _Job(prompt, ids, sampling_params(req, limit, logprobs, names, forced_call))
+        job = _Job(prompt, ids, sampling_params(req, limit, logprobs, names, forced_call), images or None)
         rid, streams = await self._admit([job], "chatcmpl", names)
         created = int(time.time())
 
@@ -205,9 +209,15 @@ class OpenAIServing:
         try:
             for i, job in enumerate(jobs):
                 request_id = rid if len(jobs) == 1 else f"{rid}-{i}"
-                streams.append(
-                    await self.llm.add_request(job.text, job.params, request_id, prompt_token_ids=job.ids)
-                )
+                if job.images is None:
+                    stream = await self.llm.add_request(
+                        job.text, job.params, request_id, prompt_token_ids=job.ids
+                    )
+                else:
+                    stream = await self.llm.add_request(
+                        job.text, job.params, request_id, multi_modal_data={"image": job.images}
+                    )
+                streams.append(stream)
         except BaseException as e:
             for s in streams:
                 self.llm.abort(s.request_id)
