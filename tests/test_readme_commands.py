@@ -52,10 +52,14 @@ def test_the_test_commands_collect():
         assert cmd[:2] == ["uv", "run"] and "pytest" in cmd, cmd
         uv_flags, pytest_args = cmd[2 : cmd.index("pytest")], cmd[cmd.index("pytest") + 1 :]
         assert uv_flags in (["--all-packages"], ["--package", uv_flags[-1]]), uv_flags
-        # the whole suite is only collected from one file, so the check stays quick; a named path whole
-        paths = pytest_args or ["tests/test_workspace.py"]
+        options = [a for a in pytest_args if a.startswith("-") or not ROOT.joinpath(a).exists()]
+        paths = [a for a in pytest_args if a not in options]
+        # the whole suite is only collected from one file, so the check stays quick; a named path whole;
+        # the options as written (xdist's too: `-n 0` last collects in this process)
+        paths = paths or ["tests/test_workspace.py"]
         run = subprocess.run(
-            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *paths],
+            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *options, *paths]
+            + (["-n", "0"] if "-n" in options else []),
             capture_output=True,
             text=True,
             timeout=600,

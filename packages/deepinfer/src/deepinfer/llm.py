@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 
@@ -14,6 +15,8 @@ from .outputs import RequestMetrics, RequestOutput
 from .prompt_inputs import parse_prompts
 from .sampling_params import SamplingParams
 from .tokenizer import ChatTokenizer, render_chat
+
+logger = logging.getLogger("deepinfer")
 
 
 class LLM:
@@ -145,7 +148,13 @@ class LLM:
                 if use_tqdm and engine.stats.steps:
                     bar.set_postfix(tok=engine.stats.generated_tokens, refresh=False)
         except KeyboardInterrupt:
-            engine.abort_all()  # frees every block; the engine stays usable
+            try:
+                engine.abort_all()  # frees every block; the engine stays usable
+            except Exception as e:  # noqa: BLE001 - the interrupt is what the caller must see
+                # (an interrupt inside a step can leave that step half-processed)
+                logger.warning(
+                    "interrupted inside a step; the engine could not be reset (%s): make a new LLM", e
+                )
             raise
         finally:
             bar.close()

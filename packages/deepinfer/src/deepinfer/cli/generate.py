@@ -3,6 +3,7 @@ each result out as it finishes (printed, or appended to --output)."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -191,9 +192,13 @@ def _generate(args, engine_args, requests: list[InputRequest], results: ResultsF
                 hand_out(by_rid[out.request_id], out)
                 bar.update(1)
     except KeyboardInterrupt:
-        engine.abort_all()  # frees every block; what finished is already written
         bar.close()
-        llm.close()
+        # What finished is already written. An interrupt that lands inside a step can leave that step
+        # half-processed, so the engine may refuse the clean-up: the process exits now either way.
+        with contextlib.suppress(Exception):
+            engine.abort_all()
+        with contextlib.suppress(Exception):
+            llm.close()
         done = sum(1 for o in finished if o.error is None)
         where = f" in {results.path}; run the same command again to resume" if results else ""
         say(f"interrupted: {done} finished request(s) kept{where}")
