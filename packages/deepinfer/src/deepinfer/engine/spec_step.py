@@ -151,11 +151,12 @@ class SpecStep(StepStrategy):
     def _propose_drafts(self, ids, inputs, accepted_after: dict[int, int], finished) -> None:
         """The drafter proposes after every sequence that emitted and goes on; the varlen rule (or
         all of them) decides how many the scheduler feeds next step."""
-        requests = []
+        requests, going_on = [], 0
         for i, seq_id in enumerate(ids):
             seq = self.table.seqs.get(seq_id)
             if i not in accepted_after or seq is None or seq.finished or seq_id in finished:
                 continue
+            going_on += 1  # decodes next step, with or without drafts
             p = seq.request.params
             room = min(p.max_tokens - seq.num_generated, self.output.max_model_len - len(seq.token_ids))
             k = min(self.spec.nextn, room - 1)  # the step emits one token beyond its drafts
@@ -173,7 +174,7 @@ class SpecStep(StepStrategy):
                 )
             )
         t0 = time.perf_counter()
-        for seq_id, drafts in self.spec.propose(requests).items():
+        for seq_id, drafts in self.spec.propose(requests, going_on).items():
             if drafts:
                 scheduling.set_draft_tokens(self.scheduler, seq_id, drafts)
         self.stats.draft_s += time.perf_counter() - t0
@@ -226,4 +227,5 @@ def _step_time_curve(given, nextn: int, model, max_num_seqs: int) -> StepTimeCur
         model.forward(ids[:n])
 
     logger.info("measuring the decode step-time curve for MTP varlen (%d sizes)", len(sizes))
-    return StepTimeCurve.measure(step, sizes, repeats=3, mode="linear")
+    # beyond the measured sizes the line through the last two points prices larger batches
+    return StepTimeCurve.measure(step, sizes, repeats=3, mode="linear", extrapolate=True)
