@@ -28,21 +28,24 @@ def varlen(monkeypatch):
     monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
 
 
-def run(path, nextn=0, drafter=None, curve=None, **kw):
-    """Greedy tokens per prompt, the engine, and the policy's drafted sequence-steps after each step."""
+def run(path, nextn=0, drafter=None, curve=None, params=GREEDY, **kw):
+    """Tokens per prompt, the engine (its completions in `engine.outputs`), and the policy's drafted
+    sequence-steps after each step."""
     args = EngineArgs(model=str(path), block_size=16, max_model_len=48, **kw)
     engine = LLMEngine(args, num_speculative_tokens=nextn, step_time_curve=curve)
     if drafter is not None:
         engine.spec.drafter = drafter(engine)
-    for j, prompt in enumerate(PROMPTS):
-        engine.add_request(str(j), None, GREEDY, prompt_token_ids=prompt)
+    plist = params if isinstance(params, list) else [params] * len(PROMPTS)
+    for j, (prompt, p) in enumerate(zip(PROMPTS, plist)):
+        engine.add_request(str(j), None, p, prompt_token_ids=prompt)
     outs, drafted = {}, []
     while engine.has_unfinished_requests():
         outs.update({o.request_id: o for o in engine.step()})
         if engine.spec is not None and engine.spec.policy is not None:
             drafted.append(engine.spec.policy.drafted)
     engine.close()
-    return [list(outs[str(j)].outputs[0].token_ids) for j in range(len(PROMPTS))], engine, drafted
+    engine.outputs = [outs[str(j)].outputs[0] for j in range(len(PROMPTS))]
+    return [list(o.token_ids) for o in engine.outputs], engine, drafted
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +72,28 @@ class RecordedDrafter:
                 tokens = [(t + 1) % self.vocab_size for t in tokens]
             out.append(Drafts(tokens, [0.9] * len(tokens)))
         return out
+
+
+class NoDrafter:
+    def propose(self, requests):
+        return [Drafts([], []) for _ in requests]
+
+
+def test_steps_without_drafts_emit_the_plain_tokens_for_sampled_requests(v41):
+    """A drafted engine's steps in which nobody verifies drafts are plain steps: seeded sampled (and
+    greedy) requests get exactly the tokens of the engine with drafts off, logprobs too."""
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, ignore_eos=True, seq_seed=3, logprobs=2),
+        SamplingParams(temperature=1.3, top_k=5, max_tokens=12, ignore_eos=True, seq_seed=4),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1),
+    ]
+    ref, plain_engine, _ = run(v41, params=params)
+    tokens, engine, _ = run(v41, nextn=NEXTN, drafter=lambda engine: NoDrafter(), params=params)
+    assert tokens == ref
+    for mine, theirs in zip(engine.outputs, plain_engine.outputs):
+        assert mine.logprobs == theirs.logprobs
+    s = engine.spec_stats()
+    assert s["verified"] == 0 and s["request_steps"] == 3 * 11
 
 
 def decode_curve(tmp_path):

@@ -241,6 +241,12 @@ class SpecDecoder:
             self.stats.record_step(ks, accepted, confs, result.accept_probs.tolist())
         return rollbacks
 
+    def record_plain(self, num_decode: int) -> None:
+        """A step in which no sequence verified drafts: its decode sequences count as request-steps
+        with none verified, as a verification step with k = 0 everywhere counts them."""
+        if num_decode:
+            self.stats.record_step([0] * num_decode, [0] * num_decode)
+
     def propose(self, requests: list[DraftRequest], num_seqs: int | None = None) -> dict[int, list[int]]:
         """Run the drafter, store its drafts, choose how many each sequence verifies next step.
         `num_seqs`: the sequences the next step decodes (default: the requests); with the draft policy
