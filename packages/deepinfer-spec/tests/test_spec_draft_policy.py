@@ -11,8 +11,8 @@ import pytest
 from deepinfer_spec import (
     AcceptanceCalibration,
     ConfidenceScheduler,
-    DraftCostModel,
     DraftPolicy,
+    LinearCost,
     StepTimeCurve,
     cumulative_rates,
 )
@@ -29,16 +29,20 @@ def random_curve(rng: random.Random, max_tokens: int) -> StepTimeCurve:
     return StepTimeCurve(sizes, ms, rng.choice(["bucket", "linear"]))
 
 
-def brute_force_plan(rates, num_seqs, curve, draft_ms):
+def brute_force_plan(rates, num_seqs, curve, draft_ms, plain=lambda rows: 0.0, verify=None):
     """Max over every allocation k_i <= len(rates_i) (k_i = 0: sequence i does not draft) of expected
-    tokens / (step time of num_seqs + Σ k tokens + draft_ms if anyone drafts)."""
+    tokens / (forward of num_seqs + Σ k tokens + the sampler of a plain step (Σ k = 0) or of a
+    verification step + draft_ms if anyone drafts)."""
+    verify = verify or plain
     best = -1.0
     for ks in itertools.product(*[range(len(r) + 1) for r in rates]):
-        baseline = curve.baseline_ms(num_seqs + sum(ks))
+        tokens = num_seqs + sum(ks)
+        baseline = curve.baseline_ms(tokens)
         if baseline is None:
             continue
         expected = num_seqs + sum(sum(r[:k]) for r, k in zip(rates, ks))
-        best = max(best, expected / (baseline + (draft_ms if any(ks) else 0.0)))
+        sampler = verify(tokens) if any(ks) else plain(tokens)
+        best = max(best, expected / (baseline + sampler + (draft_ms if any(ks) else 0.0)))
     return best
 
 
@@ -63,9 +67,17 @@ def test_plan_is_the_brute_force_optimum_with_a_fixed_draft_cost():
                 conf = [rng.random() for _ in range(k)]
                 verified = rng.randint(0, k)
                 policy.record(seq_id, conf, verified, rng.randint(0, verified))
+        plain = verify = None
+        if rng.random() < 0.5:  # measured sampler times: a verification step costs more per row
+            a, b = rng.uniform(0, 2), rng.uniform(0, 0.5)
+            for rows in (1, 4):
+                policy.record_step_time(rows, a + b * rows, verified=False)
+                policy.record_step_time(rows, 2 * a + 3 * b * rows, verified=True)
+            plain, verify = policy.plain_sampler.get, policy.verify_sampler.get
+            assert verify(7) == pytest.approx(2 * a + 21 * b)
         rates = [policy.expected_rates(s, k) for s, k in cands]
         plan = policy.plan(cands, num_seqs)
-        best = brute_force_plan(rates, num_seqs, curve, draft_ms)
+        best = brute_force_plan(rates, num_seqs, curve, draft_ms, *(() if plain is None else (plain, verify)))
         if plan.predicted_ms is None:
             assert best < 0 and not any(plan.draft)
             continue
@@ -106,6 +118,11 @@ def test_verify_counts_are_the_varlen_rule_on_calibrated_rates():
         for _ in range(30):  # a miscalibrated head: every confidence bin learns its outcomes
             k = rng.randint(1, nextn)
             policy.calibration.record([rng.random() for _ in range(k)], k, rng.randint(0, k))
+        sampler = lambda rows: 0.0  # noqa: E731
+        if rng.random() < 0.5:
+            policy.record_step_time(2, 1.0, verified=True)
+            policy.record_step_time(6, 3.0, verified=True)  # 0.5 ms per verified row
+            sampler = policy.verify_sampler.get
         conf = [[rng.random() for _ in range(rng.randint(1, nextn))] for _ in range(rng.randint(1, 3))]
         num_seqs = len(conf) + rng.randint(0, 1)
         counts = policy.verify_counts(list(range(len(conf))), conf, num_seqs)
@@ -114,11 +131,13 @@ def test_verify_counts_are_the_varlen_rule_on_calibrated_rates():
         for ks in itertools.product(*[range(len(r) + 1) for r in rates]):
             baseline = curve.baseline_ms(num_seqs + sum(ks))
             if baseline is not None:
-                best = max(best, (num_seqs + sum(sum(r[:k]) for r, k in zip(rates, ks))) / baseline)
+                ms = baseline + (sampler(num_seqs + sum(ks)) if any(ks) else 0.0)
+                best = max(best, (num_seqs + sum(sum(r[:k]) for r, k in zip(rates, ks))) / ms)
         got = curve.baseline_ms(num_seqs + sum(counts))
         if got is None:
             assert counts == [0] * len(conf)
             continue
+        got += sampler(num_seqs + sum(counts)) if any(counts) else 0.0
         assert (num_seqs + sum(sum(r[:k]) for r, k in zip(rates, counts))) / got == pytest.approx(best)
 
 
@@ -134,12 +153,12 @@ def test_calibration_against_direct_counts():
 
 
 def test_cost_model_fits_a_line_and_falls_back_to_per_sequence_time():
-    cost = DraftCostModel()
+    cost = LinearCost()
     assert cost.get(3) == 0.0
     for m in (1, 2, 4, 8):
         cost.add(m, 1.5 + 0.25 * m)
     assert cost.get(16) == pytest.approx(1.5 + 0.25 * 16)
-    single = DraftCostModel()
+    single = LinearCost()
     for ms in (2.0, 3.0, 10.0):
         single.add(2, ms)
     assert single.get(4) == pytest.approx(np.median([1.0, 1.5, 5.0]) * 4)

@@ -1,6 +1,6 @@
 """deepinfer-spec: DSpark draft bookkeeping, verification, confidence-scheduled verification, accounting."""
 
-from .draft_policy import AcceptanceCalibration, DraftCostModel, DraftPlan, DraftPolicy
+from .draft_policy import AcceptanceCalibration, DraftPlan, DraftPolicy, LinearCost
 from .env import DEFAULT_NEXTN, MAX_NEXTN, nextn_from_env, varlen_from_env
 from .random_stream import (
     DRAFT_SEED_OFFSET,
@@ -29,11 +29,11 @@ __all__ = [
     "VERIFY_ROW_STRIDE",
     "AcceptanceCalibration",
     "ConfidenceScheduler",
-    "DraftCostModel",
     "DraftPlan",
     "DraftPolicy",
     "DraftVerifier",
     "ForwardRuntimeEstimator",
+    "LinearCost",
     "Purpose",
     "Rollback",
     "SamplerRuntimeEstimator",

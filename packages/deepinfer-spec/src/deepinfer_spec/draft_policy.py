@@ -12,16 +12,19 @@ anything is verified or not. `DraftPolicy` adds both, from measurements:
 * Per sequence, decayed counts of tested / accepted drafts per position (recent steps weigh most, the
   whole batch's counts as the prior): the expected acceptance of its next drafts, known before drafting.
   Drafts the rule chose not to verify count with their calibrated probability.
-* `DraftCostModel`: the draft forward's milliseconds as a + b·m for m drafting sequences.
+* `LinearCost`s: the draft forward's milliseconds as a + b·m for m drafting sequences, and the
+  sampler's for m rows, apart for plain steps and for verification steps (whose exact distributions
+  cost more per row than the plain sampler: a step that verifies anything pays for every row).
 
 `plan` (before the draft forward) ranks the expected cumulative acceptance of every (sequence, position)
 that may draft, as the varlen rule ranks drafts, and charges a total of T positions the step time of
-num_seqs + T tokens plus the draft forward of the sequences the top T touch; the total with the most
+num_seqs + T tokens (`step_ms`: the curve's forward, and the sampler of a plain step for T = 0, of a
+verification step otherwise) plus the draft forward of the sequences the top T touch; the total with the most
 expected tokens per millisecond wins (T = 0: nobody drafts). A sequence outside the best T skips the
 draft forward and backs off: no drafts for `min_backoff` plans, then a probe (it drafts and verifies all
 of its drafts, so that its acceptance is measured again), the interval doubling up to `max_backoff`
 while the probes do not pay. `verify_counts` (after the draft forward, whose time is then spent) is the
-varlen rule on the calibrated rates; probes verify everything.
+varlen rule's ranking of the calibrated rates, timed by `step_ms`; probes verify everything.
 
 Determinism: the choices depend on measured times and on the other sequences of the batch. Greedy
 outputs do not (verification keeps exactly the target's argmax tokens). A sampled token is drawn from
@@ -39,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .state import cumulative_rates
-from .varlen import ConfidenceScheduler, VarlenRequest
+from .varlen import ConfidenceScheduler, split_by_rates
 
 
 def _positive(name: str, value: float) -> float:
@@ -91,11 +94,12 @@ class AcceptanceCalibration:
         return ((self.accepted[bins] + w * conf) / (self.tested[bins] + w)).tolist()
 
 
-class DraftCostModel:
-    """Milliseconds of one draft forward for m drafting sequences: a + b·m by least squares over the last
-    `window` draft calls (a fixed cost where the fit falls with m, the line through the origin where its
-    intercept is negative); b·m from the median per-sequence time while the calls had one size only; 0
-    before the first call, so that the first steps draft and measure."""
+class LinearCost:
+    """Milliseconds of a piece of work of size m (the draft forward of m sequences, the sampling of m
+    rows): a + b·m by least squares over the last `window` measurements (a fixed cost where the fit
+    falls with m, the line through the origin where its intercept is negative); b·m from the median
+    time per unit while the measurements had one size only; 0 before the first, so that the first
+    steps draft and measure."""
 
     def __init__(self, window: int = 64) -> None:
         self.samples: deque[tuple[int, float]] = deque(maxlen=window)
@@ -166,7 +170,9 @@ class DraftPolicy:
         self.batch_decay = _decay("batch_decay", batch_decay)
         self.prior_weight = _positive("prior_weight", prior_weight)
         self.calibration = calibration or AcceptanceCalibration()
-        self.cost = DraftCostModel()
+        self.cost = LinearCost()  # the draft forward, per drafting sequence
+        self.plain_sampler = LinearCost()  # sampling of a step without drafts, per row
+        self.verify_sampler = LinearCost()  # verification of a step with drafts, per row
         self.batch_tested = np.zeros(nextn)
         self.batch_accepted = np.zeros(nextn)
         self._seqs: dict[Hashable, _History] = {}
@@ -194,6 +200,22 @@ class DraftPolicy:
         h, w = self._get(seq_id), self.prior_weight
         conditional = (h.accepted + w * self.batch_rates()) / (h.tested + w)
         return cumulative_rates(conditional[:num_drafts])
+
+    def step_ms(self, num_tokens: int, num_seqs: int) -> float | None:
+        """Predicted milliseconds of a decode step of num_tokens tokens over num_seqs sequences: the
+        rule's forward time and the sampler of a plain step (num_tokens = num_seqs) or of a
+        verification step (the plain one's until a verification step is measured); None where the
+        curve does not reach."""
+        forward = self.rule.forward_ms(num_tokens)
+        if forward is None:
+            return None
+        if num_tokens == num_seqs or not self.verify_sampler.samples:
+            return forward + self.plain_sampler.get(num_tokens)
+        return forward + self.verify_sampler.get(num_tokens)
+
+    def record_step_time(self, num_rows: int, sample_ms: float, verified: bool) -> None:
+        """A measured step's sampling (or verification) milliseconds over its `num_rows` logits rows."""
+        (self.verify_sampler if verified else self.plain_sampler).add(num_rows, sample_ms)
 
     # -- before the draft forward ------------------------------------------------------------------
     def plan(self, candidates: Sequence[tuple[Hashable, int]], num_seqs: int) -> DraftPlan:
@@ -230,7 +252,7 @@ class DraftPolicy:
             if total:
                 expected += ranked[total - 1][0]
                 touched.add(ranked[total - 1][1])
-            ms = self.rule.step_ms(tokens + total, num_seqs)
+            ms = self.step_ms(tokens + total, num_seqs)
             if ms is None:
                 break
             drafting = len(forced) + len(touched)
@@ -263,21 +285,32 @@ class DraftPolicy:
         self, seq_ids: Sequence[Hashable], confidences: Sequence[Sequence[float]], num_seqs: int
     ) -> list[int]:
         """Drafts to verify per drafted sequence (`confidences`: the head's, one per draft): the varlen
-        rule on the calibrated rates, the other num_seqs - len(seq_ids) decode sequences verifying none;
-        a probe verifies all of its drafts."""
+        rule's choice on the calibrated rates (positions ranked by rate, the best total by expected
+        tokens per millisecond, a prefix per sequence) with the step timed by `step_ms`; the other
+        num_seqs - len(seq_ids) decode sequences verify none. A probe verifies all of its drafts."""
         if len(confidences) != len(seq_ids):
             raise ValueError(
                 f"confidences must have one list per seq_id ({len(seq_ids)}), got {len(confidences)}"
             )
         if num_seqs < len(seq_ids):
             raise ValueError(f"num_seqs must be >= len(seq_ids)={len(seq_ids)}, got {num_seqs}")
-        requests = []
-        for conf in confidences:
-            rates = cumulative_rates(self.calibration.calibrated(conf)) if len(conf) else []
-            requests.append(VarlenRequest(len(conf), rates, rates, has_draft_info=True))
-        requests += [VarlenRequest(0)] * (num_seqs - len(seq_ids))
-        counts = self.rule.choose(requests).num_verify[: len(seq_ids)]
-        return [len(c) if self._get(s).probing else k for s, c, k in zip(seq_ids, confidences, counts)]
+        rates = [cumulative_rates(self.calibration.calibrated(c)) if len(c) else [] for c in confidences]
+        probing = [self._get(s).probing for s in seq_ids]
+        tokens = num_seqs + sum(len(r) for r, p in zip(rates, probing) if p)
+        expected = float(num_seqs) + sum(sum(r) for r, p in zip(rates, probing) if p)
+        free = [[] if p else r for r, p in zip(rates, probing)]
+        ranked = sorted((r for req in free for r in req), reverse=True)
+        best_total, best_rate = 0, -1.0
+        for total in range(len(ranked) + 1):
+            if total:
+                expected += ranked[total - 1]
+            ms = self.step_ms(tokens + total, num_seqs)
+            if ms is None:
+                break
+            if expected / ms > best_rate:
+                best_total, best_rate = total, expected / ms
+        counts = split_by_rates(best_total, free)
+        return [len(r) if p else k for r, p, k in zip(rates, probing, counts)]
 
     def record(
         self, seq_id: Hashable, confidences: Sequence[float], num_verified: int, num_accepted: int

@@ -165,15 +165,20 @@ class ConfidenceScheduler:
         num_verify = split_by_rates(best_tokens - num_seqs, split_rates)
         return VerifyPlan(num_verify, best_expected, best_ms, candidates)
 
-    def step_ms(self, num_tokens: int, num_seqs: int) -> float | None:
-        """Predicted milliseconds of a decode step of `num_tokens` query tokens over `num_seqs` sequences:
-        the curve's baseline plus the learned per-token residual and the sampler's time; None where the
-        curve does not reach."""
+    def forward_ms(self, num_tokens: int) -> float | None:
+        """Predicted forward milliseconds of a decode step of `num_tokens` query tokens: the curve's
+        baseline plus the learned per-token residual; None where the curve does not reach."""
         charged = self.curve.charged(num_tokens)
         if charged is None:
             return None
         size, baseline = charged
-        return baseline + max(0.0, self.forward_estimator.get()) * size + self.sampler_estimator.get(num_seqs)
+        return baseline + max(0.0, self.forward_estimator.get()) * size
+
+    def step_ms(self, num_tokens: int, num_seqs: int) -> float | None:
+        """`forward_ms` plus the sampler's time for `num_seqs` sequences (None where the curve does not
+        reach)."""
+        forward = self.forward_ms(num_tokens)
+        return None if forward is None else forward + self.sampler_estimator.get(num_seqs)
 
     def update_runtime(self, num_tokens: int, forward_ms: float, num_seqs: int, sampler_ms: float) -> None:
         """Feed back a measured decode step (size = tokens charged, as the curve charges them)."""

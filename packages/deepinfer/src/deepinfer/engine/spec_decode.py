@@ -273,11 +273,16 @@ class SpecDecoder:
             counts = self.rule.choose(self.state.varlen_inputs(ids)).num_verify
         return {seq_id: list(d.tokens[:k]) for seq_id, d, k in zip(ids, drafts, counts)}
 
-    def update_runtime(self, num_tokens: int, forward_s: float, num_seqs: int, sample_s: float) -> None:
-        """Feed a decode step's times to the varlen rule; a step larger than its step-time curve's largest
-        size (more sequences than the curve was measured for) is left out: the curve cannot charge it."""
+    def update_runtime(
+        self, num_tokens: int, forward_s: float, num_seqs: int, sample_s: float, num_rows: int, verified: bool
+    ) -> None:
+        """A measured decode step: `num_rows` logits rows sampled (`verified`: through verification). A step
+        larger than the step-time curve's largest size (more sequences than the curve was measured for)
+        is left out of the varlen rule's feedback: the curve cannot charge it."""
         if self.varlen and num_seqs and num_tokens <= self.rule.curve.max_tokens:
             self.rule.update_runtime(num_tokens, forward_s * 1e3, num_seqs, sample_s * 1e3)
+        if self.policy is not None and num_rows:
+            self.policy.record_step_time(num_rows, sample_s * 1e3, verified)
 
     def summary(self) -> dict:
         out = self.stats.summary()

@@ -79,9 +79,8 @@ class SpecStep(StepStrategy):
         prefill = scheduling.is_prefill(out)
         self.spec.record_plain(sum(1 for i in emitted if not prefill[i]))
         if not prefill.any():  # the varlen rule's step-time curve models decode steps
-            self.spec.update_runtime(
-                int(step.batch.query_lens.sum()), result.forward_s, len(emitted), result.sample_s
-            )
+            tokens = int(step.batch.query_lens.sum())
+            self.spec.update_runtime(tokens, result.forward_s, len(emitted), result.sample_s, len(emitted), False)
         self._propose_drafts(ids, emitted, finished)
 
     def _prepare(self, out) -> tuple[VerifyStepInput, list[list[float]]]:
@@ -171,9 +170,9 @@ class SpecStep(StepStrategy):
                 self.table.fail_seq(ids[i], f"sampling failed: {EMPTY_ROW_MESSAGE}")
         decode_seqs = sum(1 for x in step.inputs if x is not None)
         if not scheduling.is_prefill(out).any():  # the varlen rule's step-time curve models decode steps
-            self.spec.update_runtime(
-                int(step.batch.query_lens.sum()), result.forward_s, decode_seqs, result.sample_s
-            )
+            rows = sum(int(step.batch.logits_lens[i]) for i in result.verified)
+            tokens = int(step.batch.query_lens.sum())
+            self.spec.update_runtime(tokens, result.forward_s, decode_seqs, result.sample_s, rows, True)
         self._propose_drafts(ids, emitted_at, finished)
 
     def _propose_drafts(self, ids, emitted_at: dict[int, tuple[int, int]], finished) -> None:
