@@ -16,7 +16,8 @@ One step with drafts (synchronous loop):
    exactly the emitted tokens (drafts were only accepted tentatively while masks were filled).
 4. The drafter proposes up to nextn drafts after the new token; `ConfidenceScheduler.choose` picks
    how many each sequence verifies (all of them unless MTP varlen is on), `set_draft_tokens` passes
-   that prefix to the scheduler.
+   that prefix to the scheduler. With MTP varlen on, `DraftPolicy` first decides which sequences draft
+   at all and then how many of their drafts are verified (`deepinfer_spec.draft_policy`).
 
 Runner contract for rejected drafts (for a paged runner): after `execute` of a step in which sequence
 `s` verified k drafts and accepted a, the engine calls `runner.rollback(s, k - a)` (only when k - a >

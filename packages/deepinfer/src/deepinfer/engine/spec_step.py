@@ -2,7 +2,8 @@
 
 It runs synchronously: a step's drafts come from the drafter after the previous step's verification
 on the host, so there is nothing to overlap yet (a device-side draft path would change that); with
-`async_scheduling` and drafts on, the engine runs this loop (same tokens by construction).
+`async_scheduling` and drafts on, the engine runs this loop (same tokens by construction). A step in
+which no sequence verifies drafts (the draft policy skipped them all) runs as the plain step.
 """
 
 from __future__ import annotations
