@@ -40,6 +40,14 @@ def _one_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(autouse=True)
+def _fixed_verification_lengths(monkeypatch):
+    """These tests check the drafting mechanism with every draft verified (the reference's default),
+    whose counts and tokens do not depend on measured times; the draft policy's own tests
+    (`test_spec_policy_engine.py`, the varlen tests) switch it on. Subprocesses inherit the setting."""
+    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "0")
+
+
 @pytest.fixture(scope="module")
 def share_loaded_models():
     """Within a test module, the engine loads each (checkpoint, dtype, device) once: loading the V4.1

@@ -103,6 +103,17 @@ def decode_curve(tmp_path):
     return path
 
 
+def test_the_policy_is_on_by_default(v41, monkeypatch):
+    monkeypatch.delenv("DEEPINFER_ENABLE_MTP_VARLEN")
+    engine = LLMEngine(
+        EngineArgs(model=str(v41), block_size=16, max_model_len=48, max_num_seqs=2), num_speculative_tokens=2
+    )
+    assert engine.spec.policy is not None and engine.spec_stats()["varlen"]
+    # the measured curve prices batches beyond its largest size
+    assert engine.spec.rule.curve.extrapolate and engine.spec.policy.step_ms(1000, 200) is not None
+    engine.close()
+
+
 def test_policy_keeps_greedy_outputs_with_the_model_drafter(v41, plain, varlen):
     tokens, engine, _ = run(v41, nextn=NEXTN)
     s = engine.spec_stats()
