@@ -52,7 +52,8 @@ def resolved():
     the block ends (nested blocks re-read them and restore the outer values)."""
     global _PINNED
     outer = (_PINNED, batch_invariant_switch._PINNED, ops_registry._PINNED)
-    _PINNED = batch_invariant_switch._PINNED = ops_registry._PINNED = None  # read afresh, not the outer values
+    # read afresh, not the outer values
+    _PINNED = batch_invariant_switch._PINNED = ops_registry._PINNED = None
     value = mode()
     try:
         batch_invariant_switch._PINNED = batch_invariant_switch.read_env()

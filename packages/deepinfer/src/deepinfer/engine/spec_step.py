@@ -81,7 +81,9 @@ class SpecStep(StepStrategy):
         self.spec.record_plain(sum(1 for i in emitted if not prefill[i]))
         if not prefill.any():  # the varlen rule's step-time curve models decode steps
             tokens = int(step.batch.query_lens.sum())
-            self.spec.update_runtime(tokens, result.forward_s, len(emitted), result.sample_s, len(emitted), False)
+            self.spec.update_runtime(
+                tokens, result.forward_s, len(emitted), result.sample_s, len(emitted), False
+            )
         self._propose_drafts(ids, emitted, finished)
 
     def _prepare(self, out) -> tuple[VerifyStepInput, list[list[float]]]:
