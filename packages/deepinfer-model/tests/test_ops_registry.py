@@ -26,6 +26,24 @@ def test_env_selects_cpu(monkeypatch):
     assert get_ops().backend == "cpu"
 
 
+def test_the_default_backend_is_read_once_per_model_step(monkeypatch):
+    """Within `numerics.resolved()` (a model step) get_ops() serves the accelerator read at the step's start;
+    outside one it follows the environment at every call; an explicit backend never depends on it."""
+    from deepinfer_model import numerics
+
+    monkeypatch.setenv("DEEPINFER_ACCELERATOR", "cpu")
+    with numerics.resolved():
+        monkeypatch.setenv("DEEPINFER_ACCELERATOR", "ascend")
+        assert get_ops().backend == "cpu"
+        with numerics.resolved(), pytest.raises(ValueError, match="reserved"):  # a nested step re-reads it
+            get_ops()
+        assert get_ops().backend == "cpu"
+    assert reg._PINNED is None
+    with pytest.raises(ValueError, match="reserved"):
+        get_ops()
+    assert get_ops("cpu").backend == "cpu"
+
+
 @pytest.mark.parametrize("value", ["cuda", "gpu", "tpu"])
 def test_unknown_accelerator_is_a_clear_error(monkeypatch, value):
     monkeypatch.setenv("DEEPINFER_ACCELERATOR", value)

@@ -104,4 +104,4 @@ def test_curve_and_stats_and_env_reject_bad_values(tmp_path):
     with pytest.raises(ValueError, match="DEEPINFER_ENABLE_MTP_VARLEN"):
         varlen_from_env({"DEEPINFER_ENABLE_MTP_VARLEN": "maybe"})
     assert nextn_from_env({}) == 5 and nextn_from_env({"DEEPINFER_USE_NEXTN_DECODE": "0"}) == 0
-    assert varlen_from_env({}) is False and varlen_from_env({"DEEPINFER_ENABLE_MTP_VARLEN": "1"}) is True
+    assert varlen_from_env({}) is True and varlen_from_env({"DEEPINFER_ENABLE_MTP_VARLEN": "0"}) is False

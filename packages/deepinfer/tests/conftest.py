@@ -40,6 +40,17 @@ def _one_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _fixed_verification_lengths():
+    """These tests check the drafting mechanism with every draft verified (the reference's default),
+    whose counts and tokens do not depend on measured times; the draft policy's own tests
+    (`test_spec_policy_engine.py`, the varlen tests) switch it on. Session-wide, so that engines of
+    module fixtures see it too; subprocesses inherit it."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "0")
+        yield
+
+
 @pytest.fixture(scope="module")
 def share_loaded_models():
     """Within a test module, the engine loads each (checkpoint, dtype, device) once: loading the V4.1

@@ -290,8 +290,9 @@ _VARS = [
     EnvVar(
         "DEEPINFER_ENABLE_MTP_VARLEN",
         BOOLEAN,
-        False,
-        "confidence-scheduled verification length",
+        True,
+        "the draft policy: who drafts and how many drafts are verified, from the measured step time and "
+        "acceptance (0: every sequence verifies all of its drafts, reproducible seeded sampling)",
         "deepinfer_spec.env",
     ),
     EnvVar(

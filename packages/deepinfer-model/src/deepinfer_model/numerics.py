@@ -17,9 +17,10 @@ not bitwise equal, and rows may depend on the batch shape; batch-invariant mode 
 `exact`.
 
 Every block gets its carrier from `carrier()` / `carry(x)`. Within a model step (`resolved()`, which the
-paged runner enters once per step: the environment lookups cost ~5% of a tiny-model step when made at
-every call) both settings are the values read at the step's start; outside one they are read from the
-environment at every call, so tests and benchmarks may switch them between steps.
+paged runner enters once per step and once per draft forward: the environment lookups cost ~5% of a
+tiny-model step when made at every call) both settings, and the accelerator the op registry serves, are
+the values read at the step's start; outside one they are read from the environment at every call, so
+tests and benchmarks may switch them between steps.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from deepinfer_cluster import envs
 from . import batch_invariant
 from .batch_invariant import switch as batch_invariant_switch
 from .compile_boundary import outside_compiled_graph
+from .ops import registry as ops_registry
 
 ENV = "DEEPINFER_NUMERICS"
 MODES = ("exact", "native")
@@ -45,19 +47,21 @@ _PINNED: tuple[str, torch.dtype] | None = None
 
 @contextlib.contextmanager
 def resolved():
-    """Read `DEEPINFER_NUMERICS` and `DEEPINFER_BATCH_INVARIANT` once (validated) and serve those values
-    to `mode()` / `carrier()` / `batch_invariant.enabled()` until the block ends (nested blocks re-read
-    them and restore the outer values)."""
+    """Read `DEEPINFER_NUMERICS`, `DEEPINFER_BATCH_INVARIANT` and `DEEPINFER_ACCELERATOR` once (validated)
+    and serve those values to `mode()` / `carrier()` / `batch_invariant.enabled()` / `ops.get_ops()` until
+    the block ends (nested blocks re-read them and restore the outer values)."""
     global _PINNED
-    outer = (_PINNED, batch_invariant_switch._PINNED)
-    _PINNED = batch_invariant_switch._PINNED = None  # read afresh, not the outer values
+    outer = (_PINNED, batch_invariant_switch._PINNED, ops_registry._PINNED)
+    # read afresh, not the outer values
+    _PINNED = batch_invariant_switch._PINNED = ops_registry._PINNED = None
     value = mode()
     try:
         batch_invariant_switch._PINNED = batch_invariant_switch.read_env()
+        ops_registry._PINNED = (ops_registry.read_accelerator(),)
         _PINNED = (value, torch.float32 if value == "native" else torch.float64)
         yield
     finally:
-        _PINNED, batch_invariant_switch._PINNED = outer
+        _PINNED, batch_invariant_switch._PINNED, ops_registry._PINNED = outer
 
 
 def pinned(fn):

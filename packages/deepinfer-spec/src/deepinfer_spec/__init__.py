@@ -1,5 +1,6 @@
 """deepinfer-spec: DSpark draft bookkeeping, verification, confidence-scheduled verification, accounting."""
 
+from .draft_policy import AcceptanceCalibration, DraftPlan, DraftPolicy, LinearCost
 from .env import DEFAULT_NEXTN, MAX_NEXTN, nextn_from_env, varlen_from_env
 from .random_stream import (
     DRAFT_SEED_OFFSET,
@@ -26,9 +27,13 @@ __all__ = [
     "DRAFT_SEED_OFFSET",
     "MAX_NEXTN",
     "VERIFY_ROW_STRIDE",
+    "AcceptanceCalibration",
     "ConfidenceScheduler",
+    "DraftPlan",
+    "DraftPolicy",
     "DraftVerifier",
     "ForwardRuntimeEstimator",
+    "LinearCost",
     "Purpose",
     "Rollback",
     "SamplerRuntimeEstimator",

@@ -17,5 +17,6 @@ def nextn_from_env(environ: Mapping[str, str] | None = None) -> int:
 
 
 def varlen_from_env(environ: Mapping[str, str] | None = None) -> bool:
-    """`DEEPINFER_ENABLE_MTP_VARLEN` (default off)."""
+    """`DEEPINFER_ENABLE_MTP_VARLEN` (default on: the engine's draft policy; off for reproducible seeded
+    sampling with drafts)."""
     return envs.get("DEEPINFER_ENABLE_MTP_VARLEN", environ)

@@ -3,7 +3,9 @@
 The reference (spec §2.6) measures one forward time per CUDA-graph bucket and charges a step the
 baseline of the smallest bucket that holds it ("bucket" mode). Without CUDA graphs every token count
 runs as it is, so "linear" mode interpolates between measured points instead (our addition; below
-the first point the first time is used). Beyond the last point a step is not allowed.
+the first point the first time is used). Beyond the last point a step is not allowed, unless the curve
+`extrapolates`: then it continues the line through its last two points (never below the last time), so
+that a curve measured on small steps still prices the large batches of a busy engine.
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ CURVE_MODES = ("bucket", "linear")
 
 
 class StepTimeCurve:
-    def __init__(self, sizes: Sequence[int], forward_ms: Sequence[float], mode: str = "bucket") -> None:
+    def __init__(
+        self,
+        sizes: Sequence[int],
+        forward_ms: Sequence[float],
+        mode: str = "bucket",
+        extrapolate: bool = False,
+    ) -> None:
         if mode not in CURVE_MODES:
             raise ValueError(f"mode must be one of {CURVE_MODES}, got {mode!r}")
         if len(sizes) != len(forward_ms):
@@ -38,15 +46,23 @@ class StepTimeCurve:
         self.sizes = [int(s) for s in sizes]
         self.forward_ms = [float(ms) for ms in forward_ms]
         self.mode = mode
+        self.extrapolate = bool(extrapolate)
 
     @property
     def max_tokens(self) -> int:
         return self.sizes[-1]
 
     def charged(self, num_tokens: int) -> tuple[int, float] | None:
-        """(size charged for the slope term, baseline ms) for a step of num_tokens; None if too large."""
+        """(size charged for the slope term, baseline ms) for a step of num_tokens; None if too large
+        (beyond the last point of a curve that does not extrapolate)."""
         if num_tokens > self.sizes[-1]:
-            return None
+            if not self.extrapolate:
+                return None
+            last, ms = self.sizes[-1], self.forward_ms[-1]
+            per_token = 0.0
+            if len(self.sizes) > 1:
+                per_token = max(0.0, (ms - self.forward_ms[-2]) / (last - self.sizes[-2]))
+            return num_tokens, ms + per_token * (num_tokens - last)
         idx = bisect.bisect_left(self.sizes, num_tokens)
         if self.mode == "bucket" or self.sizes[idx] == num_tokens or idx == 0:
             size = self.sizes[idx] if self.mode == "bucket" else num_tokens
@@ -61,7 +77,12 @@ class StepTimeCurve:
 
     # -- persistence and measurement -------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {"sizes": self.sizes, "forward_ms": self.forward_ms, "mode": self.mode}
+        return {
+            "sizes": self.sizes,
+            "forward_ms": self.forward_ms,
+            "mode": self.mode,
+            "extrapolate": self.extrapolate,
+        }
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1))
@@ -76,7 +97,12 @@ class StepTimeCurve:
             raise ValueError(
                 f"step-time curve file {str(path)!r} must hold {{'sizes': [...], 'forward_ms': [...]}}"
             )
-        return cls(data["sizes"], data["forward_ms"], data.get("mode", "bucket"))
+        return cls(
+            data["sizes"],
+            data["forward_ms"],
+            data.get("mode", "bucket"),
+            bool(data.get("extrapolate", False)),
+        )
 
     @classmethod
     def measure(
@@ -87,6 +113,7 @@ class StepTimeCurve:
         warmup: int = 1,
         mode: str = "bucket",
         clock: Callable[[], float] = time.perf_counter,
+        extrapolate: bool = False,
     ) -> StepTimeCurve:
         """Time `step(num_tokens)` (the engine's decode forward; it must synchronise the device)
         at each size and keep the median of `repeats` runs."""
@@ -102,7 +129,7 @@ class StepTimeCurve:
                 step(size)
                 samples.append((clock() - start) * 1e3)
             times.append(max(statistics.median(samples), 1e-6))
-        return cls(sizes, times, mode)
+        return cls(sizes, times, mode, extrapolate)
 
 
 class ForwardRuntimeEstimator:

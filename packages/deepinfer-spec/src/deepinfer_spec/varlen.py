@@ -149,8 +149,6 @@ class ConfidenceScheduler:
             return VerifyPlan(num_verify, expected, None)
 
         budget.sort(key=lambda e: (-e[0], e[1]))
-        sampler_ms = self.sampler_estimator.get(num_seqs)
-        slope = max(0.0, self.forward_estimator.get())
         candidates = []
         best_tokens, best_expected, best_ms, best_rate = num_seqs, float(num_seqs), None, -1.0
         expected, tokens = float(num_seqs), num_seqs
@@ -158,16 +156,29 @@ class ConfidenceScheduler:
             if step:
                 expected += budget[step - 1][0]
                 tokens += 1
-            charged = self.curve.charged(tokens)
-            if charged is None:
+            ms = self.step_ms(tokens, num_seqs)
+            if ms is None:
                 break
-            size, baseline = charged
-            ms = baseline + slope * size + sampler_ms
             candidates.append((tokens, expected, ms))
             if expected / ms > best_rate:
                 best_tokens, best_expected, best_ms, best_rate = tokens, expected, ms, expected / ms
         num_verify = split_by_rates(best_tokens - num_seqs, split_rates)
         return VerifyPlan(num_verify, best_expected, best_ms, candidates)
+
+    def forward_ms(self, num_tokens: int) -> float | None:
+        """Predicted forward milliseconds of a decode step of `num_tokens` query tokens: the curve's
+        baseline plus the learned per-token residual; None where the curve does not reach."""
+        charged = self.curve.charged(num_tokens)
+        if charged is None:
+            return None
+        size, baseline = charged
+        return baseline + max(0.0, self.forward_estimator.get()) * size
+
+    def step_ms(self, num_tokens: int, num_seqs: int) -> float | None:
+        """`forward_ms` plus the sampler's time for `num_seqs` sequences (None where the curve does not
+        reach)."""
+        forward = self.forward_ms(num_tokens)
+        return None if forward is None else forward + self.sampler_estimator.get(num_seqs)
 
     def update_runtime(self, num_tokens: int, forward_ms: float, num_seqs: int, sampler_ms: float) -> None:
         """Feed back a measured decode step (size = tokens charged, as the curve charges them)."""

@@ -24,7 +24,7 @@ from ..layers.moe import MoEWeights, moe_block
 from ..layers.rope import cos_sin
 from ..layout import model_tensors
 from ..loader import load_tensors
-from ..numerics import linear, mode, round_to
+from ..numerics import linear, mode, pinned, round_to
 from ..ops.model_calls import hc_mixes, hc_read, hc_write, rms_norm
 
 
@@ -166,6 +166,7 @@ class DeepseekV4Model:
         )
 
     @torch.inference_mode()
+    @pinned  # the numerics settings read once per forward, not at every layer and op
     def forward(self, token_ids: torch.Tensor | list[int]) -> torch.Tensor:
         cfg, act = self.config, self.dtype
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)

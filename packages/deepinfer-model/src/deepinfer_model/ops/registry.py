@@ -176,7 +176,11 @@ def resolve_backend(requested: str | None = None) -> str:
     Otherwise the build's accelerator decides; a build for `nvidia` on a machine without CUDA falls
     back to `cpu` with a warning (the same install is usable for CPU tests).
     """
-    explicit = requested if requested is not None else envs.get("DEEPINFER_ACCELERATOR")
+    return _resolve(requested if requested is not None else read_accelerator())
+
+
+def _resolve(explicit: str | None) -> str:
+    """`resolve_backend` with the explicit request (argument or environment) already read."""
     name = (explicit or _build_accelerator() or "cpu").strip().lower()
     if name in RESERVED_BACKENDS:
         raise ValueError(
@@ -251,14 +255,29 @@ class OpTable:
 # backend is kept per (request, $DEEPINFER_ACCELERATOR) and the probes it used (tests replace them).
 _RESOLVED: dict[tuple, str] = {}
 
+# $DEEPINFER_ACCELERATOR as read at the start of the model step that is running (`numerics.resolved` sets
+# it, as a 1-tuple since the value may be None), None outside one: within a step get_ops() reads nothing.
+_PINNED: tuple[str | None] | None = None
+
+
+def read_accelerator() -> str | None:
+    """`DEEPINFER_ACCELERATOR` as set now (unset: None)."""
+    return envs.get("DEEPINFER_ACCELERATOR")
+
 
 def get_ops(backend: str | None = None) -> OpTable:
     """The op table of `backend` (default: `resolve_backend()`), built once per backend (until
-    `reset_tables()`); its kernels are chosen from the environment when it is built."""
-    key = (backend, envs.get("DEEPINFER_ACCELERATOR"), _cuda_available, _build_accelerator)
+    `reset_tables()`); its kernels are chosen from the environment when it is built. An explicit
+    backend does not depend on $DEEPINFER_ACCELERATOR; the default one reads it at every call outside a
+    model step (tests switch it between calls) and takes the step's value within one."""
+    accelerator = None
+    if backend is None:
+        pinned = _PINNED
+        accelerator = read_accelerator() if pinned is None else pinned[0]
+    key = (backend, accelerator, _cuda_available, _build_accelerator)
     name = _RESOLVED.get(key)
     if name is None:
-        name = _RESOLVED[key] = resolve_backend(backend)
+        name = _RESOLVED[key] = _resolve(backend if backend is not None else accelerator)
     if name not in _TABLES:
         _TABLES[name] = OpTable(name)
     return _TABLES[name]

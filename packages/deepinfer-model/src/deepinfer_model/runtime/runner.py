@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from ..family import family_of
+from ..numerics import pinned
 from ..runner.recompute import RecomputeRunner
 from ..runner.step import StepBatch
 from .block_io import export_blocks, import_blocks
@@ -246,6 +247,7 @@ class PagedRunner:
         meta = StepMetadata.build(batch, self.block_size, self.num_blocks)
         return self.family.resume_problem(self.model, self.cache, meta, self.yoco, prompt_len)
 
+    @pinned  # the numerics settings read once per draft forward, as the target's forward reads them per step
     def draft(
         self,
         next_tokens,

@@ -72,7 +72,7 @@ class LLMEngine(PromptChecks):
     ) -> None:
         """num_speculative_tokens: drafts per step (None: DEEPINFER_USE_NEXTN_DECODE, default 5; 0 = off);
         drafter: who proposes them (default: the checkpoint's DSpark draft blocks); step_time_curve:
-        for DEEPINFER_ENABLE_MTP_VARLEN=1, a StepTimeCurve or its JSON file (default: measured now);
+        for the draft policy (DEEPINFER_ENABLE_MTP_VARLEN, default on), a StepTimeCurve or its JSON file (default: measured now);
         dp: this engine is one rank of a data-parallel world (data_parallel.py): its model's experts
         are sharded over the EP group and every step starts with the ranks' vote."""
         envs.warn_unknown()

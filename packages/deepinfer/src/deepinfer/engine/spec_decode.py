@@ -16,7 +16,8 @@ One step with drafts (synchronous loop):
    exactly the emitted tokens (drafts were only accepted tentatively while masks were filled).
 4. The drafter proposes up to nextn drafts after the new token; `ConfidenceScheduler.choose` picks
    how many each sequence verifies (all of them unless MTP varlen is on), `set_draft_tokens` passes
-   that prefix to the scheduler.
+   that prefix to the scheduler. With MTP varlen on, `DraftPolicy` first decides which sequences draft
+   at all and then how many of their drafts are verified (`deepinfer_spec.draft_policy`).
 
 Runner contract for rejected drafts (for a paged runner): after `execute` of a step in which sequence
 `s` verified k drafts and accepted a, the engine calls `runner.rollback(s, k - a)` (only when k - a >
@@ -37,6 +38,7 @@ import torch
 from deepinfer_model import RowParams, TokenBitmask, filtered_probs, masked_logits, to_device
 from deepinfer_spec import (
     ConfidenceScheduler,
+    DraftPolicy,
     DraftVerifier,
     SpecDecodeState,
     SpecStats,
@@ -195,6 +197,8 @@ class SpecDecoder:
         self.drafter = drafter
         self.state = SpecDecodeState(nextn)
         self.rule = ConfidenceScheduler(nextn, curve)
+        # with a step-time curve (MTP varlen on) the policy also decides who drafts at all
+        self.policy = DraftPolicy(nextn, self.rule) if self.rule.enabled else None
         self.verifier = DraftVerifier()
         self.stats = SpecStats(nextn)
         self.draft_s = 0.0
@@ -208,11 +212,15 @@ class SpecDecoder:
 
     def remove(self, seq_id: int) -> None:
         self.state.remove(seq_id)
+        if self.policy is not None:
+            self.policy.remove(seq_id)
 
     def discard(self, seq_id: int) -> None:
         """Preempted: its drafts and acceptance history are void (it recomputes from its tokens)."""
         if seq_id in self.state:
             self.state.discard(seq_id)
+        if self.policy is not None:
+            self.policy.remove(seq_id)
 
     def pending(self, seq_id: int, k: int) -> tuple[list[int], torch.Tensor | None, list[float]]:
         """The k drafts the scheduler fed for seq_id, their q rows and confidences."""
@@ -223,6 +231,10 @@ class SpecDecoder:
     def commit(self, seq_ids: list[int], result: VerifyResult, decode: list[bool], confs: list[float]):
         """Consume the verified drafts; record statistics over decode sequences. Returns Rollbacks."""
         self.state.mark_scheduled(seq_ids)  # synchronous loop: scheduled and processed together
+        if self.policy is not None:
+            for seq_id, k, a in zip(seq_ids, result.num_drafts, result.num_accepted):
+                drafted = self.state.pending(seq_id)[1]  # the confidences of all it drafted, k verified
+                self.policy.record(seq_id, drafted, k, a)
         rollbacks = self.state.commit(seq_ids, result)
         ks = [k for k, d in zip(result.num_drafts, decode) if d]
         accepted = [a for a, d in zip(result.num_accepted, decode) if d]
@@ -230,32 +242,54 @@ class SpecDecoder:
             self.stats.record_step(ks, accepted, confs, result.accept_probs.tolist())
         return rollbacks
 
-    def propose(self, requests: list[DraftRequest]) -> dict[int, list[int]]:
+    def record_plain(self, num_decode: int) -> None:
+        """A step in which no sequence verified drafts: its decode sequences count as request-steps
+        with none verified, as a verification step with k = 0 everywhere counts them."""
+        if num_decode:
+            self.stats.record_step([0] * num_decode, [0] * num_decode)
+
+    def propose(self, requests: list[DraftRequest], num_seqs: int | None = None) -> dict[int, list[int]]:
         """Run the drafter, store its drafts, choose how many each sequence verifies next step.
-        Returns {seq_id: drafts to feed} (possibly empty lists)."""
+        `num_seqs`: the sequences the next step decodes (default: the requests); with the draft policy
+        only the requests it picks draft. Returns {seq_id: drafts to feed} (possibly empty lists)."""
         if not requests:
             return {}
+        num_seqs = len(requests) if num_seqs is None else num_seqs
+        if self.policy is not None:
+            plan = self.policy.plan([(r.seq_id, r.num_drafts) for r in requests], num_seqs)
+            requests = [r for r, d in zip(requests, plan.draft) if d]
+            if not requests:
+                return {}
         t0 = time.perf_counter()
         drafts = self.drafter.propose(requests)
-        self.draft_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.draft_s += dt
         ids = [r.seq_id for r in requests]
         for seq_id, d in zip(ids, drafts):
             self.state.propose(seq_id, d.tokens, d.confidences, d.probs)
-        plan = self.rule.choose(self.state.varlen_inputs(ids))
-        out = {}
-        for seq_id, d, k in zip(ids, drafts, plan.num_verify):
-            out[seq_id] = list(d.tokens[:k])
-        return out
+        if self.policy is not None:
+            self.policy.record_draft_time(len(requests), dt * 1e3)
+            counts = self.policy.verify_counts(ids, [d.confidences for d in drafts], num_seqs)
+        else:
+            counts = self.rule.choose(self.state.varlen_inputs(ids)).num_verify
+        return {seq_id: list(d.tokens[:k]) for seq_id, d, k in zip(ids, drafts, counts)}
 
-    def update_runtime(self, num_tokens: int, forward_s: float, num_seqs: int, sample_s: float) -> None:
-        """Feed a decode step's times to the varlen rule; a step larger than its step-time curve's largest
-        size (more sequences than the curve was measured for) is left out: the curve cannot charge it."""
+    def update_runtime(
+        self, num_tokens: int, forward_s: float, num_seqs: int, sample_s: float, num_rows: int, verified: bool
+    ) -> None:
+        """A measured decode step: `num_rows` logits rows sampled (`verified`: through verification). A step
+        larger than the step-time curve's largest size (more sequences than the curve was measured for)
+        is left out of the varlen rule's feedback: the curve cannot charge it."""
         if self.varlen and num_seqs and num_tokens <= self.rule.curve.max_tokens:
             self.rule.update_runtime(num_tokens, forward_s * 1e3, num_seqs, sample_s * 1e3)
+        if self.policy is not None and num_rows:
+            self.policy.record_step_time(num_rows, sample_s * 1e3, verified)
 
     def summary(self) -> dict:
         out = self.stats.summary()
         out["nextn"] = self.nextn
         out["varlen"] = self.varlen
         out["draft_s"] = self.draft_s
+        if self.policy is not None:
+            out.update(self.policy.summary())
         return out

@@ -2,7 +2,8 @@
 
 It runs synchronously: a step's drafts come from the drafter after the previous step's verification
 on the host, so there is nothing to overlap yet (a device-side draft path would change that); with
-`async_scheduling` and drafts on, the engine runs this loop (same tokens by construction).
+`async_scheduling` and drafts on, the engine runs this loop (same tokens by construction). A step in
+which no sequence verifies drafts (the draft policy skipped them all) runs as the plain step.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from .. import envs
 from . import scheduling
 from .drafting import Drafter, DraftRequest, ModelDrafter, PagedDrafter
 from .spec_decode import SpecDecoder, VerifyInput
-from .step_io import VerifyStepInput, VerifyStepResult
+from .step_io import StepInput, StepResult, VerifyStepInput, VerifyStepResult
 from .step_strategy import StepContext, StepStrategy
 
 logger = logging.getLogger("deepinfer")
@@ -45,18 +46,47 @@ class SpecStep(StepStrategy):
                 return
             stage = "prepare"
             t0 = time.perf_counter()
-            step, confs = self._prepare(out)
-            self.stats.prefill_flops += self.builder.prefill_flops(out, step.batch)
-            self.stats.prepare_s += time.perf_counter() - t0
-            stage, forward_ran = "model step", True
-            result = self.worker.run_verify(step, self.spec.verifier)
-            stage = "output processing"
-            t0 = time.perf_counter()
-            self._process(out, step, confs, result)
+            if not scheduling.num_draft_tokens(out).any():
+                # nobody verifies drafts: the plain step (verifying k = 0 drafts draws exactly its
+                # tokens, at a higher cost), the drafter proposing after it as after a verification
+                plain = self._build(out)
+                self.stats.prepare_s += time.perf_counter() - t0
+                stage, forward_ran = "model step", True
+                plain_result = self.worker.run(plain)
+                stage = "output processing"
+                t0 = time.perf_counter()
+                self._process_plain(out, plain, plain_result)
+            else:
+                step, confs = self._prepare(out)
+                self.stats.prefill_flops += self.builder.prefill_flops(out, step.batch)
+                self.stats.prepare_s += time.perf_counter() - t0
+                stage, forward_ran = "model step", True
+                result = self.worker.run_verify(step, self.spec.verifier)
+                stage = "output processing"
+                t0 = time.perf_counter()
+                self._process(out, step, confs, result)
             self.stats.process_s += time.perf_counter() - t0
             self.table.collect_all()
         except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
             self._recover(out, stage, e, forward_ran)
+
+    def _process_plain(self, out, step: StepInput, result: StepResult) -> None:
+        ids = step.batch.seq_ids.tolist()
+        finished = self.output.commit(out, result)
+        emitted = {
+            i: (int(step.batch.start_positions[i] + step.batch.query_lens[i]), 0)
+            for i, row in enumerate(step.rows)
+            if row is not None and result.tokens[i] >= 0 and i not in result.errors
+        }
+        self.output.emit(out, result, finished)
+        prefill = scheduling.is_prefill(out)
+        self.spec.record_plain(sum(1 for i in emitted if not prefill[i]))
+        if not prefill.any():  # the varlen rule's step-time curve models decode steps
+            tokens = int(step.batch.query_lens.sum())
+            self.spec.update_runtime(
+                tokens, result.forward_s, len(emitted), result.sample_s, len(emitted), False
+            )
+        self._propose_drafts(ids, emitted, finished)
 
     def _prepare(self, out) -> tuple[VerifyStepInput, list[list[float]]]:
         """Runner batch with 1 + k logits rows per verifying sequence, a VerifyInput per emitting
@@ -121,7 +151,7 @@ class SpecStep(StepStrategy):
                     else:
                         self.table.fail_seq(ids[i], f"sampling failed: {EMPTY_ROW_MESSAGE}")
         finished = self.output.commit_verified(out, emitted)
-        accepted_after: dict[int, int] = {}
+        emitted_at: dict[int, tuple[int, int]] = {}  # batch index -> (base position, drafts accepted)
         if outcome is not None:
             prefill = scheduling.is_prefill(out)
             # (the sequences of requests that failed this step have left the spec state)
@@ -134,7 +164,7 @@ class SpecStep(StepStrategy):
             # The runner forgets the rejected rows; the scheduler already did (num_computed_tokens).
             self.worker.rollback([(rb.seq_id, rb.num_discarded) for rb in rollbacks])
             for rb, i in zip(rollbacks, verified):
-                accepted_after[i] = rb.num_accepted
+                emitted_at[i] = (step.inputs[i].base_position, rb.num_accepted)
                 seq = self.table.seqs.get(ids[i])
                 if seq is not None:
                     seq.request.metrics.num_draft_tokens += rb.num_verified
@@ -146,19 +176,21 @@ class SpecStep(StepStrategy):
                 self.table.fail_seq(ids[i], f"sampling failed: {EMPTY_ROW_MESSAGE}")
         decode_seqs = sum(1 for x in step.inputs if x is not None)
         if not scheduling.is_prefill(out).any():  # the varlen rule's step-time curve models decode steps
-            self.spec.update_runtime(
-                int(step.batch.query_lens.sum()), result.forward_s, decode_seqs, result.sample_s
-            )
-        self._propose_drafts(ids, step.inputs, accepted_after, finished)
+            rows = sum(int(step.batch.logits_lens[i]) for i in result.verified)
+            tokens = int(step.batch.query_lens.sum())
+            self.spec.update_runtime(tokens, result.forward_s, decode_seqs, result.sample_s, rows, True)
+        self._propose_drafts(ids, emitted_at, finished)
 
-    def _propose_drafts(self, ids, inputs, accepted_after: dict[int, int], finished) -> None:
-        """The drafter proposes after every sequence that emitted and goes on; the varlen rule (or
-        all of them) decides how many the scheduler feeds next step."""
-        requests = []
+    def _propose_drafts(self, ids, emitted_at: dict[int, tuple[int, int]], finished) -> None:
+        """The drafter proposes after every sequence that emitted (`emitted_at`: batch index -> the
+        position of its first emitted token and the drafts it accepted) and goes on; the draft policy
+        (MTP varlen), or all of them, decides who drafts and how many the scheduler feeds next step."""
+        requests, going_on = [], 0
         for i, seq_id in enumerate(ids):
             seq = self.table.seqs.get(seq_id)
-            if i not in accepted_after or seq is None or seq.finished or seq_id in finished:
+            if i not in emitted_at or seq is None or seq.finished or seq_id in finished:
                 continue
+            going_on += 1  # decodes next step, with or without drafts
             p = seq.request.params
             room = min(p.max_tokens - seq.num_generated, self.output.max_model_len - len(seq.token_ids))
             k = min(self.spec.nextn, room - 1)  # the step emits one token beyond its drafts
@@ -171,12 +203,12 @@ class SpecStep(StepStrategy):
                     next_token=seq.token_ids[-1],
                     num_drafts=k,
                     params=self.builder.row_params(seq, len(seq.token_ids)),
-                    base_position=inputs[i].base_position,
-                    num_accepted=accepted_after[i],
+                    base_position=emitted_at[i][0],
+                    num_accepted=emitted_at[i][1],
                 )
             )
         t0 = time.perf_counter()
-        for seq_id, drafts in self.spec.propose(requests).items():
+        for seq_id, drafts in self.spec.propose(requests, going_on).items():
             if drafts:
                 scheduling.set_draft_tokens(self.scheduler, seq_id, drafts)
         self.stats.draft_s += time.perf_counter() - t0
@@ -229,4 +261,5 @@ def _step_time_curve(given, nextn: int, model, max_num_seqs: int) -> StepTimeCur
         model.forward(ids[:n])
 
     logger.info("measuring the decode step-time curve for MTP varlen (%d sizes)", len(sizes))
-    return StepTimeCurve.measure(step, sizes, repeats=3, mode="linear")
+    # beyond the measured sizes the line through the last two points prices larger batches
+    return StepTimeCurve.measure(step, sizes, repeats=3, mode="linear", extrapolate=True)

@@ -17,6 +17,7 @@ import torch
 from ...layers.embedding import embed
 from ...numerics import logits as head_logits
 from ...numerics import mode as numerics_mode
+from ...numerics import pinned
 from ...ops.model_calls import hc_read, rms_norm
 from .attention import AttentionTrace, CrossLayerState, layer_attention
 from .blocks import ShiftedHC, moe_ffn
@@ -112,6 +113,7 @@ class DeepseekV41ForCausalLM:
         return moe_ffn(self.config, blk, y, self.config.num_experts_per_tok, self.act_dtype)
 
     @torch.no_grad()
+    @pinned  # the numerics settings read once per forward, not at every layer and op
     def forward(
         self,
         token_ids,

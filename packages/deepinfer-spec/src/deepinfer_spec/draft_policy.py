@@ -1,0 +1,353 @@
+"""Adaptive drafting: a drafter that is rarely right costs almost nothing (`DEEPINFER_ENABLE_MTP_VARLEN`).
+
+The MTP-varlen rule (`varlen.ConfidenceScheduler`) picks how many drafts to verify from the confidence
+head and the step-time curve. It cannot see two things: whether the head is right (an untrained drafter
+is confident about drafts that are never accepted), and the draft forward, which costs its time whether
+anything is verified or not. `DraftPolicy` adds both, from measurements:
+
+* `AcceptanceCalibration`: the head's confidence corrected by outcomes, per confidence bin (drafts
+  verified / accepted, each conditional on the drafts before it being accepted, which is what the head
+  predicts); an unmeasured bin trusts the head. The verification rule ranks the calibrated cumulative
+  products.
+* Per sequence, decayed counts of tested / accepted drafts per position (recent steps weigh most, the
+  whole batch's counts as the prior): the expected acceptance of its next drafts, known before drafting.
+  Drafts the rule chose not to verify count with their calibrated probability.
+* `LinearCost`s: the draft forward's milliseconds as a + b·m for m drafting sequences, and the
+  sampler's for m rows, apart for plain steps and for verification steps (whose exact distributions
+  cost more per row than the plain sampler: a step that verifies anything pays for every row).
+
+`plan` (before the draft forward) ranks the expected cumulative acceptance of every (sequence, position)
+that may draft, as the varlen rule ranks drafts, and charges a total of T positions the step time of
+num_seqs + T tokens (`step_ms`: the curve's forward, and the sampler of a plain step for T = 0, of a
+verification step otherwise) plus the draft forward of the sequences the top T touch; the total with the most
+expected tokens per millisecond wins (T = 0: nobody drafts). A sequence outside the best T skips the
+draft forward and backs off: no drafts for `min_backoff` plans, then a probe (it drafts and verifies all
+of its drafts, so that its acceptance is measured again), the interval doubling up to `max_backoff`
+while the probes do not pay. `verify_counts` (after the draft forward, whose time is then spent) is the
+varlen rule's ranking of the calibrated rates, timed by `step_ms`; probes verify everything.
+
+Determinism: the choices depend on measured times and on the other sequences of the batch. Greedy
+outputs do not (verification keeps exactly the target's argmax tokens). A sampled token is drawn from
+the exact target distribution either way, but a step that verifies k > 0 drafts draws it by rejection
+sampling rather than the plain sampler's draw, so seeded sampled outputs are reproducible only where the
+same steps verify the same drafts.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .state import cumulative_rates
+from .varlen import ConfidenceScheduler, split_by_rates
+
+
+def _positive(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a number > 0, got {value!r}")
+    return float(value)
+
+
+def _decay(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"{name} must lie in (0, 1], got {value!r}")
+    return float(value)
+
+
+def _tested(num_verified: int, num_accepted: int) -> int:
+    """Drafts whose acceptance was tested: the accepted ones and the first rejected one."""
+    return min(num_accepted + 1, num_verified)
+
+
+class AcceptanceCalibration:
+    """P(draft accepted | earlier drafts accepted, confidence c) per equal-width confidence bin:
+    (accepted_b + w·c) / (tested_b + w), counts decayed by `decay` per recorded sequence-step."""
+
+    def __init__(self, num_bins: int = 10, prior_weight: float = 4.0, decay: float = 0.999) -> None:
+        if isinstance(num_bins, bool) or not isinstance(num_bins, int) or num_bins < 1:
+            raise ValueError(f"num_bins must be an integer >= 1, got {num_bins!r}")
+        self.num_bins = num_bins
+        self.prior_weight = _positive("prior_weight", prior_weight)
+        self.decay = _decay("decay", decay)
+        self.tested = np.zeros(num_bins)
+        self.accepted = np.zeros(num_bins)
+
+    def _bins(self, confidences: np.ndarray) -> np.ndarray:
+        return np.minimum((confidences * self.num_bins).astype(np.int64), self.num_bins - 1)
+
+    def record(self, confidences: Sequence[float], num_verified: int, num_accepted: int) -> None:
+        """One sequence's verified drafts (`confidences` of its drafts in order, at least num_verified)."""
+        conf = np.asarray(confidences[: _tested(num_verified, num_accepted)], dtype=np.float64)
+        self.tested *= self.decay
+        self.accepted *= self.decay
+        bins = self._bins(conf)
+        np.add.at(self.tested, bins, 1.0)
+        np.add.at(self.accepted, bins[:num_accepted], 1.0)
+
+    def calibrated(self, confidences: Sequence[float]) -> list[float]:
+        conf = np.clip(np.asarray(confidences, dtype=np.float64), 0.0, 1.0)
+        bins = self._bins(conf)
+        w = self.prior_weight
+        return ((self.accepted[bins] + w * conf) / (self.tested[bins] + w)).tolist()
+
+
+class LinearCost:
+    """Milliseconds of a piece of work of size m (the draft forward of m sequences, the sampling of m
+    rows): a + b·m by least squares over the last `window` measurements (a fixed cost where the fit
+    falls with m, the line through the origin where its intercept is negative); b·m from the median
+    time per unit while the measurements had one size only; 0 before the first, so that the first
+    steps draft and measure."""
+
+    def __init__(self, window: int = 64) -> None:
+        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+
+    def add(self, num_seqs: int, ms: float) -> None:
+        if num_seqs >= 1 and ms >= 0:
+            self.samples.append((int(num_seqs), float(ms)))
+
+    def get(self, num_seqs: int) -> float:
+        if num_seqs <= 0 or not self.samples:
+            return 0.0
+        m = np.asarray([s for s, _ in self.samples], dtype=np.float64)
+        t = np.asarray([ms for _, ms in self.samples], dtype=np.float64)
+        if np.unique(m).size >= 2:
+            slope, intercept = np.polyfit(m, t, 1)
+            if slope < 0:  # no growth with m: a fixed cost
+                return float(np.mean(t))
+            if intercept < 0:  # the line through the origin
+                return float(m @ t / (m @ m)) * num_seqs
+            return float(intercept + slope * num_seqs)
+        return float(np.median(t / m)) * num_seqs
+
+
+@dataclass
+class _History:
+    tested: np.ndarray  # decayed tested drafts per position
+    accepted: np.ndarray  # decayed accepted drafts per position
+    backoff: int = 0  # 0: the plan may pick it; else plans between its probes
+    next_probe: int = 0  # plan number at which a backed-off sequence probes
+    probing: bool = False  # its current drafts are a probe: verify them all
+    evaluate: bool = False  # a probe's outcome is in: the next plan weighs it like an active sequence
+
+
+@dataclass
+class DraftPlan:
+    draft: list[bool]  # per candidate: it drafts after this step
+    probe: list[bool]  # per candidate: it drafts as a probe (verifies all of its drafts)
+    expected_tokens: float  # tokens the next step is expected to emit
+    predicted_ms: float | None  # its step time plus the draft forward (None: the curve does not reach)
+
+
+class DraftPolicy:
+    """Who drafts and how many drafts are verified; see the module docstring."""
+
+    def __init__(
+        self,
+        nextn: int,
+        rule: ConfidenceScheduler,
+        min_backoff: int = 4,
+        max_backoff: int = 256,
+        seq_decay: float = 0.7,
+        batch_decay: float = 0.99,
+        prior_weight: float = 2.0,
+        calibration: AcceptanceCalibration | None = None,
+    ) -> None:
+        if isinstance(nextn, bool) or not isinstance(nextn, int) or nextn < 1:
+            raise ValueError(f"nextn must be an integer >= 1, got {nextn!r}")
+        if not rule.enabled:
+            raise ValueError("the draft policy needs a varlen rule with a step-time curve (rule.enabled)")
+        for name, value in (("min_backoff", min_backoff), ("max_backoff", max_backoff)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if max_backoff < min_backoff:
+            raise ValueError(f"max_backoff must be >= min_backoff={min_backoff}, got {max_backoff}")
+        self.nextn, self.rule = nextn, rule
+        self.min_backoff, self.max_backoff = min_backoff, max_backoff
+        self.seq_decay = _decay("seq_decay", seq_decay)
+        self.batch_decay = _decay("batch_decay", batch_decay)
+        self.prior_weight = _positive("prior_weight", prior_weight)
+        self.calibration = calibration or AcceptanceCalibration()
+        self.cost = LinearCost()  # the draft forward, per drafting sequence
+        self.plain_sampler = LinearCost()  # sampling of a step without drafts, per row
+        self.verify_sampler = LinearCost()  # verification of a step with drafts, per row
+        self.batch_tested = np.zeros(nextn)
+        self.batch_accepted = np.zeros(nextn)
+        self._seqs: dict[Hashable, _History] = {}
+        self.plans = 0
+        self.drafted = self.skipped = self.probes = 0  # sequence-steps
+
+    # -- membership ------------------------------------------------------------------------------
+    def _get(self, seq_id: Hashable) -> _History:
+        h = self._seqs.get(seq_id)
+        if h is None:
+            h = self._seqs[seq_id] = _History(np.zeros(self.nextn), np.zeros(self.nextn))
+        return h
+
+    def remove(self, seq_id: Hashable) -> None:
+        self._seqs.pop(seq_id, None)
+
+    # -- estimates -------------------------------------------------------------------------------
+    def batch_rates(self) -> np.ndarray:
+        """Conditional acceptance per position over the batch (an optimistic prior of one accepted
+        draft, so that a fresh engine drafts and measures)."""
+        return (self.batch_accepted + 1.0) / (self.batch_tested + 1.0)
+
+    def expected_rates(self, seq_id: Hashable, num_drafts: int) -> list[float]:
+        """Estimated probability that the first j of the sequence's next drafts are all accepted."""
+        h, w = self._get(seq_id), self.prior_weight
+        conditional = (h.accepted + w * self.batch_rates()) / (h.tested + w)
+        return cumulative_rates(conditional[:num_drafts])
+
+    def step_ms(self, num_tokens: int, num_seqs: int) -> float | None:
+        """Predicted milliseconds of a decode step of num_tokens tokens over num_seqs sequences: the
+        rule's forward time and the sampler of a plain step (num_tokens = num_seqs) or of a
+        verification step (the plain one's until a verification step is measured); None where the
+        curve does not reach."""
+        forward = self.rule.forward_ms(num_tokens)
+        if forward is None:
+            return None
+        if num_tokens == num_seqs or not self.verify_sampler.samples:
+            return forward + self.plain_sampler.get(num_tokens)
+        return forward + self.verify_sampler.get(num_tokens)
+
+    def record_step_time(self, num_rows: int, sample_ms: float, verified: bool) -> None:
+        """A measured step's sampling (or verification) milliseconds over its `num_rows` logits rows."""
+        (self.verify_sampler if verified else self.plain_sampler).add(num_rows, sample_ms)
+
+    # -- before the draft forward ------------------------------------------------------------------
+    def plan(self, candidates: Sequence[tuple[Hashable, int]], num_seqs: int) -> DraftPlan:
+        """candidates: (seq_id, drafts it may propose, >= 1) of the sequences that may draft for the next
+        step; num_seqs: the sequences that step decodes (>= len(candidates))."""
+        if num_seqs < len(candidates):
+            raise ValueError(f"num_seqs must be >= len(candidates)={len(candidates)}, got {num_seqs}")
+        for seq_id, k in candidates:
+            if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.nextn:
+                raise ValueError(
+                    f"drafts for {seq_id!r} must be an integer in [1, nextn={self.nextn}], got {k!r}"
+                )
+        self.plans += 1
+        forced, members = [], []
+        for idx, (seq_id, _) in enumerate(candidates):
+            h = self._get(seq_id)
+            if h.backoff and not h.evaluate:
+                if self.plans >= h.next_probe:
+                    forced.append(idx)
+            else:
+                members.append(idx)
+        # probes draft whatever the plan says: their tokens, expected tokens and draft time come first
+        tokens = num_seqs + sum(candidates[i][1] for i in forced)
+        expected = float(num_seqs)
+        for i in forced:
+            expected += sum(self.expected_rates(*candidates[i]))
+        ranked = sorted(
+            ((r, idx, j) for idx in members for j, r in enumerate(self.expected_rates(*candidates[idx]))),
+            key=lambda e: (-e[0], e[1], e[2]),
+        )
+        best_total, best_expected, best_ms, best_rate = 0, expected, None, -1.0
+        touched: set[int] = set()
+        for total in range(len(ranked) + 1):
+            if total:
+                expected += ranked[total - 1][0]
+                touched.add(ranked[total - 1][1])
+            ms = self.step_ms(tokens + total, num_seqs)
+            if ms is None:
+                break
+            drafting = len(forced) + len(touched)
+            ms += self.cost.get(drafting)
+            if expected / ms > best_rate:
+                best_total, best_expected, best_ms, best_rate = total, expected, ms, expected / ms
+        chosen = {idx for _, idx, _ in ranked[:best_total]}
+        draft, probe = [False] * len(candidates), [False] * len(candidates)
+        for idx in forced:
+            draft[idx] = probe[idx] = True
+            self._get(candidates[idx][0]).probing = True
+        for idx in members:
+            h = self._get(candidates[idx][0])
+            if idx in chosen:
+                draft[idx], h.backoff = True, 0
+            else:
+                h.backoff = self.min_backoff if h.backoff == 0 else min(2 * h.backoff, self.max_backoff)
+                h.next_probe = self.plans + h.backoff
+            h.evaluate = False
+        self.drafted += sum(draft)
+        self.probes += len(forced)
+        self.skipped += len(candidates) - sum(draft)
+        return DraftPlan(draft, probe, best_expected, best_ms)
+
+    def record_draft_time(self, num_seqs: int, ms: float) -> None:
+        self.cost.add(num_seqs, ms)
+
+    # -- after the draft forward -------------------------------------------------------------------
+    def verify_counts(
+        self, seq_ids: Sequence[Hashable], confidences: Sequence[Sequence[float]], num_seqs: int
+    ) -> list[int]:
+        """Drafts to verify per drafted sequence (`confidences`: the head's, one per draft): the varlen
+        rule's choice on the calibrated rates (positions ranked by rate, the best total by expected
+        tokens per millisecond, a prefix per sequence) with the step timed by `step_ms`; the other
+        num_seqs - len(seq_ids) decode sequences verify none. A probe verifies all of its drafts."""
+        if len(confidences) != len(seq_ids):
+            raise ValueError(
+                f"confidences must have one list per seq_id ({len(seq_ids)}), got {len(confidences)}"
+            )
+        if num_seqs < len(seq_ids):
+            raise ValueError(f"num_seqs must be >= len(seq_ids)={len(seq_ids)}, got {num_seqs}")
+        rates = [cumulative_rates(self.calibration.calibrated(c)) if len(c) else [] for c in confidences]
+        probing = [self._get(s).probing for s in seq_ids]
+        tokens = num_seqs + sum(len(r) for r, p in zip(rates, probing) if p)
+        expected = float(num_seqs) + sum(sum(r) for r, p in zip(rates, probing) if p)
+        free = [[] if p else r for r, p in zip(rates, probing)]
+        ranked = sorted((r for req in free for r in req), reverse=True)
+        best_total, best_rate = 0, -1.0
+        for total in range(len(ranked) + 1):
+            if total:
+                expected += ranked[total - 1]
+            ms = self.step_ms(tokens + total, num_seqs)
+            if ms is None:
+                break
+            if expected / ms > best_rate:
+                best_total, best_rate = total, expected / ms
+        counts = split_by_rates(best_total, free)
+        return [len(r) if p else k for r, p, k in zip(rates, probing, counts)]
+
+    def record(
+        self, seq_id: Hashable, confidences: Sequence[float], num_verified: int, num_accepted: int
+    ) -> None:
+        """The outcome of a sequence's drafts: `confidences` of all it drafted, of which the first
+        `num_verified` were verified and `num_accepted` accepted. Drafts left unverified after an
+        all-accepted prefix count with their calibrated probability (the rule judged them not worth
+        verifying: that is what the sequence's next drafts are expected to be worth too)."""
+        num_drafts = len(confidences)
+        if not 0 <= num_accepted <= num_verified <= num_drafts <= self.nextn:
+            raise ValueError(
+                f"need 0 <= num_accepted <= num_verified <= len(confidences) <= nextn={self.nextn}, got "
+                f"{num_accepted}, {num_verified}, {num_drafts}"
+            )
+        if num_drafts == 0:
+            return
+        tested, accepted = np.zeros(self.nextn), np.zeros(self.nextn)
+        tested[: _tested(num_verified, num_accepted)] = 1.0
+        accepted[:num_accepted] = 1.0
+        if num_accepted == num_verified < num_drafts:
+            tested[num_verified:num_drafts] = 1.0
+            accepted[num_verified:num_drafts] = self.calibration.calibrated(confidences[num_verified:])
+        if num_verified:
+            self.calibration.record(confidences, num_verified, num_accepted)
+        h = self._get(seq_id)
+        h.tested = h.tested * self.seq_decay + tested
+        h.accepted = h.accepted * self.seq_decay + accepted
+        self.batch_tested = self.batch_tested * self.batch_decay + tested
+        self.batch_accepted = self.batch_accepted * self.batch_decay + accepted
+        if h.probing:
+            h.probing, h.evaluate = False, True
+
+    def summary(self) -> dict:
+        offered = self.drafted + self.skipped
+        return {
+            "policy_drafted_seq_steps": self.drafted,
+            "policy_skipped_seq_steps": self.skipped,
+            "policy_probe_seq_steps": self.probes,
+            "policy_draft_fraction": self.drafted / offered if offered else None,
+        }

@@ -1,0 +1,222 @@
+"""The adaptive draft policy: its plan against brute force over every set of drafting sequences and every
+per-sequence prefix of verified drafts, the calibration and cost model against direct computations, and
+its behaviour with an always-wrong and an always-right drafter."""
+
+import itertools
+import math
+import random
+
+import numpy as np
+import pytest
+from deepinfer_spec import (
+    AcceptanceCalibration,
+    ConfidenceScheduler,
+    DraftPolicy,
+    LinearCost,
+    StepTimeCurve,
+    cumulative_rates,
+)
+
+
+def random_curve(rng: random.Random, max_tokens: int) -> StepTimeCurve:
+    sizes = sorted(rng.sample(range(1, max_tokens + 3), rng.randint(1, min(6, max_tokens + 2))))
+    if sizes[-1] < max_tokens:
+        sizes.append(max_tokens)
+    ms, t = [], rng.uniform(0.5, 2.0)
+    for _ in sizes:
+        t += rng.uniform(0.0, 1.5)
+        ms.append(t)
+    return StepTimeCurve(sizes, ms, rng.choice(["bucket", "linear"]))
+
+
+def brute_force_plan(rates, num_seqs, curve, draft_ms, plain=lambda rows: 0.0, verify=None):
+    """Max over every allocation k_i <= len(rates_i) (k_i = 0: sequence i does not draft) of expected
+    tokens / (forward of num_seqs + Σ k tokens + the sampler of a plain step (Σ k = 0) or of a
+    verification step + draft_ms if anyone drafts)."""
+    verify = verify or plain
+    best = -1.0
+    for ks in itertools.product(*[range(len(r) + 1) for r in rates]):
+        tokens = num_seqs + sum(ks)
+        baseline = curve.baseline_ms(tokens)
+        if baseline is None:
+            continue
+        expected = num_seqs + sum(sum(r[:k]) for r, k in zip(rates, ks))
+        sampler = verify(tokens) if any(ks) else plain(tokens)
+        best = max(best, expected / (baseline + sampler + (draft_ms if any(ks) else 0.0)))
+    return best
+
+
+def test_plan_is_the_brute_force_optimum_with_a_fixed_draft_cost():
+    """A draft forward that costs the same for any number of drafting sequences (a batched forward
+    bound by its weight reads): the plan's expected tokens per ms equal the best of every allocation."""
+    rng = random.Random(11)
+    checked = 0
+    for _ in range(200):
+        nextn, n_cand = rng.randint(1, 3), rng.randint(1, 4)
+        num_seqs = n_cand + rng.randint(0, 2)
+        curve = random_curve(rng, num_seqs * (1 + nextn))
+        policy = DraftPolicy(nextn, ConfidenceScheduler(nextn, curve))
+        draft_ms = rng.choice([0.0, rng.uniform(0.0, 3.0)])
+        if draft_ms:
+            for m in (1, 2, 3):
+                policy.record_draft_time(m, draft_ms)  # one size per sample: a + b·m fits b = 0
+            assert policy.cost.get(5) == pytest.approx(draft_ms)
+        cands = [(i, rng.randint(1, nextn)) for i in range(n_cand)]
+        for seq_id, k in cands:  # some measured history per sequence and for the batch
+            for _ in range(rng.randint(0, 3)):
+                conf = [rng.random() for _ in range(k)]
+                verified = rng.randint(0, k)
+                policy.record(seq_id, conf, verified, rng.randint(0, verified))
+        plain = verify = None
+        if rng.random() < 0.5:  # measured sampler times: a verification step costs more per row
+            a, b = rng.uniform(0, 2), rng.uniform(0, 0.5)
+            for rows in (1, 4):
+                policy.record_step_time(rows, a + b * rows, verified=False)
+                policy.record_step_time(rows, 2 * a + 3 * b * rows, verified=True)
+            plain, verify = policy.plain_sampler.get, policy.verify_sampler.get
+            assert verify(7) == pytest.approx(2 * a + 21 * b)
+        rates = [policy.expected_rates(s, k) for s, k in cands]
+        plan = policy.plan(cands, num_seqs)
+        best = brute_force_plan(rates, num_seqs, curve, draft_ms, *(() if plain is None else (plain, verify)))
+        if plan.predicted_ms is None:
+            assert best < 0 and not any(plan.draft)
+            continue
+        assert plan.expected_tokens / plan.predicted_ms == pytest.approx(best, rel=1e-12)
+        checked += 1
+    assert checked > 150
+
+
+def test_only_worthwhile_sequences_draft_and_the_others_back_off_then_probe():
+    flat = StepTimeCurve([64], [10.0])  # verifying costs nothing extra: only the draft forward costs
+    policy = DraftPolicy(2, ConfidenceScheduler(2, flat), min_backoff=2, max_backoff=8)
+    policy.record_draft_time(1, 2.0)
+    policy.record_draft_time(2, 4.0)  # 2 ms per drafting sequence
+    assert policy.cost.get(3) == pytest.approx(6.0)
+    for _ in range(6):  # sequence 0 is always right, sequence 1 always wrong
+        policy.record(0, [0.5, 0.5], 2, 2)
+        policy.record(1, [0.5, 0.5], 2, 0)
+    plan = policy.plan([(0, 2), (1, 2)], 2)
+    assert plan.draft == [True, False] and plan.probe == [False, False]
+    # sequence 1 backs off for 2 plans, probes on the third, verifying every draft
+    assert policy.plan([(0, 2), (1, 2)], 2).draft == [True, False]
+    probe = policy.plan([(0, 2), (1, 2)], 2)
+    assert probe.draft == [True, True] and probe.probe == [False, True]
+    assert policy.verify_counts([0, 1], [[0.01, 0.01], [0.01, 0.01]], 2)[1] == 2
+    policy.record(1, [0.01, 0.01], 2, 0)  # the probe fails: the interval doubles
+    assert policy.plan([(0, 2), (1, 2)], 2).draft == [True, False]
+    drafted = [policy.plan([(0, 2), (1, 2)], 2).draft[1] for _ in range(4)]
+    assert drafted == [False, False, False, True]
+    assert policy.summary()["policy_probe_seq_steps"] == 2
+
+
+def test_verify_counts_are_the_varlen_rule_on_calibrated_rates():
+    rng = random.Random(4)
+    for _ in range(50):
+        nextn = rng.randint(1, 4)
+        curve = random_curve(rng, 4 * (1 + nextn))
+        policy = DraftPolicy(nextn, ConfidenceScheduler(nextn, curve))
+        for _ in range(30):  # a miscalibrated head: every confidence bin learns its outcomes
+            k = rng.randint(1, nextn)
+            policy.calibration.record([rng.random() for _ in range(k)], k, rng.randint(0, k))
+        sampler = lambda rows: 0.0  # noqa: E731
+        if rng.random() < 0.5:
+            policy.record_step_time(2, 1.0, verified=True)
+            policy.record_step_time(6, 3.0, verified=True)  # 0.5 ms per verified row
+            sampler = policy.verify_sampler.get
+        conf = [[rng.random() for _ in range(rng.randint(1, nextn))] for _ in range(rng.randint(1, 3))]
+        num_seqs = len(conf) + rng.randint(0, 1)
+        counts = policy.verify_counts(list(range(len(conf))), conf, num_seqs)
+        rates = [cumulative_rates(policy.calibration.calibrated(c)) for c in conf]
+        best = -1.0
+        for ks in itertools.product(*[range(len(r) + 1) for r in rates]):
+            baseline = curve.baseline_ms(num_seqs + sum(ks))
+            if baseline is not None:
+                ms = baseline + (sampler(num_seqs + sum(ks)) if any(ks) else 0.0)
+                best = max(best, (num_seqs + sum(sum(r[:k]) for r, k in zip(rates, ks))) / ms)
+        got = curve.baseline_ms(num_seqs + sum(counts))
+        if got is None:
+            assert counts == [0] * len(conf)
+            continue
+        got += sampler(num_seqs + sum(counts)) if any(counts) else 0.0
+        assert (num_seqs + sum(sum(r[:k]) for r, k in zip(rates, counts))) / got == pytest.approx(best)
+
+
+def test_calibration_against_direct_counts():
+    cal = AcceptanceCalibration(num_bins=4, prior_weight=2.0, decay=0.5)
+    assert cal.calibrated([0.3, 1.0]) == [0.3, 1.0]  # unmeasured: the head as it is
+    cal.record([0.9, 0.8, 0.1], num_verified=3, num_accepted=1)  # 0.9 accepted, 0.8 rejected, 0.1 untested
+    cal.record([0.9, 0.2], num_verified=1, num_accepted=0)
+    # bin 3 (0.75..1): decayed (1 tested, 1 accepted) -> 0.5/0.5, then +1 tested, 0 accepted
+    tested3, accepted3 = 0.5 * 2 + 1, 0.5 * 1
+    assert cal.calibrated([0.9])[0] == pytest.approx((accepted3 + 2 * 0.9) / (tested3 + 2))
+    assert cal.calibrated([0.1])[0] == pytest.approx(0.1)  # the untested draft left bin 0 alone
+
+
+def test_cost_model_fits_a_line_and_falls_back_to_per_sequence_time():
+    cost = LinearCost()
+    assert cost.get(3) == 0.0
+    for m in (1, 2, 4, 8):
+        cost.add(m, 1.5 + 0.25 * m)
+    assert cost.get(16) == pytest.approx(1.5 + 0.25 * 16)
+    single = LinearCost()
+    for ms in (2.0, 3.0, 10.0):
+        single.add(2, ms)
+    assert single.get(4) == pytest.approx(np.median([1.0, 1.5, 5.0]) * 4)
+
+
+def simulate(accept: bool, steps: int, num_seqs: int = 4, nextn: int = 3):
+    """A batch decoding `steps` steps with a drafter whose drafts are all right / all wrong (and a head
+    that says 0.9 either way): drafted sequences per step."""
+    curve = StepTimeCurve([1, 64], [10.0, 10.0 + 0.2 * 63], mode="linear")
+    policy = DraftPolicy(nextn, ConfidenceScheduler(nextn, curve))
+    drafted_per_step = []
+    for _ in range(steps):
+        plan = policy.plan([(s, nextn) for s in range(num_seqs)], num_seqs)
+        ids = [s for s, d in enumerate(plan.draft) if d]
+        if ids:
+            policy.record_draft_time(len(ids), 1.0 + 0.5 * len(ids))
+            conf = [[0.9] * nextn for _ in ids]
+            for s, k in zip(ids, policy.verify_counts(ids, conf, num_seqs)):
+                policy.record(s, conf[0], k, k if accept else 0)
+        drafted_per_step.append(len(ids))
+    return drafted_per_step, policy
+
+
+def test_an_always_wrong_drafter_stops_drafting_and_an_oracle_keeps_full_length():
+    wrong, policy = simulate(accept=False, steps=200)
+    assert wrong[0] == 4  # the warm-up drafts and measures
+    late = wrong[40:]
+    probes = sum(late)
+    assert probes <= 4 * math.ceil(math.log2(200 / 4))  # only doubling probes remain
+    assert sum(1 for d in late if d == 0) >= 0.9 * len(late)
+    assert policy.summary()["policy_draft_fraction"] < 0.1
+    right, policy = simulate(accept=True, steps=50)
+    assert right == [4] * 50 and policy.skipped == 0
+    conf = [[0.9] * 3] * 4
+    assert policy.verify_counts(list(range(4)), conf, 4) == [3] * 4
+
+
+def test_bad_arguments_are_named():
+    rule = ConfidenceScheduler(2, StepTimeCurve([4], [1.0]))
+    with pytest.raises(ValueError, match="needs a varlen rule"):
+        DraftPolicy(2, ConfidenceScheduler(2))
+    with pytest.raises(ValueError, match="max_backoff must be >= min_backoff"):
+        DraftPolicy(2, rule, min_backoff=8, max_backoff=4)
+    with pytest.raises(ValueError, match="seq_decay must lie in"):
+        DraftPolicy(2, rule, seq_decay=0.0)
+    policy = DraftPolicy(2, rule)
+    with pytest.raises(ValueError, match=r"drafts for 0 must be an integer in \[1, nextn=2\]"):
+        policy.plan([(0, 3)], 1)
+    with pytest.raises(ValueError, match="num_seqs must be >= len"):
+        policy.plan([(0, 1), (1, 1)], 1)
+    with pytest.raises(ValueError, match="num_accepted <= num_verified"):
+        policy.record(0, [0.5], 1, 2)
+
+
+def test_extrapolating_curve_continues_the_last_line():
+    curve = StepTimeCurve([4, 8], [1.0, 3.0], mode="linear", extrapolate=True)
+    assert curve.charged(16) == (16, 3.0 + 0.5 * 8)
+    flat_end = StepTimeCurve([4, 8], [3.0, 2.0], extrapolate=True)
+    assert flat_end.charged(20) == (20, 2.0)  # never below the last time
+    assert StepTimeCurve([4], [2.0], extrapolate=True).charged(9) == (9, 2.0)
+    assert StepTimeCurve([4, 8], [1.0, 3.0]).charged(9) is None

@@ -1,0 +1,156 @@
+"""The adaptive draft policy (MTP varlen on) in the engine loop, on the random-weight §11 tiny V4.1.
+
+References: the same engine's greedy tokens with drafts off. Two drafters from those tokens: one that
+proposes exactly them (every draft right, and cheap, unlike the stateless `OracleDrafter`, whose k
+extra forwards are not what a drafter costs) and one that proposes other tokens (every draft wrong).
+"""
+
+import pytest
+from deepinfer import SamplingParams
+from deepinfer.engine.drafting import Drafts
+from deepinfer.engine.llm_engine import LLMEngine
+from deepinfer.engine_args import EngineArgs
+from deepinfer_model.models.deepseek_v41 import make_v41_checkpoint
+from deepinfer_spec import StepTimeCurve
+
+PROMPTS = [[0, 17, 99, 4, 250, 61, 8, 130], [5, 6, 7, 8], [100, 3, 42]]
+GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+NEXTN = 3
+
+
+@pytest.fixture(scope="module")
+def v41(tmp_path_factory, share_loaded_models):
+    return make_v41_checkpoint(tmp_path_factory.mktemp("v41-policy"), seed=0)
+
+
+@pytest.fixture
+def varlen(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
+
+
+def run(path, nextn=0, drafter=None, curve=None, params=GREEDY, **kw):
+    """Tokens per prompt, the engine (its completions in `engine.outputs`), and the policy's drafted
+    sequence-steps after each step."""
+    args = EngineArgs(model=str(path), block_size=16, max_model_len=48, **kw)
+    engine = LLMEngine(args, num_speculative_tokens=nextn, step_time_curve=curve)
+    if drafter is not None:
+        engine.spec.drafter = drafter(engine)
+    plist = params if isinstance(params, list) else [params] * len(PROMPTS)
+    for j, (prompt, p) in enumerate(zip(PROMPTS, plist)):
+        engine.add_request(str(j), None, p, prompt_token_ids=prompt)
+    outs, drafted = {}, []
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step()})
+        if engine.spec is not None and engine.spec.policy is not None:
+            drafted.append(engine.spec.policy.drafted)
+    engine.close()
+    engine.outputs = [outs[str(j)].outputs[0] for j in range(len(PROMPTS))]
+    return [list(o.token_ids) for o in engine.outputs], engine, drafted
+
+
+@pytest.fixture(scope="module")
+def plain(v41):
+    tokens, _, _ = run(v41)
+    return tokens
+
+
+class RecordedDrafter:
+    """Drafts from the recorded greedy continuation of each prompt: right, or shifted by one id (wrong)."""
+
+    def __init__(self, plain, vocab_size: int, wrong: bool) -> None:
+        self.full = [p + t for p, t in zip(PROMPTS, plain)]
+        self.vocab_size, self.wrong = vocab_size, wrong
+
+    def propose(self, requests):
+        out = []
+        for req in requests:
+            seen = [*req.context, req.next_token]
+            full = next(f for f in self.full if f[: len(seen)] == seen)
+            tokens = full[len(seen) : len(seen) + req.num_drafts]
+            tokens += [0] * (req.num_drafts - len(tokens))
+            if self.wrong:
+                tokens = [(t + 1) % self.vocab_size for t in tokens]
+            out.append(Drafts(tokens, [0.9] * len(tokens)))
+        return out
+
+
+class NoDrafter:
+    def propose(self, requests):
+        return [Drafts([], []) for _ in requests]
+
+
+def test_steps_without_drafts_emit_the_plain_tokens_for_sampled_requests(v41):
+    """A drafted engine's steps in which nobody verifies drafts are plain steps: seeded sampled (and
+    greedy) requests get exactly the tokens of the engine with drafts off, logprobs too."""
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, ignore_eos=True, seq_seed=3, logprobs=2),
+        SamplingParams(temperature=1.3, top_k=5, max_tokens=12, ignore_eos=True, seq_seed=4),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1),
+    ]
+    ref, plain_engine, _ = run(v41, params=params)
+    tokens, engine, _ = run(v41, nextn=NEXTN, drafter=lambda engine: NoDrafter(), params=params)
+    assert tokens == ref
+    for mine, theirs in zip(engine.outputs, plain_engine.outputs):
+        assert mine.logprobs == theirs.logprobs
+    s = engine.spec_stats()
+    assert s["verified"] == 0 and s["request_steps"] == 3 * 11
+
+
+def decode_curve(tmp_path):
+    """A decode step's time: 20 ms, and 0.3 ms more per verified token."""
+    path = tmp_path / "curve.json"
+    StepTimeCurve([1, 64], [20.0, 20.0 + 0.3 * 63], mode="linear", extrapolate=True).save(path)
+    return path
+
+
+def test_the_policy_is_on_by_default(v41, monkeypatch):
+    monkeypatch.delenv("DEEPINFER_ENABLE_MTP_VARLEN")
+    engine = LLMEngine(
+        EngineArgs(model=str(v41), block_size=16, max_model_len=48, max_num_seqs=2), num_speculative_tokens=2
+    )
+    assert engine.spec.policy is not None and engine.spec_stats()["varlen"]
+    # the measured curve prices batches beyond its largest size
+    assert engine.spec.rule.curve.extrapolate and engine.spec.policy.step_ms(1000, 200) is not None
+    engine.close()
+
+
+def test_policy_keeps_greedy_outputs_with_the_model_drafter(v41, plain, varlen):
+    tokens, engine, _ = run(v41, nextn=NEXTN)
+    s = engine.spec_stats()
+    assert s["varlen"] and s["policy_drafted_seq_steps"] > 0
+    assert tokens == plain
+
+
+def test_an_always_wrong_drafter_stops_drafting_after_the_warm_up(v41, plain, varlen, tmp_path):
+    def wrong(engine):
+        return RecordedDrafter(plain, engine.vocab_size, wrong=True)
+
+    tokens, engine, drafted = run(v41, nextn=NEXTN, drafter=wrong, curve=decode_curve(tmp_path))
+    assert tokens == plain
+    s = engine.spec_stats()
+    assert s["accepted"] == 0 and s["policy_drafted_seq_steps"] == drafted[-1]
+    assert s["policy_drafted_seq_steps"] + s["policy_skipped_seq_steps"] >= 3 * 25
+    assert engine.stats.steps == 1 + GREEDY.max_tokens - 1  # nothing accepted: one token per step
+    # after a warm-up of a few drafted steps, only probes draft: at doubling intervals, 3 sequences each
+    warm_up = 8
+    late = [b - a for a, b in zip(drafted[warm_up:], drafted[warm_up + 1 :])]
+    assert sum(1 for d in late if d) <= 2 and sum(late) <= 3 * 2
+    assert sum(1 for d in late if d == 0) >= len(late) - 2
+    assert s["policy_probe_seq_steps"] >= 3  # it keeps measuring
+
+
+def test_a_right_drafter_keeps_drafting_at_full_length(v41, plain, varlen, tmp_path):
+    def right(engine):
+        return RecordedDrafter(plain, engine.vocab_size, wrong=False)
+
+    tokens, engine, drafted = run(v41, nextn=NEXTN, drafter=right, curve=decode_curve(tmp_path))
+    assert tokens == plain
+    s = engine.spec_stats()
+    assert s["policy_skipped_seq_steps"] == 0 and s["policy_probe_seq_steps"] == 0
+    assert s["accept_rate_per_position"] == [1.0] * NEXTN
+    # after every step each sequence drafts, until max_tokens leaves no room for a draft (1 token left,
+    # then the last step): 29 tokens after the prefill's first are 7 steps of 4, then 1
+    assert drafted == [3 * (i + 1) for i in range(7)] + [21, 21], drafted
+    # full blocks: the prefill step, then 1 + k tokens per step until max_tokens leaves less room
+    assert s["verified"] == s["accepted"] and s["avg_verified_len"] > NEXTN - 0.5
+    assert engine.stats.steps <= 1 + -(-(GREEDY.max_tokens - 1) // (1 + NEXTN)) + 1
