@@ -1,13 +1,15 @@
-"""Attention data parallel + MoE expert parallel over N local processes (engine spec §3.1, §7.1, §7.3).
+"""Attention data parallel, context parallel and MoE expert parallel over N local processes (engine spec
+§3.1, §7.1, §7.2, §7.3).
 
     LLM(model, data_parallel_size=2, expert_parallel_size=2).generate(prompts, params)
+    LLM(model, context_parallel_size=2).generate(prompts, params)
 
-The front process (`DataParallelEngine`, used by `LLM` when `data_parallel_size > 1`) spawns one
-process per DP rank. Each rank builds its own `LLMEngine`: tokenizer, its own `deepinfer_sched`
+The front process (`DataParallelEngine`, used by `LLM` when the layout has several ranks) spawns one
+process per rank. Each rank builds its own `LLMEngine`: tokenizer, its own `deepinfer_sched`
 scheduler, KV pools, and a model whose routed experts are sharded over the EP group (only the local
-experts are loaded). The front assigns requests to ranks (balanced by prompt tokens, deterministic),
-sends them, and gathers the `RequestOutput`s back: the finished ones, and for an `AsyncLLM` (which
-turns `stream_outputs` on) each request's output so far after every step that gave it tokens.
+experts are loaded). The front assigns requests to data-parallel groups (balanced by prompt tokens,
+deterministic), sends them, and gathers the `RequestOutput`s back: the finished ones, and for an
+`AsyncLLM` (which turns `stream_outputs` on) each request's output so far after every step that gave it tokens.
 
 Why ranks must agree every step: each MoE layer of a forward is an all-to-all over the EP group, so
 every EP rank must run the same number of forwards. Each engine step, the ranks of an EP group take
@@ -17,6 +19,12 @@ have requests. A rank behind the maximum submits idle forwards (every MoE layer'
 with no tokens) to catch up; the loop ends when no rank of the group has work. The vote happens
 before the engine waits for a forward, so no rank ever waits for a forward the others have not been
 told to join.
+
+Context parallel: a data-parallel group is `context_parallel_size` rank processes (contiguous ranks).
+Each of them gets the group's share of the requests and runs the same steps, splitting every chunk's
+rows with the mirror balance (runtime/cp_rows.py in deepinfer-model, the same engine as on launched
+ranks); they apply the front's messages between the same two steps (`rank_process._Inbox`), and the
+first of them reports the outputs and counters.
 
 Layout: this file is the front; a rank's process is `rank_process.py`, what its engine holds to take
 part in the vote `dp_rank.py`.
@@ -43,7 +51,7 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 from deepinfer_cluster import no_multicast_environment
-from deepinfer_model import check_prompt_logprobs
+from deepinfer_model import check_checkpoint_context_parallel, check_prompt_logprobs
 
 from ..default_model import resolve_model
 from ..engine_args import EngineArgs
@@ -111,11 +119,17 @@ class DataParallelEngine(PromptChecks):
 
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
+        self.layout = args.layout
         self.world = args.world_size
+        # One rank per data-parallel group reports its outputs and counters: the first of its
+        # context-parallel ranks (the others run the same requests in lockstep).
+        self._reporting = [self.layout.coords(r).cp_rank == 0 for r in range(self.world)]
         self.use_async = args.use_async
         self.timeout_s = float(args.distributed_timeout)
         self.startup_timeout_s = float(args.distributed_startup_timeout)
         self.model_path, self.is_default_model = resolve_model(args.model)
+        if self.layout.cp > 1:  # refused here, before any rank starts, as each rank's runner would
+            check_checkpoint_context_parallel(self.model_path, settings_from_env().enabled)
         tok_path = Path(args.tokenizer) if args.tokenizer else self.model_path
         self.tokenizer = load_tokenizer(tok_path)
         self.tokenizer_config = load_tokenizer_config(tok_path)
@@ -266,12 +280,12 @@ class DataParallelEngine(PromptChecks):
         return done
 
     def scheduler_stats(self) -> dict:
-        """`LLMEngine.scheduler_stats()` summed over the ranks (kv_usage and prefix_cache_hit_rate
-        recomputed from the sums), plus "ranks": each rank's own. As of each rank's last report: final
+        """`LLMEngine.scheduler_stats()` summed over the data-parallel groups (their reporting ranks;
+        kv_usage and prefix_cache_hit_rate recomputed from the sums), plus "ranks": each rank's own. As of each rank's last report: final
         once `step()` has returned the last outputs of a run, at most ~5 s old while one runs."""
         ranks = [dict(s.get("scheduler", {})) for s in self._rank_stats]
         total: dict = {}
-        for stats in ranks:
+        for stats in self._reported(ranks):
             for key, value in stats.items():
                 if isinstance(value, int) and not isinstance(value, bool):
                     total[key] = total.get(key, 0) + value
@@ -285,9 +299,9 @@ class DataParallelEngine(PromptChecks):
         return total
 
     def spec_counts(self) -> dict | None:
-        """`LLMEngine.spec_counts()` summed over the ranks, as of each rank's last report (final once
+        """`LLMEngine.spec_counts()` summed over the data-parallel groups, as of each rank's last report (final once
         `step()` has returned a run's last outputs). None when no rank drafts."""
-        counts = [s["spec_counts"] for s in self._rank_stats if s.get("spec_counts")]
+        counts = [s["spec_counts"] for s in self._reported(self._rank_stats) if s.get("spec_counts")]
         if not counts:
             return None
         total = {"nextn": max(c["nextn"] for c in counts)}
@@ -339,13 +353,14 @@ class DataParallelEngine(PromptChecks):
     # ------------------------------------------------------------------ internals
     def _dispatch(self) -> None:
         pending, self._pending = self._pending, []
-        ranks = assign_ranks([len(r[2]) * r[3].n for r in pending], self.world)
-        shares = [[] for _ in range(self.world)]
-        for req, r in zip(pending, ranks):
-            shares[r].append(req)
+        groups = assign_ranks([len(r[2]) * r[3].n for r in pending], self.layout.dp)
+        shares = [[] for _ in range(self.layout.dp)]
+        for req, g in zip(pending, groups):
+            shares[g].append(req)
             self._outstanding.add(req[0])
-        for conn, share in zip(self._conns, shares):  # every rank, so every rank starts its loop
-            self._send(conn, ("add", share, self.stream_outputs))
+        # every rank, so every rank starts its loop; the ranks of a context-parallel group the same share
+        for rank, conn in enumerate(self._conns):
+            self._send(conn, ("add", shares[self.layout.coords(rank).dp_rank], self.stream_outputs))
 
     def _broadcast(self, msg) -> None:
         for conn in self._conns:
@@ -455,12 +470,17 @@ class DataParallelEngine(PromptChecks):
             )
         self._fail(f"{'; '.join(parts)} while {what} (distributed_timeout={limit:.0f} s)", TimeoutError)
 
+    def _reported(self, per_rank: list) -> list:
+        """The entries of the reporting ranks (one per data-parallel group) of a per-rank list."""
+        return [x for x, reports in zip(per_rank, self._reporting) if reports]
+
     def _update_stats(self) -> None:
+        reported = self._reported(self._rank_stats)
         for name in ("steps",):  # steps run in lockstep: the slowest rank's count
-            setattr(self.stats, name, max(s.get(name, 0) for s in self._rank_stats))
+            setattr(self.stats, name, max(s.get(name, 0) for s in reported))
         for f in dataclasses.fields(EngineStats):
             if f.name != "steps" and isinstance(getattr(self.stats, f.name), int | float):
-                setattr(self.stats, f.name, sum(s.get(f.name, 0) for s in self._rank_stats))
+                setattr(self.stats, f.name, sum(s.get(f.name, 0) for s in reported))
         # EPLB counters are per EP group (its ranks report the same ones): one report per group
         groups = [s for s in self._rank_stats if s.get("ep_rank") == 0]
         for f in dataclasses.fields(DataParallelStats):

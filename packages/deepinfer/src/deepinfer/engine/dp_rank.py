@@ -132,6 +132,9 @@ class DataParallelRank:
         self.launched = 0  # forwards (real and idle) submitted to this rank's model so far
         self.messages = 0  # front messages (sent to every rank) this rank has taken in so far
         self.any_busy = False  # result of the last vote: does any rank of the EP group have work
+        # this rank's context-parallel group holds front messages not all of its ranks have read yet
+        # (rank_process._Inbox): the run goes on until they are applied
+        self.held_messages = False
         self._idle_futures: deque[Future] = deque()
         self.step_trace = None  # the rank loop's StepTrace (rank_process.py), for benchmarks
 
@@ -228,6 +231,7 @@ class DataParallelRank:
         (`run_idle`) or submitted behind the queued forwards (`submit_idle() -> Future`)."""
         while self._idle_futures and self._idle_futures[0].done():
             self._idle_futures.popleft().result()  # an idle forward that failed: the world is broken
+        busy = busy or self.held_messages
         if self.vote_group is None:
             self.launched += launching
             self.any_busy = busy
