@@ -23,7 +23,7 @@ told to join.
 Context parallel: a data-parallel group is `context_parallel_size` rank processes (contiguous ranks).
 Each of them gets the group's share of the requests and runs the same steps, splitting every chunk's
 rows with the mirror balance (runtime/cp_rows.py in deepinfer-model, the same engine as on launched
-ranks); they apply the front's messages between the same two steps (`rank_process._Inbox`), and the
+ranks); they apply the front's messages between the same two steps (`rank_process.Inbox`), and the
 first of them reports the outputs and counters.
 
 Layout: this file is the front; a rank's process is `rank_process.py`, what its engine holds to take

@@ -133,7 +133,7 @@ class DataParallelRank:
         self.messages = 0  # front messages (sent to every rank) this rank has taken in so far
         self.any_busy = False  # result of the last vote: does any rank of the EP group have work
         # this rank's context-parallel group holds front messages not all of its ranks have read yet
-        # (rank_process._Inbox): the run goes on until they are applied
+        # (rank_process.Inbox): the run goes on until they are applied
         self.held_messages = False
         self._idle_futures: deque[Future] = deque()
         self.step_trace = None  # the rank loop's StepTrace (rank_process.py), for benchmarks

@@ -169,7 +169,7 @@ def _serve(engine, dp: DataParallelRank, conn, outbox: _Outbox, beat: _Heartbeat
     together; messages arriving during a run are handled between steps (the vote sees the new work,
     and the count of messages taken in, so that no rank leaves the run with a message unread that
     another rank already acted on; the ranks of a context-parallel group also apply each message
-    between the same two steps, `_Inbox`). While the front has step tracing on, every step is timed
+    between the same two steps, `Inbox`). While the front has step tracing on, every step is timed
     here (`step_trace.py`) and the records travel with the statistics. Requests the front streams get
     a snapshot after each step that gave them tokens (`rank_streaming.py`), sent with the finished
     ones. Of a context-parallel group only the first rank sends outputs (the others computed the same).
@@ -180,7 +180,7 @@ def _serve(engine, dp: DataParallelRank, conn, outbox: _Outbox, beat: _Heartbeat
         eplb.add_listener(trace.on_event)
     streamed = StreamedRequests()
     reports = dp.state.cp.rank_in_group == 0
-    inbox = _Inbox(conn, dp.state.cpu_cp.group if dp.state.cp.size > 1 else None)
+    inbox = Inbox(conn, dp.state.cpu_cp.group if dp.state.cp.size > 1 else None)
     while True:
         inbox.wait()
         beat.running = True
@@ -207,7 +207,7 @@ def _serve(engine, dp: DataParallelRank, conn, outbox: _Outbox, beat: _Heartbeat
         outbox.send(("idle", dp.rank, [], _stats(engine, dp), dp.messages))
 
 
-class _Inbox:
+class Inbox:
     """The front's messages this rank has read and not yet applied.
 
     The ranks of one context-parallel group run the same steps (each step's rows are split among them,
