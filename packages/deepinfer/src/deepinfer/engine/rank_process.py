@@ -304,7 +304,8 @@ def _stats(engine, dp: DataParallelRank) -> dict:
     # who this rank is (a benchmark reports the processes that ran), and its step records so far
     out["identity"] = {
         "rank": dp.rank, "pid": os.getpid(), "host": socket.gethostname(), "ep_rank": dp.state.ep.rank_in_group,
-        "ep_ranks": list(dp.state.ep.ranks), "cp_ranks": list(dp.state.cp.ranks), "eplb": dp.collectives is not None and dp.collectives.eplb is not None,
+        "ep_ranks": list(dp.state.ep.ranks), "cp_ranks": list(dp.state.cp.ranks),
+        "draft_experts_sharded": dp.draft_collectives is not None, "eplb": dp.collectives is not None and dp.collectives.eplb is not None,
         "async_loop": engine.pipeline is not None,
     }  # fmt: skip
     if trace is not None and trace.enabled:

@@ -230,6 +230,15 @@ class SpecDecoder:
             self.stats.record_step(ks, accepted, confs, result.accept_probs.tolist())
         return rollbacks
 
+    @property
+    def counts_draft_forwards(self) -> bool:
+        """The drafter tells how many draft-block forwards a `propose` will run (`draft_forwards`)."""
+        return hasattr(self.drafter, "draft_forwards")
+
+    def draft_forwards(self, requests: list[DraftRequest]) -> int:
+        """Draft-block forwards `propose(requests)` will run (0 without requests)."""
+        return self.drafter.draft_forwards(requests) if requests else 0
+
     def propose(self, requests: list[DraftRequest]) -> dict[int, list[int]]:
         """Run the drafter, store its drafts, choose how many each sequence verifies next step.
         Returns {seq_id: drafts to feed} (possibly empty lists)."""
