@@ -356,3 +356,16 @@ def test_context_parallel_refusals_come_before_any_rank_starts(v41, micro_checkp
     clean_env.setenv("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "64")
     with pytest.raises(ValueError, match="context_parallel_size > 1 cannot be combined with YOCO prefill"):
         LLM(str(v41[0]), context_parallel_size=2)
+
+
+def test_one_process_never_runs_a_multi_rank_layout(micro_checkpoint, clean_env):
+    """An LLMEngine (one process) refuses a layout of several ranks instead of running it alone, and the
+    benchmark refuses context parallelism, whose rank rows it would count once per CP rank."""
+    from deepinfer.bench.harness import _engine, build_parser
+    from deepinfer.engine.llm_engine import LLMEngine
+
+    with pytest.raises(ValueError, match=r"an LLMEngine is one process; the layout world_size=2, dp=1, cp=2"):
+        LLMEngine(EngineArgs(model=str(micro_checkpoint), context_parallel_size=2))
+    args = build_parser().parse_args(["decode", "--model", str(micro_checkpoint), "--cp", "2"])
+    with pytest.raises(ValueError, match="context_parallel_size=2 is not measured by it"):
+        _engine(args)
