@@ -278,6 +278,9 @@ per sequence (n = num_seqs) and per query token (T = num_batched_tokens).)doc")
            py::arg("arrival_time"), py::arg("cached_block_ids"), py::arg("cache_salt") = 0)
       .def("abort", &Scheduler::abort, py::arg("seq_id"),
            "Abort a request at any time; frees its blocks. Returns False if it had already finished.")
+      .def("requeue", &Scheduler::requeue, py::arg("seq_id"), py::arg("sched_output"),
+           "Send a running sequence of the latest unprocessed step back to waiting (it recomputes, as after "
+           "a preemption; reconcile drops its entry). False where a preempted sequence would finish instead.")
       .def("release", &Scheduler::release, py::arg("seq_id"),
            "Forget a finished request (a PROMPT engine's held blocks are freed here).")
       .def(

@@ -247,6 +247,16 @@ void Scheduler::unref(Sequence* s) {
   if (--s->inflight_refs == 0 && s->release_pending) seqs_.erase(s->seq_id);
 }
 
+bool Scheduler::requeue(int64_t seq_id, StepOutput& out) {
+  Sequence* s = lookup(seq_id, "requeue");
+  bool latest = !inflight_.empty() && inflight_.back().get() == &out;
+  if (!latest) bad("requeue: sched_output must be the latest step, not yet processed");
+  if (s->status != SeqStatus::kRunning) bad("requeue: seq_id " + S(seq_id) + " is not running");
+  if (cfg_.finish_preempted || cfg_.engine_type == EngineType::kCompletion) return false;
+  preempt(s, out);
+  return true;
+}
+
 void Scheduler::preempt(Sequence* s, StepOutput& out) {
   ++st_.num_preemptions;
   ++s->num_preemptions;

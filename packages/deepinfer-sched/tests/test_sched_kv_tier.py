@@ -192,3 +192,55 @@ def test_random_workload_with_a_bounded_tier_gives_the_expected_streams(seed):
     for lo in range(0, 14, 3):
         run(sched, model, tier, specs[lo : lo + 3], max_model_len=24)
     assert tier.loaded > 0
+
+
+def test_a_load_that_failed_is_recomputed_after_requeue():
+    """The engine could not load what the scheduler counted as loaded: it forgets the block and sends the
+    sequence back (`requeue`); reconcile drops its entry, and the next schedule recomputes the prompt, whose
+    stream is the fake model's exactly (the fake model checks every KV it reads)."""
+    sched, model = make()
+    tier = FakeTier(sched, model)
+    prompt = list(range(1, 15))
+    run(sched, model, tier, [RequestSpec(0, prompt, 1), RequestSpec(1, list(range(20, 49)), 1)])
+    spec = RequestSpec(2, prompt + [3, 3], 3)
+    c = sched.add_request(spec.prompt, seq_id=spec.seq_id, max_tokens=spec.max_tokens)
+    out = sched.schedule()
+    blocks = out.block_loads[2].tolist()
+    assert len(blocks) == 3
+    for b in blocks:  # the load failed: nothing written, the block forgotten, its key gone from the tier
+        sched.uncache_block(b)
+    for h, k in zip(out.block_loads[3].tolist(), out.block_loads[4].tolist()):
+        tier.entries.pop((h, k))
+        sched.drop_loadable(np.array([h], np.uint64), np.array([k], np.uint64))
+    assert sched.requeue(c, out)
+    out = sched.reconcile(out)
+    assert out.is_empty and sched.waiting_ids() == [c] and sched.stats()["num_preemptions"] == 1
+    sched.update_from_output(out, [])
+    got = {}
+    while sched.has_unfinished():
+        out = sched.schedule()
+        assert out.block_loads[0].size == 0  # recomputed, not loaded
+        for f in sched.update_from_output(out, model.run(sched, out)):
+            got[f.seq_id] = (sched.output_token_ids(f.seq_id).tolist(), f.finish_reason)
+        sched.check_invariants()
+    assert got[c] == expected_stream(spec, 32, V)
+
+
+def test_requeue_refuses_what_it_cannot_do():
+    sched, _ = make(finish_preempted=True)
+    a = sched.add_request([1, 2, 3], max_tokens=2)
+    out = sched.schedule()
+    assert not sched.requeue(a, out)  # a preempted sequence would finish here: the caller fails it
+    sched2, model2 = make()
+    b = sched2.add_request([1, 2, 3], max_tokens=2)
+    w = sched2.add_request([4, 5], max_tokens=2, priority=1)
+    first = sched2.schedule()
+    sched2.update_from_output(first, model2.run(sched2, first))
+    second = sched2.schedule()
+    with pytest.raises(ValueError, match="not running"):
+        sched2.requeue(sched2.add_request([6], max_tokens=1), second)
+    sched2.update_from_output(second, model2.run(sched2, second))
+    third = sched2.schedule()
+    with pytest.raises(ValueError, match="latest step"):
+        sched2.requeue(b, second)
+    del w, third

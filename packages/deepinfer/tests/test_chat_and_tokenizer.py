@@ -58,6 +58,51 @@ def test_tool_calls_and_tool_messages():
     )
 
 
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "description": "Today's weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def test_tool_definitions_follow_the_system_prompt_and_parse_back():
+    from deepinfer import ToolCall, parse_tool_calls
+
+    plain = render_chat(USER, CONFIG)
+    got = render_chat(USER, CONFIG, tools=[WEATHER_TOOL, {"type": "function", "function": {"name": "now"}}])
+    head, tail = got.split("<｜User｜>", 1)
+    assert "<｜User｜>" + tail == plain[plain.index("<｜User｜>") :]  # the conversation is untouched
+    assert head.startswith(f"{BOS}Be brief.\n\n## Tools\n")
+    assert (
+        '### weather\nToday\'s weather in a city.\nArguments (JSON schema): {"type": "object", "properties"'
+        in head
+    )
+    assert '### now\nArguments (JSON schema): {"type": "object"}\n' in head  # no description, no parameters
+    # without a system prompt the tools come first; no tools (or none given) renders as before
+    assert render_chat(USER[1:], CONFIG, tools=[WEATHER_TOOL]).startswith(f"{BOS}## Tools\n")
+    assert render_chat(USER, CONFIG, tools=[]) == plain
+    # a call written in the format the prompt describes is what the assistant turn renders and the parser reads
+    call = {"type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+    turn = render_chat([*USER, {"role": "assistant", "content": None, "tool_calls": [call]}], CONFIG, False)
+    answer = turn[turn.rindex("<｜Assistant｜>") + len("<｜Assistant｜>") : -len("<｜end▁of▁sentence｜>")]
+    assert parse_tool_calls(answer).calls == [ToolCall("weather", '{"city": "Oslo"}')]
+    # checkpoints carrying an earlier built-in template render tools the same
+    for old in EARLIER_DEFAULT_CHAT_TEMPLATES:
+        assert render_chat(USER, {**CONFIG, "chat_template": old}, tools=[WEATHER_TOOL]) == render_chat(
+            USER, CONFIG, tools=[WEATHER_TOOL]
+        )
+    # a template that does not render tools refuses them rather than dropping them
+    with pytest.raises(ValueError, match="tools: this checkpoint's chat template does not render"):
+        render_chat(USER, {**CONFIG, "chat_template": "{{ messages[0]['content'] }}"}, tools=[WEATHER_TOOL])
+    with pytest.raises(ValueError, match="tools must be a list"):
+        render_chat(USER, CONFIG, tools=[{"name": "weather"}])
+    with pytest.raises(ValueError, match="must not set 'tools'"):
+        render_chat(USER, CONFIG, chat_template_kwargs={"tools": [WEATHER_TOOL]})
+
+
 @pytest.mark.parametrize(
     "messages, kwargs, message",
     [

@@ -1,8 +1,8 @@
 """The KV tier end to end: shared prefixes that outgrow the device cache are kept in host memory and on
 disk when the device cache evicts them, and loaded back on a later hit instead of recomputed. Outputs are
 those of an engine without the tier (greedy and seeded sampling, sync, async and drafting loops), fewer
-prompt tokens are computed, a second engine reuses the first one's disk files, and a corrupt file fails
-only the requests that needed it."""
+prompt tokens are computed, a second engine reuses the first one's disk files, and a corrupt file costs
+a recompute of what it held, never another request's output."""
 
 import numpy as np
 import pytest
@@ -110,57 +110,65 @@ def test_host_tier_budget_pushes_to_disk(micro_checkpoint, share_loaded_models, 
     assert st["demoted"] > 0 and st["disk_hits"] > 0 and st["host_bytes_used"] <= 1 << 20
 
 
-def test_corrupt_file_fails_only_its_requests(micro_checkpoint, share_loaded_models, tmp_path):
+def _corrupt_files(path) -> None:
+    for f in path.rglob("*.kv"):
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 0xFF
+        f.write_bytes(bytes(data))
+
+
+def test_corrupt_file_is_recomputed(micro_checkpoint, share_loaded_models, tmp_path):
     prompts = workload(512, rounds=1)
     base, _ = run(micro_checkpoint, prompts)
     disk = dict(kv_host_tier_bytes=0, kv_disk_tier_bytes=1 << 30, kv_disk_tier_dir=str(tmp_path))
     run(micro_checkpoint, prompts, **disk)
-    for f in tmp_path.rglob("*.kv"):
-        data = bytearray(f.read_bytes())
-        data[-1] ^= 0xFF
-        f.write_bytes(bytes(data))
-    # the first prompt hits the corrupt files; then the same prompt again, recomputed
+    _corrupt_files(tmp_path)
+    # the first prompt hits the corrupt files and recomputes; the same prompt again finds no entry
     got, engine = run(micro_checkpoint, [prompts[0], prompts[0]], **disk)
-    by_id = {o.request_id: o for o in got}
-    assert "KV tier load failed" in by_id["0"].error and "checksum mismatch" in by_id["0"].error
-    assert by_id["1"].error is None
-    assert [list(c.token_ids) for c in by_id["1"].outputs] == tokens(base)["0"][1]
-    assert engine.kv_tier_stats()["failed_loads"] > 0
+    assert tokens(got) == {"0": tokens(base)["0"], "1": tokens(base)["0"]}
+    st = engine.kv_tier_stats()
+    assert st["failed_loads"] > 0 and st["disk_hits"] == 0
+    assert engine.scheduler_stats()["num_preemptions"] > 0  # the loading sequence went back to waiting
 
 
 @pytest.mark.parametrize("use_async", [False, True])
-def test_a_failed_load_fails_only_the_requests_that_needed_it(
-    micro_checkpoint, share_loaded_models, tmp_path, use_async
+@pytest.mark.parametrize("stop_preempted", [False, True])
+def test_a_failed_load_touches_only_the_requests_that_needed_it(
+    micro_checkpoint, share_loaded_models, tmp_path, use_async, stop_preempted
 ):
     """A request whose prefix file is corrupt, scheduled in one step with a request that loads nothing:
-    the first fails, the second gets the tokens it gets alone."""
+    the first recomputes its prefix (or, where preempted requests stop, fails naming the load), the
+    second gets the tokens it gets alone either way."""
     prompts = workload(512, rounds=1)
     fresh = np.random.default_rng(1).integers(4, 512, 9).tolist()
-    base, _ = run(micro_checkpoint, [fresh])
+    base, _ = run(micro_checkpoint, [prompts[0], fresh])
     disk = dict(kv_host_tier_bytes=0, kv_disk_tier_bytes=1 << 30, kv_disk_tier_dir=str(tmp_path))
     run(micro_checkpoint, prompts, **disk)
-    for f in tmp_path.rglob("*.kv"):
-        data = bytearray(f.read_bytes())
-        data[-1] ^= 0xFF
-        f.write_bytes(bytes(data))
+    _corrupt_files(tmp_path)
     kw = dict(
         max_model_len=40, block_size=BLOCK, num_kv_blocks=12, max_num_seqs=2, async_scheduling=use_async
     )
-    engine = LLMEngine(EngineArgs(model=str(micro_checkpoint), **kw, **disk), num_speculative_tokens=0)
+    args = EngineArgs(model=str(micro_checkpoint), stop_preempted_request=stop_preempted, **kw, **disk)
+    engine = LLMEngine(args, num_speculative_tokens=0)
     engine.add_request("corrupt", None, GREEDY, prompt_token_ids=prompts[0])
     engine.add_request("fresh", None, GREEDY, prompt_token_ids=fresh)
     got = {}
     while engine.has_unfinished_requests():
         got.update((o.request_id, o) for o in engine.step())
     assert engine.kv_tier_stats()["failed_loads"] > 0
-    assert "KV tier load failed" in got["corrupt"].error
     assert got["fresh"].error is None
-    assert [list(c.token_ids) for c in got["fresh"].outputs] == tokens(base)["0"][1]
-    # nothing is left held: the engine serves the corrupt prompt again (recomputed now)
+    assert [list(c.token_ids) for c in got["fresh"].outputs] == tokens(base)["1"][1]
+    if stop_preempted:
+        assert "KV tier load failed" in got["corrupt"].error and "checksum mismatch" in got["corrupt"].error
+    else:
+        assert got["corrupt"].error is None
+        assert [list(c.token_ids) for c in got["corrupt"].outputs] == tokens(base)["0"][1]
+    # nothing is left held: the engine serves the prompt again (computed now: its keys left the tier)
     engine.add_request("again", None, GREEDY, prompt_token_ids=prompts[0])
     while engine.has_unfinished_requests():
         got.update((o.request_id, o) for o in engine.step())
-    assert got["again"].error is None and engine.scheduler_stats()["num_free_blocks"] > 0
+    assert [list(c.token_ids) for c in got["again"].outputs] == tokens(base)["0"][1]
+    engine.scheduler.check_invariants()
     engine.close()
 
 
@@ -193,3 +201,24 @@ def test_settings_are_checked(micro_checkpoint, monkeypatch):
         EngineArgs(model=str(micro_checkpoint))
     with pytest.raises(ValueError, match="needs runner='paged'"):
         LLMEngine(EngineArgs(model=str(micro_checkpoint), runner="recompute", kv_host_tier_bytes=1 << 20))
+
+
+def test_two_live_engines_share_one_directory(micro_checkpoint, share_loaded_models, tmp_path, monkeypatch):
+    """The second engine starts before the first has written anything; it loads the first one's files
+    once it has looked again (every schedule here), with the tokens it computes alone."""
+    from deepinfer.engine import kv_tier
+
+    monkeypatch.setattr(kv_tier, "RESCAN_S", 0.0)
+    prompts = workload(512, rounds=1)
+    base, _ = run(micro_checkpoint, prompts[:1])
+    disk = dict(kv_host_tier_bytes=0, kv_disk_tier_bytes=1 << 30, kv_disk_tier_dir=str(tmp_path))
+    kw = dict(max_model_len=40, block_size=BLOCK, num_kv_blocks=12, max_num_seqs=2)
+    second = LLMEngine(EngineArgs(model=str(micro_checkpoint), **kw, **disk), num_speculative_tokens=0)
+    run(micro_checkpoint, prompts, **disk)  # the first engine: evicts prompts[0]'s prefix to disk
+    second.add_request("0", None, GREEDY, prompt_token_ids=prompts[0])
+    got = []
+    while second.has_unfinished_requests():
+        got += second.step()
+    assert tokens(got) == tokens(base)
+    assert second.kv_tier_stats()["disk_hits"] > 0
+    second.close()

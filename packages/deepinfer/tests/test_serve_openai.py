@@ -114,6 +114,50 @@ def test_completion_stream_adds_up_with_usage_and_logprobs(client, offline):
     assert chunks[-1].usage.completion_tokens == len(want.token_ids) and chunks[-1].choices == []
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, offline):
+    prompt = "The cat sat on the mat"
+    want = offline.generate(
+        prompt, SamplingParams(max_tokens=5, seq_seed=3, logprobs=2, prompt_logprobs=2), use_tqdm=False
+    )[0]
+    ids, gen = want.prompt_token_ids, want.outputs[0]
+    kw = dict(model="micro", prompt=prompt, max_tokens=5, seed=3, logprobs=2, echo=True)
+    got = client.completions.create(**kw).choices[0]
+    assert got.text == prompt + gen.text
+    lp = got.logprobs
+    assert len(lp.tokens) == len(ids) + len(gen.token_ids)
+    # the first prompt token has nothing before it; the others are the engine's prompt logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1 : len(ids)] == pytest.approx(
+        [want.prompt_logprobs[i][t].logprob for i, t in enumerate(ids) if i > 0]
+    )
+    assert all(0 < len(top) <= 2 for top in lp.top_logprobs[1 : len(ids)])
+    assert lp.token_logprobs[len(ids) :] == pytest.approx(gen.token_logprobs)
+    # independently: the last prompt token's logprob as the decode scores it, forced after the rest
+    forced = offline.generate(
+        {"prompt_token_ids": ids[:-1]},
+        SamplingParams(max_tokens=1, logprobs=0, golden_token_ids=[ids[-1]]),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert forced.token_ids == [ids[-1]]
+    assert lp.token_logprobs[len(ids) - 1] == pytest.approx(forced.token_logprobs[0], abs=1e-4)
+    # offsets index the returned text (which shows no BOS)
+    for token, offset in zip(lp.tokens[1:], lp.text_offset[1:], strict=True):
+        assert got.text[offset : offset + len(token)] == token
+    # streamed: the echo and its logprobs come first, and all of it adds up to the whole
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
+    assert "".join(c.text for c in chunks) == got.text
+    assert [t for c in chunks for t in c.logprobs.tokens] == lp.tokens
+    assert [o for c in chunks for o in c.logprobs.text_offset] == lp.text_offset
+    streamed = [x for c in chunks for x in c.logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:])
+
+
+def test_suffix_is_refused_for_want_of_a_fill_in_the_middle_mode(client):
+    with pytest.raises(openai.BadRequestError, match="fill-in-the-middle") as e:
+        client.completions.create(model="micro", prompt="def f(", suffix="    return x\n", max_tokens=4)
+    assert e.value.body["param"] == "suffix"
+
+
 def test_chat_equals_offline_with_thinking_modes_and_streams(client, offline):
     params = SamplingParams(max_tokens=8, temperature=0.9, seq_seed=21, logprobs=2)
     for kwargs in (None, {"thinking": False}, {"thinking": True}):

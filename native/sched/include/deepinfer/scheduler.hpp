@@ -158,6 +158,11 @@ class Scheduler {
   size_t num_loadable() const { return bm_.num_loadable(); }
   // A load that could not be done: forget the block's cached content so no request hits it.
   void uncache_block(int32_t block_id) { bm_.uncache(block_id); }
+  // Sends a running sequence of `out` (the latest unprocessed step) back to waiting, as a preemption
+  // does: its blocks are freed and its entry in `out` goes stale (reconcile drops it); it recomputes
+  // when admitted again. For a lower-tier load that failed after schedule(). Returns false (and does
+  // nothing) where a preempted sequence would finish instead: finish_preempted, COMPLETION engines.
+  bool requeue(int64_t seq_id, StepOutput& out);
   std::vector<int64_t> waiting_ids() const;
   std::vector<int64_t> running_ids() const;
   std::vector<int64_t> live_ids() const;  // every known, unreleased sequence

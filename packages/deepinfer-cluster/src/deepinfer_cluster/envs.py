@@ -158,6 +158,8 @@ _EPLB = "deepinfer_parallel.eplb"
 TRACEABLE_OPS = ("rms_norm", "apply_rope", "hc_read", "hc_write")
 # torch.compile backends of the graphed decode step (`deepinfer_model.runtime.compiled.BACKENDS`).
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+# How the data-parallel front routes requests to its ranks (`deepinfer.engine.dp_balance`).
+DP_ROUTING_POLICIES = ("balanced", "static", "round_robin")
 MAX_NEXTN = 32  # the drafter's block is at most 32 tokens (v41 spec §7)
 
 _VARS = [
@@ -357,6 +359,14 @@ _VARS = [
         "deepinfer_model.models.deepseek_v41.vision.workers",
     ),
     EnvVar(
+        "DEEPINFER_ENCODER_CACHE_TOKENS",
+        integer(1),
+        1 << 16,
+        "image embedding rows (image tokens) the encoder cache keeps by image content hash; "
+        "EngineArgs.encoder_cache_tokens overrides",
+        "deepinfer.engine_args",
+    ),
+    EnvVar(
         "DEEPINFER_ENGRAM_PAD_TOKEN",
         integer(),
         2,
@@ -485,6 +495,15 @@ _VARS = [
         "fork",
         "how local ranks are started (spawn if a parent's threads make fork unsafe)",
         "deepinfer_parallel.launch",
+    ),
+    EnvVar(
+        "DEEPINFER_DP_ROUTING",
+        choice(*DP_ROUTING_POLICIES),
+        "balanced",
+        "how the data-parallel front routes requests to its ranks: balanced (queued tokens, KV usage and "
+        "prefix-cache overlap; waiting requests move between ranks), static (longest first per batch) or "
+        "round_robin; EngineArgs.dp_routing overrides",
+        "deepinfer.engine_args",
     ),
     EnvVar(
         "DEEPINFER_EP_BACKEND",

@@ -24,6 +24,16 @@ _MODULES: dict[str, tuple[str, ...]] = {
         "make_v41_checkpoint",
         "tiny_v41_config_dict",
     ),
+    ".models.deepseek_v41.vision": (
+        "EncoderCache",
+        "ImageError",
+        "ImagePreprocessor",
+        "ImageSentinels",
+        "compression_stride",
+        "expand_images",
+        "image_digest",
+        "image_grid_of",
+    ),
     ".models.deepseek_v41.yoco": (
         "YocoSettings",
         "check_prompt_logprobs",

@@ -46,7 +46,9 @@ class ModelFamily(ABC):
     @abstractmethod
     def forward(self, model, meta, cache, extras=None) -> torch.Tensor:
         """The eager forward over one packed step: FP32 logits [len(meta.logits_rows), vocab], writing the
-        step's keys into `cache`. `extras`: what `step_extras` built for this step (None when off)."""
+        step's keys into `cache`. `extras`: what `step_extras` built for this step (None when off).
+        A family whose models take images also accepts `images=` (the step's image embeddings [n, H] in
+        packed row order, `StepBatch.step_image_features`); the runner passes it only to such models."""
 
     def moe_blocks(self, model, part: str = "backbone") -> list:
         """The blocks whose `.moe` holds the experts of `part` ("backbone" or "drafter"), for EPLB."""

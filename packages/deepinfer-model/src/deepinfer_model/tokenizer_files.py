@@ -9,13 +9,25 @@ from pathlib import Path
 
 # The DeepSeek-V3/V4 chat format: what the engine renders messages in when a checkpoint's
 # tokenizer_config.json has no chat_template, and what checkpoints we write carry. Roles system,
-# user, assistant (with optional OpenAI-style `tool_calls`) and tool. `thinking`, when given
+# user, assistant (with optional OpenAI-style `tool_calls`) and tool; `tools` (OpenAI-style function
+# definitions), when given, are described after the system prompt with the call format the assistant
+# turns use (deepinfer.tool_calls parses it). `thinking`, when given
 # (chat_template_kwargs), picks DeepSeek's reasoning mode: the generation prompt ends in `<think>`
 # (thinking) or `</think>` (answer directly), and earlier assistant turns carry the closed `</think>`
 # of a finished reasoning; without it the prompt is the plain format.
 DEFAULT_CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    "{% if tools is defined and tools %}"
+    "{% if messages | selectattr('role', 'equalto', 'system') | list %}\n\n{% endif %}"
+    "## Tools\n"
+    "You can call the functions below. To call any, answer with <｜tool▁calls▁begin｜>, then for each call "
+    "<｜tool▁call▁begin｜>, the function's name, <｜tool▁sep｜>, its arguments as one JSON object and "
+    "<｜tool▁call▁end｜>, and last <｜tool▁calls▁end｜>.\n"
+    "{% for t in tools %}\n### {{ t['function']['name'] }}\n"
+    "{% if t['function'].get('description') %}{{ t['function']['description'] }}\n{% endif %}"
+    "Arguments (JSON schema): {{ (t['function'].get('parameters') or {'type': 'object'}) | tojson }}\n"
+    "{% endfor %}{% endif %}"
     "{% for m in messages %}"
     "{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
     "{% elif m['role'] == 'assistant' %}<｜Assistant｜>{% if thinking is defined %}</think>{% endif %}"
@@ -33,8 +45,9 @@ DEFAULT_CHAT_TEMPLATE = (
 
 # Built-in templates of earlier releases, still in the tokenizer_config.json of checkpoints we generated
 # then: they render as DEFAULT_CHAT_TEMPLATE (identically for their roles) so those checkpoints get
-# thinking modes and tool messages too.
+# thinking modes, tool messages and tool definitions too.
 EARLIER_DEFAULT_CHAT_TEMPLATES = (
+    # before thinking modes and tool messages
     "{{ bos_token }}"
     "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}{% endif %}{% endfor %}"
     "{% for m in messages %}"
@@ -42,6 +55,22 @@ EARLIER_DEFAULT_CHAT_TEMPLATES = (
     "{% elif m['role'] == 'assistant' %}<｜Assistant｜>{{ m['content'] }}<｜end▁of▁sentence｜>{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}",
+    # before tool definitions (`tools`)
+    "{{ bos_token }}"
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}<｜Assistant｜>{% if thinking is defined %}</think>{% endif %}"
+    "{% if m['content'] is not none %}{{ m['content'] }}{% endif %}"
+    "{% if m['tool_calls'] is defined and m['tool_calls'] %}<｜tool▁calls▁begin｜>"
+    "{% for call in m['tool_calls'] %}<｜tool▁call▁begin｜>{{ call['function']['name'] }}<｜tool▁sep｜>"
+    "{% if call['function']['arguments'] is string %}{{ call['function']['arguments'] }}"
+    "{% else %}{{ call['function']['arguments'] | tojson }}{% endif %}<｜tool▁call▁end｜>{% endfor %}"
+    "<｜tool▁calls▁end｜>{% endif %}<｜end▁of▁sentence｜>"
+    "{% elif m['role'] == 'tool' %}<｜tool▁output▁begin｜>{{ m['content'] }}<｜tool▁output▁end｜>{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<｜Assistant｜>"
+    "{% if thinking is defined %}{% if thinking %}<think>{% else %}</think>{% endif %}{% endif %}{% endif %}",
 )
 
 

@@ -27,6 +27,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     ".reasoning": ("ReasoningSplit", "ReasoningStream", "split_reasoning"),
     ".sampling_params": ("SamplingParams",),
     ".streaming": ("RequestStream",),
+    ".tool_calls": ("ToolCall", "ToolCallSplit", "ToolCallStream", "parse_tool_calls"),
 }
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, globals(), _MODULES)

@@ -47,10 +47,11 @@ DeliveryListener = Callable[[RequestOutput, int, "float | None", float], None]
 class _Admission:
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | None  # None: a text prompt with images, expanded at admission
     params: SamplingParams
     arrival_time: float
     admitted: asyncio.Future
+    multi_modal_data: dict | None = None  # expanded by the engine when it admits the request
 
 
 class AsyncLLM:
@@ -151,17 +152,25 @@ class AsyncLLM:
         request_id: str | None = None,
         *,
         prompt_token_ids: list[int] | None = None,
+        multi_modal_data: dict | None = None,
     ) -> RequestStream:
         """Admit one request and return its stream once the engine holds it. Raises ValueError (naming
         the problem) for a request the engine refuses, `QueueFullError` when too many wait already,
-        `EngineDeadError` after the loop stopped. Nothing of a refused request stays behind."""
+        `EngineDeadError` after the loop stopped. Nothing of a refused request stays behind.
+        `multi_modal_data`: images, as `LLMEngine.add_request` takes them (expanded and encoded when the
+        engine admits the request, between steps)."""
         self._check_running()
         params = _params(sampling_params)
-        if prompt_token_ids is None:
-            if prompt is None:
-                raise ValueError("either prompt or prompt_token_ids must be given")
-            prompt_token_ids = self.engine.encode(prompt)
-        ids = self.engine.validate_request(list(prompt_token_ids), params)
+        if multi_modal_data is not None:
+            if getattr(self.engine, "images", None) is None:
+                raise ValueError("multi_modal_data: images are not supported with a parallel layout yet")
+            ids = None if prompt_token_ids is None else list(prompt_token_ids)
+        else:
+            if prompt_token_ids is None:
+                if prompt is None:
+                    raise ValueError("either prompt or prompt_token_ids must be given")
+                prompt_token_ids = self.engine.encode(prompt)
+            ids = self.engine.validate_request(list(prompt_token_ids), params)
         request_id = uuid.uuid4().hex if request_id is None else str(request_id)
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -175,7 +184,9 @@ class AsyncLLM:
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
         self._waiting.add(request_id)
-        self._admissions.append(_Admission(request_id, prompt, ids, params, time.perf_counter(), admitted))
+        self._admissions.append(
+            _Admission(request_id, prompt, ids, params, time.perf_counter(), admitted, multi_modal_data)
+        )
         self._wake.set()
         try:
             await admitted
@@ -195,11 +206,16 @@ class AsyncLLM:
         request_id: str | None = None,
         *,
         prompt_token_ids: list[int] | None = None,
+        multi_modal_data: dict | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The request's outputs as tokens arrive (cumulative; the last one is finished). Leaving the
         loop early (break, cancellation, a closed client) aborts the request and frees its blocks."""
         stream = await self.add_request(
-            prompt, sampling_params, request_id, prompt_token_ids=prompt_token_ids
+            prompt,
+            sampling_params,
+            request_id,
+            prompt_token_ids=prompt_token_ids,
+            multi_modal_data=multi_modal_data,
         )
         try:
             async for out in stream:
@@ -257,6 +273,8 @@ class AsyncLLM:
                     a.params,
                     prompt_token_ids=a.prompt_token_ids,
                     arrival_time=a.arrival_time,
+                    # (only with images: a data-parallel front's add_request takes none)
+                    **({} if a.multi_modal_data is None else {"multi_modal_data": a.multi_modal_data}),
                 )
             except ValueError as e:
                 self._forget(a.request_id)

@@ -145,6 +145,14 @@ class EngineArgs:
             "groups) before the front names the late ones and fails"
         },
     )
+    dp_routing: str | None = field(
+        default=None,
+        metadata={
+            "help": "how the data-parallel front routes requests to its ranks: balanced (by queued tokens, KV "
+            "usage and prefix-cache overlap; waiting requests move between ranks), static (longest first per "
+            "batch) or round_robin (default: $DEEPINFER_DP_ROUTING, else balanced)"
+        },
+    )
     engine_type: str = field(
         default="normal",
         metadata={
@@ -185,6 +193,14 @@ class EngineArgs:
         default=None,
         metadata={"help": "directory of the disk KV tier (default: $DEEPINFER_KV_DISK_TIER_DIR)"},
     )
+    encoder_cache_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "image embedding rows (image tokens) the encoder cache keeps, so an image sent again is "
+            "not encoded again; least recently used images go first (default: "
+            "$DEEPINFER_ENCODER_CACHE_TOKENS, 65536: 64 images at the 1,024-token budget)"
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size"):
@@ -212,6 +228,17 @@ class EngineArgs:
         self._check_parallel_sizes()
         self._check_disaggregation()
         self._resolve_kv_tier()
+        if self.dp_routing is None:
+            self.dp_routing = envs.DEEPINFER_DP_ROUTING
+        if self.dp_routing not in envs.DP_ROUTING_POLICIES:
+            raise ValueError(
+                f"dp_routing must be one of {', '.join(envs.DP_ROUTING_POLICIES)}, got {self.dp_routing!r}"
+            )
+        if self.encoder_cache_tokens is None:
+            self.encoder_cache_tokens = envs.DEEPINFER_ENCODER_CACHE_TOKENS
+        value = self.encoder_cache_tokens
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"encoder_cache_tokens must be an integer >= 1, got {value!r}")
         if self.model is None:
             self.model = envs.DEEPINFER_HF_MODEL_DIR
         if self.device is None:

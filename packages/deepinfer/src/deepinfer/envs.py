@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from deepinfer_cluster.envs import (
+    DP_ROUTING_POLICIES,
     KNOWN_NAMES,
     VARS,
     EnvVar,
@@ -21,6 +22,7 @@ from deepinfer_cluster.envs import (
 )
 
 __all__ = [
+    "DP_ROUTING_POLICIES",
     "KNOWN_NAMES",
     "VARS",
     "EnvVar",

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
+from .chat_images import split_image_parts
 from .engine.llm_engine import LLMEngine
 from .engine_args import EngineArgs
 from .outputs import RequestMetrics, RequestOutput
@@ -73,6 +74,12 @@ class LLM:
         `{"prompt_token_ids": list[int]}` (prompt_inputs.py). `prompt_token_ids` is the older way to
         pass token prompts.
 
+        A dict prompt may carry `"multi_modal_data": {"image": [bytes | PIL image | path, ...]}` (a model
+        with a vision tower): each image takes the next `<image>` of the text prompt (more images than
+        placeholders is an error; extra placeholders stay text) or, in a `prompt_token_ids` prompt, the
+        next image placeholder id (`vocab_size + 2`; as many as images). The prompt is expanded to the
+        image token layout when the request is added (engine/images.py).
+
         As in vLLM, an invalid request (malformed prompt, bad sampling parameters given as a dict,
         empty or too long prompt, any token id outside the vocabulary: prompt, golden, stop or so_args
         ids; `so_args` that do not compile) raises a ValueError naming the request's index before any
@@ -86,34 +93,40 @@ class LLM:
         params_list = _normalise_params(sampling_params, count)
         engine = self.engine
 
-        prepared: list[tuple[str | None, list[int] | None, SamplingParams | None, str | None]] = []
+        prepared: list[tuple] = []
         for i, prompt in enumerate(parsed):
-            ids = prompt.token_ids
+            ids, mm = prompt.token_ids, prompt.multi_modal_data
             try:
                 if prompt.error is not None:
                     raise ValueError(prompt.error)
                 p = params_list[i]
                 p = SamplingParams(**p) if isinstance(p, dict) else p.clone()
-                if ids is None:
-                    ids = engine.encode(prompt.text)
-                ids = engine.validate_request(ids, p)
-                prepared.append((prompt.text, ids, p, None))
+                if mm is not None and getattr(engine, "images", None) is None:
+                    raise ValueError("multi_modal_data: images are not supported with a parallel layout yet")
+                if mm is None:  # (a request with images is expanded and checked when it is added)
+                    if ids is None:
+                        ids = engine.encode(prompt.text)
+                    ids = engine.validate_request(ids, p)
+                prepared.append((prompt.text, ids, p, mm, None))
             except (ValueError, TypeError) as e:
                 if raise_on_error:
                     raise ValueError(f"request {i}: {e}") from e
-                prepared.append((prompt.text, ids, None, str(e)))
+                prepared.append((prompt.text, ids, None, None, str(e)))
 
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
-        for i, (prompt, ids, p, error) in enumerate(prepared):
+        for i, (prompt, ids, p, mm, error) in enumerate(prepared):
             rid = str(self._counter)
             self._counter += 1
             order.append(rid)
             if error is None:
                 try:
-                    engine.add_request(rid, prompt, p, prompt_token_ids=ids)
+                    if mm is None:
+                        engine.add_request(rid, prompt, p, prompt_token_ids=ids)
+                    else:
+                        engine.add_request(rid, prompt, p, prompt_token_ids=ids, multi_modal_data=mm)
                     continue
-                except ValueError as e:  # found only on admission (e.g. so_args that do not compile)
+                except ValueError as e:  # found only on admission (so_args that do not compile, images)
                     if raise_on_error:  # nothing of the call runs
                         engine.abort_all()  # the requests of this call already added
                         raise ValueError(f"request {i}: {e}") from e
@@ -145,6 +158,7 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
         **kwargs,
     ) -> list[RequestOutput]:
         """Render each conversation with the checkpoint's chat template, then `generate`.
@@ -152,13 +166,37 @@ class LLM:
         Messages have role system, user, assistant (optionally with OpenAI-style `tool_calls`) or
         tool. chat_template_kwargs: template variables, e.g. `{"thinking": True}` for DeepSeek's
         reasoning mode (the prompt ends in `<think>`) or `{"thinking": False}` to answer directly
-        (`</think>`); without it the plain format of the checkpoint's template."""
+        (`</think>`); without it the plain format of the checkpoint's template. tools: OpenAI-style
+        function definitions the model may call (`deepinfer.parse_tool_calls` reads its calls).
+
+        A message's content may be a list of OpenAI-style parts, `text` and `image_url` (a `data:` URL, a
+        `file://` URL or a local path; chat_images.py): each image part becomes an `<image>` with that
+        image. Malformed parts raise (naming the conversation) or, with `raise_on_error=False`, give that
+        conversation's output `error`; the others run."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            render_chat(c, self.engine.tokenizer_config, add_generation_prompt, chat_template_kwargs)
-            for c in conversations
+        prompts, errors = [], {}
+        for i, c in enumerate(conversations):
+            try:
+                c, images = split_image_parts(c, f"conversation {i}")
+            except ValueError as e:
+                if kwargs.get("raise_on_error", True):
+                    raise ValueError(f"request {i}: {e}") from e
+                errors[i] = str(e)
+                continue
+            text = render_chat(
+                c, self.engine.tokenizer_config, add_generation_prompt, chat_template_kwargs, tools
+            )
+            prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
+        params = sampling_params
+        if errors and isinstance(params, Sequence) and not isinstance(params, dict):
+            params = [p for i, p in enumerate(params) if i not in errors]
+        outs = iter(self.generate(prompts, params, use_tqdm=use_tqdm, **kwargs) if prompts else [])
+        return [
+            RequestOutput(f"chat-error-{i}", None, [], [], RequestMetrics(arrival_time=0.0), error=errors[i])
+            if i in errors
+            else next(outs)
+            for i in range(len(conversations))
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, **kwargs)
 
     def close(self) -> None:
         self.engine.close()

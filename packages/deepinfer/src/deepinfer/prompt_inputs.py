@@ -1,7 +1,8 @@
 """The prompt forms `LLM.generate` accepts, as vLLM users write them.
 
 One prompt is a string, a list of token ids, `{"prompt": str}` or `{"prompt_token_ids": list[int]}`
-(a dict may carry both: the ids are run, the text is reported as the output's prompt). `prompts`
+(a dict may carry both: the ids are run, the text is reported as the output's prompt). A dict may also
+carry `"multi_modal_data": {"image": [...]}` (the engine checks it: `engine/images.py`). `prompts`
 is one prompt or a list of them; a list of ints is one token prompt, never a batch of one-token
 prompts.
 
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from numbers import Integral
 
-_DICT_KEYS = ("prompt", "prompt_token_ids")
+_DICT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data")
 
 
 @dataclass
@@ -24,6 +25,7 @@ class ParsedPrompt:
     text: str | None
     token_ids: list[int] | None
     error: str | None = None  # what is wrong with this prompt (the request fails alone or raises)
+    multi_modal_data: dict | None = None  # a dict prompt's images, as given
 
 
 def _is_token_list(value) -> bool:
@@ -57,15 +59,15 @@ def parse_prompt(prompt, where: str) -> ParsedPrompt:
             text = prompt.get("prompt")
             if text is not None and not isinstance(text, str):
                 raise ValueError(f"{where}['prompt'] must be a str, got {_describe(text)}")
+            mm = prompt.get("multi_modal_data")
             if "prompt_token_ids" in prompt:
-                return ParsedPrompt(
-                    text, _token_ids(prompt["prompt_token_ids"], f"{where}['prompt_token_ids']")
-                )
+                ids = _token_ids(prompt["prompt_token_ids"], f"{where}['prompt_token_ids']")
+                return ParsedPrompt(text, ids, multi_modal_data=mm)
             if text is None:
                 raise ValueError(
                     f"{where} must have a 'prompt' (str) or 'prompt_token_ids' (list of int) key"
                 )
-            return ParsedPrompt(text, None)
+            return ParsedPrompt(text, None, multi_modal_data=mm)
         raise ValueError(
             f"{where} must be a str, a list of token ids, {{'prompt': str}} or "
             f"{{'prompt_token_ids': list[int]}}, got {_describe(prompt)}"
@@ -111,4 +113,6 @@ def parse_prompts(prompts, prompt_token_ids=None) -> list[ParsedPrompt]:
         raise ValueError(
             f"prompts ({len(parsed)}) and prompt_token_ids ({len(ids)}) must have the same length"
         )
-    return [ParsedPrompt(p.text, q.token_ids, p.error or q.error) for p, q in zip(parsed, ids)]
+    return [
+        ParsedPrompt(p.text, q.token_ids, p.error or q.error, p.multi_modal_data) for p, q in zip(parsed, ids)
+    ]

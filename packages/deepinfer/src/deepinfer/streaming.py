@@ -45,6 +45,7 @@ def snapshot(state) -> RequestOutput:
         outputs=outputs,
         metrics=copy.copy(state.metrics),
         error=state.error,
+        prompt_logprobs=None if state.prompt_logprobs is None else list(state.prompt_logprobs),
     )
 
 

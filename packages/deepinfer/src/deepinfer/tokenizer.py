@@ -53,7 +53,7 @@ def _token_content(tok) -> str | None:
 
 
 _ROLES = ("system", "user", "assistant", "tool")
-_TEMPLATE_INPUTS = ("messages", "add_generation_prompt", "bos_token", "eos_token")
+_TEMPLATE_INPUTS = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools")
 
 
 def _check_message(i: int, m) -> None:
@@ -90,12 +90,14 @@ def render_chat(
     tokenizer_config: dict,
     add_generation_prompt: bool = True,
     chat_template_kwargs: dict | None = None,
+    tools: list[dict] | None = None,
 ) -> str:
     """One conversation as the prompt text the model was trained on.
 
     chat_template_kwargs: extra template variables, e.g. `{"thinking": True}` (DeepSeek's reasoning
     mode) with the built-in template. A name the template never reads is refused rather than
-    silently ignored.
+    silently ignored. tools: OpenAI-style function definitions (`{"type": "function", "function":
+    {"name", "description", "parameters"}}`) the model may call, for a template that reads `tools`.
     """
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of message dicts")
@@ -105,8 +107,12 @@ def render_chat(
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
     env.filters["tojson"] = lambda v: json.dumps(v, ensure_ascii=False)
     extra = dict(chat_template_kwargs or {})
+    reads = jinja2.meta.find_undeclared_variables(env.parse(template)) if extra or tools else set()
+    if tools:
+        _check_tools(tools)
+        if "tools" not in reads:
+            raise ValueError("tools: this checkpoint's chat template does not render tool definitions")
     if extra:
-        reads = jinja2.meta.find_undeclared_variables(env.parse(template))
         for name in extra:
             if name in _TEMPLATE_INPUTS:
                 raise ValueError(f"chat_template_kwargs must not set {name!r} (the engine passes it)")
@@ -120,8 +126,19 @@ def render_chat(
         add_generation_prompt=add_generation_prompt,
         bos_token=_token_content(tokenizer_config.get("bos_token")) or "",
         eos_token=_token_content(tokenizer_config.get("eos_token")) or "",
+        **({"tools": tools} if tools else {}),
         **extra,
     )
+
+
+def _check_tools(tools) -> None:
+    if not isinstance(tools, list) or not all(
+        isinstance(t, dict)
+        and isinstance(t.get("function"), dict)
+        and isinstance(t["function"].get("name"), str)
+        for t in tools
+    ):
+        raise ValueError("tools must be a list of {'type': 'function', 'function': {'name': str, ...}}")
 
 
 class ChatTokenizer:
@@ -159,12 +176,17 @@ class ChatTokenizer:
         tokenize: bool = False,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
         **kwargs,
     ) -> str | list[int]:
         """HF-style: the rendered prompt, or its ids with `tokenize=True`; extra keyword arguments are
-        template variables like `chat_template_kwargs`' entries."""
+        template variables like `chat_template_kwargs`' entries; `tools` as `render_chat`'s."""
         text = render_chat(
-            messages, self.tokenizer_config, add_generation_prompt, {**(chat_template_kwargs or {}), **kwargs}
+            messages,
+            self.tokenizer_config,
+            add_generation_prompt,
+            {**(chat_template_kwargs or {}), **kwargs},
+            tools,
         )
         return self.encode(text) if tokenize else text
 

@@ -35,6 +35,11 @@ class StepBatch:
     # device (the asynchronous loop's tokens sampled by the step before, not yet read back); their entries
     # of `input_ids` are placeholders. Runners that take them have `takes_device_input_ids`.
     device_input_ids: tuple[np.ndarray, Any] | None = None
+    # per sequence, the input embeddings [n_i, H] of the image positions among its query rows, in position
+    # order (n_i may be 0: rows of an image block without IMAGE ids); None for a sequence without image
+    # sentinels this step, and the whole list None when no sequence of the step has any.
+    # The model puts them at the rows whose ids are the image sentinel (`models/deepseek_v41/vision`).
+    image_features: list | None = None
 
     def __post_init__(self) -> None:
         b = len(self.seq_ids)
@@ -56,6 +61,10 @@ class StepBatch:
             raise ValueError(f"input_ids must hold sum(query_lens)={n} tokens, got {len(self.input_ids)}")
         if np.any(self.logits_lens > self.query_lens) or np.any(self.logits_lens < 0):
             raise ValueError("logits_lens must be in [0, query_lens] for every sequence")
+        if self.image_features is not None and len(self.image_features) != b:
+            raise ValueError(
+                f"image_features must have one entry per sequence ({b}), got {len(self.image_features)}"
+            )
         if self.device_input_ids is not None:
             rows, ids = self.device_input_ids
             if len(rows) != len(ids) or (len(rows) and (int(np.min(rows)) < 0 or int(np.max(rows)) >= n)):
@@ -171,7 +180,20 @@ class StepBatch:
             logits_lens=self.logits_lens[s],
             slot_mapping=None if self.slot_mapping is None else self.slot_mapping[lo:hi],
             prompt_lens=None if self.prompt_lens is None else self.prompt_lens[s],
+            image_features=None if self.image_features is None else self.image_features[s],
         )
+
+    def step_image_features(self):
+        """The step's image embeddings [n, H] in packed row order (n may be 0), or None when no sequence
+        of the step carries image sentinels."""
+        if self.image_features is None:
+            return None
+        parts = [f for f in self.image_features if f is not None]
+        if not parts:
+            return None
+        import torch
+
+        return torch.cat(parts)
 
     # -- derived --------------------------------------------------------------------------------------
     def check_tables(self, block_size: int, num_blocks: int) -> None:

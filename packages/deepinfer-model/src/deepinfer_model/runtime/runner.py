@@ -162,9 +162,16 @@ class PagedRunner:
             batch = StepBatch.from_scheduler_output(batch)
         if len(batch.input_ids) == 0:  # nothing to compute (logits_lens are 0 too)
             return torch.empty(0, self.vocab_size, device=self.device)
-        # validates the ids on the host (the embedding then skips its device-side check)
+        images = batch.step_image_features()
+        # validates the ids on the host (the embedding then skips its device-side check); a step with
+        # images carries sentinel ids past the vocabulary, which the model's image embedding checks
         meta = StepMetadata.build(
-            batch, self.block_size, self.num_blocks, self.device, self.vocab_size, self.buffers
+            batch,
+            self.block_size,
+            self.num_blocks,
+            self.device,
+            self.vocab_size if images is None else None,
+            self.buffers,
         )
         extras = None
         if self.yoco is not None:
@@ -176,8 +183,13 @@ class PagedRunner:
             # a step with a chunk (prefill, verify block) is split over the CP ranks; decode-only steps
             # run whole on every CP rank (one row per sequence: nothing worth a collective)
             split = PagedMirrorRows(meta, self.cp_group)
+        if images is not None and (split is not None or self.yoco is not None):
+            raise ValueError(
+                "a step with images cannot run under context parallelism or YOCO prefill truncation"
+            )
         if (
             split is None
+            and images is None
             and self.graphs is not None
             and self.yoco is None
             and self.graphs.problem(meta) is None
@@ -190,7 +202,9 @@ class PagedRunner:
         if TOKEN_IDS in self.cache.pools:
             self.cache.write(TOKEN_IDS, meta.write_slots, meta.input_ids)
         self.metadata_s += time.perf_counter() - t0
-        if split is None:
+        if images is not None:
+            logits = self.family.forward(self.model, meta, self.cache, images=images)
+        elif split is None:
             logits = self.family.forward(self.model, meta, self.cache, extras)
         else:
             logits = self.family.forward(self.model, meta, self.cache, extras, row_split=split)

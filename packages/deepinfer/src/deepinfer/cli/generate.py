@@ -107,7 +107,9 @@ def cmd_generate(args) -> int:
     _check_model_path(args.model)
     defaults = sampling_defaults(args)
     engine_args = engine_args_from(args)
-    requests = read_requests(args.prompt, args.input, defaults)
+    if args.image and args.input is not None:
+        raise CliError('--image goes with --prompt; in an --input file give each line its "images"')
+    requests = read_requests(args.prompt, args.input, defaults, args.image)
     # in a launched world every rank gets every output and rank 0 alone writes them
     reports = engine_args.launched is None or engine_args.launched.rank == 0
     results = ResultsFile(args.output) if args.output and reports else None
@@ -168,8 +170,16 @@ def _generate(args, engine_args, requests: list[InputRequest], results: ResultsF
     by_rid: dict[str, InputRequest] = {}
     for req in runnable:
         try:
-            prompt, ids = _prompt_of(req, engine)
-            engine.add_request(str(req.index), prompt, req.params, prompt_token_ids=ids)
+            prompt, ids, images = _prompt_of(req, engine)
+            if images is not None and getattr(engine, "images", None) is None:
+                raise ValueError("images are not supported with a parallel layout yet")
+            if images is None:
+                engine.add_request(str(req.index), prompt, req.params, prompt_token_ids=ids)
+            else:
+                mm = {"image": images}
+                engine.add_request(
+                    str(req.index), prompt, req.params, prompt_token_ids=ids, multi_modal_data=mm
+                )
             by_rid[str(req.index)] = req
         except ValueError as e:
             hand_out(req, refused(req, str(e)))
@@ -218,20 +228,29 @@ def _load(engine_args):
     return llm
 
 
-def _prompt_of(req: InputRequest, engine) -> tuple[str | None, list[int]]:
-    """(prompt text, token ids) of a request; ValueError names what is wrong with it."""
+def _prompt_of(req: InputRequest, engine) -> tuple[str | None, list[int] | None, list | None]:
+    """(prompt text, token ids, images) of a request; ValueError names what is wrong with it. A request
+    with images is expanded and checked when it is added."""
+    from ..chat_images import image_from_url, split_image_parts
+
     record = req.record
     if "messages" in record:
         from ..tokenizer import render_chat
 
-        prompt = render_chat(record["messages"], engine.tokenizer_config)
+        messages, images = split_image_parts(record["messages"])
+        prompt = render_chat(messages, engine.tokenizer_config)
+        if images:
+            return prompt, None, images
         ids = engine.encode(prompt)
     else:
         prompt = record.get("prompt")
         ids = record.get("prompt_token_ids")
+        if "images" in record:
+            images = [image_from_url(x, f"images[{i}]") for i, x in enumerate(record["images"])]
+            return prompt, None if ids is None else list(ids), images
         ids = list(ids) if ids is not None else engine.encode(prompt)
     engine.validate_prompt(ids)
-    return prompt, ids
+    return prompt, ids, None
 
 
 def _token_decoder(engine):

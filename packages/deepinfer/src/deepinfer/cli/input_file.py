@@ -44,12 +44,16 @@ class InputRequest:
         return f"{who} ({source}:{self.line})" if self.line is not None else who
 
 
-def read_requests(prompts: list[str] | None, source: Path | None, defaults: dict) -> list[InputRequest]:
-    """Every request with its SamplingParams, or the reason it is refused."""
+def read_requests(
+    prompts: list[str] | None, source: Path | None, defaults: dict, images: list[str] | None = None
+) -> list[InputRequest]:
+    """Every request with its SamplingParams, or the reason it is refused. `images`: the --image files,
+    given to every --prompt."""
     from ..sampling_params import SamplingParams
 
     if prompts:
-        items = [(None, {"prompt": p}, None) for p in prompts]
+        extra = {"images": list(images)} if images else {}
+        items = [(None, {"prompt": p, **extra}, None) for p in prompts]
     else:
         items = list(_lines(source))
     requests, seen_ids = [], {}
@@ -121,6 +125,16 @@ def _check_record(record) -> str | None:
         not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages)
     ):
         return "messages must be a non-empty list of {'role': ..., 'content': ...} objects"
+    images = record.get("images")
+    if "images" in record and (
+        not isinstance(images, list) or not images or not all(isinstance(x, str) for x in images)
+    ):
+        return "images must be a non-empty list of image paths or data: URLs"
+    if "images" in record and "prompt" not in record and "prompt_token_ids" not in record:
+        return (
+            "'images' needs a 'prompt' with <image> placeholders or 'prompt_token_ids' with image "
+            "placeholder ids (or use image_url parts in 'messages')"
+        )
     sp = record.get("sampling_params", {})
     if not isinstance(sp, dict):
         return f"sampling_params must be an object of SamplingParams fields, got {sp!r}"

@@ -11,8 +11,10 @@ from .version import VersionAction
 
 INPUT_FORMAT = (
     'Each line of --input is a JSON object: {"prompt": str}, {"prompt_token_ids": [int, ...]} or '
-    '{"messages": [{"role": ..., "content": ...}, ...]}, optionally with "id" (a string or number naming '
-    'the request in the output and in error messages; unique) and "sampling_params" (an object of '
+    '{"messages": [{"role": ..., "content": ...}, ...]} (content may be a list of OpenAI-style "text" and '
+    '"image_url" parts), optionally with "images" (image paths or data: URLs for the prompt\'s <image> '
+    'placeholders, or the image placeholder ids of prompt_token_ids, in order), "id" (a string or number '
+    'naming the request in the output and in error messages; unique) and "sampling_params" (an object of '
     "SamplingParams fields that override the flags for that line). A bad line is refused alone, with "
     "its line number; the others run."
 )
@@ -148,6 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     src.add_argument("--input", type=Path, help="JSONL file of requests (format above)")
+    gen.add_argument(
+        "--image",
+        action="append",
+        metavar="PATH",
+        help="an image file for the <image> placeholders of every --prompt, in order (repeatable; needs a "
+        "model with a vision tower)",
+    )
     gen.add_argument("--output", type=Path, help=OUTPUT_HELP)
     gen.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_debug_flag(gen)

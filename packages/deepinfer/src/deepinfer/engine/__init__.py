@@ -4,7 +4,8 @@
 the synchronous loop; `async_step` with `step_pipeline`: the model thread one step ahead; `spec_step`
 with `spec_decode` and `drafting`: speculative decoding). Requests are admitted and kept in
 `request_table` (per-request state in `request`, prompt checks in `prompts` with the rules in
-`request_checks`, grammars in `structured`, YoCo truncation's settings in `truncation`); `scheduling` is
+`request_checks`, grammars in `structured`, YoCo truncation's settings in `truncation`, images expanded
+and encoded in `images`); `scheduling` is
 the only contact with `deepinfer_sched`.
 `step_builder` turns the scheduler's output into the `step_io` dataclasses the `worker` runs (forward
 and sampling), and `output_processor` commits the tokens and emits the outputs. `stats` and

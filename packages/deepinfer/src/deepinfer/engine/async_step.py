@@ -97,8 +97,10 @@ class AsyncStep(StepStrategy):
         t1 = time.perf_counter()
         self._count_process(t1 - t0)
         if nxt is not None:  # structured rows / tier transfers: wait for N, then reconcile on the host
-            self._transfer_or_fail(nxt)
-            nxt = scheduling.reconcile(self.scheduler, nxt)
+            if self._transfer_or_fail(nxt):
+                nxt = scheduling.reconcile(self.scheduler, nxt)
+            else:  # the sequences that failed or went back must leave the step, known inputs or not
+                nxt = self.scheduler.reconcile(nxt)
             if scheduling.is_empty(nxt):
                 self._retire(nxt)
             else:
@@ -155,13 +157,14 @@ class AsyncStep(StepStrategy):
         )
 
     def _transfer_or_fail(self, out) -> bool:
-        """The schedule's tier transfers; False when some failed: the requests that needed a failed load
-        fail (all of the step's if the transfers broke otherwise), and a reconcile then drops them."""
+        """The schedule's tier transfers; False when some failed: the sequences that needed a failed load
+        go back to recompute (`_redo_loads`; all of the step's requests fail if the transfers broke
+        otherwise), and a reconcile then drops them from the step."""
         try:
             self._transfer(out)
             return True
         except TierLoadError as e:
-            self._fail_loads(out, e)
+            self._redo_loads(out, e)
             return False
         except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
             self._fail_step(out, "kv tier", e)

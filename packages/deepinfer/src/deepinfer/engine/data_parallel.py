@@ -7,9 +7,11 @@
 The front process (`DataParallelEngine`, used by `LLM` when the layout has several ranks) spawns one
 process per rank. Each rank builds its own `LLMEngine`: tokenizer, its own `deepinfer_sched`
 scheduler, KV pools, and a model whose routed experts are sharded over the EP group (only the local
-experts are loaded). The front assigns requests to data-parallel groups (balanced by prompt tokens,
-deterministic), sends them, and gathers the `RequestOutput`s back: the finished ones, and for an
-`AsyncLLM` (which turns `stream_outputs` on) each request's output so far after every step that gave it tokens.
+experts are loaded). The front routes requests to data-parallel groups (`dp_balance.py`: by default on
+the groups' reported load and the prompts' cached prefixes, moving waiting requests that have not started
+between groups when one is overloaded), sends them, and gathers the `RequestOutput`s back: the finished
+ones, and for an `AsyncLLM` (which turns `stream_outputs` on) each request's output so far after every
+step that gave it tokens. Without context parallelism a group is one rank.
 
 Why ranks must agree every step: each MoE layer of a forward is an all-to-all over the EP group, so
 every EP rank must run the same number of forwards. Each engine step, the ranks of an EP group take
@@ -58,6 +60,7 @@ from ..engine_args import EngineArgs
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams, validate_vocab_fields
 from ..tokenizer import load_tokenizer, load_tokenizer_config
+from .dp_balance import BalanceConfig, Move, Router, assign_ranks, request_cost
 from .dp_rank import DataParallelRank
 from .prompts import PromptChecks
 from .rank_process import _rank_main
@@ -91,18 +94,6 @@ class DataParallelStats(EngineStats):
 
 
 _EPLB_SUMMED = ("eplb_rebalances", "eplb_layers_changed", "eplb_bytes_moved", "eplb_seconds")
-
-
-def assign_ranks(costs: list[int], world: int) -> list[int]:
-    """Rank of each request: longest first to the least-loaded rank (ties: lower index, lower rank).
-    Deterministic, and within max(costs) of a perfect balance of the summed costs."""
-    load = [0] * world
-    out = [0] * len(costs)
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        r = min(range(world), key=lambda r: (load[r], r))
-        out[i] = r
-        load[r] += costs[i]
-    return out
 
 
 class DataParallelEngine(PromptChecks):
@@ -189,6 +180,17 @@ class DataParallelEngine(PromptChecks):
             raise
         self.vocab_size = info["vocab_size"]
         self.max_model_len = info["max_model_len"]
+        # the prefix index holds per rank no more blocks than the rank's cache
+        num_blocks = int(info["stats"]["scheduler"]["num_blocks"])
+        self.router = Router(  # over the data-parallel groups
+            self.layout.dp,
+            args.dp_routing,
+            args.block_size,
+            BalanceConfig(prefix_capacity_blocks=max(1, num_blocks)),
+        )
+        self._moves: dict[int, tuple[Move, int]] = {}  # per source group: the move asked, its message index
+        self._aborted: set[str] = set()  # aborted while possibly on their way between groups
+        self._group_of: dict[str, int] = {}  # outstanding request -> the group it was last sent to
         self.bos_token_id = info["bos_token_id"]
         self.eos_token_id = info["eos_token_id"]
 
@@ -262,6 +264,7 @@ class DataParallelEngine(PromptChecks):
                 return True
         if request_id not in self._outstanding:
             return False
+        self._aborted.add(request_id)
         self._broadcast(("abort", [request_id]))
         return True
 
@@ -273,6 +276,7 @@ class DataParallelEngine(PromptChecks):
         self._pending = []
         self.partial_outputs.clear()
         if self._outstanding and self._failed is None:
+            self._aborted |= self._outstanding
             self._broadcast(("abort", None))
             self._receive(until=lambda: not self._outstanding)
             done += list(self._ready)
@@ -297,6 +301,17 @@ class DataParallelEngine(PromptChecks):
             total["prefix_cache_hit_rate"] = total["prefix_cache_hit_tokens"] / queried if queried else 0.0
         total["ranks"] = ranks
         return total
+
+    def routed_rank(self, request_id: str) -> int | None:
+        """The data-parallel group an outstanding request was last sent to (None once its output has
+        arrived); without context parallelism a group is one rank, numbered as the rank."""
+        return self._group_of.get(request_id)
+
+    def routing_stats(self) -> dict:
+        """What the front's router did since the engine started (`dp_balance.RoutingStats`): requests and
+        tokens routed per data-parallel group (moved ones counted where they went), requests sent where
+        the front had routed part of their prefix before, and the moves between groups; plus the policy."""
+        return {"policy": self.router.policy, **dataclasses.asdict(self.router.stats)}
 
     def spec_counts(self) -> dict | None:
         """`LLMEngine.spec_counts()` summed over the data-parallel groups, as of each rank's last report (final once
@@ -353,14 +368,67 @@ class DataParallelEngine(PromptChecks):
     # ------------------------------------------------------------------ internals
     def _dispatch(self) -> None:
         pending, self._pending = self._pending, []
-        groups = assign_ranks([len(r[2]) * r[3].n for r in pending], self.layout.dp)
+        groups = self.router.route_batch([(req[2], self._cost(req)) for req in pending])
         shares = [[] for _ in range(self.layout.dp)]
         for req, g in zip(pending, groups):
             shares[g].append(req)
             self._outstanding.add(req[0])
+            self._group_of[req[0]] = g
         # every rank, so every rank starts its loop; the ranks of a context-parallel group the same share
         for rank, conn in enumerate(self._conns):
-            self._send(conn, ("add", shares[self.layout.coords(rank).dp_rank], self.stream_outputs))
+            self._send(conn, ("add", shares[self._group(rank)], self.stream_outputs))
+        for g in range(self.layout.dp):
+            self.router.sent(g, self._sent_to_group(g))
+
+    def _cost(self, req: tuple) -> int:
+        return request_cost(len(req[2]), req[3].max_tokens, req[3].n, self.max_model_len)
+
+    def _group(self, rank: int) -> int:
+        """The data-parallel group of `rank` (its context-parallel ranks are contiguous)."""
+        return self.layout.coords(rank).dp_rank
+
+    def _sent_to_group(self, group: int) -> int:
+        """Front messages sent to each rank of `group` (its ranks get the same ones)."""
+        return self._sent[group * self.layout.cp]
+
+    def _send_to(self, group: int, msg: tuple, others: tuple) -> None:
+        """`msg` to every rank of data-parallel `group` (its context-parallel ranks apply the same messages
+        between the same steps, `rank_process.Inbox`); with expert or context parallelism `others` to every
+        other rank too (the ranks of an EP group must take in the same number of messages,
+        `DataParallelRank.agree`)."""
+        for r, conn in enumerate(self._conns):
+            if self._group(r) == group:
+                self._send(conn, msg)
+            elif self.args.expert_parallel_size > 1 or self.layout.cp > 1:
+                self._send(conn, others)
+
+    def _rebalance(self) -> None:
+        """Ask an overloaded data-parallel group for waiting requests it has not started
+        (`Router.plan_move`); each of its ranks withdraws the same ones (they hold the same requests)."""
+        move = self.router.plan_move()
+        if move is not None:
+            self._send_to(move.src, ("release", move.src, move.budget_tokens), ("release", move.src, 0))
+            self._moves[move.src] = (move, self._sent_to_group(move.src))
+
+    def _on_released(self, group: int, reqs: list[tuple]) -> None:
+        """A group handed back the requests of a move: on to the move's destination (an aborted one ends
+        here, as it would have on its group)."""
+        move, index = self._moves.pop(group)
+        self.router.moved(move, index, [self._cost(req) for req in reqs])
+        share = []
+        for req in reqs:
+            if req[0] in self._aborted:
+                self._aborted.discard(req[0])
+                self._outstanding.discard(req[0])
+                self._group_of.pop(req[0], None)
+                self._ready.append(_aborted_output(req))
+            else:
+                self.router.assign(move.dst, req[2], self._cost(req))
+                self._group_of[req[0]] = move.dst
+                share.append(req)
+        if share:
+            self._send_to(move.dst, ("add", share, self.stream_outputs), ("add", [], self.stream_outputs))
+            self.router.sent(move.dst, self._sent_to_group(move.dst))
 
     def _broadcast(self, msg) -> None:
         for conn in self._conns:
@@ -428,6 +496,11 @@ class DataParallelEngine(PromptChecks):
                     self._fail(f"data-parallel rank {msg[1]} failed while {what}:\n{msg[2]}")
                 elif kind == "ready" and on_ready is not None:
                     on_ready(msg)
+                elif kind == "load":  # from the first rank of a data-parallel group
+                    self.router.report(self._group(msg[1]), msg[2])
+                    self._rebalance()
+                elif kind == "released":
+                    self._on_released(self._group(msg[1]), msg[2])
                 elif kind in ("outputs", "idle"):
                     self._step_traces[msg[1]] += msg[3].pop("step_trace", [])
                     self._rank_stats[msg[1]] = msg[3]
@@ -436,6 +509,8 @@ class DataParallelEngine(PromptChecks):
                     self._update_stats()
                     for out in msg[2]:
                         self._outstanding.discard(out.request_id)
+                        self._aborted.discard(out.request_id)
+                        self._group_of.pop(out.request_id, None)
                         self.partial_outputs.pop(out.request_id, None)
                         self._ready.append(out)
                     for out in msg[4] if kind == "outputs" else ():

@@ -11,6 +11,12 @@ An entry may be in both tiers (a disk hit is promoted to host and its file kept)
 return the keys that left the tier altogether: the engine tells the scheduler they are no longer
 loadable. Disk files are `<dir>/<fingerprint>/<hash>-<check>.kv`: engines of one model and settings
 (the fingerprint) share them, and an engine starting on a directory finds what an earlier one left.
+
+Engines running at the same time may share a directory: each writes a file under a name of its own
+(`.tmp<pid>`) and renames it into place, `refresh()` (every `RESCAN_S` seconds, before a schedule) picks
+up the files the others wrote and forgets those they deleted, and each keeps the directory within its
+budget by deleting the oldest files, its own or not. A file deleted between a schedule and its load
+makes that load fail, and the engine recomputes those blocks (tier_transfers.py).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +35,8 @@ logger = logging.getLogger("deepinfer")
 
 Key = tuple[int, int]  # (hash, check), each an unsigned 64-bit integer
 SUFFIX = ".kv"
+RESCAN_S = 5.0  # how often a disk tier looks for files that engines sharing its directory wrote or deleted
+STALE_TMP_S = 3600.0  # a writer's temporary file this old is left over from a crash, whoever wrote it
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,7 @@ class KVTier:
         self._disk: OrderedDict[Key, int] = OrderedDict()  # key -> file size
         self._disk_bytes = 0
         self.dir: Path | None = None
+        self._scanned_at = 0.0
         if settings.disk_bytes > 0:
             self.dir = Path(settings.disk_dir) / fingerprint
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -105,7 +115,7 @@ class KVTier:
         if key in self._host:
             self._host.move_to_end(key)
         if key in self._disk:
-            self._disk.move_to_end(key)
+            self._used(key)
 
     # -- in and out --------------------------------------------------------------------------------------
     def fetch(self, key: Key) -> tuple[BlockPayload, str]:
@@ -123,7 +133,7 @@ class KVTier:
         except (OSError, ValueError):
             self._forget_file(key)
             raise
-        self._disk.move_to_end(key)
+        self._used(key)
         if self.settings.host_bytes > 0:
             self._put_host(key, payload)
         return payload, "disk"
@@ -151,6 +161,26 @@ class KVTier:
         if key in self._disk:
             self._forget_file(key)
 
+    def refresh(self, now: float | None = None) -> tuple[list[Key], list[Key]]:
+        """What engines sharing the directory changed since the last look (at most every `RESCAN_S`
+        seconds): (keys whose files appeared, keys whose files vanished and that left the tier)."""
+        now = time.monotonic() if now is None else now
+        if self.dir is None or now - self._scanned_at < RESCAN_S:
+            return [], []
+        self._scanned_at = now
+        on_disk = dict(self._listing())
+        appeared = [k for k in on_disk if k not in self._disk]
+        vanished = [k for k in self._disk if k not in on_disk]
+        # one least-recently-used order for every engine on the directory: a file's mtime is its last
+        # write or use (`_used` touches it)
+        self._disk = OrderedDict((k, on_disk[k][1]) for k in sorted(on_disk, key=lambda k: on_disk[k][0]))
+        self._disk_bytes = sum(self._disk.values())
+        gone = [k for k in vanished if k not in self._host]
+        gone += self._trim_disk()
+        new = [k for k in appeared if k in self._disk and k not in self._host]
+        self.stats.dropped += len(gone)
+        return new, gone
+
     # -- internals ---------------------------------------------------------------------------------------
     def _put_host(self, key: Key, payload: BlockPayload) -> list[tuple[Key, BlockPayload]]:
         """Insert into the host LRU; returns the entries pushed out of it (oldest first)."""
@@ -176,14 +206,16 @@ class KVTier:
             self._disk[key] = size
             self._disk_bytes += size
             self.stats.demoted += 1
-            while self._disk_bytes > self.settings.disk_bytes and self._disk:
-                old = next(iter(self._disk))
-                self._forget_file(old)
-                if old not in self._host:
-                    gone.append(old)
+            gone += self._trim_disk()
         gone = [k for k in gone if k not in self]
         self.stats.dropped += len(gone)
         return gone
+
+    def _used(self, key: Key) -> None:
+        """Most recently used, here and for the engines sharing the directory (the file's mtime)."""
+        self._disk.move_to_end(key)
+        with contextlib.suppress(OSError):
+            os.utime(self._path(key))
 
     def _path(self, key: Key) -> Path:
         return self.dir / (key_name(key) + SUFFIX)
@@ -193,20 +225,36 @@ class KVTier:
         with contextlib.suppress(FileNotFoundError):
             self._path(key).unlink()
 
-    def _scan(self) -> None:
-        """Files an earlier engine left: known, oldest first, within the budget (the oldest deleted)."""
+    def _trim_disk(self) -> list[Key]:
+        """Delete the least recently used files until the directory's known files fit the budget;
+        returns the keys that left the tier with them."""
+        gone = []
+        while self._disk_bytes > self.settings.disk_bytes and self._disk:
+            old = next(iter(self._disk))
+            self._forget_file(old)
+            if old not in self._host:
+                gone.append(old)
+        return gone
+
+    def _listing(self) -> list[tuple[Key, tuple[float, int]]]:
+        """(key, (mtime, size)) of every entry file in the directory."""
         found = []
         for path in self.dir.glob("*" + SUFFIX):
             try:
                 h, c = path.stem.split("-")
-                found.append((path.stat().st_mtime, (int(h, 16), int(c, 16)), path.stat().st_size))
-            except (ValueError, OSError):
+                st = path.stat()
+                found.append(((int(h, 16), int(c, 16)), (st.st_mtime, st.st_size)))
+            except (ValueError, OSError):  # not an entry's name, or deleted by another engine meanwhile
                 continue
-        for _, key, size in sorted(found):
+        return found
+
+    def _scan(self) -> None:
+        """Files an earlier engine left: known, oldest first, within the budget (the oldest deleted)."""
+        self._scanned_at = time.monotonic()
+        for key, (_, size) in sorted(self._listing(), key=lambda item: item[1][0]):
             self._disk[key] = size
             self._disk_bytes += size
-        while self._disk_bytes > self.settings.disk_bytes and self._disk:
-            self._forget_file(next(iter(self._disk)))
+        self._trim_disk()
         if self._disk:
             logger.info(
                 "KV disk tier %s: %d blocks (%d B) from earlier runs",
@@ -214,6 +262,20 @@ class KVTier:
                 len(self._disk),
                 self._disk_bytes,
             )
-        for stale in self.dir.glob("*" + SUFFIX + ".tmp*"):  # a writer killed mid-file
-            with contextlib.suppress(OSError):
-                os.remove(stale)
+        for tmp in self.dir.glob("*" + SUFFIX + ".tmp*"):  # a writer's file: mid-write, or killed mid-file
+            with contextlib.suppress(OSError, ValueError):
+                if not _writer_alive(tmp) or time.time() - tmp.stat().st_mtime > STALE_TMP_S:
+                    os.remove(tmp)
+
+
+def _writer_alive(tmp: Path) -> bool:
+    """Whether the process named in a temporary file's suffix (`.tmp<pid>`) runs on this host (a
+    directory shared between hosts relies on the age limit instead)."""
+    pid = int(tmp.name.rsplit(".tmp", 1)[1])
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True

@@ -34,6 +34,7 @@ from .async_step import AsyncStep
 from .device_timing import device_timeline
 from .drafting import Drafter
 from .handoff import HandoffRecord
+from .images import ImageInputs
 from .kv_sizing import kv_cache_blocks
 from .kv_tier import KVTier, TierSettings
 from .output_processor import OutputProcessor
@@ -165,6 +166,8 @@ class LLMEngine(PromptChecks):
                 nextn, drafter, step_time_curve, self.model, self.runner, args.max_num_seqs
             )
         self.strategy = self._choose_strategy()
+        # requests with images (worker processes start on the first)
+        self.images = ImageInputs(self.model, args.encoder_cache_tokens)
 
     def _choose_strategy(self) -> StepStrategy:
         """Speculative when drafting (it runs synchronously, also under async_scheduling), else the
@@ -283,35 +286,59 @@ class LLMEngine(PromptChecks):
         arrival_time: float | None = None,
         seeds: list[int] | None = None,
         cached_blocks: list[list[int]] | None = None,
+        multi_modal_data: dict | None = None,
     ) -> None:
         """Queue one request; raises ValueError (naming the problem) without touching other requests.
         seeds: the n samples' seeds when params.seq_seed is None (a data-parallel front draws them
         from one stream for all ranks); default: from this engine's seed stream. cached_blocks: a
-        COMPLETION engine's per-sample blocks already holding the prompt (`add_handoff` passes them)."""
+        COMPLETION engine's per-sample blocks already holding the prompt (`add_handoff` passes them).
+        multi_modal_data: `{"image": [bytes | PIL image | path, ...]}`, each image taking the next `<image>`
+        of the text `prompt`, or the next image placeholder id of `prompt_token_ids` when given
+        (`images.py`); the images are encoded here, once per distinct image."""
         self.table.check_new(request_id, params)
         validate_vocab_fields(params, self.vocab_size)
-        if prompt_token_ids is None:
+        images = None
+        if multi_modal_data is not None:
+            if self.truncation.enabled or self.dp is not None:
+                # (the step's images cannot yet be split over CP ranks nor replayed under truncation)
+                raise ValueError(
+                    "multi_modal_data: images are not supported with YoCo prefill truncation or a "
+                    "parallel layout yet"
+                )
+            if params.prompt_logprobs is not None:
+                raise ValueError(
+                    "prompt_logprobs: not supported for a request with images (its image positions "
+                    "hold no vocabulary token to score)"
+                )
+            images = self.images.prompt(
+                prompt, prompt_token_ids, multi_modal_data, self.encode, self.tokenizer
+            )
+            prompt_token_ids = images.ids
+        elif prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("either prompt or prompt_token_ids must be given")
             prompt_token_ids = self.encode(prompt)
-        prompt_token_ids = self.validate_request(prompt_token_ids, params)
+        prompt_token_ids = self.validate_request(
+            prompt_token_ids, params, None if images is None else images.sentinel
+        )
         if self.engine_type == "completion" and cached_blocks is None:
             raise ValueError("a completion engine takes requests as hand-offs (add_handoff), not prompts")
+        if images is not None and self.engine_type != "normal":
+            raise ValueError("multi_modal_data: images are not supported on prompt / completion engines yet")
         run_params = params
         if isinstance(self.role, PromptRole):
             run_params = self.role.admit(request_id, params, seeds)
         idle = self.worker.timeline is not None and not self.requests and not self.strategy.busy()
         try:
             self.table.add(
-                request_id, prompt, prompt_token_ids, run_params, arrival_time, seeds, cached_blocks
-            )
+                request_id, prompt, prompt_token_ids, run_params, arrival_time, seeds,
+                cached_blocks=cached_blocks, images=images,
+            )  # fmt: skip
         except ValueError:
             if isinstance(self.role, PromptRole):
                 self.role.forget(request_id)
             raise
-        if (
-            idle
-        ):  # the device sat idle for want of requests, not because of the loop: no gap before the next step
+        if idle:  # the device sat idle for want of requests, not the loop: no gap before the next step
             self.worker.timeline.break_chain()
         self.stats.prompt_tokens += len(prompt_token_ids) * run_params.n
 
@@ -320,6 +347,15 @@ class LLMEngine(PromptChecks):
         if isinstance(self.role, PromptRole):
             self.role.forget(request_id)
         return self.table.abort(request_id)
+
+    def withdraw_request(self, request_id: str):
+        """Take back a request that has not started (waiting, never scheduled, no grammar) without an
+        output, for another engine to serve (a data-parallel move); its `RequestState`, or None when
+        it cannot be taken back."""
+        state = self.table.withdraw(request_id)
+        if state is not None:
+            self.stats.prompt_tokens -= len(state.prompt_token_ids) * state.params.n
+        return state
 
     # ------------------------------------------------------------------ prefill / decode hand-offs
     def take_handoffs(self) -> list[HandoffRecord]:
@@ -384,6 +420,7 @@ class LLMEngine(PromptChecks):
         self.strategy.close()
         self.builder.close()
         self.table.close()
+        self.images.close()
         runner_close = getattr(self.runner, "close", None)  # decode CUDA graphs (before process groups)
         if runner_close is not None:
             runner_close()

@@ -14,13 +14,16 @@ class PromptChecks:
     def encode(self, prompt: str) -> list[int]:
         return encode_prompt(self.tokenizer, self.bos_token_id, prompt)
 
-    def validate_prompt(self, prompt_token_ids: list[int]) -> list[int]:
-        """The prompt's ids as Python ints; ValueError naming what is wrong."""
-        return check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
+    def validate_prompt(self, prompt_token_ids: list[int], image_positions=None) -> list[int]:
+        """The prompt's ids as Python ints; ValueError naming what is wrong. `image_positions`: a request
+        with images, True per position of its image blocks (their sentinel ids are not checked)."""
+        return check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len, image_positions)
 
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+    def validate_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, image_positions=None
+    ) -> list[int]:
         """Every field of a request checked against this model (request_checks.py); the prompt's ids
         as Python ints."""
-        ids = self.validate_prompt(prompt_token_ids)
+        ids = self.validate_prompt(prompt_token_ids, image_positions)
         check_params(params, self.vocab_size)
         return ids

@@ -1,5 +1,7 @@
 """One data-parallel rank's process: build its `LLMEngine` (with a `DataParallelRank`), then serve the
-front's messages (`data_parallel.py`), sending outputs and statistics back.
+front's messages (`data_parallel.py`), sending outputs and statistics back, and under the balanced
+routing policy its load after every step (`dp_balance.RankLoad`) and the waiting requests a move asks
+for.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch.distributed as dist
 
 from ..engine_args import EngineArgs
 from ..outputs import RequestMetrics, RequestOutput
+from .dp_balance import RankLoad, request_cost
 from .dp_rank import DataParallelRank
 from .llm_engine import LLMEngine
 from .rank_streaming import StreamedRequests
@@ -172,7 +175,8 @@ def _serve(engine, dp: DataParallelRank, conn, outbox: _Outbox, beat: _Heartbeat
     between the same two steps, `Inbox`). While the front has step tracing on, every step is timed
     here (`step_trace.py`) and the records travel with the statistics. Requests the front streams get
     a snapshot after each step that gave them tokens (`rank_streaming.py`), sent with the finished
-    ones. Of a context-parallel group only the first rank sends outputs (the others computed the same).
+    ones. Of a context-parallel group only the first rank sends outputs, load reports and released
+    requests (the others computed the same).
     """
     trace = dp.step_trace = StepTrace(async_loop=engine.pipeline is not None)
     eplb = dp.collectives.eplb if dp.collectives is not None else None
@@ -180,6 +184,9 @@ def _serve(engine, dp: DataParallelRank, conn, outbox: _Outbox, beat: _Heartbeat
         eplb.add_listener(trace.on_event)
     streamed = StreamedRequests()
     reports = dp.state.cp.rank_in_group == 0
+    # the group's load, from its first rank (its context-parallel ranks hold the same requests)
+    reports_load = reports and engine.args.dp_routing == "balanced"
+    load = None
     inbox = Inbox(conn, dp.state.cpu_cp.group if dp.state.cp.size > 1 else None)
     while True:
         inbox.wait()
@@ -194,6 +201,9 @@ def _serve(engine, dp: DataParallelRank, conn, outbox: _Outbox, beat: _Heartbeat
             dp.held_messages = inbox.held
             done = _traced_step(engine, dp, trace) if trace.enabled else engine.step()
             beat.progress += 1
+            if reports_load and (now := _load(engine, dp)) != load:
+                load = now
+                outbox.send(("load", dp.rank, load))
             partial = streamed.take(engine, done)
             if not reports:
                 done, partial = [], []
@@ -261,7 +271,8 @@ def _handle(
     engine, dp: DataParallelRank, msg, outbox: _Outbox, streamed: StreamedRequests, reports: bool = True
 ) -> bool:
     """Apply one front message; False on close. `reports`: this rank sends the outputs of requests that
-    fail here (the first rank of a context-parallel group; the others fail them alike)."""
+    fail here and the requests a release withdrew (the first rank of a context-parallel group; the
+    others fail and withdraw them alike)."""
     kind, rank = msg[0], dp.rank
     if kind == "close":
         return False
@@ -284,11 +295,43 @@ def _handle(
         # skipped), None for all.
         for rid in list(engine.requests) if msg[1] is None else msg[1]:
             engine.abort_request(rid)
+    elif kind == "release":  # msg[1]: the data-parallel group asked, msg[2]: at most this many tokens
+        # Every rank of the group withdraws: its context-parallel ranks hold the same requests in the
+        # same states (same messages between the same steps), so they withdraw the same ones.
+        if msg[1] == rank // dp.state.cp.size:
+            released = _release(engine, msg[2])
+            if reports:
+                outbox.send(("released", rank, released))
     elif kind == "trace":  # msg[1]: step tracing on (afresh) or off
         dp.step_trace.restart(bool(msg[1]))
     else:
         raise ValueError(f"unknown message {kind!r} from the front process")
     return True
+
+
+def _load(engine, dp: DataParallelRank) -> RankLoad:
+    """Tokens still to compute in this rank's requests (prompt and output budget of every unfinished
+    sample, less what it has computed), of which in requests that could move, and KV usage."""
+    queued, movable = engine.table.tokens_left()
+    kv_usage = float(engine.scheduler_stats()["kv_usage"])
+    return RankLoad(queued_tokens=queued, movable_tokens=movable, kv_usage=kv_usage, messages=dp.messages)
+
+
+def _release(engine, budget_tokens: int) -> list[tuple]:
+    """Withdraw waiting requests that have not started, newest first (they would run last here), of at
+    most `budget_tokens` in all; returned as the front's add entries (seeds kept, so outputs do not change)."""
+    out = []
+    for rid, state in reversed(list(engine.requests.items())):
+        cost = request_cost(
+            len(state.prompt_token_ids), state.params.max_tokens, state.params.n, engine.max_model_len
+        )
+        if cost > budget_tokens or engine.withdraw_request(rid) is None:
+            continue
+        budget_tokens -= cost
+        out.append(
+            (rid, state.prompt, state.prompt_token_ids, state.params, [seq.seed for seq in state.seqs])
+        )
+    return out
 
 
 def _stats(engine, dp: DataParallelRank) -> dict:

@@ -157,6 +157,7 @@ class RequestState:
         # the logits processors' inputs the engine resolves at admission (`RequestTable.add`)
         self.bad_words: tuple[tuple[int, ...], ...] = ()
         self._prompt_tuple: tuple[int, ...] | None = None
+        self.images = None  # `images.ImagePrompt` of a request with images
         self.seqs: list[SeqState] = []
         for index, (seq_id, seed) in enumerate(zip(seq_ids, seeds)):
             out = CompletionOutput(index=index)
@@ -201,7 +202,10 @@ class RequestState:
     def prompt_tuple(self) -> tuple[int, ...]:
         """The prompt as the (immutable, shared) tuple every row of the request carries."""
         if self._prompt_tuple is None:
-            self._prompt_tuple = tuple(self.prompt_token_ids)
+            ids = self.prompt_token_ids
+            if self.images is not None:  # image sentinels are no vocabulary token a penalty could hit
+                ids = [t for t, s in zip(ids, self.images.sentinel, strict=True) if not s]
+            self._prompt_tuple = tuple(ids)
         return self._prompt_tuple
 
     def on_seq_finished(self) -> None:

@@ -31,9 +31,19 @@ def checked_token_ids(field: str, ids: Iterable, vocab_size: int) -> list[int]:
     return [checked_token_id(f"{field}[{i}]", t, vocab_size) for i, t in enumerate(ids)]
 
 
-def check_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: int) -> list[int]:
-    """The prompt's ids as Python ints: non-empty, in the vocabulary, shorter than max_model_len."""
-    ids = checked_token_ids("prompt_token_ids", prompt_token_ids, vocab_size)
+def check_prompt(
+    prompt_token_ids: list[int], vocab_size: int, max_model_len: int, image_positions=None
+) -> list[int]:
+    """The prompt's ids as Python ints: non-empty, in the vocabulary, shorter than max_model_len.
+    `image_positions`: a request with images, True per position its image expansion wrote (those hold
+    the sentinel ids past the vocabulary and are the expansion's own; every other id is checked)."""
+    if image_positions is None:
+        ids = checked_token_ids("prompt_token_ids", prompt_token_ids, vocab_size)
+    else:
+        ids = [
+            int(t) if image else checked_token_id(f"prompt_token_ids[{i}]", t, vocab_size)
+            for i, (t, image) in enumerate(zip(prompt_token_ids, image_positions, strict=True))
+        ]
     if not ids:
         raise ValueError("prompt must not be empty")
     if len(ids) >= max_model_len:

@@ -20,6 +20,7 @@ from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from . import scheduling
 from .bad_words import bad_words_token_ids
+from .dp_balance import request_cost
 from .request import RequestState, SeqState
 from .structured import StructuredOutputs
 from .truncation import Truncation
@@ -76,9 +77,11 @@ class RequestTable:
         arrival_time: float | None = None,
         seeds: list[int] | None = None,
         cached_blocks: list[list[int]] | None = None,
+        images=None,
     ) -> None:
         """Admit a checked prompt; raises ValueError and leaves nothing behind when it cannot.
-        cached_blocks: per sample, the blocks already holding its prompt (a COMPLETION engine)."""
+        cached_blocks: per sample, the blocks already holding its prompt (a COMPLETION engine).
+        `images`: the `images.ImagePrompt` the prompt was expanded from (a request with images)."""
         if cached_blocks is not None and len(cached_blocks) != params.n:
             raise ValueError(f"cached_blocks has {len(cached_blocks)} block lists for n={params.n} samples")
         grammars = [None] * params.n
@@ -91,6 +94,7 @@ class RequestTable:
         state = RequestState(
             request_id, prompt, prompt_token_ids, params, self.tokenizer, seq_ids, seeds, arrival_time
         )
+        state.images = images
         state.bad_words = bad_words_token_ids(self.tokenizer, params.bad_words, self.vocab_size)
         for seq, grammar in zip(state.seqs, grammars):
             seq.grammar = grammar
@@ -98,6 +102,8 @@ class RequestTable:
                 self.tracker.add(seq.seq_id, seq.seed)
         max_tokens = min(params.max_tokens, self.max_model_len - len(prompt_token_ids))
         salt = self.truncation.cache_salt(len(prompt_token_ids))
+        if images is not None:  # blocks are shared only between requests with the same images
+            salt = images.cache_salt(salt)
         if params.prompt_logprobs is not None:
             # a namespace of its own: a prefix found in the cache would not be computed, its rows unscored
             salt = _own_cache_salt(salt, seq_ids[0])
@@ -149,6 +155,41 @@ class RequestTable:
             return False
         self._end(state, "abort")
         return True
+
+    def tokens_left(self) -> tuple[int, int]:
+        """Tokens still to compute for the requests held (`dp_balance.request_cost` of every unfinished
+        sample less what the scheduler has computed of it), and of those in requests `withdraw` takes."""
+        queued = movable = 0
+        for state in self.requests.values():
+            total = request_cost(len(state.prompt_token_ids), state.params.max_tokens, 1, self.max_model_len)
+            left, unstarted = 0, state.params.so_args is None
+            for seq in state.seqs:
+                if not seq.finished:
+                    left += max(0, total - scheduling.num_computed_tokens(self.scheduler, seq.seq_id))
+                    unstarted = unstarted and scheduling.is_unstarted(self.scheduler, seq.seq_id)
+            queued += left
+            movable += left if unstarted else 0
+        return queued, movable
+
+    def withdraw(self, request_id: str) -> RequestState | None:
+        """Take back a request none of whose sequences has started (`scheduling.is_unstarted`) and
+        forget it without an output, so that another engine can serve it from the start; None (and
+        nothing changed) when it has started, has a grammar, or is not here."""
+        state = self.requests.get(request_id)
+        if (
+            state is None
+            or state.params.so_args is not None
+            or not all(scheduling.is_unstarted(self.scheduler, seq.seq_id) for seq in state.seqs)
+        ):
+            return None
+        del self.requests[request_id]
+        for seq in state.seqs:
+            scheduling.abort(self.scheduler, seq.seq_id)
+            self.seqs.pop(seq.seq_id, None)
+            self.pending_release.append(seq.seq_id)
+            if self.tracker is not None:
+                self.tracker.remove(seq.seq_id)
+        return state
 
     def fail(self, request_id: str, message: str) -> None:
         state = self.requests[request_id]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 from deepinfer_model import StepBatch
-from deepinfer_sched import Scheduler, SchedulerConfig
+from deepinfer_sched import Scheduler, SchedulerConfig, SequenceStatus
 
 from ..sampling_params import SamplingParams
 
@@ -149,8 +149,29 @@ def close_failed(sched: Scheduler, out) -> None:
     sched.update_from_output(out, (np.empty(0, dtype=np.int32), np.zeros(len(seq_ids(out)), dtype=np.int32)))
 
 
+def num_computed_tokens(sched: Scheduler, seq_id: int) -> int:
+    """Tokens of the sequence whose KV the scheduler counts as computed (cached prefix included)."""
+    return sched.num_computed_tokens(seq_id)
+
+
+def is_unstarted(sched: Scheduler, seq_id: int) -> bool:
+    """Waiting, never scheduled: no KV, no tokens, nothing in flight, so it may start anywhere else."""
+    return (
+        sched.status(seq_id) == SequenceStatus.WAITING
+        and sched.num_computed_tokens(seq_id) == 0
+        and sched.num_preemptions(seq_id) == 0
+        and len(sched.output_token_ids(seq_id)) == 0
+    )
+
+
 def block_table(sched: Scheduler, seq_id: int) -> list[int]:
     return list(sched.block_table(seq_id))
+
+
+def requeue(sched: Scheduler, out, seq_id: int) -> bool:
+    """Send a running sequence of `out` (the latest unprocessed step) back to waiting to recompute;
+    False where the scheduler would finish a preempted sequence instead."""
+    return bool(sched.requeue(seq_id, out))
 
 
 def abort(sched: Scheduler, seq_id: int) -> None:

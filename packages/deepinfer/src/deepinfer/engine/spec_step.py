@@ -76,6 +76,7 @@ class SpecStep(StepStrategy):
         sequence (None otherwise), grammar masks per packed row; and per sequence the confidences of
         the drafts it was fed."""
         batch = scheduling.to_verify_batch(out)
+        self.builder.attach_images(batch)
         ks = scheduling.num_draft_tokens(out)
         inputs: list[VerifyInput | None] = []
         grammar_reqs, confs, packed = [], [], 0

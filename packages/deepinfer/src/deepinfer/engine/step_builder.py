@@ -38,6 +38,7 @@ class StepBuilder:
         """The step the scheduler planned. fill_from_previous: its unknown input ids are the tokens of
         the step launched just before it (the asynchronous loop; `prev_rows` say which)."""
         batch = scheduling.to_runner_batch(out, fill_from_previous)
+        self.attach_images(batch)
         emits = scheduling.emits_tokens(out)
         rows: list[RowParams | None] = []
         golden: list[int | None] = []
@@ -86,6 +87,21 @@ class StepBuilder:
                 targets[i] = PromptTargets(start + 1, list(scored), seq.request.params.prompt_logprobs)
                 set_prompt_rows(batch, i, targets[i])
         return targets
+
+    def attach_images(self, batch) -> None:
+        """Give the step the image embeddings of the image positions its prefill chunks compute."""
+        feats, any_image = [], False
+        for i, seq_id in enumerate(batch.seq_ids.tolist()):
+            seq = self.table.seqs.get(seq_id)
+            images = seq.request.images if seq is not None else None
+            f = None
+            if images is not None:
+                start = int(batch.start_positions[i])
+                f = images.step_features(start, start + int(batch.query_lens[i]))
+            feats.append(f)
+            any_image = any_image or f is not None
+        if any_image:
+            batch.image_features = feats
 
     def prefill_flops(self, out, batch) -> float:
         """Estimated FP8-equivalent FLOPs of the step's prefill chunks (statistics)."""

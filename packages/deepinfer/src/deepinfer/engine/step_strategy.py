@@ -76,6 +76,8 @@ class StepStrategy:
     # ------------------------------------------------------------------ shared by the loops
     def _schedule(self) -> tuple[object, float]:
         t0 = time.perf_counter()
+        if self.tier is not None:
+            self.tier.refresh()
         out = scheduling.schedule(self.scheduler)
         dt = time.perf_counter() - t0
         self.stats.schedule_s += dt
@@ -90,18 +92,21 @@ class StepStrategy:
         if self.tier is not None:
             self.tier.apply(out)
 
-    def _fail_loads(self, out, exc: TierLoadError) -> None:
-        """Loads failed: the requests whose sequences hold a block that was not loaded fail (their
-        sequences are aborted; a reconcile drops them from the step), the others run on."""
+    def _redo_loads(self, out, exc: TierLoadError) -> None:
+        """Loads failed: the sequences that hold a block that was not loaded (the loading one, and any
+        admitted in the same schedule that shares the block) go back to waiting and recompute those
+        blocks, their keys having left the tier; a reconcile drops them from the step, the others run
+        on. Where the scheduler finishes preempted sequences instead (stop_preempted_request), their
+        requests fail, naming the load."""
         lost = set(exc.blocks)
+        seq_ids = scheduling.seq_ids(out).tolist()
+        hit = [s for s in seq_ids if lost.intersection(scheduling.block_table(self.scheduler, s))]
         message = f"kv tier failed: {type(exc).__name__}: {exc}"
-        hit = [
-            s
-            for s in scheduling.seq_ids(out).tolist()
-            if lost.intersection(scheduling.block_table(self.scheduler, s))
-        ]
-        logger.warning("%s; %d sequence(s) of the step fail, the rest runs", message, len(hit))
-        for seq_id in hit:
+        failed = [s for s in hit if not scheduling.requeue(self.scheduler, out, s)]
+        logger.warning(
+            "%s; %d sequence(s) recompute the blocks, %d fail", message, len(hit) - len(failed), len(failed)
+        )
+        for seq_id in failed:
             self.table.fail_seq(seq_id, message)
 
     def _transfer_sync(self, out):
@@ -112,8 +117,8 @@ class StepStrategy:
             self._transfer(out)
             return out
         except TierLoadError as e:
-            self._fail_loads(out, e)
-        out = scheduling.reconcile(self.scheduler, out)
+            self._redo_loads(out, e)
+        out = self.scheduler.reconcile(out)  # (always: the sequences sent back must leave the step)
         if not scheduling.is_empty(out):
             return out
         self._retire(out)

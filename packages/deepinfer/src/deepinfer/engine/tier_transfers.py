@@ -13,9 +13,9 @@ evicted block in one copy per pool and `import_blocks` scatters every load in on
 
 A load that fails (its file corrupt or gone, its metadata not the request's tokens) is never used: its
 block is forgotten by the device cache, the key leaves the tier, and `apply` raises `TierLoadError`
-naming the blocks after finishing the rest. The step strategies then fail the requests whose block
+naming the blocks after finishing the rest. The step strategies then send the sequences whose block
 tables hold one of those blocks (the loading one, and any admitted in the same schedule that shares the
-block) and run the rest of the step.
+block) back to waiting, where they recompute what the tier could not give, and run the rest of the step.
 """
 
 from __future__ import annotations
@@ -46,6 +46,13 @@ class TierTransfers:
     def __init__(self, tier: KVTier, scheduler, runner, block_size: int) -> None:
         self.tier, self.scheduler, self.runner, self.block_size = tier, scheduler, runner, block_size
         self._announce(tier.keys(), add=True)  # what a shared disk directory already holds
+
+    def refresh(self) -> None:
+        """Before a schedule: the files that engines sharing the disk directory wrote become loadable,
+        those they deleted stop being so (`KVTier.refresh`, at most every few seconds)."""
+        appeared, gone = self.tier.refresh()
+        self._announce(appeared, add=True)
+        self._announce(gone, add=False)
 
     def apply(self, out) -> None:
         if not out.has_tier_transfers:

@@ -1,16 +1,21 @@
-"""Chat messages as the prompt text the checkpoint's chat template (or the DeepSeek default) makes of them."""
+"""Chat messages as the prompt text the checkpoint's chat template (or the DeepSeek default) makes of them,
+and the images of their `image_url` parts (each an `<image>` in the text; `chat_images.py`). The server
+takes images as `data:` URLs only: a client never makes it read a file or fetch a URL."""
 
 from __future__ import annotations
 
 import jinja2
 
+from ..chat_images import image_from_url
+from ..engine.images import IMAGE_PLACEHOLDER
 from ..tokenizer import render_chat
 from .errors import bad_request
 from .protocol import ChatMessage
 
 
-def message_text(i: int, message: ChatMessage) -> str:
-    """A message's content as text: a string, or its text parts joined (other parts are refused)."""
+def message_text(i: int, message: ChatMessage, images: list) -> str:
+    """A message's content as text: a string, or its parts joined, an `<image>` for each `image_url` part
+    (its image appended to `images`); other parts are refused."""
     content = message.content
     if content is None:
         return ""
@@ -18,13 +23,45 @@ def message_text(i: int, message: ChatMessage) -> str:
         return content
     texts = []
     for j, part in enumerate(content):
+        where = f"messages[{i}].content[{j}]"
+        if part.get("type") == "image_url":
+            ref = part.get("image_url")
+            url = ref.get("url") if isinstance(ref, dict) else ref
+            if isinstance(url, str) and url and not url.startswith("data:"):
+                raise bad_request(
+                    f"{where}: the server takes images as data: URLs only (no remote URL, file:// URL or "
+                    "path is read)",
+                    where,
+                )
+            try:
+                images.append(image_from_url(url, where))
+            except ValueError as e:
+                raise bad_request(str(e), where) from None
+            texts.append(IMAGE_PLACEHOLDER)
+            continue
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
             raise bad_request(
-                f"messages[{i}].content[{j}]: only text parts ({{'type': 'text', 'text': ...}}) are supported",
-                f"messages[{i}].content[{j}]",
+                f"{where}: only text ({{'type': 'text', 'text': ...}}) and image_url parts are supported",
+                where,
             )
         texts.append(part["text"])
     return "".join(texts)
+
+
+def _plain(i: int, m: ChatMessage, images: list) -> dict:
+    # OpenAI's "developer" role is the system prompt of newer clients
+    out = {"role": "system" if m.role == "developer" else m.role, "content": message_text(i, m, images)}
+    if m.tool_calls:
+        if m.role != "assistant":
+            raise bad_request(
+                f"messages[{i}].tool_calls: only assistant messages make tool calls", f"messages[{i}]"
+            )
+        out["tool_calls"] = [
+            {"type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+            for c in m.tool_calls
+        ]
+        out["content"] = None if m.content is None else out["content"]
+    return out
 
 
 def render_messages(
@@ -32,19 +69,23 @@ def render_messages(
     tokenizer_config: dict,
     add_generation_prompt: bool,
     chat_template_kwargs: dict | None,
-) -> str:
+    tools: list[dict] | None = None,
+) -> tuple[str, list]:
+    """(prompt text, the images of its `<image>` placeholders in order)."""
     if not messages:
         raise bad_request("messages must hold at least one message", "messages")
-    plain = [
-        # OpenAI's "developer" role is the system prompt of newer clients
-        {"role": "system" if m.role == "developer" else m.role, "content": message_text(i, m)}
-        for i, m in enumerate(messages)
-    ]
+    images: list = []
+    plain = [_plain(i, m, images) for i, m in enumerate(messages)]
     try:
-        return render_chat(plain, tokenizer_config, add_generation_prompt, chat_template_kwargs)
+        return render_chat(
+            plain, tokenizer_config, add_generation_prompt, chat_template_kwargs, tools
+        ), images
     except ValueError as e:
-        raise bad_request(
-            str(e), "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages"
-        ) from None
+        message = str(e)
+        param = "messages"
+        for field in ("chat_template_kwargs", "tools"):
+            if message.startswith(field):
+                param = field
+        raise bad_request(message, param) from None
     except jinja2.TemplateError as e:
         raise bad_request(f"the chat template failed on these messages: {e}", "messages") from None

@@ -52,13 +52,17 @@ def sampling_params(
     max_tokens: int,
     logprobs: int | None,
     names: dict[str, str],
+    so_args: dict | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
-    """names: the engine's field name -> the request's, for the fields the two endpoints name apart."""
-    kwargs = {"n": req.n, "max_tokens": max_tokens, "logprobs": logprobs}
+    """names: the engine's field name -> the request's, for the fields the two endpoints name apart;
+    so_args: a constraint of the server's own (a forced tool call) in place of the request's;
+    prompt_logprobs: the prompt's logprobs with this many alternatives (completions' echo)."""
+    kwargs = {"n": req.n, "max_tokens": max_tokens, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
     kwargs.update({name: getattr(req, name) for name in _PASSED if getattr(req, name) is not None})
     if req.seed is not None:
         kwargs["seq_seed"] = req.seed
-    kwargs["so_args"] = structured_outputs(req)
+    kwargs["so_args"] = so_args if so_args is not None else structured_outputs(req)
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as e:
@@ -66,7 +70,7 @@ def sampling_params(
 
 
 def field_names(names: dict[str, str]) -> dict[str, str]:
-    fields = {name: name for name in (*_PASSED, "n", "so_args")}
+    fields = {name: name for name in (*_PASSED, "n", "so_args")} | {"prompt_logprobs": "echo"}
     fields.update(seq_seed="seed", seed="seed")
     fields.update(names)
     return fields
@@ -76,10 +80,6 @@ def completion_logprobs(req: CompletionRequest) -> int | None:
     if req.logprobs is None:
         return None
     _check_range("logprobs", req.logprobs)
-    if req.echo:
-        raise bad_request(
-            "echo with logprobs needs prompt logprobs, which this server does not compute", "echo"
-        )
     return req.logprobs
 
 

@@ -2,16 +2,20 @@
 
 A stream sends each choice's text as deltas of the cumulative outputs `AsyncLLM` produces; `ChoiceCursor`
 remembers how much of a choice was sent. A chat completion in thinking mode (`reasoning.py`) carries its
-reasoning as `reasoning_content` beside `content`, in whole messages and in deltas alike.
+reasoning as `reasoning_content` beside `content`, in whole messages and in deltas alike; one whose
+request reads tool calls (`tools.py`) carries the calls its content holds as `tool_calls`, whole or
+streamed OpenAI's way (per call its index, id and function name first, then argument fragments).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 
-from ..outputs import CompletionOutput
+from ..outputs import CompletionOutput, RequestOutput
 from ..reasoning import ReasoningStream, split_reasoning
+from ..tool_calls import StreamPiece, ToolCallStream, parse_tool_calls
 
 
 @dataclass
@@ -21,6 +25,8 @@ class ChoiceCursor:
     started: bool = False  # the first chunk (chat: the role) was sent
     finished: bool = False
     reasoning: ReasoningStream | None = None  # chat in thinking mode: the reasoning / content split so far
+    tools: ToolCallStream | None = None  # chat reading tool calls: the calls in the content so far
+    tool_ids: list[str] = field(default_factory=list)  # the ids given to those calls
 
 
 class TokenText:
@@ -52,6 +58,30 @@ def completion_logprobs(
         "top_logprobs": [{token_text(t): lp for t, lp in top.items()} for top in out.top_logprobs[start:end]],
         "text_offset": offsets,
     }
+
+
+def prompt_logprobs(out: RequestOutput, k: int, token_text: TokenText, bos_token_id: int | None) -> dict:
+    """The echoed prompt's tokens in the legacy completions format: the first has no logprob (nothing
+    precedes it); offsets index the echoed text, which shows no BOS."""
+    tokens, logprobs, tops, offsets, pos = [], [], [], [], 0
+    for i, (token, entry) in enumerate(zip(out.prompt_token_ids, out.prompt_logprobs, strict=True)):
+        text = token_text(token)
+        tokens.append(text)
+        offsets.append(pos)
+        if entry is None:
+            logprobs.append(None)
+            tops.append(None)
+        else:
+            logprobs.append(entry[token].logprob)
+            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)
+            tops.append({token_text(t): lp.logprob for t, lp in ranked if lp.rank <= k})
+        if not (i == 0 and token == bos_token_id):
+            pos += len(text)
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def joined_logprobs(first: dict, then: dict) -> dict:
+    return {key: first[key] + then[key] for key in first}
 
 
 def chat_logprobs(out: CompletionOutput, start: int, end: int, token_text: TokenText) -> dict:
@@ -94,6 +124,61 @@ def chat_delta(text: str, cur: ChoiceCursor, thinking: bool, finished: bool) -> 
     if content or not reasoning:  # a chunk without new text still says which part it continues
         delta["content" if content or not cur.reasoning.in_reasoning else "reasoning_content"] = content
     return delta
+
+
+def _tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def with_tool_calls(message: dict, finish_reason: str | None) -> tuple[dict, str | None]:
+    """A whole message with the tool calls its content holds, and the finish reason: "tool_calls" for a
+    completion that ended by itself after calling (one cut short keeps "length")."""
+    if message["content"] is None:
+        return message, finish_reason
+    split = parse_tool_calls(message["content"])
+    if not split.calls:  # a block cut short before its first call's name ends holds no call
+        return message | {"content": split.content}, finish_reason
+    calls = [
+        {"id": _tool_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        for c in split.calls
+    ]
+    message = message | {"content": split.content or None, "tool_calls": calls}
+    return message, "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+def tool_call_delta(delta: dict, cur: ChoiceCursor, finished: bool) -> dict:
+    """A chat delta whose content is read for tool calls: the content outside the call block stays
+    `content`, the calls go in `tool_calls`."""
+    content = delta.pop("content", None)
+    if cur.tools is None:
+        cur.tools = ToolCallStream()
+    piece = cur.tools.feed(content) if content is not None else StreamPiece()
+    if finished:
+        rest = cur.tools.finish()
+        piece.content += rest.content
+        piece.calls += rest.calls
+    calls = []
+    for d in piece.calls:
+        if calls and d.name is None and calls[-1]["index"] == d.index:
+            calls[-1]["function"]["arguments"] += d.arguments
+        elif d.name is not None:
+            cur.tool_ids.append(_tool_call_id())
+            function = {"name": d.name, "arguments": d.arguments}
+            calls.append(
+                {"index": d.index, "id": cur.tool_ids[d.index], "type": "function", "function": function}
+            )
+        else:
+            calls.append({"index": d.index, "function": {"arguments": d.arguments}})
+    if piece.content or (content is not None and not calls):
+        delta["content"] = piece.content
+    if calls:
+        delta["tool_calls"] = calls
+    return delta
+
+
+def stream_finish_reason(cur: ChoiceCursor, finish_reason: str | None) -> str | None:
+    called = cur.tools is not None and cur.tools.num_calls > 0
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from ..outputs import RequestOutput
-from ..reasoning import starts_in_reasoning
+from ..reasoning import THINK_END, starts_in_reasoning
 from ..sampling_params import SamplingParams
 from . import responses
 from .chat import render_messages
@@ -25,6 +25,7 @@ from .errors import APIError, bad_request, from_value_error, model_not_found, ov
 from .params import chat_logprobs, completion_logprobs, field_names, max_new_tokens, sampling_params
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses import ChoiceCursor, TokenText, sse
+from .tools import plan_tools
 
 
 @dataclass
@@ -32,6 +33,7 @@ class _Job:
     text: str | None
     ids: list[int]
     params: SamplingParams
+    images: list | None = None  # a chat's images: the engine expands `text` with them at admission
 
 
 class OpenAIServing:
@@ -49,15 +51,22 @@ class OpenAIServing:
     async def completions(self, req: CompletionRequest) -> dict | AsyncIterator[str]:
         self._check_model(req.model)
         if req.suffix is not None:
-            raise bad_request("suffix is not supported", "suffix")
+            raise bad_request(
+                "suffix is not supported: this model has no fill-in-the-middle mode (no documented format "
+                "for its tokenizer's FIM tokens)",
+                "suffix",
+            )
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request(f"best_of must equal n ({req.n}) or be left out", "best_of")
         logprobs = completion_logprobs(req)
+        # echo with logprobs: the prompt's tokens scored too, from the prefill's logits
+        echo_logprobs = logprobs if req.echo else None
         names = {"logprobs": "logprobs", "max_tokens": "max_tokens"}
         jobs = []
         for text, ids in self._prompts(req.prompt):
             limit = max_new_tokens(req.max_tokens, len(ids), self.llm.max_model_len, "max_tokens", "prompt")
-            jobs.append(_Job(text, ids, sampling_params(req, limit, logprobs, names)))
+            params = sampling_params(req, limit, logprobs, names, prompt_logprobs=echo_logprobs)
+            jobs.append(_Job(text, ids, params))
         rid, streams = await self._admit(jobs, "cmpl", names)
         created = int(time.time())
         echo = [
@@ -65,14 +74,21 @@ class OpenAIServing:
             for j in jobs
         ]
 
-        def choice(p: int, c, cur: ChoiceCursor) -> dict:
+        def choice(p: int, out: RequestOutput, c, cur: ChoiceCursor) -> dict:
             start, end = cur.tokens, len(c.token_ids)
+            lp = None
+            if logprobs is not None:
+                # offsets index the choice's whole text: the echoed prompt, then the completion
+                lp = responses.completion_logprobs(c, start, end, self.token_text, len(echo[p]) + cur.text)
+                if echo_logprobs is not None and not cur.started:
+                    bos = self.llm.engine.bos_token_id
+                    lp = responses.joined_logprobs(
+                        responses.prompt_logprobs(out, echo_logprobs, self.token_text, bos), lp
+                    )
             return {
                 "index": p * req.n + c.index,
                 "text": ("" if cur.started else echo[p]) + c.text[cur.text :],
-                "logprobs": None
-                if logprobs is None
-                else responses.completion_logprobs(c, start, end, self.token_text, cur.text),
+                "logprobs": lp,
                 "finish_reason": c.finish_reason,
             }
 
@@ -88,7 +104,7 @@ class OpenAIServing:
         if req.stream:
             return self._stream(streams, choice, body, req.n, _include_usage(req))
         outs = await self._finals(streams)
-        choices = [choice(p, c, ChoiceCursor()) for p, out in enumerate(outs) for c in out.outputs]
+        choices = [choice(p, out, c, ChoiceCursor()) for p, out in enumerate(outs) for c in out.outputs]
         return body(choices) | {"usage": _usage(outs)}
 
     # ------------------------------------------------------------------ /v1/chat/completions
@@ -100,11 +116,19 @@ class OpenAIServing:
         if requested is None and req.max_tokens is not None:
             requested, param = req.max_tokens, "max_tokens"
         logprobs = chat_logprobs(req)
-        prompt = render_messages(
-            req.messages, self.llm.tokenizer_config, req.add_generation_prompt, req.chat_template_kwargs
+        tools = plan_tools(req)
+        prompt, images = render_messages(
+            req.messages,
+            self.llm.tokenizer_config,
+            req.add_generation_prompt,
+            req.chat_template_kwargs,
+            tools.tools,
         )
+        # with images, the text's ids only: the image blocks are added at admission, and the engine
+        # then holds max_tokens to the context the expanded prompt leaves
         # thinking mode: the completion starts inside the reasoning, sent apart as reasoning_content
         thinking = starts_in_reasoning(prompt)
+        forced_call = tools.so_args(thinking, self.llm.tokenizer.token_to_id(THINK_END))
         ids = self.llm.engine.encode(prompt)
         limit = max_new_tokens(requested, len(ids), self.llm.max_model_len, param, "messages")
         names = {
@@ -112,23 +136,29 @@ class OpenAIServing:
             "max_tokens": param,
             "prompt": "messages",
             "prompt_token_ids": "messages",
+            "multi_modal_data": "messages",
         }
-        job = _Job(prompt, ids, sampling_params(req, limit, logprobs, names))
+        job = _Job(prompt, ids, sampling_params(req, limit, logprobs, names, forced_call), images or None)
         rid, streams = await self._admit([job], "chatcmpl", names)
         created = int(time.time())
 
-        def choice(p: int, c, cur: ChoiceCursor, stream: bool = True) -> dict:
+        def choice(p: int, out: RequestOutput, c, cur: ChoiceCursor, stream: bool = True) -> dict:
             lp = (
                 None
                 if logprobs is None
                 else responses.chat_logprobs(c, cur.tokens, len(c.token_ids), self.token_text)
             )
-            text = c.text[cur.text :]
+            text, finish_reason = c.text[cur.text :], c.finish_reason
             if stream:
                 delta = responses.chat_delta(text, cur, thinking, c.finished)
-                return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason}
+                if tools.read_calls:
+                    delta = responses.tool_call_delta(delta, cur, c.finished)
+                    finish_reason = responses.stream_finish_reason(cur, finish_reason)
+                return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
             message = responses.chat_message(text, thinking)
-            return {"index": c.index, "message": message, "logprobs": lp, "finish_reason": c.finish_reason}
+            if tools.read_calls:
+                message, finish_reason = responses.with_tool_calls(message, finish_reason)
+            return {"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish_reason}
 
         def chunk(choices: list[dict]) -> dict:
             return {
@@ -147,7 +177,7 @@ class OpenAIServing:
             "object": "chat.completion",
             "created": created,
             "model": self.model_name,
-            "choices": [choice(0, c, ChoiceCursor(), stream=False) for c in outs[0].outputs],
+            "choices": [choice(0, outs[0], c, ChoiceCursor(), stream=False) for c in outs[0].outputs],
             "usage": _usage(outs),
         }
 
@@ -179,9 +209,15 @@ class OpenAIServing:
         try:
             for i, job in enumerate(jobs):
                 request_id = rid if len(jobs) == 1 else f"{rid}-{i}"
-                streams.append(
-                    await self.llm.add_request(job.text, job.params, request_id, prompt_token_ids=job.ids)
-                )
+                if job.images is None:
+                    stream = await self.llm.add_request(
+                        job.text, job.params, request_id, prompt_token_ids=job.ids
+                    )
+                else:
+                    stream = await self.llm.add_request(
+                        job.text, job.params, request_id, multi_modal_data={"image": job.images}
+                    )
+                streams.append(stream)
         except BaseException as e:
             for s in streams:
                 self.llm.abort(s.request_id)
@@ -238,7 +274,7 @@ class OpenAIServing:
                         and not c.finished
                     ):
                         continue
-                    yield sse(body([choice(p, c, cur)]))
+                    yield sse(body([choice(p, out, c, cur)]))
                     cur.text, cur.tokens, cur.started, cur.finished = (
                         len(c.text),
                         len(c.token_ids),

@@ -39,7 +39,9 @@ class DeepseekV41Family(ModelFamily):
     def cache_specs(self, model, block_size: int) -> list:
         return v41_cache_specs(model, block_size)
 
-    def forward(self, model, meta, cache, extras=None, row_split=None) -> torch.Tensor:
+    def forward(self, model, meta, cache, extras=None, row_split=None, images=None) -> torch.Tensor:
+        if images is not None:
+            return _forward(model, meta, cache, images=images)
         if row_split is not None:
             return _forward(model, meta, cache, extras, row_split=row_split)
         return _forward(model, meta, cache) if extras is None else _forward(model, meta, cache, extras)

@@ -15,6 +15,7 @@ from ..drafter import main_keys
 from ..drafter_heads import target_features
 from ..engram import engram_inject
 from ..model import DeepseekV41ForCausalLM
+from ..vision.embed import image_input_embeddings
 from ..yoco_step import YocoStep
 from .attention import _attention
 from .engram_rows import _engram_rows, _static_engram_rows
@@ -29,6 +30,7 @@ def v41_paged_forward(
     yoco: YocoStep | None = None,
     moe_fn=None,
     row_split: PagedMirrorRows | None = None,
+    images: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """FP32 logits [len(meta.logits_rows), vocab] of one packed step, updating `cache`.
 
@@ -42,7 +44,14 @@ def v41_paged_forward(
     attention computes its queries only; every key, the shared hidden, the drafter's features and the
     final hidden are all-gathered, so every CP rank writes the whole step into its pools and returns the
     whole step's logits (collective over the CP group).
+
+    `images`: the input embeddings [n, H] of the step's image positions (ids equal to the IMAGE sentinel)
+    in packed row order; the other sentinel rows take the learned start / newline / end embeddings and the
+    pad token's (`vision/embed.py`, as the stateless forward's `image_features`). Embeddings are per
+    position, so a prefill chunk may end anywhere inside an image block.
     """
+    if images is not None and (row_split is not None or yoco is not None):
+        raise ValueError("a step with images cannot run under context parallelism or YOCO truncation")
     if row_split is not None and yoco is not None:
         raise ValueError("context parallel steps cannot be combined with YOCO prefill truncation")
     split = row_split
@@ -57,7 +66,14 @@ def v41_paged_forward(
     compact = yoco is not None and yoco.drops_rows
     targets = cfg.dspark.target_layer_ids if (cfg.dspark and w.drafter is not None) else ()
     feats = {}
-    hc = ShiftedHC(embed(qmeta.input_ids, w.embed, checked=meta.ids_checked), cfg)
+    if images is None:
+        x0 = embed(qmeta.input_ids, w.embed, checked=meta.ids_checked)
+    elif w.image_embeds is None:
+        raise ValueError("a step with images, but this checkpoint has no vision tower")
+    else:
+        pad = int(cfg.extra.get("pad_token_id", 2))
+        x0 = image_input_embeddings(qmeta.input_ids, w.embed, w.image_embeds, pad, [images], act)
+    hc = ShiftedHC(x0, cfg)
     for layer, blk in enumerate(w.layers):
         if compact and layer == cfg.n_prefill_layer:
             # Compact boundary (§8 item 2): S for every row (consumer compressed KV / index keys need all

@@ -1,0 +1,226 @@
+"""Requests with images: `multi_modal_data={"image": [...]}` turned into an expanded prompt and the
+image embeddings its prefill needs.
+
+At admission each image is read (bytes, a PIL image or a file path), preprocessed in worker processes
+(`ImagePreprocessor`) and run through the model's vision tower once; embeddings are kept by content hash
+(`EncoderCache`), so an image sent in many requests is encoded once. The prompt text is split on the
+`<image>` placeholder (not one token in the tokenizer) and each placeholder takes the next image's block of
+sentinel ids (`expand_images`); placeholders past the last image stay text. A token prompt marks each image
+by one `placeholder_id` (the IMAGE sentinel), as many as there are images. The request's prefix-cache salt
+is derived from its images' digests, so requests share cached blocks only when their images are the same.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from deepinfer_model import (
+    EncoderCache,
+    ImageError,
+    ImagePreprocessor,
+    ImageSentinels,
+    compression_stride,
+    expand_images,
+    image_digest,
+    image_grid_of,
+)
+
+from .request_checks import checked_token_id
+
+__all__ = ["IMAGE_PLACEHOLDER", "ImageInputs", "ImagePrompt", "image_bytes"]
+
+IMAGE_PLACEHOLDER = "<image>"
+
+
+@dataclass(eq=False)
+class ImagePrompt:
+    """One request's expanded prompt: `ids` (with sentinel ids), `features` [cells, H] of its images in
+    order, `rows[p]` = the feature row of position p (-1: not an image position), the image digests."""
+
+    ids: list[int]
+    features: torch.Tensor
+    rows: np.ndarray
+    sentinel: np.ndarray  # bool per position: inside an image block (a sentinel id the expansion wrote)
+    digests: list[str]
+
+    def step_features(self, start: int, stop: int) -> torch.Tensor | None:
+        """The embeddings of the image positions in [start, stop) (possibly none: [0, H]), or None when
+        those positions hold no sentinel id."""
+        stop = min(stop, len(self.ids))
+        if start >= stop or not self.sentinel[start:stop].any():
+            return None
+        r = self.rows[start:stop]
+        return self.features[torch.as_tensor(r[r >= 0])]
+
+    def cache_salt(self, base: int) -> int:
+        """A prefix-cache namespace in [0, 2**63) for this request's images on top of `base`."""
+        key = f"{base}:" + ",".join(self.digests)
+        return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+def image_bytes(item, label: str) -> bytes:
+    """The encoded bytes of one image given as bytes, a PIL image or a file path."""
+    if isinstance(item, bytes | bytearray | memoryview):
+        return bytes(item)
+    if isinstance(item, str | Path):
+        try:
+            return Path(item).read_bytes()
+        except OSError as e:
+            raise ImageError(f"{label}: cannot read the image file {str(item)!r} ({e.strerror})") from None
+    if type(item).__module__.startswith("PIL."):
+        buf = io.BytesIO()
+        item.save(buf, format="PNG")  # lossless, so the pixels are the ones given
+        return buf.getvalue()
+    raise ImageError(
+        f"{label}: an image must be bytes, a PIL image or a file path, got {type(item).__name__}"
+    )
+
+
+class ImageInputs:
+    """The engine's image path for `model` (see the module doc): an encoder cache of at most `cache_rows`
+    embedding rows (`EngineArgs.encoder_cache_tokens`), `workers` preprocessing processes started on the
+    first image."""
+
+    def __init__(self, model, cache_rows: int, workers: int = 2) -> None:
+        self.model = model
+        self.vision = getattr(model, "vision", None)
+        self.workers = workers
+        self.cache_rows = cache_rows
+        self._pre = None
+        self._cache = None
+
+    @property
+    def encoder_cache(self):
+        if self._cache is None:
+            self._cache = EncoderCache(self.cache_rows)
+        return self._cache
+
+    @property
+    def placeholder_id(self) -> int:
+        """The id that stands for one image in a token prompt (the IMAGE sentinel, `vocab_size + 2`)."""
+        return ImageSentinels(int(self.model.config.vocab_size)).image
+
+    def prompt(
+        self, prompt: str | None, prompt_token_ids, multi_modal_data, encode, tokenizer
+    ) -> ImagePrompt:
+        """Expand a text `prompt` (its `<image>` placeholders) or, when given, `prompt_token_ids` (each
+        `placeholder_id` one image) with the images; ValueError (an `ImageError` for a bad image) naming
+        the problem. `encode(text)` tokenizes the first text segment (with BOS), `tokenizer` the later ones."""
+        images = _images_of(multi_modal_data)
+        if self.vision is None:
+            raise ValueError(
+                "multi_modal_data['image']: this model has no vision tower (its config has no "
+                "vision_config with num_hidden_layers), so it cannot take images"
+            )
+        vocab = int(self.model.config.vocab_size)
+        if prompt_token_ids is not None:
+            segments = self._token_segments(list(prompt_token_ids), len(images), vocab)
+        elif isinstance(prompt, str):
+            n_slots = prompt.count(IMAGE_PLACEHOLDER)
+            if len(images) > n_slots:
+                raise ValueError(
+                    f"multi_modal_data['image'] has {len(images)} images but the prompt has {n_slots} "
+                    f"{IMAGE_PLACEHOLDER} placeholders: each image needs one"
+                )
+            texts = prompt.split(IMAGE_PLACEHOLDER, len(images))
+            segments = [encode(texts[0])]
+            segments += [tokenizer.encode(t, add_special_tokens=False).ids for t in texts[1:]]
+        else:
+            raise ValueError(
+                f"multi_modal_data needs a text prompt with {IMAGE_PLACEHOLDER} placeholders or "
+                "prompt_token_ids with the image placeholder id"
+            )
+
+        labels = [f"multi_modal_data['image'][{i}]" for i in range(len(images))]
+        data = [image_bytes(item, label) for item, label in zip(images, labels, strict=True)]
+        embedded = self._embed(data, labels)
+        cfg = self.model.config
+        sentinels = ImageSentinels(vocab)
+        ids, spans = expand_images(
+            segments, [g for g, _ in embedded], compression_stride(cfg.compress_ratios), sentinels
+        )
+        in_image = np.zeros(len(ids), dtype=bool)  # (the engine checks every id outside the blocks)
+        for span in spans:
+            in_image[span.offset : span.end] = True
+        arr = np.asarray(ids, dtype=np.int64)
+        rows = np.full(len(ids), -1, dtype=np.int64)
+        where = np.flatnonzero(in_image & (arr == sentinels.image))
+        rows[where] = np.arange(len(where))
+        feats = [f for _, f in embedded]
+        width = int(self.model.weights.embed.shape[1])
+        features = torch.cat(feats) if feats else torch.empty(0, width)
+        digests = [image_digest(b) for b in data]
+        return ImagePrompt(ids, features, rows, in_image, digests)
+
+    def _token_segments(self, ids: list, n_images: int, vocab: int) -> list[list[int]]:
+        """A token prompt split at its image placeholder ids, which must be as many as the images."""
+        placeholder = self.placeholder_id
+        segments: list[list[int]] = [[]]
+        for i, t in enumerate(ids):
+            if t == placeholder and not isinstance(t, bool):
+                segments.append([])
+                continue
+            try:
+                segments[-1].append(checked_token_id(f"prompt_token_ids[{i}]", t, vocab))
+            except ValueError as e:
+                raise ValueError(f"{e} (or {placeholder}, the image placeholder id)") from None
+        if len(segments) - 1 != n_images:
+            raise ValueError(
+                f"multi_modal_data['image'] has {n_images} images but prompt_token_ids has "
+                f"{len(segments) - 1} image placeholder ids ({placeholder}): each image needs one"
+            )
+        return segments
+
+    def _embed(self, data: list[bytes], labels: list[str]) -> list[tuple[tuple[int, int], torch.Tensor]]:
+        """Per image its grid (rows, cols) of merged cells and its embeddings [rows * cols, H]."""
+        cache, vcfg = self.encoder_cache, self.vision.config
+        out: list = [None] * len(data)
+        todo = []
+        for i, b in enumerate(data):
+            hit = cache.get(image_digest(b))
+            if hit is not None:
+                out[i] = (image_grid_of(b, vcfg, labels[i]), hit)
+            else:
+                todo.append(i)
+        if todo:
+            prepared = self._preprocessor().prepare([data[i] for i in todo], [labels[i] for i in todo])
+            for i, p in zip(todo, prepared, strict=True):
+                if isinstance(p, ImageError):
+                    raise p
+                patches = torch.from_numpy(p.patches).to(self.model.device)
+                with torch.no_grad():
+                    emb = self.vision.embed_image(patches, p.patch_rows, p.patch_cols)
+                cache.put(p.digest, emb)
+                out[i] = ((p.rows, p.cols), emb)
+        return out
+
+    def _preprocessor(self):
+        if self._pre is None:
+            self._pre = ImagePreprocessor(self.vision.config, workers=self.workers)
+        return self._pre
+
+    def close(self) -> None:
+        if self._pre is not None:
+            self._pre.close()
+            self._pre = None
+
+
+def _images_of(multi_modal_data) -> list:
+    if not isinstance(multi_modal_data, dict):
+        raise ValueError(
+            f"multi_modal_data must be a dict like {{'image': [...]}}, got {type(multi_modal_data).__name__}"
+        )
+    unknown = sorted(set(multi_modal_data) - {"image"})
+    if unknown:
+        raise ValueError(f"multi_modal_data: unknown modalities {unknown}; only 'image' is supported")
+    images = multi_modal_data.get("image", [])
+    if not isinstance(images, list | tuple):
+        images = [images]
+    if not images:
+        raise ValueError("multi_modal_data['image'] must hold at least one image")
+    return list(images)

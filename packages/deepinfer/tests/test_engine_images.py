@@ -1,0 +1,362 @@
+"""Requests with images through the engine: `LLM.generate` with `multi_modal_data`, against the stateless
+V4.1 forward with `image_features`, prefix caching keyed by the images, and per-request failures."""
+
+import io
+
+import pytest
+import torch
+from deepinfer import LLM, EngineArgs, LLMEngine, SamplingParams
+from deepinfer_model.models.deepseek_v41 import make_v41_checkpoint, tiny_v41_config_dict
+from deepinfer_model.models.deepseek_v41.vision import (
+    ImageSentinels,
+    compression_stride,
+    expand_images,
+    prepare_image,
+)
+from PIL import Image
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+def _png(seed: int, size=(56, 56)) -> bytes:
+    g = torch.Generator().manual_seed(seed)
+    pixels = (torch.rand(size[1], size[0], 3, generator=g) * 255).to(torch.uint8).numpy()
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def vision_checkpoint(tmp_path_factory):
+    import json
+
+    path = make_v41_checkpoint(tmp_path_factory.mktemp("v41-vision"), tiny_v41_config_dict(vision_tower=True))
+    # a chat template of plain text: the real one's role tokens lie outside the tiny 256-token vocabulary
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m['content'] }}!{% endfor %}"
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm(vision_checkpoint):
+    # a token budget of 6 per step: every image block is cut across prefill chunks; the drafting loop
+    # (the reference's 5 drafts per step; test_plain_decode_loops runs the other two)
+    args = EngineArgs(model=str(vision_checkpoint), block_size=4, max_num_batched_tokens=6)
+    with LLM.from_engine(LLMEngine(args, num_speculative_tokens=5)) as llm:
+        assert llm.engine.spec is not None
+        yield llm
+
+
+def _reference(llm, texts: list[str], images: list[bytes], steps: int = 4) -> list[int]:
+    """Greedy tokens of the stateless forward, the prompt expanded by hand from the same pieces."""
+    engine, model = llm.engine, llm.engine.model
+    vcfg = model.vision.config
+    prepared = [prepare_image(b, vcfg) for b in images]
+    feats = [
+        model.vision.embed_image(torch.from_numpy(p.patches), p.patch_rows, p.patch_cols) for p in prepared
+    ]
+    segments = [engine.encode(texts[0])] + [
+        engine.tokenizer.encode(t, add_special_tokens=False).ids for t in texts[1:]
+    ]
+    ids, _ = expand_images(
+        segments,
+        [(p.rows, p.cols) for p in prepared],
+        compression_stride(model.config.compress_ratios),
+        ImageSentinels(model.config.vocab_size),
+    )
+    out = []
+    for _ in range(steps):
+        logits = model.forward(ids, image_features=feats).logits
+        out.append(int(torch.argmax(logits[-1])))
+        ids = ids + [out[-1]]
+    return out
+
+
+def _request(text: str, *images) -> dict:
+    return {"prompt": text, "multi_modal_data": {"image": list(images)}}
+
+
+def test_generate_with_images_equals_stateless_forward(llm, tmp_path):
+    a, b = _png(0), _png(1, (84, 42))
+    path = tmp_path / "b.png"
+    path.write_bytes(b)
+    pil = Image.open(io.BytesIO(a))
+    outs = llm.generate(
+        [_request("a<image>b", a), _request("a<image>!<image>b", pil, str(path))], GREEDY, use_tqdm=False
+    )
+    assert [o.error for o in outs] == [None, None]
+    assert outs[0].outputs[0].token_ids == _reference(llm, ["a", "b"], [a])
+    assert outs[1].outputs[0].token_ids == _reference(llm, ["a", "!", "b"], [a, b])
+    vocab = llm.engine.vocab_size
+    assert sum(t >= vocab for t in outs[0].prompt_token_ids) > 0  # the expanded prompt is reported
+
+
+def test_extra_placeholders_stay_text(llm):
+    """Placeholders past the last image are tokenized as text (here outside the tiny model's 256-token
+    vocabulary, so the expansion is checked directly and the request fails on its text ids)."""
+    engine, a = llm.engine, _png(2)
+    expanded = engine.images.prompt("a<image>b<image>", None, {"image": [a]}, engine.encode, engine.tokenizer)
+    tail = engine.tokenizer.encode("b<image>", add_special_tokens=False).ids
+    assert len(tail) > 1 and expanded.ids[-len(tail) :] == tail
+    assert expanded.ids[: len(engine.encode("a"))] == engine.encode("a")
+    head = expanded.ids[: -len(tail)]  # BOS, "a", then one image block of sentinel ids
+    assert sum(t >= engine.vocab_size for t in head) == len(head) - 2
+    out = llm.generate([_request("a<image>b<image>", a)], GREEDY, use_tqdm=False, raise_on_error=False)[0]
+    bad = len(expanded.ids) - len(tail) + next(i for i, t in enumerate(tail) if t >= engine.vocab_size)
+    assert out.error.startswith(f"prompt_token_ids[{bad}]=")
+
+
+def test_different_images_differ_same_image_shares_blocks(llm):
+    engine = llm.engine
+    a, b = _png(3), _png(4)
+    before = engine.scheduler_stats()["prefix_cache_hit_tokens"]
+    first = llm.generate([_request("a<image>b", a)], GREEDY, use_tqdm=False)[0]
+    other = llm.generate([_request("a<image>b", b)], GREEDY, use_tqdm=False)[0]
+    # same token ids (the sentinels do not name the image), different images: no block is shared
+    assert first.prompt_token_ids == other.prompt_token_ids
+    assert engine.scheduler_stats()["prefix_cache_hit_tokens"] == before
+    assert first.outputs[0].token_ids != other.outputs[0].token_ids
+    again = llm.generate([_request("a<image>b", a)], GREEDY, use_tqdm=False)[0]
+    hits = engine.scheduler_stats()["prefix_cache_hit_tokens"] - before
+    assert hits >= 4 * (len(first.prompt_token_ids) // 4 - 1)  # the full blocks of the prompt
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert engine.images.encoder_cache.hits >= 1  # the image was encoded once
+
+
+def test_bad_images_fail_alone(llm):
+    good, text_params = _png(5), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    batch = [
+        _request("a<image>b", good),
+        _request("a<image>b", b"not an image"),
+        _request("a<image>b", good, good),  # two images, one placeholder
+        _request("a<image>b", 17),
+        _request("ab", good),
+        {"prompt_token_ids": [0, 67, 68]},
+    ]
+    outs = llm.generate(batch, text_params, use_tqdm=False, raise_on_error=False)
+    assert outs[0].error is None and outs[5].error is None
+    assert "multi_modal_data['image'][0]: cannot decode the image bytes" in outs[1].error
+    assert "has 2 images but the prompt has 1 <image> placeholders" in outs[2].error
+    assert "must be bytes, a PIL image or a file path, got int" in outs[3].error
+    assert "has 1 images but the prompt has 0 <image> placeholders" in outs[4].error
+    solo = llm.generate([batch[0]], text_params, use_tqdm=False)[0]
+    assert outs[0].outputs[0].token_ids == solo.outputs[0].token_ids == _reference(llm, ["a", "b"], [good])
+    text_solo = llm.generate(prompt_token_ids=[0, 67, 68], sampling_params=text_params, use_tqdm=False)[0]
+    assert outs[5].outputs[0].token_ids == text_solo.outputs[0].token_ids
+    missing = llm.generate(
+        [_request("a<image>", "/no/such/image.png")], GREEDY, use_tqdm=False, raise_on_error=False
+    )[0]
+    assert "cannot read the image file '/no/such/image.png'" in missing.error
+
+
+def test_sentinel_ids_only_with_images(llm):
+    vocab = llm.engine.vocab_size
+    out = llm.generate(
+        prompt_token_ids=[0, 67, vocab + 2], sampling_params=GREEDY, use_tqdm=False, raise_on_error=False
+    )[0]
+    assert out.error == f"prompt_token_ids[2]={vocab + 2}: must be in [0, {vocab})"
+
+
+def test_model_without_vision_tower_refuses_images(tmp_path):
+    path = make_v41_checkpoint(tmp_path / "text-only", seed=0)
+    with LLM(model=str(path), block_size=4) as llm:
+        outs = llm.generate(
+            [_request("a<image>b", _png(6)), {"prompt_token_ids": [0, 67, 68]}],
+            GREEDY,
+            use_tqdm=False,
+            raise_on_error=False,
+        )
+    assert "this model has no vision tower" in outs[0].error
+    assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 4
+
+
+def test_chat_image_url_parts(llm, tmp_path):
+    import base64
+
+    a, b = _png(7), _png(8, (42, 70))
+    path = tmp_path / "b.png"
+    path.write_bytes(b)
+    url = "data:image/png;base64," + base64.b64encode(a).decode()
+
+    def conversation(second: str) -> list[dict]:
+        parts = [
+            {"type": "text", "text": "a"},
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "image_url", "image_url": second},
+            {"type": "text", "text": "b"},
+        ]
+        return [{"role": "user", "content": parts}]
+
+    bad = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]
+    convs = [conversation(str(path)), bad, conversation(f"file://{path}")]
+    outs = llm.chat(convs, GREEDY, use_tqdm=False, raise_on_error=False)
+    assert "remote image URLs are not fetched" in outs[1].error
+    from deepinfer.tokenizer import render_chat
+
+    text = render_chat([{"role": "user", "content": "a<image><image>b"}], llm.engine.tokenizer_config, True)
+    assert text == "a<image><image>b!"
+    want = llm.generate([_request(text, a, b)], GREEDY, use_tqdm=False)[0]
+    assert outs[0].error is None and outs[2].error is None and want.error is None
+    assert outs[0].prompt_token_ids == outs[2].prompt_token_ids == want.prompt_token_ids
+    assert outs[0].outputs[0].token_ids == outs[2].outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def test_cli_generate_image(llm, vision_checkpoint, tmp_path):
+    import json
+
+    from deepinfer.cli import main
+
+    a = _png(9)
+    path = tmp_path / "a.png"
+    path.write_bytes(a)
+    out = tmp_path / "out.jsonl"
+    argv = ["generate", "--model", str(vision_checkpoint), "--prompt", "a<image>b", "--image", str(path)]
+    argv += ["--max-tokens", "4", "--temperature", "0", "--ignore-eos", "--output", str(out), "--no-progress"]
+    assert main(argv) == 0
+    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert record["error"] is None
+    assert record["outputs"][0]["token_ids"] == _reference(llm, ["a", "b"], [a])
+    code = main(["generate", "--model", str(vision_checkpoint), "--input", str(out), "--image", str(path)])
+    assert code != 0  # --image goes with --prompt only
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_plain_decode_loops(llm, vision_checkpoint, monkeypatch, async_scheduling):
+    """Without drafting, in the synchronous and the asynchronous loop (the fixture's engine drafts)."""
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "0")
+    a = _png(10)
+    with LLM(
+        model=str(vision_checkpoint),
+        block_size=4,
+        max_num_batched_tokens=6,
+        async_scheduling=async_scheduling,
+    ) as plain:
+        assert plain.engine.spec is None
+        outs = plain.generate(
+            [_request("a<image>b", a), {"prompt_token_ids": [0, 67, 68]}], GREEDY, use_tqdm=False
+        )
+    assert outs[0].outputs[0].token_ids == _reference(llm, ["a", "b"], [a])
+    text = llm.generate(prompt_token_ids=[0, 67, 68], sampling_params=GREEDY, use_tqdm=False)[0]
+    assert outs[1].outputs[0].token_ids == text.outputs[0].token_ids
+
+
+def test_images_refused_under_yoco_truncation(vision_checkpoint, monkeypatch):
+    monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "mask")
+    monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "14")
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "0")
+    with LLM(model=str(vision_checkpoint), block_size=4) as llm:
+        assert llm.engine.truncation.enabled
+        outs = llm.generate(
+            [_request("a<image>b", _png(11)), {"prompt_token_ids": [0, 67, 68]}],
+            GREEDY,
+            use_tqdm=False,
+            raise_on_error=False,
+        )
+    assert "not supported with YoCo prefill truncation" in outs[0].error
+    assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 4
+
+
+def test_every_dict_prompt_form_takes_images(llm):
+    """The text form, the token form (one placeholder id per image) and both keys together run the same
+    expanded prompt; a single dict is one prompt."""
+    engine, a = llm.engine, _png(12)
+    placeholder = engine.images.placeholder_id
+    assert placeholder == engine.vocab_size + 2
+    ids = engine.encode("a") + [placeholder] + engine.tokenizer.encode("b", add_special_tokens=False).ids
+    mm = {"image": [a]}
+    forms = [
+        _request("a<image>b", a),
+        {"prompt_token_ids": ids, "multi_modal_data": mm},
+        {"prompt": "label", "prompt_token_ids": tuple(ids), "multi_modal_data": mm},
+    ]
+    outs = llm.generate(forms, GREEDY, use_tqdm=False)
+    single = llm.generate({"prompt_token_ids": ids, "multi_modal_data": mm}, GREEDY, use_tqdm=False)
+    want = _reference(llm, ["a", "b"], [a])
+    assert len(single) == 1 and single[0].outputs[0].token_ids == want
+    assert [o.outputs[0].token_ids for o in outs] == [want] * 3
+    assert outs[0].prompt_token_ids == outs[1].prompt_token_ids == outs[2].prompt_token_ids
+    assert outs[2].prompt == "label"
+
+
+def test_token_prompt_image_errors(llm):
+    engine, a = llm.engine, _png(13)
+    vocab, placeholder = engine.vocab_size, engine.images.placeholder_id
+    batch = [
+        {"prompt_token_ids": [0, placeholder, 67, placeholder], "multi_modal_data": {"image": [a]}},
+        {"prompt_token_ids": [0, 67], "multi_modal_data": {"image": [a]}},
+        {"prompt_token_ids": [0, vocab, placeholder], "multi_modal_data": {"image": [a]}},
+        {"prompt_token_ids": [0, placeholder], "multi_modal_data": {"video": [a]}},
+        {"prompt_token_ids": [0, placeholder], "multi_modal_data": {"image": [a]}},
+    ]
+    outs = llm.generate(batch, GREEDY, use_tqdm=False, raise_on_error=False)
+    assert "has 1 images but prompt_token_ids has 2 image placeholder ids" in outs[0].error
+    assert "has 1 images but prompt_token_ids has 0 image placeholder ids" in outs[1].error
+    assert outs[2].error == (
+        f"prompt_token_ids[1]={vocab}: must be in [0, {vocab}) (or {placeholder}, the image placeholder id)"
+    )
+    assert "multi_modal_data: unknown modalities ['video']" in outs[3].error
+    assert outs[4].error is None and len(outs[4].outputs[0].token_ids) == 4
+
+
+def test_image_errors_raise_by_default(llm):
+    """As every invalid request: a ValueError naming the request, nothing of the call left running."""
+    with pytest.raises(ValueError, match=r"request 1: multi_modal_data\['image'\]\[0\]: cannot decode"):
+        llm.generate(
+            [_request("a<image>b", _png(14)), _request("a<image>b", b"junk")], GREEDY, use_tqdm=False
+        )
+    assert not llm.engine.has_unfinished_requests()
+    bad = [{"role": "user", "content": [{"type": "video", "video": "x"}]}]
+    with pytest.raises(ValueError, match=r"request 0: conversation 0\[0\]\.content\[0\]: a content part"):
+        llm.chat(bad, GREEDY, use_tqdm=False)
+
+
+def test_prompt_logprobs_refused_with_images(llm):
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    outs = llm.generate(
+        [_request("a<image>b", _png(15)), {"prompt_token_ids": [0, 67, 68]}],
+        params,
+        use_tqdm=False,
+        raise_on_error=False,
+    )
+    assert outs[0].error.startswith("prompt_logprobs: not supported for a request with images")
+    assert outs[1].error is None and outs[1].prompt_logprobs is not None
+
+
+def test_encoder_cache_size_setting(vision_checkpoint, monkeypatch):
+    """`encoder_cache_tokens` bounds the encoder cache (least recently used image first); the environment
+    gives the default, the field and the CLI flag override it, and a bad value names itself."""
+    from deepinfer.cli.parser import build_parser
+    from deepinfer_model.models.deepseek_v41.vision import prepare_image
+
+    a, b = _png(16), _png(17)
+    monkeypatch.setenv("DEEPINFER_ENCODER_CACHE_TOKENS", "12345")
+    assert EngineArgs(model=str(vision_checkpoint)).encoder_cache_tokens == 12345
+    argv = ["generate", "--prompt", "x", "--encoder-cache-tokens", "7"]
+    assert EngineArgs.from_cli_args(build_parser().parse_args(argv)).encoder_cache_tokens == 7
+    with pytest.raises(ValueError, match="encoder_cache_tokens must be an integer >= 1, got 0"):
+        EngineArgs(model=str(vision_checkpoint), encoder_cache_tokens=0)
+    monkeypatch.setenv("DEEPINFER_ENCODER_CACHE_TOKENS", "0")
+    with pytest.raises(ValueError, match="DEEPINFER_ENCODER_CACHE_TOKENS must be"):
+        EngineArgs(model=str(vision_checkpoint))
+    monkeypatch.delenv("DEEPINFER_ENCODER_CACHE_TOKENS")
+
+    def encodes(tokens: int | None) -> tuple[int, int, list, object]:
+        """(misses, hits, outputs, vision config) of the requests a, b, a on a fresh engine."""
+        with LLM(model=str(vision_checkpoint), block_size=4, encoder_cache_tokens=tokens) as llm:
+            outs = [llm.generate([_request("a<image>b", x)], GREEDY, use_tqdm=False)[0] for x in (a, b, a)]
+            cache = llm.engine.images.encoder_cache
+            return (
+                cache.misses,
+                cache.hits,
+                [o.outputs[0].token_ids for o in outs],
+                llm.engine.model.vision.config,
+            )
+
+    misses, hits, _, vcfg = encodes(None)
+    assert (misses, hits) == (2, 1)
+    one = prepare_image(a, vcfg)
+    rows = one.rows * one.cols  # one image's embedding rows: room for a or b, not both
+    misses, hits, tokens, _ = encodes(rows)
+    assert (misses, hits) == (3, 0) and tokens[0] == tokens[2]  # a encoded again, same embeddings
+    assert encodes(2 * rows)[:2] == (2, 1)
