@@ -3,6 +3,7 @@ as ranks started by `deepinfer launch`, by torchrun, by hand as two "nodes" shar
 spawned by the engine itself. Every layout must give the single-process tokens and logprobs.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -344,6 +345,50 @@ def test_cli_cp2_dp2_spawns_four_ranks(v41, tmp_path):
     run = subprocess.run([*CLI, *_generate_args(ckpt, requests, out, "--cp", "2", "--dp", "2")],
                          capture_output=True, text=True, timeout=400, env=_env())  # fmt: skip
     _check(run, out, reference)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_balanced_routing_cp2_dp2_gives_the_single_process_tokens(v41, clean_env):
+    """`dp_routing="balanced"` over two data-parallel groups of two CP ranks (4 spawned ranks): the
+    router works on groups, each group's messages reach both its CP ranks, and a move of waiting
+    requests off an overloaded group (each CP rank withdraws the same ones, the first hands them back)
+    leaves every output the single-process one."""
+    ckpt, requests, reference = v41
+    prompts = _prompts(requests)
+    move_prompts = [[5 + i, 6, 7, 8, 9 + i] for i in range(8)]
+    move_params = [
+        SamplingParams(temperature=0, max_tokens=60 if i < 2 else 12, ignore_eos=True) for i in range(8)
+    ]
+    with LLM(str(ckpt), async_scheduling=False) as llm:
+        move_reference = _outputs(llm.generate(prompt_token_ids=move_prompts, sampling_params=move_params,
+                                               use_tqdm=False))  # fmt: skip
+    with LLM(
+        str(ckpt), context_parallel_size=2, data_parallel_size=2, dp_routing="balanced", max_num_seqs=1,
+        distributed_timeout=120,
+    ) as llm:  # fmt: skip
+        engine = llm.engine
+        assert engine.layout.describe() == "world_size=4, dp=2, cp=2, ep=1"
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=V41_PARAMS, use_tqdm=False)
+        assert _outputs(outs) == json.loads(json.dumps(reference))
+        stats = engine.routing_stats()
+        assert stats["policy"] == "balanced" and len(stats["routed_requests"]) == 2
+        assert sum(stats["routed_requests"]) == len(prompts)
+        assert engine.stats.generated_tokens == sum(V41_MAX_TOKENS)  # one report per group
+        # a move: abort group 1's requests, leaving group 0 overloaded with requests it has not started
+        engine.router.config = dataclasses.replace(engine.router.config, slack_tokens=0)
+        for i, (prompt, params) in enumerate(zip(move_prompts, move_params)):
+            engine.add_request(f"m{i}", None, params, prompt_token_ids=prompt)
+        done = {o.request_id: o for o in engine.step()}
+        on_one = [f"m{i}" for i in range(8) if engine.routed_rank(f"m{i}") == 1]
+        assert on_one and len(on_one) < 8
+        for rid in on_one:
+            assert engine.abort_request(rid)
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o) for o in engine.step())
+        assert engine.routing_stats()["moved_requests"] > 0
+        kept = [i for i in range(8) if f"m{i}" not in on_one]
+        assert _outputs([done[f"m{i}"] for i in kept]) == [move_reference[i] for i in kept]
 
 
 def test_context_parallel_refusals_come_before_any_rank_starts(v41, micro_checkpoint, clean_env):
