@@ -93,8 +93,12 @@ def test_parallel_sizes_are_validated_with_clear_errors(monkeypatch):
         EngineArgs(data_parallel_size=1, expert_parallel_size=2, device="cpu")
     with pytest.raises(ValueError, match="data_parallel_size must be an integer >= 0"):
         EngineArgs(data_parallel_size=-1, device="cpu")
-    with pytest.raises(ValueError, match="context_parallel_size=2 runs on launched ranks"):
-        EngineArgs(data_parallel_size=2, context_parallel_size=2, device="cpu")
+    # context parallelism runs on spawned ranks too now; what it refuses is a runner other than paged
+    assert EngineArgs(data_parallel_size=2, context_parallel_size=2, device="cpu").layout.describe() == (
+        "world_size=4, dp=2, cp=2, ep=1"
+    )
+    with pytest.raises(ValueError, match="context_parallel_size > 1 needs runner = 'paged'"):
+        EngineArgs(data_parallel_size=2, context_parallel_size=2, runner="recompute", device="cpu")
     with pytest.raises(ValueError, match="needs runner = 'paged'"):
         EngineArgs(data_parallel_size=2, expert_parallel_size=2, runner="recompute", device="cpu")
     with pytest.raises(ValueError, match="distributed_timeout must be an integer >= 1"):
