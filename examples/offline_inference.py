@@ -10,6 +10,7 @@ The same ranks started by the launcher, or by torchrun (one host or several: the
 Data parallel groups of expert-parallel ranks, context parallel prefill (V4.1 checkpoints):
     deepinfer launch --nproc 4 -- python examples/offline_inference.py --ep 2 --dp 4
     deepinfer launch --nproc 2 -- python examples/offline_inference.py --ep 2 --cp 2
+    python examples/offline_inference.py --cp 2 --dp 2      # spawned here: 2 groups of 2 CP ranks
 
 The sizes are derived as the reference derives them: with --ep N alone, data_parallel_size =
 max(1, N // cp) (or the launched world size / cp). In a launched world every rank runs this script with

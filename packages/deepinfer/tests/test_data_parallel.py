@@ -93,8 +93,12 @@ def test_parallel_sizes_are_validated_with_clear_errors(monkeypatch):
         EngineArgs(data_parallel_size=1, expert_parallel_size=2, device="cpu")
     with pytest.raises(ValueError, match="data_parallel_size must be an integer >= 0"):
         EngineArgs(data_parallel_size=-1, device="cpu")
-    with pytest.raises(ValueError, match="context_parallel_size=2 runs on launched ranks"):
-        EngineArgs(data_parallel_size=2, context_parallel_size=2, device="cpu")
+    # context parallelism runs on spawned ranks too now; what it refuses is a runner other than paged
+    assert EngineArgs(data_parallel_size=2, context_parallel_size=2, device="cpu").layout.describe() == (
+        "world_size=4, dp=2, cp=2, ep=1"
+    )
+    with pytest.raises(ValueError, match="context_parallel_size > 1 needs runner = 'paged'"):
+        EngineArgs(data_parallel_size=2, context_parallel_size=2, runner="recompute", device="cpu")
     with pytest.raises(ValueError, match="needs runner = 'paged'"):
         EngineArgs(data_parallel_size=2, expert_parallel_size=2, runner="recompute", device="cpu")
     with pytest.raises(ValueError, match="distributed_timeout must be an integer >= 1"):
@@ -284,8 +288,9 @@ def test_a_rank_that_fails_to_start_reports_its_traceback(micro_checkpoint, tmp_
 
 
 def test_v41_with_dspark_drafts_under_dp2_ep2(tmp_path, monkeypatch):
-    # The §11 tiny V4.1 has draft blocks: drafting runs with all draft experts on every rank (no
-    # collective), verification through the sharded backbone; tokens equal the single-process engine's.
+    # The §11 tiny V4.1 has draft blocks: drafting runs through the draft experts sharded over the EP
+    # ranks (DEEPINFER_EP_SHARD_DRAFT_EXPERTS, on by default), verification through the sharded backbone;
+    # tokens equal the single-process engine's.
     path = str(make_v41_checkpoint(tmp_path / "v41", seed=0))
     monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "2")  # the rank processes inherit it
     prompts = [[0, 17, 99, 4, 250, 61, 8, 130], [5, 6, 7, 8], [100, 3, 42]]
@@ -316,6 +321,30 @@ def test_v41_with_dspark_drafts_under_dp2_ep2(tmp_path, monkeypatch):
     assert [keys[f"verified_drafts_pos{j}"] for j in (1, 2)] == want_counts["verified"]
     assert row["verified_drafts_pos1"] > 0 and row["accept_rate_pos1"] is not None
     assert row["mean_accepted_len_tokens"] is not None
+
+
+@pytest.mark.parametrize("shard", ["1", "0"], ids=["sharded-draft-experts", "whole-draft-experts"])
+def test_v41_uneven_draft_work_under_dp2_ep2(tmp_path, monkeypatch, shard):
+    """The ranks draft unevenly: one holds a long request alone, the other two short ones whose draft
+    lengths differ near their ends (two draft forwards in a step) and that finish early (the rank then
+    drafts nothing while the other still does). With the draft experts sharded, every draft forward is a
+    collective: the idle rank joins it (`DataParallelRank.agree_drafts`); tokens stay one engine's."""
+    path = str(make_v41_checkpoint(tmp_path / "v41", seed=0))
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "3")  # the rank processes inherit both
+    monkeypatch.setenv("DEEPINFER_EP_SHARD_DRAFT_EXPERTS", shard)
+    prompts = [[0, 17, 99, 4, 250, 61, 8, 130, 77, 12, 9, 31], [5, 6, 7, 8], [100, 3, 42]]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=1) for m in (16, 4, 6)]
+    assert assign_ranks([len(p) for p in prompts], 2) == [0, 1, 1]
+    with LLM(path, max_model_len=48) as llm:
+        want = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    with LLM(
+        path, max_model_len=48, data_parallel_size=2, expert_parallel_size=2, distributed_timeout=60
+    ) as llm:
+        got = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        who = [t["identity"] for t in llm.engine.step_traces()]
+    assert_same(got, want)
+    assert all(o.metrics.num_draft_tokens > 0 for o in got)
+    assert [w["draft_experts_sharded"] for w in who] == [shard == "1"] * 2
 
 
 def _unfinished_forward_worker(rank, world, ckpt, ref_path):

@@ -3,6 +3,7 @@ as ranks started by `deepinfer launch`, by torchrun, by hand as two "nodes" shar
 spawned by the engine itself. Every layout must give the single-process tokens and logprobs.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -229,7 +230,187 @@ def test_deepinfer_launch_ep2_cp2_gives_the_single_process_tokens(v41, tmp_path)
     _check(run, out, reference)
 
 
-def test_context_parallel_needs_launched_ranks(clean_env):
-    with pytest.raises(ValueError, match=r"context_parallel_size=2 runs on launched ranks: start them with "
-                       r"`deepinfer launch --nproc 2"):  # fmt: skip
-        EngineArgs(context_parallel_size=2, expert_parallel_size=2, device="cpu")
+V41_PARAMS = [
+    SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=2) for m in V41_MAX_TOKENS
+]
+
+
+def _prompts(requests) -> list[list[int]]:
+    return [json.loads(line)["prompt_token_ids"] for line in requests.read_text().splitlines()]
+
+
+def _outputs(outs) -> list:
+    """(token ids, logprobs) of each output, as JSON gives them back (lists, string keys)."""
+    return json.loads(
+        json.dumps([(o.outputs[0].token_ids, o.to_json()["outputs"][0]["logprobs"]) for o in outs])
+    )
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "sizes, layout, cp_ranks",
+    [
+        ({"context_parallel_size": 2}, "world_size=2, dp=1, cp=2, ep=1", [[0, 1]] * 2),
+        (
+            {"context_parallel_size": 2, "expert_parallel_size": 4},
+            "world_size=4, dp=2, cp=2, ep=4",
+            [[0, 1], [0, 1], [2, 3], [2, 3]],
+        ),
+    ],
+    ids=["cp2", "ep4-cp2"],
+)
+def test_llm_cp_spawns_the_ranks_on_this_host(v41, clean_env, sizes, layout, cp_ranks):
+    """`LLM(model, context_parallel_size=2)` with no launcher: the front spawns data-parallel groups of
+    two CP ranks (with `--ep 4` the routed experts sharded over all four), both ranks of a group run its
+    requests, the first reports; outputs and counters are one engine's."""
+    ckpt, requests, reference = v41
+    with LLM(str(ckpt), **sizes) as llm:
+        assert llm.engine.layout.describe() == layout
+        outs = llm.generate(prompt_token_ids=_prompts(requests), sampling_params=V41_PARAMS, use_tqdm=False)
+        assert _outputs(outs) == json.loads(json.dumps(reference))
+        # the counters of the group once, not once per CP rank
+        assert llm.engine.stats.generated_tokens == sum(V41_MAX_TOKENS)
+        assert llm.engine.scheduler_stats()["num_finished"] == len(V41_MAX_TOKENS)
+        who = [t["identity"] for t in llm.engine.step_traces()]
+        assert [w["cp_ranks"] for w in who] == cp_ranks
+        assert len({w["pid"] for w in who}) == len(cp_ranks)
+
+
+def _inbox_worker(rank, world):
+    """Rank 0 has read a message before the first step, rank 1 only after it."""
+    import multiprocessing
+
+    from deepinfer.engine.rank_process import Inbox
+    from deepinfer_parallel import init_parallel
+
+    state = init_parallel(dp=1, cp=world)
+    ours, theirs = multiprocessing.Pipe()
+    inbox = Inbox(ours, state.cpu_cp.group)
+    if rank == 0:
+        theirs.send(("abort", ["a"]))
+    first, held_first = inbox.take(), inbox.held
+    if rank == 1:
+        theirs.send(("abort", ["a"]))
+    second, held_second = inbox.take(), inbox.held
+    assert (first, held_first) == ([], True), (rank, first)
+    assert (second, held_second) == ([("abort", ["a"])], False), (rank, second)
+
+
+@pytest.mark.distributed
+def test_cp_ranks_apply_a_message_at_the_same_step():
+    """A message one CP rank has read and the other not yet waits (and keeps the run going, `held`)
+    until both have it, so both schedulers see it between the same two steps."""
+    from deepinfer_parallel.launch import run_distributed
+
+    run_distributed(_inbox_worker, 2, timeout_s=120)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_cp2_requests_arriving_and_aborted_mid_run(v41, clean_env):
+    """Requests sent while the CP ranks run, and an abort: each reaches both ranks' schedulers between
+    the same two steps (else their split steps would not match), and the outputs are one engine's."""
+    ckpt, requests, _ = v41
+    prompts = _prompts(requests)
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with LLM(str(ckpt), async_scheduling=False) as llm:
+        want = _outputs(
+            llm.generate(prompt_token_ids=prompts[1:], sampling_params=V41_PARAMS[1:], use_tqdm=False)
+        )
+    with LLM(str(ckpt), context_parallel_size=2) as llm:
+        engine = llm.engine
+        engine.add_request("long", None, long, prompt_token_ids=prompts[0])
+        done = engine.step()  # sent; the ranks run it while more arrive
+        for i in (1, 2):
+            engine.add_request(f"r{i}", None, V41_PARAMS[i], prompt_token_ids=prompts[i])
+            done += engine.step()
+        while not any(o.request_id in ("r1", "r2") for o in done):
+            done += engine.step()
+        assert engine.abort_request("long") or any(o.request_id == "long" for o in done)
+        while engine.has_unfinished_requests():
+            done += engine.step()
+    by_id = {o.request_id: o for o in done}
+    assert sorted(by_id) == ["long", "r1", "r2"]
+    assert _outputs([by_id["r1"], by_id["r2"]]) == want
+    assert by_id["long"].outputs[0].finish_reason in ("abort", "length")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_cli_cp2_dp2_spawns_four_ranks(v41, tmp_path):
+    """`deepinfer generate --cp 2 --dp 2`: two data-parallel groups of two CP ranks on this host."""
+    ckpt, requests, reference = v41
+    out = tmp_path / "out.jsonl"
+    run = subprocess.run([*CLI, *_generate_args(ckpt, requests, out, "--cp", "2", "--dp", "2")],
+                         capture_output=True, text=True, timeout=400, env=_env())  # fmt: skip
+    _check(run, out, reference)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_balanced_routing_cp2_dp2_gives_the_single_process_tokens(v41, clean_env):
+    """`dp_routing="balanced"` over two data-parallel groups of two CP ranks (4 spawned ranks): the
+    router works on groups, each group's messages reach both its CP ranks, and a move of waiting
+    requests off an overloaded group (each CP rank withdraws the same ones, the first hands them back)
+    leaves every output the single-process one."""
+    ckpt, requests, reference = v41
+    prompts = _prompts(requests)
+    move_prompts = [[5 + i, 6, 7, 8, 9 + i] for i in range(8)]
+    move_params = [
+        SamplingParams(temperature=0, max_tokens=60 if i < 2 else 12, ignore_eos=True) for i in range(8)
+    ]
+    with LLM(str(ckpt), async_scheduling=False) as llm:
+        move_reference = _outputs(llm.generate(prompt_token_ids=move_prompts, sampling_params=move_params,
+                                               use_tqdm=False))  # fmt: skip
+    with LLM(
+        str(ckpt), context_parallel_size=2, data_parallel_size=2, dp_routing="balanced", max_num_seqs=1,
+        distributed_timeout=120,
+    ) as llm:  # fmt: skip
+        engine = llm.engine
+        assert engine.layout.describe() == "world_size=4, dp=2, cp=2, ep=1"
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=V41_PARAMS, use_tqdm=False)
+        assert _outputs(outs) == json.loads(json.dumps(reference))
+        stats = engine.routing_stats()
+        assert stats["policy"] == "balanced" and len(stats["routed_requests"]) == 2
+        assert sum(stats["routed_requests"]) == len(prompts)
+        assert engine.stats.generated_tokens == sum(V41_MAX_TOKENS)  # one report per group
+        # a move: abort group 1's requests, leaving group 0 overloaded with requests it has not started
+        engine.router.config = dataclasses.replace(engine.router.config, slack_tokens=0)
+        for i, (prompt, params) in enumerate(zip(move_prompts, move_params)):
+            engine.add_request(f"m{i}", None, params, prompt_token_ids=prompt)
+        done = {o.request_id: o for o in engine.step()}
+        on_one = [f"m{i}" for i in range(8) if engine.routed_rank(f"m{i}") == 1]
+        assert on_one and len(on_one) < 8
+        for rid in on_one:
+            assert engine.abort_request(rid)
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o) for o in engine.step())
+        assert engine.routing_stats()["moved_requests"] > 0
+        kept = [i for i in range(8) if f"m{i}" not in on_one]
+        assert _outputs([done[f"m{i}"] for i in kept]) == [move_reference[i] for i in kept]
+
+
+def test_context_parallel_refusals_come_before_any_rank_starts(v41, micro_checkpoint, clean_env):
+    """What context parallelism cannot run is refused by the front, naming why: a model family without
+    context-parallel steps (the public V4), and YOCO prefill truncation."""
+    with pytest.raises(ValueError, match="context_parallel_size > 1 needs a model family with context-parallel "
+                       "steps \\(deepseek_v41\\), not 'deepseek_v4'"):  # fmt: skip
+        LLM(str(micro_checkpoint), context_parallel_size=2)
+    clean_env.setenv("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "compact")
+    clean_env.setenv("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "64")
+    with pytest.raises(ValueError, match="context_parallel_size > 1 cannot be combined with YOCO prefill"):
+        LLM(str(v41[0]), context_parallel_size=2)
+
+
+def test_one_process_never_runs_a_multi_rank_layout(micro_checkpoint, clean_env):
+    """An LLMEngine (one process) refuses a layout of several ranks instead of running it alone, and the
+    benchmark refuses context parallelism, whose rank rows it would count once per CP rank."""
+    from deepinfer.bench.harness import _engine, build_parser
+    from deepinfer.engine.llm_engine import LLMEngine
+
+    with pytest.raises(ValueError, match=r"an LLMEngine is one process; the layout world_size=2, dp=1, cp=2"):
+        LLMEngine(EngineArgs(model=str(micro_checkpoint), context_parallel_size=2))
+    args = build_parser().parse_args(["decode", "--model", str(micro_checkpoint), "--cp", "2"])
+    with pytest.raises(ValueError, match="context_parallel_size=2 is not measured by it"):
+        _engine(args)

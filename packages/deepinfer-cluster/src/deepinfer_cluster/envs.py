@@ -515,6 +515,15 @@ _VARS = [
         _ENGINE,
     ),
     EnvVar(
+        "DEEPINFER_EP_SHARD_DRAFT_EXPERTS",
+        BOOLEAN,
+        True,
+        "under expert parallelism, shard the DSpark draft blocks' routed experts over the EP ranks "
+        "(their own redundant-expert rounding; every rank joins each draft forward's all-to-alls) "
+        "instead of holding all of them on every rank",
+        _ENGINE,
+    ),
+    EnvVar(
         "DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS",
         integer(0),
         32,

@@ -13,7 +13,7 @@ from deepinfer_cluster import lazy_exports
 _MODULES: dict[str, tuple[str, ...]] = {
     ".config": ("ConfigError", "ModelConfig", "load_config", "parse_config"),
     ".loader": ("CheckpointError",),
-    ".models": ("load_model",),
+    ".models": ("check_checkpoint_context_parallel", "load_model"),
     ".models.deepseek_v4": ("DeepseekV4Model",),
     ".models.deepseek_v41": (
         "DeepseekV41Config",

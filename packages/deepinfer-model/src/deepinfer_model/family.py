@@ -156,5 +156,18 @@ def family_of(model) -> ModelFamily:
     return family_for_type(model_type)
 
 
+def check_context_parallel(family: ModelFamily, yoco_enabled: bool) -> None:
+    """ValueError when steps of `family` cannot be split over context-parallel ranks: the family has no
+    context-parallel forward, or YOCO prefill truncation is on (its rectangle skips rows the mirror
+    split would hand to another rank)."""
+    if not family.context_parallel:
+        raise ValueError(
+            f"context_parallel_size > 1 needs a model family with context-parallel steps (deepseek_v41), "
+            f"not {family.model_type!r}"
+        )
+    if yoco_enabled:
+        raise ValueError("context_parallel_size > 1 cannot be combined with YOCO prefill truncation")
+
+
 def registered_model_types() -> list[str]:
     return sorted(_FAMILIES)

@@ -70,7 +70,7 @@ class AsyncLLM:
             from .engine.disaggregated import DisaggregatedEngine
 
             engine = DisaggregatedEngine(args)
-        elif args.data_parallel_size > 1:
+        elif args.world_size > 1:  # data / context / expert parallel: one engine per rank process
             from .engine.data_parallel import DataParallelEngine
 
             engine = DataParallelEngine(args)

@@ -357,12 +357,6 @@ class EngineArgs:
             launched.world_size if launched is not None else None,
         )
         self.data_parallel_size = self.layout.dp
-        if self.context_parallel_size > 1 and launched is None:
-            raise ValueError(
-                f"context_parallel_size={self.context_parallel_size} runs on launched ranks: start them with "
-                f"`deepinfer launch --nproc {self.layout.world_size} -- ...` or torchrun (the spawning front "
-                "serves data and expert parallel layouts)"
-            )
         if self.context_parallel_size > 1 and self.runner != "paged":
             raise ValueError(
                 f"context_parallel_size > 1 needs runner = 'paged', got runner = {self.runner!r}"

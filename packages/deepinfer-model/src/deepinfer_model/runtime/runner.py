@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..family import family_of
+from ..family import check_context_parallel, family_of
 from ..numerics import pinned
 from ..runner.recompute import RecomputeRunner
 from ..runner.step import StepBatch
@@ -139,13 +139,7 @@ class PagedRunner:
         """Split every step with a chunk over the CP `group` (the balanced mirror split, `runtime.cp_rows`);
         every CP rank must then run the same steps (collective per layer). ValueError for a model family
         without it or with YOCO truncation."""
-        if not self.family.context_parallel:
-            raise ValueError(
-                f"context_parallel_size > 1 needs a model family with context-parallel steps (deepseek_v41), "
-                f"not {self.family.model_type!r}"
-            )
-        if self.yoco is not None:
-            raise ValueError("context_parallel_size > 1 cannot be combined with YOCO prefill truncation")
+        check_context_parallel(self.family, self.yoco is not None)
         self.cp_group = group
 
     @staticmethod

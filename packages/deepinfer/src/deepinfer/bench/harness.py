@@ -118,12 +118,18 @@ def _on_gpu() -> bool:
 
 def _engine(args, nextn: int | None = None, **overrides):
     """The benchmark's engine: --nextn drafts per step, or `nextn` (the plain baseline's 0). With
-    data_parallel_size > 1 the data-parallel engine: its rank processes run the steps and report them."""
+    several ranks (data / context / expert parallel) the data-parallel engine: its rank processes run the
+    steps and report them."""
     from ..engine_args import EngineArgs
 
     base = dataclasses.replace(EngineArgs.from_cli_args(args), **overrides)
+    if base.context_parallel_size > 1:  # its rows would count each group's tokens once per CP rank
+        raise ValueError(
+            f"deepinfer bench measures data and expert parallel layouts; context_parallel_size="
+            f"{base.context_parallel_size} is not measured by it yet (use 1)"
+        )
     nextn = args.nextn if nextn is None else nextn
-    if base.data_parallel_size > 1:
+    if base.world_size > 1:
         from ..engine.data_parallel import DataParallelEngine
         from ..reproducibility.ppl import nextn_decode
 

@@ -1,15 +1,17 @@
-"""Attention data parallel + MoE expert parallel over N local processes (engine spec §3.1, §7.1, §7.3).
+"""Attention data parallel, context parallel and MoE expert parallel over N local processes (engine spec
+§3.1, §7.1, §7.2, §7.3).
 
     LLM(model, data_parallel_size=2, expert_parallel_size=2).generate(prompts, params)
+    LLM(model, context_parallel_size=2).generate(prompts, params)
 
-The front process (`DataParallelEngine`, used by `LLM` when `data_parallel_size > 1`) spawns one
-process per DP rank. Each rank builds its own `LLMEngine`: tokenizer, its own `deepinfer_sched`
+The front process (`DataParallelEngine`, used by `LLM` when the layout has several ranks) spawns one
+process per rank. Each rank builds its own `LLMEngine`: tokenizer, its own `deepinfer_sched`
 scheduler, KV pools, and a model whose routed experts are sharded over the EP group (only the local
-experts are loaded). The front routes requests to ranks (`dp_balance.py`: by default on the ranks'
-reported load and the prompts' cached prefixes, moving waiting requests that have not started between
-ranks when one is overloaded), sends them, and gathers the `RequestOutput`s back: the finished ones, and
-for an `AsyncLLM` (which turns `stream_outputs` on) each request's output so far after every step that
-gave it tokens.
+experts are loaded). The front routes requests to data-parallel groups (`dp_balance.py`: by default on
+the groups' reported load and the prompts' cached prefixes, moving waiting requests that have not started
+between groups when one is overloaded), sends them, and gathers the `RequestOutput`s back: the finished
+ones, and for an `AsyncLLM` (which turns `stream_outputs` on) each request's output so far after every
+step that gave it tokens. Without context parallelism a group is one rank.
 
 Why ranks must agree every step: each MoE layer of a forward is an all-to-all over the EP group, so
 every EP rank must run the same number of forwards. Each engine step, the ranks of an EP group take
@@ -19,6 +21,12 @@ have requests. A rank behind the maximum submits idle forwards (every MoE layer'
 with no tokens) to catch up; the loop ends when no rank of the group has work. The vote happens
 before the engine waits for a forward, so no rank ever waits for a forward the others have not been
 told to join.
+
+Context parallel: a data-parallel group is `context_parallel_size` rank processes (contiguous ranks).
+Each of them gets the group's share of the requests and runs the same steps, splitting every chunk's
+rows with the mirror balance (runtime/cp_rows.py in deepinfer-model, the same engine as on launched
+ranks); they apply the front's messages between the same two steps (`rank_process.Inbox`), and the
+first of them reports the outputs and counters.
 
 Layout: this file is the front; a rank's process is `rank_process.py`, what its engine holds to take
 part in the vote `dp_rank.py`.
@@ -45,7 +53,7 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 from deepinfer_cluster import no_multicast_environment
-from deepinfer_model import check_prompt_logprobs
+from deepinfer_model import check_checkpoint_context_parallel, check_prompt_logprobs
 
 from ..default_model import resolve_model
 from ..engine_args import EngineArgs
@@ -102,11 +110,17 @@ class DataParallelEngine(PromptChecks):
 
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
+        self.layout = args.layout
         self.world = args.world_size
+        # One rank per data-parallel group reports its outputs and counters: the first of its
+        # context-parallel ranks (the others run the same requests in lockstep).
+        self._reporting = [self.layout.coords(r).cp_rank == 0 for r in range(self.world)]
         self.use_async = args.use_async
         self.timeout_s = float(args.distributed_timeout)
         self.startup_timeout_s = float(args.distributed_startup_timeout)
         self.model_path, self.is_default_model = resolve_model(args.model)
+        if self.layout.cp > 1:  # refused here, before any rank starts, as each rank's runner would
+            check_checkpoint_context_parallel(self.model_path, settings_from_env().enabled)
         tok_path = Path(args.tokenizer) if args.tokenizer else self.model_path
         self.tokenizer = load_tokenizer(tok_path)
         self.tokenizer_config = load_tokenizer_config(tok_path)
@@ -168,15 +182,15 @@ class DataParallelEngine(PromptChecks):
         self.max_model_len = info["max_model_len"]
         # the prefix index holds per rank no more blocks than the rank's cache
         num_blocks = int(info["stats"]["scheduler"]["num_blocks"])
-        self.router = Router(
-            self.world,
+        self.router = Router(  # over the data-parallel groups
+            self.layout.dp,
             args.dp_routing,
             args.block_size,
             BalanceConfig(prefix_capacity_blocks=max(1, num_blocks)),
         )
-        self._moves: dict[int, tuple[Move, int]] = {}  # per source rank: the move asked, its message index
-        self._aborted: set[str] = set()  # aborted while possibly on their way between ranks
-        self._rank_of: dict[str, int] = {}  # outstanding request -> the rank it was last sent to
+        self._moves: dict[int, tuple[Move, int]] = {}  # per source group: the move asked, its message index
+        self._aborted: set[str] = set()  # aborted while possibly on their way between groups
+        self._group_of: dict[str, int] = {}  # outstanding request -> the group it was last sent to
         self.bos_token_id = info["bos_token_id"]
         self.eos_token_id = info["eos_token_id"]
 
@@ -270,12 +284,12 @@ class DataParallelEngine(PromptChecks):
         return done
 
     def scheduler_stats(self) -> dict:
-        """`LLMEngine.scheduler_stats()` summed over the ranks (kv_usage and prefix_cache_hit_rate
-        recomputed from the sums), plus "ranks": each rank's own. As of each rank's last report: final
+        """`LLMEngine.scheduler_stats()` summed over the data-parallel groups (their reporting ranks;
+        kv_usage and prefix_cache_hit_rate recomputed from the sums), plus "ranks": each rank's own. As of each rank's last report: final
         once `step()` has returned the last outputs of a run, at most ~5 s old while one runs."""
         ranks = [dict(s.get("scheduler", {})) for s in self._rank_stats]
         total: dict = {}
-        for stats in ranks:
+        for stats in self._reported(ranks):
             for key, value in stats.items():
                 if isinstance(value, int) and not isinstance(value, bool):
                     total[key] = total.get(key, 0) + value
@@ -289,19 +303,20 @@ class DataParallelEngine(PromptChecks):
         return total
 
     def routed_rank(self, request_id: str) -> int | None:
-        """The rank an outstanding request was last sent to (None once its output has arrived)."""
-        return self._rank_of.get(request_id)
+        """The data-parallel group an outstanding request was last sent to (None once its output has
+        arrived); without context parallelism a group is one rank, numbered as the rank."""
+        return self._group_of.get(request_id)
 
     def routing_stats(self) -> dict:
         """What the front's router did since the engine started (`dp_balance.RoutingStats`): requests and
-        tokens routed per rank (moved ones counted where they went), requests sent where the front
-        had routed part of their prefix before, and the moves between ranks; plus the policy."""
+        tokens routed per data-parallel group (moved ones counted where they went), requests sent where
+        the front had routed part of their prefix before, and the moves between groups; plus the policy."""
         return {"policy": self.router.policy, **dataclasses.asdict(self.router.stats)}
 
     def spec_counts(self) -> dict | None:
-        """`LLMEngine.spec_counts()` summed over the ranks, as of each rank's last report (final once
+        """`LLMEngine.spec_counts()` summed over the data-parallel groups, as of each rank's last report (final once
         `step()` has returned a run's last outputs). None when no rank drafts."""
-        counts = [s["spec_counts"] for s in self._rank_stats if s.get("spec_counts")]
+        counts = [s["spec_counts"] for s in self._reported(self._rank_stats) if s.get("spec_counts")]
         if not counts:
             return None
         total = {"nextn": max(c["nextn"] for c in counts)}
@@ -353,54 +368,67 @@ class DataParallelEngine(PromptChecks):
     # ------------------------------------------------------------------ internals
     def _dispatch(self) -> None:
         pending, self._pending = self._pending, []
-        ranks = self.router.route_batch([(req[2], self._cost(req)) for req in pending])
-        shares = [[] for _ in range(self.world)]
-        for req, r in zip(pending, ranks):
-            shares[r].append(req)
+        groups = self.router.route_batch([(req[2], self._cost(req)) for req in pending])
+        shares = [[] for _ in range(self.layout.dp)]
+        for req, g in zip(pending, groups):
+            shares[g].append(req)
             self._outstanding.add(req[0])
-            self._rank_of[req[0]] = r
-        for rank, (conn, share) in enumerate(zip(self._conns, shares)):  # every rank starts its loop
-            self._send(conn, ("add", share, self.stream_outputs))
-            self.router.sent(rank, self._sent[rank])
+            self._group_of[req[0]] = g
+        # every rank, so every rank starts its loop; the ranks of a context-parallel group the same share
+        for rank, conn in enumerate(self._conns):
+            self._send(conn, ("add", shares[self._group(rank)], self.stream_outputs))
+        for g in range(self.layout.dp):
+            self.router.sent(g, self._sent_to_group(g))
 
     def _cost(self, req: tuple) -> int:
         return request_cost(len(req[2]), req[3].max_tokens, req[3].n, self.max_model_len)
 
-    def _send_to(self, rank: int, msg: tuple, others: tuple) -> None:
-        """`msg` to `rank`; with expert parallelism `others` to every other rank too (the ranks of an EP
-        group must take in the same number of messages, `DataParallelRank.agree`)."""
+    def _group(self, rank: int) -> int:
+        """The data-parallel group of `rank` (its context-parallel ranks are contiguous)."""
+        return self.layout.coords(rank).dp_rank
+
+    def _sent_to_group(self, group: int) -> int:
+        """Front messages sent to each rank of `group` (its ranks get the same ones)."""
+        return self._sent[group * self.layout.cp]
+
+    def _send_to(self, group: int, msg: tuple, others: tuple) -> None:
+        """`msg` to every rank of data-parallel `group` (its context-parallel ranks apply the same messages
+        between the same steps, `rank_process.Inbox`); with expert or context parallelism `others` to every
+        other rank too (the ranks of an EP group must take in the same number of messages,
+        `DataParallelRank.agree`)."""
         for r, conn in enumerate(self._conns):
-            if r == rank:
+            if self._group(r) == group:
                 self._send(conn, msg)
-            elif self.args.expert_parallel_size > 1:
+            elif self.args.expert_parallel_size > 1 or self.layout.cp > 1:
                 self._send(conn, others)
 
     def _rebalance(self) -> None:
-        """Ask an overloaded rank for waiting requests it has not started (`Router.plan_move`)."""
+        """Ask an overloaded data-parallel group for waiting requests it has not started
+        (`Router.plan_move`); each of its ranks withdraws the same ones (they hold the same requests)."""
         move = self.router.plan_move()
         if move is not None:
             self._send_to(move.src, ("release", move.src, move.budget_tokens), ("release", move.src, 0))
-            self._moves[move.src] = (move, self._sent[move.src])
+            self._moves[move.src] = (move, self._sent_to_group(move.src))
 
-    def _on_released(self, rank: int, reqs: list[tuple]) -> None:
-        """A rank handed back the requests of a move: on to the move's destination (an aborted one ends
-        here, as it would have on its rank)."""
-        move, index = self._moves.pop(rank)
+    def _on_released(self, group: int, reqs: list[tuple]) -> None:
+        """A group handed back the requests of a move: on to the move's destination (an aborted one ends
+        here, as it would have on its group)."""
+        move, index = self._moves.pop(group)
         self.router.moved(move, index, [self._cost(req) for req in reqs])
         share = []
         for req in reqs:
             if req[0] in self._aborted:
                 self._aborted.discard(req[0])
                 self._outstanding.discard(req[0])
-                self._rank_of.pop(req[0], None)
+                self._group_of.pop(req[0], None)
                 self._ready.append(_aborted_output(req))
             else:
                 self.router.assign(move.dst, req[2], self._cost(req))
-                self._rank_of[req[0]] = move.dst
+                self._group_of[req[0]] = move.dst
                 share.append(req)
         if share:
             self._send_to(move.dst, ("add", share, self.stream_outputs), ("add", [], self.stream_outputs))
-            self.router.sent(move.dst, self._sent[move.dst])
+            self.router.sent(move.dst, self._sent_to_group(move.dst))
 
     def _broadcast(self, msg) -> None:
         for conn in self._conns:
@@ -468,11 +496,11 @@ class DataParallelEngine(PromptChecks):
                     self._fail(f"data-parallel rank {msg[1]} failed while {what}:\n{msg[2]}")
                 elif kind == "ready" and on_ready is not None:
                     on_ready(msg)
-                elif kind == "load":
-                    self.router.report(msg[1], msg[2])
+                elif kind == "load":  # from the first rank of a data-parallel group
+                    self.router.report(self._group(msg[1]), msg[2])
                     self._rebalance()
                 elif kind == "released":
-                    self._on_released(msg[1], msg[2])
+                    self._on_released(self._group(msg[1]), msg[2])
                 elif kind in ("outputs", "idle"):
                     self._step_traces[msg[1]] += msg[3].pop("step_trace", [])
                     self._rank_stats[msg[1]] = msg[3]
@@ -482,7 +510,7 @@ class DataParallelEngine(PromptChecks):
                     for out in msg[2]:
                         self._outstanding.discard(out.request_id)
                         self._aborted.discard(out.request_id)
-                        self._rank_of.pop(out.request_id, None)
+                        self._group_of.pop(out.request_id, None)
                         self.partial_outputs.pop(out.request_id, None)
                         self._ready.append(out)
                     for out in msg[4] if kind == "outputs" else ():
@@ -517,12 +545,17 @@ class DataParallelEngine(PromptChecks):
             )
         self._fail(f"{'; '.join(parts)} while {what} (distributed_timeout={limit:.0f} s)", TimeoutError)
 
+    def _reported(self, per_rank: list) -> list:
+        """The entries of the reporting ranks (one per data-parallel group) of a per-rank list."""
+        return [x for x, reports in zip(per_rank, self._reporting) if reports]
+
     def _update_stats(self) -> None:
+        reported = self._reported(self._rank_stats)
         for name in ("steps",):  # steps run in lockstep: the slowest rank's count
-            setattr(self.stats, name, max(s.get(name, 0) for s in self._rank_stats))
+            setattr(self.stats, name, max(s.get(name, 0) for s in reported))
         for f in dataclasses.fields(EngineStats):
             if f.name != "steps" and isinstance(getattr(self.stats, f.name), int | float):
-                setattr(self.stats, f.name, sum(s.get(f.name, 0) for s in self._rank_stats))
+                setattr(self.stats, f.name, sum(s.get(f.name, 0) for s in reported))
         # EPLB counters are per EP group (its ranks report the same ones): one report per group
         groups = [s for s in self._rank_stats if s.get("ep_rank") == 0]
         for f in dataclasses.fields(DataParallelStats):

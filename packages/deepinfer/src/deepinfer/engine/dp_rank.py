@@ -118,6 +118,38 @@ class ExpertCollectives:
         st.moe_lb = lb.moe_lb
 
 
+class DraftCollectives:
+    """The draft blocks' `draft_moe_fn` on an EP rank whose draft experts are sharded: an
+    `ExpertParallelMoE` (part "drafter") plus the count of draft forwards this rank has entered, so that
+    each step `DataParallelRank.agree_drafts` can bring every rank of the EP group to the same count with
+    idle ones (ranks draft for different numbers of sequences and draft lengths, or not at all), and the
+    layers a failed draft forward did not reach are still joined (`finish`)."""
+
+    def __init__(self, moe, blocks: list):
+        self.moe, self.blocks = moe, blocks
+        self.forwards = 0
+        self.next_layer = 0
+
+    def __call__(self, layer: int, blk, y: torch.Tensor, *rest) -> torch.Tensor:
+        if layer == 0:
+            self.finish()  # a forward that failed part-way: its remaining all-to-alls come first
+            self.forwards += 1
+        self.next_layer = layer
+        out = self.moe(layer, blk, y, *rest)
+        self.next_layer = (layer + 1) % len(self.blocks)
+        return out
+
+    def finish(self) -> None:
+        if self.next_layer:
+            self.moe.idle_step(self.blocks, start=self.next_layer)
+            self.next_layer = 0
+
+    def idle(self) -> None:
+        """A draft forward without tokens: every draft block's all-to-all joined."""
+        self.forwards += 1
+        self.moe.idle_step(self.blocks)
+
+
 class DataParallelRank:
     """What one DP rank's `LLMEngine` needs: the EP model and the per-step vote (`agree`)."""
 
@@ -129,9 +161,13 @@ class DataParallelRank:
         # With ep == 1 no collective couples the ranks' forwards: each runs on its own, no vote.
         self.vote_group = state.cpu_ep.group if self.ep_size > 1 else None
         self.collectives: ExpertCollectives | None = None
+        self.draft_collectives: DraftCollectives | None = None  # with the draft experts sharded
         self.launched = 0  # forwards (real and idle) submitted to this rank's model so far
         self.messages = 0  # front messages (sent to every rank) this rank has taken in so far
         self.any_busy = False  # result of the last vote: does any rank of the EP group have work
+        # this rank's context-parallel group holds front messages not all of its ranks have read yet
+        # (rank_process.Inbox): the run goes on until they are applied
+        self.held_messages = False
         self._idle_futures: deque[Future] = deque()
         self.step_trace = None  # the rank loop's StepTrace (rank_process.py), for benchmarks
 
@@ -152,10 +188,14 @@ class DataParallelRank:
             layout = par.RedundantExpertLayout(
                 cfg.n_routed_experts, extra, self.ep_size, cfg.num_hidden_layers, device=device
             )
-            # Draft blocks keep all their experts on every rank: drafting then needs no collective, so
-            # ranks may draft different amounts (or not at all) in a step.
-            model = load_v41_ep(path, layout, group, act_dtype=dtype, device=device)
+            draft_layout = self._draft_layout(cfg, device)
+            model = load_v41_ep(
+                path, layout, group, act_dtype=dtype, draft_layout=draft_layout, device=device
+            )
             moe, blocks = model.moe_fn, model.weights.layers
+            if draft_layout is not None:
+                self.draft_collectives = DraftCollectives(model.draft_moe_fn, model.weights.drafter.blocks)
+                model.draft_moe_fn = self.draft_collectives
         else:  # the public V4: loaded whole, then cut to this rank's slots
             model = load_model(path, dtype, device=device)
             cfg = model.config
@@ -173,6 +213,51 @@ class DataParallelRank:
         self.collectives = ExpertCollectives(moe, blocks, torch.device(device), eplb)
         model.moe_fn = self.collectives
         return model
+
+    def _draft_layout(self, cfg, device):
+        """The draft blocks' expert layout over the EP group, rounded as the reference rounds the draft
+        head's MoE config on its own (its n_routed_experts, the same DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS
+        minimum); None without draft blocks or with DEEPINFER_EP_SHARD_DRAFT_EXPERTS off (every rank then
+        holds all draft experts and drafts without a collective)."""
+        import deepinfer_parallel as par
+
+        from .. import envs
+
+        ds = cfg.dspark
+        if ds is None or not envs.DEEPINFER_EP_SHARD_DRAFT_EXPERTS:
+            return None
+        extra = par.num_redundant_experts(ds.n_routed_experts, self.ep_size, which="drafter")
+        return par.RedundantExpertLayout(
+            ds.n_routed_experts, extra, self.ep_size, ds.num_blocks, device=device
+        )
+
+    def agree_drafts(self, planned: int) -> None:
+        """The step's draft vote, once per speculative step on every EP rank, before its drafts:
+        `planned` draft forwards this rank will run. With sharded draft experts each draft forward is a
+        collective, so a rank below the group's maximum runs idle ones now (they pair, in order, with the
+        others' forwards), as the backbone's vote does for its forwards."""
+        drafts = self.draft_collectives
+        if drafts is None or self.vote_group is None:
+            return
+        drafts.finish()
+        count = torch.tensor([planned], dtype=torch.int64)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.vote_group)
+        for _ in range(int(count) - planned):
+            drafts.idle()
+
+    def draft_forwards(self) -> int:
+        """Draft forwards (real and idle) this rank has entered so far (0 without sharded draft experts)."""
+        return 0 if self.draft_collectives is None else self.draft_collectives.forwards
+
+    def settle_drafts(self, target: int) -> None:
+        """After the drafts: a draft forward cut short is completed, and if the drafter ran fewer than it
+        planned (it failed before one began), idle ones make up the count the others joined."""
+        drafts = self.draft_collectives
+        if drafts is None or self.vote_group is None:
+            return
+        drafts.finish()
+        while drafts.forwards < target:
+            drafts.idle()
 
     def eplb_stats(self) -> dict:
         """The EPLB counters of this rank's group (`EplbRunStats`, keys prefixed `eplb_`); {} without EPLB."""
@@ -228,6 +313,7 @@ class DataParallelRank:
         (`run_idle`) or submitted behind the queued forwards (`submit_idle() -> Future`)."""
         while self._idle_futures and self._idle_futures[0].done():
             self._idle_futures.popleft().result()  # an idle forward that failed: the world is broken
+        busy = busy or self.held_messages
         if self.vote_group is None:
             self.launched += launching
             self.any_busy = busy

@@ -191,15 +191,26 @@ class PagedDrafter:
         self.runner = runner
         self.fallback = ModelDrafter(model)
 
-    def propose(self, requests: list[DraftRequest]) -> list[Drafts]:
-        out: list = [None] * len(requests)
-        groups: dict[int, list[tuple[int, int]]] = {}  # num_drafts -> (request, batch index)
+    def draft_forwards(self, requests: list[DraftRequest]) -> int:
+        """The batched draft-block forwards `propose(requests)` runs: one per draft length (a sequence
+        drafted by the fallback runs the whole stateless model instead, not counted here)."""
+        return len(self._groups(requests))
+
+    def _groups(self, requests: list[DraftRequest]) -> dict[int, list[tuple[int, int]]]:
+        """num_drafts -> (request, batch index) of the requests that were in the step just run."""
+        groups: dict[int, list[tuple[int, int]]] = {}
         for r, req in enumerate(requests):
             index = self.runner.last_step_index(req.seq_id)
-            if index is None:
-                out[r] = self.fallback.draft(req)
-            else:
+            if index is not None:
                 groups.setdefault(req.num_drafts, []).append((r, index))
+        return groups
+
+    def propose(self, requests: list[DraftRequest]) -> list[Drafts]:
+        out: list = [None] * len(requests)
+        groups = self._groups(requests)
+        for r, req in enumerate(requests):
+            if self.runner.last_step_index(req.seq_id) is None:
+                out[r] = self.fallback.draft(req)
         # one batched draft forward per draft length (a block's length changes its bidirectional
         # attention, so blocks of different lengths cannot share a forward), each request its sampler
         for num_drafts, members in groups.items():

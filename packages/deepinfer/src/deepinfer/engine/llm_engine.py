@@ -76,6 +76,11 @@ class LLMEngine(PromptChecks):
         dp: this engine is one rank of a data-parallel world (data_parallel.py): its model's experts
         are sharded over the EP group and every step starts with the ranks' vote."""
         envs.warn_unknown()
+        if dp is None and args.world_size > 1:  # one process would run what the layout spreads over ranks
+            raise ValueError(
+                f"an LLMEngine is one process; the layout {args.layout.describe()} runs through LLM / AsyncLLM "
+                "(which spawn the ranks) or on launched ranks"
+            )
         self.args = args
         self.dp = dp
         if args.num_threads:

@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 import traceback
+from collections import deque
 from datetime import timedelta
 
 import torch
@@ -170,37 +171,42 @@ def _serve(engine, dp: DataParallelRank, conn, outbox: _Outbox, beat: _Heartbeat
     The front sends every batch to every rank (possibly empty), so all ranks of a group start a run
     together; messages arriving during a run are handled between steps (the vote sees the new work,
     and the count of messages taken in, so that no rank leaves the run with a message unread that
-    another rank already acted on). While the front has step tracing on, every step is timed here
-    (`step_trace.py`) and the records travel with the statistics. Requests the front streams get a
-    snapshot after each step that gave them tokens (`rank_streaming.py`), sent with the finished ones.
+    another rank already acted on; the ranks of a context-parallel group also apply each message
+    between the same two steps, `Inbox`). While the front has step tracing on, every step is timed
+    here (`step_trace.py`) and the records travel with the statistics. Requests the front streams get
+    a snapshot after each step that gave them tokens (`rank_streaming.py`), sent with the finished
+    ones. Of a context-parallel group only the first rank sends outputs, load reports and released
+    requests (the others computed the same).
     """
     trace = dp.step_trace = StepTrace(async_loop=engine.pipeline is not None)
-    reports_load = engine.args.dp_routing == "balanced"
-    load = None
     eplb = dp.collectives.eplb if dp.collectives is not None else None
     if eplb is not None:
         eplb.add_listener(trace.on_event)
     streamed = StreamedRequests()
+    reports = dp.state.cp.rank_in_group == 0
+    # the group's load, from its first rank (its context-parallel ranks hold the same requests)
+    reports_load = reports and engine.args.dp_routing == "balanced"
+    load = None
+    inbox = Inbox(conn, dp.state.cpu_cp.group if dp.state.cp.size > 1 else None)
     while True:
-        msg = conn.recv()
+        inbox.wait()
         beat.running = True
-        if not _handle(engine, dp, msg, outbox, streamed):
-            return
-        dp.messages += 1
-        beat.progress += 1
         last_sent = time.monotonic()
         while True:
-            while conn.poll():
-                if not _handle(engine, dp, conn.recv(), outbox, streamed):
+            for msg in inbox.take():
+                if not _handle(engine, dp, msg, outbox, streamed, reports):
                     return
                 dp.messages += 1
                 beat.progress += 1
+            dp.held_messages = inbox.held
             done = _traced_step(engine, dp, trace) if trace.enabled else engine.step()
             beat.progress += 1
             if reports_load and (now := _load(engine, dp)) != load:
                 load = now
                 outbox.send(("load", dp.rank, load))
             partial = streamed.take(engine, done)
+            if not reports:
+                done, partial = [], []
             if done or partial or time.monotonic() - last_sent > HEARTBEAT_S:
                 outbox.send(("outputs", dp.rank, done, _stats(engine, dp), partial))
                 last_sent = time.monotonic()
@@ -209,6 +215,40 @@ def _serve(engine, dp: DataParallelRank, conn, outbox: _Outbox, beat: _Heartbeat
         dp.wait_idle_forwards()  # so the counters sent below cover every forward of the run
         beat.running = False
         outbox.send(("idle", dp.rank, [], _stats(engine, dp), dp.messages))
+
+
+class Inbox:
+    """The front's messages this rank has read and not yet applied.
+
+    The ranks of one context-parallel group run the same steps (each step's rows are split among them,
+    a collective per layer), so each message (requests added, an abort) must reach their schedulers
+    between the same two steps. The front sends each of them the same messages in the same order; before
+    every step the group agrees (an all-reduce on the gloo `cpu_cp` group) on how many every one of them
+    has read, and each applies that many. `held`: some rank of the group has read more than that, so
+    the group stays in its run loop (the vote counts it as work) until the others have read them too.
+    Without a group (no context parallelism) a rank applies what it has read."""
+
+    def __init__(self, conn, group) -> None:
+        self.conn, self.group = conn, group
+        self.queue: deque = deque()
+        self.held = False
+
+    def wait(self) -> None:
+        """Between runs: block until a message is there."""
+        if not self.queue:
+            self.queue.append(self.conn.recv())
+
+    def take(self) -> list:
+        """The messages to apply before this step (collective over the group, when there is one)."""
+        while self.conn.poll():
+            self.queue.append(self.conn.recv())
+        count = len(self.queue)
+        if self.group is not None:
+            counts = torch.tensor([-count, count], dtype=torch.int64)
+            dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.group)
+            count, most = -int(counts[0]), int(counts[1])
+            self.held = most > count
+        return [self.queue.popleft() for _ in range(count)]
 
 
 def _traced_step(engine, dp: DataParallelRank, trace: StepTrace) -> list[RequestOutput]:
@@ -227,8 +267,12 @@ def _traced_step(engine, dp: DataParallelRank, trace: StepTrace) -> list[Request
     return done
 
 
-def _handle(engine, dp: DataParallelRank, msg, outbox: _Outbox, streamed: StreamedRequests) -> bool:
-    """Apply one front message; False on close."""
+def _handle(
+    engine, dp: DataParallelRank, msg, outbox: _Outbox, streamed: StreamedRequests, reports: bool = True
+) -> bool:
+    """Apply one front message; False on close. `reports`: this rank sends the outputs of requests that
+    fail here and the requests a release withdrew (the first rank of a context-parallel group; the
+    others fail and withdraw them alike)."""
     kind, rank = msg[0], dp.rank
     if kind == "close":
         return False
@@ -242,7 +286,7 @@ def _handle(engine, dp: DataParallelRank, msg, outbox: _Outbox, streamed: Stream
                 continue
             if msg[2]:
                 streamed.add(rid)
-        if failed:
+        if failed and reports:
             outbox.send(("outputs", rank, failed, _stats(engine, dp), []))
     elif kind == "abort":
         # Not abort_all: it waits for the forwards in flight, which the other ranks join only at
@@ -251,9 +295,13 @@ def _handle(engine, dp: DataParallelRank, msg, outbox: _Outbox, streamed: Stream
         # skipped), None for all.
         for rid in list(engine.requests) if msg[1] is None else msg[1]:
             engine.abort_request(rid)
-    elif kind == "release":  # msg[1]: the rank asked, msg[2]: at most this many tokens (request_cost)
-        if msg[1] == rank:
-            outbox.send(("released", rank, _release(engine, msg[2])))
+    elif kind == "release":  # msg[1]: the data-parallel group asked, msg[2]: at most this many tokens
+        # Every rank of the group withdraws: its context-parallel ranks hold the same requests in the
+        # same states (same messages between the same steps), so they withdraw the same ones.
+        if msg[1] == rank // dp.state.cp.size:
+            released = _release(engine, msg[2])
+            if reports:
+                outbox.send(("released", rank, released))
     elif kind == "trace":  # msg[1]: step tracing on (afresh) or off
         dp.step_trace.restart(bool(msg[1]))
     else:
@@ -299,7 +347,8 @@ def _stats(engine, dp: DataParallelRank) -> dict:
     # who this rank is (a benchmark reports the processes that ran), and its step records so far
     out["identity"] = {
         "rank": dp.rank, "pid": os.getpid(), "host": socket.gethostname(), "ep_rank": dp.state.ep.rank_in_group,
-        "ep_ranks": list(dp.state.ep.ranks), "eplb": dp.collectives is not None and dp.collectives.eplb is not None,
+        "ep_ranks": list(dp.state.ep.ranks), "cp_ranks": list(dp.state.cp.ranks),
+        "draft_experts_sharded": dp.draft_collectives is not None, "eplb": dp.collectives is not None and dp.collectives.eplb is not None,
         "async_loop": engine.pipeline is not None,
     }  # fmt: skip
     if trace is not None and trace.enabled:

@@ -248,18 +248,40 @@ class SpecDecoder:
         if num_decode:
             self.stats.record_step([0] * num_decode, [0] * num_decode)
 
-    def propose(self, requests: list[DraftRequest], num_seqs: int | None = None) -> dict[int, list[int]]:
+    @property
+    def counts_draft_forwards(self) -> bool:
+        """The drafter tells how many draft-block forwards a `propose` will run (`draft_forwards`)."""
+        return hasattr(self.drafter, "draft_forwards")
+
+    def draft_forwards(self, requests: list[DraftRequest]) -> int:
+        """Draft-block forwards the drafter runs for `requests` (0 without requests): pass the ones that
+        draft (`choose_drafting`)."""
+        return self.drafter.draft_forwards(requests) if requests else 0
+
+    def choose_drafting(
+        self, requests: list[DraftRequest], num_seqs: int | None = None
+    ) -> list[DraftRequest]:
+        """The requests that draft this step: the draft policy's pick (it advances the policy's state:
+        once per step), all of them without a policy."""
+        if not requests or self.policy is None:
+            return requests
+        num_seqs = len(requests) if num_seqs is None else num_seqs
+        plan = self.policy.plan([(r.seq_id, r.num_drafts) for r in requests], num_seqs)
+        return [r for r, d in zip(requests, plan.draft) if d]
+
+    def propose(
+        self, requests: list[DraftRequest], num_seqs: int | None = None, drafting: list | None = None
+    ) -> dict[int, list[int]]:
         """Run the drafter, store its drafts, choose how many each sequence verifies next step.
         `num_seqs`: the sequences the next step decodes (default: the requests); with the draft policy
-        only the requests it picks draft. Returns {seq_id: drafts to feed} (possibly empty lists)."""
+        only the requests it picks draft (`drafting`: picked already by `choose_drafting`). Returns
+        {seq_id: drafts to feed} (possibly empty lists)."""
         if not requests:
             return {}
         num_seqs = len(requests) if num_seqs is None else num_seqs
-        if self.policy is not None:
-            plan = self.policy.plan([(r.seq_id, r.num_drafts) for r in requests], num_seqs)
-            requests = [r for r, d in zip(requests, plan.draft) if d]
-            if not requests:
-                return {}
+        requests = self.choose_drafting(requests, num_seqs) if drafting is None else drafting
+        if not requests:
+            return {}
         t0 = time.perf_counter()
         drafts = self.drafter.propose(requests)
         dt = time.perf_counter() - t0

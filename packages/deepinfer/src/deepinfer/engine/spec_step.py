@@ -30,8 +30,21 @@ class SpecStep(StepStrategy):
         super().__init__(ctx)
         self.spec = spec
         ctx.table.tracker = spec  # drafts live and die with their sequences
+        self._drafts_agreed = False
+        if ctx.dp is not None and ctx.dp.draft_collectives is not None and not spec.counts_draft_forwards:
+            raise ValueError(
+                "sharded draft experts (DEEPINFER_EP_SHARD_DRAFT_EXPERTS=1) need a drafter that states its "
+                f"draft forwards in advance (the paged drafter), not {type(spec.drafter).__name__}; set "
+                "DEEPINFER_EP_SHARD_DRAFT_EXPERTS=0 to hold every draft expert on every rank"
+            )
 
     def step(self) -> None:
+        self._drafts_agreed = False
+        self._step()
+        if self.dp is not None and not self._drafts_agreed:  # a step that drafted nothing still votes
+            self.dp.agree_drafts(0)
+
+    def _step(self) -> None:
         out, _ = self._schedule()
         for seq_id in scheduling.preempted(out):
             self.spec.discard(seq_id)
@@ -208,10 +221,26 @@ class SpecStep(StepStrategy):
                 )
             )
         t0 = time.perf_counter()
-        for seq_id, drafts in self.spec.propose(requests, going_on).items():
+        for seq_id, drafts in self._draft(requests, going_on).items():
             if drafts:
                 scheduling.set_draft_tokens(self.scheduler, seq_id, drafts)
         self.stats.draft_s += time.perf_counter() - t0
+
+    def _draft(self, requests: list[DraftRequest], num_seqs: int) -> dict[int, list[int]]:
+        """`spec.propose`; with sharded draft experts (data parallel) inside the step's draft vote: every
+        EP rank runs the group's largest number of draft forwards, its own and idle ones. The vote counts
+        the forwards of the requests the draft policy lets draft."""
+        if self.dp is None:
+            return self.spec.propose(requests, num_seqs)
+        drafting = self.spec.choose_drafting(requests, num_seqs)
+        planned = self.spec.draft_forwards(drafting)
+        self.dp.agree_drafts(planned)
+        self._drafts_agreed = True
+        target = self.dp.draft_forwards() + planned
+        try:
+            return self.spec.propose(requests, num_seqs, drafting)
+        finally:
+            self.dp.settle_drafts(target)
 
 
 # ---------------------------------------------------------------------------- building the decoder
