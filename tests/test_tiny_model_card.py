@@ -205,6 +205,11 @@ def test_dspark_records_agree_with_the_engine_counts(card):
         (NEXTN, 0.0, True),
     ]
     for r in runs:
+        if r["varlen"] and r["drafts_verified"] == 0:
+            # the draft policy (what varlen selects) stops verifying a drafter that is never right, as an
+            # untrained one is: its steps decode plainly, one token each
+            assert r["request_steps"] > 0 and r["accepted_tokens_per_step"] == pytest.approx(1.0)
+            continue
         assert r["drafts_verified"] > 0
         assert [k for k in r if k.startswith("accept_rate_p")] == [
             f"accept_rate_p{j + 1}" for j in range(NEXTN)

@@ -13,8 +13,9 @@ temperature 1 (no top-p / top-k). Every number comes from the engine's own accou
   outcome of that draft's own test; under sampling Σ min(p, q), its expectation); ECE with 10 equal-width
   bins, whose counts and means are the `dspark_reliability` records (the reliability diagram).
 
-`varlen` repeats nextn 5 greedy with `DEEPINFER_ENABLE_MTP_VARLEN=1`: `verified_len_mean` is then the
-length the confidence scheduler chose. Greedy runs must emit the same tokens at every nextn
+`varlen` repeats nextn 5 greedy with `DEEPINFER_ENABLE_MTP_VARLEN=1` (the default): `verified_len_mean` is
+then the length the draft policy chose from the calibrated confidences (0 where it backed off a drafter
+that does not pay). Greedy runs must emit the same tokens at every nextn
 (`same_tokens_as_first_greedy`). Wall times are the host's (CPU runs measure correctness, not speed).
 """
 
