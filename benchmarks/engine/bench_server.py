@@ -197,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from deepinfer.default_model import resolve_model
 
+    # (engine_args.model stays as given: the built-in model keeps its defaults, drafts off)
     model_path, _ = resolve_model(engine_args.model)
-    engine_args.model = str(model_path)
     vocab = json.loads((model_path / "config.json").read_text())
     vocab_size = vocab.get("vocab_size") or vocab.get("text_config", {}).get("vocab_size")
     requests = workload(args, int(vocab_size))
