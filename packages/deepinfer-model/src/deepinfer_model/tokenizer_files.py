@@ -15,9 +15,12 @@ from pathlib import Path
 # (chat_template_kwargs), picks DeepSeek's reasoning mode: the generation prompt ends in `<think>`
 # (thinking) or `</think>` (answer directly), and earlier assistant turns carry the closed `</think>`
 # of a finished reasoning; without it the prompt is the plain format.
-DEFAULT_CHAT_TEMPLATE = (
+_SYSTEM_TEXT = (
     "{{ bos_token }}"
     "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}{% endif %}{% endfor %}"
+)
+# Tools described after the system prompt, when the request gives them
+_TOOLS = (
     "{% if tools is defined and tools %}"
     "{% if messages | selectattr('role', 'equalto', 'system') | list %}\n\n{% endif %}"
     "## Tools\n"
@@ -28,6 +31,9 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% if t['function'].get('description') %}{{ t['function']['description'] }}\n{% endif %}"
     "Arguments (JSON schema): {{ (t['function'].get('parameters') or {'type': 'object'}) | tojson }}\n"
     "{% endfor %}{% endif %}"
+)
+# The turns and the generation prompt (thinking modes, tool calls and tool messages)
+_TURNS = (
     "{% for m in messages %}"
     "{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
     "{% elif m['role'] == 'assistant' %}<｜Assistant｜>{% if thinking is defined %}</think>{% endif %}"
@@ -42,6 +48,7 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<｜Assistant｜>"
     "{% if thinking is defined %}{% if thinking %}<think>{% else %}</think>{% endif %}{% endif %}{% endif %}"
 )
+DEFAULT_CHAT_TEMPLATE = _SYSTEM_TEXT + _TOOLS + _TURNS
 
 # Built-in templates of earlier releases, still in the tokenizer_config.json of checkpoints we generated
 # then: they render as DEFAULT_CHAT_TEMPLATE (identically for their roles) so those checkpoints get
@@ -56,21 +63,7 @@ EARLIER_DEFAULT_CHAT_TEMPLATES = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}",
     # before tool definitions (`tools`)
-    "{{ bos_token }}"
-    "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}{% endif %}{% endfor %}"
-    "{% for m in messages %}"
-    "{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
-    "{% elif m['role'] == 'assistant' %}<｜Assistant｜>{% if thinking is defined %}</think>{% endif %}"
-    "{% if m['content'] is not none %}{{ m['content'] }}{% endif %}"
-    "{% if m['tool_calls'] is defined and m['tool_calls'] %}<｜tool▁calls▁begin｜>"
-    "{% for call in m['tool_calls'] %}<｜tool▁call▁begin｜>{{ call['function']['name'] }}<｜tool▁sep｜>"
-    "{% if call['function']['arguments'] is string %}{{ call['function']['arguments'] }}"
-    "{% else %}{{ call['function']['arguments'] | tojson }}{% endif %}<｜tool▁call▁end｜>{% endfor %}"
-    "<｜tool▁calls▁end｜>{% endif %}<｜end▁of▁sentence｜>"
-    "{% elif m['role'] == 'tool' %}<｜tool▁output▁begin｜>{{ m['content'] }}<｜tool▁output▁end｜>{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<｜Assistant｜>"
-    "{% if thinking is defined %}{% if thinking %}<think>{% else %}</think>{% endif %}{% endif %}{% endif %}",
+    _SYSTEM_TEXT + _TURNS,
 )
 
 
