@@ -62,7 +62,7 @@ from ..sampling_params import SamplingParams, validate_vocab_fields
 from ..tokenizer import load_tokenizer, load_tokenizer_config
 from .dp_balance import BalanceConfig, Move, Router, assign_ranks, request_cost
 from .dp_rank import DataParallelRank
-from .prompts import PromptChecks
+from .prompts import PromptChecks, front_seeds
 from .rank_process import _rank_main
 from .stats import EngineStats
 from .structured import StructuredOutputs
@@ -213,20 +213,12 @@ class DataParallelEngine(PromptChecks):
             settings_from_env(), params.prompt_logprobs is not None
         )  # YoCo truncation refuses them
         validate_vocab_fields(params, self.vocab_size)
-        if prompt_token_ids is None:
-            if prompt is None:
-                raise ValueError("either prompt or prompt_token_ids must be given")
-            prompt_token_ids = self.encode(prompt)
-        prompt_token_ids = self.validate_request(prompt_token_ids, params)
+        prompt_token_ids = self.request_ids(prompt, prompt_token_ids, params)
         if params.so_args is not None:  # compiled here too: a bad grammar fails before any seed is drawn
             if self._structured is None:
                 self._structured = StructuredOutputs(self._tokenizer_dir, self.vocab_size, self.eos_token_id)
             self._structured.new_state(params.so_args)
-        # Seeds of requests without seq_seed come from one stream in arrival order, as in one engine,
-        # so a sampled run does not depend on the number of ranks.
-        seeds = None
-        if params.seq_seed is None:
-            seeds = [self._seed_rng.getrandbits(64) for _ in range(params.n)]
+        seeds = front_seeds(self._seed_rng, params)  # (a sampled run does not depend on the ranks)
         self._pending.append((request_id, prompt, list(prompt_token_ids), params, seeds))
 
     def has_unfinished_requests(self) -> bool:

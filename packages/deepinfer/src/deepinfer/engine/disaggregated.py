@@ -45,7 +45,7 @@ from .disagg_process import engine_main
 from .handoff import HandoffRecord
 from .handoff_transport import ShmLink, TcpListener
 from .pd_roles import refuse_for_split_engines
-from .prompts import PromptChecks
+from .prompts import PromptChecks, front_seeds
 from .stats import EngineStats
 
 logger = logging.getLogger("deepinfer")
@@ -147,14 +147,8 @@ class DisaggregatedEngine(PromptChecks):
             raise ValueError(f"request_id {request_id!r} is already in use")
         refuse_for_split_engines(params, "disaggregated")
         validate_vocab_fields(params, self.vocab_size)
-        if prompt_token_ids is None:
-            if prompt is None:
-                raise ValueError("either prompt or prompt_token_ids must be given")
-            prompt_token_ids = self.encode(prompt)
-        prompt_token_ids = self.validate_request(prompt_token_ids, params)
-        seeds = None
-        if params.seq_seed is None:
-            seeds = [self._seed_rng.getrandbits(64) for _ in range(params.n)]
+        prompt_token_ids = self.request_ids(prompt, prompt_token_ids, params)
+        seeds = front_seeds(self._seed_rng, params)
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         self._requests[request_id] = _Request(
             request_id, prompt, list(prompt_token_ids), params, seeds, arrival

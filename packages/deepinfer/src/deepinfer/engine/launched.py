@@ -30,6 +30,7 @@ from ..engine_args import EngineArgs
 from ..outputs import RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
 from .data_parallel import DataParallelStats, assign_ranks
+from .prompts import front_seeds
 from .rank_process import _stats, open_rank
 
 
@@ -80,14 +81,8 @@ class LaunchedEngine:
     ) -> None:
         if request_id in (r[0] for r in self._pending):
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if prompt_token_ids is None:
-            if prompt is None:
-                raise ValueError("either prompt or prompt_token_ids must be given")
-            prompt_token_ids = self.engine.encode(prompt)
-        prompt_token_ids = self.engine.validate_request(prompt_token_ids, params)
-        seeds = None
-        if params.seq_seed is None:  # the one engine's stream, in request order, on every rank alike
-            seeds = [self._seed_rng.getrandbits(64) for _ in range(params.n)]
+        prompt_token_ids = self.engine.request_ids(prompt, prompt_token_ids, params)
+        seeds = front_seeds(self._seed_rng, params)  # the same on every rank: requests come in one order
         self._pending.append((request_id, prompt, list(prompt_token_ids), params, seeds))
 
     def has_unfinished_requests(self) -> bool:

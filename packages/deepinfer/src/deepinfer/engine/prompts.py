@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import random
+
 from ..sampling_params import SamplingParams
 from ..tokenizer import encode_prompt
 from .request_checks import check_params, check_prompt
@@ -27,3 +29,19 @@ class PromptChecks:
         ids = self.validate_prompt(prompt_token_ids, image_positions)
         check_params(params, self.vocab_size)
         return ids
+
+    def request_ids(
+        self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams
+    ) -> list[int]:
+        """A text-only request's checked prompt ids: `prompt_token_ids`, else `prompt` encoded."""
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("either prompt or prompt_token_ids must be given")
+            prompt_token_ids = self.encode(prompt)
+        return self.validate_request(prompt_token_ids, params)
+
+
+def front_seeds(rng: random.Random, params: SamplingParams) -> list[int] | None:
+    """A front's seeds for a request's n samples, drawn from one stream in arrival order as one engine
+    draws them (so sampled outputs do not depend on the layout); None when it carries seq_seed."""
+    return None if params.seq_seed is not None else [rng.getrandbits(64) for _ in range(params.n)]
