@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from deepinfer import SamplingParams
 from deepinfer.engine.disaggregated import DisaggregatedEngine
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine_args import EngineArgs
+from report import print_and_write
 
 RESULTS = Path(__file__).resolve().parents[1] / "out" / "bench_disagg.json"
 
@@ -176,12 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         ("output_tok_per_s", "{:.1f}"),
         ("outputs_equal_to_normal", "{}"),
     ]
-    print(" | ".join(c for c, _ in cols))
-    for r in records:
-        print(" | ".join(fmt.format(r[c]) if r[c] is not None else "-" for c, fmt in cols))
-    args.output_json.parent.mkdir(parents=True, exist_ok=True)
-    args.output_json.write_text(json.dumps(records, indent=2) + "\n")
-    print(f"wrote {args.output_json}")
+    print_and_write(records, cols, args.output_json)
     return 0 if all(r["outputs_equal_to_normal"] for r in records) else 1
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import tempfile
@@ -30,6 +29,7 @@ import numpy as np
 from deepinfer import SamplingParams
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine_args import EngineArgs
+from report import print_and_write
 
 RESULTS = Path(__file__).resolve().parents[1] / "out" / "bench_kv_tier.json"
 
@@ -167,12 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         ("tier_store_s", "{:.3f}"),
         ("outputs_equal_to_no_tier", "{}"),
     ]
-    print(" | ".join(c for c, _ in cols))
-    for r in records:
-        print(" | ".join(fmt.format(r[c]) if r[c] is not None else "-" for c, fmt in cols))
-    args.output_json.parent.mkdir(parents=True, exist_ok=True)
-    args.output_json.write_text(json.dumps(records, indent=2) + "\n")
-    print(f"wrote {args.output_json}")
+    print_and_write(records, cols, args.output_json)
     return 0 if all(r["outputs_equal_to_no_tier"] for r in records) else 1
 
 
