@@ -80,19 +80,7 @@ def run_prefill(driver: Driver, cfg: PrefillConfig, flags: FlagCounter | None, p
             _one_chunk(driver, chunk, cfg.context, flags, timed_run=True) for _ in range(cfg.repeats)
         ]
         w = summarize(intervals)
-        row = {
-            "phase": "prefill",
-            "chunk_tokens": chunk,
-            "context_tokens": cfg.context,
-            "intervals": w.intervals,
-            "dropped_flagged_intervals": w.dropped,
-            "chunk_latency_ms": w.seconds / w.intervals * 1e3,
-            "non_cached_tok_per_s_per_gpu": accounting.prefill_tok_per_s_per_gpu(
-                w.tokens, w.seconds, 1, cfg.cp
-            ),
-            "dp": 1,  # one engine, this process
-            "cp": cfg.cp,
-        }
+        row = prefill_keys(chunk, cfg, w, dp=1)  # one engine, this process
         peak = _peak_memory_gib()
         if peak is not None:  # what a chunk of this size needs on the device (weights and KV pool included)
             row["peak_device_memory_gib"] = peak
@@ -180,26 +168,8 @@ def run_decode(driver: Driver, cfg: DecodeConfig, flags: FlagCounter | None, pro
                 f"decode batch {batch}: steps ran with {short[0]} sequences; raise max_num_seqs / KV"
             )
         w = summarize(intervals)
-        sps = w.steps_per_s
         row = {
-            "phase": "decode",
-            "batch": batch,
-            "context_tokens": cfg.context,
-            "nextn": cfg.nextn,
-            "intervals": w.intervals,
-            "dropped_flagged_intervals": w.dropped,
-            "steps_per_s": sps,
-            "ms_per_step": w.seconds_per_step * 1e3,
-            "full_acceptance_tok_per_s_per_gpu": accounting.decode_full_acceptance_per_gpu(
-                sps, batch, cfg.nextn, 1, cfg.cp
-            ),
-            "full_acceptance_tok_per_s_per_user": accounting.decode_full_acceptance_per_user(sps, cfg.nextn),
-            "measured_tok_per_s_per_gpu": accounting.decode_measured_per_gpu(w.tokens, w.seconds, 1, cfg.cp),
-            "measured_tok_per_s_per_user": accounting.decode_measured_per_user(w.tokens, w.seconds, batch),
-            "measured_tokens_per_request_step": w.tokens / (w.steps * batch),
-            "measured_accept_rate": (w.tokens / (w.steps * batch) - 1) / cfg.nextn if cfg.nextn else None,
-            "dp": 1,  # one engine, this process
-            "cp": cfg.cp,
+            **decode_keys(batch, cfg, w, dp=1),  # one engine, this process
             # the device's side of the window (CUDA events; None on the CPU): each step's span, the idle gap
             # before it, and how many steps the async loop launched behind the one before (device-fed ids)
             **_device_keys(window),
@@ -258,3 +228,43 @@ def _all_decoding(engine, ids: set[str]) -> bool:
         if state is None or any(seq.num_generated == 0 for seq in state.seqs):
             return False
     return True
+
+
+def prefill_keys(chunk: int, cfg: PrefillConfig, w, dp: int) -> dict:
+    """A prefill row's measured keys from its window summary `w` (`intervals.summarize`) over `dp` ranks."""
+    return {
+        "phase": "prefill",
+        "chunk_tokens": chunk,
+        "context_tokens": cfg.context,
+        "intervals": w.intervals,
+        "dropped_flagged_intervals": w.dropped,
+        "chunk_latency_ms": w.seconds / w.intervals * 1e3,
+        "non_cached_tok_per_s_per_gpu": accounting.prefill_tok_per_s_per_gpu(w.tokens, w.seconds, dp, cfg.cp),
+        "dp": dp,
+        "cp": cfg.cp,
+    }
+
+
+def decode_keys(batch: int, cfg: DecodeConfig, w, dp: int) -> dict:
+    """A decode row's measured keys from its window summary `w` over `dp` ranks: both accountings."""
+    sps = w.steps_per_s
+    return {
+        "phase": "decode",
+        "batch": batch,
+        "context_tokens": cfg.context,
+        "nextn": cfg.nextn,
+        "intervals": w.intervals,
+        "dropped_flagged_intervals": w.dropped,
+        "steps_per_s": sps,
+        "ms_per_step": w.seconds_per_step * 1e3,
+        "full_acceptance_tok_per_s_per_gpu": accounting.decode_full_acceptance_per_gpu(
+            sps, batch, cfg.nextn, dp, cfg.cp
+        ),
+        "full_acceptance_tok_per_s_per_user": accounting.decode_full_acceptance_per_user(sps, cfg.nextn),
+        "measured_tok_per_s_per_gpu": accounting.decode_measured_per_gpu(w.tokens, w.seconds, dp, cfg.cp),
+        "measured_tok_per_s_per_user": accounting.decode_measured_per_user(w.tokens, w.seconds, batch),
+        "measured_tokens_per_request_step": w.tokens / (w.steps * batch),
+        "measured_accept_rate": (w.tokens / (w.steps * batch) - 1) / cfg.nextn if cfg.nextn else None,
+        "dp": dp,
+        "cp": cfg.cp,
+    }

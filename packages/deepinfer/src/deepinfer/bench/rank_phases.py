@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-from . import accounting
 from .drafts import spec_keys, spec_snapshot
 from .engine_driver import Driver
 from .intervals import summarize
-from .phases import DecodeConfig, PrefillConfig, _check_positive
+from .phases import DecodeConfig, PrefillConfig, _check_positive, decode_keys, prefill_keys
 from .rank_steps import decode_window, prefill_interval, ranks_that_ran, window_events, world_step
 
 
@@ -65,17 +64,7 @@ def run_prefill_ranks(driver: Driver, cfg: PrefillConfig, progress=None) -> list
         w = summarize(intervals)
         rows.append(
             {
-                "phase": "prefill",
-                "chunk_tokens": chunk,
-                "context_tokens": cfg.context,
-                "intervals": w.intervals,
-                "dropped_flagged_intervals": w.dropped,
-                "chunk_latency_ms": w.seconds / w.intervals * 1e3,
-                "non_cached_tok_per_s_per_gpu": accounting.prefill_tok_per_s_per_gpu(
-                    w.tokens, w.seconds, ranks["dp"], cfg.cp
-                ),
-                "dp": ranks["dp"],
-                "cp": cfg.cp,
+                **prefill_keys(chunk, cfg, w, ranks["dp"]),
                 "rank_pids": ranks["rank_pids"],
                 "rank_hosts": ranks["rank_hosts"],
                 **_eplb_keys(engine, events, ranks),
@@ -122,29 +111,9 @@ def run_decode_ranks(driver: Driver, cfg: DecodeConfig, token_budget: int, progr
         window = decode_window(traces, per_rank, cfg.warmup_steps, cfg.measure_steps)
         intervals = [world_step(traces, i) for i in window]
         w = summarize(intervals)
-        sps = w.steps_per_s
         row = {
-            "phase": "decode",
-            "batch": batch,
+            **decode_keys(batch, cfg, w, ranks["dp"]),
             "batch_per_rank": per_rank,
-            "context_tokens": cfg.context,
-            "nextn": cfg.nextn,
-            "intervals": w.intervals,
-            "dropped_flagged_intervals": w.dropped,
-            "steps_per_s": sps,
-            "ms_per_step": w.seconds_per_step * 1e3,
-            "full_acceptance_tok_per_s_per_gpu": accounting.decode_full_acceptance_per_gpu(
-                sps, batch, cfg.nextn, ranks["dp"], cfg.cp
-            ),
-            "full_acceptance_tok_per_s_per_user": accounting.decode_full_acceptance_per_user(sps, cfg.nextn),
-            "measured_tok_per_s_per_gpu": accounting.decode_measured_per_gpu(
-                w.tokens, w.seconds, ranks["dp"], cfg.cp
-            ),
-            "measured_tok_per_s_per_user": accounting.decode_measured_per_user(w.tokens, w.seconds, batch),
-            "measured_tokens_per_request_step": w.tokens / (w.steps * batch),
-            "measured_accept_rate": (w.tokens / (w.steps * batch) - 1) / cfg.nextn if cfg.nextn else None,
-            "dp": ranks["dp"],
-            "cp": cfg.cp,
             "rank_pids": ranks["rank_pids"],
             "rank_hosts": ranks["rank_hosts"],
             # each rank's own steps over the whole window (flagged ones included): how uneven they ran
