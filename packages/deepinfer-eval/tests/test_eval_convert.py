@@ -1,6 +1,8 @@
 """Conversion of each upstream form (CSV, JSON, JSONL, parquet) from small fixtures."""
 
+import base64
 import csv
+import io
 import json
 
 import pytest
@@ -109,6 +111,20 @@ def test_gpqa_original_columns(tmp_path, fmt):
     assert len(problems) == 1 and problems[0].line == 2 and "incorrect 3" in problems[0].reason
 
 
+def _png(color, size=(30, 20)) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", size, color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _data_url(data: bytes, kind: str = "png") -> str:
+    return f"data:image/{kind};base64," + base64.b64encode(data).decode()
+
+
+PNG_URL = _data_url(_png((200, 30, 30)))
+
 HLE_ROWS = [
     {
         "id": "h1",
@@ -122,7 +138,7 @@ HLE_ROWS = [
     {
         "id": "h2",
         "question": "Pick one.\nA) x\nB) y",
-        "image": "data:image/png;base64,iVBORw0KGgo=",
+        "image": PNG_URL,
         "answer": "B",
         "answer_type": "multipleChoice",
         "category": "Other",
@@ -159,13 +175,99 @@ def test_hle_forms(tmp_path, fmt):
         "benchmark": "hle",
         "id": "h2",
         "question": "Pick one.\nA) x\nB) y",
-        "image": "data:image/png;base64,iVBORw0KGgo=",
+        "image": PNG_URL,
         "answer": "B",
         "answer_type": "multipleChoice",
         "category": "Other",
     }
     assert [p.line for p in problems] == [3, 4]
     assert "answer_type" in problems[0].reason and "repeats" in problems[1].reason
+
+
+def _upstream_hle(path, rows: list[dict], image_feature: bool = False):
+    """A parquet file in the upstream HLE test split's layout, written by `datasets`: `image` a data: URL
+    string ("" for a text task; or, `image_feature`, an Image column as a re-saved copy may have it), beside
+    the Image columns `image_preview` / `rationale_image` and the other text columns."""
+    from datasets import Dataset, Features, Image, Value
+
+    text = ("id", "question", "answer", "answer_type", "author_name", "rationale", "raw_subject", "category")
+    features = {name: Value("string") for name in text}
+    features |= {"image": Image() if image_feature else Value("string")}
+    features |= {"image_preview": Image(), "rationale_image": Image(), "canary": Value("string")}
+    full = []
+    for r in rows:
+        image = r.get("image", "")
+        preview = None
+        if image:
+            raw = base64.b64decode(image.partition(",")[2])
+            preview = {"bytes": raw, "path": None}
+            if image_feature:
+                image = {"bytes": raw, "path": None}
+        elif image_feature:
+            image = None
+        full.append(
+            {
+                **{name: r.get(name, "") for name in text},
+                "image": image,
+                "image_preview": preview,
+                "rationale_image": None,
+                "canary": "canary string",
+            }
+        )
+    Dataset.from_list(full, features=Features(features)).to_parquet(str(path))
+    return path
+
+
+def test_hle_upstream_parquet_keeps_images_and_reports_bad_ones_by_task(tmp_path):
+    from PIL import Image
+
+    jpeg = io.BytesIO()
+    Image.new("RGB", (16, 16), (0, 90, 0)).save(jpeg, format="JPEG")
+    rows = [
+        {
+            "id": "t-text",
+            "question": "2 + 2?",
+            "answer": "4",
+            "answer_type": "exactMatch",
+            "category": "Math",
+        },
+        {"id": "t-png", "question": "Color?", "image": PNG_URL, "answer": "red", "answer_type": "exactMatch"},
+        {
+            "id": "t-jpeg",
+            "question": "Which?\nA) a\nB) b",
+            "image": _data_url(jpeg.getvalue(), "jpeg"),
+            "answer": "A",
+            "answer_type": "multipleChoice",
+            "category": "Other",
+        },
+        {"id": "t-cut", "question": "q", "image": _data_url(_png((1, 2, 3))[:40]), "answer": "x"},
+        {"id": "t-b64", "question": "q", "image": "data:image/png;base64,@@@", "answer": "x"},
+        {"id": "t-url", "question": "q", "image": "https://example.com/a.png", "answer": "x"},
+    ]
+    for r in rows[3:]:
+        r["answer_type"] = "exactMatch"
+    tasks, problems = convert_file("hle", _upstream_hle(tmp_path / "test.parquet", rows))
+    assert [t["id"] for t in tasks] == ["t-text", "t-png", "t-jpeg"]
+    assert [t["image"] for t in tasks] == ["", PNG_URL, rows[2]["image"]]  # kept as the upstream string
+    assert tasks[2]["answer_type"] == "multipleChoice" and tasks[0]["category"] == "Math"
+    assert [p.line for p in problems] == [4, 5, 6]
+    assert problems[0].reason.startswith("task 't-cut': field 'image': the image does not decode")
+    assert problems[1].reason.startswith("task 't-b64': field 'image': the data: URL's base64 content")
+    assert problems[2].reason.startswith("task 't-url': field 'image': must be a data: URL")
+
+    # the same tasks with `image` as an Image column: bytes become a data URL of the image's own format
+    tasks, problems = convert_file("hle", _upstream_hle(tmp_path / "resaved.parquet", rows[:3], True))
+    assert problems == [] and [t["image"] for t in tasks] == ["", PNG_URL, rows[2]["image"]]
+
+
+def test_hle_task_file_round_trip_keeps_the_image(tmp_path):
+    from deepinfer_eval import read_tasks
+    from deepinfer_eval.records import write_jsonl
+
+    tasks, _ = convert_file("hle", _write_jsonl(tmp_path / "hle.jsonl", HLE_ROWS))
+    write_jsonl(tmp_path / "tasks.jsonl", tasks)
+    again, problems = read_tasks(tmp_path / "tasks.jsonl", "hle")
+    assert problems == [] and [t["image"] for t in again] == ["", PNG_URL]
 
 
 def test_unsupported_file_type(tmp_path):
