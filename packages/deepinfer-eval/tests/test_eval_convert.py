@@ -1,12 +1,12 @@
 """Conversion of each upstream form (CSV, JSON, JSONL, parquet) from small fixtures."""
 
-import base64
 import csv
 import io
 import json
 
 import pytest
 from deepinfer_eval import convert_file
+from eval_common import data_url, png, write_upstream_hle
 
 AIME_ROWS = [
     {"id": "2026-I-1", "problem": "Find x, given that x + 1 = 43.", "answer": "042"},
@@ -111,19 +111,7 @@ def test_gpqa_original_columns(tmp_path, fmt):
     assert len(problems) == 1 and problems[0].line == 2 and "incorrect 3" in problems[0].reason
 
 
-def _png(color, size=(30, 20)) -> bytes:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.new("RGB", size, color).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def _data_url(data: bytes, kind: str = "png") -> str:
-    return f"data:image/{kind};base64," + base64.b64encode(data).decode()
-
-
-PNG_URL = _data_url(_png((200, 30, 30)))
+PNG_URL = data_url(png((200, 30, 30)))
 
 HLE_ROWS = [
     {
@@ -184,40 +172,6 @@ def test_hle_forms(tmp_path, fmt):
     assert "answer_type" in problems[0].reason and "repeats" in problems[1].reason
 
 
-def _upstream_hle(path, rows: list[dict], image_feature: bool = False):
-    """A parquet file in the upstream HLE test split's layout, written by `datasets`: `image` a data: URL
-    string ("" for a text task; or, `image_feature`, an Image column as a re-saved copy may have it), beside
-    the Image columns `image_preview` / `rationale_image` and the other text columns."""
-    from datasets import Dataset, Features, Image, Value
-
-    text = ("id", "question", "answer", "answer_type", "author_name", "rationale", "raw_subject", "category")
-    features = {name: Value("string") for name in text}
-    features |= {"image": Image() if image_feature else Value("string")}
-    features |= {"image_preview": Image(), "rationale_image": Image(), "canary": Value("string")}
-    full = []
-    for r in rows:
-        image = r.get("image", "")
-        preview = None
-        if image:
-            raw = base64.b64decode(image.partition(",")[2])
-            preview = {"bytes": raw, "path": None}
-            if image_feature:
-                image = {"bytes": raw, "path": None}
-        elif image_feature:
-            image = None
-        full.append(
-            {
-                **{name: r.get(name, "") for name in text},
-                "image": image,
-                "image_preview": preview,
-                "rationale_image": None,
-                "canary": "canary string",
-            }
-        )
-    Dataset.from_list(full, features=Features(features)).to_parquet(str(path))
-    return path
-
-
 def test_hle_upstream_parquet_keeps_images_and_reports_bad_ones_by_task(tmp_path):
     from PIL import Image
 
@@ -235,18 +189,18 @@ def test_hle_upstream_parquet_keeps_images_and_reports_bad_ones_by_task(tmp_path
         {
             "id": "t-jpeg",
             "question": "Which?\nA) a\nB) b",
-            "image": _data_url(jpeg.getvalue(), "jpeg"),
+            "image": data_url(jpeg.getvalue(), "jpeg"),
             "answer": "A",
             "answer_type": "multipleChoice",
             "category": "Other",
         },
-        {"id": "t-cut", "question": "q", "image": _data_url(_png((1, 2, 3))[:40]), "answer": "x"},
+        {"id": "t-cut", "question": "q", "image": data_url(png((1, 2, 3))[:40]), "answer": "x"},
         {"id": "t-b64", "question": "q", "image": "data:image/png;base64,@@@", "answer": "x"},
         {"id": "t-url", "question": "q", "image": "https://example.com/a.png", "answer": "x"},
     ]
     for r in rows[3:]:
         r["answer_type"] = "exactMatch"
-    tasks, problems = convert_file("hle", _upstream_hle(tmp_path / "test.parquet", rows))
+    tasks, problems = convert_file("hle", write_upstream_hle(tmp_path / "test.parquet", rows))
     assert [t["id"] for t in tasks] == ["t-text", "t-png", "t-jpeg"]
     assert [t["image"] for t in tasks] == ["", PNG_URL, rows[2]["image"]]  # kept as the upstream string
     assert tasks[2]["answer_type"] == "multipleChoice" and tasks[0]["category"] == "Math"
@@ -256,7 +210,7 @@ def test_hle_upstream_parquet_keeps_images_and_reports_bad_ones_by_task(tmp_path
     assert problems[2].reason.startswith("task 't-url': field 'image': must be a data: URL")
 
     # the same tasks with `image` as an Image column: bytes become a data URL of the image's own format
-    tasks, problems = convert_file("hle", _upstream_hle(tmp_path / "resaved.parquet", rows[:3], True))
+    tasks, problems = convert_file("hle", write_upstream_hle(tmp_path / "resaved.parquet", rows[:3], True))
     assert problems == [] and [t["image"] for t in tasks] == ["", PNG_URL, rows[2]["image"]]
 
 
