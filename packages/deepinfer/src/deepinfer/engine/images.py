@@ -23,7 +23,6 @@ import hashlib
 import io
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -39,9 +38,6 @@ from deepinfer_model import (
 )
 
 from .request_checks import checked_token_id
-
-if TYPE_CHECKING:
-    from deepinfer_model.models.deepseek_v41.vision import PreparedImage
 
 __all__ = ["IMAGE_PLACEHOLDER", "ImageInputs", "ImagePrompt", "PreparedImages", "image_bytes"]
 
@@ -84,7 +80,7 @@ class PreparedImages:
 
     images: list
     data: list[bytes | ImageError]
-    prepared: list[PreparedImage | ImageError | None]
+    prepared: list  # per image: deepinfer_model's PreparedImage, an ImageError, or None
     error: ValueError | None = None
 
 
