@@ -9,6 +9,10 @@ memory on one host, or TCP); the front forwards the record to the COMPLETION eng
 blocks and decodes; its outputs are the request's outputs, equal to a NORMAL engine's (seeds are drawn
 here from the engine seed's stream in arrival order, as one engine draws them).
 
+Streaming: with `stream_outputs` on (an `AsyncLLM` turns it on, as over a data-parallel front), the
+decode engine sends each request's output so far after every step that gave it tokens, and the latest one
+of each unfinished request is in `partial_outputs` until its finished output replaces it.
+
 Back-pressure: the COMPLETION engine reports the blocks and sequences its requests do not reserve
 (`pd_roles.CompletionRole.capacity`); the front holds records that do not fit and sends them when they
 do (a record the engine still finds too large comes back "full" and is held again). The PROMPT engine
@@ -105,6 +109,9 @@ class DisaggregatedEngine(PromptChecks):
         self.record_token_times = False
         self.token_times: dict[str, list[tuple[float, int]]] = {}
         self._ready: deque[RequestOutput] = deque()
+        self.stream_outputs = False
+        self.partial_outputs: dict[str, RequestOutput] = {}
+        self._partial_arrived = False
         self._failed: str | None = None
         self._procs: dict[str, _Proc] = {}
         self.restarts = {r: 0 for r in ROLES}
@@ -164,13 +171,15 @@ class DisaggregatedEngine(PromptChecks):
 
     def step(self) -> list[RequestOutput]:
         """Move requests along (to the prefill engine, hand-offs to the decode engine) and return the
-        outputs that have arrived, waiting up to POLL_S seconds for one."""
+        outputs that have arrived, waiting up to POLL_S seconds for one (with `stream_outputs`, for any
+        news in `partial_outputs`)."""
         self._check_usable()
         deadline = time.monotonic() + POLL_S
+        self._partial_arrived = False
         while True:
             self._dispatch()
             self._forward()
-            if self._ready or not self._requests or time.monotonic() > deadline:
+            if self._ready or self._partial_arrived or not self._requests or time.monotonic() > deadline:
                 break
             self._receive(max(0.0, min(0.05, deadline - time.monotonic())))
             self._watch()
@@ -188,6 +197,7 @@ class DisaggregatedEngine(PromptChecks):
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
+        self.partial_outputs.pop(request_id, None)
         if req.stage == "queued":
             self._queued.remove(request_id)
         elif req.stage == "prefill":
@@ -241,7 +251,7 @@ class DisaggregatedEngine(PromptChecks):
             req.stage = "prefill"
             batch.append((req.request_id, req.prompt, req.ids, req.params, req.seeds, req.arrival_time))
         if batch:
-            self._send("prompt", ("add", batch))
+            self._send("prompt", ("add", batch, self.stream_outputs))
 
     def _need(self, req: _Request) -> dict:
         longest = min(len(req.ids) + req.params.max_tokens, self.max_model_len)
@@ -324,6 +334,10 @@ class DisaggregatedEngine(PromptChecks):
                 if proc.role == "completion" and self.record_token_times and out.outputs:
                     self._note_tokens(out.request_id, now, len(out.outputs[0].token_ids))
                 self._finish(out)
+            for out in msg[2]:
+                if out.request_id in self._requests:
+                    self.partial_outputs[out.request_id] = out
+                    self._partial_arrived = True
         elif kind == "admitted":
             req = self._requests.get(msg[1])
             self._sent.pop(msg[1], None)
@@ -348,6 +362,7 @@ class DisaggregatedEngine(PromptChecks):
             return  # aborted here already
         self._sent.pop(out.request_id, None)
         self._progress.pop(out.request_id, None)
+        self.partial_outputs.pop(out.request_id, None)
         self._ready.append(out)
 
     # ------------------------------------------------------------------ processes
