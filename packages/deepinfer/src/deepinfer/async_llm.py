@@ -100,7 +100,8 @@ class AsyncLLM:
                 f"max_waiting_requests must be an integer >= 1 or None, got {max_waiting_requests!r}"
             )
         self.engine = engine
-        if hasattr(engine, "stream_outputs"):  # a data-parallel front: its ranks report outputs so far
+        # a data-parallel or disaggregated front: its ranks (its decode engine) report outputs so far
+        if hasattr(engine, "stream_outputs"):
             engine.stream_outputs = True
         self.max_waiting_requests = max_waiting_requests
         self.listeners: list[DeliveryListener] = []
@@ -310,7 +311,8 @@ class AsyncLLM:
         now = time.perf_counter()
         done = {out.request_id: out for out in finished}
         live = getattr(self.engine, "requests", {})
-        # a data-parallel front holds no request states, but the latest outputs its ranks reported
+        # a data-parallel or disaggregated front holds no request states, but the latest outputs its
+        # ranks (its decode engine) reported
         partial = getattr(self.engine, "partial_outputs", {})
         for request_id, stream in list(self._streams.items()):
             out = done.get(request_id)
