@@ -17,8 +17,8 @@ def nextn_from_env(environ: Mapping[str, str] | None = None) -> int:
 
 
 def varlen_from_env(environ: Mapping[str, str] | None = None) -> bool:
-    """`DEEPINFER_ENABLE_MTP_VARLEN` (default on: the engine's draft policy; off for reproducible seeded
-    sampling with drafts)."""
+    """`DEEPINFER_ENABLE_MTP_VARLEN` (default on: the engine's draft policy; seeded sampled tokens do not
+    depend on it under coupled verification, only under rejection sampling)."""
     return envs.get("DEEPINFER_ENABLE_MTP_VARLEN", environ)
 
 
