@@ -114,6 +114,10 @@ def test_engine_outputs_are_batch_invariant_without_drafts(
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_engine_outputs_are_batch_invariant_with_drafts(llm_factory, monkeypatch, async_scheduling, device):
+    # rejection sampling: it accepts some of the random-weight drafter's drafts (coupled verification,
+    # whose acceptance needs the draft to be the target's own draw, accepts none of them here: the
+    # test below covers it)
+    monkeypatch.setenv("DEEPINFER_SPEC_SAMPLED_VERIFY", "rejection")
     with_drafts = _check(llm_factory, 3, async_scheduling, monkeypatch, device)
     # greedy: drafts change how tokens are verified, not which, nor their logprobs (bitwise)
     monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "0")
@@ -121,3 +125,30 @@ def test_engine_outputs_are_batch_invariant_with_drafts(llm_factory, monkeypatch
     plain = _result(llm.generate(prompt_token_ids=[TARGET], sampling_params=_params(0.0), use_tqdm=False)[0])
     llm.close()
     assert with_drafts == plain
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_coupled_drafts_give_the_drafts_off_outputs_alone_and_mixed(
+    llm_factory, monkeypatch, async_scheduling
+):
+    """Coupled verification (the default) with the draft policy on: the target's greedy and seeded sampled
+    tokens, logprobs and top-5 logprobs, alone and in a batch mix, are bitwise those of drafts off."""
+    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
+    results = {}
+    for nextn in (3, 0):
+        monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", str(nextn))
+        llm = llm_factory(async_scheduling=async_scheduling, max_num_batched_tokens=24, max_num_seqs=6)
+        results[nextn] = {
+            t: (
+                _result(
+                    llm.generate(prompt_token_ids=[TARGET], sampling_params=_params(t), use_tqdm=False)[0]
+                ),
+                _mixed(llm, _params(t), seed),
+            )
+            for t, seed in ((0.0, 1), (0.9, 2))
+        }
+        if nextn:
+            assert llm.engine.spec.verifier.coupled and llm.engine.spec_stats()["verified"] > 0
+        llm.close()
+    assert results[3] == results[0]
+    assert results[0][0.0] != results[0][0.9]

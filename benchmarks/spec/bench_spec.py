@@ -6,7 +6,8 @@
 NOT A REAL MODEL. The target is a fixed random bigram table (deepinfer_spec.toy.NGramModel); drafters:
   none     no drafts (nextn = 0): the baseline every ratio is measured against, in the same run;
   oracle   proposes the target's own next tokens: every draft is accepted, the mechanism's ceiling;
-  mixture  q = 0.7 * target + 0.3 * random table, with a calibrated confidence (exact Σ min(p, q));
+  mixture  q = 0.7 * target + 0.3 * random table, with a calibrated confidence (the exact acceptance
+           probability of the verifier's scheme: coupled agreement, or Σ min(p, q) for rejection);
   random   an unrelated random table: shows what a random-weight drafter gets (no real acceptance).
 Acceptance numbers therefore say nothing about the real DSpark drafter.
 

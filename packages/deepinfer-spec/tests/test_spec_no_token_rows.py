@@ -87,17 +87,25 @@ def test_sampled_rows_without_a_token_stop_their_request_alone():
     assert alone.emitted == got.emitted[:1] and alone.no_token == [False]
 
 
-def test_a_draft_with_a_zero_q_row_is_rejected_and_its_row_draws_from_p():
-    # p(t) > 0 for the draft, which a zero q would accept by the ratio test: it must be rejected.
+@pytest.mark.parametrize("sampling", ["coupled", "rejection"])
+def test_a_draft_with_a_zero_q_row_is_rejected_and_its_row_draws_from_p(sampling):
+    # p(t) > 0 for the draft, which a zero q would accept by the ratio test (or by matching the row's
+    # plain draw, coupled): it must be rejected.
     target = _probs([P, P])
     q = _probs([None])
+    drew_the_draft = 0
     for seed in range(20):
-        got = DraftVerifier().verify(
+        got = DraftVerifier(sampling=sampling).verify(
             target, [4], [1], draft_probs=q, seeds=[seed], base_positions=[3], greedy=[False]
         )
         assert got.num_accepted == [0] and got.no_token == [False]
-        u = stream_uniform(seed, 3 + 0 * VERIFY_ROW_STRIDE, Purpose.RESIDUAL)
+        if sampling == "rejection":
+            u = stream_uniform(seed, 3 + 0 * VERIFY_ROW_STRIDE, Purpose.RESIDUAL)
+        else:  # the plain sampler's draw at row 0's position
+            u = stream_uniform(seed, 3, Purpose.SAMPLE)
         assert got.final_tokens == [_inverse_cdf(P, u)]
+        drew_the_draft += got.final_tokens == [4]
+    assert sampling == "rejection" or drew_the_draft > 0  # coupled: rejected even where it matched
 
 
 @pytest.mark.parametrize("bad", [float("nan"), -0.5])

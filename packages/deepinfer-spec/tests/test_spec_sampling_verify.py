@@ -1,4 +1,5 @@
-"""Rejection-sampling verification: distribution preservation, seeded reproducibility, batch independence."""
+"""Sampled verification, coupled (the default) and rejection sampling: distribution preservation, exact
+acceptance probabilities, seeded reproducibility, batch independence."""
 
 import itertools
 import math
@@ -51,8 +52,9 @@ def chi_square(counts, probs, n):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("sampling", ["coupled", "rejection"])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_sampled_outputs_with_drafts_follow_the_target_distribution(varlen):
+def test_sampled_outputs_with_drafts_follow_the_target_distribution(varlen, sampling):
     vocab, length, n, temperature = 5, 3, 3000, 0.9
     target = NGramModel(vocab=vocab, order=2, seed=21, scale=1.0)
     drafter = Drafter(target, alpha=0.3, seed=8)  # q differs from p: rejections and residuals happen
@@ -68,6 +70,7 @@ def test_sampled_outputs_with_drafts_follow_the_target_distribution(varlen):
         temperature=temperature,
         seeds=range(n),
         scheduler=ConfidenceScheduler(2, curve),
+        verifier=DraftVerifier(sampling=sampling),
     )
     if varlen:
         assert (
@@ -99,6 +102,19 @@ def test_sampled_outputs_with_drafts_follow_the_target_distribution(varlen):
     assert stat_q > 3 * chi2_critical(dof_q)
 
 
+def naive_coupled_agreement(p: list[float], q: list[float]) -> float:
+    """P(inverse-CDF draws from p and q with one shared uniform agree), by a float64 loop over the
+    cumulative intervals in vocabulary order (the independent reference of `coupled_agreement`)."""
+    sp, sq = sum(p), sum(q)
+    lo_p = lo_q = total = 0.0
+    for a, b in zip(p, q):
+        hi_p, hi_q = lo_p + a / sp, lo_q + b / sq
+        total += max(0.0, min(hi_p, hi_q) - max(lo_p, lo_q))
+        lo_p, lo_q = hi_p, hi_q
+    return total
+
+
+@pytest.mark.parametrize("sampling", ["coupled", "rejection"])
 @pytest.mark.parametrize(
     "p, q",
     [
@@ -106,19 +122,25 @@ def test_sampled_outputs_with_drafts_follow_the_target_distribution(varlen):
         ([0.6, 0.4, 0.0, 0.0], [0.1, 0.2, 0.3, 0.4]),  # top-k-filtered target: drafts 2, 3 never pass
     ],
 )
-def test_single_step_first_token_distribution_with_residual(p, q):
+def test_single_step_first_token_distribution_with_residual(p, q, sampling):
     """One verification step, many seeds: the first emitted token ~ p even though q is far from p."""
+    expected_rate = (
+        naive_coupled_agreement(p, q) if sampling == "coupled" else sum(min(a, b) for a, b in zip(p, q))
+    )
     p = torch.tensor(p, dtype=torch.float64)
     q = torch.tensor(q, dtype=torch.float64)
     n = 4000
     target = p.repeat(2 * n, 1)  # rows [x, d1] per request
     drafts = []
-    for seed in range(n):  # the draft itself is sampled from q with its own stream
-        u = stream_uniform(seed + 99, 0)
+    for seed in range(n):  # the draft is sampled from q with the verifier's draft stream
+        if sampling == "coupled":  # the target's own uniform at the draft's position (row 0: base 3)
+            u = stream_uniform(seed, 3)
+        else:  # a stream of its own
+            u = stream_uniform(seed + 99, 0)
         drafts.append(
             int(torch.searchsorted(torch.cumsum(q, 0), torch.tensor([u]), right=True)[0].clamp(max=3))
         )
-    result = DraftVerifier().verify(
+    result = DraftVerifier(sampling=sampling).verify(
         target,
         drafts,
         [1] * n,
@@ -133,12 +155,11 @@ def test_single_step_first_token_distribution_with_residual(p, q):
     assert counts[~support].sum() == 0
     stat = float(((counts[support] - n * p[support]) ** 2 / (n * p[support])).sum())
     assert stat < chi2_critical(int(support.sum()) - 1)
-    # The estimated acceptance probability is the overlap Σ min(p, q).
-    assert torch.allclose(
-        result.accept_probs, torch.full((n,), float(torch.minimum(p, q).sum()), dtype=torch.float64)
-    )
+    # The estimated acceptance probability is the exact one: the overlap Σ min(p, q) (rejection), the
+    # overlap of the cumulative intervals (coupled).
+    assert torch.allclose(result.accept_probs, torch.full((n,), expected_rate, dtype=torch.float64))
     # The empirical acceptance rate matches it.
-    rate, overlap = sum(result.num_accepted) / n, float(torch.minimum(p, q).sum())
+    rate, overlap = sum(result.num_accepted) / n, expected_rate
     assert abs(rate - overlap) < 4 * math.sqrt(overlap * (1 - overlap) / n)
 
 
@@ -193,7 +214,7 @@ def test_zero_drafts_reproduce_the_model_sampler():
 
 
 def test_accept_tests_use_each_rows_own_uniform_and_counts_stay_on_the_device():
-    """A naive per-row reference of the sampled accept test (U * q(t) < p(t), U the row's ACCEPT draw at
+    """Rejection sampling: a naive per-row reference of the sampled accept test (U * q(t) < p(t), U the row's ACCEPT draw at
     base + j * VERIFY_ROW_STRIDE, prefix rule) gives the verifier's accepted counts; the device copies of
     the counts and final tokens equal the host ones."""
     from deepinfer_spec import VERIFY_ROW_STRIDE, Purpose
@@ -207,7 +228,7 @@ def test_accept_tests_use_each_rows_own_uniform_and_counts_stay_on_the_device():
         + 0.5 * torch.softmax(torch.randn(sum(ks), vocab, generator=gen), -1).double()
     )
     drafts = torch.multinomial(q, 1, generator=gen).squeeze(1).tolist()
-    result = DraftVerifier().verify(
+    result = DraftVerifier(sampling="rejection").verify(
         target, drafts, ks, seeds=seeds, base_positions=bases, greedy=[False] * 4, draft_probs=q
     )
     want, d = [], 0

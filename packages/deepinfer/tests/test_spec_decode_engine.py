@@ -180,11 +180,14 @@ def _exact_distribution(model, prompt, steps, top_k, temperature):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("sampling", ["coupled", "rejection"])
 @pytest.mark.parametrize("drafter", [None, OracleDrafter], ids=["model-drafter", "oracle"])
-def test_sampled_with_drafts_follows_the_plain_distribution(v41, drafter):
+def test_sampled_with_drafts_follows_the_plain_distribution(v41, drafter, sampling, monkeypatch):
     """Chi-square goodness of fit of 3-token continuations (top-k 2: 8 outcomes) against the exact
-    distribution; drafts are verified by rejection sampling (model drafter: mostly rejected, so the
-    residual path; oracle: a one-hot q, accepted with probability p(draft))."""
+    distribution; drafts are verified coupled (each row's plain draw) or by rejection sampling (model
+    drafter: mostly rejected, so the residual path; oracle: a one-hot q, accepted with probability
+    p(draft) either way)."""
+    monkeypatch.setenv("DEEPINFER_SPEC_SAMPLED_VERIFY", sampling)
     prompt, n, steps = [0, 17, 99, 4], 160, 3
     params = [
         SamplingParams(temperature=2.0, top_k=2, max_tokens=steps, ignore_eos=True, seq_seed=1000 + i)
@@ -198,7 +201,7 @@ def test_sampled_with_drafts_follows_the_plain_distribution(v41, drafter):
     # df = 7, p = 0.01. Seeded, so deterministic; temperature 2 flattens the top-2 rows so that many
     # drafts are rejected (a residual bug, e.g. a 0.9 draft-prob penalty, gives chi2 ~ 22 here).
     assert chi2 < 18.48, (chi2, counts)
-    assert engine.spec_stats()["verified"] > 0
+    assert engine.spec_stats()["verified"] > 0 and engine.spec.verifier.sampling == sampling
 
 
 def test_async_scheduling_with_drafts_runs_the_synchronous_step(v41, plain):

@@ -1,7 +1,7 @@
 """Drafted tokens are a pure function of the seeds: the tokens, confidences and draft distributions q the
 drafters propose on the tiny V4.1, for greedy, sampled and mixed batches over several seeds, equal the
 ones recorded in `spec_draft_tokens_recorded.json` (recorded with the per-row, per-position draft
-sampler that the batched one replaced). Bitwise: confidences as float hex, q as a SHA-256 of its bytes.
+sampler that the batched one replaced, under rejection-sampling verification). Bitwise: confidences as float hex, q as a SHA-256 of its bytes.
 
 `python packages/deepinfer/tests/test_spec_draft_tokens_recorded.py --write` re-records (only when a
 change of the drafted tokens is intended)."""
@@ -18,6 +18,7 @@ from deepinfer import SamplingParams
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine_args import EngineArgs
 from deepinfer_model.models.deepseek_v41 import make_v41_checkpoint
+from deepinfer_spec import DraftVerifier
 
 RECORDED = Path(__file__).with_name("spec_draft_tokens_recorded.json")
 PROMPTS = [[0, 17, 99, 4, 250, 61, 8, 130], [5, 6, 7, 8], [100, 3, 42], [9, 9, 200, 31, 77]]
@@ -75,6 +76,9 @@ def record(path, runner: str, mix: str, seed: int) -> dict:
     torch.set_num_threads(1)
     args = EngineArgs(model=str(path), block_size=16, max_model_len=48, runner=runner)
     engine = LLMEngine(args, num_speculative_tokens=3)
+    # recorded under rejection sampling (drafts drawn with seed + DRAFT_SEED_OFFSET); the draft sampler
+    # under test is the same for the coupled stream, only its seeds differ
+    engine.spec.verifier = DraftVerifier(sampling="rejection")
     rec = engine.spec.drafter = Recorder(engine.spec.drafter)
     for j, (prompt, p) in enumerate(zip(PROMPTS, _mix(mix, seed))):
         engine.add_request(str(j), None, p, prompt_token_ids=prompt)

@@ -292,7 +292,18 @@ _VARS = [
         BOOLEAN,
         True,
         "the draft policy: who drafts and how many drafts are verified, from the measured step time and "
-        "acceptance (0: every sequence verifies all of its drafts, reproducible seeded sampling)",
+        "acceptance (0: every sequence verifies all of its drafts); seeded sampled tokens do not depend on it "
+        "while DEEPINFER_SPEC_SAMPLED_VERIFY is coupled",
+        "deepinfer_spec.env",
+    ),
+    EnvVar(
+        "DEEPINFER_SPEC_SAMPLED_VERIFY",
+        choice("coupled", "rejection"),
+        "coupled",
+        "how sampled requests verify drafts: coupled (each token is the plain sampler's draw at its "
+        "position, a draft accepted iff it equals it: seeded outputs equal drafts-off ones whichever steps "
+        "verify drafts) or rejection (rejection sampling: higher acceptance for a drafter near the target, "
+        "tokens depend on which steps verify drafts)",
         "deepinfer_spec.env",
     ),
     EnvVar(

@@ -1,7 +1,8 @@
 """deepinfer-spec: DSpark draft bookkeeping, verification, confidence-scheduled verification, accounting."""
 
+from .coupled import SAMPLED_VERIFY_MODES, coupled_agreement, draft_stream_seed
 from .draft_policy import AcceptanceCalibration, DraftPlan, DraftPolicy, LinearCost
-from .env import DEFAULT_NEXTN, MAX_NEXTN, nextn_from_env, varlen_from_env
+from .env import DEFAULT_NEXTN, MAX_NEXTN, nextn_from_env, sampled_verify_from_env, varlen_from_env
 from .random_stream import (
     DRAFT_SEED_OFFSET,
     VERIFY_ROW_STRIDE,
@@ -26,6 +27,7 @@ __all__ = [
     "DEFAULT_NEXTN",
     "DRAFT_SEED_OFFSET",
     "MAX_NEXTN",
+    "SAMPLED_VERIFY_MODES",
     "VERIFY_ROW_STRIDE",
     "AcceptanceCalibration",
     "ConfidenceScheduler",
@@ -43,13 +45,16 @@ __all__ = [
     "VarlenRequest",
     "VerifyPlan",
     "VerifyResult",
+    "coupled_agreement",
     "cumulative_rates",
     "draft_position",
+    "draft_stream_seed",
     "expected_calibration_error",
     "full_acceptance_tokens_per_s",
     "int64_bits",
     "inverse_cdf",
     "nextn_from_env",
+    "sampled_verify_from_env",
     "split_by_rates",
     "split_by_rates_tensor",
     "stream_bits",

@@ -17,6 +17,13 @@ def nextn_from_env(environ: Mapping[str, str] | None = None) -> int:
 
 
 def varlen_from_env(environ: Mapping[str, str] | None = None) -> bool:
-    """`DEEPINFER_ENABLE_MTP_VARLEN` (default on: the engine's draft policy; off for reproducible seeded
-    sampling with drafts)."""
+    """`DEEPINFER_ENABLE_MTP_VARLEN` (default on: the engine's draft policy; seeded sampled tokens do not
+    depend on it under coupled verification, only under rejection sampling)."""
     return envs.get("DEEPINFER_ENABLE_MTP_VARLEN", environ)
+
+
+def sampled_verify_from_env(environ: Mapping[str, str] | None = None) -> str:
+    """`DEEPINFER_SPEC_SAMPLED_VERIFY` (default "coupled": seeded sampled tokens equal the drafts-off
+    tokens, whichever steps verify drafts; "rejection": rejection sampling, higher acceptance when q is
+    near p, tokens depend on which steps verified drafts)."""
+    return envs.get("DEEPINFER_SPEC_SAMPLED_VERIFY", environ)

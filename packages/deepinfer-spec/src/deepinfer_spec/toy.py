@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .random_stream import DRAFT_SEED_OFFSET, Purpose, draft_position, stream_uniform
+from .coupled import coupled_agreement, draft_stream_seed
+from .random_stream import Purpose, draft_position, stream_uniform
 from .state import SpecDecodeState
 from .stats import SpecStats
 from .varlen import ConfidenceScheduler, VerifyPlan
@@ -54,10 +55,12 @@ class Drafts:
 
 class Drafter:
     """Drafts from q = alpha * target + (1 - alpha) * own random table, sampled sequentially with the
-    request's draft stream (spec §5.4). alpha = 1 is the oracle (proposes the target's own next tokens:
-    its argmax under greedy, a sample from the target's own distribution otherwise); alpha = 0 is an
-    unrelated random drafter. The confidence is Σ min(p, q), the exact acceptance probability: a
-    perfectly calibrated stand-in for the learned confidence head."""
+    request's draft stream (`draft_stream_seed`: the target's own stream when coupled, spec §5.4's
+    offset stream for rejection sampling). alpha = 1 is the oracle (proposes the target's own next
+    tokens: its argmax under greedy, a sample from the target's own distribution otherwise; coupled, the
+    very token the target draws); alpha = 0 is an unrelated random drafter. The confidence is the exact
+    acceptance probability (coupled: `coupled_agreement`; rejection: Σ min(p, q)): a perfectly
+    calibrated stand-in for the learned confidence head."""
 
     def __init__(self, target: NGramModel, alpha: float, seed: int = 1) -> None:
         if not 0.0 <= alpha <= 1.0:
@@ -66,8 +69,16 @@ class Drafter:
         self.own = NGramModel(target.vocab, target.order, seed=seed)
 
     def propose(
-        self, context: list[int], n: int, temperature: float, seed: int, base: int, accepted: int
+        self,
+        context: list[int],
+        n: int,
+        temperature: float,
+        seed: int,
+        base: int,
+        accepted: int,
+        coupled: bool = True,
     ) -> Drafts:
+        """`seed`: the request's (target) seed; `coupled`: the verifier's mode (`DraftVerifier.coupled`)."""
         tokens, rows, confs = [], [], []
         ctx = list(context)
         for i in range(n):
@@ -78,10 +89,11 @@ class Drafter:
                 confs.append(float(torch.argmax(p) == tok))
             else:
                 u = stream_uniform(
-                    seed + DRAFT_SEED_OFFSET, draft_position(base, accepted, i), Purpose.SAMPLE
+                    draft_stream_seed(seed, coupled), draft_position(base, accepted, i), Purpose.SAMPLE
                 )
                 tok = int(inverse_cdf(q[None], torch.tensor([u], dtype=torch.float64, device=q.device))[0])
-                confs.append(float(torch.minimum(p, q).sum().clamp(0, 1)))
+                agree = coupled_agreement(p[None], q[None])[0] if coupled else torch.minimum(p, q).sum()
+                confs.append(float(agree.clamp(0, 1)))
             tokens.append(tok)
             rows.append(q)
             ctx.append(tok)
@@ -161,7 +173,13 @@ def run_toy_decode(
             contexts[i].extend(emitted)
             if drafter is not None and nextn > 0 and len(outputs[i]) < max_new_tokens:
                 d = drafter.propose(
-                    contexts[i], nextn, temperature, seeds[i], base[n], result.num_accepted[n]
+                    contexts[i],
+                    nextn,
+                    temperature,
+                    seeds[i],
+                    base[n],
+                    result.num_accepted[n],
+                    coupled=verifier.coupled,
                 )
                 state.propose(i, d.tokens, d.confidences, d.probs)
     run.seconds = time.perf_counter() - start

@@ -5,18 +5,24 @@ Packed layout (spec §5.5): request i verifies k_i drafts and owns 1 + k_i conse
 for the token after row j's input, so it verifies draft d_{j+1}; the last row is a fresh row.
 
 * Greedy: draft d_{j+1} is accepted iff it equals the argmax of target row j (lowest id on ties).
-* Sampling: draft t ~ q is accepted iff U * q(t) < p(t), i.e. with probability min(1, p(t)/q(t));
-  the first rejected row resamples from the normalised residual max(0, p - q); if every verified
-  draft is accepted the fresh row is sampled from p. The emitted sequence then has exactly the
-  distribution of sampling from p step by step (Leviathan et al. 2023, Chen et al. 2023).
+* Sampling, coupled (the default, `coupled.py`): every row draws the token the plain sampler draws at
+  its position (inverse CDF, uniform `stream_uniform(seed, base + j, SAMPLE)`), draft d_{j+1} is
+  accepted iff it equals row j's draw, and the final token is the draw of the request's final row. The
+  emitted tokens are the plain sampler's, whether or not a step verifies drafts.
+* Sampling, rejection (`sampling="rejection"`): draft t ~ q is accepted iff U * q(t) < p(t), i.e. with
+  probability min(1, p(t)/q(t)); the first rejected row resamples from the normalised residual
+  max(0, p - q); if every verified draft is accepted the fresh row is sampled from p. The emitted
+  sequence then has exactly the distribution of sampling from p step by step (Leviathan et al. 2023,
+  Chen et al. 2023), but not the plain sampler's tokens.
 * Prefix rule: a draft counts as accepted only if every earlier draft of its request was accepted.
 * No token left: a target row may allow nothing (every token masked: a greedy row of -inf logits, a
   sampled row of zero mass). Its draft is rejected, so the request stops there; when that row is the
   request's final row the request has no final token (`VerifyResult.no_token`): it emits only its
   accepted drafts, and the caller fails it as the plain sampler fails such a row.
 
-Every uniform comes from `stream_uniform(seed, base + j * VERIFY_ROW_STRIDE, purpose)`, so a
-request's result is a pure function of its own rows and key, whatever else is in the batch.
+Every uniform comes from the request's stream: coupled, `stream_uniform(seed, base + j, SAMPLE)` (the
+plain sampler's key of row j's position); rejection, `stream_uniform(seed, base + j * VERIFY_ROW_STRIDE,
+purpose)`. So a request's result is a pure function of its own rows and key, whatever else is in the batch.
 
 Devices: everything runs on the device of `target_probs`. Host inputs (draft ids, indices, the
 streams' seeds and positions, built with numpy: no per-row Python) go there in one copy per call; the
@@ -37,6 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .coupled import SAMPLED_VERIFY_MODES, coupled_agreement, draft_stream_seed
 from .random_stream import VERIFY_ROW_STRIDE, Purpose, int64_bits, stream_uniforms_tensor
 
 
@@ -50,7 +57,9 @@ class VerifyResult:
     emitted: list[list[int]]  # accepted drafts then the final token: a_i + 1 tokens (a_i when no_token)
     # Flat over the Σ k_i verified drafts, in packed order (host tensors, whatever device verified):
     row_accepted: torch.Tensor  # bool: the row's own test passed (before the prefix rule)
-    accept_probs: torch.Tensor  # float64: Σ_v min(p, q) = probability the test passes (1/0 when greedy)
+    # float64: the probability that the row's test passes (1/0 when greedy): rejection, Σ_v min(p, q);
+    # coupled, the overlap of p's and q's cumulative intervals (`coupled_agreement`)
+    accept_probs: torch.Tensor
     # The same a_i and final tokens as long tensors on the verifying device, before the copy back: what
     # a step launched before this one's read-back (or a device-side length correction) consumes.
     accepted_device: torch.Tensor | None = None
@@ -130,6 +139,7 @@ class _Packed:
     base_positions: Sequence[int]
     greedy: np.ndarray  # bool [n]
     device: torch.device
+    coupled: bool = False  # draw every sampled row at its own position (`coupled.py`)
 
     def __post_init__(self) -> None:
         n, total = len(self.ks), int(self.ks.sum())
@@ -155,7 +165,16 @@ class _Packed:
             "sampled": self.sampled,
             "sampled_drafts": self.sampled_drafts,
         }
-        if len(self.sampled):
+        if len(self.sampled) and self.coupled:
+            # every row of a sampled request, keyed as the plain sampler keys the token at its position
+            rows_of = np.repeat(np.arange(n, dtype=np.int64), self.ks + 1)
+            local_of_row = np.arange(total + n, dtype=np.int64) - self.row_starts[rows_of]
+            sampled_rows = np.flatnonzero(~self.greedy[rows_of])
+            parts["sampled_rows"] = sampled_rows
+            parts["row_seeds"] = int64_bits(self.seeds)[rows_of[sampled_rows]]
+            base = np.asarray(self.base_positions, dtype=np.int64)
+            parts["row_positions"] = base[rows_of[sampled_rows]] + local_of_row[sampled_rows]
+        elif len(self.sampled):
             parts["seeds"] = int64_bits(self.seeds)
             parts["base_positions"] = np.asarray(self.base_positions, dtype=np.int64)
             kinds = [Purpose.ACCEPT, Purpose.RESIDUAL, Purpose.SAMPLE]
@@ -189,20 +208,40 @@ class _Packed:
         )
         return {Purpose.ACCEPT: u[:d], Purpose.RESIDUAL: u[d : 2 * d], Purpose.SAMPLE: u[2 * d :]}
 
+    def row_uniforms(self) -> torch.Tensor:
+        """Coupled: the plain sampler's uniform of each sampled request's row j, at position base + j
+        (indexed like `dev["sampled_rows"]`), on the device."""
+        return stream_uniforms_tensor(self.dev["row_seeds"], self.dev["row_positions"], Purpose.SAMPLE)
+
 
 class DraftVerifier:
-    """Greedy match and distribution-preserving rejection sampling over packed varlen rows.
+    """Greedy match and exact sampled verification over packed varlen rows.
 
-    `draft_prob_penalty` (default 0: exact) mirrors the reference's DRAFT_PROB_PENALTY (5e-5): the
-    residual becomes max(p - q * exp(-penalty), 0), which keeps it non-empty at the cost of a bounded
-    distribution error. With 0 a zero residual (only possible through rounding) falls back to the
-    target's argmax.
+    `sampling`: how sampled (temperature > 0) requests verify. "coupled" (default): each row draws the
+    plain sampler's token at its position and a draft is accepted iff it equals it (`coupled.py`), so
+    seeded outputs do not depend on which steps verify drafts; drafts must then be drawn with
+    `draft_seed(seed)`. "rejection": rejection sampling (higher acceptance when q is near but not equal
+    to p; tokens depend on which steps verified drafts).
+
+    `draft_prob_penalty` (default 0: exact; rejection only) mirrors the reference's DRAFT_PROB_PENALTY
+    (5e-5): the residual becomes max(p - q * exp(-penalty), 0), which keeps it non-empty at the cost of
+    a bounded distribution error. With 0 a zero residual (only possible through rounding) falls back to
+    the target's argmax.
     """
 
-    def __init__(self, draft_prob_penalty: float = 0.0) -> None:
+    def __init__(self, draft_prob_penalty: float = 0.0, sampling: str = "coupled") -> None:
         if not isinstance(draft_prob_penalty, int | float) or not (0.0 <= draft_prob_penalty < 1.0):
             raise ValueError(f"draft_prob_penalty must be in [0, 1), got {draft_prob_penalty!r}")
+        if sampling not in SAMPLED_VERIFY_MODES:
+            raise ValueError(f"sampling must be one of {SAMPLED_VERIFY_MODES}, got {sampling!r}")
         self.draft_scale = math.exp(-float(draft_prob_penalty))
+        self.sampling = sampling
+        self.coupled = sampling == "coupled"
+
+    def draft_seed(self, seed: int) -> int:
+        """The seed a request's drafts are drawn with (at their token positions, purpose SAMPLE) for
+        this verifier: coupled, the request's own seed; rejection, seed + DRAFT_SEED_OFFSET."""
+        return draft_stream_seed(seed, self.coupled)
 
     def verify(
         self,
@@ -230,7 +269,7 @@ class DraftVerifier:
             forced row emits its forced token, and its draft counts as accepted iff it equals it.
         """
         batch = self._validate(
-            target_probs, draft_tokens, num_drafts, seeds, base_positions, greedy, draft_probs
+            target_probs, draft_tokens, num_drafts, seeds, base_positions, greedy, draft_probs, self.coupled
         )
         ks, vocab, dev = batch.ks, target_probs.shape[1], batch.dev
         forced = self._forced_rows(golden, ks, vocab)
@@ -247,9 +286,22 @@ class DraftVerifier:
         greedy_ok = valid & (argmax[dev["verify_rows"]] == drafts)
         row_accepted = greedy_ok
         accept_probs = greedy_ok.double()
-        uniforms = batch.uniforms() if len(batch.sampled) else None
+        # coupled: the plain sampler's token of every row (argmax for greedy rows), drafts matched to it
+        plain = self._plain_draws(target, argmax, batch, checks) if self.coupled else None
+        uniforms = batch.uniforms() if len(batch.sampled) and not self.coupled else None
         p_rows = q_rows = None
-        if len(batch.sampled_drafts):
+        if len(batch.sampled_drafts) and self.coupled:
+            q_rows = draft_probs.to(target.device).double()
+            drawn = q_rows.sum(-1) > 0  # a zero q row: the drafter had no token there, its draft is void
+            _, bad_q = self._mass(q_rows[dev["sampled_drafts"]])
+            checks.append((bad_q.any(), "draft_probs rows must be finite and >= 0"))
+            # Exact whatever the drafts are: the emitted token of every row is its plain draw, and a draft
+            # only counts when it is that token.
+            sampled_ok = valid & drawn & (plain[dev["verify_rows"]] == drafts)
+            row_accepted = torch.where(is_greedy, row_accepted, sampled_ok)
+            agreement = coupled_agreement(target[dev["verify_rows"]], q_rows)
+            accept_probs = torch.where(is_greedy, accept_probs, agreement)
+        elif len(batch.sampled_drafts):
             # Only sampled rows are normalised: greedy rows may carry logits and need only an argmax.
             sampled = dev["sampled_drafts"]
             p_rows = target[dev["verify_rows"]].clone()
@@ -281,7 +333,10 @@ class DraftVerifier:
         first_rejected = torch.where(row_accepted, dev["ks"][dev["req_of_draft"]], dev["local_of_draft"])
         num_accepted = dev["ks"].scatter_reduce(0, dev["req_of_draft"], first_rejected, "amin")
 
-        final = self._final_tokens(target, argmax, batch, num_accepted, p_rows, q_rows, uniforms, checks)
+        if plain is not None:
+            final = plain[dev["row_starts"] + num_accepted]
+        else:
+            final = self._final_tokens(target, argmax, batch, num_accepted, p_rows, q_rows, uniforms, checks)
         if forced_of_row is not None:
             at_final = forced_of_row[dev["row_starts"] + num_accepted]
             final = torch.where(at_final >= 0, at_final, final)
@@ -310,7 +365,9 @@ class DraftVerifier:
         )
 
     @staticmethod
-    def _validate(target_probs, draft_tokens, num_drafts, seeds, base_positions, greedy, draft_probs):
+    def _validate(
+        target_probs, draft_tokens, num_drafts, seeds, base_positions, greedy, draft_probs, coupled
+    ):
         num_requests = len(num_drafts)
         for name, values in (("seeds", seeds), ("base_positions", base_positions), ("greedy", greedy)):
             _validate_counts(name, values, num_requests)
@@ -346,7 +403,7 @@ class DraftVerifier:
             raise ValueError(
                 "draft_probs is required when a sampled (temperature > 0) request verifies drafts"
             )
-        return _Packed(ks, drafts, seeds, base_positions, greedy, target_probs.device)
+        return _Packed(ks, drafts, seeds, base_positions, greedy, target_probs.device, coupled)
 
     def _final_tokens(self, target, argmax, batch: _Packed, num_accepted, p_rows, q_rows, uniforms, checks):
         """The token of each request's final row [B] (device): its first rejected row, else its fresh row.
@@ -379,6 +436,21 @@ class DraftVerifier:
             tokens = torch.where(empty, argmax[dev["verify_rows"][flat]], tokens)
         final[s] = tokens
         return final
+
+    def _plain_draws(self, target, argmax, batch: _Packed, checks) -> torch.Tensor:
+        """Coupled: per packed row [rows] (device), the token the plain sampler emits at that row's
+        position: greedy requests' argmax, sampled requests' inverse-CDF draw from the row's weights as
+        given (not renormalised: the sampler draws from the same unnormalised float64 weights) with the
+        uniform of (seed, base + j, SAMPLE)."""
+        tokens = argmax.clone()
+        if not len(batch.sampled):
+            return tokens
+        rows = batch.dev["sampled_rows"]
+        weights = target[rows]
+        _, bad = self._mass(weights)
+        checks.append((bad.any(), "target_probs rows must be finite and >= 0"))
+        tokens[rows] = inverse_cdf(weights, batch.row_uniforms())
+        return tokens
 
     @staticmethod
     def _forced_rows(golden, ks, vocab) -> dict[tuple[int, int], int]:

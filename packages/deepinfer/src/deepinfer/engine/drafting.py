@@ -8,7 +8,10 @@ from (rejection sampling needs it to stay exact).
 
 * `ModelDrafter` — the checkpoint's own DSpark draft blocks (`model.forward(..., num_draft_tokens=k)`).
   Sampled requests draw draft i from the request's filtered distribution of the drafter logits with
-  the request's draft stream (seed + DRAFT_SEED_OFFSET, `draft_position`), so runs are reproducible.
+  the request's draft stream at the draft's token position (`draft_position`), so runs are
+  reproducible: the target's own stream under coupled verification (the default: a draft shares the
+  uniform of the plain draw at its position, so a drafter near the target proposes that very token),
+  seed + DRAFT_SEED_OFFSET under rejection sampling (`DraftRequest.draft_seed`).
   A request's logits processors (bias, bans, penalties) shape its drafts as they shape its tokens,
   the earlier drafts counting as output: drafts the target would refuse are not proposed. The
   verifier applies them to the target rows regardless, so they keep outputs exact either way.
@@ -52,6 +55,13 @@ class DraftRequest:
     params: RowParams  # the request's sampling (temperature 0: greedy drafts)
     base_position: int  # plain decode position of the step that emitted next_token
     num_accepted: int  # drafts that step accepted (keys the draft stream, spec §5.4)
+    # seed of the draft stream (`DraftVerifier.draft_seed`: params.seed when verification is coupled);
+    # None: params.seed + DRAFT_SEED_OFFSET, the stream rejection sampling needs
+    draft_seed: int | None = None
+
+    @property
+    def draft_stream_seed(self) -> int:
+        return self.params.seed + DRAFT_SEED_OFFSET if self.draft_seed is None else self.draft_seed
 
 
 @dataclass
@@ -69,7 +79,7 @@ class DraftRowSampler:
     """The seeded draft sampler of a draft batch (the model's `RowSampler`): draft s of every row in one
     pass of tensor ops. Greedy rows take the argmax of their logits; sampled rows draw by inverse CDF
     from their request's filtered distribution (`filtered_probs`, the sampler's one logits transform)
-    with their draft stream: seed + DRAFT_SEED_OFFSET at `draft_position(base, accepted, s)`. Row for
+    with their draft stream: `DraftRequest.draft_stream_seed` at `draft_position(base, accepted, s)`. Row for
     row these are the draws of sampling each request alone (tested bitwise against recorded drafts).
 
     The uniforms of every sampled row and draft step are computed on the device at construction
@@ -94,7 +104,7 @@ class DraftRowSampler:
         keys = np.stack(
             [
                 np.asarray(sampled, dtype=np.int64),
-                int64_bits([requests[i].params.seed + DRAFT_SEED_OFFSET for i in sampled]),
+                int64_bits([requests[i].draft_stream_seed for i in sampled]),
                 np.asarray(
                     [draft_position(requests[i].base_position, requests[i].num_accepted, 0) for i in sampled],
                     dtype=np.int64,

@@ -8,8 +8,10 @@ One step with drafts (synchronous loop):
 2. `verify_logits` turns the rows into the processed target distributions (banned tokens, grammar
    masks of every draft row, logits processors with drafts 1..j as row j's output, temperature /
    top-p / top-k / min-p) and `DraftVerifier.verify` accepts a
-   prefix: greedy match, or rejection sampling with the request's seeded streams. A sequence with
-   k = 0 (prefill end, first decode) is exactly the plain sampler's draw.
+   prefix: greedy match, or for sampled requests the plain sampler's draw of every row with a draft
+   accepted iff it equals it (coupled, the default: every emitted token is the one drafts-off decoding
+   emits) or rejection sampling (DEEPINFER_SPEC_SAMPLED_VERIFY=rejection), with the request's seeded
+   streams. A sequence with k = 0 (prefill end, first decode) is exactly the plain sampler's draw.
 3. The engine commits the accepted drafts + the final token to the scheduler (its num_computed_tokens
    becomes start + 1 + accepted, so the rejected rows' slots are rewritten by the next step), tells the
    runner `rollback(seq_id, num_rejected)` when it has that method, and advances grammar matchers by
@@ -45,6 +47,7 @@ from deepinfer_spec import (
     StepTimeCurve,
     VerifyPlan,
     VerifyResult,
+    sampled_verify_from_env,
 )
 
 from .drafting import Drafter, DraftRequest
@@ -199,7 +202,8 @@ class SpecDecoder:
         self.rule = ConfidenceScheduler(nextn, curve)
         # with a step-time curve (MTP varlen on) the policy also decides who drafts at all
         self.policy = DraftPolicy(nextn, self.rule) if self.rule.enabled else None
-        self.verifier = DraftVerifier()
+        # coupled by default: seeded tokens do not depend on which steps verify drafts
+        self.verifier = DraftVerifier(sampling=sampled_verify_from_env())
         self.stats = SpecStats(nextn)
         self.draft_s = 0.0
 

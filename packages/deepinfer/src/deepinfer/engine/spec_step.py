@@ -209,15 +209,17 @@ class SpecStep(StepStrategy):
             k = min(self.spec.nextn, room - 1)  # the step emits one token beyond its drafts
             if k < 1:
                 continue
+            params = self.builder.row_params(seq, len(seq.token_ids))
             requests.append(
                 DraftRequest(
                     seq_id=seq_id,
                     context=seq.token_ids[:-1],
                     next_token=seq.token_ids[-1],
                     num_drafts=k,
-                    params=self.builder.row_params(seq, len(seq.token_ids)),
+                    params=params,
                     base_position=emitted_at[i][0],
                     num_accepted=emitted_at[i][1],
+                    draft_seed=self.spec.verifier.draft_seed(params.seed),
                 )
             )
         t0 = time.perf_counter()
