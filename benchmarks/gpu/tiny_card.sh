@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# After benchmarks/gpu/train_tiny.sh on the same (warm) machine: deepinfer-tiny's model card and its DSpark
+# speed on the GPU, from the run and data that the training call left under $WORK.
+#
+#   bash benchmarks/gpu/tiny_card.sh        (carry .gpu/pysite.tar.xz and .gpu/rpds312.tar.xz: the Python
+#                                            extras the image lacks; no kernel bundle: torch ops only)
+#
+# Steps: the C++ scheduler is built, then benchmarks/tiny/model_card.py (held-out loss, code completions, DSpark
+# acceptance at nextn 1..5 with wall times), then `deepinfer bench throughput` with drafts (nextn 5, the
+# checkpoint's default) against drafts off in the same run, at batch 1 and batch 64.
+# CARD_SECTIONS (default "heldout code dspark"; eval needs math-verify, which the image lacks: it runs on the CPU), SPEED=0 skips the throughput runs.
+set -uo pipefail
+START=$(date +%s)
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+WORK=${WORK:-/tmp/deepinfer-tiny}
+OUT=${OUT:-$ROOT/benchmarks/out/tiny-gpu}
+MODEL=${MODEL:-$WORK/drafter/checkpoint}
+[ -f "$MODEL/config.json" ] || MODEL=$WORK/run/checkpoint
+[ -f "$MODEL/config.json" ] || { echo "no trained checkpoint under $WORK (a fresh machine?)" >&2; exit 3; }
+mkdir -p "$OUT"
+el() { echo "[$(( $(date +%s) - START )) s] $*"; }
+for t in .gpu/pysite.tar.xz .gpu/rpds312.tar.xz; do [ -f "$t" ] && tar -C /tmp -xJf "$t"; done
+src=$(ls -d "$ROOT"/packages/*/src | grep -v deepinfer-sched | tr '\n' ':')
+export PYTHONPATH="/tmp/sched-site:${src}/tmp/pysite${PYTHONPATH:+:$PYTHONPATH}"
+el "building deepinfer-sched"
+[ -d /tmp/sched-site/deepinfer_sched ] || python3 -m pip install -q --no-build-isolation --no-deps \
+    --target /tmp/sched-site packages/deepinfer-sched > "$OUT/sched_build.log" 2>&1 || { tail -20 "$OUT/sched_build.log"; exit 1; }
+export DEEPINFER_ACCELERATOR=nvidia
+el "model card on $MODEL"
+python3 benchmarks/tiny/model_card.py --model "$MODEL" --data "$WORK/data" --out "$OUT/card" \
+    --sections ${CARD_SECTIONS:-heldout code dspark} 2>&1 | tail -60
+if [ "${SPEED:-1}" = 1 ]; then
+    for batch in 1 64; do
+        el "bench throughput, batch $batch, nextn 5 vs drafts off"
+        requests=$(( batch == 1 ? 4 : 128 ))
+        python3 -m deepinfer.cli bench throughput --model "$MODEL" --num-requests $requests --max-num-seqs $batch \
+            --min-input-len 64 --max-input-len 256 --min-output-len 256 --max-output-len 256 --loops async \
+            --repeats 2 --output-json "$OUT/speed_batch$batch.json" 2>&1 | tail -25
+    done
+fi
+el "done"
