@@ -88,7 +88,8 @@ def test_plan_is_the_brute_force_optimum_with_a_fixed_draft_cost():
 
 def test_only_worthwhile_sequences_draft_and_the_others_back_off_then_probe():
     flat = StepTimeCurve([64], [10.0])  # verifying costs nothing extra: only the draft forward costs
-    policy = DraftPolicy(2, ConfidenceScheduler(2, flat), min_backoff=2, max_backoff=8)
+    # (no probe budget: this checks the backoff schedule itself)
+    policy = DraftPolicy(2, ConfidenceScheduler(2, flat), min_backoff=2, max_backoff=8, probe_budget=None)
     policy.record_draft_time(1, 2.0)
     policy.record_draft_time(2, 4.0)  # 2 ms per drafting sequence
     assert policy.cost.get(3) == pytest.approx(6.0)
@@ -194,6 +195,49 @@ def test_an_always_wrong_drafter_stops_drafting_and_an_oracle_keeps_full_length(
     assert right == [4] * 50 and policy.skipped == 0
     conf = [[0.9] * 3] * 4
     assert policy.verify_counts(list(range(4)), conf, 4) == [3] * 4
+
+
+def wrong_drafter_run(probe_budget, steps=600, num_seqs=64, nextn=5, fixed_ms=100.0):
+    """A batch of `num_seqs` sequences whose drafts are never accepted, a draft forward with a high fixed
+    cost (`fixed_ms`, host work, + 0.1 ms a sequence) and a 13 ms plain step; sequences join at staggered
+    times so their probes fall due at different steps. Returns (steps with probes, the predicted time the
+    drafting added as a share of the plain steps' time, the policy)."""
+    curve = StepTimeCurve([1, 512], [13.0, 13.0 + 0.01 * 511], mode="linear", extrapolate=True)
+    policy = DraftPolicy(nextn, ConfidenceScheduler(nextn, curve), probe_budget=probe_budget)
+    probe_steps, extra_ms, plain_ms = 0, 0.0, 0.0
+    for step in range(steps):
+        live = min(num_seqs, 1 + step // 2)
+        plan = policy.plan([(s, nextn) for s in range(live)], live)
+        ids = [s for s, d in enumerate(plan.draft) if d]
+        plain_ms += policy.step_ms(live, live)
+        if ids:
+            draft_ms = fixed_ms + 0.1 * len(ids)
+            policy.record_draft_time(len(ids), draft_ms)
+            conf = [[0.5] * nextn for _ in ids]
+            counts = policy.verify_counts(ids, conf, live)
+            extra_ms += draft_ms + policy.step_ms(live + sum(counts), live) - policy.step_ms(live, live)
+            for s, k in zip(ids, counts):
+                policy.record(s, conf[0], k, 0)
+            probe_steps += any(plan.probe)
+    return probe_steps, extra_ms / plain_ms, policy
+
+
+def test_probes_of_a_never_right_drafter_stay_within_the_budget_and_run_together():
+    unbounded_steps, unbounded_cost, _ = wrong_drafter_run(None)
+    steps, cost, policy = wrong_drafter_run(0.05)
+    # without a budget, staggered probes make a large share of steps pay the draft forward's fixed cost
+    assert unbounded_steps > 100 and unbounded_cost > 1.0
+    # with it, the probes that fall due wait and go together; after the warm-up the cost is the budget's
+    s = policy.summary()
+    assert s["policy_probe_ms_fraction"] <= 0.05 + 110.0 / policy.plain_ms  # (one probe step over at most)
+    assert s["policy_deferred_probe_seq_plans"] > 0 and s["policy_probe_seq_steps"] > 0
+    assert steps <= unbounded_steps / 5
+    assert cost < unbounded_cost / 4
+
+
+def test_a_probe_budget_does_not_hold_back_a_drafter_that_pays():
+    drafted, policy = simulate(accept=True, steps=50)
+    assert drafted == [4] * 50 and policy.summary()["policy_deferred_probe_seq_plans"] == 0
 
 
 def test_bad_arguments_are_named():

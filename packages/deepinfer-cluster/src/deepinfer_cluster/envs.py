@@ -297,6 +297,14 @@ _VARS = [
         "deepinfer_spec.env",
     ),
     EnvVar(
+        "DEEPINFER_SPEC_PROBE_BUDGET",
+        real(positive=True),
+        0.05,
+        "the draft policy's exploration budget: the share of the plain decode time that probes (sequences "
+        "that backed off drafting trying again) may add; a drafter that is never right costs about this much",
+        "deepinfer_spec.env",
+    ),
+    EnvVar(
         "DEEPINFER_SPEC_SAMPLED_VERIFY",
         choice("coupled", "rejection"),
         "coupled",

@@ -2,7 +2,14 @@
 
 from .coupled import SAMPLED_VERIFY_MODES, coupled_agreement, draft_stream_seed
 from .draft_policy import AcceptanceCalibration, DraftPlan, DraftPolicy, LinearCost
-from .env import DEFAULT_NEXTN, MAX_NEXTN, nextn_from_env, sampled_verify_from_env, varlen_from_env
+from .env import (
+    DEFAULT_NEXTN,
+    MAX_NEXTN,
+    nextn_from_env,
+    probe_budget_from_env,
+    sampled_verify_from_env,
+    varlen_from_env,
+)
 from .random_stream import (
     DRAFT_SEED_OFFSET,
     VERIFY_ROW_STRIDE,
@@ -54,6 +61,7 @@ __all__ = [
     "int64_bits",
     "inverse_cdf",
     "nextn_from_env",
+    "probe_budget_from_env",
     "sampled_verify_from_env",
     "split_by_rates",
     "split_by_rates_tensor",

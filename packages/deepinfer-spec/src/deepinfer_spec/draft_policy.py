@@ -26,11 +26,18 @@ of its drafts, so that its acceptance is measured again), the interval doubling 
 while the probes do not pay. `verify_counts` (after the draft forward, whose time is then spent) is the
 varlen rule's ranking of the calibrated rates, timed by `step_ms`; probes verify everything.
 
+Probes are exploration, and their cost is bounded: the time they added (their measured draft forward and
+the longer step the curve charges) may reach `probe_budget` of the predicted time of the plain steps
+planned so far. A probe that falls due while the budget is spent waits, and the probes due then run
+together in one step: with a draft forward of high fixed cost (host work), probes spread over many steps
+would make most steps pay it. A drafter that is never right therefore costs about `probe_budget` of the
+plain decode time (plus one probe step) once its sequences have backed off.
+
 Determinism: the choices depend on measured times and on the other sequences of the batch. Greedy
-outputs do not (verification keeps exactly the target's argmax tokens). A sampled token is drawn from
-the exact target distribution either way, but a step that verifies k > 0 drafts draws it by rejection
-sampling rather than the plain sampler's draw, so seeded sampled outputs are reproducible only where the
-same steps verify the same drafts.
+outputs do not (verification keeps exactly the target's argmax tokens), nor do seeded sampled ones under
+coupled verification (the default: every emitted token is the plain sampler's draw at its position).
+Under rejection sampling a step that verifies k > 0 drafts draws its tokens differently from the plain
+sampler, so seeded sampled outputs are then reproducible only where the same steps verify the same drafts.
 """
 
 from __future__ import annotations
@@ -154,6 +161,7 @@ class DraftPolicy:
         batch_decay: float = 0.99,
         prior_weight: float = 2.0,
         calibration: AcceptanceCalibration | None = None,
+        probe_budget: float | None = 0.05,
     ) -> None:
         if isinstance(nextn, bool) or not isinstance(nextn, int) or nextn < 1:
             raise ValueError(f"nextn must be an integer >= 1, got {nextn!r}")
@@ -169,6 +177,9 @@ class DraftPolicy:
         self.seq_decay = _decay("seq_decay", seq_decay)
         self.batch_decay = _decay("batch_decay", batch_decay)
         self.prior_weight = _positive("prior_weight", prior_weight)
+        if probe_budget is not None:
+            probe_budget = _positive("probe_budget", probe_budget)
+        self.probe_budget = probe_budget  # None: probes run whenever due
         self.calibration = calibration or AcceptanceCalibration()
         self.cost = LinearCost()  # the draft forward, per drafting sequence
         self.plain_sampler = LinearCost()  # sampling of a step without drafts, per row
@@ -178,6 +189,10 @@ class DraftPolicy:
         self._seqs: dict[Hashable, _History] = {}
         self.plans = 0
         self.drafted = self.skipped = self.probes = 0  # sequence-steps
+        self.plain_ms = 0.0  # predicted time of the plain steps planned so far
+        self.probe_ms = 0.0  # predicted time the probes added
+        self.deferred_probes = 0  # sequence-plans a due probe waited for the budget
+        self._probe_charge: int | None = None  # probes of the last plan, until their draft time is in
 
     # -- membership ------------------------------------------------------------------------------
     def _get(self, seq_id: Hashable) -> _History:
@@ -237,6 +252,7 @@ class DraftPolicy:
                     forced.append(idx)
             else:
                 members.append(idx)
+        forced = self._afford_probes(candidates, forced, num_seqs)
         # probes draft whatever the plan says: their tokens, expected tokens and draft time come first
         tokens = num_seqs + sum(candidates[i][1] for i in forced)
         expected = float(num_seqs)
@@ -277,7 +293,32 @@ class DraftPolicy:
         self.skipped += len(candidates) - sum(draft)
         return DraftPlan(draft, probe, best_expected, best_ms)
 
+    def _afford_probes(self, candidates, due: list[int], num_seqs: int) -> list[int]:
+        """The due probes while the probes so far cost at most the budget (else none: they wait, still
+        due, and run together later). What a probe costs is charged once it is known: the longer step
+        now (the curve), its draft forward when measured (`record_draft_time`)."""
+        plain = self.step_ms(num_seqs, num_seqs)
+        if plain is not None:
+            self.plain_ms += plain
+        self._probe_charge = None
+        if not due or self.probe_budget is None or plain is None:
+            return due
+        if self.probe_ms > self.probe_budget * self.plain_ms:
+            self.deferred_probes += len(due)
+            return []
+        longer = self.step_ms(num_seqs + sum(candidates[i][1] for i in due), num_seqs)
+        self.probe_ms += max(0.0, longer - plain) if longer is not None else 0.0
+        self._probe_charge = len(due)
+        return due
+
     def record_draft_time(self, num_seqs: int, ms: float) -> None:
+        """A measured draft forward of `num_seqs` sequences; after a plan with probes, the probes' share of
+        it (all of it where only probes drafted, else the time beyond the others' predicted forward)
+        goes to the probe budget."""
+        probes, self._probe_charge = self._probe_charge, None
+        if probes:
+            others = num_seqs - probes
+            self.probe_ms += ms if others <= 0 else max(0.0, ms - self.cost.get(others))
         self.cost.add(num_seqs, ms)
 
     # -- after the draft forward -------------------------------------------------------------------
@@ -350,4 +391,6 @@ class DraftPolicy:
             "policy_skipped_seq_steps": self.skipped,
             "policy_probe_seq_steps": self.probes,
             "policy_draft_fraction": self.drafted / offered if offered else None,
+            "policy_deferred_probe_seq_plans": self.deferred_probes,
+            "policy_probe_ms_fraction": self.probe_ms / self.plain_ms if self.plain_ms else None,
         }

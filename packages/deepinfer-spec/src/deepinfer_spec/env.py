@@ -27,3 +27,9 @@ def sampled_verify_from_env(environ: Mapping[str, str] | None = None) -> str:
     tokens, whichever steps verify drafts; "rejection": rejection sampling, higher acceptance when q is
     near p, tokens depend on which steps verified drafts)."""
     return envs.get("DEEPINFER_SPEC_SAMPLED_VERIFY", environ)
+
+
+def probe_budget_from_env(environ: Mapping[str, str] | None = None) -> float:
+    """`DEEPINFER_SPEC_PROBE_BUDGET` (default 0.05): the share of the plain decode time the draft policy's
+    probes may add (`DraftPolicy.probe_budget`)."""
+    return envs.get("DEEPINFER_SPEC_PROBE_BUDGET", environ)

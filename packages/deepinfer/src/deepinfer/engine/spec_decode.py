@@ -47,6 +47,7 @@ from deepinfer_spec import (
     StepTimeCurve,
     VerifyPlan,
     VerifyResult,
+    probe_budget_from_env,
     sampled_verify_from_env,
 )
 
@@ -201,7 +202,9 @@ class SpecDecoder:
         self.state = SpecDecodeState(nextn)
         self.rule = ConfidenceScheduler(nextn, curve)
         # with a step-time curve (MTP varlen on) the policy also decides who drafts at all
-        self.policy = DraftPolicy(nextn, self.rule) if self.rule.enabled else None
+        self.policy = (
+            DraftPolicy(nextn, self.rule, probe_budget=probe_budget_from_env()) if self.rule.enabled else None
+        )
         # coupled by default: seeded tokens do not depend on which steps verify drafts
         self.verifier = DraftVerifier(sampling=sampled_verify_from_env())
         self.stats = SpecStats(nextn)
