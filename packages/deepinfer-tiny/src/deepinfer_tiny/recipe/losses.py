@@ -12,6 +12,7 @@ sequence-level balance loss guards against a whole sequence collapsing onto few 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -57,8 +58,8 @@ def indexer_kl(
         positions = torch.arange(y.shape[0], device=y.device)
         cos, sin = cos_sin(rope, positions)
         valid = compressed_visible(positions, n, cfg.compress_ratios[layer])
-        rows = valid.any(dim=1)
-        if not bool(rows.any()):
+        rows = slice(_first_seeing_row(y.shape[0], n, cfg.compress_ratios[layer]), None)
+        if rows.start >= y.shape[0]:
             continue
         with torch.no_grad():
             q, q_lat = project_query(y, blk.attn, cfg.num_attention_heads, cos, sin, eps, False, act_dtype)
@@ -86,6 +87,18 @@ def indexer_kl(
     if not losses:
         return torch.zeros((), device=w.embed.device)
     return torch.stack(losses).mean()
+
+
+@functools.lru_cache(maxsize=64)
+def _first_seeing_row(t: int, n: int, ratio: int) -> int:
+    """The first of `t` query rows that sees a compressed entry: the rows that see one are a suffix (an
+    entry, once complete, stays visible), found on the host so the device never reports back
+    (`t` when there is none)."""
+    rows = compressed_visible(torch.arange(t), n, ratio).any(dim=1)
+    first = int(rows.int().argmax()) if bool(rows.any()) else t
+    if not bool(rows[first:].all()):
+        raise RuntimeError(f"the rows that see a compressed entry are not a suffix (t={t}, ratio={ratio})")
+    return first
 
 
 @dataclass

@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from ..architecture import micro_config_dict, tiny_config_dict  # noqa: E402
 from .losses import BalancedMoE, indexer_kl, next_token_loss  # noqa: E402
+from .step_weights import StepWeights  # noqa: E402
 from .trainable import TrainableV41  # noqa: E402
 
 RESUME_FILE = "resume.safetensors"
@@ -64,6 +65,61 @@ def sequence_losses(tr: TrainableV41, ids: torch.Tensor, act: torch.dtype, balan
     lm = next_token_loss(out.logits, ids)
     kl = indexer_kl(tr.cfg, model.weights, out.trace, act)
     return lm, kl, balance.balance_loss().to(lm.device)
+
+
+def step_losses(sw: StepWeights, ids: torch.Tensor, act: torch.dtype, balance: BalancedMoE):
+    """`sequence_losses` on the step's shared stored values (`StepWeights`): the same losses and gradients."""
+    out = DeepseekV41ForCausalLM.forward.__wrapped__(sw.model, ids, return_trace=True)
+    lm = next_token_loss(out.logits, ids)
+    kl = indexer_kl(sw.tr.cfg, sw.weights, out.trace, act)
+    return lm, kl, balance.balance_loss().to(lm.device)
+
+
+def accumulate(
+    tr: TrainableV41,
+    sw: StepWeights | None,
+    seqs: list[np.ndarray],
+    act: torch.dtype,
+    balance: BalancedMoE,
+    kl_weight: float,
+    balance_weight: float,
+) -> torch.Tensor:
+    """Forward and backward of each sequence of one optimizer step: the masters' gradients of the mean
+    weighted loss, and the mean (next-token loss, indexer KL, balance) as a device tensor [3] (read on the
+    host once per step, not per sequence). `sw` None: the reference path (`sequence_losses`, stored values
+    made per sequence); else the step's shared stored values (`step_losses`)."""
+    device = tr.masters["embed.weight"].device
+    batch = torch.as_tensor(np.stack(seqs).astype(np.int64)).to(device, non_blocking=True)
+    if sw is not None:
+        sw.refresh()
+    parts = torch.zeros(3, device=device)
+    for ids in batch:
+        losses = sequence_losses if sw is None else step_losses
+        lm, kl, bal = losses(tr if sw is None else sw, ids, act, balance)
+        ((lm + kl_weight * kl + balance_weight * bal) / len(seqs)).backward()
+        parts += torch.stack((lm, kl, bal)).detach()
+    if sw is not None:
+        sw.push_grads()
+    return parts / len(seqs)
+
+
+def optimizer_step(
+    tr: TrainableV41,
+    sw: StepWeights | None,
+    opt: torch.optim.Optimizer,
+    params: list[torch.Tensor],
+    seqs: list[np.ndarray],
+    act: torch.dtype,
+    balance: BalancedMoE,
+    a: argparse.Namespace,
+) -> torch.Tensor:
+    """One optimizer step on `seqs`: [mean loss, indexer KL, balance, gradient norm] as a device tensor."""
+    parts = accumulate(tr, sw, seqs, act, balance, a.kl_weight, a.balance_weight)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    balance.update_biases(tr.masters, a.bias_rate)
+    return torch.cat((parts, grad_norm.reshape(1).to(parts.device)))
 
 
 def windows(stream: np.ndarray, length: int, count: int, rng: np.random.Generator | None) -> list[np.ndarray]:
@@ -96,6 +152,19 @@ def lr_at(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -
 
 def _decays(name: str, t: torch.Tensor) -> bool:
     return t.dim() >= 2 and "hc_" not in name
+
+
+def backbone_optimizer(
+    tr: TrainableV41, lr: float, weight_decay: float
+) -> tuple[list[torch.Tensor], torch.optim.AdamW]:
+    """Train the backbone (the drafter frozen): its tensors, and AdamW with decay on the matrices."""
+    params = tr.train_only(tr.backbone_names())
+    named = [(n, tr.masters[n]) for n in tr.backbone_names()]
+    groups = [
+        {"params": [t for n, t in named if _decays(n, t)], "weight_decay": weight_decay},
+        {"params": [t for n, t in named if not _decays(n, t)], "weight_decay": 0.0},
+    ]
+    return params, torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
 
 
 def save_run(tr: TrainableV41, out: Path, tokenizer_dir: Path, state: dict, log: dict) -> None:
@@ -154,6 +223,11 @@ def main(argv: list[str] | None = None) -> dict:
         "--save-every-s", type=float, default=None, help="also save the run this often (a killed run resumes)"
     )
     p.add_argument("--micro", action="store_true", help="the test-sized config (CPU verification)")
+    p.add_argument(
+        "--reference-step",
+        action="store_true",
+        help="quantise every tensor per sequence (the slow reference of the shared per-step stored values)",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = p.parse_args(argv)
     t_start = time.time()
@@ -172,17 +246,12 @@ def main(argv: list[str] | None = None) -> dict:
         tr = TrainableV41.initialise(config, vocab, a.seed, device)
         state = {"step": 0, "tokens": 0, "rng": a.seed}
         log = {"config": tr.config, "args": vars(a), "steps": [], "evals": [], "runs": []}
-    params = tr.train_only(tr.backbone_names())
-    named = [(n, tr.masters[n]) for n in tr.backbone_names()]
-    groups = [
-        {"params": [t for n, t in named if _decays(n, t)], "weight_decay": a.weight_decay},
-        {"params": [t for n, t in named if not _decays(n, t)], "weight_decay": 0.0},
-    ]
-    opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
+    params, opt = backbone_optimizer(tr, a.lr, a.weight_decay)
     train = np.load(Path(a.data) / "train.npy", mmap_mode="r")
     held = windows(np.load(Path(a.data) / "heldout.npy", mmap_mode="r"), a.seq_len, a.eval_seqs, None)
     rng = np.random.default_rng(state["rng"] + state["step"])  # a resumed run draws new windows
     balance = BalancedMoE(tr.cfg, act)
+    sw = None if a.reference_step else StepWeights(tr, tr.backbone_names(), act, moe_fn=balance)
     first_step = state["step"]
     planned = a.max_steps
     step_times: list[float] = []
@@ -202,22 +271,13 @@ def main(argv: list[str] | None = None) -> dict:
             )  # (a resumed run warms up again)
             for g in opt.param_groups:
                 g["lr"] = lr
-            parts = np.zeros(3)
-            for seq in windows(train, a.seq_len, a.accum, rng):
-                ids = torch.as_tensor(seq.astype(np.int64), device=device)
-                lm, kl, bal = sequence_losses(tr, ids, act, balance)
-                ((lm + a.kl_weight * kl + a.balance_weight * bal) / a.accum).backward()
-                parts += [lm.item(), kl.item(), bal.item()]
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, 1.0))
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            balance.update_biases(tr.masters, a.bias_rate)
+            seqs = windows(train, a.seq_len, a.accum, rng)
+            lm, kl, bal, grad_norm = optimizer_step(tr, sw, opt, params, seqs, act, balance, a).tolist()
             state["step"] += 1
             state["tokens"] += a.accum * a.seq_len
             if device.type == "cuda":
                 torch.cuda.synchronize()
             step_times.append(time.time() - t0)
-            lm, kl, bal = parts / a.accum
             log["steps"].append(
                 {
                     "step": state["step"],
@@ -241,7 +301,9 @@ def main(argv: list[str] | None = None) -> dict:
                 )
             print(json.dumps(log["steps"][-1]), flush=True)
             if a.save_every_s and time.time() - last_save > a.save_every_s:
-                partial = dict(run, end_step=state["step"], seconds=time.time() - t_start, tokens=state["tokens"])
+                partial = dict(
+                    run, end_step=state["step"], seconds=time.time() - t_start, tokens=state["tokens"]
+                )
                 save_run(tr, out, tok_dir, state, {**log, "runs": [*log["runs"], partial]})
                 last_save = time.time()
         log["evals"].append({"step": state["step"], "heldout_loss": heldout_loss(tr, held, act, device)})
