@@ -8,7 +8,9 @@
 # Steps: the C++ scheduler is built, then benchmarks/tiny/model_card.py (held-out loss, code completions, DSpark
 # acceptance at nextn 1..5 with wall times), then `deepinfer bench throughput` with drafts (nextn 5, the
 # checkpoint's default) against drafts off in the same run, at batch 1 and batch 64.
-# CARD_SECTIONS (default "heldout code dspark"; eval needs math-verify, which the image lacks: it runs on the CPU), SPEED=0 skips the throughput runs.
+# CARD_SECTIONS (default "heldout code dspark"; empty: no card; eval needs math-verify, which the image lacks: it
+# runs on the CPU), SPEED=0 skips the throughput runs. MODEL=dir (e.g. a carried checkpoint) on a fresh machine:
+# CARD_SECTIONS= MODEL=dir bash benchmarks/gpu/tiny_card.sh runs the throughput comparison alone.
 set -uo pipefail
 START=$(date +%s)
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -26,9 +28,12 @@ el "building deepinfer-sched"
 [ -d /tmp/sched-site/deepinfer_sched ] || python3 -m pip install -q --no-build-isolation --no-deps \
     --target /tmp/sched-site packages/deepinfer-sched > "$OUT/sched_build.log" 2>&1 || { tail -20 "$OUT/sched_build.log"; exit 1; }
 export DEEPINFER_ACCELERATOR=nvidia
-el "model card on $MODEL"
-python3 benchmarks/tiny/model_card.py --model "$MODEL" --data "$WORK/data" --out "$OUT/card" \
-    --sections ${CARD_SECTIONS:-heldout code dspark} 2>&1 | tail -60
+sections=${CARD_SECTIONS-heldout code dspark}
+if [ -n "$sections" ]; then
+    el "model card on $MODEL"
+    python3 benchmarks/tiny/model_card.py --model "$MODEL" --data "$WORK/data" --out "$OUT/card" \
+        --sections $sections 2>&1 | tail -60
+fi
 if [ "${SPEED:-1}" = 1 ]; then
     for batch in 1 64; do
         el "bench throughput, batch $batch, nextn 5 vs drafts off"
