@@ -1,10 +1,12 @@
 """Conversion of each upstream form (CSV, JSON, JSONL, parquet) from small fixtures."""
 
 import csv
+import io
 import json
 
 import pytest
 from deepinfer_eval import convert_file
+from eval_common import data_url, png, write_upstream_hle
 
 AIME_ROWS = [
     {"id": "2026-I-1", "problem": "Find x, given that x + 1 = 43.", "answer": "042"},
@@ -109,6 +111,8 @@ def test_gpqa_original_columns(tmp_path, fmt):
     assert len(problems) == 1 and problems[0].line == 2 and "incorrect 3" in problems[0].reason
 
 
+PNG_URL = data_url(png((200, 30, 30)))
+
 HLE_ROWS = [
     {
         "id": "h1",
@@ -122,7 +126,7 @@ HLE_ROWS = [
     {
         "id": "h2",
         "question": "Pick one.\nA) x\nB) y",
-        "image": "data:image/png;base64,iVBORw0KGgo=",
+        "image": PNG_URL,
         "answer": "B",
         "answer_type": "multipleChoice",
         "category": "Other",
@@ -159,13 +163,65 @@ def test_hle_forms(tmp_path, fmt):
         "benchmark": "hle",
         "id": "h2",
         "question": "Pick one.\nA) x\nB) y",
-        "image": "data:image/png;base64,iVBORw0KGgo=",
+        "image": PNG_URL,
         "answer": "B",
         "answer_type": "multipleChoice",
         "category": "Other",
     }
     assert [p.line for p in problems] == [3, 4]
     assert "answer_type" in problems[0].reason and "repeats" in problems[1].reason
+
+
+def test_hle_upstream_parquet_keeps_images_and_reports_bad_ones_by_task(tmp_path):
+    from PIL import Image
+
+    jpeg = io.BytesIO()
+    Image.new("RGB", (16, 16), (0, 90, 0)).save(jpeg, format="JPEG")
+    rows = [
+        {
+            "id": "t-text",
+            "question": "2 + 2?",
+            "answer": "4",
+            "answer_type": "exactMatch",
+            "category": "Math",
+        },
+        {"id": "t-png", "question": "Color?", "image": PNG_URL, "answer": "red", "answer_type": "exactMatch"},
+        {
+            "id": "t-jpeg",
+            "question": "Which?\nA) a\nB) b",
+            "image": data_url(jpeg.getvalue(), "jpeg"),
+            "answer": "A",
+            "answer_type": "multipleChoice",
+            "category": "Other",
+        },
+        {"id": "t-cut", "question": "q", "image": data_url(png((1, 2, 3))[:40]), "answer": "x"},
+        {"id": "t-b64", "question": "q", "image": "data:image/png;base64,@@@", "answer": "x"},
+        {"id": "t-url", "question": "q", "image": "https://example.com/a.png", "answer": "x"},
+    ]
+    for r in rows[3:]:
+        r["answer_type"] = "exactMatch"
+    tasks, problems = convert_file("hle", write_upstream_hle(tmp_path / "test.parquet", rows))
+    assert [t["id"] for t in tasks] == ["t-text", "t-png", "t-jpeg"]
+    assert [t["image"] for t in tasks] == ["", PNG_URL, rows[2]["image"]]  # kept as the upstream string
+    assert tasks[2]["answer_type"] == "multipleChoice" and tasks[0]["category"] == "Math"
+    assert [p.line for p in problems] == [4, 5, 6]
+    assert problems[0].reason.startswith("task 't-cut': field 'image': the image does not decode")
+    assert problems[1].reason.startswith("task 't-b64': field 'image': the data: URL's base64 content")
+    assert problems[2].reason.startswith("task 't-url': field 'image': must be a data: URL")
+
+    # the same tasks with `image` as an Image column: bytes become a data URL of the image's own format
+    tasks, problems = convert_file("hle", write_upstream_hle(tmp_path / "resaved.parquet", rows[:3], True))
+    assert problems == [] and [t["image"] for t in tasks] == ["", PNG_URL, rows[2]["image"]]
+
+
+def test_hle_task_file_round_trip_keeps_the_image(tmp_path):
+    from deepinfer_eval import read_tasks
+    from deepinfer_eval.records import write_jsonl
+
+    tasks, _ = convert_file("hle", _write_jsonl(tmp_path / "hle.jsonl", HLE_ROWS))
+    write_jsonl(tmp_path / "tasks.jsonl", tasks)
+    again, problems = read_tasks(tmp_path / "tasks.jsonl", "hle")
+    assert problems == [] and [t["image"] for t in again] == ["", PNG_URL]
 
 
 def test_unsupported_file_type(tmp_path):

@@ -1,4 +1,4 @@
-"""Generation stage: output lines, GPQA shuffles, image-task skips and resume after a crash.
+"""Generation stage: output lines, GPQA shuffles, HLE image tasks and resume after a crash.
 
 The engine is not involved: ``SumGenerator`` is a real (if simple) Generator that solves the
 "Compute a + b." problems of the fixtures, so the bookkeeping is tested end to end.
@@ -135,8 +135,8 @@ def test_gpqa_shuffle_is_per_sample_recorded_and_gold_letter_points_at_correct_o
     assert all(s["correct"] for s in scored)
 
 
-def test_hle_image_tasks_are_skipped_and_recorded_once(tmp_path):
-    tasks = [
+def _hle_image_tasks(image: str) -> list[dict]:
+    return [
         {
             "benchmark": "hle",
             "id": "h1",
@@ -150,15 +150,77 @@ def test_hle_image_tasks_are_skipped_and_recorded_once(tmp_path):
             "benchmark": "hle",
             "id": "h2",
             "question": "Compute 2 + 2.",
-            "image": "data:image/png;base64,AAAA",
+            "image": image,
             "answer": "4",
             "answer_type": "exactMatch",
             "category": "Math",
         },
     ]
+
+
+class PartsGenerator(SumGenerator):
+    """SumGenerator on the text of a message with content parts; keeps every conversation it was given."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list = []
+
+    def generate(self, conversations, n, seeds):
+        self.seen.extend(conversations)
+        texts = [
+            [{**m, "content": "".join(p.get("text", "") for p in m["content"])} for m in conv]
+            if isinstance(conv[-1]["content"], list)
+            else conv
+            for conv in conversations
+        ]
+        return super().generate(texts, n, seeds)
+
+
+def test_hle_image_tasks_are_sent_with_their_image(tmp_path):
+    import base64
+    import hashlib
+
+    image = "data:image/png;base64," + base64.b64encode(b"\x89PNG any bytes").decode()
+    tasks = _hle_image_tasks(image)
+    gen, out = PartsGenerator(), tmp_path / "hle.jsonl"
+    summary = run_generation(tasks, gen, out, samples=2, progress=False)
+    assert (summary.image_tasks, summary.image_tasks_skipped, summary.written) == (1, 0, 4)
+    by_task = {
+        conv[0]["content"] if isinstance(conv[0]["content"], str) else "parts": conv for conv in gen.seen
+    }
+    parts = by_task["parts"][0]["content"]
+    assert [p["type"] for p in parts] == ["text", "image_url"]  # the text, then the image (HLE's order)
+    assert parts[1]["image_url"] == {"url": image} and "Compute 2 + 2." in parts[0]["text"]
+    lines = _lines(out)
+    digest = hashlib.sha256(b"\x89PNG any bytes").hexdigest()
+    assert [r.get("image_sha256") for r in lines] == [None, None, digest, digest]
+    assert all(r["response"] for r in lines) and all("image" not in r for r in lines)
+    assert (
+        run_generation(tasks, gen, out, samples=2, progress=False).already_done == 4
+    )  # resumed: nothing new
+    scored, _ = score_records(read_jsonl(out).records)
+    assert len(scored) == 4 and not any(s.get("skipped") for s in scored)
+
+
+def test_hle_image_that_cannot_be_sent_fails_its_samples_naming_the_task(tmp_path):
+    tasks = _hle_image_tasks("data:image/png;base64,@@")
+    gen, out = PartsGenerator(), tmp_path / "hle.jsonl"
+    summary = run_generation(tasks, gen, out, samples=2, progress=False)
+    assert (summary.written, summary.failed) == (4, 2) and gen.requests == 1  # h1 only
+    assert summary.warnings == [
+        "task 'h2': field 'image': the data: URL's base64 content does not decode (Only base64 data is "
+        "allowed): its 2 sample(s) are written as failed"
+    ]
+    failed = [r for r in _lines(out) if r["id"] == "h2"]
+    assert [r["sample"] for r in failed] == [0, 1] and all(r["response"] is None for r in failed)
+    assert failed[0]["error"].startswith("task 'h2': field 'image':")
+
+
+def test_hle_image_tasks_skipped_on_request_are_recorded_once(tmp_path):
+    tasks = _hle_image_tasks("data:image/png;base64,AAAA")
     out = tmp_path / "hle.jsonl"
     for _ in range(2):  # the second run resumes and must not duplicate the skip record
-        summary = run_generation(tasks, SumGenerator(), out, samples=2, progress=False)
+        summary = run_generation(tasks, SumGenerator(), out, samples=2, progress=False, skip_image_tasks=True)
         assert summary.image_tasks_skipped == 1
     lines = _lines(out)
     assert [(r["id"], r["sample"]) for r in lines if r["id"] == "h2"] == [("h2", None)]

@@ -1,50 +1,9 @@
 """Convert, score and report work where torch and the engine are not importable."""
 
 import json
-import subprocess
-import sys
 import textwrap
 
-# Makes torch and deepinfer look uninstalled: every meta-path finder answers "not found" for
-# them, so importlib.util.find_spec() returns None and an import raises ModuleNotFoundError,
-# exactly as in an environment where only deepinfer-eval and its dependencies are installed.
-HIDE = textwrap.dedent("""
-    import importlib.util, sys
-    HIDDEN = ("torch", "deepinfer")
-
-    class Hidden:
-        def __init__(self, inner):
-            self._inner = inner
-        def __getattr__(self, name):
-            return getattr(self._inner, name)
-        def find_spec(self, name, path=None, target=None):
-            if name.partition(".")[0] in HIDDEN:
-                return None
-            find = getattr(self._inner, "find_spec", None)
-            return find(name, path, target) if find else None
-
-    for name in [m for m in sys.modules if m.partition(".")[0] in HIDDEN]:
-        del sys.modules[name]
-    sys.meta_path[:] = [Hidden(f) for f in sys.meta_path]
-    assert importlib.util.find_spec("torch") is None
-    try:
-        import torch
-    except ModuleNotFoundError:
-        pass
-    else:
-        raise SystemExit("torch is still importable")
-""")
-
-CHECK = textwrap.dedent("""
-    loaded = sorted(m for m in sys.modules if m.partition(".")[0] in HIDDEN)
-    assert not loaded, loaded
-""")
-
-
-def _run(code: str, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", HIDE + code + CHECK], cwd=cwd, capture_output=True, text=True, timeout=120
-    )
+from eval_common import run_without_engine as _run
 
 
 def test_package_imports_without_torch(tmp_path):

@@ -5,10 +5,19 @@ two-layer public-V4 model (sliding window + compressed sparse attention, hash Mo
 vocabulary; `real_vocab_checkpoint` has the tokenizer's full vocabulary for tests that start from text.
 """
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from deepinfer_model.testing import make_checkpoint
 from deepinfer_model.testing.checkpoint import tiny_config
+
+# Test helpers (image_common) live beside this file; importlib mode does not put this directory on
+# sys.path by itself.
+sys.path.insert(0, str(Path(__file__).parent))
+
+from image_common import make_vision_checkpoint  # noqa: E402
 
 
 def micro_config(vocab_size: int) -> dict:
@@ -29,6 +38,12 @@ def micro_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def real_vocab_checkpoint(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("v4-micro-real-vocab"), micro_config(129280), seed=2)
+
+
+@pytest.fixture(scope="session")
+def vision_checkpoint(tmp_path_factory):
+    """The tiny V4.1 with a vision tower (image_common.make_vision_checkpoint)."""
+    return make_vision_checkpoint(tmp_path_factory.mktemp("v41-vision"))
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -219,6 +219,7 @@ def test_front_outputs_equal_normal_with_a_full_decode_engine(micro_checkpoint, 
     with LLM(str(micro_checkpoint), disaggregation=transport, disaggregation_max_held=3, **FRONT) as llm:
         got = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         assert llm.engine.held_peak >= 1
+        assert llm.engine.sent_back == 0  # the front counts the hand-offs on their way as reserved
         assert llm.engine.restarts == {"prompt": 0, "completion": 0}
     assert_same({str(i): o for i, o in enumerate(got)}, {str(i): o for i, o in enumerate(want)})
 
@@ -249,3 +250,113 @@ def test_front_survives_a_decode_engine_that_dies(micro_checkpoint):
         assert engine.restarts == {"prompt": 0, "completion": 1}
         got = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, use_tqdm=False)
     assert_same({str(i): o for i, o in enumerate(got)}, {str(i): o for i, o in enumerate(want)})
+
+
+def proc_stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (state first)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def cpu_ticks(pid: int) -> int:
+    """The process's user + system CPU time so far (all its threads), in clock ticks."""
+    fields = proc_stat(pid)
+    return int(fields[11]) + int(fields[12])
+
+
+def kill_and_wait(pid: int) -> None:
+    """SIGKILL an engine process and wait until it is gone (a zombie: its pipes closed, everything it
+    wrote readable) without letting the front read anything meanwhile."""
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while proc_stat(pid)[0] != "Z":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def wait_until_idle(pid: int, before: int, timeout_s: float = 120.0) -> None:
+    """Until the process has worked since `before` ticks and then used no CPU for a whole second."""
+    deadline = time.monotonic() + timeout_s
+    last = cpu_ticks(pid)
+    while True:
+        assert time.monotonic() < deadline, "the decode engine never went idle"
+        time.sleep(1.0)
+        now = cpu_ticks(pid)
+        if now == last > before:
+            return
+        last = now
+
+
+@pytest.mark.slow
+def test_what_a_dead_decode_engine_sent_before_it_died_is_kept(micro_checkpoint):
+    """The front may see a decode engine's exit before it has read all it sent. Here the decode engine is
+    stopped while the front forwards it hand-offs (8 blocks: the others are held), finishes them, and is
+    killed before the front reads a word of it: the requests it finished come out whole instead of failing
+    with it, and the held ones are decoded once, by the restarted engine."""
+    with LLM(str(micro_checkpoint), async_scheduling=False, **FRONT) as llm:
+        want = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, use_tqdm=False)
+    with LLM(str(micro_checkpoint), disaggregation="shm", **FRONT) as llm:
+        engine = llm.engine
+        pid = engine.pids()["completion"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            for i, p in enumerate(PROMPTS):
+                engine.add_request(str(i), None, GREEDY, prompt_token_ids=p)
+            ids = [str(i) for i in range(len(PROMPTS))]
+            deadline = time.monotonic() + 120
+            while not {engine.stage_of(r) for r in ids} <= {"held", "sent"}:  # all prefilled
+                assert not engine.step() and time.monotonic() < deadline
+            sent = [r for r in ids if engine.stage_of(r) == "sent"]
+            assert sent
+            before = cpu_ticks(pid)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_until_idle(pid, before)  # it finished what it was sent; its outputs wait in the pipe
+        kill_and_wait(pid)
+        outs = {}
+        while engine.has_unfinished_requests():
+            outs.update((o.request_id, o) for o in engine.step())
+        assert engine.restarts == {"prompt": 0, "completion": 1}
+    assert_same(outs, {str(i): o for i, o in enumerate(want)})
+
+
+@pytest.mark.slow
+def test_a_hand_off_in_transit_to_a_decode_engine_that_dies_is_held_again_once(micro_checkpoint):
+    """A record forwarded to a decode engine that dies before it reads it was not that engine's request:
+    it goes to the restarted engine and comes out once, as a NORMAL engine's. In transit to a second
+    engine that dies, it fails (it may be what kills them)."""
+    with LLM(str(micro_checkpoint), async_scheduling=False, **FRONT) as llm:
+        want = llm.generate(prompt_token_ids=PROMPTS[2:], sampling_params=GREEDY, use_tqdm=False)
+    with LLM(str(micro_checkpoint), disaggregation="shm", **FRONT) as llm:
+        engine = llm.engine
+
+        def kill_decode_engine_with_in_transit(rid: str) -> None:
+            """Stop the decode engine, let the front forward `rid`'s record to it, then kill it."""
+            pid = engine.pids()["completion"]
+            os.kill(pid, signal.SIGSTOP)
+            deadline = time.monotonic() + 120
+            while engine.stage_of(rid) != "sent":
+                assert not engine.step() and time.monotonic() < deadline
+            kill_and_wait(pid)
+
+        engine.add_request("a", None, GREEDY, prompt_token_ids=PROMPTS[2])
+        kill_decode_engine_with_in_transit("a")
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        assert engine.restarts == {"prompt": 0, "completion": 1}
+        assert_same({o.request_id: o for o in outs}, {"a": want[0]})
+
+        engine.add_request("b", None, GREEDY, prompt_token_ids=PROMPTS[3])
+        kill_decode_engine_with_in_transit("b")
+        engine._watch()  # the front finds the exit: "b" is held again for the restarted engine
+        assert engine.stage_of("b") == "held" and engine.restarts["completion"] == 2
+        kill_decode_engine_with_in_transit("b")
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        (out,) = outs
+        assert out.request_id == "b" and "the completion engine" in out.error and "code -9" in out.error
+        assert engine.restarts == {"prompt": 0, "completion": 3}
+        got = llm.generate(prompt_token_ids=PROMPTS[3:], sampling_params=GREEDY, use_tqdm=False)
+    assert_same({"b": got[0]}, {"b": want[1]})

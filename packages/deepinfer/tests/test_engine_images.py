@@ -6,36 +6,17 @@ import io
 import pytest
 import torch
 from deepinfer import LLM, EngineArgs, LLMEngine, SamplingParams
-from deepinfer_model.models.deepseek_v41 import make_v41_checkpoint, tiny_v41_config_dict
+from deepinfer_model.models.deepseek_v41 import make_v41_checkpoint
 from deepinfer_model.models.deepseek_v41.vision import (
     ImageSentinels,
     compression_stride,
     expand_images,
     prepare_image,
 )
+from image_common import png
 from PIL import Image
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-
-
-def _png(seed: int, size=(56, 56)) -> bytes:
-    g = torch.Generator().manual_seed(seed)
-    pixels = (torch.rand(size[1], size[0], 3, generator=g) * 255).to(torch.uint8).numpy()
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-@pytest.fixture(scope="module")
-def vision_checkpoint(tmp_path_factory):
-    import json
-
-    path = make_v41_checkpoint(tmp_path_factory.mktemp("v41-vision"), tiny_v41_config_dict(vision_tower=True))
-    # a chat template of plain text: the real one's role tokens lie outside the tiny 256-token vocabulary
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    config["chat_template"] = "{% for m in messages %}{{ m['content'] }}!{% endfor %}"
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +59,7 @@ def _request(text: str, *images) -> dict:
 
 
 def test_generate_with_images_equals_stateless_forward(llm, tmp_path):
-    a, b = _png(0), _png(1, (84, 42))
+    a, b = png(0), png(1, (84, 42))
     path = tmp_path / "b.png"
     path.write_bytes(b)
     pil = Image.open(io.BytesIO(a))
@@ -95,7 +76,7 @@ def test_generate_with_images_equals_stateless_forward(llm, tmp_path):
 def test_extra_placeholders_stay_text(llm):
     """Placeholders past the last image are tokenized as text (here outside the tiny model's 256-token
     vocabulary, so the expansion is checked directly and the request fails on its text ids)."""
-    engine, a = llm.engine, _png(2)
+    engine, a = llm.engine, png(2)
     expanded = engine.images.prompt("a<image>b<image>", None, {"image": [a]}, engine.encode, engine.tokenizer)
     tail = engine.tokenizer.encode("b<image>", add_special_tokens=False).ids
     assert len(tail) > 1 and expanded.ids[-len(tail) :] == tail
@@ -109,7 +90,7 @@ def test_extra_placeholders_stay_text(llm):
 
 def test_different_images_differ_same_image_shares_blocks(llm):
     engine = llm.engine
-    a, b = _png(3), _png(4)
+    a, b = png(3), png(4)
     before = engine.scheduler_stats()["prefix_cache_hit_tokens"]
     first = llm.generate([_request("a<image>b", a)], GREEDY, use_tqdm=False)[0]
     other = llm.generate([_request("a<image>b", b)], GREEDY, use_tqdm=False)[0]
@@ -125,7 +106,7 @@ def test_different_images_differ_same_image_shares_blocks(llm):
 
 
 def test_bad_images_fail_alone(llm):
-    good, text_params = _png(5), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    good, text_params = png(5), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     batch = [
         _request("a<image>b", good),
         _request("a<image>b", b"not an image"),
@@ -162,7 +143,7 @@ def test_model_without_vision_tower_refuses_images(tmp_path):
     path = make_v41_checkpoint(tmp_path / "text-only", seed=0)
     with LLM(model=str(path), block_size=4) as llm:
         outs = llm.generate(
-            [_request("a<image>b", _png(6)), {"prompt_token_ids": [0, 67, 68]}],
+            [_request("a<image>b", png(6)), {"prompt_token_ids": [0, 67, 68]}],
             GREEDY,
             use_tqdm=False,
             raise_on_error=False,
@@ -174,7 +155,7 @@ def test_model_without_vision_tower_refuses_images(tmp_path):
 def test_chat_image_url_parts(llm, tmp_path):
     import base64
 
-    a, b = _png(7), _png(8, (42, 70))
+    a, b = png(7), png(8, (42, 70))
     path = tmp_path / "b.png"
     path.write_bytes(b)
     url = "data:image/png;base64," + base64.b64encode(a).decode()
@@ -207,7 +188,7 @@ def test_cli_generate_image(llm, vision_checkpoint, tmp_path):
 
     from deepinfer.cli import main
 
-    a = _png(9)
+    a = png(9)
     path = tmp_path / "a.png"
     path.write_bytes(a)
     out = tmp_path / "out.jsonl"
@@ -225,7 +206,7 @@ def test_cli_generate_image(llm, vision_checkpoint, tmp_path):
 def test_plain_decode_loops(llm, vision_checkpoint, monkeypatch, async_scheduling):
     """Without drafting, in the synchronous and the asynchronous loop (the fixture's engine drafts)."""
     monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "0")
-    a = _png(10)
+    a = png(10)
     with LLM(
         model=str(vision_checkpoint),
         block_size=4,
@@ -248,7 +229,7 @@ def test_images_refused_under_yoco_truncation(vision_checkpoint, monkeypatch):
     with LLM(model=str(vision_checkpoint), block_size=4) as llm:
         assert llm.engine.truncation.enabled
         outs = llm.generate(
-            [_request("a<image>b", _png(11)), {"prompt_token_ids": [0, 67, 68]}],
+            [_request("a<image>b", png(11)), {"prompt_token_ids": [0, 67, 68]}],
             GREEDY,
             use_tqdm=False,
             raise_on_error=False,
@@ -260,7 +241,7 @@ def test_images_refused_under_yoco_truncation(vision_checkpoint, monkeypatch):
 def test_every_dict_prompt_form_takes_images(llm):
     """The text form, the token form (one placeholder id per image) and both keys together run the same
     expanded prompt; a single dict is one prompt."""
-    engine, a = llm.engine, _png(12)
+    engine, a = llm.engine, png(12)
     placeholder = engine.images.placeholder_id
     assert placeholder == engine.vocab_size + 2
     ids = engine.encode("a") + [placeholder] + engine.tokenizer.encode("b", add_special_tokens=False).ids
@@ -280,7 +261,7 @@ def test_every_dict_prompt_form_takes_images(llm):
 
 
 def test_token_prompt_image_errors(llm):
-    engine, a = llm.engine, _png(13)
+    engine, a = llm.engine, png(13)
     vocab, placeholder = engine.vocab_size, engine.images.placeholder_id
     batch = [
         {"prompt_token_ids": [0, placeholder, 67, placeholder], "multi_modal_data": {"image": [a]}},
@@ -302,9 +283,7 @@ def test_token_prompt_image_errors(llm):
 def test_image_errors_raise_by_default(llm):
     """As every invalid request: a ValueError naming the request, nothing of the call left running."""
     with pytest.raises(ValueError, match=r"request 1: multi_modal_data\['image'\]\[0\]: cannot decode"):
-        llm.generate(
-            [_request("a<image>b", _png(14)), _request("a<image>b", b"junk")], GREEDY, use_tqdm=False
-        )
+        llm.generate([_request("a<image>b", png(14)), _request("a<image>b", b"junk")], GREEDY, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     bad = [{"role": "user", "content": [{"type": "video", "video": "x"}]}]
     with pytest.raises(ValueError, match=r"request 0: conversation 0\[0\]\.content\[0\]: a content part"):
@@ -314,7 +293,7 @@ def test_image_errors_raise_by_default(llm):
 def test_prompt_logprobs_refused_with_images(llm):
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
     outs = llm.generate(
-        [_request("a<image>b", _png(15)), {"prompt_token_ids": [0, 67, 68]}],
+        [_request("a<image>b", png(15)), {"prompt_token_ids": [0, 67, 68]}],
         params,
         use_tqdm=False,
         raise_on_error=False,
@@ -329,7 +308,7 @@ def test_encoder_cache_size_setting(vision_checkpoint, monkeypatch):
     from deepinfer.cli.parser import build_parser
     from deepinfer_model.models.deepseek_v41.vision import prepare_image
 
-    a, b = _png(16), _png(17)
+    a, b = png(16), png(17)
     monkeypatch.setenv("DEEPINFER_ENCODER_CACHE_TOKENS", "12345")
     assert EngineArgs(model=str(vision_checkpoint)).encoder_cache_tokens == 12345
     argv = ["generate", "--prompt", "x", "--encoder-cache-tokens", "7"]

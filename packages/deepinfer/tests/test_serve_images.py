@@ -2,42 +2,14 @@
 the answer equals the offline `LLM.chat` of the same messages; a URL other than `data:` (remote, file://,
 a path), an undecodable image or another part type is a 400 naming the field; a text chat still runs."""
 
-import base64
-import io
-import json
-
 import openai
 import pytest
-import torch
 from deepinfer import LLM, AsyncLLM, EngineArgs, LLMEngine, SamplingParams
 from deepinfer.serve import build_app
 from deepinfer.serve.background import BackgroundServer
-from deepinfer_model.models.deepseek_v41 import make_v41_checkpoint, tiny_v41_config_dict
-from PIL import Image
+from image_common import data_url, png
 
 ENGINE = dict(block_size=4, max_num_batched_tokens=6)
-
-
-def _png(seed: int, size=(56, 56)) -> bytes:
-    g = torch.Generator().manual_seed(seed)
-    pixels = (torch.rand(size[1], size[0], 3, generator=g) * 255).to(torch.uint8).numpy()
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def _data_url(data: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(data).decode()
-
-
-@pytest.fixture(scope="module")
-def vision_checkpoint(tmp_path_factory):
-    path = make_v41_checkpoint(tmp_path_factory.mktemp("v41-vision"), tiny_v41_config_dict(vision_tower=True))
-    # a chat template of plain text: the real one's role tokens lie outside the tiny 256-token vocabulary
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    config["chat_template"] = "{% for m in messages %}{{ m['content'] }}!{% endfor %}"
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +24,11 @@ def _messages(*parts) -> list[dict]:
 
 
 def test_chat_with_image_parts_equals_offline(client, vision_checkpoint):
-    a, b = _png(0), _png(1, (42, 70))
+    a, b = png(0), png(1, (42, 70))
     messages = _messages(
         {"type": "text", "text": "a"},
-        {"type": "image_url", "image_url": {"url": _data_url(a)}},
-        {"type": "image_url", "image_url": {"url": _data_url(b)}},
+        {"type": "image_url", "image_url": {"url": data_url(a)}},
+        {"type": "image_url", "image_url": {"url": data_url(b)}},
         {"type": "text", "text": "b"},
     )
     got = client.chat.completions.create(model="micro", messages=messages, max_tokens=4, temperature=0)
@@ -70,7 +42,7 @@ def test_chat_with_image_parts_equals_offline(client, vision_checkpoint):
 
 def test_bad_image_parts_are_400_naming_the_field(client, tmp_path):
     path = tmp_path / "a.png"
-    path.write_bytes(_png(2))
+    path.write_bytes(png(2))
     for url in ("https://example.com/x.png", f"file://{path}", str(path)):
         part = {"type": "image_url", "image_url": {"url": url}}
         with pytest.raises(openai.BadRequestError) as e:
@@ -87,7 +59,7 @@ def test_bad_image_parts_are_400_naming_the_field(client, tmp_path):
     assert "base64 content does not decode" in e.value.body["message"]
 
     junk = _messages(
-        {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": _data_url(b"junk")}}
+        {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": data_url(b"junk")}}
     )
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="micro", messages=junk, max_tokens=2)

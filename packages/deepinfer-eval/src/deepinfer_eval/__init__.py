@@ -21,6 +21,7 @@ from deepinfer_eval.generate import (
     plan_jobs,
     run_generation,
 )
+from deepinfer_eval.images import image_data_url
 from deepinfer_eval.judges import (
     ExactMatchJudge,
     GeneratorBackend,
@@ -71,6 +72,7 @@ __all__ = [
     "gpqa_score",
     "hle_confidence",
     "hle_extract",
+    "image_data_url",
     "load_rows",
     "pass_at_1",
     "plan_jobs",

@@ -34,6 +34,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=32768)
     g.add_argument("--batch-size", type=int, default=64, help="requests handed to the engine at once")
     g.add_argument(
+        "--skip-image-tasks",
+        action="store_true",
+        help="record HLE image tasks as skipped instead of sending their image (a model without vision)",
+    )
+    g.add_argument(
         "--engine-arg",
         action="append",
         default=[],
@@ -135,7 +140,16 @@ def cmd_generate(a) -> int:
     sampling = SamplingConfig(a.temperature, a.top_p, a.max_tokens)
     generator = EngineGenerator(a.model, sampling, **parse_engine_args(a.engine_arg))
     try:
-        summary = run_generation(tasks, generator, a.output, a.samples, a.seed, a.batch_size, sampling)
+        summary = run_generation(
+            tasks,
+            generator,
+            a.output,
+            a.samples,
+            a.seed,
+            a.batch_size,
+            sampling,
+            skip_image_tasks=a.skip_image_tasks,
+        )
     finally:
         generator.close()
     _warn(summary.problems)
@@ -144,7 +158,8 @@ def cmd_generate(a) -> int:
     print(
         f"wrote {summary.written} sample(s) ({summary.failed} failed requests, scored wrong); "
         f"{summary.already_done} already done; "
-        f"{summary.image_tasks_skipped} image task(s) skipped (no vision path)",
+        f"{summary.image_tasks} image task(s) sent with their image, "
+        f"{summary.image_tasks_skipped} skipped (--skip-image-tasks)",
         file=sys.stderr,
     )
     return 0

@@ -8,6 +8,7 @@ Task records, one per line:
   aime: {"benchmark", "id", "problem", "answer"}
   gpqa: {"benchmark", "id", "question", "correct", "incorrect": [3 strings], "category"}
   hle:  {"benchmark", "id", "question", "image", "answer", "answer_type", "category"}
+        ("image": the task's image as a data: URL, "" for a text task; images.py)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import re
 import tempfile
 from pathlib import Path
 
+from deepinfer_eval.images import image_data_url
 from deepinfer_eval.records import Problem
 
 BENCHMARKS = ("aime", "gpqa", "hle")
@@ -112,14 +114,14 @@ def convert_hle(row: dict, index: int) -> dict:
         raise ValueError(
             f"field 'answer_type' must be one of {', '.join(HLE_ANSWER_TYPES)}, got {answer_type!r}"
         )
-    image = row.get("image")
-    if image is not None and not isinstance(image, str):
-        raise ValueError("field 'image' must be a data URI string or empty")
+    task_id = _require(row, "id", "id").strip()
+    # the task's image, decoded once here so that a bad one is reported with its task (images.py)
+    image = image_data_url(row.get("image"), f"task {task_id!r}: field 'image'")
     return {
         "benchmark": "hle",
-        "id": _require(row, "id", "id").strip(),
+        "id": task_id,
         "question": _require(row, "question", "question"),
-        "image": image or "",
+        "image": image,
         "answer": _require(row, "answer", "answer").strip(),
         "answer_type": answer_type,
         "category": (_pick(row, "category") or "").strip(),

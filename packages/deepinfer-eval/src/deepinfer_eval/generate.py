@@ -4,6 +4,10 @@ The engine is reached through a small ``Generator`` protocol, so the resume and 
 here does not depend on it; ``EngineGenerator`` adapts ``deepinfer.LLM`` (the optional extra
 ``deepinfer-eval[generate]``) and is the only place that imports the engine, lazily.
 
+Image tasks (HLE) are sent with their image: the user message's content becomes the prompt text followed
+by an OpenAI-style `image_url` part holding the task's data URL, the order of HLE's own harness. Their
+lines record the image's sha256 (`image_sha256`), not the image.
+
 Seeds: sample s of a task always has seed ``task_seed + s`` (the engine's rule for sample i of a
 request with ``n`` samples is ``seq_seed + i``), so a resumed run draws exactly the samples an
 uninterrupted run would have drawn.
@@ -11,11 +15,13 @@ uninterrupted run would have drawn.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from deepinfer_eval.images import image_bytes
 from deepinfer_eval.prompts import (
     aime_prompt,
     gpqa_permutation,
@@ -26,21 +32,25 @@ from deepinfer_eval.prompts import (
 )
 from deepinfer_eval.records import JsonlAppender, Problem, read_jsonl
 
-Message = dict[str, str]
+Message = dict  # {"role", "content"}: content a string, or a list of text / image_url parts
 
 
 @dataclass
 class Completion:
-    """One sample. ``text`` is None when the request failed (``error`` says why)."""
+    """One sample. ``text`` is None when the request failed (``error`` says why). ``prompt_tokens``: the
+    length of the prompt the engine ran (image positions included), when the generator knows it."""
 
     text: str | None
     finish_reason: str | None = None
     error: str | None = None
+    prompt_tokens: int | None = None
 
 
 class Generator(Protocol):
     """Samples ``n`` responses for each chat conversation; ``seeds[j]`` is the seed of sample 0 of
-    conversation j (sample i uses ``seeds[j] + i``). A sample may be a plain string."""
+    conversation j (sample i uses ``seeds[j] + i``). A sample may be a plain string. A message's content
+    is a string, or for an image task a list of OpenAI-style parts: ``{"type": "text", "text": ...}`` then
+    ``{"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}``."""
 
     def generate(
         self, conversations: list[list[Message]], n: int, seeds: list[int]
@@ -104,7 +114,7 @@ def _completions(output, n: int, max_tokens: int, max_model_len: int) -> list[Co
     the engine stopped at the context before max_tokens gets finish_reason "context", not "length"."""
     if getattr(output, "error", None):
         return [Completion(None, "error", output.error)] * n
-    prompt_len = len(output.prompt_token_ids)
+    prompt_len = len(output.prompt_token_ids)  # with images: their expanded positions included
     out = []
     for c in output.outputs:
         reason = getattr(c, "finish_reason", None)
@@ -114,7 +124,7 @@ def _completions(output, n: int, max_tokens: int, max_model_len: int) -> list[Co
             and prompt_len + len(c.token_ids) >= max_model_len
         ):
             reason = "context"
-        out.append(Completion(c.text, reason))
+        out.append(Completion(c.text, reason, prompt_tokens=prompt_len))
     return out
 
 
@@ -127,6 +137,17 @@ class Job:
     prompt: str
     seed: int
     extra: dict  # per-line fields: gold answer and, for GPQA, the shuffle
+    image: str = ""  # the task's image as a data URL (HLE image tasks)
+    error: str | None = None  # the task cannot be sent (its image does not decode): samples fail with this
+
+    def conversation(self) -> list[Message]:
+        if not self.image:
+            return [{"role": "user", "content": self.prompt}]
+        parts = [
+            {"type": "text", "text": self.prompt},
+            {"type": "image_url", "image_url": {"url": self.image}},
+        ]
+        return [{"role": "user", "content": parts}]
 
 
 @dataclass
@@ -134,7 +155,8 @@ class GenerationSummary:
     written: int = 0
     already_done: int = 0
     failed: int = 0  # samples written with an error instead of a response (they score as wrong)
-    image_tasks_skipped: int = 0
+    image_tasks: int = 0  # tasks sent with their image
+    image_tasks_skipped: int = 0  # with skip_image_tasks
     problems: list[Problem] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # e.g. a resume whose parameters changed
 
@@ -173,6 +195,7 @@ def plan_jobs(tasks: Sequence[dict], samples: int, seed: int, done: set[tuple[st
                 }
                 jobs.append(Job(task, [s], prompt, task_seed + s, extra))
             continue
+        image, error = "", None
         if bench == "aime":
             prompt, extra = aime_prompt(task), {"answer": task["answer"], "answer_type": "integer"}
         elif bench == "hle":
@@ -183,9 +206,17 @@ def plan_jobs(tasks: Sequence[dict], samples: int, seed: int, done: set[tuple[st
                 "category": task.get("category", ""),
                 "question": task["question"],
             }
+            image = task.get("image") or ""
+            if image:
+                try:
+                    extra["image_sha256"] = hashlib.sha256(
+                        image_bytes(image, f"task {task['id']!r}: field 'image'")
+                    ).hexdigest()
+                except ValueError as e:
+                    error = str(e)
         else:
             raise ValueError(f"benchmark must be one of aime, gpqa, hle; got {bench!r}")
-        jobs.extend(Job(task, run, prompt, task_seed + run[0], extra) for run in _runs(missing))
+        jobs.extend(Job(task, run, prompt, task_seed + run[0], extra, image, error) for run in _runs(missing))
     return jobs
 
 
@@ -248,8 +279,11 @@ def run_generation(
     batch_size: int = 64,
     sampling: SamplingConfig | None = None,
     progress: bool = True,
+    skip_image_tasks: bool = False,
 ) -> GenerationSummary:
-    """Generate the samples missing from ``output`` and append them, one flushed batch at a time."""
+    """Generate the samples missing from ``output`` and append them, one flushed batch at a time.
+    Image tasks go to the generator with their image; ``skip_image_tasks`` (a model without a vision
+    tower) records each of them once as skipped instead, and the report leaves them out of Pass@1."""
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
     if batch_size < 1:
@@ -258,12 +292,16 @@ def run_generation(
     done, skipped_before = _read_done(output, {t["benchmark"] for t in tasks}, summary, seed, sampling)
     summary.warnings.extend(getattr(generator, "notices", []))
 
-    # The engine has no vision path yet: image tasks are recorded as skipped, never dropped.
-    image_tasks = [t for t in tasks if t.get("image")]
-    text_tasks = [t for t in tasks if not t.get("image")]
-    summary.image_tasks_skipped = len(image_tasks)
-    jobs = plan_jobs(text_tasks, samples, seed, done)
-    summary.already_done = sum(1 for t in text_tasks for s in range(samples) if (t["id"], s) in done)
+    skipped_tasks = [t for t in tasks if t.get("image")] if skip_image_tasks else []
+    sent = [t for t in tasks if not (skip_image_tasks and t.get("image"))]
+    summary.image_tasks_skipped = len(skipped_tasks)
+    summary.image_tasks = sum(1 for t in sent if t.get("image"))
+    jobs = plan_jobs(sent, samples, seed, done)
+    summary.already_done = sum(1 for t in sent for s in range(samples) if (t["id"], s) in done)
+    unsendable = [job for job in jobs if job.error is not None]
+    jobs = [job for job in jobs if job.error is None]
+    for job in unsendable:
+        summary.warnings.append(f"{job.error}: its {len(job.samples)} sample(s) are written as failed")
 
     from tqdm import tqdm
 
@@ -277,15 +315,22 @@ def run_generation(
                 "benchmark": t["benchmark"],
                 "id": t["id"],
                 "sample": None,
-                "skipped": "image input (no vision path)",
+                "skipped": "image input (--skip-image-tasks)",
                 "category": t.get("category", ""),
             }
-            for t in image_tasks
+            for t in skipped_tasks
             if t["id"] not in skipped_before
         )
+        for job in unsendable:
+            n = len(job.samples)
+            lines = _lines(job, [Completion(None, "error", job.error)] * n, n, sampling)
+            out.write(lines)
+            summary.written += len(lines)
+            summary.failed += len(lines)
+            bar.update(len(lines))
         for batch in _batches(jobs, batch_size):
             for n, group in _group_by_n(batch):  # one engine call per sample count
-                conversations = [[{"role": "user", "content": job.prompt}] for job in group]
+                conversations = [job.conversation() for job in group]
                 responses = generator.generate(conversations, n, [job.seed for job in group])
                 if len(responses) != len(group):
                     raise RuntimeError(
@@ -320,6 +365,8 @@ def _lines(job: Job, got: list, n: int, sampling: SamplingConfig | None) -> list
             record["finish_reason"] = c.finish_reason
         if c.error is not None:
             record["error"] = c.error
+        if c.prompt_tokens is not None:
+            record["prompt_tokens"] = c.prompt_tokens
         if sampling is not None:
             record["sampling"] = vars(sampling)
         lines.append(record)

@@ -7,7 +7,10 @@
 One background task drives the engine. Between steps, on the event loop's thread, it admits the requests
 added and aborts the ones cancelled since the last step; the step itself runs on one worker thread, so
 the event loop (an HTTP server's, say) stays responsive while the model computes, and no engine state is
-ever touched by two threads at once. After each step every request with new tokens gets a snapshot
+ever touched by two threads at once. A request's images are read and preprocessed (Pillow decoding,
+resizing) on a third thread before the request is queued for admission (`ImageInputs.prepare`), so a
+large or slow image delays its own request, never the steps of the others; admission then only runs the
+vision tower. After each step every request with new tokens gets a snapshot
 (`streaming.RequestStream`). Tokens are the engine's: a request with a `seq_seed` gets the same output as
 from `LLM.generate`, whatever else runs beside it.
 """
@@ -51,7 +54,7 @@ class _Admission:
     params: SamplingParams
     arrival_time: float
     admitted: asyncio.Future
-    multi_modal_data: dict | None = None  # expanded by the engine when it admits the request
+    multi_modal_data: object = None  # `PreparedImages`, expanded by the engine when it admits the request
 
 
 class AsyncLLM:
@@ -97,7 +100,8 @@ class AsyncLLM:
                 f"max_waiting_requests must be an integer >= 1 or None, got {max_waiting_requests!r}"
             )
         self.engine = engine
-        if hasattr(engine, "stream_outputs"):  # a data-parallel front: its ranks report outputs so far
+        # a data-parallel or disaggregated front: its ranks (its decode engine) report outputs so far
+        if hasattr(engine, "stream_outputs"):
             engine.stream_outputs = True
         self.max_waiting_requests = max_waiting_requests
         self.listeners: list[DeliveryListener] = []
@@ -106,6 +110,7 @@ class AsyncLLM:
         self._aborts: set[str] = set()
         self._waiting: set[str] = set()  # added, no token yet
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-step")
+        self._image_executor: ThreadPoolExecutor | None = None  # started by the first request with images
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._dead: BaseException | None = None
@@ -157,8 +162,9 @@ class AsyncLLM:
         """Admit one request and return its stream once the engine holds it. Raises ValueError (naming
         the problem) for a request the engine refuses, `QueueFullError` when too many wait already,
         `EngineDeadError` after the loop stopped. Nothing of a refused request stays behind.
-        `multi_modal_data`: images, as `LLMEngine.add_request` takes them (expanded and encoded when the
-        engine admits the request, between steps)."""
+        `multi_modal_data`: images, as `LLMEngine.add_request` takes them: read and preprocessed on the
+        image thread first (the steps of other requests go on meanwhile), then expanded and encoded when
+        the engine admits the request, between steps."""
         self._check_running()
         params = _params(sampling_params)
         if multi_modal_data is not None:
@@ -180,12 +186,20 @@ class AsyncLLM:
                 f"{self.max_waiting_requests}); retry later"
             )
         self._ensure_loop()
-        admitted = asyncio.get_running_loop().create_future()
+        arrival = time.perf_counter()
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
         self._waiting.add(request_id)
+        if multi_modal_data is not None:
+            try:
+                multi_modal_data = await self._prepare_images(multi_modal_data)
+                self._check_running()  # the loop may have stopped while the images were prepared
+            except BaseException:
+                self._forget(request_id)
+                raise
+        admitted = asyncio.get_running_loop().create_future()
         self._admissions.append(
-            _Admission(request_id, prompt, ids, params, time.perf_counter(), admitted, multi_modal_data)
+            _Admission(request_id, prompt, ids, params, arrival, admitted, multi_modal_data)
         )
         self._wake.set()
         try:
@@ -234,6 +248,14 @@ class AsyncLLM:
         if self._wake is not None:
             self._wake.set()
         return True
+
+    async def _prepare_images(self, multi_modal_data: dict):
+        """`engine.images.prepare` on the image thread: one request's images at a time (each request's
+        images in parallel over the worker processes), each within the preprocessing timeout."""
+        if self._image_executor is None:
+            self._image_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-images")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._image_executor, self.engine.images.prepare, multi_modal_data)
 
     # ------------------------------------------------------------------ the step loop
     def _ensure_loop(self) -> None:
@@ -289,7 +311,8 @@ class AsyncLLM:
         now = time.perf_counter()
         done = {out.request_id: out for out in finished}
         live = getattr(self.engine, "requests", {})
-        # a data-parallel front holds no request states, but the latest outputs its ranks reported
+        # a data-parallel or disaggregated front holds no request states, but the latest outputs its
+        # ranks (its decode engine) reported
         partial = getattr(self.engine, "partial_outputs", {})
         for request_id, stream in list(self._streams.items()):
             out = done.get(request_id)
@@ -365,8 +388,11 @@ class AsyncLLM:
         # the executor's single thread runs this after any step still in flight
         await loop.run_in_executor(self._executor, self.engine.abort_all)
         self._die(EngineDeadError("the engine was closed"))
+        # (closing the engine also ends a preparation still waiting on the image thread)
         await loop.run_in_executor(self._executor, self.engine.close)
         self._executor.shutdown(wait=True)
+        if self._image_executor is not None:
+            self._image_executor.shutdown(wait=True, cancel_futures=True)
 
     async def __aenter__(self) -> AsyncLLM:
         return self

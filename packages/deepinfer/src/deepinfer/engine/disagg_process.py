@@ -3,11 +3,15 @@ requests the front sends and ships their hand-offs back over its link, or a COMP
 hand-offs from its link and decodes them.
 
 Control messages travel on a pipe, hand-off frames on the link (`handoff_transport.py`). Front to engine:
-("add", [(request_id, prompt, ids, params, seeds, arrival_time)]) (PROMPT), ("abort", [ids]), ("close",).
-Engine to front: ("ready", info), ("outputs", [RequestOutput], report), ("admitted", request_id, report),
-("full", request_id, report) (a hand-off that did not fit: the front holds it and sends it again),
-("beat", role, progress), ("error", role, traceback). `report`: the COMPLETION engine's free capacity
-and, per request it holds, the output tokens so far (the front's streaming view).
+("add", [(request_id, prompt, ids, params, seeds, arrival_time)], stream) (PROMPT), ("abort", [ids]),
+("close",). Engine to front: ("ready", info), ("outputs", [RequestOutput], [partial RequestOutput], report),
+("admitted", request_id, report), ("full", request_id, report) (a hand-off that did not fit: the front holds
+it and sends it again), ("beat", role, progress), ("error", role, traceback). `report`: the COMPLETION
+engine's free capacity and, per request it holds, the output tokens so far.
+
+Streaming (an `AsyncLLM` over the front): the "add" message says whether the front streams its requests;
+the PROMPT engine marks their records (`meta["stream"]`), and the COMPLETION engine sends a snapshot of
+each marked request after every step that gave it tokens (`rank_streaming.py`, as a data-parallel rank).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from .handoff import HandoffRecord
 from .llm_engine import LLMEngine
 from .pd_roles import DecodeFull
 from .rank_process import _Heartbeat
+from .rank_streaming import StreamedRequests
 
 REPORT_S = 1.0  # a busy engine reports at least this often
 
@@ -105,6 +110,9 @@ def engine_main(role: str, args: EngineArgs, conn, link_spec, num_threads: int |
 
 def _serve(engine: LLMEngine, role: str, conn, link, sender: _Sender, beat) -> None:
     waitables = [conn, link.waitable] if role == "completion" else [conn]
+    # PROMPT: the requests whose records go out marked for streaming; COMPLETION: the marked ones admitted
+    to_mark: set[str] = set()
+    streamed = StreamedRequests()
     last_report = 0.0
     while True:
         busy = engine.has_unfinished_requests()
@@ -112,22 +120,28 @@ def _serve(engine: LLMEngine, role: str, conn, link, sender: _Sender, beat) -> N
         ready = connection.wait(waitables, timeout=0 if busy else None)
         for w in ready:
             if w is conn:
-                if not _handle(engine, conn.recv(), sender):
+                if not _handle(engine, conn.recv(), sender, to_mark):
                     return
             else:
-                _take_handoff(engine, link.recv(), sender)
+                _take_handoff(engine, link.recv(), sender, streamed)
             beat.progress += 1
         if not engine.has_unfinished_requests():
             continue
         done = engine.step()
         beat.progress += 1
+        partial = []
         if role == "prompt":
             for record in engine.take_handoffs():
+                if record.request_id in to_mark:
+                    record.meta["stream"] = True
                 sender.send_frame(record.to_bytes())
+            to_mark.intersection_update(engine.requests)  # the others are sent, failed or aborted
             done = [o for o in done if o.error is not None or _reason(o) != "prefilled"]
+        else:
+            partial = streamed.take(engine, done)
         now = time.monotonic()
         if done or role == "completion" or now - last_report > REPORT_S:
-            sender.send(("outputs", done, _report(engine)))
+            sender.send(("outputs", done, partial, _report(engine)))
             last_report = now
 
 
@@ -135,11 +149,11 @@ def _reason(out: RequestOutput) -> str | None:
     return out.outputs[0].finish_reason if out.outputs else None
 
 
-def _handle(engine: LLMEngine, msg, sender: _Sender) -> bool:
+def _handle(engine: LLMEngine, msg, sender: _Sender, to_mark: set[str]) -> bool:
     kind = msg[0]
     if kind == "close":
         return False
-    if kind == "add":
+    if kind == "add":  # msg[2]: the front streams these requests' outputs as they grow
         failed = []
         for rid, prompt, ids, params, seeds, arrival in msg[1]:
             try:
@@ -148,8 +162,11 @@ def _handle(engine: LLMEngine, msg, sender: _Sender) -> bool:
                 )
             except ValueError as e:
                 failed.append(RequestOutput(rid, prompt, ids or [], [], RequestMetrics(0.0), error=str(e)))
+                continue
+            if msg[2]:
+                to_mark.add(rid)
         if failed:
-            sender.send(("outputs", failed, _report(engine)))
+            sender.send(("outputs", failed, [], _report(engine)))
     elif kind == "abort":
         for rid in msg[1]:  # the outputs come from the next step()
             engine.abort_request(rid)
@@ -158,7 +175,7 @@ def _handle(engine: LLMEngine, msg, sender: _Sender) -> bool:
     return True
 
 
-def _take_handoff(engine: LLMEngine, data: bytes, sender: _Sender) -> None:
+def _take_handoff(engine: LLMEngine, data: bytes, sender: _Sender, streamed: StreamedRequests) -> None:
     try:
         record = HandoffRecord.from_bytes(data)
     except ValueError as e:  # a malformed frame: nothing names its request reliably
@@ -178,8 +195,10 @@ def _take_handoff(engine: LLMEngine, data: bytes, sender: _Sender) -> None:
             RequestMetrics(0.0),
             error=str(e),
         )
-        sender.send(("outputs", [out], _report(engine)))
+        sender.send(("outputs", [out], [], _report(engine)))
         return
+    if record.meta.get("stream"):
+        streamed.add(record.request_id)
     sender.send(("admitted", record.request_id, _report(engine)))
 
 

@@ -9,6 +9,10 @@ memory on one host, or TCP); the front forwards the record to the COMPLETION eng
 blocks and decodes; its outputs are the request's outputs, equal to a NORMAL engine's (seeds are drawn
 here from the engine seed's stream in arrival order, as one engine draws them).
 
+Streaming: with `stream_outputs` on (an `AsyncLLM` turns it on, as over a data-parallel front), the
+decode engine sends each request's output so far after every step that gave it tokens, and the latest one
+of each unfinished request is in `partial_outputs` until its finished output replaces it.
+
 Back-pressure: the COMPLETION engine reports the blocks and sequences its requests do not reserve
 (`pd_roles.CompletionRole.capacity`); the front holds records that do not fit and sends them when they
 do (a record the engine still finds too large comes back "full" and is held again). The PROMPT engine
@@ -64,6 +68,7 @@ class _Request:
     seeds: list[int] | None
     arrival_time: float
     stage: str = "queued"  # queued -> prefill -> held -> sent -> decode
+    resent: bool = False  # its hand-off was in transit to a decode engine that stopped, and held again
 
 
 @dataclass
@@ -98,6 +103,7 @@ class DisaggregatedEngine(PromptChecks):
         self._queued: deque[str] = deque()
         self._held: deque[tuple[str, bytes]] = deque()
         self.held_peak = 0  # most hand-offs held at once (back-pressure at work)
+        self.sent_back = 0  # hand-offs the decode engine found too large for now and sent back
         self._sent: dict[str, bytes] = {}  # sent to the decode engine, not yet admitted
         self._capacity: dict = {}
         self._progress: dict[str, int] = {}
@@ -105,6 +111,9 @@ class DisaggregatedEngine(PromptChecks):
         self.record_token_times = False
         self.token_times: dict[str, list[tuple[float, int]]] = {}
         self._ready: deque[RequestOutput] = deque()
+        self.stream_outputs = False
+        self.partial_outputs: dict[str, RequestOutput] = {}
+        self._partial_arrived = False
         self._failed: str | None = None
         self._procs: dict[str, _Proc] = {}
         self.restarts = {r: 0 for r in ROLES}
@@ -164,13 +173,15 @@ class DisaggregatedEngine(PromptChecks):
 
     def step(self) -> list[RequestOutput]:
         """Move requests along (to the prefill engine, hand-offs to the decode engine) and return the
-        outputs that have arrived, waiting up to POLL_S seconds for one."""
+        outputs that have arrived, waiting up to POLL_S seconds for one (with `stream_outputs`, for any
+        news in `partial_outputs`)."""
         self._check_usable()
         deadline = time.monotonic() + POLL_S
+        self._partial_arrived = False
         while True:
             self._dispatch()
             self._forward()
-            if self._ready or not self._requests or time.monotonic() > deadline:
+            if self._ready or self._partial_arrived or not self._requests or time.monotonic() > deadline:
                 break
             self._receive(max(0.0, min(0.05, deadline - time.monotonic())))
             self._watch()
@@ -188,6 +199,7 @@ class DisaggregatedEngine(PromptChecks):
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
+        self.partial_outputs.pop(request_id, None)
         if req.stage == "queued":
             self._queued.remove(request_id)
         elif req.stage == "prefill":
@@ -241,7 +253,7 @@ class DisaggregatedEngine(PromptChecks):
             req.stage = "prefill"
             batch.append((req.request_id, req.prompt, req.ids, req.params, req.seeds, req.arrival_time))
         if batch:
-            self._send("prompt", ("add", batch))
+            self._send("prompt", ("add", batch, self.stream_outputs))
 
     def _need(self, req: _Request) -> dict:
         longest = min(len(req.ids) + req.params.max_tokens, self.max_model_len)
@@ -312,7 +324,6 @@ class DisaggregatedEngine(PromptChecks):
             return
         report = msg[-1]
         if proc.role == "completion":
-            self._capacity = dict(report.get("capacity", self._capacity))
             now = time.perf_counter()
             for rid, count in report.get("progress", {}).items():
                 if rid in self._requests and count != self._progress.get(rid, 0):
@@ -324,6 +335,10 @@ class DisaggregatedEngine(PromptChecks):
                 if proc.role == "completion" and self.record_token_times and out.outputs:
                     self._note_tokens(out.request_id, now, len(out.outputs[0].token_ids))
                 self._finish(out)
+            for out in msg[2]:
+                if out.request_id in self._requests:
+                    self.partial_outputs[out.request_id] = out
+                    self._partial_arrived = True
         elif kind == "admitted":
             req = self._requests.get(msg[1])
             self._sent.pop(msg[1], None)
@@ -333,10 +348,21 @@ class DisaggregatedEngine(PromptChecks):
             data = self._sent.pop(msg[1], None)
             req = self._requests.get(msg[1])
             if req is not None and data is not None:
+                self.sent_back += 1
                 req.stage = "held"
                 self._held.appendleft((msg[1], data))
         elif kind == "bad_frame":
             logger.warning("the completion engine could not read a hand-off: %s", msg[1])
+        if proc.role == "completion" and "capacity" in report:
+            self._set_capacity(report["capacity"])
+
+    def _set_capacity(self, reported: dict) -> None:
+        """The decode engine's free capacity as it reported it, less what the hand-offs on their way to it
+        (sent, not yet admitted or sent back) will reserve: the report does not count them yet."""
+        self._capacity = dict(reported)
+        for rid in self._sent:
+            for k, v in self._need(self._requests[rid]).items():
+                self._capacity[k] = self._capacity.get(k, 0) - v
 
     def _note_tokens(self, rid: str, now: float, count: int) -> None:
         times = self.token_times.setdefault(rid, [])
@@ -348,6 +374,7 @@ class DisaggregatedEngine(PromptChecks):
             return  # aborted here already
         self._sent.pop(out.request_id, None)
         self._progress.pop(out.request_id, None)
+        self.partial_outputs.pop(out.request_id, None)
         self._ready.append(out)
 
     # ------------------------------------------------------------------ processes
@@ -397,7 +424,7 @@ class DisaggregatedEngine(PromptChecks):
                 if msg[0] == "ready":
                     proc.pid = msg[1]["pid"]
                     if role == "completion":
-                        self._capacity = dict(msg[2]["capacity"])
+                        self._set_capacity(msg[2]["capacity"])
                     return msg[1]
             elif p.exitcode is not None:
                 raise RuntimeError(f"the {role} engine exited with code {p.exitcode} while starting")
@@ -437,11 +464,15 @@ class DisaggregatedEngine(PromptChecks):
         if proc.exited:
             return
         proc.exited = True
-        _stop([proc])
+        _kill([proc])
+        self._drain(proc)
+        _close([proc])
         role = proc.role
         stages = _STAGES[role]
         message = f"the {role} engine (pid {proc.pid}) stopped while holding this request: {why}"
         logger.warning("%s", message)
+        if role == "completion":
+            self._hold_again_in_transit()
         for req in list(self._requests.values()):
             if req.stage in stages:
                 self._finish(_failed_output(req, message))
@@ -455,6 +486,32 @@ class DisaggregatedEngine(PromptChecks):
             self._held.clear()
             return
         self.restarts[role] += 1
+
+    def _hold_again_in_transit(self) -> None:
+        """Hand-offs sent to a decode engine that stopped before it admitted them (or sent them back) are
+        held again for its successor: it produced nothing for them, so nothing is lost or repeated. Once
+        only: a hand-off in transit to two engines that stopped fails (it may be what stops them)."""
+        again = []
+        for rid, data in list(self._sent.items()):
+            req = self._requests[rid]
+            if not req.resent:
+                req.resent, req.stage = True, "held"
+                again.append((rid, data))
+                del self._sent[rid]
+        self._held.extendleft(reversed(again))
+
+    def _drain(self, proc: _Proc) -> None:
+        """Take what a stopped engine sent before it stopped, so that a request it finished keeps its
+        output and a hand-off it sent back as full is held again, instead of failing with it (the loop
+        reads one message per wait, and may see the exit first)."""
+        while True:
+            try:
+                if not proc.conn.poll():
+                    return
+                msg = proc.conn.recv()
+            except (EOFError, OSError):  # all read, or a message cut short by the exit
+                return
+            self._on_message(proc, msg)
 
     def _check_usable(self) -> None:
         if self._failed is not None:
@@ -475,11 +532,20 @@ def _failed_output(req: _Request, message: str) -> RequestOutput:
 
 
 def _stop(procs: list[_Proc]) -> None:
+    _kill(procs)
+    _close(procs)
+
+
+def _kill(procs: list[_Proc]) -> None:
     for proc in procs:
         if proc.process.is_alive():
             proc.process.kill()
     for proc in procs:
         proc.process.join(timeout=5.0)
+
+
+def _close(procs: list[_Proc]) -> None:
+    for proc in procs:
         for end in (proc.conn, proc.link):
             try:
                 end.close()

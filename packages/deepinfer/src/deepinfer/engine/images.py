@@ -8,6 +8,13 @@ At admission each image is read (bytes, a PIL image or a file path), preprocesse
 sentinel ids (`expand_images`); placeholders past the last image stay text. A token prompt marks each image
 by one `placeholder_id` (the IMAGE sentinel), as many as there are images. The request's prefix-cache salt
 is derived from its images' digests, so requests share cached blocks only when their images are the same.
+
+Reading and preprocessing (Pillow decoding, resizing, normalising: the slow part) can happen before
+admission, off the engine's thread: `ImageInputs.prepare(multi_modal_data)` returns `PreparedImages`, which
+`prompt` (and so `LLMEngine.add_request`) takes in place of the dict; only the vision tower's run and the
+expansion are left for admission. `AsyncLLM` prepares every request's images this way, so its step loop
+keeps stepping while an image decodes. The prepared path and the direct one give the same ids and
+embeddings, and raise the same errors in the same order.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from deepinfer_model import (
 
 from .request_checks import checked_token_id
 
-__all__ = ["IMAGE_PLACEHOLDER", "ImageInputs", "ImagePrompt", "image_bytes"]
+__all__ = ["IMAGE_PLACEHOLDER", "ImageInputs", "ImagePrompt", "PreparedImages", "image_bytes"]
 
 IMAGE_PLACEHOLDER = "<image>"
 
@@ -61,6 +68,20 @@ class ImagePrompt:
         """A prefix-cache namespace in [0, 2**63) for this request's images on top of `base`."""
         key = f"{base}:" + ",".join(self.digests)
         return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+@dataclass(eq=False)
+class PreparedImages:
+    """One request's `multi_modal_data` read and preprocessed ahead of admission (`ImageInputs.prepare`).
+    Errors are kept, not raised, so that admission raises them where the direct path would: `error` (the
+    dict itself is malformed), per image its bytes or the error reading them, and its `PreparedImage`, the
+    error preprocessing it, or None (not preprocessed: the encoder cache held it when prepared, or another
+    image of the request could not be read)."""
+
+    images: list
+    data: list[bytes | ImageError]
+    prepared: list  # per image: deepinfer_model's PreparedImage, an ImageError, or None
+    error: ValueError | None = None
 
 
 def image_bytes(item, label: str) -> bytes:
@@ -101,17 +122,52 @@ class ImageInputs:
         return self._cache
 
     @property
+    def preprocessor(self) -> ImagePreprocessor:
+        """The worker pool that decodes and preprocesses images (created on first use)."""
+        if self._pre is None:
+            self._pre = ImagePreprocessor(self.vision.config, workers=self.workers)
+        return self._pre
+
+    @property
     def placeholder_id(self) -> int:
         """The id that stands for one image in a token prompt (the IMAGE sentinel, `vocab_size + 2`)."""
         return ImageSentinels(int(self.model.config.vocab_size)).image
+
+    def prepare(self, multi_modal_data) -> PreparedImages:
+        """Read and preprocess a request's images without touching engine state (safe on another thread
+        while the engine steps; see the module doc). Images the encoder cache holds are not preprocessed."""
+        try:
+            images = _images_of(multi_modal_data)
+        except ValueError as e:
+            return PreparedImages([], [], [], e)
+        labels = _labels(len(images))
+        data: list[bytes | ImageError] = []
+        for item, label in zip(images, labels, strict=True):
+            try:
+                data.append(image_bytes(item, label))
+            except ImageError as e:
+                data.append(e)
+        prepared: list = [None] * len(images)
+        cache = self._cache  # read only: admission, on the engine's thread, updates it
+        if self.vision is not None and all(isinstance(b, bytes) for b in data):
+            todo = [i for i, b in enumerate(data) if cache is None or image_digest(b) not in cache]
+            if todo:
+                done = self.preprocessor.prepare([data[i] for i in todo], [labels[i] for i in todo])
+                for i, p in zip(todo, done, strict=True):
+                    prepared[i] = p
+        return PreparedImages(images, data, prepared)
 
     def prompt(
         self, prompt: str | None, prompt_token_ids, multi_modal_data, encode, tokenizer
     ) -> ImagePrompt:
         """Expand a text `prompt` (its `<image>` placeholders) or, when given, `prompt_token_ids` (each
         `placeholder_id` one image) with the images; ValueError (an `ImageError` for a bad image) naming
-        the problem. `encode(text)` tokenizes the first text segment (with BOS), `tokenizer` the later ones."""
-        images = _images_of(multi_modal_data)
+        the problem. `encode(text)` tokenizes the first text segment (with BOS), `tokenizer` the later ones.
+        `multi_modal_data` may be the `PreparedImages` that `prepare` made of it."""
+        given = multi_modal_data if isinstance(multi_modal_data, PreparedImages) else None
+        if given is not None and given.error is not None:
+            raise given.error
+        images = given.images if given is not None else _images_of(multi_modal_data)
         if self.vision is None:
             raise ValueError(
                 "multi_modal_data['image']: this model has no vision tower (its config has no "
@@ -136,9 +192,15 @@ class ImageInputs:
                 "prompt_token_ids with the image placeholder id"
             )
 
-        labels = [f"multi_modal_data['image'][{i}]" for i in range(len(images))]
-        data = [image_bytes(item, label) for item, label in zip(images, labels, strict=True)]
-        embedded = self._embed(data, labels)
+        labels = _labels(len(images))
+        if given is None:
+            data = [image_bytes(item, label) for item, label in zip(images, labels, strict=True)]
+        else:
+            for b in given.data:
+                if isinstance(b, ImageError):
+                    raise b
+            data = given.data
+        embedded = self._embed(data, labels, None if given is None else given.prepared)
         cfg = self.model.config
         sentinels = ImageSentinels(vocab)
         ids, spans = expand_images(
@@ -176,38 +238,45 @@ class ImageInputs:
             )
         return segments
 
-    def _embed(self, data: list[bytes], labels: list[str]) -> list[tuple[tuple[int, int], torch.Tensor]]:
-        """Per image its grid (rows, cols) of merged cells and its embeddings [rows * cols, H]."""
+    def _embed(
+        self, data: list[bytes], labels: list[str], given: list | None = None
+    ) -> list[tuple[tuple[int, int], torch.Tensor]]:
+        """Per image its grid (rows, cols) of merged cells and its embeddings [rows * cols, H]. `given`:
+        the images preprocessed by `prepare`; one it left out and the cache no longer holds (evicted since)
+        is preprocessed here."""
         cache, vcfg = self.encoder_cache, self.vision.config
         out: list = [None] * len(data)
-        todo = []
+        misses = []
         for i, b in enumerate(data):
             hit = cache.get(image_digest(b))
             if hit is not None:
                 out[i] = (image_grid_of(b, vcfg, labels[i]), hit)
             else:
-                todo.append(i)
+                misses.append(i)
+        todo = [i for i in misses if given is None or given[i] is None]
+        fresh = {}
         if todo:
-            prepared = self._preprocessor().prepare([data[i] for i in todo], [labels[i] for i in todo])
-            for i, p in zip(todo, prepared, strict=True):
-                if isinstance(p, ImageError):
-                    raise p
-                patches = torch.from_numpy(p.patches).to(self.model.device)
-                with torch.no_grad():
-                    emb = self.vision.embed_image(patches, p.patch_rows, p.patch_cols)
-                cache.put(p.digest, emb)
-                out[i] = ((p.rows, p.cols), emb)
+            done = self.preprocessor.prepare([data[i] for i in todo], [labels[i] for i in todo])
+            fresh = dict(zip(todo, done, strict=True))
+        for i in misses:
+            p = fresh[i] if i in fresh else given[i]
+            if isinstance(p, ImageError):
+                raise p
+            patches = torch.from_numpy(p.patches).to(self.model.device)
+            with torch.no_grad():
+                emb = self.vision.embed_image(patches, p.patch_rows, p.patch_cols)
+            cache.put(p.digest, emb)
+            out[i] = ((p.rows, p.cols), emb)
         return out
-
-    def _preprocessor(self):
-        if self._pre is None:
-            self._pre = ImagePreprocessor(self.vision.config, workers=self.workers)
-        return self._pre
 
     def close(self) -> None:
         if self._pre is not None:
             self._pre.close()
             self._pre = None
+
+
+def _labels(count: int) -> list[str]:
+    return [f"multi_modal_data['image'][{i}]" for i in range(count)]
 
 
 def _images_of(multi_modal_data) -> list:

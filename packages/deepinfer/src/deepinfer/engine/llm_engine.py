@@ -294,7 +294,9 @@ class LLMEngine(PromptChecks):
         COMPLETION engine's per-sample blocks already holding the prompt (`add_handoff` passes them).
         multi_modal_data: `{"image": [bytes | PIL image | path, ...]}`, each image taking the next `<image>`
         of the text `prompt`, or the next image placeholder id of `prompt_token_ids` when given
-        (`images.py`); the images are encoded here, once per distinct image."""
+        (`images.py`); the images are encoded here, once per distinct image. It may also be the
+        `PreparedImages` that `self.images.prepare(multi_modal_data)` made of it on another thread: then
+        only the vision tower runs here, the decoding and preprocessing are done."""
         self.table.check_new(request_id, params)
         validate_vocab_fields(params, self.vocab_size)
         images = None
