@@ -8,7 +8,10 @@ serve` child process (same engine flags) gets it from --concurrency streaming cl
 official `openai` client). Checked, and a failure exits 1: every request answered exactly once, every
 stream complete (one finish reason, usage, [DONE]), each text equal to the offline text of the same
 request, the server's own count of finished requests equal to the number sent. Reported: tokens/s of
-both and their ratio, the clients' TTFT and inter-token latency percentiles. A table on stdout and a flat
+both and their ratio, the clients' TTFT and inter-token latency percentiles. The server never runs more
+requests at once than there are clients, while the offline engine batches up to --max-num-seqs: a second
+offline run with --max-num-seqs set to --concurrency (when lower) gives the engine's own throughput at
+the clients' width, and server_vs_offline_at_concurrency the part of the gap the server's path adds. A table on stdout and a flat
 JSON (--output-dir, default benchmarks/out/, untracked). The run stops by itself: the requests are
 bounded and --time-limit-s bounds the whole server phase. Engine flags (--model, --max-num-seqs, ...)
 apply to both; without --model it runs the built-in deepinfer-tiny.
@@ -204,6 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     requests = workload(args, int(vocab_size))
 
     offline_texts, offline_tokens, offline_s = run_offline(engine_args, requests)
+    narrow_tok_per_s = offline_tokens / offline_s
+    if args.concurrency < engine_args.max_num_seqs:
+        narrow = dataclasses.replace(engine_args, max_num_seqs=args.concurrency)
+        _, narrow_tokens, narrow_s = run_offline(narrow, requests)
+        narrow_tok_per_s = narrow_tokens / narrow_s
     proc, url = start_server(engine_args, timeout_s=600)
     try:
         run = asyncio.run(
@@ -241,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         "server_s": run["elapsed"],
         "server_tok_per_s": server_tokens / run["elapsed"],
         "server_vs_offline": (server_tokens / run["elapsed"]) / (offline_tokens / offline_s),
+        "offline_at_concurrency_tok_per_s": narrow_tok_per_s,
+        "server_vs_offline_at_concurrency": (server_tokens / run["elapsed"]) / narrow_tok_per_s,
         "lost": len(lost),
         "duplicated": len(run["duplicates"]),
         "incomplete": len(incomplete),

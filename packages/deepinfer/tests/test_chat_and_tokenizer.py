@@ -58,6 +58,80 @@ def test_tool_calls_and_tool_messages():
     )
 
 
+def test_tool_call_ids_name_the_call_each_result_answers():
+    def call(call_id, city):
+        return {
+            "id": call_id,
+            "type": "function",
+            "function": {"name": "weather", "arguments": {"city": city}},
+        }
+
+    messages = [
+        {"role": "user", "content": "Weather in Paris and Oslo?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [call("call_a", "Paris"), call("call_b", "Oslo")],
+        },
+        # answered out of order: only the ids tell which result is whose
+        {"role": "tool", "tool_call_id": "call_b", "content": "-3"},
+        {"role": "tool", "tool_call_id": "call_a", "content": "21"},
+    ]
+    got = render_chat(messages, CONFIG, tools=[WEATHER_TOOL])
+    assert got.endswith(
+        "<｜Assistant｜><｜tool▁calls▁begin｜>"
+        '[id: call_a]<｜tool▁call▁begin｜>weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜>'
+        '[id: call_b]<｜tool▁call▁begin｜>weather<｜tool▁sep｜>{"city": "Oslo"}<｜tool▁call▁end｜>'
+        "<｜tool▁calls▁end｜><｜end▁of▁sentence｜>"
+        "<｜tool▁output▁begin｜>[id: call_b]-3<｜tool▁output▁end｜>"
+        "<｜tool▁output▁begin｜>[id: call_a]21<｜tool▁output▁end｜><｜Assistant｜>"
+    )
+    # the ids stand outside the calls' markup: the turn still parses to the calls as written
+    from deepinfer import ToolCall, parse_tool_calls
+
+    turn = got.split("<｜Assistant｜>")[1].split("<｜end▁of▁sentence｜>")[0]
+    assert parse_tool_calls(turn).calls == [
+        ToolCall("weather", '{"city": "Paris"}'),
+        ToolCall("weather", '{"city": "Oslo"}'),
+    ]
+    # a checkpoint carrying an earlier built-in template renders the ids too
+    for old in EARLIER_DEFAULT_CHAT_TEMPLATES:
+        assert render_chat(messages, {**CONFIG, "chat_template": old}, tools=[WEATHER_TOOL]) == got
+    # a result naming no earlier call is refused, naming the field
+    for bad in ("call_c", 7):
+        wrong = [*messages[:2], {"role": "tool", "tool_call_id": bad, "content": "-3"}]
+        with pytest.raises(ValueError, match=r"^messages\[2\]\.tool_call_id: .* names no tool call"):
+            render_chat(wrong, CONFIG, tools=[WEATHER_TOOL])
+    # a result may not name a call that comes after it
+    with pytest.raises(ValueError, match=r"^messages\[1\]\.tool_call_id"):
+        render_chat([messages[0], messages[2], messages[1]], CONFIG)
+
+
+@pytest.mark.parametrize("thinking", [None, True, False])
+def test_prompts_without_tool_call_ids_render_as_the_earlier_template(thinking):
+    """The template before tool call ids (the last earlier built-in one), byte for byte, for every
+    prompt that gives none: no tools, tools, tool calls and results matched by order."""
+    before = {**CONFIG, "chat_template": EARLIER_DEFAULT_CHAT_TEMPLATES[-1]}
+    assert EARLIER_DEFAULT_CHAT_TEMPLATES[-1] != DEFAULT_CHAT_TEMPLATE
+    by_order = [
+        *USER,
+        {
+            "role": "assistant",
+            "content": "Let me see.",
+            "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": "{}"}}],
+        },
+        {"role": "tool", "content": "21"},
+        {"role": "assistant", "content": "21 degrees."},
+        {"role": "user", "content": "Thanks"},
+    ]
+    kwargs = None if thinking is None else {"thinking": thinking}
+    for messages in (USER, by_order):
+        for tools in (None, [WEATHER_TOOL]):
+            for gen in (True, False):
+                want = render_chat(messages, before, gen, kwargs, tools)
+                assert render_chat(messages, CONFIG, gen, kwargs, tools) == want
+
+
 WEATHER_TOOL = {
     "type": "function",
     "function": {

@@ -1,8 +1,9 @@
 """Tool calling through `deepinfer serve` with the official `openai` client: a forced call (tool_choice
 required / a named function) is a valid call of an allowed tool even from the random-weights model, whole
 and streamed alike and equal to the offline engine's; "auto" reads calls the model writes and leaves other
-text as content, "none" reads none; the history's tool calls and tool results render as `LLM.chat`
-renders them; bad tool definitions and choices are 400s naming the field."""
+text as content, "none" reads none, and without parallel calls "auto" keeps the first call only; the
+history's tool calls and tool results render as `LLM.chat` renders them, their ids pairing results with
+calls; bad tool definitions and choices are 400s naming the field."""
 
 import json
 
@@ -172,24 +173,70 @@ def test_history_with_tool_calls_and_results_renders_as_llm_chat(client, offline
                     "id": "call_1",
                     "type": "function",
                     "function": {"name": "clock", "arguments": '{"utc": true}'},
-                }
+                },
+                {
+                    "id": "call_2",
+                    "type": "function",
+                    "function": {"name": "weather", "arguments": '{"city": "Oslo", "days": 2}'},
+                },
             ],
         },
+        # answered out of order: the ids, rendered with the calls and the results, pair them
+        {"role": "tool", "tool_call_id": "call_2", "content": "rain"},
         {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
     ]
-    plain = [
-        *MESSAGES,
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [{"type": "function", "function": {"name": "clock", "arguments": '{"utc": true}'}}],
-        },
-        {"role": "tool", "content": "12:00"},
-    ]
-    want = offline.chat(plain, SamplingParams(max_tokens=8, seq_seed=2), use_tqdm=False, tools=TOOLS)[0]
+    want = offline.chat(history, SamplingParams(max_tokens=8, seq_seed=2), use_tqdm=False, tools=TOOLS)[0]
+    assert "<｜tool▁output▁begin｜>[id: call_2]rain" in want.prompt
+    assert f"[id: call_1]{CALL_BEGIN}clock{CALL_SEP}" in want.prompt
     got = client.chat.completions.create(model="micro", messages=history, tools=TOOLS, max_tokens=8, seed=2)
     assert got.usage.prompt_tokens == len(want.prompt_token_ids)
     assert got.choices[0].message.content == want.outputs[0].text
+    # the same history without ids renders apart (the results then matched to calls by order)
+    plain = [{k: v for k, v in m.items() if k != "tool_call_id"} for m in history]
+    plain[1] = plain[1] | {
+        "tool_calls": [{k: v for k, v in c.items() if k != "id"} for c in history[1]["tool_calls"]]
+    }
+    by_order = offline.chat(plain, SamplingParams(max_tokens=8, seq_seed=2), use_tqdm=False, tools=TOOLS)[0]
+    assert "[id: " not in by_order.prompt and len(by_order.prompt_token_ids) < len(want.prompt_token_ids)
+    got = client.chat.completions.create(model="micro", messages=plain, tools=TOOLS, max_tokens=8, seed=2)
+    assert got.usage.prompt_tokens == len(by_order.prompt_token_ids)
+    assert got.choices[0].message.content == by_order.outputs[0].text
+
+
+def test_auto_without_parallel_calls_keeps_the_first_call_only(client, offline):
+    # a model that writes two calls (a regex makes it)
+    two = (
+        f'{CALLS_BEGIN}{CALL_BEGIN}clock{CALL_SEP}{{"utc": true}}{CALL_END}'
+        f'{CALL_BEGIN}weather{CALL_SEP}{{"city": "Oslo", "days": 2}}{CALL_END}{CALLS_END}'
+    )
+    regex = r"Sure\." + two.replace("{", r"\{").replace("}", r"\}")
+    kw = dict(model="micro", messages=MESSAGES, tools=TOOLS, max_tokens=150, seed=1)
+    so = {"extra_body": {"so_args": {"schema_type": "regex", "schema": regex}}}
+    both = [("clock", '{"utc": true}'), ("weather", '{"city": "Oslo", "days": 2}')]
+    parallel = client.chat.completions.create(**kw, **so).choices[0]
+    assert _calls(parallel.message) == both and parallel.finish_reason == "tool_calls"
+    # without parallel calls: the first call, whole, and nothing after it; streamed alike
+    for stop in (None, ["never"], "never"):
+        one = dict(kw, parallel_tool_calls=False, **({} if stop is None else {"stop": stop}))
+        single = client.chat.completions.create(**one, **so).choices[0]
+        assert single.message.content == "Sure." and _calls(single.message) == both[:1]
+        assert single.finish_reason == "tool_calls"
+        assert _streamed(client.chat.completions.create(stream=True, **one, **so)) == (
+            "Sure.",
+            both[:1],
+            "tool_calls",
+        )
+    # the text is the offline engine's up to the first call's end
+    params = SamplingParams(
+        max_tokens=150, seq_seed=1, stop=[CALL_END], so_args={"schema_type": "regex", "schema": regex}
+    )
+    want = offline.chat(MESSAGES, params, use_tqdm=False, tools=TOOLS)[0].outputs[0]
+    assert want.text == "Sure." + two[: two.index(CALL_END)] and want.finish_reason == "stop"
+    # a forced call without parallel calls is one call by its grammar
+    forced = client.chat.completions.create(
+        **(kw | {"max_tokens": 300}), tool_choice="required", parallel_tool_calls=False
+    ).choices[0]
+    assert len(forced.message.tool_calls) == 1 and forced.finish_reason == "tool_calls"
 
 
 def _bad(client, **kw) -> dict:
@@ -226,6 +273,20 @@ def _bad(client, **kw) -> dict:
         (dict(tools=[{"type": "function"}]), "tools[0].function"),
         (dict(tools=[{"type": "retrieval", "function": {"name": "f"}}]), "tools[0].type"),
         (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "tool_choice"),
+        (
+            dict(
+                messages=[
+                    *MESSAGES,
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"id": "call_1", "function": {"name": "clock", "arguments": "{}"}}],
+                    },
+                    {"role": "tool", "tool_call_id": "call_9", "content": "12:00"},
+                ]
+            ),
+            "messages[2].tool_call_id",
+        ),
+        (dict(messages=[{"role": "user", "content": "x", "tool_call_id": "call_1"}]), "messages[0]"),
         (
             dict(
                 messages=[

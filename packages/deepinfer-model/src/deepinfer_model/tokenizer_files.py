@@ -32,23 +32,38 @@ _TOOLS = (
     "Arguments (JSON schema): {{ (t['function'].get('parameters') or {'type': 'object'}) | tojson }}\n"
     "{% endfor %}{% endif %}"
 )
-# The turns and the generation prompt (thinking modes, tool calls and tool messages)
-_TURNS = (
-    "{% for m in messages %}"
-    "{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
-    "{% elif m['role'] == 'assistant' %}<｜Assistant｜>{% if thinking is defined %}</think>{% endif %}"
-    "{% if m['content'] is not none %}{{ m['content'] }}{% endif %}"
-    "{% if m['tool_calls'] is defined and m['tool_calls'] %}<｜tool▁calls▁begin｜>"
-    "{% for call in m['tool_calls'] %}<｜tool▁call▁begin｜>{{ call['function']['name'] }}<｜tool▁sep｜>"
-    "{% if call['function']['arguments'] is string %}{{ call['function']['arguments'] }}"
-    "{% else %}{{ call['function']['arguments'] | tojson }}{% endif %}<｜tool▁call▁end｜>{% endfor %}"
-    "<｜tool▁calls▁end｜>{% endif %}<｜end▁of▁sentence｜>"
-    "{% elif m['role'] == 'tool' %}<｜tool▁output▁begin｜>{{ m['content'] }}<｜tool▁output▁end｜>{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<｜Assistant｜>"
-    "{% if thinking is defined %}{% if thinking %}<think>{% else %}</think>{% endif %}{% endif %}{% endif %}"
+# A tool call's id (OpenAI's `id`) before the call, and the id a tool result answers (`tool_call_id`) at
+# the start of the result, each when given, so a model can tell which result belongs to which call; a
+# history without ids renders as in the earlier template (results matched to calls by order). The id
+# stands outside the call's markup: a model that writes one back leaves its calls as they parse.
+_CALL_ID = "{% if call['id'] is defined and call['id'] %}[id: {{ call['id'] }}]{% endif %}"
+_RESULT_ID = (
+    "{% if m['tool_call_id'] is defined and m['tool_call_id'] %}[id: {{ m['tool_call_id'] }}]{% endif %}"
 )
-DEFAULT_CHAT_TEMPLATE = _SYSTEM_TEXT + _TOOLS + _TURNS
+
+
+def _turns(call_id: str = "", result_id: str = "") -> str:
+    """The turns and the generation prompt (thinking modes, tool calls and tool messages)."""
+    return (
+        "{% for m in messages %}"
+        "{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
+        "{% elif m['role'] == 'assistant' %}<｜Assistant｜>{% if thinking is defined %}</think>{% endif %}"
+        "{% if m['content'] is not none %}{{ m['content'] }}{% endif %}"
+        "{% if m['tool_calls'] is defined and m['tool_calls'] %}<｜tool▁calls▁begin｜>"
+        f"{{% for call in m['tool_calls'] %}}{call_id}<｜tool▁call▁begin｜>{{{{ call['function']['name'] }}}}"
+        "<｜tool▁sep｜>"
+        "{% if call['function']['arguments'] is string %}{{ call['function']['arguments'] }}"
+        "{% else %}{{ call['function']['arguments'] | tojson }}{% endif %}<｜tool▁call▁end｜>{% endfor %}"
+        "<｜tool▁calls▁end｜>{% endif %}<｜end▁of▁sentence｜>"
+        f"{{% elif m['role'] == 'tool' %}}<｜tool▁output▁begin｜>{result_id}{{{{ m['content'] }}}}"
+        "<｜tool▁output▁end｜>{% endif %}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}<｜Assistant｜>"
+        "{% if thinking is defined %}{% if thinking %}<think>{% else %}</think>{% endif %}{% endif %}{% endif %}"
+    )
+
+
+DEFAULT_CHAT_TEMPLATE = _SYSTEM_TEXT + _TOOLS + _turns(_CALL_ID, _RESULT_ID)
 
 # Built-in templates of earlier releases, still in the tokenizer_config.json of checkpoints we generated
 # then: they render as DEFAULT_CHAT_TEMPLATE (identically for their roles) so those checkpoints get
@@ -63,7 +78,9 @@ EARLIER_DEFAULT_CHAT_TEMPLATES = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}",
     # before tool definitions (`tools`)
-    _SYSTEM_TEXT + _TURNS,
+    _SYSTEM_TEXT + _turns(),
+    # before tool call ids (results matched to calls by order only)
+    _SYSTEM_TEXT + _TOOLS + _turns(),
 )
 
 

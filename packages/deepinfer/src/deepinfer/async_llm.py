@@ -40,6 +40,10 @@ class EngineDeadError(RuntimeError):
     """The step loop stopped on an error (or the engine was closed); no request can complete."""
 
 
+# How long the loop may wait, after a step in which requests finished, for their clients' next requests
+# (`AsyncLLM._await_replacements`): this fraction of the last step's time.
+REFILL_WAIT_FRACTION = 0.25
+
 # Called after each delivery of new tokens and once a request finishes: (output so far, tokens new in
 # it (0 for a finish without any), seconds since the previous delivery or None before the first,
 # perf_counter time now).
@@ -273,13 +277,41 @@ class AsyncLLM:
                         self._wake.clear()
                         await self._wake.wait()
                     continue
+                started = time.perf_counter()
                 finished = await loop.run_in_executor(self._executor, self.engine.step)
                 self._publish(finished)
                 self._refresh_stats()
+                if finished:
+                    await self._await_replacements(len(finished), time.perf_counter() - started)
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # noqa: BLE001 - every waiting request learns why, then the loop ends
             self._die(EngineDeadError(f"the engine's step loop stopped: {type(e).__name__}: {e}"))
+
+    async def _await_replacements(self, num_finished: int, step_s: float) -> None:
+        """Give the clients of requests that just finished a moment to send their next ones, so that
+        those join the step scheduled next rather than the one after.
+
+        In the asynchronous loop the model already runs the following step when `step()` returns, and
+        the next `step()` schedules the one after it at once, before a client that got its final output
+        can have sent its next request: without this wait that request would join a step later, its
+        slot left empty meanwhile. The wait ends as soon as as many requests were added as finished, an
+        abort is asked for, or REFILL_WAIT_FRACTION of the last step's time has passed (the step in
+        flight then still leaves the host time to schedule and queue the next one). No wait without a
+        step in flight (the synchronous loop, a speculative step, a parallel front, an idle engine):
+        nothing would hide it, and a request added would be delayed by it."""
+        step_in_flight = getattr(self.engine, "step_in_flight", None)
+        if step_in_flight is None or not step_in_flight():
+            return
+        deadline = time.perf_counter() + REFILL_WAIT_FRACTION * step_s
+        target = len(self._admissions) + num_finished
+        while len(self._admissions) < target and not self._aborts:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), left)
 
     def _apply_requests(self) -> None:
         """Admit and abort between steps (on the event loop's thread, no step running)."""

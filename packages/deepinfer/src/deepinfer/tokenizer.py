@@ -79,6 +79,28 @@ def _check_message(i: int, m) -> None:
         raise ValueError(f"{where} (role {m['role']}) must have a str 'content'")
 
 
+def _check_tool_call_ids(messages: list[dict]) -> None:
+    """Every tool message's `tool_call_id`, when given, names a call of an earlier assistant message (its
+    `id`): the template shows the id with the call and with the result, and a result naming no call
+    would answer nothing the model can see."""
+    calls: set[str] = set()
+    for i, m in enumerate(messages):
+        own_calls = (m.get("tool_calls") or []) if m["role"] == "assistant" else []
+        for j, call in enumerate(own_calls):
+            call_id = call.get("id")
+            if call_id is not None and not isinstance(call_id, str):
+                raise ValueError(f"messages[{i}].tool_calls[{j}].id must be a str, got {call_id!r}")
+            if call_id:
+                calls.add(call_id)
+        call_id = m.get("tool_call_id")
+        if m["role"] == "tool" and call_id is not None:
+            if not isinstance(call_id, str) or call_id not in calls:
+                raise ValueError(
+                    f"messages[{i}].tool_call_id: {call_id!r} names no tool call of an earlier assistant "
+                    f"message (their ids: {sorted(calls)})"
+                )
+
+
 def chat_template_of(tokenizer_config: dict) -> str:
     """The checkpoint's chat template; the built-in one when it has none (or an earlier built-in one)."""
     template = tokenizer_config.get("chat_template") or DEFAULT_CHAT_TEMPLATE
@@ -103,6 +125,7 @@ def render_chat(
         raise ValueError("messages must be a non-empty list of message dicts")
     for i, m in enumerate(messages):
         _check_message(i, m)
+    _check_tool_call_ids(messages)
     template = chat_template_of(tokenizer_config)
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
     env.filters["tojson"] = lambda v: json.dumps(v, ensure_ascii=False)

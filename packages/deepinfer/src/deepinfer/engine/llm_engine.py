@@ -399,6 +399,11 @@ class LLMEngine(PromptChecks):
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or self.strategy.busy() or bool(self.table.done)
 
+    def step_in_flight(self) -> bool:
+        """Whether a step already runs on the model thread (the asynchronous loop, between `step()`
+        calls): the next `step()` schedules the one after it."""
+        return self.pipeline is not None and self.strategy.busy()
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 

@@ -4,6 +4,8 @@ takes images as `data:` URLs only: a client never makes it read a file or fetch 
 
 from __future__ import annotations
 
+import re
+
 import jinja2
 
 from ..chat_images import image_from_url
@@ -58,9 +60,16 @@ def _plain(i: int, m: ChatMessage, images: list) -> dict:
             )
         out["tool_calls"] = [
             {"type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+            | ({} if c.id is None else {"id": c.id})
             for c in m.tool_calls
         ]
         out["content"] = None if m.content is None else out["content"]
+    if m.tool_call_id is not None:
+        if m.role != "tool":
+            raise bad_request(
+                f"messages[{i}].tool_call_id: only tool messages answer a tool call", f"messages[{i}]"
+            )
+        out["tool_call_id"] = m.tool_call_id
     return out
 
 
@@ -86,6 +95,9 @@ def render_messages(
         for field in ("chat_template_kwargs", "tools"):
             if message.startswith(field):
                 param = field
+        named = re.match(r"(messages\[\d+\][\w.\[\]]*):", message)  # the field a message check names
+        if named:
+            param = named.group(1)
         raise bad_request(message, param) from None
     except jinja2.TemplateError as e:
         raise bad_request(f"the chat template failed on these messages: {e}", "messages") from None

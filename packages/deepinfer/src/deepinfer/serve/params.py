@@ -54,12 +54,18 @@ def sampling_params(
     names: dict[str, str],
     so_args: dict | None = None,
     prompt_logprobs: int | None = None,
+    stop: tuple[str, ...] = (),
 ) -> SamplingParams:
     """names: the engine's field name -> the request's, for the fields the two endpoints name apart;
     so_args: a constraint of the server's own (a forced tool call) in place of the request's;
-    prompt_logprobs: the prompt's logprobs with this many alternatives (completions' echo)."""
+    prompt_logprobs: the prompt's logprobs with this many alternatives (completions' echo);
+    stop: stop strings of the server's own (one tool call only) besides the request's."""
     kwargs = {"n": req.n, "max_tokens": max_tokens, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
     kwargs.update({name: getattr(req, name) for name in _PASSED if getattr(req, name) is not None})
+    if stop:
+        given = kwargs.get("stop") or []
+        given = [given] if isinstance(given, str) else list(given)
+        kwargs["stop"] = given + [s for s in stop if s not in given]
     if req.seed is not None:
         kwargs["seq_seed"] = req.seed
     kwargs["so_args"] = so_args if so_args is not None else structured_outputs(req)

@@ -93,7 +93,7 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # assistant turns
-    tool_call_id: str | None = None  # tool turns: the call answered (DeepSeek's format matches by order)
+    tool_call_id: str | None = None  # tool turns: the call answered (an id of an earlier call)
 
 
 class FunctionDefinition(BaseModel):
@@ -132,4 +132,4 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # False: a forced call (tool_choice required / named) is one call
+    parallel_tool_calls: bool | None = None  # False: at most one call (forced or read from "auto")

@@ -138,7 +138,8 @@ class OpenAIServing:
             "prompt_token_ids": "messages",
             "multi_modal_data": "messages",
         }
-        job = _Job(prompt, ids, sampling_params(req, limit, logprobs, names, forced_call), images or None)
+        params = sampling_params(req, limit, logprobs, names, forced_call, stop=tools.stop)
+        job = _Job(prompt, ids, params, images or None)
         rid, streams = await self._admit([job], "chatcmpl", names)
         created = int(time.time())
 

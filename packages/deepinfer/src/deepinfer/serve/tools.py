@@ -3,7 +3,7 @@ and for a forced call the grammar that makes the output one.
 
 `tool_choice` "none" shows the tools but reads no calls (the text is content as written); "auto" (the
 default with tools) reads calls when the model writes the call markup (`deepinfer.tool_calls`), else the
-text is content. "required" and a named function constrain generation with an EBNF grammar
+text is content; with `parallel_tool_calls: false` the completion stops at the end of its first call. "required" and a named function constrain generation with an EBNF grammar
 (structured outputs) whose every sentence is a block of calls of the allowed functions, each with
 arguments valid under its parameters' JSON schema, so even an untrained model's output is a call.
 In thinking mode the constraint engages after the think-end token, leaving the reasoning free.
@@ -32,6 +32,7 @@ class ToolPlan:
     tools: list[dict] | None  # the definitions the prompt shows
     read_calls: bool  # whether the output is parsed for tool calls
     grammar: str | None  # a forced call's EBNF grammar (tool_choice required / named)
+    stop: tuple[str, ...] = ()  # stop strings the completion needs besides the request's own
 
     def so_args(self, thinking: bool, think_end_id: int | None) -> dict | None:
         """The forced call's structured output; in thinking mode it engages after the reasoning."""
@@ -69,7 +70,14 @@ def plan_tools(req: ChatCompletionRequest) -> ToolPlan:
         schemas[name] = _checked_parameters(tool.function.parameters, f"{where}.parameters")
     tools = [t.model_dump(exclude_none=True) for t in req.tools]
     if choice is None or choice == "auto":
-        return ToolPlan(tools, True, None)
+        # At most one call without parallel calls: the completion stops where its first call ends. A stop
+        # string rather than a grammar, because the call markers are ordinary text that a model may
+        # spell in many token sequences (a token trigger would miss some, and a grammar over the free
+        # text before a call would cost a mask every token); the stop acts on the detokenized text,
+        # however it was spelled, leaves everything up to the call's end as the model wrote it, composes
+        # with the request's own response_format / so_args, and the parser reads the call it ends in
+        # (the stop string removed) as complete. The one call left is the whole reply's.
+        return ToolPlan(tools, True, None, () if req.parallel_tool_calls is not False else (CALL_END,))
     if choice == "none":
         return ToolPlan(tools, False, None)
     if choice != "required":
