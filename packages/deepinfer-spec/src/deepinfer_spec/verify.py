@@ -111,12 +111,19 @@ def _validate_counts(name: str, values: Sequence, num_requests: int) -> None:
 def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Exact inverse-CDF draw per row (float64, vocabulary order), as the model's sampler does.
     `uniforms` [rows] must be on the device of `weights` [rows, V]; the result is too."""
+    return _draw(weights, uniforms)[0]
+
+
+def _draw(weights: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`inverse_cdf`, and the rows' cumulative weights it searched (a caller reads each row's total
+    there: the CDF's last column, no second pass over the rows)."""
     cdf = torch.cumsum(weights, dim=-1)
     total = cdf[:, -1]
     picked = torch.searchsorted(cdf, (uniforms * total)[:, None], right=True).squeeze(1)
-    # u * total can round up to total: fall back to the last token with positive weight.
-    last_nonzero = weights.shape[-1] - 1 - torch.argmax((weights.flip(-1) > 0).to(torch.int8), dim=-1)
-    return torch.minimum(picked, last_nonzero)
+    # u * total can round up to total: fall back to the last token with positive weight (the flag
+    # rows are flipped, one byte an entry, not the float64 weights)
+    last_nonzero = weights.shape[-1] - 1 - torch.argmax((weights > 0).flip(-1).view(torch.int8), dim=-1)
+    return torch.minimum(picked, last_nonzero), cdf
 
 
 def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
