@@ -111,16 +111,22 @@ def _validate_counts(name: str, values: Sequence, num_requests: int) -> None:
         raise ValueError(f"{name} must have one entry per request ({num_requests}), got {len(values)}")
 
 
-def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(
+    weights: torch.Tensor, uniforms: torch.Tensor, cdf: torch.Tensor | None = None
+) -> torch.Tensor:
     """Exact inverse-CDF draw per row (float64, vocabulary order), as the model's sampler does.
-    `uniforms` [rows] must be on the device of `weights` [rows, V]; the result is too."""
-    return _draw(weights, uniforms)[0]
+    `uniforms` [rows] must be on the device of `weights` [rows, V]; the result is too. `cdf`: a buffer
+    of the weights' shape and dtype the cumulative weights are written into (a caller drawing step
+    after step reuses one: no [rows, V] allocation per draw)."""
+    return _draw(weights, uniforms, cdf)[0]
 
 
-def _draw(weights: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _draw(
+    weights: torch.Tensor, uniforms: torch.Tensor, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`inverse_cdf`, and the rows' cumulative weights it searched (a caller reads each row's total
     there: the CDF's last column, no second pass over the rows)."""
-    cdf = torch.cumsum(weights, dim=-1)
+    cdf = torch.cumsum(weights, dim=-1) if out is None else torch.cumsum(weights, dim=-1, out=out)
     total = cdf[:, -1]
     picked = torch.searchsorted(cdf, (uniforms * total)[:, None], right=True).squeeze(1)
     # u * total can round up to total: fall back to the last token with positive weight (the flag
@@ -324,7 +330,8 @@ class DraftVerifier:
             # only counts when it is that token.
             sampled_ok = valid & drawn & (plain[dev["verify_rows"]] == drafts)
             row_accepted = torch.where(is_greedy, row_accepted, sampled_ok)
-            agreement = coupled_agreement(target[dev["verify_rows"]], q_rows)
+            # (the gathered rows are a copy: the agreement may work in them)
+            agreement = coupled_agreement(target[dev["verify_rows"]], q_rows, overwrite_p=True)
             accept_probs = torch.where(is_greedy, accept_probs, agreement)
         elif len(batch.sampled_drafts):
             # Only sampled rows are normalised: greedy rows may carry logits and need only an argmax.

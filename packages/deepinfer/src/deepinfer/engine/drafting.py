@@ -100,6 +100,7 @@ class DraftRowSampler:
         self.slot = {row: m for m, row in enumerate(sampled)}  # row -> its index among sampled rows
         self.q: torch.Tensor | None = None  # [M, steps, V] float64: q of each sampled row and draft step
         self.steps_drawn = 0
+        self.cdf: torch.Tensor | None = None
         if not sampled:
             return
         self.steps = max(requests[i].num_drafts for i in sampled)
@@ -136,7 +137,9 @@ class DraftRowSampler:
             q = self.q[:, step]
             q.copy_(probs)
             self.steps_drawn = max(self.steps_drawn, step + 1)
-            drawn = inverse_cdf(q, self.uniforms[step])
+            if self.cdf is None:
+                self.cdf = torch.empty_like(probs, dtype=torch.float64)
+            drawn = inverse_cdf(q, self.uniforms[step], cdf=self.cdf)  # (one CDF buffer for every step)
             if self.every_row_sampled:
                 tokens = drawn
             else:
