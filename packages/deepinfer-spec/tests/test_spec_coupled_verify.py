@@ -114,6 +114,10 @@ def test_coupled_agreement_is_the_naive_float64_overlap():
         got <= torch.minimum(p / p.sum(-1, keepdim=True), q / q.sum(-1, keepdim=True)).sum(-1) + 1e-12
     ).all()
     assert coupled_agreement(torch.zeros(1, 30), q[:1]).item() == 0.0
+    # working in a scratch copy of p gives the same bits, and leaves q alone
+    q_before = q.clone()
+    assert torch.equal(coupled_agreement(p.clone(), q, overwrite_p=True), got)
+    assert torch.equal(q, q_before)
 
 
 @pytest.mark.parametrize("alpha", [0.5, 1.0])

@@ -177,3 +177,79 @@ def test_a_draft_batch_draws_without_a_host_read_and_with_explicit_devices():
         probs = sampler.probs()
     assert reads.seen == []
     assert [q is None for q in probs] == [p.greedy for p in MIXES["mixed"]]
+
+
+def _naive_draw(q: np.ndarray, u: float) -> int:
+    """Inverse CDF written out: accumulate the float64 weights in vocabulary order, take the first token
+    whose running total exceeds u * total; when none does (u * total rounded up to the total), the last
+    token of positive weight; a row without any (no token left) gives the last id, as the sampler does."""
+    running, cdf = 0.0, []
+    for w in q.tolist():
+        running += w
+        cdf.append(running)
+    x = u * running
+    for token, c in enumerate(cdf):
+        if c > x:
+            return token
+    positive = np.flatnonzero(q > 0)
+    return int(positive[-1]) if len(positive) else len(q) - 1
+
+
+def _random_params(rng: np.random.Generator, vocab: int) -> RowParams:
+    if rng.random() < 0.25:
+        return RowParams(temperature=0.0, seed=int(rng.integers(0, 2**63)))
+    return RowParams(
+        temperature=float(rng.uniform(0.05, 2.0)),
+        top_p=float(rng.choice([1.0, rng.uniform(0.05, 1.0)])),
+        top_k=int(rng.choice([-1, rng.integers(1, vocab + 1)])),
+        min_p=float(rng.choice([0.0, rng.uniform(0.0, 0.3)])),
+        seed=int(rng.integers(0, 2**64, dtype=np.uint64)),
+    )
+
+
+@pytest.mark.parametrize("vocab", [61, 4099])
+@pytest.mark.parametrize("trial", range(4))
+def test_random_batches_draw_the_naive_per_row_tokens(trial, vocab):
+    """A batch of random greedy and sampled rows (temperatures, top-p, top-k, min-p, 64-bit seeds, base
+    positions, accepted counts, coupled or offset draft streams), one of them with no token left at a
+    step: every draft and every q row equal, bitwise, those of drawing each row alone by the naive
+    inverse CDF above with the scalar stream's uniform at the draft's position."""
+    rng = np.random.default_rng(1000 * trial + vocab)
+    n, k = int(rng.integers(1, 13)), int(rng.integers(1, 6))
+    requests = []
+    for i in range(n):
+        params = _random_params(rng, vocab)
+        coupled = bool(rng.integers(0, 2))
+        requests.append(
+            DraftRequest(
+                i,
+                [1, 2, 3],
+                4,
+                k,
+                params,
+                int(rng.integers(0, 10**6)),
+                int(rng.integers(0, k + 1)),
+                draft_seed=params.seed if coupled else None,
+            )
+        )
+    # the drafter's logits: FP32 values in the float64 carrier
+    steps = [torch.from_numpy(rng.standard_normal((n, vocab)) * 3).float().double() for _ in range(k)]
+    steps[int(rng.integers(0, k))][int(rng.integers(0, n))] = float("-inf")  # a row with no token left
+    sampler = DraftRowSampler(requests, torch.device("cpu"))
+    got = torch.stack([sampler.pick_rows(logits, s) for s, logits in enumerate(steps)], dim=1)
+    for r, req in enumerate(requests):
+        q_rows = []
+        for s, logits in enumerate(steps):
+            if req.params.greedy:
+                assert got[r, s] == int(np.argmax(logits[r].numpy())), (r, s)
+                continue
+            q = torch.nan_to_num(filtered_probs(logits[r][None].float(), [req.params])[0].double(), nan=0.0)
+            u = stream_uniform(
+                req.draft_stream_seed, draft_position(req.base_position, req.num_accepted, s), Purpose.SAMPLE
+            )
+            assert got[r, s] == _naive_draw(q.numpy(), u), (r, s)
+            q_rows.append(q)
+        q = sampler.probs()[r]
+        assert (q is None) == req.params.greedy
+        if q is not None:
+            assert torch.equal(q, torch.stack(q_rows))

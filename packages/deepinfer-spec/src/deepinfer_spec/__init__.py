@@ -22,6 +22,7 @@ from .random_stream import (
     stream_uniforms_tensor,
     verify_row_position,
 )
+from .row_blocks import cat_rows
 from .state import Rollback, SpecDecodeState, cumulative_rates
 from .stats import SpecStats, expected_calibration_error, full_acceptance_tokens_per_s
 from .step_time import ForwardRuntimeEstimator, SamplerRuntimeEstimator, StepTimeCurve
@@ -52,6 +53,7 @@ __all__ = [
     "VarlenRequest",
     "VerifyPlan",
     "VerifyResult",
+    "cat_rows",
     "coupled_agreement",
     "cumulative_rates",
     "draft_position",

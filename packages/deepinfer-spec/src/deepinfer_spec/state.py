@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .random_stream import DRAFT_SEED_OFFSET
+from .row_blocks import cat_rows
 from .varlen import VarlenRequest, VerifyPlan
 from .verify import VerifyResult
 
@@ -188,7 +189,7 @@ class SpecDecodeState:
             # Requests that kept no distribution (greedy ones need none) get zero rows; the verifier
             # rejects the draft of a zero row of a sampled request.
             zeros = stored[0].new_zeros
-            draft_probs = torch.cat([p if p is not None else zeros(k, stored[0].shape[1]) for k, p in probs])
+            draft_probs = cat_rows([p if p is not None else zeros(k, stored[0].shape[1]) for k, p in probs])
         # Draft ids are host bookkeeping (the verifier validates them on the host and sends them to the
         # device with its other indices); the q rows stay where the drafter made them.
         return torch.tensor(tokens, dtype=torch.int64, device="cpu"), draft_probs, confs

@@ -103,20 +103,36 @@ class VerifyResult:
         return torch.tensor(flags, dtype=torch.bool, device="cpu")  # host bookkeeping, like row_accepted
 
 
+_BAD_TARGET = "target_probs rows must be finite and >= 0"
+
+
 def _validate_counts(name: str, values: Sequence, num_requests: int) -> None:
     if len(values) != num_requests:
         raise ValueError(f"{name} must have one entry per request ({num_requests}), got {len(values)}")
 
 
-def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(
+    weights: torch.Tensor, uniforms: torch.Tensor, cdf: torch.Tensor | None = None
+) -> torch.Tensor:
     """Exact inverse-CDF draw per row (float64, vocabulary order), as the model's sampler does.
-    `uniforms` [rows] must be on the device of `weights` [rows, V]; the result is too."""
-    cdf = torch.cumsum(weights, dim=-1)
+    `uniforms` [rows] must be on the device of `weights` [rows, V]; the result is too. `cdf`: a buffer
+    of the weights' shape and dtype the cumulative weights are written into (a caller drawing step
+    after step reuses one: no [rows, V] allocation per draw)."""
+    return _draw(weights, uniforms, cdf)[0]
+
+
+def _draw(
+    weights: torch.Tensor, uniforms: torch.Tensor, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`inverse_cdf`, and the rows' cumulative weights it searched (a caller reads each row's total
+    there: the CDF's last column, no second pass over the rows)."""
+    cdf = torch.cumsum(weights, dim=-1) if out is None else torch.cumsum(weights, dim=-1, out=out)
     total = cdf[:, -1]
     picked = torch.searchsorted(cdf, (uniforms * total)[:, None], right=True).squeeze(1)
-    # u * total can round up to total: fall back to the last token with positive weight.
-    last_nonzero = weights.shape[-1] - 1 - torch.argmax((weights.flip(-1) > 0).to(torch.int8), dim=-1)
-    return torch.minimum(picked, last_nonzero)
+    # u * total can round up to total: fall back to the last token with positive weight (the flag
+    # rows are flipped, one byte an entry, not the float64 weights)
+    last_nonzero = weights.shape[-1] - 1 - torch.argmax((weights > 0).flip(-1).view(torch.int8), dim=-1)
+    return torch.minimum(picked, last_nonzero), cdf
 
 
 def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -174,6 +190,8 @@ class _Packed:
             parts["row_seeds"] = int64_bits(self.seeds)[rows_of[sampled_rows]]
             base = np.asarray(self.base_positions, dtype=np.int64)
             parts["row_positions"] = base[rows_of[sampled_rows]] + local_of_row[sampled_rows]
+            if self.greedy.any():  # the rows whose argmax coupled verification reads
+                parts["greedy_rows"] = np.flatnonzero(self.greedy[rows_of])
         elif len(self.sampled):
             parts["seeds"] = int64_bits(self.seeds)
             parts["base_positions"] = np.asarray(self.base_positions, dtype=np.int64)
@@ -274,32 +292,46 @@ class DraftVerifier:
         ks, vocab, dev = batch.ks, target_probs.shape[1], batch.dev
         forced = self._forced_rows(golden, ks, vocab)
         target = target_probs.double()
-        argmax = torch.argmax(target, dim=-1)  # first maximum = lowest id
-        no_token_row = self._no_token_rows(target, argmax, dev["greedy_of_row"])
+        checks: list[tuple[torch.Tensor, str]] = []  # (device flag, error): raised after the one copy back
+        # coupled: a sampled row's argmax is never read (its token is its plain draw), so only greedy rows
+        # take one; their no-token check reads it, the sampled rows' reads their plain draw's total
+        plain = empty_mass = None
+        if self.coupled and len(batch.sampled):
+            argmax = self._greedy_argmax(target, batch)
+            plain, empty_mass = self._plain_draws(target, argmax, batch, checks)
+        else:
+            argmax = torch.argmax(target, dim=-1)  # first maximum = lowest id
+            # (a greedy row's no-token check reads its argmax alone)
+            empty_mass = (
+                target.sum(-1) == 0 if len(batch.sampled) else torch.zeros_like(argmax, dtype=torch.bool)
+            )
+        no_token_row = self._no_token_rows(target, argmax, dev["greedy_of_row"], empty_mass)
         drafts = dev["drafts"]
         valid = drafts >= 0
         safe_drafts = drafts.clamp(min=0)
         is_greedy = dev["greedy_of_draft"]
-        checks: list[tuple[torch.Tensor, str]] = []  # (device flag, error): raised after the one copy back
 
         # Greedy rows: accept iff the draft is the target's argmax (accept_prob is then 1 or 0).
         greedy_ok = valid & (argmax[dev["verify_rows"]] == drafts)
         row_accepted = greedy_ok
         accept_probs = greedy_ok.double()
-        # coupled: the plain sampler's token of every row (argmax for greedy rows), drafts matched to it
-        plain = self._plain_draws(target, argmax, batch, checks) if self.coupled else None
+        if self.coupled and plain is None:  # every request greedy: the plain token of a row is its argmax
+            plain = argmax
         uniforms = batch.uniforms() if len(batch.sampled) and not self.coupled else None
         p_rows = q_rows = None
         if len(batch.sampled_drafts) and self.coupled:
             q_rows = draft_probs.to(target.device).double()
-            drawn = q_rows.sum(-1) > 0  # a zero q row: the drafter had no token there, its draft is void
-            _, bad_q = self._mass(q_rows[dev["sampled_drafts"]])
+            q_total, bad_q = self._mass(q_rows)
+            drawn = q_total > 0  # a zero q row: the drafter had no token there, its draft is void
+            if len(batch.sampled_drafts) < len(is_greedy):  # (greedy requests' q rows are not checked)
+                bad_q = bad_q[dev["sampled_drafts"]]
             checks.append((bad_q.any(), "draft_probs rows must be finite and >= 0"))
             # Exact whatever the drafts are: the emitted token of every row is its plain draw, and a draft
             # only counts when it is that token.
             sampled_ok = valid & drawn & (plain[dev["verify_rows"]] == drafts)
             row_accepted = torch.where(is_greedy, row_accepted, sampled_ok)
-            agreement = coupled_agreement(target[dev["verify_rows"]], q_rows)
+            # (the gathered rows are a copy: the agreement may work in them)
+            agreement = coupled_agreement(target[dev["verify_rows"]], q_rows, overwrite_p=True)
             accept_probs = torch.where(is_greedy, accept_probs, agreement)
         elif len(batch.sampled_drafts):
             # Only sampled rows are normalised: greedy rows may carry logits and need only an argmax.
@@ -420,7 +452,7 @@ class DraftVerifier:
         rejected = a < k
         weights = target[final_rows[s]]  # the fresh row of a request that accepted every draft
         _, bad = self._mass(weights)
-        checks.append(((bad & ~rejected).any(), "target_probs rows must be finite and >= 0"))
+        checks.append(((bad & ~rejected).any(), _BAD_TARGET))
         u = uniforms[Purpose.SAMPLE][s]
         empty = None
         if p_rows is not None:
@@ -437,20 +469,37 @@ class DraftVerifier:
         final[s] = tokens
         return final
 
-    def _plain_draws(self, target, argmax, batch: _Packed, checks) -> torch.Tensor:
+    @staticmethod
+    def _greedy_argmax(target, batch: _Packed) -> torch.Tensor:
+        """[rows] (device): the argmax of every greedy request's row (first maximum = lowest id); 0 on the
+        sampled requests' rows, whose argmax coupled verification never reads."""
+        if not batch.greedy.any():
+            return torch.zeros(target.shape[0], dtype=torch.int64, device=target.device)
+        rows = batch.dev["greedy_rows"]
+        return torch.zeros(target.shape[0], dtype=torch.int64, device=target.device).index_copy_(
+            0, rows, torch.argmax(target[rows], dim=-1)
+        )
+
+    def _plain_draws(self, target, argmax, batch: _Packed, checks) -> tuple[torch.Tensor, torch.Tensor]:
         """Coupled: per packed row [rows] (device), the token the plain sampler emits at that row's
         position: greedy requests' argmax, sampled requests' inverse-CDF draw from the row's weights as
         given (not renormalised: the sampler draws from the same unnormalised float64 weights) with the
-        uniform of (seed, base + j, SAMPLE)."""
+        uniform of (seed, base + j, SAMPLE); and per row whether a sampled row has no mass (its CDF's
+        total is 0: no token left; False on greedy rows)."""
         tokens = argmax.clone()
-        if not len(batch.sampled):
-            return tokens
+        every_row = not batch.greedy.any()  # (then the sampled rows are all rows, in order: no copy)
         rows = batch.dev["sampled_rows"]
-        weights = target[rows]
-        _, bad = self._mass(weights)
-        checks.append((bad.any(), "target_probs rows must be finite and >= 0"))
-        tokens[rows] = inverse_cdf(weights, batch.row_uniforms())
-        return tokens
+        weights = target if every_row else target[rows]
+        drawn, cdf = _draw(weights, batch.row_uniforms())
+        total = cdf[:, -1]
+        # negative entries, or a non-finite total (a NaN or infinite entry): not a distribution
+        checks.append((((weights < 0).any(-1) | ~torch.isfinite(total)).any(), _BAD_TARGET))
+        if every_row:
+            return drawn, total == 0
+        tokens[rows] = drawn
+        empty = torch.zeros(target.shape[0], dtype=torch.bool, device=target.device)
+        empty[rows] = total == 0
+        return tokens, empty
 
     @staticmethod
     def _forced_rows(golden, ks, vocab) -> dict[tuple[int, int], int]:
@@ -471,12 +520,13 @@ class DraftVerifier:
 
     @staticmethod
     def _no_token_rows(
-        target: torch.Tensor, argmax: torch.Tensor, greedy_of_row: torch.Tensor
+        target: torch.Tensor, argmax: torch.Tensor, greedy_of_row: torch.Tensor, empty_mass: torch.Tensor
     ) -> torch.Tensor:
         """bool [rows]: the row allows no token. A greedy row (logits) when its maximum is not finite, as
-        the plain sampler judges a greedy row; a sampled row (probabilities) when it has no mass."""
+        the plain sampler judges a greedy row; a sampled row (probabilities) when it has no mass
+        (`empty_mass`, read off its sum)."""
         top = target.gather(1, argmax[:, None]).squeeze(1)
-        return torch.where(greedy_of_row, ~torch.isfinite(top), target.sum(-1) == 0)
+        return torch.where(greedy_of_row, ~torch.isfinite(top), empty_mass)
 
     @staticmethod
     def _mass(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

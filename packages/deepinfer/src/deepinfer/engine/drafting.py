@@ -96,11 +96,14 @@ class DraftRowSampler:
         self.drafted: dict[int, list[int]] = {row: [] for row in self.processed}
         sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
         self.sampled_params = [requests[i].params for i in sampled]
+        self.every_row_sampled = len(sampled) == len(requests)  # (no row gathered, no argmax)
         self.slot = {row: m for m, row in enumerate(sampled)}  # row -> its index among sampled rows
-        self.q: list[torch.Tensor] = []  # per draft step: [M, V] float64 of the sampled rows
+        self.q: torch.Tensor | None = None  # [M, steps, V] float64: q of each sampled row and draft step
+        self.steps_drawn = 0
+        self.cdf: torch.Tensor | None = None
         if not sampled:
             return
-        steps = max(requests[i].num_drafts for i in sampled)
+        self.steps = max(requests[i].num_drafts for i in sampled)
         keys = np.stack(
             [
                 np.asarray(sampled, dtype=np.int64),
@@ -113,24 +116,38 @@ class DraftRowSampler:
         )
         at, seeds, first = to_device(keys, device, torch.long)  # one copy
         self.at = at
-        later = torch.arange(steps, dtype=torch.long, device=device)
+        later = torch.arange(self.steps, dtype=torch.long, device=device)
         # [steps, M]: row s holds every sampled row's uniform of draft step s (its position is step 0's + s)
         self.uniforms = stream_uniforms_tensor(
-            seeds[None, :].expand(steps, -1), first[None, :] + later[:, None], Purpose.SAMPLE
+            seeds[None, :].expand(self.steps, -1), first[None, :] + later[:, None], Purpose.SAMPLE
         )
 
     def pick_rows(self, logits: torch.Tensor, step: int) -> torch.Tensor:
         if self.processed:
             logits = self._process(logits)
-        tokens = torch.argmax(logits, dim=-1)  # first maximum = lowest id
         if self.sampled_params:
+            sampled = logits if self.every_row_sampled else logits[self.at]
             # a row whose processors left no token has no q (softmax of -inf everywhere is NaN): a zero
-            # row, whose draft the verifier rejects (the target has no token there either)
-            q = torch.nan_to_num(
-                filtered_probs(logits[self.at].float(), self.sampled_params).double(), nan=0.0
-            )
-            self.q.append(q)
-            tokens = tokens.index_copy(0, self.at, inverse_cdf(q, self.uniforms[step]))
+            # row, whose draft the verifier rejects (the target has no token there either). (Zeroed in
+            # float32, then widened into the kept q: probabilities are never infinite, so that is the
+            # float64 q's zeroing, one float64 pass less.)
+            probs = filtered_probs(sampled.float(), self.sampled_params).nan_to_num_(nan=0.0)
+            if self.q is None:
+                self.q = probs.new_empty(probs.shape[0], self.steps, probs.shape[1], dtype=torch.float64)
+            q = self.q[:, step]
+            q.copy_(probs)
+            self.steps_drawn = max(self.steps_drawn, step + 1)
+            if self.cdf is None:
+                self.cdf = torch.empty_like(probs, dtype=torch.float64)
+            drawn = inverse_cdf(q, self.uniforms[step], cdf=self.cdf)  # (one CDF buffer for every step)
+            if self.every_row_sampled:
+                tokens = drawn
+            else:
+                tokens = torch.argmax(logits, dim=-1).index_copy(
+                    0, self.at, drawn
+                )  # first maximum = lowest id
+        else:
+            tokens = torch.argmax(logits, dim=-1)  # first maximum = lowest id
         if self.processed:
             for row, token in zip(self.processed, tokens[self.processed_at].tolist(), strict=True):
                 self.drafted[row].append(token)
@@ -148,11 +165,12 @@ class DraftRowSampler:
         return logits
 
     def probs(self) -> list[torch.Tensor | None]:
-        """Per row: q of its drafts [k, V] (float64), None for a greedy row."""
-        if not self.q:
+        """Per row: q of its drafts [k, V] (float64), None for a greedy row. The rows of the sampled
+        requests are views of one tensor, request after request (`cat_rows` joins them without a copy)."""
+        if self.q is None:
             return [None] * self.num_rows
-        stacked = torch.stack(self.q, dim=1)  # [M, k, V]
-        return [stacked[self.slot[row]] if row in self.slot else None for row in range(self.num_rows)]
+        q = self.q[:, : self.steps_drawn]
+        return [q[self.slot[row]] if row in self.slot else None for row in range(self.num_rows)]
 
 
 def _to_host(drafted: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> list[Drafts]:

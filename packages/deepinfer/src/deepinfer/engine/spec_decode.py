@@ -47,6 +47,7 @@ from deepinfer_spec import (
     StepTimeCurve,
     VerifyPlan,
     VerifyResult,
+    cat_rows,
     probe_budget_from_env,
     sampled_verify_from_env,
 )
@@ -99,21 +100,24 @@ def verify_logits(
     wants_logprobs = any(inp.rows[0].logprobs is not None for inp in inputs)
     inplace = not wants_logprobs and (overwrite_logits or raw.data_ptr() != logits.data_ptr())
     masked = masked_logits(raw, rows, allowed, inplace=inplace)  # as the plain sampler masks
-    target = masked.double()
     sampled = [i for i, r in enumerate(rows) if not r.greedy]
-    if sampled:
+    # a row with every token masked has no distribution (the softmax of -inf everywhere is NaN): zero
+    # mass, which the verifier reads as no token left, as the plain sampler reads such a row (zeroed in
+    # float32 before widening: probabilities are never infinite, so that is the float64 zeroing)
+    if len(sampled) == len(rows):  # (every row sampled: the distributions are the whole target)
+        target = filtered_probs(masked, rows).nan_to_num_(nan=0.0).double()
+    else:
+        target = masked.double()
+    if sampled and len(sampled) < len(rows):
         # a Python-list index would be a pageable host->device copy, which waits for the forward to finish
         # before the sampler's kernels are launched (find_host_syncs.py); a pinned index does not
         at = to_device(np.asarray(sampled, dtype=np.int64), target.device)
-        # a row with every token masked has no distribution (the softmax of -inf everywhere is NaN): zero
-        # mass, which the verifier reads as no token left, as the plain sampler reads such a row
-        probs = filtered_probs(masked[at], [rows[i] for i in sampled]).double()
-        target[at] = torch.nan_to_num(probs, nan=0.0)
+        target[at] = filtered_probs(masked[at], [rows[i] for i in sampled]).nan_to_num_(nan=0.0).double()
     ks = [len(inp.drafts) for inp in inputs]
     draft_probs = None
     if any(inp.draft_probs is not None for inp in inputs):
         vocab = raw.shape[-1]
-        draft_probs = torch.cat(
+        draft_probs = cat_rows(
             [
                 inp.draft_probs.to(raw.device, torch.float64)
                 if inp.draft_probs is not None
