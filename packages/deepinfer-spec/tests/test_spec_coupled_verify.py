@@ -18,18 +18,13 @@ from deepinfer_spec import (
 )
 from deepinfer_spec.toy import Drafter, NGramModel, run_toy_decode
 
+from .test_spec_no_token_rows import naive_inverse_cdf
 from .test_spec_sampling_verify import naive_coupled_agreement
 
 
 def _draw(weights: torch.Tensor, u: float) -> int:
     """Naive float64 inverse-CDF draw in vocabulary order (first token whose cumulative mass exceeds u * total)."""
-    w = weights.double().tolist()
-    total, acc = sum(w), 0.0
-    for t, x in enumerate(w):
-        acc += x
-        if u * total < acc:
-            return t
-    return max(t for t, x in enumerate(w) if x > 0)
+    return naive_inverse_cdf(weights.double().tolist(), u)
 
 
 KINDS = [

@@ -58,7 +58,7 @@ def _probs(rows: list[list[float] | None]) -> torch.Tensor:
     return torch.tensor([r if r is not None else [0.0] * VOCAB for r in rows], dtype=torch.float64)
 
 
-def _inverse_cdf(weights: list[float], u: float) -> int:
+def naive_inverse_cdf(weights: list[float], u: float) -> int:
     """Naive float64 reference draw (vocabulary order)."""
     total, acc = sum(weights), 0.0
     for t, w in enumerate(weights):
@@ -103,7 +103,7 @@ def test_a_draft_with_a_zero_q_row_is_rejected_and_its_row_draws_from_p(sampling
             u = stream_uniform(seed, 3 + 0 * VERIFY_ROW_STRIDE, Purpose.RESIDUAL)
         else:  # the plain sampler's draw at row 0's position
             u = stream_uniform(seed, 3, Purpose.SAMPLE)
-        assert got.final_tokens == [_inverse_cdf(P, u)]
+        assert got.final_tokens == [naive_inverse_cdf(P, u)]
         drew_the_draft += got.final_tokens == [4]
     assert sampling == "rejection" or drew_the_draft > 0  # coupled: rejected even where it matched
 
