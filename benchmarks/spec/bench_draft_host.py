@@ -22,15 +22,14 @@ the records (flat JSON, units in the key names) are appended to --out under --la
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 from deepinfer import SamplingParams
 from deepinfer.bench.drafts import spec_keys, spec_snapshot
+from deepinfer.bench.engine_driver import environment
 from deepinfer.bench.throughput import make_workload
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine_args import EngineArgs
@@ -40,24 +39,11 @@ RESULTS = Path(__file__).resolve().parents[1] / "results" / "bench_draft_host.js
 COUNTERS = ("prepare", "sample", "process", "draft", "forward")
 
 
-@contextlib.contextmanager
-def _env(name: str, value: str):
-    before = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
-
-
 def build(model: str | None, nextn: int, max_num_seqs: int, loop: str, varlen: bool) -> LLM:
     args = EngineArgs(
         model=model, max_num_seqs=max_num_seqs, async_scheduling=loop == "async", disable_log_stats=True
     )
-    with _env("DEEPINFER_ENABLE_MTP_VARLEN", "1" if varlen else "0"):
+    with environment("DEEPINFER_ENABLE_MTP_VARLEN", "1" if varlen else "0"):
         engine = LLMEngine(args, num_speculative_tokens=nextn)
     return LLM.from_engine(engine)
 

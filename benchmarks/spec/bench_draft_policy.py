@@ -19,15 +19,14 @@ a shared CPU the times are noisy: only the ratios of one invocation mean somethi
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import statistics
 import time
 from pathlib import Path
 
 from deepinfer import SamplingParams
 from deepinfer.bench.drafts import spec_keys, spec_snapshot
+from deepinfer.bench.engine_driver import environment
 from deepinfer.bench.throughput import make_workload
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine_args import EngineArgs
@@ -36,24 +35,11 @@ from deepinfer.llm import LLM
 SETTINGS = ("policy", "every_draft", "off")
 
 
-@contextlib.contextmanager
-def _env(name: str, value: str):
-    before = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
-
-
 def build(setting: str, model: str | None, nextn: int) -> LLM:
     """The setting's engine (the policy is chosen when the engine is built)."""
     args = EngineArgs(model=model, async_scheduling=False, disable_log_stats=True)
     varlen = "1" if setting == "policy" else "0"
-    with _env("DEEPINFER_ENABLE_MTP_VARLEN", varlen):
+    with environment("DEEPINFER_ENABLE_MTP_VARLEN", varlen):
         engine = LLMEngine(args, num_speculative_tokens=0 if setting == "off" else nextn)
     return LLM.from_engine(engine)
 

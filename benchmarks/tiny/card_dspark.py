@@ -21,38 +21,21 @@ that does not pay). Greedy runs must emit the same tokens at every nextn
 
 from __future__ import annotations
 
-import os
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 from card_common import Records
 from tqdm import tqdm
 
 
-@contextmanager
-def _env(name: str, value: str | None):
-    before = os.environ.get(name)
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
-
-
 def one_config(
     model: Path, prompts, nextn: int, temperature: float, varlen: bool, tokens: int, device, max_len: int
 ):
     from deepinfer import LLM, SamplingParams
+    from deepinfer.bench.engine_driver import environment
     from deepinfer.reproducibility import nextn_decode
 
-    with nextn_decode(nextn), _env("DEEPINFER_ENABLE_MTP_VARLEN", "1" if varlen else "0"):
+    with nextn_decode(nextn), environment("DEEPINFER_ENABLE_MTP_VARLEN", "1" if varlen else "0"):
         llm = LLM(model=str(model), device=device, max_model_len=max_len)
     try:
         if llm.engine.num_speculative_tokens != nextn:

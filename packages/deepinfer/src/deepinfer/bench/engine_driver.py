@@ -3,6 +3,7 @@ harness measures whatever runner (recompute, paged) and loop (sync, async) the e
 
 from __future__ import annotations
 
+import os
 import random
 from contextlib import contextmanager
 from pathlib import Path
@@ -49,6 +50,24 @@ class Driver:
 
     def waiting(self) -> int:
         return int(self.engine.scheduler_stats().get("num_waiting", 0))
+
+
+@contextmanager
+def environment(name: str, value: str | None):
+    """The environment variable `name` set to `value` (None: unset) inside the block, restored after: the
+    engine reads its settings when it is built, so a benchmark builds each setting's engine inside one."""
+    before = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 @contextmanager
