@@ -133,3 +133,20 @@ def test_micro_training_learns_and_round_trips(tmp_path, monkeypatch):
         mine = train.forward_train(tr, ids, torch.bfloat16, None)[0].logits
         theirs = loaded.forward(ids).logits
     torch.testing.assert_close(theirs, mine, rtol=0, atol=0)
+
+
+def test_importing_the_recipe_leaves_the_process_settings_alone():
+    """The training programs set their numerics only when run as programs: a test process (or any program)
+    that imports them keeps its own DEEPINFER_* settings for everything else it runs."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os; before = dict(os.environ); "
+        "import deepinfer_tiny.recipe.train, deepinfer_tiny.recipe.train_drafter; "
+        "changed = sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)); "
+        "assert not changed, changed"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -23,22 +23,19 @@ import shutil
 import time
 from pathlib import Path
 
-os.environ.setdefault("DEEPINFER_NUMERICS", "native")
-os.environ.setdefault("DEEPINFER_ACCELERATOR", "cpu")
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from deepinfer_model.training import (  # noqa: E402
+import numpy as np
+import torch
+from deepinfer_model.training import (
     CompressedVocabulary,
     DeepseekV41ForCausalLM,
-    numerics,  # noqa: E402
+    numerics,
 )
-from safetensors.torch import load_file, save_file  # noqa: E402
+from safetensors.torch import load_file, save_file
 
-from ..architecture import micro_config_dict, tiny_config_dict  # noqa: E402
-from .losses import BalancedMoE, indexer_kl, next_token_loss  # noqa: E402
-from .step_weights import StepWeights  # noqa: E402
-from .trainable import TrainableV41  # noqa: E402
+from ..architecture import micro_config_dict, tiny_config_dict
+from .losses import BalancedMoE, indexer_kl, next_token_loss
+from .step_weights import StepWeights
+from .trainable import TrainableV41
 
 RESUME_FILE = "resume.safetensors"
 LOG_FILE = "train_log.json"
@@ -316,4 +313,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    # (as a program only: importing the recipe must not change the importing process's settings)
+    os.environ.setdefault("DEEPINFER_NUMERICS", "native")
+    os.environ.setdefault("DEEPINFER_ACCELERATOR", "cpu")
     main()

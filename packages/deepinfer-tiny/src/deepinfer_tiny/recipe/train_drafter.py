@@ -20,24 +20,21 @@ import os
 import time
 from pathlib import Path
 
-os.environ.setdefault("DEEPINFER_NUMERICS", "native")
-os.environ.setdefault("DEEPINFER_ACCELERATOR", "cpu")
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from deepinfer_model.training import (  # noqa: E402
-    EXACT_KV,  # noqa: E402
-    confidence,  # noqa: E402
+import numpy as np
+import torch
+import torch.nn.functional as F
+from deepinfer_model.training import (
+    EXACT_KV,
+    confidence,
     draft_rows,
     key_layout,
     main_keys,
-    numerics,  # noqa: E402
-    round_to,  # noqa: E402
+    numerics,
+    round_to,
 )
 
-from .train import LOG_FILE, forward_train, lr_at, windows  # noqa: E402
-from .trainable import TrainableV41  # noqa: E402
+from .train import LOG_FILE, forward_train, lr_at, windows
+from .trainable import TrainableV41
 
 
 def drafter_losses(tr: TrainableV41, ids: torch.Tensor, bd: int, anchors: int, act, rng: np.random.Generator):
@@ -197,4 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    # (as a program only: importing the recipe must not change the importing process's settings)
+    os.environ.setdefault("DEEPINFER_NUMERICS", "native")
+    os.environ.setdefault("DEEPINFER_ACCELERATOR", "cpu")
     main()
