@@ -595,3 +595,39 @@ def test_native_shared_expert_keeps_bf16_projections_with_the_widened_values():
     assert h.dtype is torch.bfloat16
     assert (h != oracle).double().mean() < 0.02  # (FP32 math vs FP64: a rare rounding flip)
     torch.testing.assert_close(h.double(), oracle.double(), rtol=8e-3, atol=1e-6)
+
+
+def test_steps_on_two_threads_pin_their_own_settings_and_leave_none_behind(monkeypatch):
+    """A model step on one thread (the async loop's model thread) and one on another (the host thread)
+    overlap: each keeps the settings it read at its start, and once both end, nothing stays pinned (a
+    process-wide pin, saved and restored by interleaved blocks, outlived both and served every later
+    call of the process the first step's mode)."""
+    import threading
+
+    monkeypatch.setenv("DEEPINFER_NUMERICS", "native")
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def first():
+        with numerics.resolved():
+            first_in.set()
+            second_in.wait(10)
+            seen["first"] = numerics.mode()
+        first_out.set()
+
+    def second():
+        first_in.wait(10)
+        os.environ["DEEPINFER_NUMERICS"] = "exact"  # (restored by monkeypatch)
+        with numerics.resolved():
+            second_in.set()
+            first_out.wait(10)
+            seen["second"] = numerics.mode()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert seen == {"first": "native", "second": "exact"}
+    monkeypatch.setenv("DEEPINFER_NUMERICS", "native")
+    assert numerics.native() and numerics.carrier() is torch.float32  # read afresh: nothing pinned

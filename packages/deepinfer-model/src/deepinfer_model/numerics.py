@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import weakref
 
 import torch
@@ -41,8 +42,14 @@ ENV = "DEEPINFER_NUMERICS"
 MODES = ("exact", "native")
 
 
-# (mode, carrier) for the model step that is running (`resolved`), None outside one.
-_PINNED: tuple[str, torch.dtype] | None = None
+# Per thread, `.value`: (mode, carrier) for the model step that thread runs (`resolved`), None outside one.
+# Per thread because steps run on several threads at once (the async loop's model thread beside the host
+# thread): one process-wide value, saved and restored by blocks that interleave, could outlive them all.
+_PINNED = threading.local()
+
+
+def _pinned(state: threading.local):
+    return getattr(state, "value", None)
 
 
 @contextlib.contextmanager
@@ -50,18 +57,19 @@ def resolved():
     """Read `DEEPINFER_NUMERICS`, `DEEPINFER_BATCH_INVARIANT` and `DEEPINFER_ACCELERATOR` once (validated)
     and serve those values to `mode()` / `carrier()` / `batch_invariant.enabled()` / `ops.get_ops()` until
     the block ends (nested blocks re-read them and restore the outer values)."""
-    global _PINNED
-    outer = (_PINNED, batch_invariant_switch._PINNED, ops_registry._PINNED)
-    # read afresh, not the outer values
-    _PINNED = batch_invariant_switch._PINNED = ops_registry._PINNED = None
+    states = (_PINNED, batch_invariant_switch._PINNED, ops_registry._PINNED)
+    outer = tuple(_pinned(state) for state in states)
+    for state in states:  # read afresh, not the outer values
+        state.value = None
     value = mode()
     try:
-        batch_invariant_switch._PINNED = batch_invariant_switch.read_env()
-        ops_registry._PINNED = (ops_registry.read_accelerator(),)
-        _PINNED = (value, torch.float32 if value == "native" else torch.float64)
+        batch_invariant_switch._PINNED.value = batch_invariant_switch.read_env()
+        ops_registry._PINNED.value = (ops_registry.read_accelerator(),)
+        _PINNED.value = (value, torch.float32 if value == "native" else torch.float64)
         yield
     finally:
-        _PINNED, batch_invariant_switch._PINNED, ops_registry._PINNED = outer
+        for state, kept in zip(states, outer):
+            state.value = kept
 
 
 def pinned(fn):
@@ -77,7 +85,7 @@ def pinned(fn):
 
 def mode() -> str:
     """'exact' (FP64 carrier, default) or 'native' (FP32 carrier, act-dtype GEMMs); ValueError otherwise."""
-    pinned_mode = _PINNED
+    pinned_mode = _pinned(_PINNED)
     if pinned_mode is not None:
         return pinned_mode[0]
     value = envs.get(ENV)
@@ -95,7 +103,7 @@ def native() -> bool:
 
 def carrier() -> torch.dtype:
     """The dtype values travel in between rounding points: FP64 (exact) or FP32 (native)."""
-    pinned_mode = _PINNED
+    pinned_mode = _pinned(_PINNED)
     if pinned_mode is not None:
         return pinned_mode[1]
     return torch.float32 if native() else torch.float64

@@ -5,13 +5,14 @@ row paths take no value-dependent branch (the graph-safe decode step)."""
 from __future__ import annotations
 
 import contextlib
+import threading
 
 from deepinfer_cluster import envs
 
 ENV = "DEEPINFER_BATCH_INVARIANT"
 
-# The setting for the model step that is running (`numerics.resolved`), None outside one.
-_PINNED: bool | None = None
+# Per thread, `.value`: the setting for the model step that thread runs (`numerics.resolved`), None outside one.
+_PINNED = threading.local()
 # Within `sync_free()` (the graph-safe decode step): the CPU row paths take no data-dependent branch
 # (no host read), computing both sides where the eager step picks one from the values.
 _SYNC_FREE = False
@@ -36,7 +37,7 @@ def enabled() -> bool:
     """Whether the mode is on: within a model step (`numerics.resolved`, which the paged runner enters
     once per step) the value read at its start, otherwise read from the environment at every call, so
     tests and benchmarks may flip it between steps."""
-    pinned = _PINNED
+    pinned = getattr(_PINNED, "value", None)
     return read_env() if pinned is None else pinned
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import threading
 from collections.abc import Callable
 
 from deepinfer_cluster import envs
@@ -256,8 +257,9 @@ class OpTable:
 _RESOLVED: dict[tuple, str] = {}
 
 # $DEEPINFER_ACCELERATOR as read at the start of the model step that is running (`numerics.resolved` sets
-# it, as a 1-tuple since the value may be None), None outside one: within a step get_ops() reads nothing.
-_PINNED: tuple[str | None] | None = None
+# it per thread in `.value`, as a 1-tuple since the value may be None), None outside one: within a step
+# get_ops() reads nothing.
+_PINNED = threading.local()
 
 
 def read_accelerator() -> str | None:
@@ -272,7 +274,7 @@ def get_ops(backend: str | None = None) -> OpTable:
     model step (tests switch it between calls) and takes the step's value within one."""
     accelerator = None
     if backend is None:
-        pinned = _PINNED
+        pinned = getattr(_PINNED, "value", None)
         accelerator = read_accelerator() if pinned is None else pinned[0]
     key = (backend, accelerator, _cuda_available, _build_accelerator)
     name = _RESOLVED.get(key)
