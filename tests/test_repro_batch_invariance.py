@@ -170,5 +170,4 @@ def test_settings_are_read_once_per_step_and_at_every_call_outside(monkeypatch):
     with pytest.raises(ValueError, match="cannot be combined"):  # validated when the step starts
         with numerics.resolved():
             pass
-    assert getattr(batch_invariant.switch._PINNED, "value", None) is None
-    assert getattr(numerics._PINNED, "value", None) is None
+    assert batch_invariant.switch._PINNED.value is None and numerics._PINNED.value is None

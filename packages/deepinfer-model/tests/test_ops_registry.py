@@ -38,7 +38,7 @@ def test_the_default_backend_is_read_once_per_model_step(monkeypatch):
         with numerics.resolved(), pytest.raises(ValueError, match="reserved"):  # a nested step re-reads it
             get_ops()
         assert get_ops().backend == "cpu"
-    assert getattr(reg._PINNED, "value", None) is None
+    assert reg._PINNED.value is None
     with pytest.raises(ValueError, match="reserved"):
         get_ops()
     assert get_ops("cpu").backend == "cpu"

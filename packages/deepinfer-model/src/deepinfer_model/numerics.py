@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 import weakref
 
 import torch
@@ -37,19 +36,14 @@ from . import batch_invariant
 from .batch_invariant import switch as batch_invariant_switch
 from .compile_boundary import outside_compiled_graph
 from .ops import registry as ops_registry
+from .step_pin import StepPin
 
 ENV = "DEEPINFER_NUMERICS"
 MODES = ("exact", "native")
 
 
-# Per thread, `.value`: (mode, carrier) for the model step that thread runs (`resolved`), None outside one.
-# Per thread because steps run on several threads at once (the async loop's model thread beside the host
-# thread): one process-wide value, saved and restored by blocks that interleave, could outlive them all.
-_PINNED = threading.local()
-
-
-def _pinned(state: threading.local):
-    return getattr(state, "value", None)
+# `.value`: (mode, carrier) for the model step this thread runs (`resolved`), None outside one.
+_PINNED = StepPin()
 
 
 @contextlib.contextmanager
@@ -58,7 +52,7 @@ def resolved():
     and serve those values to `mode()` / `carrier()` / `batch_invariant.enabled()` / `ops.get_ops()` until
     the block ends (nested blocks re-read them and restore the outer values)."""
     states = (_PINNED, batch_invariant_switch._PINNED, ops_registry._PINNED)
-    outer = tuple(_pinned(state) for state in states)
+    outer = tuple(state.value for state in states)
     for state in states:  # read afresh, not the outer values
         state.value = None
     value = mode()
@@ -85,7 +79,7 @@ def pinned(fn):
 
 def mode() -> str:
     """'exact' (FP64 carrier, default) or 'native' (FP32 carrier, act-dtype GEMMs); ValueError otherwise."""
-    pinned_mode = _pinned(_PINNED)
+    pinned_mode = _PINNED.value
     if pinned_mode is not None:
         return pinned_mode[0]
     value = envs.get(ENV)
@@ -103,7 +97,7 @@ def native() -> bool:
 
 def carrier() -> torch.dtype:
     """The dtype values travel in between rounding points: FP64 (exact) or FP32 (native)."""
-    pinned_mode = _pinned(_PINNED)
+    pinned_mode = _PINNED.value
     if pinned_mode is not None:
         return pinned_mode[1]
     return torch.float32 if native() else torch.float64

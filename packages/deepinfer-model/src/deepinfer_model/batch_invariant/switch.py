@@ -5,14 +5,15 @@ row paths take no value-dependent branch (the graph-safe decode step)."""
 from __future__ import annotations
 
 import contextlib
-import threading
 
 from deepinfer_cluster import envs
 
+from ..step_pin import StepPin
+
 ENV = "DEEPINFER_BATCH_INVARIANT"
 
-# Per thread, `.value`: the setting for the model step that thread runs (`numerics.resolved`), None outside one.
-_PINNED = threading.local()
+# `.value`: the setting for the model step this thread runs (`numerics.resolved`), None outside one.
+_PINNED = StepPin()
 # Within `sync_free()` (the graph-safe decode step): the CPU row paths take no data-dependent branch
 # (no host read), computing both sides where the eager step picks one from the values.
 _SYNC_FREE = False
@@ -37,7 +38,7 @@ def enabled() -> bool:
     """Whether the mode is on: within a model step (`numerics.resolved`, which the paged runner enters
     once per step) the value read at its start, otherwise read from the environment at every call, so
     tests and benchmarks may flip it between steps."""
-    pinned = getattr(_PINNED, "value", None)
+    pinned = _PINNED.value
     return read_env() if pinned is None else pinned
 
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import importlib
 import logging
-import threading
 from collections.abc import Callable
 
 from deepinfer_cluster import envs
 
 from ..compile_boundary import as_custom_op, custom_ops_enabled, outside_compiled_graph
+from ..step_pin import StepPin
 from . import compiled_ops
 
 logger = logging.getLogger("deepinfer_model.ops")
@@ -256,10 +256,9 @@ class OpTable:
 # backend is kept per (request, $DEEPINFER_ACCELERATOR) and the probes it used (tests replace them).
 _RESOLVED: dict[tuple, str] = {}
 
-# $DEEPINFER_ACCELERATOR as read at the start of the model step that is running (`numerics.resolved` sets
-# it per thread in `.value`, as a 1-tuple since the value may be None), None outside one: within a step
-# get_ops() reads nothing.
-_PINNED = threading.local()
+# $DEEPINFER_ACCELERATOR as read at the start of the model step this thread runs (`numerics.resolved` sets
+# `.value`, a 1-tuple since the value may be None), None outside one: within a step get_ops() reads nothing.
+_PINNED = StepPin()
 
 
 def read_accelerator() -> str | None:
@@ -274,7 +273,7 @@ def get_ops(backend: str | None = None) -> OpTable:
     model step (tests switch it between calls) and takes the step's value within one."""
     accelerator = None
     if backend is None:
-        pinned = getattr(_PINNED, "value", None)
+        pinned = _PINNED.value
         accelerator = read_accelerator() if pinned is None else pinned[0]
     key = (backend, accelerator, _cuda_available, _build_accelerator)
     name = _RESOLVED.get(key)
