@@ -3,9 +3,9 @@ and setting the mode's environment variable for a run (restored afterwards)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 
+from deepinfer.bench.engine_driver import environment
 from deepinfer_model.batch_invariant import ENV  # the variable the mode reads
 
 MODES = {"default": "0", "batch_invariant": "1"}
@@ -18,17 +18,9 @@ def paired_work(batch_sizes, repeats: int) -> list[tuple[int, int, str]]:
     return [(b, r, m) for b in batch_sizes for r in range(repeats) for m in order[:: 1 - 2 * (r % 2)]]
 
 
-@contextlib.contextmanager
 def restored_mode():
     """Within the block `set_mode` may switch the mode freely; the variable's value before is restored."""
-    before = os.environ.get(ENV)
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = before
+    return environment(ENV, os.environ.get(ENV))
 
 
 def set_mode(mode: str) -> None:

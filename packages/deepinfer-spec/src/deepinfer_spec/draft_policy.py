@@ -190,7 +190,7 @@ class DraftPolicy:
         self.plans = 0
         self.drafted = self.skipped = self.probes = 0  # sequence-steps
         self.plain_ms = 0.0  # predicted time of the plain steps planned so far
-        self.probe_ms = 0.0  # predicted time the probes added
+        self.probe_ms = 0.0  # time the probes added: the curve's longer steps, their measured draft forwards
         self.deferred_probes = 0  # sequence-plans a due probe waited for the budget
         self._probe_charge: int | None = None  # probes of the last plan, until their draft time is in
 

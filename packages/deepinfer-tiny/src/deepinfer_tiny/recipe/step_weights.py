@@ -97,10 +97,8 @@ class StepWeights:
 
         w = V41Weights.from_tensors(self.tr.cfg, get)
         for prefix, blk in self._blocks(w):
-            if (
-                prefix,
-                "w1",
-            ) in self.stacks:  # the leaf stacks themselves, not the copies `from_tensors` made
+            # the leaf stacks themselves, not the copies `from_tensors` made
+            if (prefix, "w1") in self.stacks:
                 ex = blk.moe.experts
                 ex.w1, ex.w3, ex.w2 = (self.stacks[(prefix, k)] for k in ("w1", "w3", "w2"))
         if not self.with_drafter:
