@@ -73,6 +73,25 @@ def test_generate_with_images_equals_stateless_forward(llm, tmp_path):
     assert sum(t >= vocab for t in outs[0].prompt_token_ids) > 0  # the expanded prompt is reported
 
 
+def test_generate_preprocesses_a_calls_images_in_one_batch_each_once(llm):
+    """`LLM.generate` sends every request's images to the worker pool together, an image that several
+    requests carry at the same place once, and the outputs are those of adding the requests one by one."""
+    pre = llm.engine.images.preprocessor
+    a, b, c = png(40), png(41, (42, 84)), png(42)
+    batch = [_request("a<image>b", x) for x in (a, a, b, a, b)]
+    batch.append(_request("a<image>!<image>b", c, a))
+    batches, sent = pre.batches, pre.images_sent
+    outs = llm.generate(batch, GREEDY, use_tqdm=False)
+    assert (pre.batches - batches, pre.images_sent - sent) == (1, 4)  # a, b, c at [0]; a at [1]
+    assert [o.error for o in outs] == [None] * 6
+    assert outs[0].outputs[0].token_ids == _reference(llm, ["a", "b"], [a])
+    assert outs[2].outputs[0].token_ids == _reference(llm, ["a", "b"], [b])
+    assert outs[5].outputs[0].token_ids == _reference(llm, ["a", "!", "b"], [c, a])
+    assert [o.outputs[0].token_ids for o in outs[:5]] == [
+        outs[i].outputs[0].token_ids for i in (0, 0, 2, 0, 2)
+    ]
+
+
 def test_extra_placeholders_stay_text(llm):
     """Placeholders past the last image are tokenized as text (here outside the tiny model's 256-token
     vocabulary, so the expansion is checked directly and the request fails on its text ids)."""

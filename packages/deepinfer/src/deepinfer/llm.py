@@ -116,6 +116,7 @@ class LLM:
                     raise ValueError(f"request {i}: {e}") from e
                 prepared.append((prompt.text, ids, None, None, str(e)))
 
+        prepared = _prepare_images(engine, prepared, use_tqdm)
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
         for i, (prompt, ids, p, mm, error) in enumerate(prepared):
@@ -225,3 +226,24 @@ def _normalise_params(sampling_params, count: int) -> list:
     if len(sampling_params) != count:
         raise ValueError(f"sampling_params has {len(sampling_params)} entries for {count} prompts")
     return list(sampling_params)
+
+
+def _prepare_images(engine, prepared: list[tuple], use_tqdm: bool) -> list[tuple]:
+    """Every request's images read and preprocessed in one batch over the worker pool (rather than one
+    request at a time as each is added), so that the workers stay busy and an image that many requests
+    carry is preprocessed once; admission then only runs the vision tower."""
+    with_images = [i for i, (_, _, _, mm, error) in enumerate(prepared) if mm is not None and error is None]
+    if not with_images:
+        return prepared
+    requests = [prepared[i][3] for i in with_images]
+    images = [mm.get("image") if isinstance(mm, dict) else None for mm in requests]
+    count = sum(len(v) if isinstance(v, list | tuple) else 1 for v in images if v is not None)
+    with tqdm(
+        total=count, desc="images", unit="img", disable=not use_tqdm or count < 8, dynamic_ncols=True
+    ) as bar:
+        ready = engine.images.prepare_many(requests, on_done=bar.update)
+    prepared = list(prepared)
+    for i, images in zip(with_images, ready, strict=True):
+        prompt, ids, p, _, error = prepared[i]
+        prepared[i] = (prompt, ids, p, images, error)
+    return prepared

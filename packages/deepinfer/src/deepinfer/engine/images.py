@@ -13,7 +13,8 @@ Reading and preprocessing (Pillow decoding, resizing, normalising: the slow part
 admission, off the engine's thread: `ImageInputs.prepare(multi_modal_data)` returns `PreparedImages`, which
 `prompt` (and so `LLMEngine.add_request`) takes in place of the dict; only the vision tower's run and the
 expansion are left for admission. `AsyncLLM` prepares every request's images this way, so its step loop
-keeps stepping while an image decodes. The prepared path and the direct one give the same ids and
+keeps stepping while an image decodes; `LLM.generate` prepares all of a call's images in one batch
+(`prepare_many`: the workers stay busy across requests, an image many requests carry is preprocessed once). The prepared path and the direct one give the same ids and
 embeddings, and raise the same errors in the same order.
 """
 
@@ -136,26 +137,46 @@ class ImageInputs:
     def prepare(self, multi_modal_data) -> PreparedImages:
         """Read and preprocess a request's images without touching engine state (safe on another thread
         while the engine steps; see the module doc). Images the encoder cache holds are not preprocessed."""
-        try:
-            images = _images_of(multi_modal_data)
-        except ValueError as e:
-            return PreparedImages([], [], [], e)
-        labels = _labels(len(images))
-        data: list[bytes | ImageError] = []
-        for item, label in zip(images, labels, strict=True):
-            try:
-                data.append(image_bytes(item, label))
-            except ImageError as e:
-                data.append(e)
-        prepared: list = [None] * len(images)
+        return self.prepare_many([multi_modal_data])[0]
+
+    def prepare_many(self, requests: list, on_done=None) -> list[PreparedImages]:
+        """`prepare` for many requests' `multi_modal_data` at once: their images go to the worker pool
+        together (the workers stay busy across requests) and an image that several requests carry at the
+        same place is preprocessed once. on_done(n): n more images preprocessed (a progress bar)."""
+        out: list[PreparedImages] = []
+        todo: dict[tuple[str, str], bytes] = {}  # (digest, label) -> bytes: each preprocessed once
+        wanted: list[tuple[int, int, tuple[str, str]]] = []  # (request, image, key)
         cache = self._cache  # read only: admission, on the engine's thread, updates it
-        if self.vision is not None and all(isinstance(b, bytes) for b in data):
-            todo = [i for i, b in enumerate(data) if cache is None or image_digest(b) not in cache]
-            if todo:
-                done = self.preprocessor.prepare([data[i] for i in todo], [labels[i] for i in todo])
-                for i, p in zip(todo, done, strict=True):
-                    prepared[i] = p
-        return PreparedImages(images, data, prepared)
+        for r, multi_modal_data in enumerate(requests):
+            try:
+                images = _images_of(multi_modal_data)
+            except ValueError as e:
+                out.append(PreparedImages([], [], [], e))
+                continue
+            labels = _labels(len(images))
+            data: list[bytes | ImageError] = []
+            for item, label in zip(images, labels, strict=True):
+                try:
+                    data.append(image_bytes(item, label))
+                except ImageError as e:
+                    data.append(e)
+            out.append(PreparedImages(images, data, [None] * len(images)))
+            if self.vision is None or not all(isinstance(b, bytes) for b in data):
+                continue  # admission raises the first error (or the missing tower) before any preprocessing
+            for i, (b, label) in enumerate(zip(data, labels, strict=True)):
+                digest = image_digest(b)
+                if cache is None or digest not in cache:
+                    todo.setdefault((digest, label), b)
+                    wanted.append((r, i, (digest, label)))
+        if todo:
+            keys = list(todo)
+            done = self.preprocessor.prepare(
+                [todo[k] for k in keys], [label for _, label in keys], on_done=on_done
+            )
+            by_key = dict(zip(keys, done, strict=True))
+            for r, i, key in wanted:
+                out[r].prepared[i] = by_key[key]
+        return out
 
     def prompt(
         self, prompt: str | None, prompt_token_ids, multi_modal_data, encode, tokenizer
