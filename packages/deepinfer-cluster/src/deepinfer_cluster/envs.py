@@ -375,7 +375,8 @@ _VARS = [
         "DEEPINFER_MULTI_MODAL_WORKER_TIMEOUT",
         integer(1),
         1800,
-        "seconds an image's preprocessing may take before its request fails (the worker pool is replaced)",
+        "seconds the image workers may go without finishing an image before the images waiting fail their "
+        "requests (the worker pool is replaced)",
         "deepinfer_model.models.deepseek_v41.vision.workers",
     ),
     EnvVar(
