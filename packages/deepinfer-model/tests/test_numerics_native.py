@@ -158,6 +158,24 @@ def test_native_linear_is_an_act_dtype_gemm_with_cached_weight_copies():
         )
 
 
+def test_a_trained_weights_copy_made_without_gradients_is_not_served_to_a_training_forward():
+    """Training a drafter runs the frozen model under no_grad on the same trained weights the loss then
+    reads with gradients: the cached BF16 copy of the no-grad pass must not cut the gradient off."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 32).bfloat16().float()
+    w = torch.randn(8, 32, requires_grad=True)
+    with numerics_mode("native"):
+        with torch.no_grad():
+            frozen = numerics.linear(x, w, torch.bfloat16)
+        numerics.linear(x, w, torch.bfloat16).sum().backward()
+        assert w.grad is not None
+        # (d sum / d w is the column sum of x, through the BF16 GEMM's backward)
+        torch.testing.assert_close(w.grad, x.sum(0).expand(8, 32), rtol=1e-2, atol=1e-2)
+        with torch.no_grad():  # the no-grad copy is still cached for no-grad passes
+            again = numerics.linear(x, w, torch.bfloat16)
+        assert torch.equal(again, frozen)
+
+
 def test_native_fp32_matches_exact(v41, exact_fp32):
     native = teacher_forced(v41, "native")
     assert torch.isfinite(native).all()

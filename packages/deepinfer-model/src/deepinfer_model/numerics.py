@@ -113,7 +113,7 @@ def carry(x: torch.Tensor) -> torch.Tensor:
 # (`derived_weight`). Keyed by the weight's id and what was derived, guarded by a weak reference to it (ids
 # are reused after a tensor dies) and by its in-place version counter, so an in-place update (e.g. an EPLB
 # weight shuffle) is never served a stale copy. Tensors compare elementwise, so they cannot be dict keys.
-_WEIGHTS: dict[tuple[int, object], tuple[weakref.ref, int, torch.Tensor]] = {}
+_WEIGHTS: dict[tuple[int, object, bool], tuple[weakref.ref, int, torch.Tensor]] = {}
 
 
 def derived_weight(weight: torch.Tensor, what: object, make) -> torch.Tensor:
@@ -122,7 +122,10 @@ def derived_weight(weight: torch.Tensor, what: object, make) -> torch.Tensor:
     version = batch_invariant.version_of(weight)
     if version is None:
         return make(weight)
-    key = (id(weight), what)
+    # A trained weight's copy made with gradients on carries its graph and one made without does not: each
+    # is kept apart, or a no-grad forward (a frozen model's, training a drafter) would hand the next
+    # training forward a copy through which no gradient reaches the weight.
+    key = (id(weight), what, weight.requires_grad and torch.is_grad_enabled())
     cached = _WEIGHTS.get(key)
     if cached is not None and cached[0]() is weight and cached[1] == version:
         return cached[2]

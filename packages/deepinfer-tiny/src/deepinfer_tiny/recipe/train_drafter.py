@@ -10,6 +10,10 @@ The Markov term is teacher-forced with the base's greedy tokens (what a verified
 Losses: KL(base || draft) per draft position; the confidence head (on detached features) by binary
 cross-entropy toward "the draft's greedy token equals the base's", i.e. its acceptance under greedy
 verification given the earlier drafts were accepted (the scheduler multiplies the confidences).
+
+The frozen base's stored values are made once for the run and the drafter's once per optimizer step
+(`StepWeights`), shared by the step's sequences; `--reference-step` makes them all again per sequence (the
+same losses and gradients, `tests/test_fast_step.py`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from deepinfer_model.training import (
     EXACT_KV,
+    DeepseekV41ForCausalLM,
     confidence,
     draft_rows,
     key_layout,
@@ -33,19 +38,35 @@ from deepinfer_model.training import (
     round_to,
 )
 
+from .step_weights import StepWeights
 from .train import LOG_FILE, forward_train, lr_at, windows
 from .trainable import TrainableV41
 
 
-def drafter_losses(tr: TrainableV41, ids: torch.Tensor, bd: int, anchors: int, act, rng: np.random.Generator):
-    """(KL loss, confidence BCE, per-position greedy acceptance [bd], mean confidence [bd]) of one sequence."""
+def drafter_losses(
+    tr: TrainableV41,
+    ids: torch.Tensor,
+    bd: int,
+    anchors: int,
+    act,
+    rng: np.random.Generator,
+    sw: StepWeights | None = None,
+):
+    """(KL loss, confidence BCE, per-position greedy acceptance [bd], mean confidence [bd], confidence minus
+    acceptance per draft row) of one sequence. `sw`: the step's shared stored values (the frozen base's made
+    once for the run, the drafter's once per optimizer step); None: the reference path, every stored value
+    made again for this sequence."""
     cfg = tr.cfg
     W, T = cfg.sliding_window, ids.shape[0]
-    with torch.no_grad():
-        out, _ = forward_train(tr, ids, act, None, with_drafter=True)  # frozen backbone: no graph
+    with torch.no_grad():  # frozen backbone: no graph
+        if sw is None:
+            out, _ = forward_train(tr, ids, act, None, with_drafter=True)
+        else:
+            out = DeepseekV41ForCausalLM.forward.__wrapped__(sw.model, ids, return_trace=True)
         base_logp = torch.log_softmax(out.logits.float(), dim=-1)
         greedy = base_logp.argmax(dim=-1)  # greedy[p]: the base's token for position p + 1
-    w = tr.weights(with_drafter=True)  # (outside no_grad: the drafter's stored values carry their gradient)
+    # (outside no_grad: the drafter's stored values carry their gradient)
+    w = tr.weights(with_drafter=True) if sw is None else sw.weights
     positions = torch.arange(T, device=ids.device)
     keys = main_keys(cfg, w.drafter, out.features, positions, act)  # [Ld, T, D], with the drafter's graph
     a = torch.as_tensor(rng.integers(W - 1, T - bd - 1, size=anchors), device=ids.device)
@@ -91,6 +112,31 @@ def drafter_losses(tr: TrainableV41, ids: torch.Tensor, bd: int, anchors: int, a
     return kl, bce, hit.mean(0).detach(), conf.mean(0).detach(), (conf - hit).detach()
 
 
+def drafter_step(
+    tr: TrainableV41,
+    sw: StepWeights | None,
+    seqs: list[np.ndarray],
+    a: argparse.Namespace,
+    act,
+    rng: np.random.Generator,
+    device,
+) -> torch.Tensor:
+    """Forward and backward of each sequence of one optimizer step (the drafter masters' gradients of the
+    mean loss); [mean KL, mean confidence BCE, last sequence's acceptance [bd], its confidence [bd]] as one
+    device tensor, read on the host once per step."""
+    if sw is not None:
+        sw.refresh()
+    sums = torch.zeros(2, device=device)
+    for seq in seqs:
+        ids = torch.as_tensor(seq.astype(np.int64), device=device)
+        kl, bce, hit, conf, _ = drafter_losses(tr, ids, a.draft_len, a.anchors, act, rng, sw)
+        ((kl + bce) / len(seqs)).backward()
+        sums += torch.stack((kl, bce)).detach()
+    if sw is not None:
+        sw.push_grads()
+    return torch.cat((sums / len(seqs), hit.float(), conf.float()))
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", required=True)
@@ -110,6 +156,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--reference-step",
+        action="store_true",
+        help="make every stored value again per sequence (the slow reference path, for comparison)",
+    )
     a = p.parse_args(argv)
     t_start = time.time()
     deadline = a.deadline or float("inf")
@@ -122,6 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
     held = windows(np.load(Path(a.data) / "heldout.npy", mmap_mode="r"), a.seq_len, 2, None)
     rng = np.random.default_rng(a.seed)
     act = torch.bfloat16
+    sw = None if a.reference_step else StepWeights(tr, tr.drafter_names(), act, with_drafter=True)
     log = {"args": vars(a), "steps": [], "evals": []}
     planned, times, step = a.max_steps, [], 0
     with numerics.resolved():
@@ -132,15 +184,13 @@ def main(argv: list[str] | None = None) -> dict:
             lr = lr_at(step, planned or step + 1000, a.lr, a.warmup)
             for g in opt.param_groups:
                 g["lr"] = lr
-            stats = np.zeros(2)
-            for seq in windows(train, a.seq_len, a.accum, rng):
-                ids = torch.as_tensor(seq.astype(np.int64), device=device)
-                kl, bce, hit, conf, _ = drafter_losses(tr, ids, a.draft_len, a.anchors, act, rng)
-                ((kl + bce) / a.accum).backward()
-                stats += [kl.item(), bce.item()]
+            stats = drafter_step(tr, sw, windows(train, a.seq_len, a.accum, rng), a, act, rng, device)
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
+            values = stats.tolist()  # the step's one host read
+            kl_mean, bce_mean = values[:2]
+            hit, conf = values[2 : 2 + a.draft_len], values[2 + a.draft_len :]
             step += 1
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -148,10 +198,10 @@ def main(argv: list[str] | None = None) -> dict:
             row = {
                 "step": step,
                 "lr": lr,
-                "kl": stats[0] / a.accum,
-                "confidence_bce": stats[1] / a.accum,
-                "acceptance": hit.tolist(),
-                "confidence": conf.tolist(),
+                "kl": kl_mean,
+                "confidence_bce": bce_mean,
+                "acceptance": hit,
+                "confidence": conf,
                 "seconds": times[-1],
             }
             log["steps"].append(row)
@@ -161,6 +211,8 @@ def main(argv: list[str] | None = None) -> dict:
                     (deadline - time.time() - a.save_reserve_s) / (sorted(times[1:])[1] * 1.08)
                 )
                 log["planned_steps"] = planned
+        if sw is not None:
+            sw.refresh()  # the drafter after the last optimizer step
         with torch.no_grad():
             evals = [
                 drafter_losses(
@@ -170,6 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
                     a.anchors,
                     act,
                     np.random.default_rng(1),
+                    sw,
                 )
                 for s in held
             ]
