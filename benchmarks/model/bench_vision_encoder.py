@@ -7,7 +7,10 @@ cells, (3 sqrt C)^2 patches (1,024 tokens: 9,216 patches). Each variant (attenti
 `vision/encoder.py`) encodes one image at a time through `VisionTower.embed_image`: `--warmup` calls, then
 `--repeats` timed calls (CUDA events on a GPU, the host clock on the CPU), median. The baseline is the einsum
 reference attention in FP32, measured in the same run: `speedup_vs_reference_fp32`, and each variant's output
-against the baseline's (`rel_err_vs_reference_fp32`, relative Frobenius), so a fast wrong variant shows.
+against the baseline's (`rel_err_vs_reference_fp32`, relative Frobenius), so a fast wrong variant shows. On
+CUDA each variant also records `peak_extra_mem_gib` (memory its first call allocated beyond the weights: the
+einsum path's [heads, N, N] scores show there) and `attention_kernel` (the attention kernel one profiled call
+ran: FlashAttention / memory-efficient / cuDNN for the fused path, "none" for the einsum path).
 
 FLOPs per image count matrix products only (2 per multiply-add; norms, RoPE, softmax and GELU left out), with
 P patches, W width, I SwiGLU width, L layers, r the unshuffle side, M = P / r^2 merged cells, d text width:
@@ -27,7 +30,7 @@ stand in for the image's (its features enter at the embedding, which costs nothi
 out), against the same peak.
 
     python benchmarks/model/bench_vision_encoder.py [--device cuda] [--cells 256 576 1024] [--model PATH]
-    python benchmarks/model/bench_vision_encoder.py --device cpu --layers 2 --cells 16 64   # smoke run
+    python benchmarks/model/bench_vision_encoder.py --device cpu --layers 2 --cells 4 16 --repeats 3   # smoke run
 writes benchmarks/out/bench_vision_encoder.json (`--json PATH`): flat records, one per configuration
 (`section` "encoder": one per image size and variant; "lm_prefill": one per image size).
 """
@@ -39,6 +42,7 @@ import dataclasses
 import json
 import math
 import platform
+import re
 import statistics
 import time
 from pathlib import Path
@@ -51,6 +55,7 @@ COMMITTED = ROOT / "benchmarks" / "results"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BASELINE = "reference:float32"
 DEFAULT_VARIANTS = ["fused:bfloat16", "fused:float32", "reference:bfloat16", BASELINE]
+_ATTENTION_KERNEL = re.compile(r"flash|fmha|attention|attn|sdpa|cudnn", re.IGNORECASE)
 
 
 def flash_vision_config(layers: int = 32):
@@ -130,6 +135,26 @@ def median_ms(fn, device: torch.device, warmup: int, repeats: int) -> float:
     for _ in range(warmup):
         timer(fn)
     return statistics.median(timer(fn) for _ in range(repeats))
+
+
+def attention_kernel(fn, device: torch.device) -> str | None:
+    """The device kernel named like an attention kernel with the most time in one profiled call of `fn`
+    ("none" where no kernel is: the einsum path runs GEMMs and a softmax); None on the CPU."""
+    if device.type != "cuda":
+        return None
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize(device)
+        best, best_us = "none", 0.0
+        for evt in prof.key_averages():
+            us = getattr(evt, "device_time_total", None)
+            us = getattr(evt, "cuda_time_total", 0.0) if us is None else us
+            if us > best_us and _ATTENTION_KERNEL.search(evt.key) and not evt.key.startswith("aten::"):
+                best, best_us = evt.key[:160], us
+        return best
+    except Exception as e:  # the profiler is evidence, not the measurement: its failure is recorded
+        return f"profiler failed: {type(e).__name__}: {e}"[:160]
 
 
 def device_name(device: torch.device) -> str:
@@ -244,6 +269,7 @@ def bench_encoder(args, vcfg, text_hidden: int, peak: float, gemm: float) -> lis
             out = call()
             peak_mem = (torch.cuda.max_memory_allocated(dev) - before) / 2**30 if cuda else None
             ms = median_ms(call, dev, args.warmup, args.repeats)
+            kernel = attention_kernel(call, dev)
             outs[(attention, dtype)] = out.double().cpu()
             tflops = total / ms / 1e9
             records.append({
@@ -254,7 +280,7 @@ def bench_encoder(args, vcfg, text_hidden: int, peak: float, gemm: float) -> lis
                 "gflop_per_image": total / 1e9, "attention_gflop_per_image": flops["attention"] / 1e9,
                 "achieved_tflops": tflops, "mfu_pct": 100 * tflops / peak, "peak_bf16_tflops": peak,
                 "pct_of_measured_gemm": 100 * tflops / gemm, "measured_gemm_tflops": gemm,
-                "peak_extra_mem_gib": peak_mem, "finite": bool(torch.isfinite(out).all()),
+                "peak_extra_mem_gib": peak_mem, "attention_kernel": kernel, "finite": bool(torch.isfinite(out).all()),
                 "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32) if cuda else None,
                 "warmup": args.warmup, "repeats": args.repeats,
             })  # fmt: skip
@@ -326,7 +352,7 @@ def _table(title: str, records: list[dict], cols: tuple[str, ...]) -> None:
         t.add_column(c, justify="right")
     for r in records:
         t.add_row(*(_fmt(r.get(c)) for c in cols))
-    Console(width=200).print(t)
+    Console(width=250).print(t)
 
 
 def _fmt(v) -> str:
@@ -355,6 +381,11 @@ def main(argv=None) -> list[dict]:
     _table(f"V4.1-Flash vision encoder ({vcfg.num_hidden_layers} layers) on {device_name(args.device)}; "
            f"peak {peak:.4g} TFLOP/s ({source}), GEMM {gemm:.4g} TFLOP/s measured; median of {args.repeats}",
            records, enc_cols)  # fmt: skip
+    for r in records:
+        if r["attention_kernel"] is not None:
+            print(
+                f"{r['cells']:>5} cells {r['attention']}:{r['dtype']}: attention kernel {r['attention_kernel']}"
+            )
     if model is not None:
         lm = bench_lm_prefill(args, model, model_name, records, peak)
         _table(f"{model_name} prefill of one image's positions (BF16 activations)", lm,

@@ -3,7 +3,7 @@
 The math dtype defaults to the weights' device (`encoder.default_dtype`: BF16 on CUDA, FP32 on the CPU) and
 the attention to "auto" (fused on CUDA, the einsum reference elsewhere); see `encoder.py`. The weights are
 cast once per math dtype and kept (a checkpoint loads them as FP32, so the BF16 copy of the V4.1-Flash
-encoder and aligner adds about 0.9 GB on the GPU). The embeddings leave in the math dtype; the language
+encoder and aligner adds about 1 GB on the GPU). The embeddings leave in the math dtype; the language
 model's embedding path (`embed.image_input_embeddings`) rounds them to its activation dtype.
 """
 
