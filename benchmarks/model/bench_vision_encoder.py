@@ -312,7 +312,9 @@ def bench_lm_prefill(args, model, model_name: str, enc_records: list[dict], peak
         per_seq = -(-tokens // block)
         runner = PagedRunner(model, num_blocks=per_seq, block_size=block)
         table = [np.arange(per_seq, dtype=np.int32)]
-        ids = np.random.default_rng(args.seed).integers(0, int(model.config.vocab_size), (1, tokens))
+        # ordinary text ids: clear of the special tokens at the start of a real vocabulary
+        hi = min(int(model.config.vocab_size), 90_000)
+        ids = np.random.default_rng(args.seed).integers(min(1000, hi // 2), hi, (1, tokens))
 
         def step(runner=runner, table=table, ids=ids):
             torch.argmax(runner.execute(StepBatch.lockstep(table, 0, ids)), -1).tolist()
