@@ -31,6 +31,9 @@
 # in it with trace_gaps.py),
 # syncs (find_host_syncs.py: every host sync of one medium native request, by call site; SYNC_TOKENS,
 # SYNC_MAX_TOKENS),
+# vision (the vision encoder's gpu tests, then bench_vision_encoder.py: random V4.1-Flash encoder weights, images/s
+# and MFU at 256 / 576 / 1,024 tokens per image, fused BF16 against the FP32 einsum reference, beside the medium
+# model's native prefill of the same positions; VISION_ARGS: more options, VISION_LIMIT_S),
 # Modifiers: nodecode / noprefill (bench: only the other half).
 # Results: $OUT (device tool) or benchmarks/out; logs in engine_logs.tar.gz.
 set -uo pipefail
@@ -46,7 +49,7 @@ steps=${*:-check gputests engine ppl medium bench}
 has() { [[ " $steps " == *" $1 "* ]]; }
 needs_medium() {  # the steps that run the medium checkpoint (made once, in the background, below)
   local s; for s in medium bench profile profstep long profprefill compile benchcompile devfeed where traced moe \
-    customops prefill syncs; do has "$s" && return 0; done; return 1
+    customops prefill syncs vision; do has "$s" && return 0; done; return 1
 }
 export PYTHONUNBUFFERED=1 HOME=${HOME:-/root} OMP_NUM_THREADS=16
 # the NVIDIA build: deepinfer-sched records it and the op registry serves CUDA tensors with the NVIDIA ops
@@ -410,5 +413,14 @@ if has where; then  # where the device time goes: prefill ops by source line, th
       --top 40 --trace "$out/traces" --out "$out/profile_decode_step_compiled_where.json" > "$out/where_decode.log" 2> "$out/inductor_code.log"
     tail -30 "$out/where_decode.log"; gzip -f "$out/inductor_code.log" "$out"/traces/*.json; collect
   fi
+fi
+if has vision; then  # the vision encoder (vision/encoder.py): fused BF16 on CUDA against the FP32 einsum reference
+  el "tests: the vision encoder on the GPU"
+  timeout "$lim" python3 -m pytest -q -p no:cacheprovider -m gpu packages/deepinfer-model/tests/test_v41_vision_gpu.py \
+    > "$out/vision_gpu_tests.log" 2>&1; tail -4 "$out/vision_gpu_tests.log"
+  el "bench: vision encoder at 256 / 576 / 1,024 tokens per image, medium native prefill of the same positions"
+  DEEPINFER_NUMERICS=native timeout "${VISION_LIMIT_S:-300}" python3 benchmarks/model/bench_vision_encoder.py --device cuda \
+    --model "$medium" ${VISION_ARGS:-} --json "$out/bench_vision_encoder.json" > "$out/bench_vision_encoder.log" 2>&1
+  tail -40 "$out/bench_vision_encoder.log"; collect
 fi
 el "done"

@@ -1,5 +1,6 @@
 """The DeepSeek-ViT encoder and the aligner against a naive FP64 re-derivation written from the description
-(loops over patches, heads and channel pairs; explicit softmax and erf-GELU), at several patch grids."""
+(loops over patches, heads and channel pairs; explicit softmax and erf-GELU), at several patch grids: the
+einsum reference attention and the fused one (`scaled_dot_product_attention`), in FP64, FP32 and BF16."""
 
 import math
 
@@ -10,8 +11,10 @@ from deepinfer_model.models.deepseek_v41.vision import (
     VisionTower,
     VisionWeights,
     axial_rope_angles,
+    default_dtype,
     encode_image,
     pixel_unshuffle,
+    resolve_attention,
 )
 
 
@@ -148,3 +151,66 @@ def test_pixel_unshuffle_order():
 def test_patch_shape_is_checked(tower):
     with pytest.raises(ValueError, match=r"patches must have shape \[rows\*cols, C\*p\*p\] = \[4, 588\]"):
         tower.embed_image(torch.zeros(4, 10), 2, 2)
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want).norm() / want.norm())
+
+
+@pytest.mark.parametrize("rows,cols", [(2, 2), (2, 6), (6, 4), (8, 2)])
+def test_fused_attention_matches_naive_fp64(tower, rows, cols):
+    """The fused path in FP64 agrees with the re-derivation to rounding (the layout, scale and lack of a
+    mask are right), in FP32 as tightly as the reference path does."""
+    g = torch.Generator().manual_seed(rows * 100 + cols)
+    patches = torch.rand(rows * cols, tower.config.patch_dim, generator=g) * 2 - 1
+    want = _naive_tower(patches, rows, cols, tower)
+    got64 = tower.embed_image(patches, rows, cols, dtype=torch.float64, attention="fused")
+    got32 = tower.embed_image(patches, rows, cols, dtype=torch.float32, attention="fused")
+    torch.testing.assert_close(got64, want, rtol=1e-10, atol=1e-10)
+    assert got32.dtype == torch.float32
+    torch.testing.assert_close(got32.double(), want, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("attention", ["fused", "reference"])
+@pytest.mark.parametrize("rows,cols", [(2, 2), (6, 4), (8, 8)])
+def test_bf16_matches_naive_fp64(tower, rows, cols, attention):
+    """BF16 math: weights, patches and every GEMM / attention input carry 8 significant bits (unit roundoff
+    u = 2**-8); the path has about 15 rounding points (patch embedding, 6 per block, the aligner's 2, the
+    output), each within u/2 of the exact value, so the output's relative error is a few u: it must stay
+    below 8u = 3.1e-2 (measured 0.7-1.3e-2) and above 1e-3, far above FP32's 1e-6 (the math did run in BF16).
+    The residual stream stays FP32 (`residual_dtype`)."""
+    g = torch.Generator().manual_seed(rows * 100 + cols)
+    patches = torch.rand(rows * cols, tower.config.patch_dim, generator=g) * 2 - 1
+    want = _naive_tower(patches, rows, cols, tower)
+    got = tower.embed_image(patches, rows, cols, dtype=torch.bfloat16, attention=attention)
+    assert got.dtype == torch.bfloat16
+    assert 1e-3 < _rel_err(got, want) < 8 * 2**-8
+    feats = encode_image(patches, rows, cols, tower.weights, tower.config, torch.bfloat16, attention)
+    assert feats.dtype == torch.float32
+
+
+def test_device_defaults_and_bad_settings(tower):
+    assert tower.default_dtype == torch.float32 and default_dtype("cuda") == torch.bfloat16
+    assert resolve_attention("auto", "cpu") == "reference" and resolve_attention("auto", "cuda:0") == "fused"
+    assert resolve_attention("fused", "cpu") == "fused"
+    p = torch.zeros(4, tower.config.patch_dim)
+    with pytest.raises(ValueError, match=r"attention must be one of auto, fused, reference, got 'flash'"):
+        tower.embed_image(p, 2, 2, attention="flash")
+    with pytest.raises(
+        ValueError, match=r"dtype must be one of float64, float32, bfloat16, float16, got torch.int32"
+    ):
+        tower.embed_image(p, 2, 2, dtype=torch.int32)
+
+
+def test_weights_are_cast_once_per_dtype(tower):
+    """The tower keeps one cast per math dtype (matrices in it, RMSNorm weights in the residual dtype) and
+    reuses it; weights already in a dtype are not copied."""
+    p = torch.rand(4, tower.config.patch_dim, generator=torch.Generator().manual_seed(3))
+    tower.embed_image(p, 2, 2, dtype=torch.bfloat16)
+    w16 = tower.weights_for(torch.bfloat16)
+    tower.embed_image(p, 2, 2, dtype=torch.bfloat16)
+    assert tower.weights_for(torch.bfloat16) is w16
+    assert w16.blocks[0].qkv.dtype == torch.bfloat16 and w16.fc2.dtype == torch.bfloat16
+    assert w16.blocks[0].norm1.dtype == torch.float32 and w16.norm.dtype == torch.float32
+    assert tower.weights_for(torch.float32) is tower.weights  # (the loader's FP32 weights as they are)
+    assert w16.cast(torch.bfloat16, torch.float32) is w16

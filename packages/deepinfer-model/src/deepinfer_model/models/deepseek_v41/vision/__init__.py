@@ -3,7 +3,16 @@ the image token layout."""
 
 from .aligner import align, pixel_unshuffle
 from .config import VisionConfig, parse_vision_config
-from .encoder import axial_rope_angles, encode_image
+from .encoder import (
+    ATTENTION_MODES,
+    axial_rope_angles,
+    default_dtype,
+    encode_image,
+    fused_attention,
+    reference_attention,
+    residual_dtype,
+    resolve_attention,
+)
 from .encoder_cache import EncoderCache
 from .layout import vision_layout
 from .preprocess import (
@@ -36,6 +45,7 @@ from .weights import VisionBlockWeights, VisionWeights
 from .workers import ImagePreprocessor
 
 __all__ = [
+    "ATTENTION_MODES",
     "IMAGE",
     "IMAGE_END",
     "IMAGE_NEW_LINE",
@@ -65,8 +75,13 @@ __all__ = [
     "VisionWeights",
     "align",
     "axial_rope_angles",
+    "default_dtype",
     "encode_image",
+    "fused_attention",
     "parse_vision_config",
     "pixel_unshuffle",
+    "reference_attention",
+    "residual_dtype",
+    "resolve_attention",
     "vision_layout",
 ]

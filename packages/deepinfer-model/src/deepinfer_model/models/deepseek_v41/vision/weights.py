@@ -20,6 +20,18 @@ class VisionBlockWeights:
     w13: torch.Tensor  # [2I, W] gate rows then up rows
     w2: torch.Tensor  # [W, I]
 
+    def cast(self, dtype: torch.dtype, norm_dtype: torch.dtype) -> VisionBlockWeights:
+        """Matrices and biases in `dtype`, the RMSNorm weights in `norm_dtype` (no copy of a tensor already so)."""
+        return VisionBlockWeights(
+            norm1=self.norm1.to(norm_dtype),
+            qkv=self.qkv.to(dtype),
+            qkv_bias=self.qkv_bias.to(dtype),
+            proj=self.proj.to(dtype),
+            norm2=self.norm2.to(norm_dtype),
+            w13=self.w13.to(dtype),
+            w2=self.w2.to(dtype),
+        )
+
 
 @dataclass
 class VisionWeights:
@@ -31,6 +43,31 @@ class VisionWeights:
     fc1_bias: torch.Tensor
     fc2: torch.Tensor  # [d, d]
     fc2_bias: torch.Tensor
+
+    def cast(self, dtype: torch.dtype, norm_dtype: torch.dtype) -> VisionWeights:
+        """These weights with matrices and biases in `dtype` and the RMSNorm weights in `norm_dtype`; `self`
+        when they already are. A cast copies every tensor not yet in its dtype, so callers that run many images
+        keep the result (`VisionTower` does, per dtype) rather than cast on every call."""
+        if self._dtypes_are(dtype, norm_dtype):
+            return self
+        return VisionWeights(
+            patch_embed=self.patch_embed.to(dtype),
+            patch_bias=self.patch_bias.to(dtype),
+            blocks=[b.cast(dtype, norm_dtype) for b in self.blocks],
+            norm=self.norm.to(norm_dtype),
+            fc1=self.fc1.to(dtype),
+            fc1_bias=self.fc1_bias.to(dtype),
+            fc2=self.fc2.to(dtype),
+            fc2_bias=self.fc2_bias.to(dtype),
+        )
+
+    def _dtypes_are(self, dtype: torch.dtype, norm_dtype: torch.dtype) -> bool:
+        mats = [self.patch_embed, self.patch_bias, self.fc1, self.fc1_bias, self.fc2, self.fc2_bias]
+        norms = [self.norm]
+        for b in self.blocks:
+            mats += [b.qkv, b.qkv_bias, b.proj, b.w13, b.w2]
+            norms += [b.norm1, b.norm2]
+        return all(t.dtype == dtype for t in mats) and all(t.dtype == norm_dtype for t in norms)
 
     @classmethod
     def from_tensors(cls, vcfg: VisionConfig, get: Callable[[str], torch.Tensor]) -> VisionWeights:
