@@ -140,7 +140,7 @@ def test_a_wrong_drafter_runs_plain_steps_ahead_and_still_probes(v41, plain):
         )
         in_flight, per_step = [], []
 
-        def each_step(engine):
+        def each_step(engine, in_flight=in_flight, per_step=per_step):
             in_flight.append(engine.step_in_flight())
             per_step.append(engine.spec.policy.drafted)
 
@@ -219,7 +219,7 @@ def test_aborts_in_either_phase(v41, plain, engine_clean):
         engine = make_engine(v41, drafter=lambda e, w=wrong: Continuation(e, plain, lambda: w))
         aborted = []
 
-        def each_step(engine, when=when):
+        def each_step(engine, when=when, aborted=aborted):
             if not aborted and engine.stats.steps >= 3 and when(engine):
                 aborted.append(engine.abort_request("r1"))
 
