@@ -9,6 +9,10 @@ tokens are read back (`step_pipeline.py`), so the device runs N+1 right behind N
 whose penalties / bad words read the seen tokens, instead wait for N, `reconcile`, and launch (their
 grammar masks and processors need N's tokens).
 
+`drain` commits and emits what is in flight and launches nothing: a loop built on this one
+(`spec_async_step.py`) then runs its next step another way; `_keep_ahead` tells whether to schedule the
+next step behind the one in flight.
+
 A step that fails to build fails its requests at once and stays in line with a result of errors only,
 so the scheduler still commits the steps in the order it scheduled them; a step whose model work
 raised is committed the same way.
