@@ -158,9 +158,12 @@ def test_a_wrong_drafter_runs_plain_steps_ahead_and_still_probes(v41, plain):
     assert drafted[True] == drafted[False]
 
 
-def test_paged_drafts_after_plain_steps_ahead_equal_the_stateless_drafts(v41):
+@pytest.mark.parametrize("chain", [False, True], ids=["host-filled", "device-fed"])
+def test_paged_drafts_after_plain_steps_ahead_equal_the_stateless_drafts(v41, plain, chain):
     """The runner keeps the drafter keys of the steps run ahead: every paged draft, the ones proposed
-    after a plain phase included, is the stateless drafter's."""
+    after a plain phase included, is the stateless drafter's; also where each plain step is launched
+    before the one ahead of it is read back, its input ids taken on the device (`always_chain`: the
+    GPU's path, on the CPU)."""
 
     class CrossCheck:
         def __init__(self, engine):
@@ -183,10 +186,11 @@ def test_paged_drafts_after_plain_steps_ahead_equal_the_stateless_drafts(v41):
     torch.set_num_threads(1)
     engine = make_engine(v41, drafter=CrossCheck)
     assert isinstance(engine.spec.drafter.paged, PagedDrafter)
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    run(engine, params)
+    engine.pipeline.always_chain = chain
+    assert tokens(run(engine, GREEDY)) == plain
     check = engine.spec.drafter
     assert check.checked > 0 and check.after_plain_phase > 0, (check.checked, check.after_plain_phase)
+    assert (engine.pipeline.chained_launches > 0) == chain
     engine.close()
 
 
