@@ -8,9 +8,9 @@ detokenize / stop strings -> outputs. The engine holds its parts and one step st
 - the strategy: `step_strategy.SyncStep` (each step finished before `step()` returns),
   `async_step.AsyncStep` (the model one step ahead on a worker thread), `spec_step.SpecStep`
   (DSpark drafts verified each step) or `spec_async_step.SpecAsyncStep` (a drafting engine's plain
-  steps one step ahead, its drafted ones in `SpecStep`). The sampler's draw depends only on (seed, position), and a
-  runner's logits only on the sequence (the paged runner is bitwise equal to the stateless forward),
-  so every loop emits the same tokens.
+  steps one step ahead, its drafted ones in `SpecStep`). The sampler's draw depends only on (seed,
+  position), and a runner's logits only on the sequence (the paged runner is bitwise equal to the
+  stateless forward), so every loop emits the same tokens.
 """
 
 from __future__ import annotations
