@@ -30,7 +30,8 @@ class SchedulerConfig:
     - ``enable_chunked_prefill``: split long prompts over steps (otherwise a prompt runs whole).
     - ``engine_type``: NORMAL, PROMPT (prefill only) or COMPLETION (decode only); a string works too.
     - ``num_speculative_tokens``: drafts verified per step at most, and the number assumed when a step
-      is scheduled ahead of the unprocessed one (0 = no speculative decoding).
+      is scheduled ahead of the unprocessed one (0: none assumed ahead and no cap on the drafts set, as for
+      an engine that verifies drafts only in steps scheduled with nothing in flight).
     - ``prefix_hash_bits``: bits kept of each prefix-cache key; only tests lower it, to force hash
       collisions (hits are confirmed token by token, so collisions cost time, never correctness).
     - ``finish_preempted``: a sequence preempted for want of KV blocks finishes (reason "preempted",

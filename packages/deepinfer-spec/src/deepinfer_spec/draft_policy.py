@@ -303,7 +303,7 @@ class DraftPolicy:
         self._probe_charge = None
         if not due or self.probe_budget is None or plain is None:
             return due
-        if self.probe_ms > self.probe_budget * self.plain_ms:
+        if self._budget_spent(self.plain_ms):
             self.deferred_probes += len(due)
             return []
         longer = self.step_ms(num_seqs + sum(candidates[i][1] for i in due), num_seqs)
@@ -394,3 +394,63 @@ class DraftPolicy:
             "policy_deferred_probe_seq_plans": self.deferred_probes,
             "policy_probe_ms_fraction": self.probe_ms / self.plain_ms if self.plain_ms else None,
         }
+
+    # -- plans that let nobody draft, for a loop that runs such steps ahead -----------------------------
+    def would_draft(self, seq_ids: Sequence[Hashable], num_seqs: int, lookahead: int = 1) -> bool:
+        """Whether `plan` over the candidates `seq_ids` (num_seqs decoding), made `lookahead` plans from
+        now (1: the next plan; the ones before it letting nobody draft, as `advance` counts them), would
+        weigh any of them: a sequence it does not know yet, one that is not backed off (an active
+        member, or a probe whose outcome is in), or a backed-off one whose probe is due then and within
+        the probe budget. False: that plan lets none of them draft and changes none of their histories,
+        and `advance` then does exactly what it would. Changes nothing."""
+        self._check_plain_plan(seq_ids, num_seqs)
+        if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 1:
+            raise ValueError(f"lookahead must be an integer >= 1, got {lookahead!r}")
+        at, due = self.plans + lookahead, False
+        for seq_id in seq_ids:
+            h = self._seqs.get(seq_id)
+            if h is None or not h.backoff or h.evaluate:
+                return True
+            due = due or at >= h.next_probe
+        if not due:
+            return False
+        plain = self.step_ms(num_seqs, num_seqs)
+        if self.probe_budget is None or plain is None:
+            return True
+        plain_ms = self.plain_ms
+        for _ in range(lookahead):  # as the plans up to that one add it (the same float additions)
+            plain_ms += plain
+        return not self._budget_spent(plain_ms)
+
+    def advance(self, seq_ids: Sequence[Hashable], num_seqs: int) -> None:
+        """A plan over the candidates `seq_ids` in which nobody drafts, for a step that ran without one:
+        the plan counter, the plain time the probe budget is measured against, the skipped sequence-steps
+        and the deferred probes advance as in `plan`, so that probes fall due at the same plans. Where
+        `would_draft(seq_ids, num_seqs)` is False this is exactly `plan`; otherwise the sequences `plan`
+        would have weighed keep their state for the next plan (a member stays one, a due probe stays
+        due)."""
+        self._check_plain_plan(seq_ids, num_seqs)
+        self.plans += 1
+        due = sum(
+            1
+            for seq_id in seq_ids
+            if (h := self._seqs.get(seq_id)) is not None
+            and h.backoff
+            and not h.evaluate
+            and self.plans >= h.next_probe
+        )
+        plain = self.step_ms(num_seqs, num_seqs)  # as `_afford_probes` counts a plan's plain step
+        if plain is not None:
+            self.plain_ms += plain
+        self._probe_charge = None
+        if due and self.probe_budget is not None and plain is not None and self._budget_spent(self.plain_ms):
+            self.deferred_probes += due
+        self.skipped += len(seq_ids)
+
+    def _check_plain_plan(self, seq_ids: Sequence[Hashable], num_seqs: int) -> None:
+        if isinstance(num_seqs, bool) or not isinstance(num_seqs, int) or num_seqs < len(seq_ids):
+            raise ValueError(f"num_seqs must be an integer >= len(seq_ids)={len(seq_ids)}, got {num_seqs!r}")
+
+    def _budget_spent(self, plain_ms: float) -> bool:
+        """The probes so far cost more than `probe_budget` of `plain_ms` (the plain steps' time)."""
+        return self.probe_ms > self.probe_budget * plain_ms

@@ -2,7 +2,8 @@
 
 `llm_engine.LLMEngine` builds the parts and holds one step strategy (`step_strategy`: the interface and
 the synchronous loop; `async_step` with `step_pipeline`: the model thread one step ahead; `spec_step`
-with `spec_decode` and `drafting`: speculative decoding). Requests are admitted and kept in
+with `spec_decode` and `drafting`: speculative decoding; `spec_async_step`: its plain steps in the
+asynchronous loop). Requests are admitted and kept in
 `request_table` (per-request state in `request`, prompt checks in `prompts` with the rules in
 `request_checks`, grammars in `structured`, YoCo truncation's settings in `truncation`, images expanded
 and encoded in `images`); `scheduling` is

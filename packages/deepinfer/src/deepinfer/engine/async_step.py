@@ -9,6 +9,10 @@ tokens are read back (`step_pipeline.py`), so the device runs N+1 right behind N
 whose penalties / bad words read the seen tokens, instead wait for N, `reconcile`, and launch (their
 grammar masks and processors need N's tokens).
 
+`drain` commits and emits what is in flight and launches nothing: a loop built on this one
+(`spec_async_step.py`) then runs its next step another way; `_keep_ahead` tells whether to schedule the
+next step behind the one in flight.
+
 A step that fails to build fails its requests at once and stays in line with a result of errors only,
 so the scheduler still commits the steps in the order it scheduled them; a step whose model work
 raised is committed the same way.
@@ -66,6 +70,10 @@ class AsyncStep(StepStrategy):
                 self._vote_async()
                 return
         head = self._inflight[0]
+        if not self._keep_ahead(head.out):  # the next step runs another way: finish this one first
+            self._vote_async()
+            self.drain()
+            return
         # Step N runs on the worker; schedule N+1 meanwhile.
         nxt, dt = self._schedule()
         if not head.future.done():
@@ -90,10 +98,7 @@ class AsyncStep(StepStrategy):
         result = self._result(head)
         self._inflight.popleft()
         t0 = time.perf_counter()
-        try:
-            finished = self.output.commit(head.out, result, preempted)
-        except Exception as e:  # noqa: BLE001 - (after the scheduler's commit) the step's requests fail
-            result, finished = self._fail_step(head.out, "output processing", e), {}
+        result, finished = self._commit(head.out, result, preempted)
         t1 = time.perf_counter()
         self._count_process(t1 - t0)
         if nxt is not None:  # structured rows / tier transfers: wait for N, then reconcile on the host
@@ -108,10 +113,7 @@ class AsyncStep(StepStrategy):
             self.stats.prepare_s += time.perf_counter() - t1
         # Detokenize N's tokens while N+1 runs.
         t0 = time.perf_counter()
-        try:
-            self.output.emit(head.out, result, finished, preempted)
-        except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
-            self._fail_step(head.out, "output processing", e)
+        self._emit(head.out, result, finished, preempted)
         self._count_process(time.perf_counter() - t0)
         self.table.collect_all()
 
@@ -119,6 +121,40 @@ class AsyncStep(StepStrategy):
         while self._inflight:
             done = self._inflight.popleft()
             self.output.commit(done.out, self._result(done))
+
+    def drain(self) -> None:
+        """Commit and emit every step in flight and schedule none (`settle` only commits: an abort of
+        everything): the loop can go on another way from here, nothing being in flight."""
+        while self._inflight:
+            done = self._inflight.popleft()
+            t0 = time.perf_counter()
+            result, finished = self._commit(done.out, self._result(done))
+            self._emit(done.out, result, finished)
+            self.stats.process_s += time.perf_counter() - t0
+        self.table.collect_all()
+
+    def _commit(self, out, result: StepResult, preempted: set[int] = frozenset()):
+        """`output.commit`; the step's result and finished sequences (its requests fail if it raised)."""
+        try:
+            return result, self.output.commit(out, result, preempted)
+        except Exception as e:  # noqa: BLE001 - (after the scheduler's commit) the step's requests fail
+            return self._fail_step(out, "output processing", e), {}
+
+    def _emit(self, out, result: StepResult, finished: dict[int, str], preempted: set[int] = frozenset()):
+        try:
+            self.output.emit(out, result, finished, preempted)
+        except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
+            self._fail_step(out, "output processing", e)
+        self._emitted(out, result, finished, preempted)
+
+    # ------------------------------------------------------------------ for a loop built on this one
+    def _keep_ahead(self, out) -> bool:
+        """Whether to schedule the next step while the step `out` runs (else `drain`)."""
+        return True
+
+    def _emitted(self, out, result: StepResult, finished: dict[int, str], preempted: set[int]) -> None:
+        """The step `out` is committed and emitted (`finished`: what its commit finished; `preempted`:
+        sequences whose token the scheduler dropped)."""
 
     def _result(self, step: _InFlight) -> StepResult:
         """The step's result; a failure of its model work (launch, forward, sampling, read-back) fails

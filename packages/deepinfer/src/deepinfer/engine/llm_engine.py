@@ -6,10 +6,11 @@ detokenize / stop strings -> outputs. The engine holds its parts and one step st
 - `request_table.py`: admission and request state; `step_builder.py`: scheduler output -> `StepInput`;
   `output_processor.py`: commit to the scheduler, emit into the requests; `stats.py`: counters.
 - the strategy: `step_strategy.SyncStep` (each step finished before `step()` returns),
-  `async_step.AsyncStep` (the model one step ahead on a worker thread) or `spec_step.SpecStep`
-  (DSpark drafts verified each step). The sampler's draw depends only on (seed, position), and a
-  runner's logits only on the sequence (the paged runner is bitwise equal to the stateless forward),
-  so every loop emits the same tokens.
+  `async_step.AsyncStep` (the model one step ahead on a worker thread), `spec_step.SpecStep`
+  (DSpark drafts verified each step) or `spec_async_step.SpecAsyncStep` (a drafting engine's plain
+  steps one step ahead, its drafted ones in `SpecStep`). The sampler's draw depends only on (seed,
+  position), and a runner's logits only on the sequence (the paged runner is bitwise equal to the
+  stateless forward), so every loop emits the same tokens.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from .pd_roles import CompletionRole, PromptRole, needs_role
 from .prompts import PromptChecks
 from .request import RequestState, SeqState
 from .request_table import RequestTable
+from .spec_async_step import SpecAsyncStep, runs_plain_steps_ahead
 from .spec_decode import SpecDecoder
 from .spec_step import SpecStep, make_spec_decoder, resolve_nextn
 from .stats import EngineStats, collect_device_timing, log_stats
@@ -116,6 +118,9 @@ class LLMEngine(PromptChecks):
             gpu_memory_utilization=args.gpu_memory_utilization,
             bytes_per_block=self._kv_bytes_per_block(),
         )
+        self.use_async = args.use_async and self.engine_type == "normal"
+        # plain steps of a drafting engine in the asynchronous loop: only plain steps are scheduled ahead
+        self._plain_steps_ahead = runs_plain_steps_ahead(nextn, self.use_async, dp is not None)
         tier_settings = TierSettings(args.kv_host_tier_bytes, args.kv_disk_tier_bytes, args.kv_disk_tier_dir)
         if tier_settings.enabled and args.runner != "paged":
             raise ValueError(
@@ -128,7 +133,9 @@ class LLMEngine(PromptChecks):
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             chunked_prefill=args.chunked_prefill,
-            num_speculative_tokens=nextn,
+            # drafts assumed for a step scheduled ahead of one in flight (and the most set per step): none
+            # where only plain steps run ahead (SpecDecoder feeds at most nextn)
+            num_speculative_tokens=0 if self._plain_steps_ahead else nextn,
             enable_prefix_caching=args.enable_prefix_caching,
             finish_preempted=args.stop_preempted_request,
             report_evictions=tier_settings.enabled,
@@ -141,7 +148,6 @@ class LLMEngine(PromptChecks):
             timeline=device_timeline(self.device),
             collectives=dp.collectives if dp is not None else None,
         )
-        self.use_async = args.use_async and self.engine_type == "normal"
         self.stats = EngineStats()
         self.table = RequestTable(
             self.scheduler,
@@ -170,8 +176,9 @@ class LLMEngine(PromptChecks):
         self.images = ImageInputs(self.model, args.encoder_cache_tokens)
 
     def _choose_strategy(self) -> StepStrategy:
-        """Speculative when drafting (it runs synchronously, also under async_scheduling), else the
-        asynchronous or the synchronous loop."""
+        """Drafting: plain steps in the asynchronous loop and drafted ones synchronously where the draft
+        policy decides who drafts and async_scheduling is on (one process), else every step synchronous;
+        not drafting: the asynchronous or the synchronous loop."""
         ctx = StepContext(
             self.scheduler,
             self.worker,
@@ -182,6 +189,8 @@ class LLMEngine(PromptChecks):
             self.dp,
             self.kv_tier,
         )
+        if self._plain_steps_ahead:
+            return SpecAsyncStep(ctx, self.spec, self.device)
         if self.spec is not None:
             return SpecStep(ctx, self.spec)
         return AsyncStep(ctx, self.device) if self.use_async else SyncStep(ctx)

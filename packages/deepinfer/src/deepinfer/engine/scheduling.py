@@ -107,6 +107,12 @@ def set_draft_tokens(sched: Scheduler, seq_id: int, drafts: list[int]) -> None:
     sched.set_draft_tokens(seq_id, np.asarray(drafts, dtype=np.int32))
 
 
+def has_draft_tokens(sched: Scheduler) -> bool:
+    """Whether some running sequence has drafts set for its next step (only running ones can: a
+    preemption or a finish clears them)."""
+    return any(len(sched.draft_token_ids(seq_id)) for seq_id in sched.running_ids())
+
+
 def update_from_lists(sched: Scheduler, out, emitted: list[list[int]]) -> dict[int, str]:
     """emitted: per scheduled sequence, its accepted drafts then the token sampled after them
     ([] where it emits none). Returns {seq_id: finish reason}."""

@@ -213,6 +213,7 @@ class SpecDecoder:
         self.verifier = DraftVerifier(sampling=sampled_verify_from_env())
         self.stats = SpecStats(nextn)
         self.draft_s = 0.0
+        self.async_steps = 0  # plain steps run in the asynchronous loop (`spec_async_step.py`)
 
     @property
     def varlen(self) -> bool:
@@ -323,6 +324,7 @@ class SpecDecoder:
         out["nextn"] = self.nextn
         out["varlen"] = self.varlen
         out["draft_s"] = self.draft_s
+        out["async_steps"] = self.async_steps
         if self.policy is not None:
             out.update(self.policy.summary())
         return out

@@ -1,9 +1,11 @@
 """The speculative loop (DSpark drafts; `spec_decode.py` has the protocol of one step).
 
 It runs synchronously: a step's drafts come from the drafter after the previous step's verification
-on the host, so there is nothing to overlap yet (a device-side draft path would change that); with
-`async_scheduling` and drafts on, the engine runs this loop (same tokens by construction). A step in
-which no sequence verifies drafts (the draft policy skipped them all) runs as the plain step.
+on the host, so there is nothing to overlap yet (a device-side draft path would change that). With
+`async_scheduling` and the draft policy on, `spec_async_step.SpecAsyncStep` runs the steps in which
+nobody drafts in the asynchronous loop and this one around drafts (same tokens by construction); without
+the policy or with data parallelism every step runs here. A step in which no sequence verifies drafts
+(the draft policy skipped them all) runs as the plain step.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -103,7 +104,10 @@ class StepPipeline:
             initializer(*initargs)
         pending: tuple[Future, PendingStep] | None = None  # launched, not finished
         while True:
+            t0 = time.perf_counter()
             job = self._jobs.get()
+            if pending is not None:  # (its sampling time excludes the wait for work)
+                pending[1].waited_s += time.perf_counter() - t0
             if job is _FLUSH or job is _STOP:
                 pending = self._finish(pending)
                 if job is _STOP:

@@ -2,8 +2,9 @@
 
 A strategy owns one way of turning the scheduler's plan into committed tokens; `LLMEngine.step` calls
 `step()` and returns what finished. The loops (this file's `SyncStep`, `async_step.AsyncStep`,
-`spec_step.SpecStep`) share the parts in `StepContext` and emit the same tokens: the sampler's draw
-depends only on (seed, position) and a runner's logits only on the sequence.
+`spec_step.SpecStep`, `spec_async_step.SpecAsyncStep`) share the parts in `StepContext` and emit the
+same tokens: the sampler's draw depends only on (seed, position) and a runner's logits only on the
+sequence.
 
 A step that raises (building it, the forward, sampling, committing, detokenizing, a grammar) fails the
 requests it carries, as an abort with the error would, and is closed in the scheduler with no tokens:

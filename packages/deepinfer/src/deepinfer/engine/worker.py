@@ -41,6 +41,9 @@ class PendingStep:
     done: torch.cuda.Event | None = None  # CUDA: recorded after the step's last work (copies included)
     t0: float = 0.0
     t1: float = 0.0
+    # seconds the model thread sat waiting for its next job after launching it (the asynchronous loop
+    # finishes a step when the next job arrives): not the step's time
+    waited_s: float = 0.0
 
     def complete(self) -> bool:
         """Whether the device has finished the step (always, where the device is the host)."""
@@ -180,7 +183,8 @@ class ModelWorker:
                         result.top[i] = dict(zip(top, vals))
         if pending.prompt_rows is not None:
             result.prompt_rows = pending.prompt_rows.read()
-        result.forward_s, result.sample_s = pending.t1 - pending.t0, time.perf_counter() - pending.t1
+        result.forward_s = pending.t1 - pending.t0
+        result.sample_s = time.perf_counter() - pending.t1 - pending.waited_s
         if pending.index == self._launched:  # (a step launched after this one owns the next fill)
             self._last_tokens = result.tokens
         return result
