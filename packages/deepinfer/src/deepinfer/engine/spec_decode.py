@@ -312,6 +312,13 @@ class SpecDecoder:
         if self.policy is not None and num_rows:
             self.policy.record_step_time(num_rows, sample_s * 1e3, verified)
 
+    def record_host_time(self, num_rows: int, host_s: float, verified: bool) -> None:
+        """A measured decode step's host work outside its forward, sampler (or verification) and draft
+        forward, over its `num_rows` rows (`verified`: a step that verified drafts): what the draft
+        policy charges a verification step beyond a plain one."""
+        if self.policy is not None and num_rows:
+            self.policy.record_host_time(num_rows, host_s * 1e3, verified)
+
     def summary(self) -> dict:
         out = self.stats.summary()
         out["nextn"] = self.nextn

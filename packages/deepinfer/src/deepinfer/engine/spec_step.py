@@ -58,12 +58,15 @@ class SpecStep(StepStrategy):
             if out is None:
                 return
             stage = "prepare"
+            draft_s = self.spec.draft_s
             t0 = time.perf_counter()
-            if not scheduling.num_draft_tokens(out).any():
+            verified = bool(scheduling.num_draft_tokens(out).any())
+            if not verified:
                 # nobody verifies drafts: the plain step (verifying k = 0 drafts draws exactly its
                 # tokens, at a higher cost), the drafter proposing after it as after a verification
                 plain = self._build(out)
-                self.stats.prepare_s += time.perf_counter() - t0
+                batch, prepare_s = plain.batch, time.perf_counter() - t0
+                self.stats.prepare_s += prepare_s
                 stage, forward_ran = "model step", True
                 plain_result = self.worker.run(plain)
                 stage = "output processing"
@@ -72,13 +75,19 @@ class SpecStep(StepStrategy):
             else:
                 step, confs = self._prepare(out)
                 self.stats.prefill_flops += self.builder.prefill_flops(out, step.batch)
-                self.stats.prepare_s += time.perf_counter() - t0
+                batch, prepare_s = step.batch, time.perf_counter() - t0
+                self.stats.prepare_s += prepare_s
                 stage, forward_ran = "model step", True
                 result = self.worker.run_verify(step, self.spec.verifier)
                 stage = "output processing"
                 t0 = time.perf_counter()
                 self._process(out, step, confs, result)
-            self.stats.process_s += time.perf_counter() - t0
+            process_s = time.perf_counter() - t0
+            self.stats.process_s += process_s
+            if not scheduling.is_prefill(out).any():  # decode steps, as the step-time curve models them
+                # the step's host work: all of prepare and output processing but the draft forward
+                host_s = prepare_s + process_s - (self.spec.draft_s - draft_s)
+                self.spec.record_host_time(int(batch.query_lens.sum()), host_s, verified)
             self.table.collect_all()
         except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
             self._recover(out, stage, e, forward_ran)
