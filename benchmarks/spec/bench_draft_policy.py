@@ -10,6 +10,10 @@ input and output lengths, seeded requests) with the synchronous loop:
 * `every_draft`: nextn drafts, every sequence verifying all of them (`DEEPINFER_ENABLE_MTP_VARLEN=0`);
 * `off`: no drafts (nextn 0, what `DEEPINFER_USE_NEXTN_DECODE=0` gives).
 
+`--drafter prefix --accepted A` replaces the model's drafter by one whose acceptance is controlled (greedy
+only): it proposes the drafts-off engine's greedy continuation with every draft after the first A changed
+to another id, so A drafts are accepted per drafted step (fewer near max_tokens), at no forward cost.
+
 Per temperature (temperature 0 is greedy, whose tokens must be the same in all three) the runs interleave,
 `--repeats` times each, and the median output tokens/s of each setting is compared with `off`. The policy's
 counters (sequence-steps drafted, skipped, probing) and the acceptance over the runs are reported too. On
@@ -28,6 +32,7 @@ from deepinfer import SamplingParams
 from deepinfer.bench.drafts import spec_keys, spec_snapshot
 from deepinfer.bench.engine_driver import environment
 from deepinfer.bench.throughput import make_workload
+from deepinfer.engine.drafting import Drafts
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine_args import EngineArgs
 from deepinfer.llm import LLM
@@ -44,6 +49,28 @@ def build(setting: str, model: str | None, nextn: int) -> LLM:
     return LLM.from_engine(engine)
 
 
+class PrefixDrafter:
+    """Drafts from known full sequences (prompt + greedy output): the first `accepted` right, the others
+    another id. Proposing costs a lookup per request, no forward."""
+
+    def __init__(self, full: list[list[int]], accepted: int, vocab_size: int) -> None:
+        self.by_prompt_start = {}
+        for seq in full:
+            self.by_prompt_start.setdefault(tuple(seq[:4]), []).append(seq)
+        self.accepted, self.vocab_size = accepted, vocab_size
+
+    def propose(self, requests):
+        out = []
+        for req in requests:
+            seen = [*req.context, req.next_token]
+            full = next(f for f in self.by_prompt_start[tuple(seen[:4])] if f[: len(seen)] == seen)
+            tokens = full[len(seen) : len(seen) + req.num_drafts]
+            tokens += [0] * (req.num_drafts - len(tokens))
+            tokens = [t if j < self.accepted else (t + 1) % self.vocab_size for j, t in enumerate(tokens)]
+            out.append(Drafts(tokens, [0.9] * len(tokens)))
+        return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the built-in deepinfer-tiny")
@@ -56,9 +83,13 @@ def main(argv=None) -> int:
     ap.add_argument("--workload-seed", type=int, default=0)
     ap.add_argument("--temperatures", default="0.8,0", help="comma list (0: greedy)")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--drafter", choices=("model", "prefix"), default="model")
+    ap.add_argument("--accepted", type=int, default=1, help="--drafter prefix: drafts accepted per step")
     ap.add_argument("--output-json", type=Path, default=None)
     args = ap.parse_args(argv)
     temperatures = [float(t) for t in args.temperatures.split(",") if t.strip()]
+    if args.drafter == "prefix" and temperatures != [0.0]:
+        raise SystemExit(f"--drafter prefix needs --temperatures 0 (greedy), got {args.temperatures}")
 
     engines = {s: build(s, args.model, args.nextn) for s in SETTINGS}
     if engines["policy"].engine.spec is None or engines["policy"].engine.spec.policy is None:
@@ -66,6 +97,16 @@ def main(argv=None) -> int:
     prompts, sampled = make_workload(args, engines["off"].engine.vocab_size)
     for llm in engines.values():  # warm-up: one-time costs are not timed
         llm.generate(prompt_token_ids=[prompts[0][:8]], sampling_params=sampled[0], use_tqdm=False)
+    if args.drafter == "prefix":  # the drafts-off greedy continuation, recorded once (untimed)
+        greedy = [
+            SamplingParams(max_tokens=p.max_tokens, ignore_eos=True, temperature=0, seq_seed=p.seq_seed)
+            for p in sampled
+        ]
+        outs = engines["off"].generate(prompt_token_ids=prompts, sampling_params=greedy, use_tqdm=False)
+        full = [list(p) + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
+        for setting in ("policy", "every_draft"):
+            drafter = PrefixDrafter(full, args.accepted, engines["off"].engine.vocab_size)
+            engines[setting].engine.spec.drafter = drafter
 
     records = []
     for temperature in temperatures:

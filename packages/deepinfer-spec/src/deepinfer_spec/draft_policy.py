@@ -24,12 +24,13 @@ anything is verified or not. `DraftPolicy` adds both, from measurements:
 `plan` (before the draft forward) ranks the expected cumulative acceptance of every (sequence, position)
 that may draft, as the varlen rule ranks drafts, and charges a total of T positions the step time of
 num_seqs + T tokens (`step_ms`: the curve's forward, and the sampler of a plain step for T = 0, of a
-verification step and its added host work otherwise) plus the draft forward of the sequences the top T touch; the total with the most
-expected tokens per millisecond wins (T = 0: nobody drafts). A sequence outside the best T skips the
-draft forward and backs off: no drafts for `min_backoff` plans, then a probe (it drafts and verifies all
-of its drafts, so that its acceptance is measured again), the interval doubling up to `max_backoff`
-while the probes do not pay. `verify_counts` (after the draft forward, whose time is then spent) is the
-varlen rule's ranking of the calibrated rates, timed by `step_ms`; probes verify everything.
+verification step and its added host work otherwise) plus the draft forward of the sequences the top T
+touch; the total with the most expected tokens per millisecond wins (T = 0: nobody drafts). A sequence
+outside the best T skips the draft forward and backs off: no drafts for `min_backoff` plans, then a probe
+(it drafts and verifies all of its drafts, so that its acceptance is measured again), the interval
+doubling up to `max_backoff` while the probes do not pay. `verify_counts` (after the draft forward, whose
+time is then spent) is the varlen rule's ranking of the calibrated rates, timed by `step_ms`; probes
+verify everything.
 
 Probes are exploration, and their cost is bounded: the time they added (their measured draft forward and
 the longer step the curve charges) may reach `probe_budget` of the predicted time of the plain steps
