@@ -9,6 +9,9 @@ at --temperature; 0 is greedy): one with --nextn drafts, one with drafts off. Th
 --repeats times each, and the median run of each is reported. By default every decoding sequence
 verifies every draft (`DEEPINFER_ENABLE_MTP_VARLEN=0`), so every decode step is a drafted step and the
 host cost per drafted step is what the drafted engine's counters divide; --varlen keeps the draft policy.
+`--drafter prefix --accepted A` replaces the model's drafter by one of controlled acceptance
+(`prefix_drafter.py`: A drafts right per step, no forward; greedy), e.g. A = 0 with --varlen: the policy backs
+off and the drafted engine's steps are the plain steps of a drafting engine.
 
 Per engine: output tokens/s, steps, and the engine's host counters per step: `prepare` (building the step's
 batch and verify inputs), `sample` (after the forward: the plain sampler, or the verification of the
@@ -38,6 +41,7 @@ from deepinfer.bench.throughput import make_workload
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine_args import EngineArgs
 from deepinfer.llm import LLM
+from prefix_drafter import PrefixDrafter, record_full
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "bench_draft_host.json"
 COUNTERS = ("prepare", "sample", "process", "draft", "forward")
@@ -120,12 +124,16 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     ap.add_argument("--loop", choices=("sync", "async"), default="async")
     ap.add_argument("--varlen", action="store_true", help="keep the draft policy (MTP varlen) on")
+    ap.add_argument("--drafter", choices=("model", "prefix"), default="model")
+    ap.add_argument("--accepted", type=int, default=0, help="--drafter prefix: drafts accepted per step")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--label", default="", help="tag of the records, e.g. before / after a change")
     ap.add_argument("--out", type=Path, default=RESULTS, help="JSON list the records are appended to")
     args = ap.parse_args(argv)
     if args.nextn < 1:
         raise SystemExit(f"--nextn must be >= 1 (the drafted engine), got {args.nextn}")
+    if args.drafter == "prefix" and args.temperature != 0:
+        raise SystemExit(f"--drafter prefix needs --temperature 0 (greedy), got {args.temperature}")
 
     engines = {
         "drafted": build(args.model, args.nextn, args.max_num_seqs, args.loop, args.varlen),
@@ -143,6 +151,11 @@ def main(argv=None) -> int:
     ]
     for llm in engines.values():  # warm-up: one-time costs are not timed
         llm.generate(prompt_token_ids=[prompts[0][:8]], sampling_params=params[0], use_tqdm=False)
+    if args.drafter == "prefix":  # the drafts-off continuation, recorded once (untimed)
+        full = record_full(engines["plain"], prompts, params)
+        engines["drafted"].engine.spec.drafter = PrefixDrafter(
+            full, args.accepted, engines["plain"].engine.vocab_size
+        )
 
     runs: dict[str, list[dict]] = {s: [] for s in engines}
     for rep in range(args.repeats):
@@ -162,6 +175,7 @@ def main(argv=None) -> int:
             model=args.model or "deepinfer-tiny",
             loop=args.loop,
             varlen=args.varlen,
+            drafter=args.drafter if args.drafter == "model" else f"prefix, {args.accepted} accepted",
             temperature=args.temperature,
             num_requests=args.num_requests,
             max_num_seqs=args.max_num_seqs,

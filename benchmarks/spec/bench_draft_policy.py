@@ -32,10 +32,10 @@ from deepinfer import SamplingParams
 from deepinfer.bench.drafts import spec_keys, spec_snapshot
 from deepinfer.bench.engine_driver import environment
 from deepinfer.bench.throughput import make_workload
-from deepinfer.engine.drafting import Drafts
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine_args import EngineArgs
 from deepinfer.llm import LLM
+from prefix_drafter import PrefixDrafter, record_full
 
 SETTINGS = ("policy", "every_draft", "off")
 
@@ -47,28 +47,6 @@ def build(setting: str, model: str | None, nextn: int) -> LLM:
     with environment("DEEPINFER_ENABLE_MTP_VARLEN", varlen):
         engine = LLMEngine(args, num_speculative_tokens=0 if setting == "off" else nextn)
     return LLM.from_engine(engine)
-
-
-class PrefixDrafter:
-    """Drafts from known full sequences (prompt + greedy output): the first `accepted` right, the others
-    another id. Proposing costs a lookup per request, no forward."""
-
-    def __init__(self, full: list[list[int]], accepted: int, vocab_size: int) -> None:
-        self.by_prompt_start = {}
-        for seq in full:
-            self.by_prompt_start.setdefault(tuple(seq[:4]), []).append(seq)
-        self.accepted, self.vocab_size = accepted, vocab_size
-
-    def propose(self, requests):
-        out = []
-        for req in requests:
-            seen = [*req.context, req.next_token]
-            full = next(f for f in self.by_prompt_start[tuple(seen[:4])] if f[: len(seen)] == seen)
-            tokens = full[len(seen) : len(seen) + req.num_drafts]
-            tokens += [0] * (req.num_drafts - len(tokens))
-            tokens = [t if j < self.accepted else (t + 1) % self.vocab_size for j, t in enumerate(tokens)]
-            out.append(Drafts(tokens, [0.9] * len(tokens)))
-        return out
 
 
 def main(argv=None) -> int:
@@ -102,8 +80,7 @@ def main(argv=None) -> int:
             SamplingParams(max_tokens=p.max_tokens, ignore_eos=True, temperature=0, seq_seed=p.seq_seed)
             for p in sampled
         ]
-        outs = engines["off"].generate(prompt_token_ids=prompts, sampling_params=greedy, use_tqdm=False)
-        full = [list(p) + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
+        full = record_full(engines["off"], prompts, greedy)
         for setting in ("policy", "every_draft"):
             drafter = PrefixDrafter(full, args.accepted, engines["off"].engine.vocab_size)
             engines[setting].engine.spec.drafter = drafter
