@@ -9,11 +9,17 @@ at --temperature; 0 is greedy): one with --nextn drafts, one with drafts off. Th
 --repeats times each, and the median run of each is reported. By default every decoding sequence
 verifies every draft (`DEEPINFER_ENABLE_MTP_VARLEN=0`), so every decode step is a drafted step and the
 host cost per drafted step is what the drafted engine's counters divide; --varlen keeps the draft policy.
+`--drafter prefix --accepted A` replaces the model's drafter by one of controlled acceptance
+(`prefix_drafter.py`: A drafts right per step, no forward; greedy), e.g. A = 0 with --varlen: the policy backs
+off and the drafted engine's steps are the plain steps of a drafting engine.
 
 Per engine: output tokens/s, steps, and the engine's host counters per step: `prepare` (building the step's
 batch and verify inputs), `sample` (after the forward: the plain sampler, or the verification of the
 drafts), `out-proc` (`process`: committing, stop handling, and the drafter's proposal after the step), of
-which `draft` is the proposal. On the CPU each of these includes the tensor work it launches (a GPU
+which `draft` is the proposal. `host ms per plain / verification step` splits the drafted engine's steps
+by whether they verified drafts: each step's prepare + out-proc less the drafter's own time (the draft
+forward), the median over steps of each kind (the host work the draft policy charges, whatever the
+drafter costs). On the CPU each of these includes the tensor work it launches (a GPU
 would run it asynchronously); the forward is not included. The table prints the drafted / plain ratios;
 the records (flat JSON, units in the key names) are appended to --out under --label, e.g. "before" and
 "after" a change run from two checkouts, so earlier records stay.
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -34,6 +41,7 @@ from deepinfer.bench.throughput import make_workload
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine_args import EngineArgs
 from deepinfer.llm import LLM
+from prefix_drafter import PrefixDrafter, record_full
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "bench_draft_host.json"
 COUNTERS = ("prepare", "sample", "process", "draft", "forward")
@@ -48,12 +56,41 @@ def build(model: str | None, nextn: int, max_num_seqs: int, loop: str, varlen: b
     return LLM.from_engine(engine)
 
 
+class StepHostTimes:
+    """Wraps `engine.step`: per step, host milliseconds outside the forward, the sampler and the draft
+    forward (prepare + process less the drafter's time), by whether the step verified drafts."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.inner = engine, engine.step
+        self.plain_ms: list[float] = []
+        self.verify_ms: list[float] = []
+
+    def __call__(self):
+        engine, st = self.engine, self.engine.stats
+        counts = engine.spec_counts()
+        verified0 = sum(counts["verified"]) if counts else 0
+        draft0 = counts["draft_s"] if counts else 0.0
+        host0 = st.prepare_s + st.process_s
+        outs = self.inner()
+        counts = engine.spec_counts()
+        verified = (sum(counts["verified"]) if counts else 0) > verified0
+        draft_s = (counts["draft_s"] if counts else 0.0) - draft0
+        (self.verify_ms if verified else self.plain_ms).append(
+            1e3 * (st.prepare_s + st.process_s - host0 - draft_s)
+        )
+        return outs
+
+
 def timed_run(llm: LLM, prompts, params) -> dict:
     engine = llm.engine
     engine.stats.__init__()
     before = spec_snapshot(engine)
+    steps = engine.step = StepHostTimes(engine)
     t0, cpu0 = time.perf_counter(), time.process_time()
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    try:
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    finally:
+        del engine.step
     elapsed, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
     st = engine.stats
     generated = sum(len(c.token_ids) for o in outs for c in o.outputs)
@@ -66,6 +103,9 @@ def timed_run(llm: LLM, prompts, params) -> dict:
         rec[f"{name}_ms"] = total_ms
         rec[f"{name}_ms_per_step"] = total_ms / st.steps if st.steps else None
     rec.update(spec_keys(before, spec_snapshot(engine)))
+    for kind, ms in (("plain", steps.plain_ms), ("verify", steps.verify_ms)):
+        rec[f"{kind}_steps"] = len(ms)
+        rec[f"host_ms_per_{kind}_step_median"] = statistics.median(ms) if ms else None
     rec["tokens"] = [list(c.token_ids) for o in outs for c in o.outputs]
     return rec
 
@@ -84,12 +124,16 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     ap.add_argument("--loop", choices=("sync", "async"), default="async")
     ap.add_argument("--varlen", action="store_true", help="keep the draft policy (MTP varlen) on")
+    ap.add_argument("--drafter", choices=("model", "prefix"), default="model")
+    ap.add_argument("--accepted", type=int, default=0, help="--drafter prefix: drafts accepted per step")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--label", default="", help="tag of the records, e.g. before / after a change")
     ap.add_argument("--out", type=Path, default=RESULTS, help="JSON list the records are appended to")
     args = ap.parse_args(argv)
     if args.nextn < 1:
         raise SystemExit(f"--nextn must be >= 1 (the drafted engine), got {args.nextn}")
+    if args.drafter == "prefix" and args.temperature != 0:
+        raise SystemExit(f"--drafter prefix needs --temperature 0 (greedy), got {args.temperature}")
 
     engines = {
         "drafted": build(args.model, args.nextn, args.max_num_seqs, args.loop, args.varlen),
@@ -107,6 +151,11 @@ def main(argv=None) -> int:
     ]
     for llm in engines.values():  # warm-up: one-time costs are not timed
         llm.generate(prompt_token_ids=[prompts[0][:8]], sampling_params=params[0], use_tqdm=False)
+    if args.drafter == "prefix":  # the drafts-off continuation, recorded once (untimed)
+        full = record_full(engines["plain"], prompts, params)
+        engines["drafted"].engine.spec.drafter = PrefixDrafter(
+            full, args.accepted, engines["plain"].engine.vocab_size
+        )
 
     runs: dict[str, list[dict]] = {s: [] for s in engines}
     for rep in range(args.repeats):
@@ -126,6 +175,7 @@ def main(argv=None) -> int:
             model=args.model or "deepinfer-tiny",
             loop=args.loop,
             varlen=args.varlen,
+            drafter=args.drafter if args.drafter == "model" else f"prefix, {args.accepted} accepted",
             temperature=args.temperature,
             num_requests=args.num_requests,
             max_num_seqs=args.max_num_seqs,
@@ -166,6 +216,15 @@ def main(argv=None) -> int:
         )
         + f"; tokens equal: {drafted['tokens_equal_plain']}"
     )
+    for setting, (rec, _) in records.items():
+        print(
+            f"{setting}: host ms per step (median) "
+            + ", ".join(
+                f"{kind} {rec[f'host_ms_per_{kind}_step_median']:.2f} ({rec[f'{kind}_steps']} steps)"
+                for kind in ("plain", "verify")
+                if rec[f"{kind}_steps"]
+            )
+        )
     out = json.loads(args.out.read_text()) if args.out.exists() else []
     out.extend([drafted, plain])
     args.out.parent.mkdir(parents=True, exist_ok=True)

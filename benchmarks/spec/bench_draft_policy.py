@@ -10,6 +10,10 @@ input and output lengths, seeded requests) with the synchronous loop:
 * `every_draft`: nextn drafts, every sequence verifying all of them (`DEEPINFER_ENABLE_MTP_VARLEN=0`);
 * `off`: no drafts (nextn 0, what `DEEPINFER_USE_NEXTN_DECODE=0` gives).
 
+`--drafter prefix --accepted A` replaces the model's drafter by one whose acceptance is controlled (greedy
+only): it proposes the drafts-off engine's greedy continuation with every draft after the first A changed
+to another id, so A drafts are accepted per drafted step (fewer near max_tokens), at no forward cost.
+
 Per temperature (temperature 0 is greedy, whose tokens must be the same in all three) the runs interleave,
 `--repeats` times each, and the median output tokens/s of each setting is compared with `off`. The policy's
 counters (sequence-steps drafted, skipped, probing) and the acceptance over the runs are reported too. On
@@ -31,6 +35,7 @@ from deepinfer.bench.throughput import make_workload
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine_args import EngineArgs
 from deepinfer.llm import LLM
+from prefix_drafter import PrefixDrafter, record_full
 
 SETTINGS = ("policy", "every_draft", "off")
 
@@ -56,9 +61,13 @@ def main(argv=None) -> int:
     ap.add_argument("--workload-seed", type=int, default=0)
     ap.add_argument("--temperatures", default="0.8,0", help="comma list (0: greedy)")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--drafter", choices=("model", "prefix"), default="model")
+    ap.add_argument("--accepted", type=int, default=1, help="--drafter prefix: drafts accepted per step")
     ap.add_argument("--output-json", type=Path, default=None)
     args = ap.parse_args(argv)
     temperatures = [float(t) for t in args.temperatures.split(",") if t.strip()]
+    if args.drafter == "prefix" and temperatures != [0.0]:
+        raise SystemExit(f"--drafter prefix needs --temperatures 0 (greedy), got {args.temperatures}")
 
     engines = {s: build(s, args.model, args.nextn) for s in SETTINGS}
     if engines["policy"].engine.spec is None or engines["policy"].engine.spec.policy is None:
@@ -66,6 +75,15 @@ def main(argv=None) -> int:
     prompts, sampled = make_workload(args, engines["off"].engine.vocab_size)
     for llm in engines.values():  # warm-up: one-time costs are not timed
         llm.generate(prompt_token_ids=[prompts[0][:8]], sampling_params=sampled[0], use_tqdm=False)
+    if args.drafter == "prefix":  # the drafts-off greedy continuation, recorded once (untimed)
+        greedy = [
+            SamplingParams(max_tokens=p.max_tokens, ignore_eos=True, temperature=0, seq_seed=p.seq_seed)
+            for p in sampled
+        ]
+        full = record_full(engines["off"], prompts, greedy)
+        for setting in ("policy", "every_draft"):
+            drafter = PrefixDrafter(full, args.accepted, engines["off"].engine.vocab_size)
+            engines[setting].engine.spec.drafter = drafter
 
     records = []
     for temperature in temperatures:

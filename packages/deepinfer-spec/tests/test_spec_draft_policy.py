@@ -264,3 +264,108 @@ def test_extrapolating_curve_continues_the_last_line():
     assert flat_end.charged(20) == (20, 2.0)  # never below the last time
     assert StepTimeCurve([4], [2.0], extrapolate=True).charged(9) == (9, 2.0)
     assert StepTimeCurve([4, 8], [1.0, 3.0]).charged(9) is None
+
+
+def test_plan_is_the_brute_force_optimum_with_the_host_work_verification_adds():
+    """Measured host work per step (outside forward, sampler and draft forward) as a + b·rows, apart for
+    plain and verification steps: a verification step of T rows over S sequences costs
+    max(0, verify(T) - plain(S)) more (the whole of verify(T) while no plain step is measured), and the
+    plan is still the best of every allocation."""
+    rng = random.Random(23)
+    checked = clamped = 0
+    for _ in range(200):
+        nextn, n_cand = rng.randint(1, 3), rng.randint(1, 4)
+        num_seqs = n_cand + rng.randint(0, 2)
+        curve = random_curve(rng, num_seqs * (1 + nextn))
+        policy = DraftPolicy(nextn, ConfidenceScheduler(nextn, curve))
+        draft_ms = rng.uniform(0.0, 1.0)
+        policy.record_draft_time(1, draft_ms)
+        policy.record_draft_time(3, draft_ms)
+        cands = [(i, rng.randint(1, nextn)) for i in range(n_cand)]
+        for seq_id, k in cands:
+            for _ in range(rng.randint(0, 3)):
+                verified = rng.randint(0, k)
+                policy.record(seq_id, [rng.random() for _ in range(k)], verified, rng.randint(0, verified))
+        av, bv = rng.uniform(0, 10), rng.uniform(0, 2)
+        for rows in (2, 5):
+            policy.record_host_time(rows, av + bv * rows, verified=True)
+        ap, bp = rng.uniform(0, 10), rng.uniform(0, 2)
+        plain_measured = rng.random() < 0.8
+        if plain_measured:
+            for rows in (1, 3):
+                policy.record_host_time(rows, ap + bp * rows, verified=False)
+        else:
+            ap = bp = 0.0
+
+        def added(tokens, av=av, bv=bv, ap=ap, bp=bp, num_seqs=num_seqs):
+            return max(0.0, av + bv * tokens - (ap + bp * num_seqs))
+
+        clamped += added(num_seqs * (1 + nextn)) == 0.0
+        rates = [policy.expected_rates(s, k) for s, k in cands]
+        plan = policy.plan(cands, num_seqs)
+        best = brute_force_plan(rates, num_seqs, curve, draft_ms, verify=added)
+        if plan.predicted_ms is None:
+            assert best < 0 and not any(plan.draft)
+            continue
+        assert plan.expected_tokens / plan.predicted_ms == pytest.approx(best, rel=1e-12)
+        checked += 1
+    assert checked > 150 and clamped > 10  # (some verification steps cost less host work than plain ones)
+
+
+def host_run(verify_host_ms: float | None, steps: int = 60, plain_host_ms: float = 2.0):
+    """One sequence, nextn 3, whose first draft is always accepted and second always rejected (2 tokens
+    per verification step against 1 per plain step), a 10 ms step (+ 0.2 ms a verified token), a 1 ms
+    draft forward; every step's host work recorded as the engine records it: `plain_host_ms` for a plain
+    step, `verify_host_ms` more for a verification step (None: host work never measured). Returns the
+    drafting steps and the policy."""
+    nextn = 3
+    curve = StepTimeCurve([1, 64], [10.0, 10.0 + 0.2 * 63], mode="linear")
+    policy = DraftPolicy(nextn, ConfidenceScheduler(nextn, curve))
+    drafted = []
+    for _ in range(steps):
+        plan = policy.plan([(0, nextn)], 1)
+        counts = [0]
+        if plan.draft[0]:
+            policy.record_draft_time(1, 1.0)
+            conf = [0.9] * nextn
+            counts = policy.verify_counts([0], [conf], 1)
+            policy.record(0, conf, counts[0], min(counts[0], 1))
+        if verify_host_ms is not None:
+            verified = counts[0] > 0
+            policy.record_host_time(
+                1 + counts[0], plain_host_ms + (verify_host_ms if verified else 0.0), verified
+            )
+        drafted.append(plan.draft[0] and not plan.probe[0])
+    return drafted, policy
+
+
+def test_the_host_work_of_verification_backs_off_a_drafter_that_pays_only_without_it():
+    free, _ = host_run(None)
+    assert all(free)  # 2 tokens in about 12 ms against 1 in 10: it pays
+    costly, policy = host_run(20.0)
+    assert costly[0]  # the first step drafts and measures
+    assert sum(costly[10:]) == 0  # then 2 tokens in 32 ms against 1 in 10: only probes draft
+    s = policy.summary()
+    assert s["policy_probe_seq_steps"] >= 1 and s["policy_draft_fraction"] < 0.2
+    assert policy.verify_host_ms(4, 1) == pytest.approx(20.0)  # against the measured plain steps
+    cheap, policy = host_run(4.0)
+    assert all(cheap)  # 2 tokens in about 16 ms: it still pays
+    assert policy.verify_host_ms(3, 1) == pytest.approx(6.0)  # no plain step measured: all of it
+
+
+def test_the_host_work_is_not_charged_before_a_verification_step_is_measured():
+    curve = StepTimeCurve([1, 64], [10.0, 10.0 + 0.2 * 63], mode="linear")
+    measured = DraftPolicy(2, ConfidenceScheduler(2, curve))
+    fresh = DraftPolicy(2, ConfidenceScheduler(2, curve))
+    for rows in (1, 4):
+        measured.record_host_time(rows, 50.0 * rows, verified=False)  # plain steps only
+    for policy in (measured, fresh):
+        policy.record_draft_time(2, 1.0)
+        policy.record(0, [0.5, 0.5], 2, 1)
+    assert measured.step_ms(6, 3) == fresh.step_ms(6, 3) == pytest.approx(10.0 + 0.2 * 5)
+    assert measured.plan([(0, 2), (1, 2)], 3) == fresh.plan([(0, 2), (1, 2)], 3)
+    # once a verification step is measured, plain steps' host work is what it is charged against
+    measured.record_host_time(6, 400.0, verified=True)
+    assert measured.verify_host_ms(6, 3) == pytest.approx(400.0 - 150.0)
+    assert measured.step_ms(6, 3) == pytest.approx(10.0 + 0.2 * 5 + 250.0)
+    assert measured.step_ms(3, 3) == pytest.approx(10.0 + 0.2 * 2)  # a plain step: no host work charged

@@ -5,6 +5,8 @@ proposes exactly them (every draft right, and cheap, unlike the stateless `Oracl
 extra forwards are not what a drafter costs) and one that proposes other tokens (every draft wrong).
 """
 
+import time
+
 import pytest
 from deepinfer import SamplingParams
 from deepinfer.engine.drafting import Drafts
@@ -154,3 +156,31 @@ def test_a_right_drafter_keeps_drafting_at_full_length(v41, plain, varlen, tmp_p
     # full blocks: the prefill step, then 1 + k tokens per step until max_tokens leaves less room
     assert s["verified"] == s["accepted"] and s["avg_verified_len"] > NEXTN - 0.5
     assert engine.stats.steps <= 1 + -(-(GREEDY.max_tokens - 1) // (1 + NEXTN)) + 1
+
+
+class SlowDrafter(RecordedDrafter):
+    """A drafter whose forward takes 50 ms more: the draft forward the policy prices on its own."""
+
+    def propose(self, requests):
+        time.sleep(0.05)
+        return super().propose(requests)
+
+
+def test_the_policy_prices_the_host_work_of_plain_and_verification_steps(v41, plain, varlen, tmp_path):
+    def wrong(engine):
+        return SlowDrafter(plain, engine.vocab_size, wrong=True)
+
+    tokens, engine, _ = run(v41, nextn=NEXTN, drafter=wrong, curve=decode_curve(tmp_path))
+    assert tokens == plain
+    policy = engine.spec.policy
+    # decode steps of both kinds were measured, each over its rows: a plain one has one per sequence
+    plain_rows = [m for m, _ in policy.plain_host.samples]
+    verify_rows = [m for m, _ in policy.verify_host.samples]
+    assert plain_rows and verify_rows and max(plain_rows) <= len(PROMPTS) < max(verify_rows)
+    assert len(plain_rows) + len(verify_rows) == engine.stats.steps - 1  # all but the prefill step
+    # the host work excludes the draft forward (50 ms of sleep each time the drafter ran)
+    recorded_ms = sum(ms for _, ms in policy.plain_host.samples) + sum(
+        ms for _, ms in policy.verify_host.samples
+    )
+    host_ms = 1e3 * (engine.stats.prepare_s + engine.stats.process_s - engine.spec.draft_s)
+    assert engine.spec.draft_s > 0.05 and 0 < recorded_ms <= host_ms + 1e-6

@@ -14,17 +14,23 @@ anything is verified or not. `DraftPolicy` adds both, from measurements:
   Drafts the rule chose not to verify count with their calibrated probability.
 * `LinearCost`s: the draft forward's milliseconds as a + b·m for m drafting sequences, and the
   sampler's for m rows, apart for plain steps and for verification steps (whose exact distributions
-  cost more per row than the plain sampler: a step that verifies anything pays for every row).
+  cost more per row than the plain sampler: a step that verifies anything pays for every row); and the
+  host work of a step outside its forward, sampler and draft forward (building its inputs, committing,
+  rolling back, bookkeeping) for m rows, apart for plain and verification steps. A verification step
+  is charged what its host work adds to a plain step's of the same sequences, never less than 0: the
+  plain step's own host work may be hidden behind the device (an asynchronous loop), what verification
+  adds to it is not.
 
 `plan` (before the draft forward) ranks the expected cumulative acceptance of every (sequence, position)
 that may draft, as the varlen rule ranks drafts, and charges a total of T positions the step time of
 num_seqs + T tokens (`step_ms`: the curve's forward, and the sampler of a plain step for T = 0, of a
-verification step otherwise) plus the draft forward of the sequences the top T touch; the total with the most
-expected tokens per millisecond wins (T = 0: nobody drafts). A sequence outside the best T skips the
-draft forward and backs off: no drafts for `min_backoff` plans, then a probe (it drafts and verifies all
-of its drafts, so that its acceptance is measured again), the interval doubling up to `max_backoff`
-while the probes do not pay. `verify_counts` (after the draft forward, whose time is then spent) is the
-varlen rule's ranking of the calibrated rates, timed by `step_ms`; probes verify everything.
+verification step and its added host work otherwise) plus the draft forward of the sequences the top T
+touch; the total with the most expected tokens per millisecond wins (T = 0: nobody drafts). A sequence
+outside the best T skips the draft forward and backs off: no drafts for `min_backoff` plans, then a probe
+(it drafts and verifies all of its drafts, so that its acceptance is measured again), the interval
+doubling up to `max_backoff` while the probes do not pay. `verify_counts` (after the draft forward, whose
+time is then spent) is the varlen rule's ranking of the calibrated rates, timed by `step_ms`; probes
+verify everything.
 
 Probes are exploration, and their cost is bounded: the time they added (their measured draft forward and
 the longer step the curve charges) may reach `probe_budget` of the predicted time of the plain steps
@@ -184,6 +190,8 @@ class DraftPolicy:
         self.cost = LinearCost()  # the draft forward, per drafting sequence
         self.plain_sampler = LinearCost()  # sampling of a step without drafts, per row
         self.verify_sampler = LinearCost()  # verification of a step with drafts, per row
+        self.plain_host = LinearCost()  # host work of a step without drafts, per row
+        self.verify_host = LinearCost()  # host work of a step with drafts, per row
         self.batch_tested = np.zeros(nextn)
         self.batch_accepted = np.zeros(nextn)
         self._seqs: dict[Hashable, _History] = {}
@@ -219,18 +227,30 @@ class DraftPolicy:
     def step_ms(self, num_tokens: int, num_seqs: int) -> float | None:
         """Predicted milliseconds of a decode step of num_tokens tokens over num_seqs sequences: the
         rule's forward time and the sampler of a plain step (num_tokens = num_seqs) or of a
-        verification step (the plain one's until a verification step is measured); None where the
-        curve does not reach."""
+        verification step (the plain one's until a verification step is measured) plus the host work
+        verification adds (`verify_host_ms`); None where the curve does not reach."""
         forward = self.rule.forward_ms(num_tokens)
         if forward is None:
             return None
-        if num_tokens == num_seqs or not self.verify_sampler.samples:
+        if num_tokens == num_seqs:
             return forward + self.plain_sampler.get(num_tokens)
-        return forward + self.verify_sampler.get(num_tokens)
+        sampler = self.verify_sampler if self.verify_sampler.samples else self.plain_sampler
+        return forward + sampler.get(num_tokens) + self.verify_host_ms(num_tokens, num_seqs)
+
+    def verify_host_ms(self, num_tokens: int, num_seqs: int) -> float:
+        """Host milliseconds a verification step of num_tokens rows over num_seqs sequences adds to the
+        plain step of those sequences (0 until a verification step's host work is measured; the whole
+        of it while no plain step's is)."""
+        return max(0.0, self.verify_host.get(num_tokens) - self.plain_host.get(num_seqs))
 
     def record_step_time(self, num_rows: int, sample_ms: float, verified: bool) -> None:
         """A measured step's sampling (or verification) milliseconds over its `num_rows` logits rows."""
         (self.verify_sampler if verified else self.plain_sampler).add(num_rows, sample_ms)
+
+    def record_host_time(self, num_rows: int, host_ms: float, verified: bool) -> None:
+        """A measured decode step's host milliseconds over its `num_rows` rows, outside its forward, its
+        sampler or verification and the draft forward."""
+        (self.verify_host if verified else self.plain_host).add(num_rows, host_ms)
 
     # -- before the draft forward ------------------------------------------------------------------
     def plan(self, candidates: Sequence[tuple[Hashable, int]], num_seqs: int) -> DraftPlan:

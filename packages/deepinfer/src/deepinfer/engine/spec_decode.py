@@ -270,30 +270,24 @@ class SpecDecoder:
         draft (`choose_drafting`)."""
         return self.drafter.draft_forwards(requests) if requests else 0
 
-    def choose_drafting(
-        self, requests: list[DraftRequest], num_seqs: int | None = None
-    ) -> list[DraftRequest]:
-        """The requests that draft this step: the draft policy's pick (it advances the policy's state:
-        once per step), all of them without a policy."""
-        if not requests or self.policy is None:
-            return requests
-        num_seqs = len(requests) if num_seqs is None else num_seqs
-        plan = self.policy.plan([(r.seq_id, r.num_drafts) for r in requests], num_seqs)
-        return [r for r, d in zip(requests, plan.draft) if d]
+    def choose_drafting(self, candidates: list[tuple[int, int]], num_seqs: int | None = None) -> list[bool]:
+        """Per candidate (seq_id, drafts it may propose): whether it drafts after this step. The draft
+        policy's pick (it advances the policy's state: once per step), all of them without a policy.
+        `num_seqs`: the sequences the next step decodes (default: the candidates). Asked before any
+        `DraftRequest` is built, so that the ones it skips cost nothing."""
+        if not candidates or self.policy is None:
+            return [True] * len(candidates)
+        num_seqs = len(candidates) if num_seqs is None else num_seqs
+        return self.policy.plan(candidates, num_seqs).draft
 
-    def propose(
-        self, requests: list[DraftRequest], num_seqs: int | None = None, drafting: list | None = None
-    ) -> dict[int, list[int]]:
-        """Run the drafter, store its drafts, choose how many each sequence verifies next step.
-        `num_seqs`: the sequences the next step decodes (default: the requests); with the draft policy
-        only the requests it picks draft (`drafting`: picked already by `choose_drafting`). Returns
-        {seq_id: drafts to feed} (possibly empty lists)."""
+    def propose(self, requests: list[DraftRequest], num_seqs: int | None = None) -> dict[int, list[int]]:
+        """Run the drafter on `requests` (with the draft policy: the ones `choose_drafting` picked this
+        step), store its drafts, choose how many each sequence verifies next step. `num_seqs`: the
+        sequences the next step decodes (default: the requests). Returns {seq_id: drafts to feed}
+        (possibly empty lists)."""
         if not requests:
             return {}
         num_seqs = len(requests) if num_seqs is None else num_seqs
-        requests = self.choose_drafting(requests, num_seqs) if drafting is None else drafting
-        if not requests:
-            return {}
         t0 = time.perf_counter()
         drafts = self.drafter.propose(requests)
         dt = time.perf_counter() - t0
@@ -318,6 +312,13 @@ class SpecDecoder:
             self.rule.update_runtime(num_tokens, forward_s * 1e3, num_seqs, sample_s * 1e3)
         if self.policy is not None and num_rows:
             self.policy.record_step_time(num_rows, sample_s * 1e3, verified)
+
+    def record_host_time(self, num_rows: int, host_s: float, verified: bool) -> None:
+        """A measured decode step's host work outside its forward, sampler (or verification) and draft
+        forward, over its `num_rows` rows (`verified`: a step that verified drafts): what the draft
+        policy charges a verification step beyond a plain one."""
+        if self.policy is not None and num_rows:
+            self.policy.record_host_time(num_rows, host_s * 1e3, verified)
 
     def summary(self) -> dict:
         out = self.stats.summary()

@@ -60,12 +60,15 @@ class SpecStep(StepStrategy):
             if out is None:
                 return
             stage = "prepare"
+            draft_s = self.spec.draft_s
             t0 = time.perf_counter()
-            if not scheduling.num_draft_tokens(out).any():
+            verified = bool(scheduling.num_draft_tokens(out).any())
+            if not verified:
                 # nobody verifies drafts: the plain step (verifying k = 0 drafts draws exactly its
                 # tokens, at a higher cost), the drafter proposing after it as after a verification
                 plain = self._build(out)
-                self.stats.prepare_s += time.perf_counter() - t0
+                batch, prepare_s = plain.batch, time.perf_counter() - t0
+                self.stats.prepare_s += prepare_s
                 stage, forward_ran = "model step", True
                 plain_result = self.worker.run(plain)
                 stage = "output processing"
@@ -74,13 +77,19 @@ class SpecStep(StepStrategy):
             else:
                 step, confs = self._prepare(out)
                 self.stats.prefill_flops += self.builder.prefill_flops(out, step.batch)
-                self.stats.prepare_s += time.perf_counter() - t0
+                batch, prepare_s = step.batch, time.perf_counter() - t0
+                self.stats.prepare_s += prepare_s
                 stage, forward_ran = "model step", True
                 result = self.worker.run_verify(step, self.spec.verifier)
                 stage = "output processing"
                 t0 = time.perf_counter()
                 self._process(out, step, confs, result)
-            self.stats.process_s += time.perf_counter() - t0
+            process_s = time.perf_counter() - t0
+            self.stats.process_s += process_s
+            if not scheduling.is_prefill(out).any():  # decode steps, as the step-time curve models them
+                # the step's host work: all of prepare and output processing but the draft forward
+                host_s = prepare_s + process_s - (self.spec.draft_s - draft_s)
+                self.spec.record_host_time(int(batch.query_lens.sum()), host_s, verified)
             self.table.collect_all()
         except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
             self._recover(out, stage, e, forward_ran)
@@ -199,8 +208,9 @@ class SpecStep(StepStrategy):
     def _propose_drafts(self, ids, emitted_at: dict[int, tuple[int, int]], finished) -> None:
         """The drafter proposes after every sequence that emitted (`emitted_at`: batch index -> the
         position of its first emitted token and the drafts it accepted) and goes on; the draft policy
-        (MTP varlen), or all of them, decides who drafts and how many the scheduler feeds next step."""
-        requests, going_on = [], 0
+        (MTP varlen), or all of them, decides who drafts and how many the scheduler feeds next step.
+        The policy decides first: a sequence it skips costs no request (no copy of its context)."""
+        candidates, going_on = [], 0  # (batch index, sequence, drafts it may propose)
         for i, seq_id in enumerate(ids):
             seq = self.table.seqs.get(seq_id)
             if i not in emitted_at or seq is None or seq.finished or seq_id in finished:
@@ -209,40 +219,43 @@ class SpecStep(StepStrategy):
             p = seq.request.params
             room = min(p.max_tokens - seq.num_generated, self.output.max_model_len - len(seq.token_ids))
             k = min(self.spec.nextn, room - 1)  # the step emits one token beyond its drafts
-            if k < 1:
-                continue
-            params = self.builder.row_params(seq, len(seq.token_ids))
-            requests.append(
-                DraftRequest(
-                    seq_id=seq_id,
-                    context=seq.token_ids[:-1],
-                    next_token=seq.token_ids[-1],
-                    num_drafts=k,
-                    params=params,
-                    base_position=emitted_at[i][0],
-                    num_accepted=emitted_at[i][1],
-                    draft_seed=self.spec.verifier.draft_seed(params.seed),
-                )
-            )
+            if k >= 1:
+                candidates.append((i, seq, k))
         t0 = time.perf_counter()
+        drafting = self.spec.choose_drafting([(seq.seq_id, k) for _, seq, k in candidates], going_on)
+        requests = [
+            self._draft_request(seq, k, *emitted_at[i]) for (i, seq, k), d in zip(candidates, drafting) if d
+        ]
         for seq_id, drafts in self._draft(requests, going_on).items():
             if drafts:
                 scheduling.set_draft_tokens(self.scheduler, seq_id, drafts)
         self.stats.draft_s += time.perf_counter() - t0
 
+    def _draft_request(self, seq, num_drafts: int, base_position: int, num_accepted: int) -> DraftRequest:
+        params = self.builder.row_params(seq, len(seq.token_ids))
+        return DraftRequest(
+            seq_id=seq.seq_id,
+            context=seq.token_ids[:-1],
+            next_token=seq.token_ids[-1],
+            num_drafts=num_drafts,
+            params=params,
+            base_position=base_position,
+            num_accepted=num_accepted,
+            draft_seed=self.spec.verifier.draft_seed(params.seed),
+        )
+
     def _draft(self, requests: list[DraftRequest], num_seqs: int) -> dict[int, list[int]]:
-        """`spec.propose`; with sharded draft experts (data parallel) inside the step's draft vote: every
-        EP rank runs the group's largest number of draft forwards, its own and idle ones. The vote counts
-        the forwards of the requests the draft policy lets draft."""
+        """`spec.propose` of the requests the draft policy lets draft; with sharded draft experts (data
+        parallel) inside the step's draft vote: every EP rank runs the group's largest number of draft
+        forwards, its own and idle ones."""
         if self.dp is None:
             return self.spec.propose(requests, num_seqs)
-        drafting = self.spec.choose_drafting(requests, num_seqs)
-        planned = self.spec.draft_forwards(drafting)
+        planned = self.spec.draft_forwards(requests)
         self.dp.agree_drafts(planned)
         self._drafts_agreed = True
         target = self.dp.draft_forwards() + planned
         try:
-            return self.spec.propose(requests, num_seqs, drafting)
+            return self.spec.propose(requests, num_seqs)
         finally:
             self.dp.settle_drafts(target)
 
