@@ -279,7 +279,9 @@ def test_preemption_while_plain_steps_run_ahead(v41):
     """A KV pool too small for both sequences: schedules made while a step is in flight preempt, the
     preempted sequence recomputes and starts over in the draft policy (a new sequence, as in the
     synchronous loop); the tokens are those of drafts off and every block comes back."""
-    prompts = [list(range(40, 47)), list(range(90, 97))]  # a second block each after 9 tokens; 3 exist
+    # a second block each after 12 tokens (3 blocks exist): past the first drafting steps and the first
+    # probe, while the wrong drafter's sequences have backed off and plain steps run ahead
+    prompts = [list(range(40, 44)), list(range(90, 94))]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     ref_engine = make_engine(v41, nextn=0, num_kv_blocks=3, max_model_len=48)
     ref = tokens(run(ref_engine, params, prompts=prompts))
