@@ -170,7 +170,11 @@ def test_the_policy_prices_the_host_work_of_plain_and_verification_steps(v41, pl
     def wrong(engine):
         return SlowDrafter(plain, engine.vocab_size, wrong=True)
 
-    tokens, engine, _ = run(v41, nextn=NEXTN, drafter=wrong, curve=decode_curve(tmp_path))
+    # the synchronous speculative loop: every decode step's host work is on the critical path (with
+    # async_scheduling, plain steps run ahead in the asynchronous loop, whose host work is hidden)
+    tokens, engine, _ = run(
+        v41, nextn=NEXTN, drafter=wrong, curve=decode_curve(tmp_path), async_scheduling=False
+    )
     assert tokens == plain
     policy = engine.spec.policy
     # decode steps of both kinds were measured, each over its rows: a plain one has one per sequence
