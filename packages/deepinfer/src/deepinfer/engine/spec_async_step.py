@@ -89,7 +89,7 @@ class SpecAsyncStep(StepStrategy):
             if not emits or seq is None or seq.finished:
                 continue
             going_on += 1
-            if self._room(seq) - 1 >= 2:  # after this step's token, k = min(nextn, room - 1) >= 1 drafts fit
+            if self.drafted.drafts_that_fit(seq, emitting=1) >= 1:  # after this step's token
                 ids.append(seq_id)
         return not ids or not self.spec.policy.would_draft(ids, going_on)
 
@@ -122,15 +122,10 @@ class SpecAsyncStep(StepStrategy):
             if seq is None or seq.finished or ids[i] in finished:
                 continue
             going_on += 1
-            if min(self.spec.nextn, self._room(seq) - 1) >= 1:
+            if self.drafted.drafts_that_fit(seq) >= 1:
                 candidates.append(ids[i])
         if candidates:  # (as `SpecDecoder.propose` plans only when someone may draft)
             self.spec.policy.advance(candidates, going_on)
-
-    def _room(self, seq) -> int:
-        """Tokens the sequence may still emit (as `SpecStep._propose_drafts` bounds its drafts)."""
-        p = seq.request.params
-        return min(p.max_tokens - seq.num_generated, self.output.max_model_len - len(seq.token_ids))
 
 
 class _PlainStepsAhead(AsyncStep):

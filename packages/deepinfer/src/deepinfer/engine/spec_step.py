@@ -216,9 +216,7 @@ class SpecStep(StepStrategy):
             if i not in emitted_at or seq is None or seq.finished or seq_id in finished:
                 continue
             going_on += 1  # decodes next step, with or without drafts
-            p = seq.request.params
-            room = min(p.max_tokens - seq.num_generated, self.output.max_model_len - len(seq.token_ids))
-            k = min(self.spec.nextn, room - 1)  # the step emits one token beyond its drafts
+            k = self.drafts_that_fit(seq)
             if k >= 1:
                 candidates.append((i, seq, k))
         t0 = time.perf_counter()
@@ -230,6 +228,13 @@ class SpecStep(StepStrategy):
             if drafts:
                 scheduling.set_draft_tokens(self.scheduler, seq_id, drafts)
         self.stats.draft_s += time.perf_counter() - t0
+
+    def drafts_that_fit(self, seq, emitting: int = 0) -> int:
+        """Drafts the sequence may propose after `emitting` more tokens: at most nextn, and one token fewer
+        than it may still emit (the step emits one token beyond its drafts)."""
+        p = seq.request.params
+        room = min(p.max_tokens - seq.num_generated, self.output.max_model_len - len(seq.token_ids))
+        return min(self.spec.nextn, room - emitting - 1)
 
     def _draft_request(self, seq, num_drafts: int, base_position: int, num_accepted: int) -> DraftRequest:
         params = self.builder.row_params(seq, len(seq.token_ids))
