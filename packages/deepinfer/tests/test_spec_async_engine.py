@@ -8,10 +8,12 @@ continuations for drafters that are always wrong or always right.
 """
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
 from deepinfer import SamplingParams
+from deepinfer.engine import spec_decode, spec_step, worker
 from deepinfer.engine.drafting import Drafts, ModelDrafter, OracleDrafter, PagedDrafter
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.spec_async_step import SpecAsyncStep
@@ -33,6 +35,16 @@ def v41(tmp_path_factory, share_loaded_models):
 @pytest.fixture(autouse=True)
 def varlen(monkeypatch):
     monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
+
+
+@pytest.fixture
+def frozen_clock(monkeypatch):
+    """Every time the engine measures for the draft policy is 0 (forward, sampler, draft forward, host work):
+    its plans then depend on the given step-time curve alone, not on the machine's load, so two loops can
+    be held to the same plans."""
+    clock = SimpleNamespace(perf_counter=lambda: 0.0)
+    for module in (worker, spec_decode, spec_step):
+        monkeypatch.setattr(module, "time", clock)
 
 
 def make_engine(path, nextn=NEXTN, async_scheduling=True, drafter=None, **kw) -> LLMEngine:
@@ -129,7 +141,7 @@ def test_tokens_and_logprobs_equal_the_synchronous_loop_and_drafts_off(v41, draf
             assert mine.outputs[0].finish_reason == ref.outputs[0].finish_reason
 
 
-def test_a_wrong_drafter_runs_plain_steps_ahead_and_still_probes(v41, plain):
+def test_a_wrong_drafter_runs_plain_steps_ahead_and_still_probes(v41, plain, frozen_clock):
     """Always-wrong drafts: after the warm-up the sequences back off and the steps run in the
     asynchronous loop (a step in flight between step() calls), probes still drafting at the policy's
     cadence, which is the synchronous loop's."""
