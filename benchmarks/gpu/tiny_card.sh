@@ -12,7 +12,8 @@
 # runs on the CPU), SPEED=0 skips the throughput runs. MODEL=dir (e.g. a carried checkpoint) on a fresh machine:
 # CARD_SECTIONS= MODEL=dir bash benchmarks/gpu/tiny_card.sh runs the throughput comparison alone.
 # UNTRAINED=1 also runs the issue's worst case: the built-in model's random-weight drafter (acceptance ~0) at
-# its default nextn 5 against drafts off, 256 requests at up to 256 sequences (speed_untrained.json).
+# its default nextn 5 against drafts off, 256 requests at up to 256 sequences, prompts and outputs within the
+# built-in model's 256 positions (speed_untrained.json).
 set -uo pipefail
 START=$(date +%s)
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -48,7 +49,7 @@ fi
 if [ "${UNTRAINED:-0}" = 1 ]; then
     el "bench throughput, built-in model (untrained drafter), nextn 5 vs drafts off, 256 sequences"
     DEEPINFER_USE_NEXTN_DECODE=5 python3 -m deepinfer.cli bench throughput --num-requests 256 --max-num-seqs 256 \
-        --min-input-len 256 --max-input-len 1024 --min-output-len 128 --max-output-len 256 --loops async \
+        --min-input-len 64 --max-input-len 128 --min-output-len 64 --max-output-len 120 --loops async \
         --repeats 2 --output-json "$OUT/speed_untrained.json" 2>&1 | tail -25
 fi
 el "done"
