@@ -98,34 +98,21 @@ class SpecAsyncStep(StepStrategy):
         policy's plan after it, made now when the loop drained it (the drafter proposes), else advanced
         as a plan that lets nobody draft."""
         ids = scheduling.seq_ids(out).tolist()
-        prefill = scheduling.is_prefill(out)
         emitted = [
             i
             for i in range(len(ids))
             if result.tokens[i] >= 0 and i not in result.errors and ids[i] not in preempted
         ]
-        self.spec.record_plain(sum(1 for i in emitted if not prefill[i]))
+        self.drafted.record_plain_step(out, result, emitted)
         self.spec.async_steps += 1
-        if not prefill.any():  # the varlen rule's step-time curve models decode steps
-            tokens = int(np.asarray(out.query_lens).sum())
-            self.spec.update_runtime(
-                tokens, result.forward_s, len(emitted), result.sample_s, len(emitted), False
-            )
         if not self.plain.busy():  # drained: nothing runs behind it, the runner's last step is this one
             ends = np.asarray(out.start_positions) + np.asarray(out.query_lens)
             self.drafted._propose_drafts(ids, {i: (int(ends[i]), 0) for i in emitted}, finished)
             self._drafts_fed = scheduling.has_draft_tokens(self.scheduler)
             return
-        candidates, going_on = [], 0
-        for i in emitted:
-            seq = self.table.seqs.get(ids[i])
-            if seq is None or seq.finished or ids[i] in finished:
-                continue
-            going_on += 1
-            if self.drafted.drafts_that_fit(seq) >= 1:
-                candidates.append(ids[i])
+        candidates, going_on = self.drafted.draft_candidates(ids, set(emitted), finished)
         if candidates:  # (as `SpecDecoder.propose` plans only when someone may draft)
-            self.spec.policy.advance(candidates, going_on)
+            self.spec.policy.advance([seq.seq_id for _, seq, _ in candidates], going_on)
 
 
 class _PlainStepsAhead(AsyncStep):

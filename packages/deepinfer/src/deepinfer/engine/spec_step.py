@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 from deepinfer_model import EMPTY_ROW_MESSAGE
 from deepinfer_spec import MAX_NEXTN, StepTimeCurve
@@ -103,14 +104,19 @@ class SpecStep(StepStrategy):
             if row is not None and result.tokens[i] >= 0 and i not in result.errors
         }
         self.output.emit(out, result, finished)
+        self.record_plain_step(out, result, list(emitted))
+        self._propose_drafts(ids, emitted, finished)
+
+    def record_plain_step(self, out, result: StepResult, emitted: list[int]) -> None:
+        """A plain step's request-steps (`emitted`: the batch indices that emitted a token) and, for a
+        decode step (the varlen rule's step-time curve models decode steps), its measured times."""
         prefill = scheduling.is_prefill(out)
         self.spec.record_plain(sum(1 for i in emitted if not prefill[i]))
-        if not prefill.any():  # the varlen rule's step-time curve models decode steps
-            tokens = int(step.batch.query_lens.sum())
+        if not prefill.any():
+            tokens = int(np.asarray(out.query_lens).sum())
             self.spec.update_runtime(
                 tokens, result.forward_s, len(emitted), result.sample_s, len(emitted), False
             )
-        self._propose_drafts(ids, emitted, finished)
 
     def _prepare(self, out) -> tuple[VerifyStepInput, list[list[float]]]:
         """Runner batch with 1 + k logits rows per verifying sequence, a VerifyInput per emitting
@@ -210,15 +216,7 @@ class SpecStep(StepStrategy):
         position of its first emitted token and the drafts it accepted) and goes on; the draft policy
         (MTP varlen), or all of them, decides who drafts and how many the scheduler feeds next step.
         The policy decides first: a sequence it skips costs no request (no copy of its context)."""
-        candidates, going_on = [], 0  # (batch index, sequence, drafts it may propose)
-        for i, seq_id in enumerate(ids):
-            seq = self.table.seqs.get(seq_id)
-            if i not in emitted_at or seq is None or seq.finished or seq_id in finished:
-                continue
-            going_on += 1  # decodes next step, with or without drafts
-            k = self.drafts_that_fit(seq)
-            if k >= 1:
-                candidates.append((i, seq, k))
+        candidates, going_on = self.draft_candidates(ids, emitted_at, finished)
         t0 = time.perf_counter()
         drafting = self.spec.choose_drafting([(seq.seq_id, k) for _, seq, k in candidates], going_on)
         requests = [
@@ -228,6 +226,21 @@ class SpecStep(StepStrategy):
             if drafts:
                 scheduling.set_draft_tokens(self.scheduler, seq_id, drafts)
         self.stats.draft_s += time.perf_counter() - t0
+
+    def draft_candidates(self, ids, emitted, finished) -> tuple[list[tuple[int, object, int]], int]:
+        """(batch index, sequence, drafts it may propose) of the sequences that emitted (`emitted`: their
+        batch indices), go on and have room for a draft; and how many go on (the next step decodes them,
+        with or without drafts)."""
+        candidates, going_on = [], 0
+        for i, seq_id in enumerate(ids):
+            seq = self.table.seqs.get(seq_id)
+            if i not in emitted or seq is None or seq.finished or seq_id in finished:
+                continue
+            going_on += 1
+            k = self.drafts_that_fit(seq)
+            if k >= 1:
+                candidates.append((i, seq, k))
+        return candidates, going_on
 
     def drafts_that_fit(self, seq, emitting: int = 0) -> int:
         """Drafts the sequence may propose after `emitting` more tokens: at most nextn, and one token fewer
