@@ -13,7 +13,8 @@
 # CARD_SECTIONS= MODEL=dir bash benchmarks/gpu/tiny_card.sh runs the throughput comparison alone.
 # UNTRAINED=1 also runs the issue's worst case: the built-in model's random-weight drafter (acceptance ~0) at
 # its default nextn 5 against drafts off, 256 requests at up to 256 sequences, prompts and outputs within the
-# built-in model's 256 positions (speed_untrained.json).
+# built-in model's 256 positions (speed_untrained.json). TRACE=1 traces the draft policy step by step
+# (benchmarks/spec/trace_draft_policy.py) on MODEL at batch 1 and 64 and on the built-in model at 64.
 set -uo pipefail
 START=$(date +%s)
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -51,5 +52,11 @@ if [ "${UNTRAINED:-0}" = 1 ]; then
     DEEPINFER_USE_NEXTN_DECODE=5 python3 -m deepinfer.cli bench throughput --num-requests 256 --max-num-seqs 256 \
         --min-input-len 64 --max-input-len 128 --min-output-len 64 --max-output-len 120 --loops async \
         --repeats 2 --output-json "$OUT/speed_untrained.json" 2>&1 | tail -25
+fi
+if [ "${TRACE:-0}" = 1 ]; then  # the draft policy step by step (benchmarks/spec/trace_draft_policy.py)
+    for run in "--model $MODEL --num-seqs 1" "--model $MODEL --num-seqs 64" "--num-seqs 64"; do
+        el "trace_draft_policy.py $run"
+        DEEPINFER_USE_NEXTN_DECODE=5 python3 benchmarks/spec/trace_draft_policy.py $run --max-tokens 64 2>&1 | tail -24
+    done
 fi
 el "done"

@@ -5,7 +5,8 @@ which drafted, and the costs the policy priced them with.
 
 Random prompts of 64-127 tokens, greedy, nextn 5 (the reference default), the engine's defaults otherwise
 (draft policy on, asynchronous loop: `SpecAsyncStep`). Prints one mark per step (`A`: a step is in flight
-after it, i.e. plain steps run ahead; `s`: the loop waited; `d`: the policy let someone draft after it),
+after it, i.e. plain steps run ahead; `s`: the loop waited; then `d`: the policy let someone draft after it,
+`p`: so it did and probes were among them, `-`: no plan was made after it),
 then the policy's counters, the last measured samples of each cost it keeps (ms over size), the step-time
 curve and its predicted plain and verification steps. A diagnostic: it writes nothing.
 """
@@ -43,10 +44,17 @@ def main(argv: list[str] | None = None) -> None:
         engine.add_request(str(i), None, params, prompt_token_ids=ids)
     policy, marks = engine.spec.policy, []
     t0 = time.perf_counter()
+    decisions = []  # (plan, drafting sequences, probes) of the plans that let someone draft
     while engine.has_unfinished_requests():
-        drafted = policy.drafted
+        drafted, probes, plans = policy.drafted, policy.probes, policy.plans
         engine.step()
-        marks.append(("A" if engine.step_in_flight() else "s") + ("d" if policy.drafted > drafted else ""))
+        mark = "A" if engine.step_in_flight() else "s"
+        if policy.drafted > drafted:
+            mark += "d" if policy.probes == probes else "p"  # p: the drafting included probes
+            decisions.append((policy.plans, policy.drafted - drafted, policy.probes - probes))
+        elif policy.plans == plans:
+            mark += "-"  # no plan (a prefill step, or plain steps ahead that the policy advanced past)
+        marks.append(mark)
     print(
         f"{time.perf_counter() - t0:.1f} s, {engine.stats.steps} steps, output processing {engine.stats.process_s:.2f} s"
     )
@@ -65,6 +73,19 @@ def main(argv: list[str] | None = None) -> None:
         policy.step_ms(n + 40, n),
     )
     print(f"plans {policy.plans}, plain ms {policy.plain_ms:.1f}, probe ms {policy.probe_ms:.1f}")
+    print("last drafting plans (plan, drafting sequences, of them probes):", decisions[-12:])
+    # the plan's arithmetic for one sequence drafting its k best positions at the batch's rates: it drafts
+    # where expected tokens per ms beat the plain step's (k = 0)
+    rates = np.cumprod(policy.batch_rates())
+    plain = policy.step_ms(n, n)
+    for k in range(0, policy.nextn + 1):
+        ms = policy.step_ms(n + k, n)
+        if ms is None or plain is None:
+            break
+        ms += policy.cost.get(1) if k else 0.0
+        expected = n + float(rates[:k].sum())
+        print(f"  k={k}: expected {expected:.3f} tokens in {ms:.3f} ms = {expected / ms:.4f} tok/ms")
+    print("batch rates", np.round(policy.batch_rates(), 4).tolist())
     engine.close()
 
 

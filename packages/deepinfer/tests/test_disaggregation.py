@@ -265,11 +265,14 @@ def cpu_ticks(pid: int) -> int:
 
 
 def kill_and_wait(pid: int) -> None:
-    """SIGKILL an engine process and wait until it is gone (a zombie: its pipes closed, everything it
-    wrote readable) without letting the front read anything meanwhile."""
+    """SIGKILL an engine process and wait until it is gone (reapable: its pipes closed, everything it
+    wrote readable) without letting the front read anything meanwhile, and without reaping it.
+
+    /proc shows the main thread as a zombie ("Z") while its other threads are still exiting; the
+    front's `waitpid` sees the exit only once the whole thread group is gone, which `WNOWAIT` asks."""
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 60
-    while proc_stat(pid)[0] != "Z":
+    while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
         assert time.monotonic() < deadline
         time.sleep(0.05)
 
