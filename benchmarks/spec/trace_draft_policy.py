@@ -25,6 +25,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default=None, help="a V4.1 checkpoint with draft blocks (default: built-in)")
     p.add_argument("--num-seqs", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument(
+        "--untimed", action="store_true", help="the policy without its wall clock (its parts' predictions alone)"
+    )
     a = p.parse_args(argv)
     os.environ.setdefault("DEEPINFER_USE_NEXTN_DECODE", "5")
     from deepinfer import SamplingParams
@@ -43,6 +46,8 @@ def main(argv: list[str] | None = None) -> None:
         ids = rng.integers(10, 1000, int(rng.integers(64, 128))).tolist()
         engine.add_request(str(i), None, params, prompt_token_ids=ids)
     policy, marks = engine.spec.policy, []
+    if a.untimed:
+        policy.clock = None
     t0 = time.perf_counter()
     decisions = []  # (plan, drafting sequences, probes) of the plans that let someone draft
     while engine.has_unfinished_requests():
@@ -55,8 +60,10 @@ def main(argv: list[str] | None = None) -> None:
         elif policy.plans == plans:
             mark += "-"  # no plan (a prefill step, or plain steps ahead that the policy advanced past)
         marks.append(mark)
+    wall = time.perf_counter() - t0
     print(
-        f"{time.perf_counter() - t0:.1f} s, {engine.stats.steps} steps, output processing {engine.stats.process_s:.2f} s"
+        f"{wall:.1f} s, {n * a.max_tokens / wall:.1f} tok/s, {engine.stats.steps} steps, "
+        f"output processing {engine.stats.process_s:.2f} s"
     )
     print(" ".join(marks))
     stats = engine.spec_stats()
@@ -73,6 +80,13 @@ def main(argv: list[str] | None = None) -> None:
         policy.step_ms(n + 40, n),
     )
     print(f"plans {policy.plans}, plain ms {policy.plain_ms:.1f}, probe ms {policy.probe_ms:.1f}")
+    print(
+        f"timed steps {policy.timed_plans}; unpriced ms: plain {policy.unpriced_ms(False):.3f}, "
+        f"drafted {policy.unpriced_ms(True):.3f}; last samples plain",
+        [round(x, 2) for x in list(policy.unpriced[False])[-6:]],
+        "drafted",
+        [round(x, 2) for x in list(policy.unpriced[True])[-6:]],
+    )
     print("last drafting plans (plan, drafting sequences, of them probes):", decisions[-12:])
     # the plan's arithmetic for one sequence drafting its k best positions at the batch's rates: it drafts
     # where expected tokens per ms beat the plain step's (k = 0)
@@ -82,9 +96,9 @@ def main(argv: list[str] | None = None) -> None:
         ms = policy.step_ms(n + k, n)
         if ms is None or plain is None:
             break
-        ms += policy.cost.get(1) if k else 0.0
+        ms = policy.charged_ms(ms + (policy.cost.get(1) if k else 0.0), k > 0)
         expected = n + float(rates[:k].sum())
-        print(f"  k={k}: expected {expected:.3f} tokens in {ms:.3f} ms = {expected / ms:.4f} tok/ms")
+        print(f"  k={k}: expected {expected:.3f} tokens in {ms:.3f} ms charged = {expected / ms:.4f} tok/ms")
     print("batch rates", np.round(policy.batch_rates(), 4).tolist())
     engine.close()
 

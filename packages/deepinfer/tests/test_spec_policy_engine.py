@@ -18,6 +18,7 @@ from deepinfer_spec import StepTimeCurve
 PROMPTS = [[0, 17, 99, 4, 250, 61, 8, 130], [5, 6, 7, 8], [100, 3, 42]]
 GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
 NEXTN = 3
+MEASURED_PLAIN_STEPS = 3  # once a few drafted steps are timed, the draft policy times as many plain ones
 
 
 @pytest.fixture(scope="module")
@@ -148,14 +149,17 @@ def test_a_right_drafter_keeps_drafting_at_full_length(v41, plain, varlen, tmp_p
     tokens, engine, drafted = run(v41, nextn=NEXTN, drafter=right, curve=decode_curve(tmp_path))
     assert tokens == plain
     s = engine.spec_stats()
-    assert s["policy_skipped_seq_steps"] == 0 and s["policy_probe_seq_steps"] == 0
+    # the only steps without drafts: the few plain ones the policy runs to time plain steps (3 sequences)
+    assert s["policy_skipped_seq_steps"] == 3 * MEASURED_PLAIN_STEPS and s["policy_probe_seq_steps"] == 0
+    assert engine.spec.policy.timed_plans[False] == MEASURED_PLAIN_STEPS
     assert s["accept_rate_per_position"] == [1.0] * NEXTN
-    # after every step each sequence drafts, until max_tokens leaves no room for a draft (1 token left,
-    # then the last step): 29 tokens after the prefill's first are 7 steps of 4, then 1
-    assert drafted == [3 * (i + 1) for i in range(7)] + [21, 21], drafted
+    # after every step each sequence drafts, but in the measuring steps (after the first 3 drafted
+    # ones), until max_tokens leaves no room for a draft (1 token left, then the last step): 29 tokens
+    # after the prefill's first are 3 steps of 4, 3 of 1, 4 of 4 (the last one cut to 2 by max_tokens)
+    assert drafted == [3, 6, 9, 9, 9, 9, 12, 15, 18, 21, 21], drafted
     # full blocks: the prefill step, then 1 + k tokens per step until max_tokens leaves less room
-    assert s["verified"] == s["accepted"] and s["avg_verified_len"] > NEXTN - 0.5
-    assert engine.stats.steps <= 1 + -(-(GREEDY.max_tokens - 1) // (1 + NEXTN)) + 1
+    assert s["verified"] == s["accepted"] and s["verified"] / drafted[-1] > NEXTN - 0.5  # per drafting seq-step
+    assert engine.stats.steps <= 1 + -(-(GREEDY.max_tokens - 1) // (1 + NEXTN)) + 1 + MEASURED_PLAIN_STEPS
 
 
 class SlowDrafter(RecordedDrafter):
@@ -188,3 +192,32 @@ def test_the_policy_prices_the_host_work_of_plain_and_verification_steps(v41, pl
     )
     host_ms = 1e3 * (engine.stats.prepare_s + engine.stats.process_s - engine.spec.draft_s)
     assert engine.spec.draft_s > 0.05 and 0 < recorded_ms <= host_ms + 1e-6
+
+
+def test_the_policy_times_its_steps_and_backs_off_where_a_curve_overstates_them(v41, plain, varlen, tmp_path):
+    """A step-time curve that says 1 s where a step takes milliseconds (measured on another path than the
+    engine's steps, as an eager curve against graphed GPU steps): on it, a never-right drafter's draft
+    forward and verification look free, and without timing the policy drafts on nearly every step. Timed
+    on the wall clock (the default), drafted and plain steps both cost far less than the curve says, the
+    drafted ones more: it backs off to probes."""
+    path = tmp_path / "slow_curve.json"
+    StepTimeCurve([1, 64], [1000.0, 1000.0 + 0.3 * 63], mode="linear", extrapolate=True).save(path)
+
+    def wrong(engine):
+        return RecordedDrafter(plain, engine.vocab_size, wrong=True)
+
+    def untimed(engine):
+        engine.spec.policy.clock = None
+        return wrong(engine)
+
+    runs = {}
+    for name, drafter in (("timed", wrong), ("untimed", untimed)):
+        tokens, engine, drafted = run(v41, nextn=NEXTN, drafter=drafter, curve=path, async_scheduling=False)
+        assert tokens == plain
+        late = [b - a for a, b in zip(drafted[10:], drafted[11:])]  # sequences drafting per late step
+        runs[name] = (sum(1 for d in late if d), len(late), engine.spec_stats())
+    timed_steps, n, stats = runs["timed"]
+    untimed_steps, _, untimed_stats = runs["untimed"]
+    assert untimed_steps >= n - 3 and untimed_stats["policy_unpriced_draft_ms"] is None
+    assert timed_steps <= 3, runs
+    assert stats["policy_unpriced_plain_ms"] < -900 and stats["policy_unpriced_draft_ms"] < -900

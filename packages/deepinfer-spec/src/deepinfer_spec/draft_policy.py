@@ -39,6 +39,20 @@ together in one step: with a draft forward of high fixed cost (host work), probe
 would make most steps pay it. A drafter that is never right therefore costs about `probe_budget` of the
 plain decode time (plus one probe step) once its sequences have backed off.
 
+The cost model predicts each part of a step; the wall clock says what a step cost. With a `clock` (the
+engine's), the policy times each planned step (from its plan to the next plan or `advance`: the draft
+forward, the step, its host work and whatever the parts miss) and keeps the measured minus predicted
+milliseconds apart for steps planned with drafts and without (`unpriced_ms`, the median of recent steps).
+A plan charges every choice the plain steps' unpriced time, and a drafting one also what the drafted
+steps' exceeds it (`charged_ms`): what steps cost beyond their parts (a step-time curve measured on
+another path than the engine's steps) and what drafting adds beyond its parts (a loop that runs plain
+steps ahead and must wait for a drafted one) then weigh in the choice; noise that catches plain steps
+slow never makes drafting look cheaper than its parts. A kind with too few measurements adds nothing.
+Both kinds must be measured, the one a drafter that always pays never chooses too: once a few
+drafted steps are timed, the first few plain ones are made to run (plans that let nobody draft,
+`measuring_plain_steps`). A step with prefill in it is not a sample (`untimed_step`). The probe budget
+stays on the parts' predictions (so that `would_draft` can tell ahead which plans it holds back).
+
 Determinism: the choices depend on measured times and on the other sequences of the batch. Greedy
 outputs do not (verification keeps exactly the target's argmax tokens), nor do seeded sampled ones under
 coupled verification (the default: every emitted token is the plain sampler's draw at its position).
@@ -49,13 +63,17 @@ sampler, so seeded sampled outputs are then reproducible only where the same ste
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from .state import cumulative_rates
 from .varlen import ConfidenceScheduler, split_by_rates
+
+
+_PERIODS = 16  # timed steps per kind whose median is the kind's unpriced time
+_MIN_PERIODS = 3  # fewer: the kind is charged its predicted parts alone
 
 
 def _positive(name: str, value: float) -> float:
@@ -168,6 +186,7 @@ class DraftPolicy:
         prior_weight: float = 2.0,
         calibration: AcceptanceCalibration | None = None,
         probe_budget: float | None = 0.05,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         if isinstance(nextn, bool) or not isinstance(nextn, int) or nextn < 1:
             raise ValueError(f"nextn must be an integer >= 1, got {nextn!r}")
@@ -201,6 +220,12 @@ class DraftPolicy:
         self.probe_ms = 0.0  # time the probes added: the curve's longer steps, their measured draft forwards
         self.deferred_probes = 0  # sequence-plans a due probe waited for the budget
         self._probe_charge: int | None = None  # probes of the last plan, until their draft time is in
+        self.clock = clock  # seconds; None: steps are not timed, the parts' predictions alone decide
+        # measured minus predicted ms of recent timed steps, planned without / with drafts
+        self.unpriced: dict[bool, deque[float]] = {False: deque(maxlen=_PERIODS), True: deque(maxlen=_PERIODS)}
+        self._period: tuple[float, float, bool] | None = None  # (start, predicted ms, with drafts)
+        self.timed_plans = {False: 0, True: 0}  # timed steps begun, without / with drafts
+        self._last_begin: float | None = None  # the clock when the last timed step began
 
     # -- membership ------------------------------------------------------------------------------
     def _get(self, seq_id: Hashable) -> _History:
@@ -243,6 +268,63 @@ class DraftPolicy:
         of it while no plain step's is)."""
         return max(0.0, self.verify_host.get(num_tokens) - self.plain_host.get(num_seqs))
 
+    def unpriced_ms(self, drafting: bool) -> float:
+        """What a step planned with drafts (`drafting`) or without costs beyond its predicted parts: the
+        median of its kind's recent timed steps (measured minus predicted ms); 0 while the kind has fewer
+        than a few. (Not the other kind's: a policy that drafted on every step would then never learn that
+        plain steps cost less than drafted ones.)"""
+        samples = self.unpriced[drafting]
+        return float(np.median(samples)) if len(samples) >= _MIN_PERIODS else 0.0
+
+    def charged_ms(self, predicted_ms: float, drafting: bool) -> float:
+        """A step's predicted milliseconds plus what the wall clock adds (at least a microsecond): a plain
+        step's unpriced time; for a drafted step that too, and what drafted steps' exceeds it (never less:
+        a clock that catches plain steps slow, or drafted ones before plain ones are measured, does not
+        make drafting look cheaper than its parts)."""
+        plain = self.unpriced_ms(False)
+        if drafting and len(self.unpriced[True]) >= _MIN_PERIODS:
+            plain += max(0.0, self.unpriced_ms(True) - plain)
+        return max(predicted_ms + plain, 1e-3)
+
+    def plain_step_ms(self, num_seqs: int) -> float | None:
+        """A plain step of num_seqs sequences as plans charge it; None where the curve does not reach."""
+        plain = self.step_ms(num_seqs, num_seqs)
+        return None if plain is None else self.charged_ms(plain, False)
+
+    def untimed_step(self) -> None:
+        """The step in progress is not the one the last plan predicted (prefill in it): no sample."""
+        self._period = None
+
+    def measuring_plain_steps(self, num_seqs: int, plain_plans_before: int = 0) -> bool:
+        """Whether the next plan over num_seqs decoding sequences (after `plain_plans_before` plans that
+        let nobody draft) is one of the first plain steps of a timed policy that has timed drafted ones:
+        it lets nobody draft, so that plain steps are measured too, whatever the parts predict."""
+        if self.clock is None or self.timed_plans[True] < _MIN_PERIODS:
+            return False
+        if self.step_ms(num_seqs, num_seqs) is None:  # (such a plain step would not be timed)
+            return False
+        return self.timed_plans[False] + plain_plans_before < _MIN_PERIODS
+
+    def _end_step(self) -> None:
+        """The planned step ends now: its measured minus predicted ms is a sample of its kind."""
+        if self.clock is None or self._period is None:
+            return
+        start, predicted, kind = self._period
+        self._period = None
+        elapsed_ms = (self.clock() - start) * 1e3
+        if elapsed_ms > 0:  # (a clock that stands still measures nothing)
+            self.unpriced[kind].append(elapsed_ms - predicted)
+
+    def _begin_step(self, predicted_ms: float | None, drafting: bool) -> None:
+        """A planned step predicted to take `predicted_ms` (None: not timed) begins now."""
+        if self.clock is None or predicted_ms is None:
+            return
+        now = self.clock()
+        self._period = (now, predicted_ms, drafting)
+        if now != self._last_begin:  # (a clock that stands still times nothing: no step counts)
+            self.timed_plans[drafting] += 1
+        self._last_begin = now
+
     def record_step_time(self, num_rows: int, sample_ms: float, verified: bool) -> None:
         """A measured step's sampling (or verification) milliseconds over its `num_rows` logits rows."""
         (self.verify_sampler if verified else self.plain_sampler).add(num_rows, sample_ms)
@@ -263,6 +345,11 @@ class DraftPolicy:
                 raise ValueError(
                     f"drafts for {seq_id!r} must be an integer in [1, nextn={self.nextn}], got {k!r}"
                 )
+        self._end_step()
+        if self.measuring_plain_steps(num_seqs):
+            self.advance([seq_id for seq_id, _ in candidates], num_seqs)
+            nobody = [False] * len(candidates)
+            return DraftPlan(nobody, list(nobody), float(num_seqs), self.plain_step_ms(num_seqs))
         self.plans += 1
         forced, members = [], []
         for idx, (seq_id, _) in enumerate(candidates):
@@ -282,7 +369,7 @@ class DraftPolicy:
             ((r, idx, j) for idx in members for j, r in enumerate(self.expected_rates(*candidates[idx]))),
             key=lambda e: (-e[0], e[1], e[2]),
         )
-        best_total, best_expected, best_ms, best_rate = 0, expected, None, -1.0
+        best_total, best_expected, best_ms, best_rate, predicted = 0, expected, None, -1.0, None
         touched: set[int] = set()
         for total in range(len(ranked) + 1):
             if total:
@@ -293,8 +380,10 @@ class DraftPolicy:
                 break
             drafting = len(forced) + len(touched)
             ms += self.cost.get(drafting)
-            if expected / ms > best_rate:
-                best_total, best_expected, best_ms, best_rate = total, expected, ms, expected / ms
+            charged = self.charged_ms(ms, drafting > 0)
+            if expected / charged > best_rate:
+                best_total, best_expected, best_ms, best_rate = total, expected, charged, expected / charged
+                predicted = ms
         chosen = {idx for _, idx, _ in ranked[:best_total]}
         draft, probe = [False] * len(candidates), [False] * len(candidates)
         for idx in forced:
@@ -311,6 +400,7 @@ class DraftPolicy:
         self.drafted += sum(draft)
         self.probes += len(forced)
         self.skipped += len(candidates) - sum(draft)
+        self._begin_step(predicted, any(draft))
         return DraftPlan(draft, probe, best_expected, best_ms)
 
     def _afford_probes(self, candidates, due: list[int], num_seqs: int) -> list[int]:
@@ -413,6 +503,8 @@ class DraftPolicy:
             "policy_draft_fraction": self.drafted / offered if offered else None,
             "policy_deferred_probe_seq_plans": self.deferred_probes,
             "policy_probe_ms_fraction": self.probe_ms / self.plain_ms if self.plain_ms else None,
+            "policy_unpriced_plain_ms": self.unpriced_ms(False) if self.clock is not None else None,
+            "policy_unpriced_draft_ms": self.unpriced_ms(True) if self.clock is not None else None,
         }
 
     # -- plans that let nobody draft, for a loop that runs such steps ahead -----------------------------
@@ -426,6 +518,8 @@ class DraftPolicy:
         self._check_plain_plan(seq_ids, num_seqs)
         if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 1:
             raise ValueError(f"lookahead must be an integer >= 1, got {lookahead!r}")
+        if self.measuring_plain_steps(num_seqs, lookahead - 1):
+            return False
         at, due = self.plans + lookahead, False
         for seq_id in seq_ids:
             h = self._seqs.get(seq_id)
@@ -450,6 +544,7 @@ class DraftPolicy:
         would have weighed keep their state for the next plan (a member stays one, a due probe stays
         due)."""
         self._check_plain_plan(seq_ids, num_seqs)
+        self._end_step()
         self.plans += 1
         due = sum(
             1
@@ -466,6 +561,7 @@ class DraftPolicy:
         if due and self.probe_budget is not None and plain is not None and self._budget_spent(self.plain_ms):
             self.deferred_probes += due
         self.skipped += len(seq_ids)
+        self._begin_step(plain, False)  # as `plan` times a plan that lets nobody draft
 
     def _check_plain_plan(self, seq_ids: Sequence[Hashable], num_seqs: int) -> None:
         if isinstance(num_seqs, bool) or not isinstance(num_seqs, int) or num_seqs < len(seq_ids):

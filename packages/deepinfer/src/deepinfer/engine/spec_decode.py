@@ -205,9 +205,12 @@ class SpecDecoder:
         self.drafter = drafter
         self.state = SpecDecodeState(nextn)
         self.rule = ConfidenceScheduler(nextn, curve)
-        # with a step-time curve (MTP varlen on) the policy also decides who drafts at all
+        # with a step-time curve (MTP varlen on) the policy also decides who drafts at all; it times the
+        # steps it plans on the wall clock (read through this module's `time`, as every engine timing)
         self.policy = (
-            DraftPolicy(nextn, self.rule, probe_budget=probe_budget_from_env()) if self.rule.enabled else None
+            DraftPolicy(nextn, self.rule, probe_budget=probe_budget_from_env(), clock=lambda: time.perf_counter())
+            if self.rule.enabled
+            else None
         )
         # coupled by default: seeded tokens do not depend on which steps verify drafts
         self.verifier = DraftVerifier(sampling=sampled_verify_from_env())
@@ -312,6 +315,12 @@ class SpecDecoder:
             self.rule.update_runtime(num_tokens, forward_s * 1e3, num_seqs, sample_s * 1e3)
         if self.policy is not None and num_rows:
             self.policy.record_step_time(num_rows, sample_s * 1e3, verified)
+
+    def untimed_step(self) -> None:
+        """The step just run had prefill in it: the draft policy does not take its wall time as a decode
+        step's."""
+        if self.policy is not None:
+            self.policy.untimed_step()
 
     def record_host_time(self, num_rows: int, host_s: float, verified: bool) -> None:
         """A measured decode step's host work outside its forward, sampler (or verification) and draft

@@ -117,6 +117,8 @@ class SpecStep(StepStrategy):
             self.spec.update_runtime(
                 tokens, result.forward_s, len(emitted), result.sample_s, len(emitted), False
             )
+        else:
+            self.spec.untimed_step()
 
     def _prepare(self, out) -> tuple[VerifyStepInput, list[list[float]]]:
         """Runner batch with 1 + k logits rows per verifying sequence, a VerifyInput per emitting
@@ -209,6 +211,8 @@ class SpecStep(StepStrategy):
             rows = sum(int(step.batch.logits_lens[i]) for i in result.verified)
             tokens = int(step.batch.query_lens.sum())
             self.spec.update_runtime(tokens, result.forward_s, decode_seqs, result.sample_s, rows, True)
+        else:
+            self.spec.untimed_step()
         self._propose_drafts(ids, emitted_at, finished)
 
     def _propose_drafts(self, ids, emitted_at: dict[int, tuple[int, int]], finished) -> None:
