@@ -23,7 +23,15 @@ class SimulatedClock:
 
 
 def run(
-    accept_rate, unpriced_draft_ms, timed, steps=300, num_seqs=8, nextn=3, seed=0, clock=None, unpriced_plain_ms=0.0
+    accept_rate,
+    unpriced_draft_ms,
+    timed,
+    steps=300,
+    num_seqs=8,
+    nextn=3,
+    seed=0,
+    clock=None,
+    unpriced_plain_ms=0.0,
 ):
     """`num_seqs` sequences decoding `steps` steps on a flat 10 ms step (a GPU's small batch: a verified
     draft costs the forward nothing more) with a 0.5 ms draft forward, each draft accepted with
@@ -79,7 +87,9 @@ def test_a_curve_that_overstates_every_step_is_corrected_by_measuring_plain_step
     timed, policy = run(accept_rate=0.1, unpriced_draft_ms=-8.0, unpriced_plain_ms=-8.0, timed=True)
     assert sum(1 for d in untimed[50:] if d) > 0.9 * len(untimed[50:])
     assert sum(1 for d in timed[50:] if d) < 0.15 * len(timed[50:]), timed
-    assert policy.unpriced_ms(True) == pytest.approx(-8.0) and policy.unpriced_ms(False) == pytest.approx(-8.0)
+    assert policy.unpriced_ms(True) == pytest.approx(-8.0) and policy.unpriced_ms(False) == pytest.approx(
+        -8.0
+    )
 
 
 def test_drafts_that_pay_on_the_wall_clock_keep_drafting():

@@ -33,6 +33,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
         "expand_images",
         "image_digest",
         "image_grid_of",
+        "parse_vision_config",
     ),
     ".models.deepseek_v41.yoco": (
         "YocoSettings",

@@ -71,7 +71,6 @@ import numpy as np
 from .state import cumulative_rates
 from .varlen import ConfidenceScheduler, split_by_rates
 
-
 _PERIODS = 16  # timed steps per kind whose median is the kind's unpriced time
 _MIN_PERIODS = 3  # fewer: the kind is charged its predicted parts alone
 
@@ -222,7 +221,10 @@ class DraftPolicy:
         self._probe_charge: int | None = None  # probes of the last plan, until their draft time is in
         self.clock = clock  # seconds; None: steps are not timed, the parts' predictions alone decide
         # measured minus predicted ms of recent timed steps, planned without / with drafts
-        self.unpriced: dict[bool, deque[float]] = {False: deque(maxlen=_PERIODS), True: deque(maxlen=_PERIODS)}
+        self.unpriced: dict[bool, deque[float]] = {
+            False: deque(maxlen=_PERIODS),
+            True: deque(maxlen=_PERIODS),
+        }
         self._period: tuple[float, float, bool] | None = None  # (start, predicted ms, with drafts)
         self.timed_plans = {False: 0, True: 0}  # timed steps begun, without / with drafts
         self._last_begin: float | None = None  # the clock when the last timed step began

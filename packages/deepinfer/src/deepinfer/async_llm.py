@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from .engine.images import check_takes_images
 from .engine_args import EngineArgs
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -172,8 +173,7 @@ class AsyncLLM:
         self._check_running()
         params = _params(sampling_params)
         if multi_modal_data is not None:
-            if getattr(self.engine, "images", None) is None:
-                raise ValueError("multi_modal_data: images are not supported with a parallel layout yet")
+            check_takes_images(self.engine)
             ids = None if prompt_token_ids is None else list(prompt_token_ids)
         else:
             if prompt_token_ids is None:
@@ -327,7 +327,7 @@ class AsyncLLM:
                     a.params,
                     prompt_token_ids=a.prompt_token_ids,
                     arrival_time=a.arrival_time,
-                    # (only with images: a data-parallel front's add_request takes none)
+                    # (only with images: a disaggregated front's add_request takes none)
                     **({} if a.multi_modal_data is None else {"multi_modal_data": a.multi_modal_data}),
                 )
             except ValueError as e:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from .chat_images import split_image_parts
+from .engine.images import check_takes_images
 from .engine.llm_engine import LLMEngine
 from .engine_args import EngineArgs
 from .outputs import RequestMetrics, RequestOutput
@@ -104,8 +105,8 @@ class LLM:
                     raise ValueError(prompt.error)
                 p = params_list[i]
                 p = SamplingParams(**p) if isinstance(p, dict) else p.clone()
-                if mm is not None and getattr(engine, "images", None) is None:
-                    raise ValueError("multi_modal_data: images are not supported with a parallel layout yet")
+                if mm is not None:
+                    check_takes_images(engine)
                 if mm is None:  # (a request with images is expanded and checked when it is added)
                     if ids is None:
                         ids = engine.encode(prompt.text)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import random
@@ -53,7 +54,12 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 from deepinfer_cluster import no_multicast_environment
-from deepinfer_model import check_checkpoint_context_parallel, check_prompt_logprobs
+from deepinfer_model import (
+    ImageError,
+    check_checkpoint_context_parallel,
+    check_prompt_logprobs,
+    parse_vision_config,
+)
 
 from ..default_model import resolve_model
 from ..engine_args import EngineArgs
@@ -62,6 +68,7 @@ from ..sampling_params import SamplingParams, validate_vocab_fields
 from ..tokenizer import load_tokenizer, load_tokenizer_config
 from .dp_balance import BalanceConfig, Move, Router, assign_ranks, request_cost
 from .dp_rank import DataParallelRank
+from .images import ImagePreparer, PreparedImages, no_vision_tower
 from .prompts import PromptChecks, front_seeds
 from .rank_process import _rank_main
 from .stats import EngineStats
@@ -150,6 +157,10 @@ class DataParallelEngine(PromptChecks):
         self._progress = [0] * self.world
         self._tokenizer_dir = tok_path
         self._structured = None  # StructuredOutputs, built on the first so_args request
+        # requests with images are read and preprocessed here (as `LLM` / `AsyncLLM` ask `images`, or in
+        # `add_request`), expanded and encoded by the rank that serves them
+        vision = parse_vision_config(json.loads((self.model_path / "config.json").read_text()))
+        self.images = ImagePreparer(vision, workers=2)
         self._dir = tempfile.mkdtemp(prefix="deepinfer-dp-")
         child_args = dataclasses.replace(args, model=str(self.model_path))
         ctx = mp.get_context("spawn")
@@ -202,10 +213,13 @@ class DataParallelEngine(PromptChecks):
         params: SamplingParams,
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
+        multi_modal_data: dict | None = None,
     ) -> None:
         """Queue one request for the next `step()`. Raises ValueError for what one engine's
         `add_request` rejects before drawing the request's seeds (so the seed stream stays the
-        single-process one); anything the rank rejects later comes back as that request's `error`."""
+        single-process one); anything the rank rejects later comes back as that request's `error`.
+        `multi_modal_data`: images, as `LLMEngine.add_request` takes them; read here (bad items fail
+        here), expanded and encoded by the rank that serves the request."""
         self._check_usable()
         if request_id in self._outstanding or any(r[0] == request_id for r in self._pending):
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -213,13 +227,46 @@ class DataParallelEngine(PromptChecks):
             settings_from_env(), params.prompt_logprobs is not None
         )  # YoCo truncation refuses them
         validate_vocab_fields(params, self.vocab_size)
-        prompt_token_ids = self.request_ids(prompt, prompt_token_ids, params)
+        images = None
+        if multi_modal_data is not None:
+            images = (self._prepared_images(multi_modal_data, params), prompt_token_ids)
+            # routed by its text (a rank expands it): `<image>` or the placeholder ids stand for each image
+            prompt_token_ids = list(prompt_token_ids) if prompt_token_ids is not None else self.encode(prompt)
+        else:
+            prompt_token_ids = self.request_ids(prompt, prompt_token_ids, params)
         if params.so_args is not None:  # compiled here too: a bad grammar fails before any seed is drawn
             if self._structured is None:
                 self._structured = StructuredOutputs(self._tokenizer_dir, self.vocab_size, self.eos_token_id)
             self._structured.new_state(params.so_args)
         seeds = front_seeds(self._seed_rng, params)  # (a sampled run does not depend on the ranks)
-        self._pending.append((request_id, prompt, list(prompt_token_ids), params, seeds))
+        self._pending.append((request_id, prompt, list(prompt_token_ids), params, seeds, images))
+
+    def _prepared_images(self, multi_modal_data, params: SamplingParams) -> PreparedImages:
+        """A request's images read and preprocessed (what travels to a rank; `multi_modal_data` may be the
+        `PreparedImages` that `self.images` made of it): refused here where no rank could take them (context
+        parallelism, YoCo truncation, prompt_logprobs, no vision tower) or an image is bad, as one engine
+        refuses them when they are added."""
+        if self.layout.cp > 1 or settings_from_env().enabled:
+            raise ValueError(
+                "multi_modal_data: images are not supported with context parallelism or YoCo prefill "
+                "truncation yet (attention data parallelism and expert parallelism take them)"
+            )
+        if params.prompt_logprobs is not None:
+            raise ValueError(
+                "prompt_logprobs: not supported for a request with images (its image positions "
+                "hold no vocabulary token to score)"
+            )
+        prepared = multi_modal_data
+        if not isinstance(prepared, PreparedImages):
+            prepared = self.images.prepare(multi_modal_data)
+        if prepared.error is not None:
+            raise prepared.error
+        if self.images.vision_config is None:
+            raise no_vision_tower()
+        for item in (*prepared.data, *prepared.prepared):
+            if isinstance(item, ImageError):
+                raise item
+        return PreparedImages(list(prepared.data), prepared.data, prepared.prepared)  # bytes, not files
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._pending) or bool(self._outstanding) or bool(self._ready)
@@ -354,6 +401,8 @@ class DataParallelEngine(PromptChecks):
         if self._structured is not None:
             self._structured.close()
             self._structured = None
+        if getattr(self, "images", None) is not None:
+            self.images.close()
         if self._failed is None:
             self._failed = "the data-parallel engine is closed"
 
@@ -575,7 +624,7 @@ def _ranks(ranks: list[int]) -> str:
 def _aborted_output(req: tuple) -> RequestOutput:
     """The output of a request aborted before it left the front: as one engine reports a request
     aborted before its first step (each sample finished "abort", no tokens)."""
-    rid, prompt, ids, params, _ = req
+    rid, prompt, ids, params = req[:4]
     metrics = RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(ids))
     metrics.finish_time = metrics.arrival_time
     outputs = [CompletionOutput(index=i, finish_reason="abort") for i in range(params.n)]

@@ -40,7 +40,14 @@ from deepinfer_model import (
 
 from .request_checks import checked_token_id
 
-__all__ = ["IMAGE_PLACEHOLDER", "ImageInputs", "ImagePrompt", "PreparedImages", "image_bytes"]
+__all__ = [
+    "IMAGE_PLACEHOLDER",
+    "ImageInputs",
+    "ImagePreparer",
+    "ImagePrompt",
+    "PreparedImages",
+    "image_bytes",
+]
 
 IMAGE_PLACEHOLDER = "<image>"
 
@@ -103,57 +110,43 @@ def image_bytes(item, label: str) -> bytes:
     )
 
 
-class ImageInputs:
-    """The engine's image path for `model` (see the module doc): an encoder cache of at most `cache_rows`
-    embedding rows (`EngineArgs.encoder_cache_tokens`), `workers` preprocessing processes started on the
-    first image."""
+class ImagePreparer:
+    """Reads and preprocesses requests' images (`prepare`, `prepare_many`) for a vision tower of config
+    `vision_config` (None: a model without one) in a pool of `workers` processes started on the first
+    image: what admission needs ahead of it, and all a front whose ranks encode the images does."""
 
-    def __init__(self, model, cache_rows: int, workers: int = 2) -> None:
-        self.model = model
-        self.vision = getattr(model, "vision", None)
+    def __init__(self, vision_config, workers: int = 2) -> None:
+        self.vision_config = vision_config
         self.workers = workers
-        self.cache_rows = cache_rows
         self._pre = None
-        self._cache = None
-
-    @property
-    def encoder_cache(self):
-        if self._cache is None:
-            self._cache = EncoderCache(self.cache_rows)
-        return self._cache
 
     @property
     def preprocessor(self) -> ImagePreprocessor:
         """The worker pool that decodes and preprocesses images (created on first use)."""
         if self._pre is None:
-            self._pre = ImagePreprocessor(self.vision.config, workers=self.workers)
+            self._pre = ImagePreprocessor(self.vision_config, workers=self.workers)
         return self._pre
-
-    @property
-    def placeholder_id(self) -> int:
-        """The id that stands for one image in a token prompt (the IMAGE sentinel, `vocab_size + 2`)."""
-        return ImageSentinels(int(self.model.config.vocab_size)).image
 
     def prepare(self, multi_modal_data) -> PreparedImages:
         """Read and preprocess a request's images without touching engine state (safe on another thread
-        while the engine steps; see the module doc). Images the encoder cache holds are not preprocessed."""
+        while the engine steps; see the module doc)."""
         return self.prepare_many([multi_modal_data])[0]
 
-    def prepare_many(self, requests: list, on_done=None) -> list[PreparedImages]:
+    def prepare_many(self, requests: list, on_done=None, cached=None) -> list[PreparedImages]:
         """`prepare` for many requests' `multi_modal_data` at once: their images go to the worker pool
         together (the workers stay busy across requests) and an image that several requests carry at the
-        same place is preprocessed once. on_done(n): n more images preprocessed (a progress bar)."""
+        same place is preprocessed once; an image whose digest `cached` holds (an encoder cache) is not.
+        on_done(n): n more images preprocessed (a progress bar)."""
         out: list[PreparedImages] = []
         todo: dict[tuple[str, str], bytes] = {}  # (digest, label) -> bytes: each preprocessed once
         wanted: list[tuple[int, int, tuple[str, str]]] = []  # (request, image, key)
-        cache = self._cache  # read only: admission, on the engine's thread, updates it
         for r, multi_modal_data in enumerate(requests):
             try:
-                images = _images_of(multi_modal_data)
+                images = images_of(multi_modal_data)
             except ValueError as e:
                 out.append(PreparedImages([], [], [], e))
                 continue
-            labels = _labels(len(images))
+            labels = image_labels(len(images))
             data: list[bytes | ImageError] = []
             for item, label in zip(images, labels, strict=True):
                 try:
@@ -161,11 +154,11 @@ class ImageInputs:
                 except ImageError as e:
                     data.append(e)
             out.append(PreparedImages(images, data, [None] * len(images)))
-            if self.vision is None or not all(isinstance(b, bytes) for b in data):
+            if self.vision_config is None or not all(isinstance(b, bytes) for b in data):
                 continue  # admission raises the first error (or the missing tower) before any preprocessing
             for i, (b, label) in enumerate(zip(data, labels, strict=True)):
                 digest = image_digest(b)
-                if cache is None or digest not in cache:
+                if cached is None or digest not in cached:
                     todo.setdefault((digest, label), b)
                     wanted.append((r, i, (digest, label)))
         if todo:
@@ -178,6 +171,57 @@ class ImageInputs:
                 out[r].prepared[i] = by_key[key]
         return out
 
+    def close(self) -> None:
+        if self._pre is not None:
+            self._pre.close()
+            self._pre = None
+
+
+def no_vision_tower() -> ValueError:
+    """The error of a request with images for a model without a vision tower."""
+    return ValueError(
+        "multi_modal_data['image']: this model has no vision tower (its config has no "
+        "vision_config with num_hidden_layers), so it cannot take images"
+    )
+
+
+class ImageInputs:
+    """The engine's image path for `model` (see the module doc): an encoder cache of at most `cache_rows`
+    embedding rows (`EngineArgs.encoder_cache_tokens`), `workers` preprocessing processes started on the
+    first image."""
+
+    def __init__(self, model, cache_rows: int, workers: int = 2) -> None:
+        self.model = model
+        self.vision = getattr(model, "vision", None)
+        self.cache_rows = cache_rows
+        self.preparer = ImagePreparer(None if self.vision is None else self.vision.config, workers)
+        self._cache = None
+
+    @property
+    def encoder_cache(self):
+        if self._cache is None:
+            self._cache = EncoderCache(self.cache_rows)
+        return self._cache
+
+    @property
+    def preprocessor(self) -> ImagePreprocessor:
+        """The preparer's worker pool (created on first use)."""
+        return self.preparer.preprocessor
+
+    @property
+    def placeholder_id(self) -> int:
+        """The id that stands for one image in a token prompt (the IMAGE sentinel, `vocab_size + 2`)."""
+        return ImageSentinels(int(self.model.config.vocab_size)).image
+
+    def prepare(self, multi_modal_data) -> PreparedImages:
+        """`ImagePreparer.prepare`; images the encoder cache holds are not preprocessed."""
+        return self.prepare_many([multi_modal_data])[0]
+
+    def prepare_many(self, requests: list, on_done=None) -> list[PreparedImages]:
+        """`ImagePreparer.prepare_many`; images the encoder cache holds are not preprocessed."""
+        # read only: admission, on the engine's thread, updates the cache
+        return self.preparer.prepare_many(requests, on_done, cached=self._cache)
+
     def prompt(
         self, prompt: str | None, prompt_token_ids, multi_modal_data, encode, tokenizer
     ) -> ImagePrompt:
@@ -188,12 +232,9 @@ class ImageInputs:
         given = multi_modal_data if isinstance(multi_modal_data, PreparedImages) else None
         if given is not None and given.error is not None:
             raise given.error
-        images = given.images if given is not None else _images_of(multi_modal_data)
+        images = given.images if given is not None else images_of(multi_modal_data)
         if self.vision is None:
-            raise ValueError(
-                "multi_modal_data['image']: this model has no vision tower (its config has no "
-                "vision_config with num_hidden_layers), so it cannot take images"
-            )
+            raise no_vision_tower()
         vocab = int(self.model.config.vocab_size)
         if prompt_token_ids is not None:
             segments = self._token_segments(list(prompt_token_ids), len(images), vocab)
@@ -213,7 +254,7 @@ class ImageInputs:
                 "prompt_token_ids with the image placeholder id"
             )
 
-        labels = _labels(len(images))
+        labels = image_labels(len(images))
         if given is None:
             data = [image_bytes(item, label) for item, label in zip(images, labels, strict=True)]
         else:
@@ -277,7 +318,7 @@ class ImageInputs:
         todo = [i for i in misses if given is None or given[i] is None]
         fresh = {}
         if todo:
-            done = self.preprocessor.prepare([data[i] for i in todo], [labels[i] for i in todo])
+            done = self.preparer.preprocessor.prepare([data[i] for i in todo], [labels[i] for i in todo])
             fresh = dict(zip(todo, done, strict=True))
         for i in misses:
             p = fresh[i] if i in fresh else given[i]
@@ -291,16 +332,23 @@ class ImageInputs:
         return out
 
     def close(self) -> None:
-        if self._pre is not None:
-            self._pre.close()
-            self._pre = None
+        self.preparer.close()
 
 
-def _labels(count: int) -> list[str]:
+def check_takes_images(engine) -> None:
+    """ValueError unless `engine` serves requests with images: it prepares them (`images`: an engine's
+    `ImageInputs`, a data-parallel front's `ImagePreparer`)."""
+    if getattr(engine, "images", None) is None:
+        raise ValueError(f"multi_modal_data: images are not supported by {type(engine).__name__} yet")
+
+
+def image_labels(count: int) -> list[str]:
+    """The names errors give a request's images, in order."""
     return [f"multi_modal_data['image'][{i}]" for i in range(count)]
 
 
-def _images_of(multi_modal_data) -> list:
+def images_of(multi_modal_data) -> list:
+    """The images of a request's `multi_modal_data` (one item or a list); ValueError naming what is wrong."""
     if not isinstance(multi_modal_data, dict):
         raise ValueError(
             f"multi_modal_data must be a dict like {{'image': [...]}}, got {type(multi_modal_data).__name__}"

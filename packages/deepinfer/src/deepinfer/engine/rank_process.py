@@ -278,9 +278,15 @@ def _handle(
         return False
     if kind == "add":  # msg[2]: stream these requests' outputs as they grow
         failed = []
-        for rid, prompt, ids, params, seeds in msg[1]:
+        for rid, prompt, ids, params, seeds, images in msg[1]:
             try:
-                engine.add_request(rid, prompt, params, prompt_token_ids=ids, seeds=seeds)
+                if images is None:
+                    engine.add_request(rid, prompt, params, prompt_token_ids=ids, seeds=seeds)
+                else:  # (the image data, the prompt ids as given: `ids` are the front's routing ids)
+                    mm, given = images
+                    engine.add_request(
+                        rid, prompt, params, prompt_token_ids=given, seeds=seeds, multi_modal_data=mm
+                    )
             except ValueError as e:  # this request alone fails; the others and the world go on
                 failed.append(RequestOutput(rid, prompt, ids or [], [], RequestMetrics(0.0), error=str(e)))
                 continue
@@ -329,7 +335,7 @@ def _release(engine, budget_tokens: int) -> list[tuple]:
             continue
         budget_tokens -= cost
         out.append(
-            (rid, state.prompt, state.prompt_token_ids, state.params, [seq.seed for seq in state.seqs])
+            (rid, state.prompt, state.prompt_token_ids, state.params, [seq.seed for seq in state.seqs], None)
         )
     return out
 

@@ -174,11 +174,13 @@ class RequestTable:
     def withdraw(self, request_id: str) -> RequestState | None:
         """Take back a request none of whose sequences has started (`scheduling.is_unstarted`) and
         forget it without an output, so that another engine can serve it from the start; None (and
-        nothing changed) when it has started, has a grammar, or is not here."""
+        nothing changed) when it has started, has a grammar or images (its expanded prompt is nothing
+        without them), or is not here."""
         state = self.requests.get(request_id)
         if (
             state is None
             or state.params.so_args is not None
+            or state.images is not None
             or not all(scheduling.is_unstarted(self.scheduler, seq.seq_id) for seq in state.seqs)
         ):
             return None

@@ -208,7 +208,9 @@ class SpecDecoder:
         # with a step-time curve (MTP varlen on) the policy also decides who drafts at all; it times the
         # steps it plans on the wall clock (read through this module's `time`, as every engine timing)
         self.policy = (
-            DraftPolicy(nextn, self.rule, probe_budget=probe_budget_from_env(), clock=lambda: time.perf_counter())
+            DraftPolicy(
+                nextn, self.rule, probe_budget=probe_budget_from_env(), clock=lambda: time.perf_counter()
+            )
             if self.rule.enabled
             else None
         )
