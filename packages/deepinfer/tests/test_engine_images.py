@@ -358,3 +358,17 @@ def test_encoder_cache_size_setting(vision_checkpoint, monkeypatch):
     misses, hits, tokens, _ = encodes(rows)
     assert (misses, hits) == (3, 0) and tokens[0] == tokens[2]  # a encoded again, same embeddings
     assert encodes(2 * rows)[:2] == (2, 1)
+
+
+def test_a_waiting_request_with_images_is_not_withdrawn(llm):
+    """A data-parallel move takes back waiting requests to send them elsewhere; one with images stays (its
+    expanded prompt is nothing without them), a text one of the same state goes."""
+    engine = llm.engine
+    engine.add_request("img", "a<image>b", GREEDY, multi_modal_data={"image": [png(21)]})
+    engine.add_request("txt", None, GREEDY, prompt_token_ids=[0, 67, 68])
+    assert engine.withdraw_request("img") is None and "img" in engine.requests
+    assert engine.withdraw_request("txt") is not None and "txt" not in engine.requests
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step()})
+    assert set(outs) == {"img"} and outs["img"].error is None
