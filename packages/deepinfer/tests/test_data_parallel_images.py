@@ -1,6 +1,6 @@
-"""Requests with images on attention data parallel + expert parallel ranks (2 CPU processes): each rank
-expands and encodes the images of the requests routed to it, and every request comes out as from the
-single-process engine; a bad image fails its request alone."""
+"""Requests with images on attention data parallel + expert parallel ranks and on context-parallel ranks
+(2 CPU processes): each rank expands and encodes the images of the requests routed to it, and every
+request comes out as from the single-process engine; a bad image fails its request alone."""
 
 import pytest
 from deepinfer import LLM, AsyncLLM, SamplingParams
@@ -56,6 +56,18 @@ def test_images_on_data_and_expert_parallel_ranks_equal_one_engine(vision_checkp
     assert "multi_modal_data['image'][0]" in bad[0].error
     assert "cannot read the image file" in bad[1].error
     assert_same([bad[2]], [want[0]])
+
+
+def test_images_on_context_parallel_ranks_equal_one_engine(vision_checkpoint, tmp_path):
+    """Both ranks of a context-parallel group encode the group's images; each embeds the image positions
+    among the rows it computes (a budget of 6 tokens per step cuts every image block across chunks)."""
+    reqs = requests(tmp_path)
+    with LLM(str(vision_checkpoint), block_size=4, max_num_batched_tokens=6) as llm:
+        want = llm.generate(reqs, GREEDY, use_tqdm=False)
+    with LLM(str(vision_checkpoint), context_parallel_size=2, block_size=4, max_num_batched_tokens=6) as llm:
+        assert llm.engine.layout.cp == 2
+        got = llm.generate(reqs, GREEDY, use_tqdm=False)
+    assert_same(got, want)
 
 
 def test_async_llm_streams_requests_with_images_from_the_ranks(vision_checkpoint, tmp_path):

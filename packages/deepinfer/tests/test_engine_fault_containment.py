@@ -16,7 +16,11 @@ from deepinfer.engine.structured import StructuredOutputs
 from deepinfer.engine_args import EngineArgs
 from deepinfer_model.models.deepseek_v41 import make_v41_checkpoint
 
-PROMPTS = [[0, 40, 77, 91, 12, 200, 5], [0, 7, 7, 8, 9], [0, 150, 33, 98, 140, 21, 66, 71, 250]]  # < 256: the V4.1 vocabulary
+PROMPTS = [
+    [0, 40, 77, 91, 12, 200, 5],
+    [0, 7, 7, 8, 9],
+    [0, 150, 33, 98, 140, 21, 66, 71, 250],
+]  # < 256: the V4.1 vocabulary
 PARAMS = [
     SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
     SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True, seq_seed=5),

@@ -253,7 +253,7 @@ def test_images_refused_under_yoco_truncation(vision_checkpoint, monkeypatch):
             use_tqdm=False,
             raise_on_error=False,
         )
-    assert "not supported with context parallelism or YoCo prefill truncation" in outs[0].error
+    assert "not supported with YoCo prefill truncation" in outs[0].error
     assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 4
 
 

@@ -158,7 +158,9 @@ def test_a_right_drafter_keeps_drafting_at_full_length(v41, plain, varlen, tmp_p
     # after the prefill's first are 3 steps of 4, 3 of 1, 4 of 4 (the last one cut to 2 by max_tokens)
     assert drafted == [3, 6, 9, 9, 9, 9, 12, 15, 18, 21, 21], drafted
     # full blocks: the prefill step, then 1 + k tokens per step until max_tokens leaves less room
-    assert s["verified"] == s["accepted"] and s["verified"] / drafted[-1] > NEXTN - 0.5  # per drafting seq-step
+    assert (
+        s["verified"] == s["accepted"] and s["verified"] / drafted[-1] > NEXTN - 0.5
+    )  # per drafting seq-step
     assert engine.stats.steps <= 1 + -(-(GREEDY.max_tokens - 1) // (1 + NEXTN)) + 1 + MEASURED_PLAIN_STEPS
 
 

@@ -243,14 +243,11 @@ class DataParallelEngine(PromptChecks):
 
     def _prepared_images(self, multi_modal_data, params: SamplingParams) -> PreparedImages:
         """A request's images read and preprocessed (what travels to a rank; `multi_modal_data` may be the
-        `PreparedImages` that `self.images` made of it): refused here where no rank could take them (context
-        parallelism, YoCo truncation, prompt_logprobs, no vision tower) or an image is bad, as one engine
-        refuses them when they are added."""
-        if self.layout.cp > 1 or settings_from_env().enabled:
-            raise ValueError(
-                "multi_modal_data: images are not supported with context parallelism or YoCo prefill "
-                "truncation yet (attention data parallelism and expert parallelism take them)"
-            )
+        `PreparedImages` that `self.images` made of it): refused here where no rank could take them (YoCo
+        truncation, prompt_logprobs, no vision tower) or an image is bad, as one engine refuses them when
+        they are added."""
+        if settings_from_env().enabled:
+            raise ValueError("multi_modal_data: images are not supported with YoCo prefill truncation yet")
         if params.prompt_logprobs is not None:
             raise ValueError(
                 "prompt_logprobs: not supported for a request with images (its image positions "

@@ -310,11 +310,9 @@ class LLMEngine(PromptChecks):
         validate_vocab_fields(params, self.vocab_size)
         images = None
         if multi_modal_data is not None:
-            if self.truncation.enabled or (self.dp is not None and self.dp.state.cp.size > 1):
-                # (the step's images cannot yet be split over CP ranks nor replayed under truncation)
+            if self.truncation.enabled:  # (a truncated prefill's replay would need the images again)
                 raise ValueError(
-                    "multi_modal_data: images are not supported with context parallelism or YoCo prefill "
-                    "truncation yet (attention data parallelism and expert parallelism take them)"
+                    "multi_modal_data: images are not supported with YoCo prefill truncation yet"
                 )
             if params.prompt_logprobs is not None:
                 raise ValueError(

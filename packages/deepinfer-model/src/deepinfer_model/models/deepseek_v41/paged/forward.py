@@ -16,6 +16,7 @@ from ..drafter_heads import target_features
 from ..engram import engram_inject
 from ..model import DeepseekV41ForCausalLM
 from ..vision.embed import image_input_embeddings
+from ..vision.tokens import IMAGE
 from ..yoco_step import YocoStep
 from .attention import _attention
 from .engram_rows import _engram_rows, _static_engram_rows
@@ -48,10 +49,11 @@ def v41_paged_forward(
     `images`: the input embeddings [n, H] of the step's image positions (ids equal to the IMAGE sentinel)
     in packed row order; the other sentinel rows take the learned start / newline / end embeddings and the
     pad token's (`vision/embed.py`, as the stateless forward's `image_features`). Embeddings are per
-    position, so a prefill chunk may end anywhere inside an image block.
+    position, so a prefill chunk may end anywhere inside an image block, and a CP rank embeds the image
+    positions among its rows alone.
     """
-    if images is not None and (row_split is not None or yoco is not None):
-        raise ValueError("a step with images cannot run under context parallelism or YOCO truncation")
+    if images is not None and yoco is not None:
+        raise ValueError("a step with images cannot run under YOCO truncation")
     if row_split is not None and yoco is not None:
         raise ValueError("context parallel steps cannot be combined with YOCO prefill truncation")
     split = row_split
@@ -72,6 +74,10 @@ def v41_paged_forward(
         raise ValueError("a step with images, but this checkpoint has no vision tower")
     else:
         pad = int(cfg.extra.get("pad_token_id", 2))
+        if split is not None:  # this rank's image positions: their rows of `images` (packed row order)
+            is_image = meta.input_ids == w.embed.shape[0] + IMAGE
+            order = torch.cumsum(is_image.to(torch.int64), 0) - 1
+            images = images[split.local(order)[split.local(is_image)].to(images.device)]
         x0 = image_input_embeddings(qmeta.input_ids, w.embed, w.image_embeds, pad, [images], act)
     hc = ShiftedHC(x0, cfg)
     for layer, blk in enumerate(w.layers):
