@@ -94,3 +94,32 @@ def test_step_feature_count_checked(model):
     batch = dataclasses.replace(batch, image_features=[_features(model, 0)])
     with pytest.raises(ValueError, match="8 image positions but the images give 4 feature rows"):
         runner.execute(batch)
+
+
+@pytest.mark.parametrize("mode", ["mask", "compact"])
+@pytest.mark.parametrize("cuts", [[], [6, 9], [5, 10, 20]])
+def test_paged_chunks_with_yoco_truncation_equal_stateless(model, mode, cuts):
+    """YOCO prefill truncation acts after the embedding: image rows are input rows like any other, and the
+    truncated paged prefill (in chunks that cut the image blocks) equals the stateless truncated forward."""
+    from deepinfer_model.models.deepseek_v41.yoco import YocoMode, YocoSettings
+
+    keep, backtracking = 14, 6
+    ids, _ = _prompt(model)
+    feats = [_features(model, 0), _features(model, 1)]
+    ref = model.forward(
+        torch.as_tensor(ids), image_features=feats, yoco_keep_tokens=keep, yoco_mode=mode,
+        yoco_prompt_len=len(ids), backtracking_tokens=backtracking,
+    )  # fmt: skip
+    runner = PagedRunner(model, 32, BLOCK, yoco=YocoSettings(YocoMode(mode), keep), backtracking=backtracking)
+    rows, all_feats = _image_rows(ids, model.config.vocab_size, feats)
+    table = np.arange(-(-len(ids) // BLOCK), dtype=np.int64)
+    last = []
+    for lo, hi in zip([0, *cuts], [*cuts, len(ids)], strict=True):
+        r = rows[lo:hi]
+        batch = StepBatch.of(
+            [0], [lo], [hi - lo], [table], np.asarray(ids[lo:hi]), [1], prompt_lens=[len(ids)]
+        )
+        last.append(runner.execute(dataclasses.replace(batch, image_features=[all_feats[r[r >= 0]]])))
+    torch.testing.assert_close(last[-1][0], ref.logits[-1].float(), rtol=0, atol=0)
+    whole = model.forward(ids, image_features=feats).logits[-1]
+    assert not torch.equal(ref.logits[-1], whole)  # the truncation is real: it changes the logits

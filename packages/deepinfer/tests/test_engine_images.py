@@ -241,19 +241,48 @@ def test_plain_decode_loops(llm, vision_checkpoint, monkeypatch, async_schedulin
     assert outs[1].outputs[0].token_ids == text.outputs[0].token_ids
 
 
-def test_images_refused_under_yoco_truncation(vision_checkpoint, monkeypatch):
+def test_images_under_yoco_truncation_equal_the_truncated_stateless_forward(vision_checkpoint, monkeypatch):
+    """YoCo prefill truncation acts after the embedding: a request with images decodes as the stateless
+    forward truncated at the same KEEP, the prompt length fixed at the expanded prompt's (chunks of 6
+    tokens cut the image block)."""
     monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "mask")
     monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "14")
     monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "0")
-    with LLM(model=str(vision_checkpoint), block_size=4) as llm:
+    with LLM(model=str(vision_checkpoint), block_size=4, max_num_batched_tokens=6) as llm:
         assert llm.engine.truncation.enabled
         outs = llm.generate(
-            [_request("a<image>b", png(11)), {"prompt_token_ids": [0, 67, 68]}],
+            [
+                # 40 text tokens, the image, 2 more: truncation hides the start from the consumer layers
+                {
+                    "prompt_token_ids": [0, *range(10, 50), 258, 67, 68],
+                    "multi_modal_data": {"image": [png(11)]},
+                },
+                {"prompt_token_ids": [0, 67, 68]},
+            ],
             GREEDY,
             use_tqdm=False,
-            raise_on_error=False,
         )
-    assert "not supported with YoCo prefill truncation" in outs[0].error
+        model, backtracking = llm.engine.model, llm.engine.truncation.backtracking
+    prompt = list(outs[0].prompt_token_ids)
+    p = prepare_image(png(11), model.vision.config)
+    feats = [model.vision.embed_image(torch.from_numpy(p.patches), p.patch_rows, p.patch_cols)]
+
+    def greedy(**yoco) -> list[int]:
+        ids, out = list(prompt), []
+        for _ in range(4):
+            out.append(int(torch.argmax(model.forward(ids, image_features=feats, **yoco).logits[-1])))
+            ids.append(out[-1])
+        return out
+
+    want = greedy(
+        yoco_keep_tokens=14, yoco_mode="mask", yoco_prompt_len=len(prompt), backtracking_tokens=backtracking
+    )
+    assert outs[0].error is None and outs[0].outputs[0].token_ids == want
+    truncated = model.forward(
+        prompt, image_features=feats, yoco_keep_tokens=14, yoco_mode="mask", yoco_prompt_len=len(prompt),
+        backtracking_tokens=backtracking,
+    ).logits[-1]  # fmt: skip
+    assert not torch.equal(truncated, model.forward(prompt, image_features=feats).logits[-1])  # it is real
     assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 4
 
 

@@ -184,8 +184,6 @@ class PagedRunner:
             # a step with a chunk (prefill, verify block) is split over the CP ranks; decode-only steps
             # run whole on every CP rank (one row per sequence: nothing worth a collective)
             split = PagedMirrorRows(meta, self.cp_group)
-        if images is not None and self.yoco is not None:
-            raise ValueError("a step with images cannot run under YOCO prefill truncation")
         if (
             split is None
             and images is None
@@ -202,7 +200,7 @@ class PagedRunner:
             self.cache.write(TOKEN_IDS, meta.write_slots, meta.input_ids)
         self.metadata_s += time.perf_counter() - t0
         if images is not None:
-            logits = self.family.forward(self.model, meta, self.cache, row_split=split, images=images)
+            logits = self.family.forward(self.model, meta, self.cache, extras, row_split=split, images=images)
         elif split is None:
             logits = self.family.forward(self.model, meta, self.cache, extras)
         else:

@@ -243,11 +243,9 @@ class DataParallelEngine(PromptChecks):
 
     def _prepared_images(self, multi_modal_data, params: SamplingParams) -> PreparedImages:
         """A request's images read and preprocessed (what travels to a rank; `multi_modal_data` may be the
-        `PreparedImages` that `self.images` made of it): refused here where no rank could take them (YoCo
-        truncation, prompt_logprobs, no vision tower) or an image is bad, as one engine refuses them when
-        they are added."""
-        if settings_from_env().enabled:
-            raise ValueError("multi_modal_data: images are not supported with YoCo prefill truncation yet")
+        `PreparedImages` that `self.images` made of it): refused here where no rank could take them
+        (prompt_logprobs, no vision tower) or an image is bad, as one engine refuses them when they are
+        added."""
         if params.prompt_logprobs is not None:
             raise ValueError(
                 "prompt_logprobs: not supported for a request with images (its image positions "

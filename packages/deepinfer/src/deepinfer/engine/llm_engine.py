@@ -310,10 +310,6 @@ class LLMEngine(PromptChecks):
         validate_vocab_fields(params, self.vocab_size)
         images = None
         if multi_modal_data is not None:
-            if self.truncation.enabled:  # (a truncated prefill's replay would need the images again)
-                raise ValueError(
-                    "multi_modal_data: images are not supported with YoCo prefill truncation yet"
-                )
             if params.prompt_logprobs is not None:
                 raise ValueError(
                     "prompt_logprobs: not supported for a request with images (its image positions "

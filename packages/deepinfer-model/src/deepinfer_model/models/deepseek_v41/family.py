@@ -41,7 +41,7 @@ class DeepseekV41Family(ModelFamily):
 
     def forward(self, model, meta, cache, extras=None, row_split=None, images=None) -> torch.Tensor:
         if images is not None:
-            return _forward(model, meta, cache, row_split=row_split, images=images)
+            return _forward(model, meta, cache, yoco=extras, row_split=row_split, images=images)
         if row_split is not None:
             return _forward(model, meta, cache, extras, row_split=row_split)
         return _forward(model, meta, cache) if extras is None else _forward(model, meta, cache, extras)

@@ -49,11 +49,10 @@ def v41_paged_forward(
     `images`: the input embeddings [n, H] of the step's image positions (ids equal to the IMAGE sentinel)
     in packed row order; the other sentinel rows take the learned start / newline / end embeddings and the
     pad token's (`vision/embed.py`, as the stateless forward's `image_features`). Embeddings are per
-    position, so a prefill chunk may end anywhere inside an image block, and a CP rank embeds the image
-    positions among its rows alone.
+    position, so a prefill chunk may end anywhere inside an image block, a CP rank embeds the image
+    positions among its rows alone, and YOCO truncation (which acts after the embedding) takes them as any
+    input rows.
     """
-    if images is not None and yoco is not None:
-        raise ValueError("a step with images cannot run under YOCO truncation")
     if row_split is not None and yoco is not None:
         raise ValueError("context parallel steps cannot be combined with YOCO prefill truncation")
     split = row_split
