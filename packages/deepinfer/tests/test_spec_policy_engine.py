@@ -222,4 +222,5 @@ def test_the_policy_times_its_steps_and_backs_off_where_a_curve_overstates_them(
     untimed_steps, _, untimed_stats = runs["untimed"]
     assert untimed_steps >= n - 3 and untimed_stats["policy_unpriced_draft_ms"] is None
     assert timed_steps <= 3, runs
-    assert stats["policy_unpriced_plain_ms"] < -900 and stats["policy_unpriced_draft_ms"] < -900
+    # (steps take milliseconds, tens on a loaded machine: far below the curve's 1,000)
+    assert stats["policy_unpriced_plain_ms"] < -500 and stats["policy_unpriced_draft_ms"] < -500
