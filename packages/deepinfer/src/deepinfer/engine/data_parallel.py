@@ -55,7 +55,6 @@ from pathlib import Path
 import torch.multiprocessing as mp
 from deepinfer_cluster import no_multicast_environment
 from deepinfer_model import (
-    ImageError,
     check_checkpoint_context_parallel,
     check_prompt_logprobs,
     parse_vision_config,
@@ -68,7 +67,7 @@ from ..sampling_params import SamplingParams, validate_vocab_fields
 from ..tokenizer import load_tokenizer, load_tokenizer_config
 from .dp_balance import BalanceConfig, Move, Router, assign_ranks, request_cost
 from .dp_rank import DataParallelRank
-from .images import ImagePreparer, PreparedImages, no_vision_tower
+from .images import ImagePreparer, prepared_at_front
 from .prompts import PromptChecks, front_seeds
 from .rank_process import _rank_main
 from .stats import EngineStats
@@ -229,7 +228,7 @@ class DataParallelEngine(PromptChecks):
         validate_vocab_fields(params, self.vocab_size)
         images = None
         if multi_modal_data is not None:
-            images = (self._prepared_images(multi_modal_data, params), prompt_token_ids)
+            images = (prepared_at_front(self.images, multi_modal_data, params), prompt_token_ids)
             # routed by its text (a rank expands it): `<image>` or the placeholder ids stand for each image
             prompt_token_ids = list(prompt_token_ids) if prompt_token_ids is not None else self.encode(prompt)
         else:
@@ -240,28 +239,6 @@ class DataParallelEngine(PromptChecks):
             self._structured.new_state(params.so_args)
         seeds = front_seeds(self._seed_rng, params)  # (a sampled run does not depend on the ranks)
         self._pending.append((request_id, prompt, list(prompt_token_ids), params, seeds, images))
-
-    def _prepared_images(self, multi_modal_data, params: SamplingParams) -> PreparedImages:
-        """A request's images read and preprocessed (what travels to a rank; `multi_modal_data` may be the
-        `PreparedImages` that `self.images` made of it): refused here where no rank could take them
-        (prompt_logprobs, no vision tower) or an image is bad, as one engine refuses them when they are
-        added."""
-        if params.prompt_logprobs is not None:
-            raise ValueError(
-                "prompt_logprobs: not supported for a request with images (its image positions "
-                "hold no vocabulary token to score)"
-            )
-        prepared = multi_modal_data
-        if not isinstance(prepared, PreparedImages):
-            prepared = self.images.prepare(multi_modal_data)
-        if prepared.error is not None:
-            raise prepared.error
-        if self.images.vision_config is None:
-            raise no_vision_tower()
-        for item in (*prepared.data, *prepared.prepared):
-            if isinstance(item, ImageError):
-                raise item
-        return PreparedImages(list(prepared.data), prepared.data, prepared.prepared)  # bytes, not files
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._pending) or bool(self._outstanding) or bool(self._ready)

@@ -28,6 +28,7 @@ request and refuses new ones.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import random
@@ -39,6 +40,7 @@ from multiprocessing import connection
 from pathlib import Path
 
 import torch.multiprocessing as mp
+from deepinfer_model import parse_vision_config
 
 from ..default_model import resolve_model
 from ..engine_args import EngineArgs
@@ -48,6 +50,7 @@ from ..tokenizer import load_tokenizer, load_tokenizer_config
 from .disagg_process import engine_main
 from .handoff import HandoffRecord
 from .handoff_transport import ShmLink, TcpListener
+from .images import ImagePreparer, prepared_at_front
 from .pd_roles import refuse_for_split_engines
 from .prompts import PromptChecks, front_seeds
 from .stats import EngineStats
@@ -67,6 +70,7 @@ class _Request:
     params: SamplingParams
     seeds: list[int] | None
     arrival_time: float
+    images: tuple | None = None  # (PreparedImages, the prompt ids as given): the prefill engine expands them
     stage: str = "queued"  # queued -> prefill -> held -> sent -> decode
     resent: bool = False  # its hand-off was in transit to a decode engine that stopped, and held again
 
@@ -95,6 +99,10 @@ class DisaggregatedEngine(PromptChecks):
         tok_path = Path(args.tokenizer) if args.tokenizer else self.model_path
         self.tokenizer = load_tokenizer(tok_path)
         self.tokenizer_config = load_tokenizer_config(tok_path)
+        # requests with images are read and preprocessed here, expanded and encoded by the prefill engine
+        self.images = ImagePreparer(
+            parse_vision_config(json.loads((self.model_path / "config.json").read_text()))
+        )
         self.stats = EngineStats()
         self.num_speculative_tokens = 0
         self.use_async = False  # both engines run the synchronous loop (pd_roles.py)
@@ -148,19 +156,28 @@ class DisaggregatedEngine(PromptChecks):
         params: SamplingParams,
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
+        multi_modal_data: dict | None = None,
     ) -> None:
         """Queue one request for the next `step()`; raises ValueError for what one engine rejects at
-        once (before its seeds are drawn); what an engine rejects later comes back as its `error`."""
+        once (before its seeds are drawn); what an engine rejects later comes back as its `error`.
+        `multi_modal_data`: images, read and preprocessed here, expanded and encoded by the prefill engine
+        (the decode engine gets the image positions and digests with the hand-off)."""
         self._check_usable()
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         refuse_for_split_engines(params, "disaggregated")
         validate_vocab_fields(params, self.vocab_size)
-        prompt_token_ids = self.request_ids(prompt, prompt_token_ids, params)
+        images = None
+        if multi_modal_data is not None:
+            images = (prepared_at_front(self.images, multi_modal_data, params), prompt_token_ids)
+            # (its expanded length is known once prefilled: the text's stands for it until then)
+            prompt_token_ids = list(prompt_token_ids) if prompt_token_ids is not None else self.encode(prompt)
+        else:
+            prompt_token_ids = self.request_ids(prompt, prompt_token_ids, params)
         seeds = front_seeds(self._seed_rng, params)
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         self._requests[request_id] = _Request(
-            request_id, prompt, list(prompt_token_ids), params, seeds, arrival
+            request_id, prompt, list(prompt_token_ids), params, seeds, arrival, images
         )
         self._queued.append(request_id)
         self.stats.prompt_tokens += len(prompt_token_ids) * params.n
@@ -239,6 +256,8 @@ class DisaggregatedEngine(PromptChecks):
 
     def close(self) -> None:
         self._finalizer()
+        if getattr(self, "images", None) is not None:
+            self.images.close()
         if self._failed is None:
             self._failed = "the disaggregated engine is closed"
 
@@ -251,7 +270,9 @@ class DisaggregatedEngine(PromptChecks):
         while self._queued and self._in_flight() + len(batch) < self.max_held:
             req = self._requests[self._queued.popleft()]
             req.stage = "prefill"
-            batch.append((req.request_id, req.prompt, req.ids, req.params, req.seeds, req.arrival_time))
+            batch.append(
+                (req.request_id, req.prompt, req.ids, req.params, req.seeds, req.arrival_time, req.images)
+            )
         if batch:
             self._send("prompt", ("add", batch, self.stream_outputs))
 

@@ -72,6 +72,20 @@ class ImagePrompt:
         r = self.rows[start:stop]
         return self.features[torch.as_tensor(r[r >= 0])]
 
+    @classmethod
+    def handed_off(cls, ids: list[int], sentinel_positions: list[int], digests: list[str], width: int):
+        """The image facts a COMPLETION engine keeps of a prompt another engine prefilled with images: its
+        sentinel positions (allowed ids there) and image digests (its prefix-cache namespace); no
+        embeddings (it computes only the prompt's last token, an image end or text, again)."""
+        sentinel = np.zeros(len(ids), dtype=bool)
+        sentinel[np.asarray(sentinel_positions, dtype=np.int64)] = True
+        rows = np.full(len(ids), -1, dtype=np.int64)
+        return cls(list(ids), torch.empty(0, width), rows, sentinel, list(digests))
+
+    def handoff_meta(self) -> dict:
+        """What `handed_off` rebuilds this from (a hand-off record's `meta["images"]`)."""
+        return {"sentinel_positions": np.flatnonzero(self.sentinel).tolist(), "digests": list(self.digests)}
+
     def cache_salt(self, base: int) -> int:
         """A prefix-cache namespace in [0, 2**63) for this request's images on top of `base`."""
         key = f"{base}:" + ",".join(self.digests)
@@ -175,6 +189,29 @@ class ImagePreparer:
         if self._pre is not None:
             self._pre.close()
             self._pre = None
+
+
+def prepared_at_front(preparer: ImagePreparer, multi_modal_data, params) -> PreparedImages:
+    """A front's part of a request with images (a data-parallel or disaggregated front; its engines expand
+    and encode them): read and preprocessed (`multi_modal_data` may be the `PreparedImages` that `preparer`
+    made of it), refused as one engine refuses them when they are added (prompt_logprobs, no vision tower,
+    a bad image: ValueError), the originals replaced by their bytes (what travels to the engine)."""
+    if params.prompt_logprobs is not None:
+        raise ValueError(
+            "prompt_logprobs: not supported for a request with images (its image positions "
+            "hold no vocabulary token to score)"
+        )
+    prepared = multi_modal_data
+    if not isinstance(prepared, PreparedImages):
+        prepared = preparer.prepare(multi_modal_data)
+    if prepared.error is not None:
+        raise prepared.error
+    if preparer.vision_config is None:
+        raise no_vision_tower()
+    for item in (*prepared.data, *prepared.prepared):
+        if isinstance(item, ImageError):
+            raise item
+    return PreparedImages(list(prepared.data), prepared.data, prepared.prepared)
 
 
 def no_vision_tower() -> ValueError:

@@ -35,7 +35,7 @@ from .async_step import AsyncStep
 from .device_timing import device_timeline
 from .drafting import Drafter
 from .handoff import HandoffRecord
-from .images import ImageInputs
+from .images import ImageInputs, ImagePrompt
 from .kv_sizing import kv_cache_blocks
 from .kv_tier import KVTier, TierSettings
 from .output_processor import OutputProcessor
@@ -296,6 +296,7 @@ class LLMEngine(PromptChecks):
         seeds: list[int] | None = None,
         cached_blocks: list[list[int]] | None = None,
         multi_modal_data: dict | None = None,
+        handed_off_images: ImagePrompt | None = None,
     ) -> None:
         """Queue one request; raises ValueError (naming the problem) without touching other requests.
         seeds: the n samples' seeds when params.seq_seed is None (a data-parallel front draws them
@@ -305,10 +306,12 @@ class LLMEngine(PromptChecks):
         of the text `prompt`, or the next image placeholder id of `prompt_token_ids` when given
         (`images.py`); the images are encoded here, once per distinct image. It may also be the
         `PreparedImages` that `self.images.prepare(multi_modal_data)` made of it on another thread: then
-        only the vision tower runs here, the decoding and preprocessing are done."""
+        only the vision tower runs here, the decoding and preprocessing are done. handed_off_images: a
+        COMPLETION engine's facts of a prompt prefilled with images (`ImagePrompt.handed_off`, with
+        `cached_blocks`)."""
         self.table.check_new(request_id, params)
         validate_vocab_fields(params, self.vocab_size)
-        images = None
+        images = handed_off_images
         if multi_modal_data is not None:
             if params.prompt_logprobs is not None:
                 raise ValueError(
@@ -328,8 +331,6 @@ class LLMEngine(PromptChecks):
         )
         if self.engine_type == "completion" and cached_blocks is None:
             raise ValueError("a completion engine takes requests as hand-offs (add_handoff), not prompts")
-        if images is not None and self.engine_type != "normal":
-            raise ValueError("multi_modal_data: images are not supported on prompt / completion engines yet")
         run_params = params
         if isinstance(self.role, PromptRole):
             run_params = self.role.admit(request_id, params, seeds)

@@ -24,6 +24,7 @@ import numpy as np
 
 from ..sampling_params import SamplingParams
 from .handoff import HandoffRecord, check_handoff
+from .images import ImagePrompt
 from .tier_fingerprint import cache_facts, fingerprint_of
 
 logger = logging.getLogger("deepinfer")
@@ -85,6 +86,10 @@ class PromptRole:
         table = np.asarray(engine.scheduler.block_table(seq_id), dtype=np.int64)
         payload = engine.runner.export_blocks(table[: -(-len(ids) // bs)])
         params, seeds = self.requests.pop(state.request_id, (state.params, None))
+        salt, meta = engine.truncation.cache_salt(len(ids)), {}
+        if state.images is not None:  # the decode engine's prefix-cache namespace and allowed sentinels
+            salt = state.images.cache_salt(salt)
+            meta["images"] = state.images.handoff_meta()
         return HandoffRecord(
             request_id=state.request_id,
             prompt=state.prompt,
@@ -92,11 +97,12 @@ class PromptRole:
             params=params,
             seeds=seeds,
             arrival_time=state.metrics.arrival_time,
-            cache_salt=engine.truncation.cache_salt(len(ids)),
+            cache_salt=salt,
             block_size=bs,
             facts=self.facts,
             fingerprint=self.fingerprint,
             payload=payload,
+            meta=meta,
         )
 
     def forget(self, request_id: str) -> None:
@@ -163,6 +169,11 @@ class CompletionRole:
         tables = [free[i * per_seq : (i + 1) * per_seq].tolist() for i in range(record.params.n)]
         for table in tables:
             engine.runner.import_blocks(table, record.payload)
+        images = record.meta.get("images")
+        if images is not None:  # a prompt prefilled with images: its sentinel positions and digests
+            width = int(engine.model.weights.embed.shape[1])
+            ids = list(record.prompt_token_ids)
+            images = ImagePrompt.handed_off(ids, images["sentinel_positions"], images["digests"], width)
         engine.add_request(
             record.request_id,
             record.prompt,
@@ -171,6 +182,7 @@ class CompletionRole:
             arrival_time=record.arrival_time,
             seeds=record.seeds,
             cached_blocks=tables,
+            handed_off_images=images,
         )
 
 
