@@ -338,16 +338,33 @@ def test_image_errors_raise_by_default(llm):
         llm.chat(bad, GREEDY, use_tqdm=False)
 
 
-def test_prompt_logprobs_refused_with_images(llm):
-    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+def test_prompt_logprobs_with_images_score_the_text_positions(llm):
+    """Every prompt position but the image block's sentinels (no vocabulary token) gets the logprob of its
+    token under the stateless forward with the same image, across prefill chunks that cut the block."""
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
     outs = llm.generate(
-        [_request("a<image>b", png(15)), {"prompt_token_ids": [0, 67, 68]}],
+        [
+            {"prompt_token_ids": [0, 5, 6, 258, 67, 68, 69], "multi_modal_data": {"image": [png(15)]}},
+            {"prompt_token_ids": [0, 67, 68]},
+        ],
         params,
         use_tqdm=False,
-        raise_on_error=False,
     )
-    assert outs[0].error.startswith("prompt_logprobs: not supported for a request with images")
-    assert outs[1].error is None and outs[1].prompt_logprobs is not None
+    assert [o.error for o in outs] == [None, None]
+    ids, got = outs[0].prompt_token_ids, outs[0].prompt_logprobs
+    model, vocab = llm.engine.model, llm.engine.vocab_size
+    p = prepare_image(png(15), model.vision.config)
+    feats = [model.vision.embed_image(torch.from_numpy(p.patches), p.patch_rows, p.patch_cols)]
+    want = torch.log_softmax(model.forward(ids, image_features=feats).logits.double(), dim=-1)
+    scored = [pos for pos in range(1, len(ids)) if ids[pos] < vocab]
+    assert got[0] is None and all(got[pos] is None for pos in range(1, len(ids)) if ids[pos] >= vocab)
+    assert len(scored) >= 3 and any(ids[pos] >= vocab for pos in range(len(ids)))
+    for pos in scored:
+        entry = got[pos]
+        assert len(entry) in (2, 3) and ids[pos] in entry
+        assert entry[ids[pos]].logprob == pytest.approx(float(want[pos - 1, ids[pos]]), abs=1e-5)
+        top = torch.topk(want[pos - 1], 2).indices.tolist()
+        assert {t: lp.rank for t, lp in entry.items() if lp.rank <= 2} == {top[0]: 1, top[1]: 2}
 
 
 def test_encoder_cache_size_setting(vision_checkpoint, monkeypatch):

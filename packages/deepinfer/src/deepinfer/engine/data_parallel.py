@@ -228,7 +228,7 @@ class DataParallelEngine(PromptChecks):
         validate_vocab_fields(params, self.vocab_size)
         images = None
         if multi_modal_data is not None:
-            images = (prepared_at_front(self.images, multi_modal_data, params), prompt_token_ids)
+            images = (prepared_at_front(self.images, multi_modal_data), prompt_token_ids)
             # routed by its text (a rank expands it): `<image>` or the placeholder ids stand for each image
             prompt_token_ids = list(prompt_token_ids) if prompt_token_ids is not None else self.encode(prompt)
         else:

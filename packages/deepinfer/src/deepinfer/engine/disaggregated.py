@@ -169,7 +169,7 @@ class DisaggregatedEngine(PromptChecks):
         validate_vocab_fields(params, self.vocab_size)
         images = None
         if multi_modal_data is not None:
-            images = (prepared_at_front(self.images, multi_modal_data, params), prompt_token_ids)
+            images = (prepared_at_front(self.images, multi_modal_data), prompt_token_ids)
             # (its expanded length is known once prefilled: the text's stands for it until then)
             prompt_token_ids = list(prompt_token_ids) if prompt_token_ids is not None else self.encode(prompt)
         else:

@@ -191,16 +191,11 @@ class ImagePreparer:
             self._pre = None
 
 
-def prepared_at_front(preparer: ImagePreparer, multi_modal_data, params) -> PreparedImages:
+def prepared_at_front(preparer: ImagePreparer, multi_modal_data) -> PreparedImages:
     """A front's part of a request with images (a data-parallel or disaggregated front; its engines expand
     and encode them): read and preprocessed (`multi_modal_data` may be the `PreparedImages` that `preparer`
-    made of it), refused as one engine refuses them when they are added (prompt_logprobs, no vision tower,
-    a bad image: ValueError), the originals replaced by their bytes (what travels to the engine)."""
-    if params.prompt_logprobs is not None:
-        raise ValueError(
-            "prompt_logprobs: not supported for a request with images (its image positions "
-            "hold no vocabulary token to score)"
-        )
+    made of it), refused as one engine refuses them when they are added (no vision tower, a bad image:
+    ValueError), the originals replaced by their bytes (what travels to the engine)."""
     prepared = multi_modal_data
     if not isinstance(prepared, PreparedImages):
         prepared = preparer.prepare(multi_modal_data)

@@ -313,11 +313,6 @@ class LLMEngine(PromptChecks):
         validate_vocab_fields(params, self.vocab_size)
         images = handed_off_images
         if multi_modal_data is not None:
-            if params.prompt_logprobs is not None:
-                raise ValueError(
-                    "prompt_logprobs: not supported for a request with images (its image positions "
-                    "hold no vocabulary token to score)"
-                )
             images = self.images.prompt(
                 prompt, prompt_token_ids, multi_modal_data, self.encode, self.tokenizer
             )

@@ -58,7 +58,8 @@ class PendingPromptRows:
         chosen, above, vals, ids = [], [], [], []
         for a in range(0, len(rows), _ROWS_PER_PASS):
             r = to_device(rows[a : a + _ROWS_PER_PASS], dev, torch.int64)
-            t = to_device(tokens[a : a + _ROWS_PER_PASS], dev, torch.int64)
+            # (an image sentinel id, past the vocabulary, is scored as the last id: its row is dropped)
+            t = to_device(np.minimum(tokens[a : a + _ROWS_PER_PASS], logits.shape[-1] - 1), dev, torch.int64)
             lp = torch.log_softmax(logits[r].float(), dim=-1)
             c = lp.gather(1, t[:, None])
             chosen.append(c.squeeze(1))

@@ -148,7 +148,8 @@ class RequestState:
         )
         self.num_unfinished = len(seq_ids)
         self.error: str | None = None
-        # position p (>= 1): the prompt token's logprob given tokens 0..p-1; filled by the prefill
+        # position p (>= 1): the prompt token's logprob given tokens 0..p-1; filled by the prefill (an
+        # image sentinel position stays None: no vocabulary token to score)
         self.prompt_logprobs: list | None = None
         self._prompt_positions_missing = 0
         if params.prompt_logprobs is not None:
@@ -179,12 +180,22 @@ class RequestState:
     def wants_prompt_logprobs(self) -> bool:
         return self._prompt_positions_missing > 0
 
+    def set_images(self, images) -> None:
+        """The `images.ImagePrompt` the prompt was expanded from: its sentinel positions are not scored."""
+        self.images = images
+        if images is not None and self.prompt_logprobs is not None:
+            self._prompt_positions_missing -= int(images.sentinel[1:].sum())
+
     def add_prompt_rows(self, rows, decode) -> None:
         """Scored prompt rows of a prefill chunk (`prompt_logprobs.PromptRows`); a position scored
-        twice (n sequences, a recompute) keeps its first entry, which is the same."""
+        twice (n sequences, a recompute) keeps its first entry, which is the same. Image sentinel
+        positions are left out."""
         k = self.params.prompt_logprobs or 0
+        sentinel = None if self.images is None else self.images.sentinel
         for j, token in enumerate(rows.token_ids):
             position = rows.first_position + j
+            if sentinel is not None and sentinel[position]:
+                continue
             if self.prompt_logprobs[position] is None:
                 self.prompt_logprobs[position] = logprob_entry(
                     token, rows.logprobs[j], rows.ranks[j], rows.top[j], k, decode

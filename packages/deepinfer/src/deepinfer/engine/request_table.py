@@ -94,7 +94,7 @@ class RequestTable:
         state = RequestState(
             request_id, prompt, prompt_token_ids, params, self.tokenizer, seq_ids, seeds, arrival_time
         )
-        state.images = images
+        state.set_images(images)
         state.bad_words = bad_words_token_ids(self.tokenizer, params.bad_words, self.vocab_size)
         for seq, grammar in zip(state.seqs, grammars):
             seq.grammar = grammar
