@@ -162,6 +162,15 @@ class _History:
     probing: bool = False  # its current drafts are a probe: verify them all
     evaluate: bool = False  # a probe's outcome is in: the next plan weighs it like an active sequence
 
+    @property
+    def backed_off(self) -> bool:
+        """A plan does not weigh it: it waits for its probe (one whose outcome is in is weighed again)."""
+        return bool(self.backoff) and not self.evaluate
+
+    def probe_due(self, plan: int) -> bool:
+        """Backed off, and its probe falls due at plan number `plan`."""
+        return self.backed_off and plan >= self.next_probe
+
 
 @dataclass
 class DraftPlan:
@@ -356,10 +365,9 @@ class DraftPolicy:
         forced, members = [], []
         for idx, (seq_id, _) in enumerate(candidates):
             h = self._get(seq_id)
-            if h.backoff and not h.evaluate:
-                if self.plans >= h.next_probe:
-                    forced.append(idx)
-            else:
+            if h.probe_due(self.plans):
+                forced.append(idx)
+            elif not h.backed_off:
                 members.append(idx)
         forced = self._afford_probes(candidates, forced, num_seqs)
         # probes draft whatever the plan says: their tokens, expected tokens and draft time come first
@@ -525,9 +533,9 @@ class DraftPolicy:
         at, due = self.plans + lookahead, False
         for seq_id in seq_ids:
             h = self._seqs.get(seq_id)
-            if h is None or not h.backoff or h.evaluate:
+            if h is None or not h.backed_off:
                 return True
-            due = due or at >= h.next_probe
+            due = due or h.probe_due(at)
         if not due:
             return False
         plain = self.step_ms(num_seqs, num_seqs)
@@ -549,12 +557,7 @@ class DraftPolicy:
         self._end_step()
         self.plans += 1
         due = sum(
-            1
-            for seq_id in seq_ids
-            if (h := self._seqs.get(seq_id)) is not None
-            and h.backoff
-            and not h.evaluate
-            and self.plans >= h.next_probe
+            1 for seq_id in seq_ids if (h := self._seqs.get(seq_id)) is not None and h.probe_due(self.plans)
         )
         plain = self.step_ms(num_seqs, num_seqs)  # as `_afford_probes` counts a plan's plain step
         if plain is not None:
