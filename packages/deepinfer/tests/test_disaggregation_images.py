@@ -94,6 +94,8 @@ def test_the_disaggregated_front_serves_requests_with_images(vision_checkpoint):
         reqs = [{"prompt": t, "multi_modal_data": {"image": im}} for t, im in REQUESTS]
         reqs.append({"prompt": "a<image>b", "multi_modal_data": {"image": [b"not an image"]}})
         got = llm.generate(reqs, GREEDY, use_tqdm=False, raise_on_error=False)
+        # the front reserved each hand-off's expanded prompt, not its text: the decode engine sent none back
+        assert llm.engine.sent_back == 0
     for g, w in zip(got, want):
         assert g.error is None, g.error
         assert g.prompt_token_ids == w.prompt_token_ids and g.outputs[0].token_ids == w.outputs[0].token_ids

@@ -328,10 +328,13 @@ class DisaggregatedEngine(PromptChecks):
                 proc.heard_at = time.monotonic()
 
     def _on_frame(self, data: bytes) -> None:
-        rid = HandoffRecord.peek_request_id(data)
+        head = HandoffRecord.peek(data)
+        rid = head["request_id"]
         req = self._requests.get(rid)
         if req is None or req.stage != "prefill":  # aborted meanwhile
             return
+        if req.images is not None:  # its expanded prompt: what the decode engine will hold (`_need`)
+            req.ids = list(head["prompt_token_ids"])
         req.stage = "held"
         self._held.append((rid, data))
         self.held_peak = max(self.held_peak, len(self._held))

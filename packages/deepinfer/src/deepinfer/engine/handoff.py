@@ -70,13 +70,14 @@ class HandoffRecord:
         return cls(payload=payload, **head)
 
     @staticmethod
-    def peek_request_id(data: bytes | memoryview) -> str:
-        """The request id of a flat record, reading only its header (a front routes records unparsed)."""
+    def peek(data: bytes | memoryview) -> dict:
+        """The header fields of a flat record (all but the payload), reading only its header (a front
+        routes records unparsed)."""
         data = memoryview(data)
         magic, n = _PREFIX.unpack_from(data)
         if magic != MAGIC:
             raise HandoffError(f"not a DeepInfer hand-off record (magic {bytes(magic)!r})")
-        return pickle.loads(data[_PREFIX.size : _PREFIX.size + n])["request_id"]
+        return pickle.loads(data[_PREFIX.size : _PREFIX.size + n])
 
     @property
     def num_blocks(self) -> int:
