@@ -418,3 +418,19 @@ def test_a_waiting_request_with_images_is_not_withdrawn(llm):
     while engine.has_unfinished_requests():
         outs.update({o.request_id: o for o in engine.step()})
     assert set(outs) == {"img"} and outs["img"].error is None
+
+
+def test_image_tokens_counts_the_expanded_positions_but_the_padding(llm):
+    """A data-parallel front weighs a request with images by `image_tokens` before any rank expands it."""
+    from deepinfer.engine.images import ImagePreparer, image_tokens
+
+    mm = {"image": [png(0), png(1, (84, 42))]}
+    (out,) = llm.generate(
+        [{"prompt_token_ids": [0, 258, 5, 258, 6], "multi_modal_data": mm}], GREEDY, use_tqdm=False
+    )
+    expanded = len(out.prompt_token_ids) - 3  # the 3 text tokens
+    front = ImagePreparer(llm.engine.model.vision.config)  # (no encoder cache: every image preprocessed)
+    counted = image_tokens(front.prepare(mm))
+    front.close()
+    stride = compression_stride(llm.engine.model.config.compress_ratios)
+    assert counted <= expanded <= counted + 2 * (stride - 1) and counted > 0

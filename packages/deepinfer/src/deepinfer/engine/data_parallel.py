@@ -67,7 +67,7 @@ from ..sampling_params import SamplingParams, validate_vocab_fields
 from ..tokenizer import load_tokenizer, load_tokenizer_config
 from .dp_balance import BalanceConfig, Move, Router, assign_ranks, request_cost
 from .dp_rank import DataParallelRank
-from .images import ImagePreparer, prepared_at_front
+from .images import ImagePreparer, image_tokens, prepared_at_front
 from .prompts import PromptChecks, front_seeds
 from .rank_process import _rank_main
 from .stats import EngineStats
@@ -394,7 +394,9 @@ class DataParallelEngine(PromptChecks):
             self.router.sent(g, self._sent_to_group(g))
 
     def _cost(self, req: tuple) -> int:
-        return request_cost(len(req[2]), req[3].max_tokens, req[3].n, self.max_model_len)
+        """A request's load on a rank: its prompt (text, and each image's block once expanded) and budget."""
+        prompt_len = len(req[2]) + (0 if req[5] is None else image_tokens(req[5][0]))
+        return request_cost(prompt_len, req[3].max_tokens, req[3].n, self.max_model_len)
 
     def _group(self, rank: int) -> int:
         """The data-parallel group of `rank` (its context-parallel ranks are contiguous)."""

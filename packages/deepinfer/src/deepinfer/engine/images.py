@@ -209,6 +209,12 @@ def prepared_at_front(preparer: ImagePreparer, multi_modal_data) -> PreparedImag
     return PreparedImages(list(prepared.data), prepared.data, prepared.prepared)
 
 
+def image_tokens(prepared: PreparedImages) -> int:
+    """The positions a request's preprocessed images take once expanded, without the alignment padding
+    (at most a compression stride each): per image of rows x cols merged cells, rows * (cols + 1) + 2."""
+    return sum(p.rows * (p.cols + 1) + 2 for p in prepared.prepared if p is not None)
+
+
 def no_vision_tower() -> ValueError:
     """The error of a request with images for a model without a vision tower."""
     return ValueError(
