@@ -26,7 +26,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-seqs", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument(
-        "--untimed", action="store_true", help="the policy without its wall clock (its parts' predictions alone)"
+        "--untimed",
+        action="store_true",
+        help="the policy without its wall clock (its parts' predictions alone)",
     )
     a = p.parse_args(argv)
     os.environ.setdefault("DEEPINFER_USE_NEXTN_DECODE", "5")
@@ -81,11 +83,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(f"plans {policy.plans}, plain ms {policy.plain_ms:.1f}, probe ms {policy.probe_ms:.1f}")
     print(
-        f"timed steps {policy.timed_plans}; unpriced ms: plain {policy.unpriced_ms(False):.3f}, "
-        f"drafted {policy.unpriced_ms(True):.3f}; last samples plain",
-        [round(x, 2) for x in list(policy.unpriced[False])[-6:]],
+        f"timed steps {policy.timed_plans}; wall / predicted: plain {policy.wall_ratio(False):.3f}, "
+        f"drafted {policy.wall_ratio(True):.3f}; last samples plain",
+        [round(x, 3) for x in list(policy.wall_ratios[False])[-6:]],
         "drafted",
-        [round(x, 2) for x in list(policy.unpriced[True])[-6:]],
+        [round(x, 3) for x in list(policy.wall_ratios[True])[-6:]],
     )
     print("last drafting plans (plan, drafting sequences, of them probes):", decisions[-12:])
     # the plan's arithmetic for one sequence drafting its k best positions at the batch's rates: it drafts

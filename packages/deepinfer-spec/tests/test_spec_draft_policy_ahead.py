@@ -26,7 +26,7 @@ class TickingClock:
 def random_policy(rng: random.Random) -> tuple[DraftPolicy, list[int]]:
     """A policy after a random history: plans over random subsets of a few sequences, each drafting
     sequence's outcome drawn from its own acceptance quality, measured draft and sampler times, the
-    odd sequence leaving; half of them timing their steps (unpriced time in their charges)."""
+    odd sequence leaving; half of them timing their steps (wall ratios in their charges)."""
     nextn = rng.randint(1, 4)
     ms = np.cumsum([rng.uniform(0.5, 2.0)] + [rng.uniform(0.0, 1.5) for _ in range(4)]).tolist()
     curve = StepTimeCurve([1, 4, 16, 32, 64], ms, rng.choice(["bucket", "linear"]))

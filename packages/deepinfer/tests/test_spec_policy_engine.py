@@ -220,7 +220,8 @@ def test_the_policy_times_its_steps_and_backs_off_where_a_curve_overstates_them(
         runs[name] = (sum(1 for d in late if d), len(late), engine.spec_stats())
     timed_steps, n, stats = runs["timed"]
     untimed_steps, _, untimed_stats = runs["untimed"]
-    assert untimed_steps >= n - 3 and untimed_stats["policy_unpriced_draft_ms"] is None
+    assert untimed_steps >= n - 3 and untimed_stats["policy_wall_ratio_draft"] is None
     assert timed_steps <= 3, runs
     # (steps take milliseconds, tens on a loaded machine: far below the curve's 1,000)
-    assert stats["policy_unpriced_plain_ms"] < -500 and stats["policy_unpriced_draft_ms"] < -500
+    assert stats["policy_wall_ratio_plain"] < 0.5 and stats["policy_wall_ratio_draft"] < 0.5
+    assert stats["policy_wall_ratio_draft"] > stats["policy_wall_ratio_plain"]

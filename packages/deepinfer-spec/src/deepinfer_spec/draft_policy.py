@@ -41,13 +41,14 @@ plain decode time (plus one probe step) once its sequences have backed off.
 
 The cost model predicts each part of a step; the wall clock says what a step cost. With a `clock` (the
 engine's), the policy times each planned step (from its plan to the next plan or `advance`: the draft
-forward, the step, its host work and whatever the parts miss) and keeps the measured minus predicted
-milliseconds apart for steps planned with drafts and without (`unpriced_ms`, the median of recent steps).
-A plan charges every choice the plain steps' unpriced time, and a drafting one also what the drafted
-steps' exceeds it (`charged_ms`): what steps cost beyond their parts (a step-time curve measured on
-another path than the engine's steps) and what drafting adds beyond its parts (a loop that runs plain
-steps ahead and must wait for a drafted one) then weigh in the choice; noise that catches plain steps
-slow never makes drafting look cheaper than its parts. A kind with too few measurements adds nothing.
+forward, the step, its host work and whatever the parts miss) and keeps the measured over predicted
+time apart for steps planned with drafts and without (`wall_ratio`, the median of recent steps: a ratio,
+so that it carries over to other batch sizes as the parts do). A plan charges a plain choice its
+prediction times the plain steps' ratio, and a drafting one its prediction times the larger of the two
+ratios (`charged_ms`): what steps cost beyond their parts (a step-time curve measured on another path
+than the engine's steps) and what drafting adds (a loop that runs plain steps ahead and must wait for a
+drafted one) then weigh in the choice; noise that catches plain steps slow never makes drafting look
+cheaper, relative to plain steps, than its parts say. A kind with too few measurements has ratio 1.
 Both kinds must be measured, the one a drafter that always pays never chooses too: once a few
 drafted steps are timed, the first few plain ones are made to run (plans that let nobody draft,
 `measuring_plain_steps`). A step with prefill in it is not a sample (`untimed_step`). The probe budget
@@ -71,8 +72,8 @@ import numpy as np
 from .state import cumulative_rates
 from .varlen import ConfidenceScheduler, split_by_rates
 
-_PERIODS = 16  # timed steps per kind whose median is the kind's unpriced time
-_MIN_PERIODS = 3  # fewer: the kind is charged its predicted parts alone
+_PERIODS = 16  # timed steps per kind whose median is the kind's wall ratio
+_MIN_PERIODS = 3  # fewer: the kind's ratio is 1 (its predicted parts alone)
 
 
 def _positive(name: str, value: float) -> float:
@@ -229,8 +230,8 @@ class DraftPolicy:
         self.deferred_probes = 0  # sequence-plans a due probe waited for the budget
         self._probe_charge: int | None = None  # probes of the last plan, until their draft time is in
         self.clock = clock  # seconds; None: steps are not timed, the parts' predictions alone decide
-        # measured minus predicted ms of recent timed steps, planned without / with drafts
-        self.unpriced: dict[bool, deque[float]] = {
+        # measured over predicted time of recent timed steps, planned without / with drafts
+        self.wall_ratios: dict[bool, deque[float]] = {
             False: deque(maxlen=_PERIODS),
             True: deque(maxlen=_PERIODS),
         }
@@ -279,23 +280,22 @@ class DraftPolicy:
         of it while no plain step's is)."""
         return max(0.0, self.verify_host.get(num_tokens) - self.plain_host.get(num_seqs))
 
-    def unpriced_ms(self, drafting: bool) -> float:
-        """What a step planned with drafts (`drafting`) or without costs beyond its predicted parts: the
-        median of its kind's recent timed steps (measured minus predicted ms); 0 while the kind has fewer
-        than a few. (Not the other kind's: a policy that drafted on every step would then never learn that
-        plain steps cost less than drafted ones.)"""
-        samples = self.unpriced[drafting]
-        return float(np.median(samples)) if len(samples) >= _MIN_PERIODS else 0.0
+    def wall_ratio(self, drafting: bool) -> float:
+        """What a step planned with drafts (`drafting`) or without takes on the wall clock over what its
+        parts predict: the median of its kind's recent timed steps; 1 while the kind has fewer than a
+        few. (Not the other kind's: a policy that drafted on every step would then never learn that plain
+        steps cost less than drafted ones.)"""
+        samples = self.wall_ratios[drafting]
+        return float(np.median(samples)) if len(samples) >= _MIN_PERIODS else 1.0
 
     def charged_ms(self, predicted_ms: float, drafting: bool) -> float:
-        """A step's predicted milliseconds plus what the wall clock adds (at least a microsecond): a plain
-        step's unpriced time; for a drafted step that too, and what drafted steps' exceeds it (never less:
-        a clock that catches plain steps slow, or drafted ones before plain ones are measured, does not
-        make drafting look cheaper than its parts)."""
-        plain = self.unpriced_ms(False)
-        if drafting and len(self.unpriced[True]) >= _MIN_PERIODS:
-            plain += max(0.0, self.unpriced_ms(True) - plain)
-        return max(predicted_ms + plain, 1e-3)
+        """A step's predicted milliseconds as a plan charges them: times the plain steps' wall ratio, for a
+        drafted step times the larger of the two (a clock that catches plain steps slow does not make
+        drafting look cheaper, relative to plain steps, than its parts)."""
+        ratio = self.wall_ratio(False)
+        if drafting:
+            ratio = max(ratio, self.wall_ratio(True))
+        return predicted_ms * ratio
 
     def plain_step_ms(self, num_seqs: int) -> float | None:
         """A plain step of num_seqs sequences as plans charge it; None where the curve does not reach."""
@@ -317,14 +317,14 @@ class DraftPolicy:
         return self.timed_plans[False] + plain_plans_before < _MIN_PERIODS
 
     def _end_step(self) -> None:
-        """The planned step ends now: its measured minus predicted ms is a sample of its kind."""
+        """The planned step ends now: its measured over predicted time is a sample of its kind."""
         if self.clock is None or self._period is None:
             return
         start, predicted, kind = self._period
         self._period = None
         elapsed_ms = (self.clock() - start) * 1e3
-        if elapsed_ms > 0:  # (a clock that stands still measures nothing)
-            self.unpriced[kind].append(elapsed_ms - predicted)
+        if elapsed_ms > 0 and predicted > 0:  # (a clock that stands still measures nothing)
+            self.wall_ratios[kind].append(elapsed_ms / predicted)
 
     def _begin_step(self, predicted_ms: float | None, drafting: bool) -> None:
         """A planned step predicted to take `predicted_ms` (None: not timed) begins now."""
@@ -513,8 +513,8 @@ class DraftPolicy:
             "policy_draft_fraction": self.drafted / offered if offered else None,
             "policy_deferred_probe_seq_plans": self.deferred_probes,
             "policy_probe_ms_fraction": self.probe_ms / self.plain_ms if self.plain_ms else None,
-            "policy_unpriced_plain_ms": self.unpriced_ms(False) if self.clock is not None else None,
-            "policy_unpriced_draft_ms": self.unpriced_ms(True) if self.clock is not None else None,
+            "policy_wall_ratio_plain": self.wall_ratio(False) if self.clock is not None else None,
+            "policy_wall_ratio_draft": self.wall_ratio(True) if self.clock is not None else None,
         }
 
     # -- plans that let nobody draft, for a loop that runs such steps ahead -----------------------------
