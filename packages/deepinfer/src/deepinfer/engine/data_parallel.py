@@ -67,7 +67,7 @@ from ..sampling_params import SamplingParams, validate_vocab_fields
 from ..tokenizer import load_tokenizer, load_tokenizer_config
 from .dp_balance import BalanceConfig, Move, Router, assign_ranks, request_cost
 from .dp_rank import DataParallelRank
-from .images import ImagePreparer, image_tokens, prepared_at_front
+from .images import ImagePreparer, image_tokens
 from .prompts import PromptChecks, front_seeds
 from .rank_process import _rank_main
 from .stats import EngineStats
@@ -226,13 +226,8 @@ class DataParallelEngine(PromptChecks):
             settings_from_env(), params.prompt_logprobs is not None
         )  # YoCo truncation refuses them
         validate_vocab_fields(params, self.vocab_size)
-        images = None
-        if multi_modal_data is not None:
-            images = (prepared_at_front(self.images, multi_modal_data), prompt_token_ids)
-            # routed by its text (a rank expands it): `<image>` or the placeholder ids stand for each image
-            prompt_token_ids = list(prompt_token_ids) if prompt_token_ids is not None else self.encode(prompt)
-        else:
-            prompt_token_ids = self.request_ids(prompt, prompt_token_ids, params)
+        # (a request with images: routed by its text and its images' blocks, `_cost`; a rank expands it)
+        prompt_token_ids, images = self.front_request(prompt, prompt_token_ids, params, multi_modal_data)
         if params.so_args is not None:  # compiled here too: a bad grammar fails before any seed is drawn
             if self._structured is None:
                 self._structured = StructuredOutputs(self._tokenizer_dir, self.vocab_size, self.eos_token_id)

@@ -50,7 +50,7 @@ from ..tokenizer import load_tokenizer, load_tokenizer_config
 from .disagg_process import engine_main
 from .handoff import HandoffRecord
 from .handoff_transport import ShmLink, TcpListener
-from .images import ImagePreparer, prepared_at_front
+from .images import ImagePreparer
 from .pd_roles import refuse_for_split_engines
 from .prompts import PromptChecks, front_seeds
 from .stats import EngineStats
@@ -167,13 +167,8 @@ class DisaggregatedEngine(PromptChecks):
             raise ValueError(f"request_id {request_id!r} is already in use")
         refuse_for_split_engines(params, "disaggregated")
         validate_vocab_fields(params, self.vocab_size)
-        images = None
-        if multi_modal_data is not None:
-            images = (prepared_at_front(self.images, multi_modal_data), prompt_token_ids)
-            # (its expanded length is known once prefilled: the text's stands for it until then)
-            prompt_token_ids = list(prompt_token_ids) if prompt_token_ids is not None else self.encode(prompt)
-        else:
-            prompt_token_ids = self.request_ids(prompt, prompt_token_ids, params)
+        # (a request with images: its expanded prompt is known once prefilled, `_on_frame`)
+        prompt_token_ids, images = self.front_request(prompt, prompt_token_ids, params, multi_modal_data)
         seeds = front_seeds(self._seed_rng, params)
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         self._requests[request_id] = _Request(

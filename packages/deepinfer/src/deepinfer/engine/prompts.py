@@ -40,6 +40,25 @@ class PromptChecks:
             prompt_token_ids = self.encode(prompt)
         return self.validate_request(prompt_token_ids, params)
 
+    def front_request(
+        self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams, multi_modal_data
+    ) -> tuple[list[int], tuple | None]:
+        """A front's view of a request (a data-parallel or disaggregated front, `images` its
+        `ImagePreparer`): its prompt ids and its images. Text only: the checked ids and None. With images:
+        read, preprocessed and checked here (`images.prepared_at_front`), the pair (`PreparedImages`, the
+        prompt ids as given) that an engine expands; the ids are the text's (`<image>` or the placeholder
+        ids standing for each image), what the front has of its prompt until then."""
+        if multi_modal_data is None:
+            return self.request_ids(prompt, prompt_token_ids, params), None
+        from .images import prepared_at_front  # (torch and the vision path: only for images)
+
+        images = (prepared_at_front(self.images, multi_modal_data), prompt_token_ids)
+        if prompt_token_ids is not None:
+            return list(prompt_token_ids), images
+        if prompt is None:
+            raise ValueError("either prompt or prompt_token_ids must be given")
+        return self.encode(prompt), images
+
 
 def front_seeds(rng: random.Random, params: SamplingParams) -> list[int] | None:
     """A front's seeds for a request's n samples, drawn from one stream in arrival order as one engine
