@@ -327,7 +327,7 @@ class AsyncLLM:
                     a.params,
                     prompt_token_ids=a.prompt_token_ids,
                     arrival_time=a.arrival_time,
-                    # (only with images: a disaggregated front's add_request takes none)
+                    # (only with images: an engine without an image path, a launched rank, takes none)
                     **({} if a.multi_modal_data is None else {"multi_modal_data": a.multi_modal_data}),
                 )
             except ValueError as e:

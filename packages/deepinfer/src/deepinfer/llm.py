@@ -105,9 +105,9 @@ class LLM:
                     raise ValueError(prompt.error)
                 p = params_list[i]
                 p = SamplingParams(**p) if isinstance(p, dict) else p.clone()
-                if mm is not None:
+                if mm is not None:  # (a request with images is expanded and checked when it is added)
                     check_takes_images(engine)
-                if mm is None:  # (a request with images is expanded and checked when it is added)
+                else:
                     if ids is None:
                         ids = engine.encode(prompt.text)
                     ids = engine.validate_request(ids, p)

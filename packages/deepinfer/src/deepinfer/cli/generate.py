@@ -172,13 +172,12 @@ def _generate(args, engine_args, requests: list[InputRequest], results: ResultsF
     for req in runnable:
         try:
             prompt, ids, images = _prompt_of(req, engine)
-            if images is not None:
-                from ..engine.images import check_takes_images  # (torch: not on `--help`'s path)
-
-                check_takes_images(engine)
             if images is None:
                 engine.add_request(str(req.index), prompt, req.params, prompt_token_ids=ids)
             else:
+                from ..engine.images import check_takes_images  # (torch: not on `--help`'s path)
+
+                check_takes_images(engine)
                 mm = {"image": images}
                 engine.add_request(
                     str(req.index), prompt, req.params, prompt_token_ids=ids, multi_modal_data=mm

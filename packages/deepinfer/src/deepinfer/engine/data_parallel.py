@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import random
@@ -54,11 +53,7 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 from deepinfer_cluster import no_multicast_environment
-from deepinfer_model import (
-    check_checkpoint_context_parallel,
-    check_prompt_logprobs,
-    parse_vision_config,
-)
+from deepinfer_model import check_checkpoint_context_parallel, check_prompt_logprobs
 
 from ..default_model import resolve_model
 from ..engine_args import EngineArgs
@@ -158,8 +153,7 @@ class DataParallelEngine(PromptChecks):
         self._structured = None  # StructuredOutputs, built on the first so_args request
         # requests with images are read and preprocessed here (as `LLM` / `AsyncLLM` ask `images`, or in
         # `add_request`), expanded and encoded by the rank that serves them
-        vision = parse_vision_config(json.loads((self.model_path / "config.json").read_text()))
-        self.images = ImagePreparer(vision, workers=2)
+        self.images = ImagePreparer.for_checkpoint(self.model_path)
         self._dir = tempfile.mkdtemp(prefix="deepinfer-dp-")
         child_args = dataclasses.replace(args, model=str(self.model_path))
         ctx = mp.get_context("spawn")

@@ -157,16 +157,12 @@ def _handle(engine: LLMEngine, msg, sender: _Sender, to_mark: set[str]) -> bool:
         failed = []
         for rid, prompt, ids, params, seeds, arrival, images in msg[1]:
             try:
-                if images is None:
-                    engine.add_request(
-                        rid, prompt, params, prompt_token_ids=ids, arrival_time=arrival, seeds=seeds
-                    )
-                else:  # (the prepared images, the prompt ids as given: `ids` are the front's text ids)
-                    mm, given = images
-                    engine.add_request(
-                        rid, prompt, params, prompt_token_ids=given, arrival_time=arrival, seeds=seeds,
-                        multi_modal_data=mm,
-                    )  # fmt: skip
+                # with images: the prepared images and the prompt ids as given (`ids` are the front's text ids)
+                mm, given = (None, ids) if images is None else images
+                engine.add_request(
+                    rid, prompt, params, prompt_token_ids=given, arrival_time=arrival, seeds=seeds,
+                    multi_modal_data=mm,
+                )  # fmt: skip
             except ValueError as e:
                 failed.append(RequestOutput(rid, prompt, ids or [], [], RequestMetrics(0.0), error=str(e)))
                 continue

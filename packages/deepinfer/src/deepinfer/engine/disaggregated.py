@@ -28,7 +28,6 @@ request and refuses new ones.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import random
@@ -40,7 +39,6 @@ from multiprocessing import connection
 from pathlib import Path
 
 import torch.multiprocessing as mp
-from deepinfer_model import parse_vision_config
 
 from ..default_model import resolve_model
 from ..engine_args import EngineArgs
@@ -100,9 +98,7 @@ class DisaggregatedEngine(PromptChecks):
         self.tokenizer = load_tokenizer(tok_path)
         self.tokenizer_config = load_tokenizer_config(tok_path)
         # requests with images are read and preprocessed here, expanded and encoded by the prefill engine
-        self.images = ImagePreparer(
-            parse_vision_config(json.loads((self.model_path / "config.json").read_text()))
-        )
+        self.images = ImagePreparer.for_checkpoint(self.model_path)
         self.stats = EngineStats()
         self.num_speculative_tokens = 0
         self.use_async = False  # both engines run the synchronous loop (pd_roles.py)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from deepinfer_model import (
     expand_images,
     image_digest,
     image_grid_of,
+    parse_vision_config,
 )
 
 from .request_checks import checked_token_id
@@ -133,6 +135,12 @@ class ImagePreparer:
         self.vision_config = vision_config
         self.workers = workers
         self._pre = None
+
+    @classmethod
+    def for_checkpoint(cls, path: Path, workers: int = 2) -> ImagePreparer:
+        """The preparer for the vision tower a checkpoint's config.json describes (a front, which loads
+        no model)."""
+        return cls(parse_vision_config(json.loads((Path(path) / "config.json").read_text())), workers)
 
     @property
     def preprocessor(self) -> ImagePreprocessor:
@@ -356,7 +364,7 @@ class ImageInputs:
         todo = [i for i in misses if given is None or given[i] is None]
         fresh = {}
         if todo:
-            done = self.preparer.preprocessor.prepare([data[i] for i in todo], [labels[i] for i in todo])
+            done = self.preprocessor.prepare([data[i] for i in todo], [labels[i] for i in todo])
             fresh = dict(zip(todo, done, strict=True))
         for i in misses:
             p = fresh[i] if i in fresh else given[i]
@@ -375,7 +383,7 @@ class ImageInputs:
 
 def check_takes_images(engine) -> None:
     """ValueError unless `engine` serves requests with images: it prepares them (`images`: an engine's
-    `ImageInputs`, a data-parallel front's `ImagePreparer`)."""
+    `ImageInputs`, a data-parallel or disaggregated front's `ImagePreparer`)."""
     if getattr(engine, "images", None) is None:
         raise ValueError(f"multi_modal_data: images are not supported by {type(engine).__name__} yet")
 

@@ -280,13 +280,11 @@ def _handle(
         failed = []
         for rid, prompt, ids, params, seeds, images in msg[1]:
             try:
-                if images is None:
-                    engine.add_request(rid, prompt, params, prompt_token_ids=ids, seeds=seeds)
-                else:  # (the image data, the prompt ids as given: `ids` are the front's routing ids)
-                    mm, given = images
-                    engine.add_request(
-                        rid, prompt, params, prompt_token_ids=given, seeds=seeds, multi_modal_data=mm
-                    )
+                # with images: the prepared images and the prompt ids as given (`ids` are the front's text ids)
+                mm, given = (None, ids) if images is None else images
+                engine.add_request(
+                    rid, prompt, params, prompt_token_ids=given, seeds=seeds, multi_modal_data=mm
+                )
             except ValueError as e:  # this request alone fails; the others and the world go on
                 failed.append(RequestOutput(rid, prompt, ids or [], [], RequestMetrics(0.0), error=str(e)))
                 continue

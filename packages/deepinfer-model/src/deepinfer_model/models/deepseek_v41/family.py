@@ -40,11 +40,7 @@ class DeepseekV41Family(ModelFamily):
         return v41_cache_specs(model, block_size)
 
     def forward(self, model, meta, cache, extras=None, row_split=None, images=None) -> torch.Tensor:
-        if images is not None:
-            return _forward(model, meta, cache, yoco=extras, row_split=row_split, images=images)
-        if row_split is not None:
-            return _forward(model, meta, cache, extras, row_split=row_split)
-        return _forward(model, meta, cache) if extras is None else _forward(model, meta, cache, extras)
+        return _forward(model, meta, cache, extras, row_split=row_split, images=images)
 
     def moe_blocks(self, model, part: str = "backbone") -> list:
         return model.weights.drafter.blocks if part == "drafter" else model.weights.layers
