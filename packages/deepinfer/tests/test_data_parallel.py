@@ -29,6 +29,7 @@ from deepinfer_model import load_model
 from deepinfer_model.models.deepseek_v41 import make_v41_checkpoint
 from deepinfer_parallel import init_parallel
 from deepinfer_parallel.launch import run_distributed
+from outputs_common import assert_same
 
 pytestmark = pytest.mark.distributed
 
@@ -38,18 +39,6 @@ MAX_TOKENS = [4, 11, 7, 2, 6]
 GREEDY = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=2) for m in MAX_TOKENS]
 # Without seq_seed: the seeds come from the engine seed's stream in request order, also under DP.
 SAMPLED = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=m, logprobs=1) for m in MAX_TOKENS]
-
-
-def assert_same(got, want):
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        assert g.error is None and w.error is None, (g.error, w.error)
-        assert g.prompt_token_ids == w.prompt_token_ids
-        for a, b in zip(g.outputs, w.outputs, strict=True):
-            assert a.token_ids == b.token_ids, (g.request_id, a.token_ids, b.token_ids)
-            assert a.logprobs == b.logprobs, g.request_id
-            assert a.top_logprobs == b.top_logprobs, g.request_id
-            assert (a.finish_reason, a.text) == (b.finish_reason, b.text), g.request_id
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import shutil
 import pytest
 import torch
 from deepinfer import LLM, SamplingParams
+from outputs_common import assert_same
 from safetensors.torch import load_file, save_file
 
 pytestmark = pytest.mark.distributed
@@ -31,17 +32,6 @@ EPLB_ENV = {
     "DEEPINFER_MOE_LB_STAT_INTERVAL": "1",  # measured balance gathered every step
     "DEEPINFER_EP_BACKEND": "torch",
 }
-
-
-def assert_same(got, want):
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        assert g.error is None and w.error is None, (g.error, w.error)
-        for a, b in zip(g.outputs, w.outputs, strict=True):
-            assert a.token_ids == b.token_ids, (g.request_id, a.token_ids, b.token_ids)
-            assert a.logprobs == b.logprobs, g.request_id
-            assert a.top_logprobs == b.top_logprobs, g.request_id
-            assert a.finish_reason == b.finish_reason, g.request_id
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ request comes out as from the single-process engine; a bad image fails its reque
 import pytest
 from deepinfer import LLM, AsyncLLM, SamplingParams
 from image_common import png
+from outputs_common import assert_same
 
 pytestmark = pytest.mark.distributed
 
@@ -22,15 +23,6 @@ def requests(tmp_path):
         {"prompt": "a<image>b", "multi_modal_data": {"image": [png(0)]}},  # the first one's image again
         {"prompt": "q<image>", "multi_modal_data": {"image": [png(3)]}},
     ]
-
-
-def assert_same(got, want):
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        assert g.error is None and w.error is None, (g.error, w.error)
-        assert g.prompt_token_ids == w.prompt_token_ids
-        for a, b in zip(g.outputs, w.outputs, strict=True):
-            assert (a.token_ids, a.logprobs) == (b.token_ids, b.logprobs), g.request_id
 
 
 def test_images_on_data_and_expert_parallel_ranks_equal_one_engine(vision_checkpoint, tmp_path):

@@ -20,6 +20,7 @@ from deepinfer.engine_args import EngineArgs
 from deepinfer_model.models.deepseek_v41 import make_v41_checkpoint
 from deepinfer_model.testing import make_checkpoint
 from deepinfer_model.testing.checkpoint import tiny_config
+from outputs_common import assert_same_by_id as assert_same
 
 BLOCK = 4
 # lengths 1, an exact multiple of the block size (8), one over (9), several blocks (13)
@@ -78,19 +79,6 @@ def split_outputs(path, prompts, params, decode_kw=None, **more):
         if ce.has_unfinished_requests():
             outs.update({o.request_id: o for o in ce.step()})
     return outs, peak, pe, ce
-
-
-def assert_same(got, want):
-    assert sorted(got) == sorted(want)
-    for rid, w in want.items():
-        g = got[rid]
-        assert g.error is None and w.error is None, (g.error, w.error)
-        assert g.prompt_token_ids == w.prompt_token_ids
-        for a, b in zip(g.outputs, w.outputs, strict=True):
-            assert a.token_ids == b.token_ids, (rid, a.token_ids, b.token_ids)
-            assert a.logprobs == b.logprobs, rid
-            assert a.top_logprobs == b.top_logprobs, rid
-            assert (a.finish_reason, a.text) == (b.finish_reason, b.text), rid
 
 
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED, SEEDED], ids=["greedy", "sampled-n2", "seeded"])
