@@ -15,6 +15,9 @@
 # its default nextn 5 against drafts off, 256 requests at up to 256 sequences, prompts and outputs within the
 # built-in model's 256 positions (speed_untrained.json). TRACE=1 traces the draft policy step by step
 # (benchmarks/spec/trace_draft_policy.py) on MODEL at batch 1 and 64 and on the built-in model at 64.
+# SPEC=1 runs benchmarks/spec/bench_spec_engine.py on MODEL with this repository's code as prompts: drafts off,
+# always-right recorded drafts (the oracle) and MODEL's drafter, at batch 1 with nextn 3 and 5 and at batch 64
+# with nextn 5 (spec_engine_batch*_nextn*.json).
 set -uo pipefail
 START=$(date +%s)
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -57,6 +60,14 @@ if [ "${TRACE:-0}" = 1 ]; then  # the draft policy step by step (benchmarks/spec
     for run in "--model $MODEL --num-seqs 1" "--model $MODEL --num-seqs 64" "--num-seqs 64"; do
         el "trace_draft_policy.py $run"
         DEEPINFER_USE_NEXTN_DECODE=5 python3 benchmarks/spec/trace_draft_policy.py $run --max-tokens 64 2>&1 | tail -24
+    done
+fi
+if [ "${SPEC:-0}" = 1 ]; then  # the oracle and the trained drafter against drafts off, on code prompts
+    for run in "1 3" "1 5" "64 5"; do
+        set -- $run
+        el "bench_spec_engine.py: batch $1, nextn $2, code prompts"
+        python3 benchmarks/spec/bench_spec_engine.py --model "$MODEL" --device cuda --prompts code --prompt-len 128 \
+            --max-tokens 256 --batch "$1" --nextn "$2" --out "$OUT/spec_engine_batch$1_nextn$2.json" 2>&1 | tail -9
     done
 fi
 el "done"

@@ -9,7 +9,7 @@ import time
 
 import pytest
 from deepinfer import SamplingParams
-from deepinfer.engine.drafting import Drafts
+from deepinfer.engine.drafting import Drafts, RecordedDrafter
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine_args import EngineArgs
 from deepinfer_model.models.deepseek_v41 import make_v41_checkpoint
@@ -57,24 +57,9 @@ def plain(v41):
     return tokens
 
 
-class RecordedDrafter:
-    """Drafts from the recorded greedy continuation of each prompt: right, or shifted by one id (wrong)."""
-
-    def __init__(self, plain, vocab_size: int, wrong: bool) -> None:
-        self.full = [p + t for p, t in zip(PROMPTS, plain)]
-        self.vocab_size, self.wrong = vocab_size, wrong
-
-    def propose(self, requests):
-        out = []
-        for req in requests:
-            seen = [*req.context, req.next_token]
-            full = next(f for f in self.full if f[: len(seen)] == seen)
-            tokens = full[len(seen) : len(seen) + req.num_drafts]
-            tokens += [0] * (req.num_drafts - len(tokens))
-            if self.wrong:
-                tokens = [(t + 1) % self.vocab_size for t in tokens]
-            out.append(Drafts(tokens, [0.9] * len(tokens)))
-        return out
+def recorded(plain: list[list[int]]) -> list[list[int]]:
+    """Each prompt followed by its greedy tokens with drafts off: what `RecordedDrafter` drafts from."""
+    return [p + t for p, t in zip(PROMPTS, plain)]
 
 
 class NoDrafter:
@@ -126,7 +111,7 @@ def test_policy_keeps_greedy_outputs_with_the_model_drafter(v41, plain, varlen):
 
 def test_an_always_wrong_drafter_stops_drafting_after_the_warm_up(v41, plain, varlen, tmp_path):
     def wrong(engine):
-        return RecordedDrafter(plain, engine.vocab_size, wrong=True)
+        return RecordedDrafter(recorded(plain), engine.vocab_size, wrong=True)
 
     tokens, engine, drafted = run(v41, nextn=NEXTN, drafter=wrong, curve=decode_curve(tmp_path))
     assert tokens == plain
@@ -144,7 +129,7 @@ def test_an_always_wrong_drafter_stops_drafting_after_the_warm_up(v41, plain, va
 
 def test_a_right_drafter_keeps_drafting_at_full_length(v41, plain, varlen, tmp_path):
     def right(engine):
-        return RecordedDrafter(plain, engine.vocab_size, wrong=False)
+        return RecordedDrafter(recorded(plain), engine.vocab_size, wrong=False)
 
     tokens, engine, drafted = run(v41, nextn=NEXTN, drafter=right, curve=decode_curve(tmp_path))
     assert tokens == plain
@@ -174,7 +159,7 @@ class SlowDrafter(RecordedDrafter):
 
 def test_the_policy_prices_the_host_work_of_plain_and_verification_steps(v41, plain, varlen, tmp_path):
     def wrong(engine):
-        return SlowDrafter(plain, engine.vocab_size, wrong=True)
+        return SlowDrafter(recorded(plain), engine.vocab_size, wrong=True)
 
     # the synchronous speculative loop: every decode step's host work is on the critical path (with
     # async_scheduling, plain steps run ahead in the asynchronous loop, whose host work is hidden)
@@ -206,7 +191,7 @@ def test_the_policy_times_its_steps_and_backs_off_where_a_curve_overstates_them(
     StepTimeCurve([1, 64], [1000.0, 1000.0 + 0.3 * 63], mode="linear", extrapolate=True).save(path)
 
     def wrong(engine):
-        return RecordedDrafter(plain, engine.vocab_size, wrong=True)
+        return RecordedDrafter(recorded(plain), engine.vocab_size, wrong=True)
 
     def untimed(engine):
         engine.spec.policy.clock = None

@@ -21,6 +21,9 @@ from (rejection sampling needs it to stay exact).
 * `OracleDrafter` — NOT for serving: proposes the target's own greedy continuation, computed with
   the stateless model (k extra forwards per sequence). Under greedy decoding every draft is accepted,
   which shows the mechanism's ceiling and overhead in tests and benchmarks.
+* `RecordedDrafter` — NOT for serving: proposes each prompt's continuation recorded from a run with
+  drafts off (or, `wrong=True`, every draft shifted off it), at no model cost: the ceiling of drafts
+  that are always right without the stateless forwards that `OracleDrafter` pays for.
 
 Devices: the drafted tokens stay on the model's device through the draft loop. `DraftRowSampler`
 draws draft s of every sequence of a draft batch at once (greedy and sampled rows, tensor ops, uniforms
@@ -288,3 +291,35 @@ class OracleDrafter:
                 probs[torch.arange(len(tokens), device=self.device), tokens] = 1.0
             out.append((tokens, torch.ones(len(tokens), dtype=torch.float32, device=self.device), probs))
         return _to_host(out)
+
+
+class RecordedDrafter:
+    """Test / benchmark tool: drafts from recorded continuations. `sequences` are whole token lists
+    (prompt + the greedy output of a run with drafts off); a request drafts the tokens that follow what it
+    has seen in the one sequence that starts with it, padded with token 0 past the recording's end
+    (wrong, so rejected). `wrong=True` shifts every draft by one id: always wrong. Confidence
+    `confidence` for every draft; greedy requests only (no q)."""
+
+    def __init__(
+        self, sequences: list[list[int]], vocab_size: int, wrong: bool = False, confidence: float = 0.9
+    ) -> None:
+        self.sequences = [list(s) for s in sequences]
+        self.vocab_size, self.wrong, self.confidence = vocab_size, wrong, confidence
+
+    def propose(self, requests: list[DraftRequest]) -> list[Drafts]:
+        out = []
+        for req in requests:
+            if not req.params.greedy:
+                raise ValueError("RecordedDrafter drafts for greedy requests only (temperature 0)")
+            seen = [*req.context, req.next_token]
+            full = next((s for s in self.sequences if s[: len(seen)] == seen), None)
+            if full is None:
+                raise KeyError(
+                    f"sequence {req.seq_id}: no recorded sequence starts with its {len(seen)} tokens"
+                )
+            tokens = full[len(seen) : len(seen) + req.num_drafts]
+            tokens += [0] * (req.num_drafts - len(tokens))
+            if self.wrong:
+                tokens = [(t + 1) % self.vocab_size for t in tokens]
+            out.append(Drafts(tokens, [self.confidence] * len(tokens)))
+        return out
