@@ -1,6 +1,8 @@
 """The paged drafter drafts a group of greedy requests with the greedy marker, so that a runner with
-decode graphs replays its greedy draft graph (`runtime.draft_graphs`; uncaptured here, on the CPU);
-the drafts stay exactly the stateless `ModelDrafter`'s. Sampled requests keep the sampled path."""
+decode graphs replays its greedy draft graph (`runtime.draft_graphs`; uncaptured here, on the CPU),
+and a sampled group without logits processors through the sampled draft graph; the drafts (tokens,
+confidences, q) stay exactly the stateless `ModelDrafter`'s. Requests with logits processors keep the
+eager sampled path."""
 
 import numpy as np
 import torch
@@ -37,17 +39,25 @@ def test_greedy_groups_replay_the_draft_graph(tmp_path):
     )
     paged, stateless = PagedDrafter(runner, model), ModelDrafter(model)
 
-    def requests(temperature, k=K):
+    def requests(temperature, k=K, **kw):
         return [
-            DraftRequest(10 + i, p[:-1], p[-1], k, RowParams(temperature=temperature, seed=i), len(p), 0)
+            DraftRequest(
+                10 + i, p[:-1], p[-1], k, RowParams(temperature=temperature, seed=i, **kw), len(p), 0
+            )
             for i, p in enumerate(PROMPTS)
         ]
 
     g = runner.draft_graphs
-    for temperature, k, replays in ((0.0, K, 1), (0.8, K, 1), (0.0, K - 1, 1)):
-        reqs = requests(temperature, k)
+    for temperature, k, kw, replays, sampled in (
+        (0.0, K, {}, 1, 0),
+        (0.8, K, {}, 2, 1),  # sampled, no processors: the sampled static path
+        (0.0, K - 1, {}, 2, 1),  # another draft count: eager
+        (0.8, K, dict(presence_penalty=0.5), 2, 1),  # logits processors: eager
+        (0.8, K, dict(top_k=5, min_p=0.05), 3, 2),
+    ):
+        reqs = requests(temperature, k, **kw)
         got, want = paged.propose(reqs), stateless.propose(reqs)
-        assert g.replays == replays, (temperature, k)  # greedy, draft count K: the static path
+        assert (g.replays, g.sampled_replays) == (replays, sampled), (temperature, k, kw)
         for a, b in zip(got, want):
             assert a.tokens == b.tokens and a.confidences == b.confidences
             assert (a.probs is None) == (temperature == 0) == (b.probs is None)
