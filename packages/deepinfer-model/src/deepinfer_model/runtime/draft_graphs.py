@@ -1,27 +1,40 @@
-"""CUDA graphs for the paged runtime's greedy DSpark draft step, one per bucket of drafting sequences.
+"""CUDA graphs for the paged runtime's DSpark draft step, greedy and sampled, per bucket of drafting
+sequences.
 
 With decode / verification steps replayed from graphs (`cuda_graphs.DecodeGraphRunner`), an eager
-drafter would leave speculative decoding host-bound. A greedy draft (argmax at every draft step:
-temperature-0 requests) of the engine's draft count k = max_query_len - 1 replays the model family's
-graph-safe `static_draft` instead: its inputs are one int64 row per sequence in a
-preallocated buffer (next token, last position, the `draft_main.*` slots of its window of
-`sliding_window` positions, built on the host and copied in one transfer), its shapes are fixed by
-the bucket, it makes no host sync and selects every draft on the device. The window slots replace a
-block table (a draft reads only its window), so there is no context tier.
+drafter would leave speculative decoding host-bound. A draft of the engine's draft count
+k = max_query_len - 1 replays the model family's graph-safe `static_draft` instead: its inputs are one
+int64 row per sequence in a preallocated buffer (next token, last position, the `draft_main.*` slots
+of its window of `sliding_window` positions, then the row's sampling columns, built on the host and
+copied in one transfer), its shapes are fixed by the bucket, it makes no host sync and selects every
+draft on the device. The window slots replace a block table (a draft reads only its window), so there
+is no context tier.
+
+Greedy drafts (argmax at every draft step: temperature-0 requests) replay a bucket's greedy graph.
+Sampled drafts (temperature > 0, no logits processors: those read the drafts so far on the host)
+replay one of its two sampled graphs, with or without the top-p / top-k sort pass: the sampling
+columns (`draft_sampling.DraftSampling`) carry each row's temperature, filters and draft stream key,
+and `draft_sampling.StaticDraftSampler` draws with the eager sampler's math (the same stream
+uniforms, `filter_probs`, float64 q, `inverse_cdf`; greedy rows of a mixed group take the argmax),
+writing q into a static float64 buffer [bucket, k, V] from which each sampled row's q is copied out
+for the engine (the next draft overwrites the buffer while the engine keeps q until verification).
+Tokens, confidence and q equal the eager sampled draft's bit for bit on the CPU (tested). Drafts with
+logits processors stay eager.
 
 Buckets are sequence counts (`build_graph_batch_sizes(max_num_seqs, interval)`); a draft of n
 sequences replays the smallest bucket b >= n, rows n .. b-1 being placeholders (token 0 drafting after
-position 0 of the reserved dummy block, whose slot 0 the runner initialises with finite keys): each
-row's attention reads its own window and block only, every other op is row-wise, so a placeholder
-never changes a real row. Graphs are captured on first use, in the decode graphs' memory pool when
-that exists (the two are never replayed concurrently), under one (numerics mode, batch-invariant
-mode). `capture=False` (CPU tests) runs the same static step without a graph.
+position 0 of the reserved dummy block, whose slot 0 the runner initialises with finite keys, greedy):
+each row's attention reads its own window and block only, every other op (the sampling too) is
+row-wise, so a placeholder never changes a real row. Graphs are captured on first use, in the decode
+graphs' memory pool when that exists (the two are never replayed concurrently), under one (numerics
+mode, batch-invariant mode). `capture=False` (CPU tests) runs the same static step without a graph.
 
-The graph outputs tokens, confidence and positions only (what the engine reads; FP32 logits of every
-draft would cost bucket x k x vocab floats): a `DraftOutput` from here has `logits` and `hidden` None.
-Batch-invariant mode replays only where the decode graphs do (`DecodeGraphSettings.batch_invariant`, the
-default; on the CPU also only when the drafter's experts have the grouped FP64 operands): the static draft
-then computes every key tile product, bitwise the eager batch-invariant draft (tested on the CPU).
+The graph outputs tokens, confidence and positions (and q of sampled rows) only (what the engine reads;
+FP32 logits of every draft would cost bucket x k x vocab floats): a `DraftOutput` from here has
+`logits` and `hidden` None. Batch-invariant mode replays only where the decode graphs do
+(`DecodeGraphSettings.batch_invariant`, the default; on the CPU also only when the drafter's experts
+have the grouped FP64 operands): the static draft then computes every key tile product, bitwise the
+eager batch-invariant draft (tested on the CPU).
 """
 
 from __future__ import annotations
@@ -98,8 +111,8 @@ class DraftGraphRunner:
         return buf[: b * self.width].view(b, self.width)
 
     def problem(self, num_seqs: int, num_draft_tokens: int) -> str | None:
-        """Why a greedy draft of `num_seqs` sequences and `num_draft_tokens` tokens runs eagerly (None:
-        it replays a bucket's graph)."""
+        """Why a draft of `num_seqs` sequences and `num_draft_tokens` tokens runs eagerly (None: it
+        replays a bucket's graph, greedy or sampled)."""
         if num_draft_tokens != self.num_draft_tokens:
             return f"draft count {num_draft_tokens} != the graphs' {self.num_draft_tokens}"
         if not 1 <= num_seqs <= self.buckets[-1]:
