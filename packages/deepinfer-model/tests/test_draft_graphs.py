@@ -2,6 +2,9 @@
 batched draft (`v41_paged_draft`, greedy) bit for bit on every real row, through padded sequence
 buckets, contexts shorter and longer than the sliding window, FP32 and BF16 + quantised KV, and
 batch-invariant mode; it makes no host sync; `PagedRunner.draft` takes it only for eligible drafts.
+Sampled drafts (`runtime.draft_sampling`): the static draft's tokens, confidences and q equal, bit for
+bit, the eager draft's with a per-row reference sampler written from the definitions, for mixed
+greedy / sampled rows, temperatures, top-p / top-k / min-p, padded buckets and batch-invariant mode.
 
 The oracle is the eager batched draft, which test_draft_batched.py checks against an independent
 per-sequence drafter; the CUDA graph replays are tested in test_draft_graphs_gpu.py (marked gpu)."""
@@ -15,9 +18,11 @@ from deepinfer_model.models.deepseek_v41 import DeepseekV41ForCausalLM, load_v41
 from deepinfer_model.models.deepseek_v41.drafter import greedy
 from deepinfer_model.models.deepseek_v41.paged import draft_last_positions, draft_window_slots
 from deepinfer_model.runner import StepBatch
-from deepinfer_model.runtime import PagedRunner
+from deepinfer_model.runtime import DraftSampling, PagedRunner
 from deepinfer_model.runtime.cuda_graphs import DecodeGraphSettings
+from deepinfer_model.sampling import RowParams, filtered_probs
 from deepinfer_model.testing.no_sync import HostSyncError, no_host_sync
+from deepinfer_spec import Purpose, int64_bits, inverse_cdf, stream_uniform
 
 BLOCK, MAX_CTX, K = 4, 64, 3
 # contexts around the tiny config's sliding window (8): shorter, equal, longer
@@ -198,3 +203,155 @@ def test_ineligible_drafts_run_eagerly(fp32, monkeypatch):
         assert plain.draft_graphs is None
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):  # the default: built (CUDA only)
         plain._make_draft_graphs(DecodeGraphSettings(8 * (1 + K), MAX_CTX, 4, max_query_len=1 + K))
+
+
+# -- sampled drafts ------------------------------------------------------------------------------------
+
+
+class _PerRowReference:
+    """A draft row sampler written from the definitions, one row at a time: greedy rows take the argmax,
+    sampled rows draw by inverse CDF from `filtered_probs` of their own row (NaN zeroed, widened to
+    float64) with the uniform of their stream at position + draft step; it keeps each row's q. It also
+    describes itself to the sampled draft graph (`static_sampling`), which then draws in its place."""
+
+    def __init__(self, params, seeds, positions, describe=True):
+        self.params, self.seeds, self.positions = list(params), list(seeds), list(positions)
+        self.num_rows = len(self.params)
+        self.q = [[] for _ in self.params]
+        self.describe = describe
+
+    def pick_rows(self, logits, step):
+        out = []
+        for r, p in enumerate(self.params):
+            if p.greedy:
+                out.append(torch.argmax(logits[r]))
+                continue
+            q = filtered_probs(logits[r][None].float(), [p]).nan_to_num_(nan=0.0)[0].double()
+            u = stream_uniform(self.seeds[r], self.positions[r] + step, Purpose.SAMPLE)
+            out.append(inverse_cdf(q[None], torch.tensor([u], dtype=torch.float64, device=q.device))[0])
+            self.q[r].append(q)
+        return torch.stack(out)
+
+    def static_sampling(self):
+        if not self.describe:
+            return None
+        return DraftSampling(
+            tuple(self.params), int64_bits(self.seeds), np.asarray(self.positions, dtype=np.int64)
+        )
+
+
+SAMPLED_CASES = (  # (sequences, last positions, per-row params): padded buckets 4 and 8, 1 and 3 rows
+    (
+        [4, 0, 2],
+        None,
+        [
+            RowParams(temperature=0.0, top_p=0.5),  # a greedy row's filters are not read
+            RowParams(temperature=0.8, top_p=0.9, seed=3),
+            RowParams(temperature=1.3, top_k=5, seed=2**64 - 3),
+        ],
+    ),
+    (
+        [0, 1, 2, 3, 4],
+        [2, 16, 7, 13, 1],
+        [
+            RowParams(temperature=0.6, min_p=0.1, seed=1),
+            RowParams(temperature=0.0),
+            RowParams(temperature=1.0, seed=7),
+            RowParams(temperature=0.3, top_p=0.5, top_k=20, min_p=0.05, seed=123456789),
+            RowParams(temperature=0.0),
+        ],
+    ),
+    ([1], None, [RowParams(temperature=2.0, seed=11)]),  # no sort pass
+    (  # every row sampled (q handed out without a gather), tiny and large temperatures
+        [3, 1, 0],
+        [9, 20, 2],
+        [RowParams(temperature=0.05, seed=5), RowParams(temperature=5.0, seed=6), RowParams(temperature=0.9)],
+    ),
+)
+
+
+def _sampled_check(runner, case, seed):
+    seqs, lasts, params = case
+    rng = np.random.default_rng(seed)
+    tokens = [int(t) for t in rng.integers(4, 256, len(seqs))]
+    seeds = [int(s) + 1000 * seed for s in rng.integers(0, 2**62, len(seqs))]
+    positions = [int(p) for p in rng.integers(0, 500, len(seqs))]
+    g = runner.draft_graphs
+    eager_ref = _PerRowReference(params, seeds, positions)
+    eager = runner.draft(tokens, K, seq_indices=seqs, sampler=eager_ref, last_positions=lasts)
+    static_ref = _PerRowReference(params, seeds, positions)
+    before = (g.replays, g.sampled_replays)
+    static = runner.draft(
+        tokens, K, seq_indices=seqs, sampler=static_ref, last_positions=lasts, tokens_only=True
+    )
+    assert (g.replays, g.sampled_replays) == (before[0] + 1, before[1] + 1)
+    assert all(not q for q in static_ref.q)  # the graph drew in the sampler's place
+    for j, (e, s) in enumerate(zip(eager, static)):
+        assert torch.equal(e.tokens, s.tokens), (seqs, j, e.tokens, s.tokens)
+        assert torch.equal(e.confidence, s.confidence), (seqs, j)
+        assert torch.equal(e.positions, s.positions), (seqs, j)
+        assert s.logits is None and s.hidden is None
+        if params[j].greedy:
+            assert s.probs is None
+        else:
+            assert s.probs.dtype == torch.float64 and s.probs.shape == (K, runner.vocab_size)
+            assert torch.equal(s.probs, torch.stack(eager_ref.q[j])), (seqs, j)
+    return g.select(len(seqs))
+
+
+@pytest.mark.parametrize("numerics", ["fp32", "bf16_kvq"])
+def test_static_sampled_draft_equals_eager_sampled_draft(numerics, request):
+    runner = _prefilled(request.getfixturevalue(numerics))
+    buckets = {_sampled_check(runner, case, i) for i, case in enumerate(SAMPLED_CASES)}
+    assert buckets == {1, 4, 8}
+    # the drafts differ from greedy ones (the sampled path is not the argmax in disguise)
+    seqs, lasts, _ = SAMPLED_CASES[3]
+    hot = _PerRowReference([RowParams(temperature=5.0, seed=s) for s in range(3)], [1, 2, 3], [0, 0, 0])
+    sampled = runner.draft(
+        [5, 6, 7], K, seq_indices=seqs, sampler=hot, last_positions=lasts, tokens_only=True
+    )
+    greedy_drafts = runner.draft([5, 6, 7], K, seq_indices=seqs, last_positions=lasts, tokens_only=True)
+    assert any(not torch.equal(a.tokens, b.tokens) for a, b in zip(sampled, greedy_drafts))
+
+
+def test_static_sampled_draft_equals_eager_batch_invariant(fp32, monkeypatch):
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
+    runner = _prefilled(fp32)
+    for i, case in enumerate(SAMPLED_CASES[:2]):
+        _sampled_check(runner, case, 20 + i)
+
+
+def test_static_sampled_draft_makes_no_host_sync(bf16_kvq):
+    runner = _prefilled(bf16_kvq)
+    seqs, lasts, params = SAMPLED_CASES[1]
+    tokens = [5, 6, 7, 8, 9]
+    meta, g = runner._last_meta, runner.draft_graphs
+    last = draft_last_positions(runner.model, meta, np.asarray(seqs), tokens, lasts)
+    sampling = _PerRowReference(params, range(5), range(5)).static_sampling()
+    g._sampling_buffers()
+    slots = draft_window_slots(meta, np.asarray(seqs), last, g.window, g.window)
+    g._fill(8, np.asarray(tokens), last, slots, sampling)
+    for sort in (False, True):
+        with no_host_sync():
+            g._static(8, sort)
+
+
+def test_sampled_drafts_that_cannot_replay_run_eagerly(fp32):
+    runner = _prefilled(fp32)
+    g = runner.draft_graphs
+    seqs, lasts, params = SAMPLED_CASES[0]
+    ref = _PerRowReference(params, [1, 2, 3], [4, 5, 6], describe=False)  # no graph-safe description
+    d = runner.draft([5, 6, 7], K, seq_indices=seqs, sampler=ref, last_positions=lasts, tokens_only=True)
+    assert g.replays == 0 and d[0].logits is not None and ref.q[1]
+    ref = _PerRowReference(params, [1, 2, 3], [4, 5, 6])
+    d = runner.draft([5, 6, 7], K, seq_indices=seqs, sampler=ref, last_positions=lasts)  # wants logits
+    assert g.replays == 0 and d[0].logits is not None and d[0].probs is None
+    with pytest.raises(ValueError, match="logits processors"):
+        DraftSampling(
+            (RowParams(temperature=1.0, presence_penalty=0.5),), np.zeros(1, np.int64), np.zeros(1, np.int64)
+        )
+    with pytest.raises(ValueError, match="one entry per row"):
+        DraftSampling((RowParams(),), np.zeros(2, np.int64), np.zeros(1, np.int64))
+    with pytest.raises(ValueError, match="rows for"):
+        one_row = DraftSampling((RowParams(),), np.zeros(1, np.int64), np.zeros(1, np.int64))
+        g.run(runner._last_meta, np.asarray(seqs), [5, 6, 7], np.asarray([1, 2, 3]), one_row)

@@ -1,7 +1,8 @@
-"""Greedy draft CUDA graphs on the GPU (`runtime.draft_graphs`): a graph replay equals the same static
-draft run without a graph and the eager batched draft bit for bit (exact numerics), through padded
-sequence buckets captured on first use and replayed again with other inputs; in native numerics the
-replay equals the uncaptured static draft bit for bit."""
+"""Draft CUDA graphs on the GPU (`runtime.draft_graphs`): a greedy graph replay equals the same static
+draft run without a graph bit for bit and the eager batched draft's tokens (confidence within 1e-5,
+exact numerics), through padded sequence buckets captured on first use and replayed again with other
+inputs; in native numerics the replay equals the uncaptured static draft bit for bit. Sampled drafts
+the same way, q included."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ if not torch.cuda.is_available():
 
 from deepinfer_model.models.deepseek_v41 import DeepseekV41ForCausalLM, load_v41, make_v41_checkpoint  # noqa: E402
 from deepinfer_model.runner import StepBatch  # noqa: E402
-from deepinfer_model.runtime import PagedRunner  # noqa: E402
+from deepinfer_model.runtime import DraftSampling, PagedRunner  # noqa: E402
 from deepinfer_model.runtime.cuda_graphs import DecodeGraphSettings  # noqa: E402
+from deepinfer_model.sampling import RowParams, filtered_probs  # noqa: E402
+from deepinfer_spec import Purpose, int64_bits, inverse_cdf, stream_uniform  # noqa: E402
 
 DEV = torch.device("cuda")
 BLOCK, MAX_CTX, K = 4, 64, 3
@@ -89,3 +92,88 @@ def test_draft_graph_replay_equals_static_and_eager(path, native, monkeypatch):
     assert sorted(graphed.draft_graphs.graphs) == [1, 2, 4, 8]
     graphed.close()
     assert not graphed.draft_graphs.graphs
+
+
+class _PerRowReference:
+    """Per row from the definitions: greedy rows the argmax, sampled rows an inverse-CDF draw from their
+    own `filtered_probs` (NaN zeroed, float64) with their stream's uniform at position + draft step; q
+    kept per row. `static_sampling` lets the sampled draft graph draw in its place."""
+
+    def __init__(self, params, seeds, positions):
+        self.params, self.seeds, self.positions = params, seeds, positions
+        self.num_rows = len(params)
+        self.q = [[] for _ in params]
+
+    def pick_rows(self, logits, step):
+        out = []
+        for r, p in enumerate(self.params):
+            if p.greedy:
+                out.append(torch.argmax(logits[r]))
+                continue
+            q = filtered_probs(logits[r][None].float(), [p]).nan_to_num_(nan=0.0)[0].double()
+            u = stream_uniform(self.seeds[r], self.positions[r] + step, Purpose.SAMPLE)
+            out.append(inverse_cdf(q[None], torch.tensor([u], dtype=torch.float64, device=q.device))[0])
+            self.q[r].append(q)
+        return torch.stack(out)
+
+    def static_sampling(self):
+        return DraftSampling(tuple(self.params), int64_bits(self.seeds), np.asarray(self.positions, np.int64))
+
+
+PARAMS = (  # cycled over the rows of each case: greedy, nucleus + min-p, top-k, plain
+    RowParams(temperature=0.0),
+    RowParams(temperature=0.8, top_p=0.9, min_p=0.02, seed=3),
+    RowParams(temperature=1.3, top_k=5, seed=2**64 - 3),
+    RowParams(temperature=0.6, seed=9),
+)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_sampled_draft_graph_replay_equals_static_and_eager(path, native, monkeypatch):
+    """Sampled drafts (`runtime.draft_sampling`): the replay equals the uncaptured static draft bit for bit
+    (tokens, confidence, q); against the eager draft with a per-row reference sampler, the tolerances of
+    the greedy test above (FP32: same tokens, confidence and q within 1e-5; native: the replay's own)."""
+    if native:
+        monkeypatch.setenv("DEEPINFER_NUMERICS", "native")
+    model = load_v41(path, device=DEV)
+    if native:
+        model = DeepseekV41ForCausalLM(
+            model.config, model.weights, model.engram.vocab, act_dtype=torch.bfloat16, quantize_kv=True
+        )
+    graphed, static = _runner(model, True), _runner(model, False)
+    for i, seqs in enumerate(CASES):
+        rng = np.random.default_rng(100 + i)
+        tokens = [int(t) for t in rng.integers(4, 256, len(seqs))]
+        lasts = [int(rng.integers(0, LENGTHS[s])) for s in seqs] if i % 2 else None
+        # case 0: every row sampled without the sort pass; the others mixed, with it
+        params = [PARAMS[3]] if i == 0 else [PARAMS[(i + j) % len(PARAMS)] for j in range(len(seqs))]
+        seeds = [int(s) for s in rng.integers(0, 2**62, len(seqs))]
+        positions = [int(p) for p in rng.integers(0, 500, len(seqs))]
+        kw = dict(seq_indices=seqs, last_positions=lasts)
+        g = graphed.draft(
+            tokens, K, sampler=_PerRowReference(params, seeds, positions), tokens_only=True, **kw
+        )
+        s = static.draft(
+            tokens, K, sampler=_PerRowReference(params, seeds, positions), tokens_only=True, **kw
+        )
+        ref = _PerRowReference(params, seeds, positions)
+        e = static.draft(tokens, K, sampler=ref, **kw)
+        for j, (a, b, c) in enumerate(zip(g, s, e)):
+            assert torch.equal(a.tokens, b.tokens), ("sampled replay tokens != static", native, seqs)
+            assert torch.equal(a.confidence, b.confidence), ("sampled replay confidence != static", native)
+            assert (a.probs is None) == (b.probs is None) == params[j].greedy
+            if a.probs is not None:
+                assert a.probs.device.type == "cuda"
+                assert torch.equal(a.probs, b.probs), ("sampled replay q != static", native, seqs)
+            if not native:
+                assert torch.equal(a.tokens, c.tokens), ("sampled replay tokens != eager", seqs)
+                diff = float((a.confidence.double() - c.confidence.double()).abs().max())
+                assert diff <= 1e-5, ("sampled replay confidence far from eager", seqs, diff)
+                if a.probs is not None:
+                    diff = float((a.probs - torch.stack(ref.q[j])).abs().max())
+                    assert diff <= 1e-5, ("sampled replay q far from eager", seqs, diff)
+    d = graphed.draft_graphs
+    assert d.sampled_replays == len(CASES) == static.draft_graphs.sampled_replays
+    assert sorted(d.sampled_graphs) == [(1, False), (2, True), (4, True), (8, True)]
+    graphed.close()
+    assert not d.sampled_graphs and d.q is None

@@ -1,6 +1,7 @@
 """Speculative decoding through the graph-safe static step on the CPU: the engine's tokens
 with drafting are identical whether decode / verification steps run the static step (the CUDA-graph
-path without capture, `DecodeGraphSettings(capture=False)`) or the eager paged step."""
+path without capture, `DecodeGraphSettings(capture=False)`) or the eager paged step, and whether the
+drafts (greedy and sampled) run the static draft (`DecodeGraphSettings.draft`) or the eager one."""
 
 import dataclasses
 
@@ -42,12 +43,15 @@ class PartlyWrongOracle:
         return out
 
 
-def run(path, static: bool, monkeypatch, drafter=None, params=None):
+def run(path, static: bool, monkeypatch, drafter=None, params=None, draft_graphs=True):
+    """(tokens per prompt, decode graphs, acceptance summary, draft graphs). `params`: one for every
+    prompt, or a list of one per prompt; `draft_graphs` (static runs): the drafts through the static
+    draft too (`DecodeGraphSettings.draft`)."""
     if static:  # the engine's own settings for a CUDA device, run without capture on the CPU
         real = decode_graph_settings
 
         def settings(device, *args, **kw):
-            return dataclasses.replace(real("cuda", *args, **kw), capture=False)
+            return dataclasses.replace(real("cuda", *args, **kw), capture=False, draft=draft_graphs)
 
         monkeypatch.setattr(llm_engine, "decode_graph_settings", settings)
     else:
@@ -58,23 +62,24 @@ def run(path, static: bool, monkeypatch, drafter=None, params=None):
     if drafter is not None:
         engine.spec.drafter = drafter(engine.model)
     params = params or SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    per_prompt = params if isinstance(params, list) else [params] * len(PROMPTS)
     for j, prompt in enumerate(PROMPTS):
-        engine.add_request(str(j), None, params, prompt_token_ids=prompt)
+        engine.add_request(str(j), None, per_prompt[j], prompt_token_ids=prompt)
     outs = {}
     while engine.has_unfinished_requests():
         for o in engine.step():
             outs[o.request_id] = o
-    graphs = engine.runner.graphs
+    graphs, drafts = engine.runner.graphs, engine.runner.draft_graphs
     accepted = dict(engine.spec.stats.summary())
     engine.close()
-    return [outs[str(j)].outputs[0].token_ids for j in range(len(PROMPTS))], graphs, accepted
+    return [outs[str(j)].outputs[0].token_ids for j in range(len(PROMPTS))], graphs, accepted, drafts
 
 
 @pytest.mark.parametrize("drafter", [None, PartlyWrongOracle], ids=["paged-drafter", "partly-wrong-oracle"])
 def test_engine_drafting_static_equals_eager(v41, drafter, monkeypatch):
     torch.set_num_threads(1)
-    eager, g_eager, _ = run(v41, False, monkeypatch, drafter)
-    static, g, stats = run(v41, True, monkeypatch, drafter)
+    eager, g_eager, _, _ = run(v41, False, monkeypatch, drafter)
+    static, g, stats, _ = run(v41, True, monkeypatch, drafter)
     assert g_eager is None and g is not None
     assert g.settings.max_batch_size == 4 * (1 + NEXTN) and g.settings.max_query_len == 1 + NEXTN
     assert g.verify_replays > 0  # verification steps went through the static step
@@ -86,7 +91,27 @@ def test_engine_drafting_static_equals_eager(v41, drafter, monkeypatch):
 def test_engine_sampled_drafting_static_equals_eager(v41, monkeypatch):
     torch.set_num_threads(1)
     p = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=10, ignore_eos=True, seq_seed=5)
-    eager, _, _ = run(v41, False, monkeypatch, params=p)
-    static, g, _ = run(v41, True, monkeypatch, params=p)
-    assert g.verify_replays > 0
+    eager, _, _, _ = run(v41, False, monkeypatch, params=p)
+    static, g, _, drafts = run(v41, True, monkeypatch, params=p)
+    assert g.verify_replays > 0 and drafts.sampled_replays > 0
     assert static == eager
+
+
+def test_engine_sampled_drafts_static_draft_equals_eager_draft(v41, monkeypatch):
+    """Decode / verification steps static in both runs; the drafts of a batch mixing greedy and sampled
+    requests (temperatures, top-p / top-k / min-p, rejection-sampled and coupled verification) through
+    the sampled draft graph's static path in one, eagerly (`DraftRowSampler`) in the other."""
+    torch.set_num_threads(1)
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.95, max_tokens=10, ignore_eos=True, seq_seed=5),
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=1.2, top_k=8, min_p=0.05, max_tokens=10, ignore_eos=True, seq_seed=7),
+        SamplingParams(temperature=0.6, max_tokens=10, ignore_eos=True, seq_seed=3),
+    ]
+    for verify in ("coupled", "rejection"):
+        monkeypatch.setenv("DEEPINFER_SPEC_SAMPLED_VERIFY", verify)
+        eager, _, _, no_drafts = run(v41, True, monkeypatch, params=params, draft_graphs=False)
+        static, g, stats, drafts = run(v41, True, monkeypatch, params=params)
+        assert no_drafts is None and drafts.sampled_replays > 0, verify
+        assert g.verify_replays > 0 and stats["verified"] > 0
+        assert static == eager, verify

@@ -121,12 +121,15 @@ class ModelFamily(ABC):
         """The confidence temperatures the graph-safe draft reads from a device buffer."""
         raise NotImplementedError
 
-    def static_draft(self, model, cache, tokens, last, window_slots, num_draft_tokens, temperatures):
-        """The graph-safe greedy draft -> (tokens, logits, confidence, hidden, positions) [N, k, ...]."""
+    def static_draft(
+        self, model, cache, tokens, last, window_slots, num_draft_tokens, temperatures, pick=None
+    ):
+        """The graph-safe draft -> (tokens, logits, confidence, hidden, positions) [N, k, ...]: greedy, or
+        drawn by `pick(logits [N, V], s)` -> [N] (a graph-safe row sampler, `runtime.draft_sampling`)."""
         raise NotImplementedError(self.static_draft_problem(model))
 
-    def draft_output(self, tokens, confidence, positions):
-        """One drafted block of a graph replay (no logits, no hidden)."""
+    def draft_output(self, tokens, confidence, positions, probs=None):
+        """One drafted block of a graph replay (no logits, no hidden; `probs` q of a sampled row)."""
         raise NotImplementedError
 
 

@@ -27,6 +27,7 @@ from .cuda_graphs import (
     decode_graph_settings,
 )
 from .draft_graphs import DraftGraphRunner
+from .draft_sampling import DraftSampling, StaticDraftSampler
 from .metadata import StepMetadata
 from .pools import PagedKVCache, PoolSpec, blocks_for_budget
 from .runner import RUNNERS, PagedRunner, cache_specs, make_runner
@@ -45,6 +46,8 @@ __all__ = [
     "DecodeGraphRunner",
     "DecodeGraphSettings",
     "DraftGraphRunner",
+    "DraftSampling",
+    "StaticDraftSampler",
     "StaticDecodeMetadata",
     "build_context_tiers",
     "build_graph_batch_sizes",

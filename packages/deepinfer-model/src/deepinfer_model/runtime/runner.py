@@ -81,7 +81,7 @@ class PagedRunner:
         self.metadata_s = 0.0  # cumulative time building step metadata (benchmarks read it)
         self.buffers = StepBuffers(self.device)  # every step's per-token tensors, reused step after step
         self.graphs = None
-        self.draft_graphs = None  # greedy draft steps through CUDA graphs (`draft_graphs`)
+        self.draft_graphs = None  # draft steps through CUDA graphs (`draft_graphs`)
         if decode_graphs is not None:
             from .cuda_graphs import DecodeGraphRunner
 
@@ -260,7 +260,10 @@ class PagedRunner:
         `tokens_only`: the caller reads `tokens`, `confidence` and `positions` only (the engine). A
         greedy draft (`sampler` None, `greedy`, or a list of `greedy`) of the decode graphs' draft count
         then replays a draft CUDA graph (`draft_graphs`: bitwise the eager draft) where the runner has
-        them; its outputs have `logits` and `hidden` None. Everything else runs eagerly."""
+        them; its outputs have `logits` and `hidden` None. So does a sampled draft whose row sampler
+        describes itself graph-safely (`sampler.static_sampling()` a `DraftSampling`, not None): the
+        graph draws as the sampler would (bitwise on the CPU), and each sampled row's output carries
+        its q in `probs` (the sampler itself draws nothing). Everything else runs eagerly."""
         family = self.family
         greedy = family.greedy
         if greedy is None:
@@ -285,10 +288,15 @@ class PagedRunner:
         if not all_greedy and isinstance(sampler, (list, tuple)):
             all_greedy = len(sampler) > 0 and all(s is greedy for s in sampler)
         g = self.draft_graphs
-        if tokens_only and all_greedy and g is not None and g.problem(len(seqs), num_draft_tokens) is None:
-            seq_arr = np.asarray(seqs, dtype=np.int64)
-            last = family.draft_last_positions(self.model, meta, seq_arr, tokens, last_positions)
-            return g.run(meta, seq_arr, tokens, last)
+        if tokens_only and g is not None and g.problem(len(seqs), num_draft_tokens) is None:
+            sampling = None
+            if not all_greedy:
+                describe = getattr(sampler, "static_sampling", None)
+                sampling = describe() if describe is not None else None
+            if all_greedy or sampling is not None:
+                seq_arr = np.asarray(seqs, dtype=np.int64)
+                last = family.draft_last_positions(self.model, meta, seq_arr, tokens, last_positions)
+                return g.run(meta, seq_arr, tokens, last, sampling)
         return family.draft(
             self.model, meta, self.cache, seqs, tokens, num_draft_tokens, sampler or greedy, last_positions
         )

@@ -30,7 +30,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     ),
     ".processors": ("bad_word_bans", "process_logits_"),
     ".sampler": ("EMPTY_ROW_MESSAGE", "Sampler", "SamplerOutput", "masked_logits"),
-    ".transform": ("filtered_probs",),
+    ".transform": ("filter_probs", "filter_values", "filtered_probs"),
 }
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, globals(), _MODULES)

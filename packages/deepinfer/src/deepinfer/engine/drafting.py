@@ -29,6 +29,9 @@ Devices: the drafted tokens stay on the model's device through the draft loop. `
 draws draft s of every sequence of a draft batch at once (greedy and sampled rows, tensor ops, uniforms
 computed on the device from the counter-based stream), so a batch costs no per-sequence or per-position
 Python and no host sync; `propose` brings every request's tokens and confidences to the host in one copy.
+Where the paged runner has draft CUDA graphs, a group without logits processors draws inside the graph
+instead (greedy, or sampled with the sampler's streams and filters: `runtime.draft_sampling`, the same
+tokens and q bit for bit on the CPU).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from typing import Protocol
 import numpy as np
 import torch
 from deepinfer_model import RowParams, filtered_probs, model_device, process_logits_, to_device
+from deepinfer_model.runtime import DraftSampling
 from deepinfer_spec import (
     DRAFT_SEED_OFFSET,
     Purpose,
@@ -85,13 +89,16 @@ class DraftRowSampler:
     with their draft stream: `DraftRequest.draft_stream_seed` at `draft_position(base, accepted, s)`. Row for
     row these are the draws of sampling each request alone (tested bitwise against recorded drafts).
 
-    The uniforms of every sampled row and draft step are computed on the device at construction
+    The uniforms of every sampled row and draft step are computed on the device at the first draw
     (`stream_uniforms_tensor`) from one host-to-device copy of the rows' keys; q of each step is kept
-    (rejection sampling needs it). Nothing is read back to the host, except for rows whose logits
+    (rejection sampling needs it). `static_sampling` describes the rows to the sampled draft graph,
+    which then draws in the sampler's place (and this sampler draws nothing). Nothing is read back to the host, except for rows whose logits
     processors (penalties, bad words) read the seen tokens: their drafts so far are output tokens to
     the next draft's processors, read back once per draft step."""
 
     def __init__(self, requests: list[DraftRequest], device: torch.device) -> None:
+        self.requests = requests
+        self.device = device
         self.num_rows = len(requests)
         self.params = [r.params for r in requests]
         self.processed = [i for i, r in enumerate(requests) if r.params.processed]
@@ -107,7 +114,7 @@ class DraftRowSampler:
         if not sampled:
             return
         self.steps = max(requests[i].num_drafts for i in sampled)
-        keys = np.stack(
+        self._keys = np.stack(
             [
                 np.asarray(sampled, dtype=np.int64),
                 int64_bits([requests[i].draft_stream_seed for i in sampled]),
@@ -117,18 +124,36 @@ class DraftRowSampler:
                 ),
             ]
         )
-        at, seeds, first = to_device(keys, device, torch.long)  # one copy
+        self.uniforms: torch.Tensor | None = None
+
+    def _draw_uniforms(self) -> None:
+        at, seeds, first = to_device(self._keys, self.device, torch.long)  # one copy
         self.at = at
-        later = torch.arange(self.steps, dtype=torch.long, device=device)
+        later = torch.arange(self.steps, dtype=torch.long, device=self.device)
         # [steps, M]: row s holds every sampled row's uniform of draft step s (its position is step 0's + s)
         self.uniforms = stream_uniforms_tensor(
             seeds[None, :].expand(self.steps, -1), first[None, :] + later[:, None], Purpose.SAMPLE
+        )
+
+    def static_sampling(self) -> DraftSampling | None:
+        """The rows as the sampled draft graph takes them (`runtime.draft_sampling`: it draws with these
+        very streams and filters), or None when a row has logits processors (they read the drafts so far
+        on the host, which a graph cannot)."""
+        if self.processed:
+            return None
+        reqs = self.requests
+        return DraftSampling(
+            tuple(r.params for r in reqs),
+            int64_bits([r.draft_stream_seed for r in reqs]),
+            np.asarray([draft_position(r.base_position, r.num_accepted, 0) for r in reqs], dtype=np.int64),
         )
 
     def pick_rows(self, logits: torch.Tensor, step: int) -> torch.Tensor:
         if self.processed:
             logits = self._process(logits)
         if self.sampled_params:
+            if self.uniforms is None:
+                self._draw_uniforms()
             sampled = logits if self.every_row_sampled else logits[self.at]
             # a row whose processors left no token has no q (softmax of -inf everywhere is NaN): a zero
             # row, whose draft the verifier rejects (the target has no token there either). (Zeroed in
@@ -215,8 +240,9 @@ class PagedDrafter:
     """The checkpoint's DSpark draft blocks read from the paged runner's cached drafter keys: no extra
     forward of the target. Drafts after each sequence's last accepted position of the step just run
     (equal to `ModelDrafter`'s stateless drafts, tested); the requests with the same draft count draft
-    in one batched forward (a greedy group through the runner's draft CUDA graph when it has one); a
-    sequence that was not in that step falls back to `ModelDrafter`."""
+    in one batched forward (through the runner's draft CUDA graph when it has one, greedy or sampled,
+    unless a request has logits processors); a sequence that was not in that step falls back to
+    `ModelDrafter`."""
 
     def __init__(self, runner, model) -> None:
         self.runner = runner
@@ -248,7 +274,9 @@ class PagedDrafter:
             reqs = [requests[r] for r, _ in members]
             # a group of greedy requests without logits processors drafts with the greedy marker
             # (sampler None: the argmax of every row on the device, no q to keep), which lets the
-            # runner replay its draft CUDA graph; the engine reads tokens and confidences only
+            # runner replay its greedy draft CUDA graph; a sampled group without logits processors
+            # replays its sampled one (the sampler describes its rows: `static_sampling`); the
+            # engine reads tokens and confidences only
             greedy = all(req.params.greedy and not req.params.processed for req in reqs)
             sampler = None if greedy else DraftRowSampler(reqs, self.fallback.device)
             drafts = self.runner.draft(
@@ -259,7 +287,12 @@ class PagedDrafter:
                 last_positions=[len(req.context) - 1 for req in reqs],
                 tokens_only=True,
             )
-            probs = [None] * len(reqs) if greedy else sampler.probs()
+            if greedy:
+                probs = [None] * len(reqs)
+            elif sampler.q is not None:  # the eager draft: the sampler drew and kept q
+                probs = sampler.probs()
+            else:  # the sampled draft graph drew in its place: q in the outputs (None for greedy rows)
+                probs = [d.probs for d in drafts]
             for (r, _), d, q in zip(members, drafts, probs):
                 out[r] = (d.tokens, d.confidence, q)
         return _to_host(out)

@@ -37,7 +37,9 @@ Sampler = Callable[[torch.Tensor, int], "int | torch.Tensor"]
 class RowSampler(Protocol):
     """Draft `step` of every sequence of a draft batch in one call: `pick_rows(logits [N, V], step)`
     -> long [N] on the logits' device, as tensor ops (no per-sequence Python, no host sync). `num_rows`
-    is N. The engine's seeded draft sampler is one (`deepinfer.engine.drafting.DraftRowSampler`)."""
+    is N. The engine's seeded draft sampler is one (`deepinfer.engine.drafting.DraftRowSampler`); it
+    also has `static_sampling()`, its rows as the sampled draft graph takes them (a
+    `runtime.draft_sampling.DraftSampling`, or None where it cannot: `PagedRunner.draft`)."""
 
     num_rows: int
 
@@ -52,14 +54,17 @@ MoEFn = Callable[[int, BlockWeights, torch.Tensor], torch.Tensor]
 class DraftOutput:
     """One drafted block: `tokens` [Bd], `logits` [Bd, V] FP32 (after the Markov correction),
     `confidence` [Bd] in (0, 1), `hidden` [Bd, H] (pre-norm final hidden), `positions` [Bd].
-    `logits` and `hidden` are None from a greedy draft CUDA graph (`runtime.draft_graphs`, asked for
-    with `PagedRunner.draft(..., tokens_only=True)`)."""
+    `logits` and `hidden` are None from a draft CUDA graph (`runtime.draft_graphs`, asked for
+    with `PagedRunner.draft(..., tokens_only=True)`); `probs` [Bd, V] float64 is q of a sampled row of
+    such a draft (the distribution each draft was drawn from), None everywhere else (an eager draft's
+    sampler keeps its q itself)."""
 
     tokens: torch.Tensor
     logits: torch.Tensor | None
     confidence: torch.Tensor
     hidden: torch.Tensor | None
     positions: torch.Tensor
+    probs: torch.Tensor | None = None
 
 
 def greedy(logits: torch.Tensor, step: int) -> torch.Tensor:
@@ -177,15 +182,17 @@ def draft_blocks_static(
     act_dtype: torch.dtype = torch.float32,
     kvq: KVQuant = EXACT_KV,
     moe_fn: MoEFn | None = None,
+    pick: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`draft_blocks` with a greedy sampler, graph-safe: every input a device tensor, every shape fixed
+    """`draft_blocks` with a greedy sampler (or the graph-safe row sampler `pick`), graph-safe: every input a device tensor, every shape fixed
     by N, Bd and the model, no host sync (CUDA-graph capturable). `windows` [Ld, N, W, D]: sequence k's
     main keys of positions `last_k - L_k + 1 .. last_k` in columns `0 .. L_k - 1` (L_k = min(last_k + 1,
     W)), later columns finite (never read); `next_tokens`, `last_positions` long [N]; `temperatures`
     [Bd] (device). -> (tokens long [N, Bd], FP32 logits [N, Bd, V], FP32 confidence [N, Bd], hidden
     [N, Bd, H], positions long [N, Bd]), each row bitwise `draft_blocks`' (greedy) for the sequence
     (the layout differs only in masked padding columns, `_fixed_span`; batch-invariant mode
-    computes every key tile product instead of a host-planned subset)."""
+    computes every key tile product instead of a host-planned subset). `pick(logits [N, V], s)` -> [N]
+    (a `RowSampler.pick_rows` without host syncs) replaces the argmax of every row."""
     bd, W = num_draft_tokens, cfg.sliding_window
     n = next_tokens.shape[0]
     if windows.dim() != 4 or windows.shape[1] != n or windows.shape[2] != W or last_positions.shape != (n,):
@@ -207,7 +214,7 @@ def draft_blocks_static(
         cols,
         visible,
         bd,
-        _greedy_rows,
+        _greedy_rows if pick is None else pick,
         temps,
         act_dtype,
         kvq,

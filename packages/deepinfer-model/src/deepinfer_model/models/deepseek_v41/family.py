@@ -110,11 +110,15 @@ class DeepseekV41Family(ModelFamily):
     def draft_temperatures(self, num_draft_tokens: int) -> torch.Tensor:
         return confidence_temperatures(num_draft_tokens)
 
-    def static_draft(self, model, cache, tokens, last, window_slots, num_draft_tokens, temperatures):
-        return v41_static_draft(model, cache, tokens, last, window_slots, num_draft_tokens, temperatures)
+    def static_draft(
+        self, model, cache, tokens, last, window_slots, num_draft_tokens, temperatures, pick=None
+    ):
+        return v41_static_draft(
+            model, cache, tokens, last, window_slots, num_draft_tokens, temperatures, pick
+        )
 
-    def draft_output(self, tokens, confidence, positions) -> DraftOutput:
-        return DraftOutput(tokens, None, confidence, None, positions)
+    def draft_output(self, tokens, confidence, positions, probs=None) -> DraftOutput:
+        return DraftOutput(tokens, None, confidence, None, positions, probs)
 
 
 FAMILY = register_family(DeepseekV41Family())

@@ -1,4 +1,4 @@
-"""The graph-safe greedy draft and why a model cannot run it."""
+"""The graph-safe draft (greedy, or a graph-safe row sampler) and why a model cannot run it."""
 
 from __future__ import annotations
 
@@ -29,12 +29,14 @@ def v41_static_draft(
     window_slots: torch.Tensor,
     num_draft_tokens: int,
     temperatures: torch.Tensor,
+    pick=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The graph-safe greedy draft (`drafter.draft_blocks_static`): every input a device tensor of fixed
+    """The graph-safe draft (`drafter.draft_blocks_static`): every input a device tensor of fixed
     shape, no host sync. `next_tokens`, `last_positions` long [N]; `window_slots` long [N, W] the
     `draft_main.*` slots of each sequence's window (`draft_window_slots(..., width=W)`); `temperatures`
-    [k] the confidence temperatures. Each row equals `v41_paged_draft` with a greedy sampler for the
-    same sequence, last position and next token. -> (tokens, logits, confidence, hidden, positions)."""
+    [k] the confidence temperatures; `pick(logits [N, V], s)` -> [N] a graph-safe row sampler (None:
+    greedy). Each row equals `v41_paged_draft` with the same sampler (greedy: `greedy`) for the same
+    sequence, last position and next token. -> (tokens, logits, confidence, hidden, positions)."""
     cfg, w = model.config, model.weights
     windows = torch.stack([cache.read(f"draft_main.{b}", window_slots) for b in range(len(w.drafter.blocks))])
     with batch_invariant.sync_free():  # (batch-invariant mode's CPU paths: no value-dependent branch)
@@ -51,4 +53,5 @@ def v41_static_draft(
             model.act_dtype,
             model.kvq,
             static_moe(model, cfg.dspark.num_experts_per_tok),
+            pick,
         )
