@@ -119,8 +119,9 @@ class DecodeGraphSettings:
     most of which a given workload never uses. `batch_invariant`: replay graphs in batch-invariant mode
     too (the static step is bitwise the eager batch-invariant step on the CPU, and its replay the static
     step on an H200: `test_cuda_graphs_gpu.py`); False runs such steps eagerly. `draft`: DSpark drafts
-    (greedy, and sampled ones without logits processors) through CUDA graphs as well (`draft_graphs.DraftGraphRunner`; bitwise the eager draft on the
-    CPU, replay checked on an H200: `test_draft_graphs_gpu.py`); False keeps them eager. `compile`: a
+    (greedy, and sampled ones without logits processors) through CUDA graphs as well
+    (`draft_graphs.DraftGraphRunner`; bitwise the eager draft on the CPU, the greedy replay checked on
+    an H200: `test_draft_graphs_gpu.py`); False keeps them eager. `compile`: a
     `torch.compile` backend ("inductor" on CUDA; `runtime.compiled`) for the static step of the default
     mode before it is captured (fuses the elementwise ops between the GEMMs); None runs it as written."""
 

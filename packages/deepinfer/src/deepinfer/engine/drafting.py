@@ -92,9 +92,9 @@ class DraftRowSampler:
     The uniforms of every sampled row and draft step are computed on the device at the first draw
     (`stream_uniforms_tensor`) from one host-to-device copy of the rows' keys; q of each step is kept
     (rejection sampling needs it). `static_sampling` describes the rows to the sampled draft graph,
-    which then draws in the sampler's place (and this sampler draws nothing). Nothing is read back to the host, except for rows whose logits
-    processors (penalties, bad words) read the seen tokens: their drafts so far are output tokens to
-    the next draft's processors, read back once per draft step."""
+    which then draws in the sampler's place (and this sampler draws nothing). Nothing is read back to
+    the host, except for rows whose logits processors (penalties, bad words) read the seen tokens: their
+    drafts so far are output tokens to the next draft's processors, read back once per draft step."""
 
     def __init__(self, requests: list[DraftRequest], device: torch.device) -> None:
         self.requests = requests
