@@ -50,24 +50,24 @@ if [ "${SPEED:-1}" = 1 ]; then
             --repeats 2 --output-json "$OUT/speed_batch$batch.json" 2>&1 | tail -25
     done
 fi
-if [ "${UNTRAINED:-0}" = 1 ]; then
-    el "bench throughput, built-in model (untrained drafter), nextn 5 vs drafts off, 256 sequences"
-    DEEPINFER_USE_NEXTN_DECODE=5 python3 -m deepinfer.cli bench throughput --num-requests 256 --max-num-seqs 256 \
-        --min-input-len 64 --max-input-len 128 --min-output-len 64 --max-output-len 120 --loops async \
-        --repeats 2 --output-json "$OUT/speed_untrained.json" 2>&1 | tail -25
-fi
 if [ "${TRACE:-0}" = 1 ]; then  # the draft policy step by step (benchmarks/spec/trace_draft_policy.py)
     for run in "--model $MODEL --num-seqs 1" "--model $MODEL --num-seqs 64" "--num-seqs 64"; do
         el "trace_draft_policy.py $run"
-        DEEPINFER_USE_NEXTN_DECODE=5 python3 benchmarks/spec/trace_draft_policy.py $run --max-tokens 64 2>&1 | tail -24
+        DEEPINFER_USE_NEXTN_DECODE=5 timeout 120 python3 benchmarks/spec/trace_draft_policy.py $run --max-tokens 64 2>&1 | tail -24
     done
 fi
 if [ "${SPEC:-0}" = 1 ]; then  # the oracle and the trained drafter against drafts off, on code prompts
     for run in "1 3" "1 5" "64 5"; do
         set -- $run
         el "bench_spec_engine.py: batch $1, nextn $2, code prompts"
-        python3 benchmarks/spec/bench_spec_engine.py --model "$MODEL" --device cuda --prompts code --prompt-len 128 \
+        timeout 150 python3 benchmarks/spec/bench_spec_engine.py --model "$MODEL" --device cuda --prompts code --prompt-len 128 \
             --max-tokens 256 --batch "$1" --nextn "$2" --out "$OUT/spec_engine_batch$1_nextn$2.json" 2>&1 | tail -9
     done
+fi
+if [ "${UNTRAINED:-0}" = 1 ]; then
+    el "bench throughput, built-in model (untrained drafter), nextn 5 vs drafts off, 256 sequences"
+    DEEPINFER_USE_NEXTN_DECODE=5 python3 -m deepinfer.cli bench throughput --num-requests 256 --max-num-seqs 256 \
+        --min-input-len 64 --max-input-len 128 --min-output-len 64 --max-output-len 120 --loops async \
+        --repeats 2 --output-json "$OUT/speed_untrained.json" 2>&1 | tail -25
 fi
 el "done"
