@@ -12,7 +12,8 @@
 #           TIER_PREFIXES (3) prefixes of TIER_PREFIX_LEN (16384) tokens, each revisited after the device cache
 #           evicted it: TTFT of a revisit with the host / disk tier against recomputing it;
 #   disagg  benchmarks/engine/bench_disagg.py on the same checkpoint: long prompts (DISAGG_PROMPT_LEN, 8192) beside
-#           long outputs, a PROMPT and a COMPLETION engine process sharing the card against one NORMAL engine.
+#           long outputs, a PROMPT and a COMPLETION engine process sharing the card against one NORMAL engine
+#           (2,048 KV blocks each: engines that share a card size their caches explicitly).
 # Results (flat JSON records, logs) go to $OUT (device tool) or benchmarks/out/service-gpu.
 set -uo pipefail
 START=$(date +%s)
@@ -51,7 +52,7 @@ fi
 if has disagg; then
     el "bench_disagg.py: prompts of ${DISAGG_PROMPT_LEN:-8192} tokens beside long outputs"
     timeout "${DISAGG_LIMIT_S:-240}" python3 benchmarks/engine/bench_disagg.py --model "$long" --device cuda \
-        --gpu-memory-utilization 0.4 --num-long-prompts 8 --long-prompt-len "${DISAGG_PROMPT_LEN:-8192}" \
+        --num-kv-blocks 2048 --num-long-prompts 8 --long-prompt-len "${DISAGG_PROMPT_LEN:-8192}" \
         --num-long-outputs 16 --long-output-tokens 256 --block-size 64 \
         --output-json "$OUT/bench_disagg.json" > "$OUT/bench_disagg.log" 2>&1
     echo "rc=$?"; tail -20 "$OUT/bench_disagg.log"
