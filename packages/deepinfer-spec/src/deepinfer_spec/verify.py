@@ -276,7 +276,7 @@ class DraftVerifier:
         """Verify the packed drafts of a batch.
 
         target_probs: [Σ (1 + k_i), V] target distributions (for greedy rows logits work as well), on
-            the device the verification runs on. A row may allow no token: -inf everywhere (a greedy
+            the device the verification runs on; widened to float64 unless every request is greedy. A row may allow no token: -inf everywhere (a greedy
             row's masked logits) or zero mass (a sampled row); see `VerifyResult.no_token`.
         draft_tokens: [Σ k_i] draft ids; a negative id (padding) is always rejected. Best passed from
             the host (a list): a device tensor costs one extra copy back.
@@ -291,7 +291,9 @@ class DraftVerifier:
         )
         ks, vocab, dev = batch.ks, target_probs.shape[1], batch.dev
         forced = self._forced_rows(golden, ks, vocab)
-        target = target_probs.double()
+        # every request greedy: only argmaxes and the maxima's finiteness are read, and widening to float64
+        # is exact and keeps the order, so the rows as given answer both (no widened copy of every row)
+        target = target_probs.double() if len(batch.sampled) else target_probs
         checks: list[tuple[torch.Tensor, str]] = []  # (device flag, error): raised after the one copy back
         # coupled: a sampled row's argmax is never read (its token is its plain draw), so only greedy rows
         # take one; their no-token check reads it, the sampled rows' reads their plain draw's total

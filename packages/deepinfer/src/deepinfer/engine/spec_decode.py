@@ -106,6 +106,8 @@ def verify_logits(
     # float32 before widening: probabilities are never infinite, so that is the float64 zeroing)
     if len(sampled) == len(rows):  # (every row sampled: the distributions are the whole target)
         target = filtered_probs(masked, rows).nan_to_num_(nan=0.0).double()
+    elif not sampled:  # every row greedy: the verifier takes argmaxes of the logits as they are
+        target = masked
     else:
         target = masked.double()
     if sampled and len(sampled) < len(rows):
