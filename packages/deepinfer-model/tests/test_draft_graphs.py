@@ -20,9 +20,9 @@ from deepinfer_model.models.deepseek_v41.paged import draft_last_positions, draf
 from deepinfer_model.runner import StepBatch
 from deepinfer_model.runtime import DraftSampling, PagedRunner
 from deepinfer_model.runtime.cuda_graphs import DecodeGraphSettings
-from deepinfer_model.sampling import RowParams, filtered_probs
+from deepinfer_model.sampling import RowParams
+from deepinfer_model.testing.draft_reference import PerRowDraftReference
 from deepinfer_model.testing.no_sync import HostSyncError, no_host_sync
-from deepinfer_spec import Purpose, int64_bits, inverse_cdf, stream_uniform
 
 BLOCK, MAX_CTX, K = 4, 64, 3
 # contexts around the tiny config's sliding window (8): shorter, equal, longer
@@ -208,38 +208,6 @@ def test_ineligible_drafts_run_eagerly(fp32, monkeypatch):
 # -- sampled drafts ------------------------------------------------------------------------------------
 
 
-class _PerRowReference:
-    """A draft row sampler written from the definitions, one row at a time: greedy rows take the argmax,
-    sampled rows draw by inverse CDF from `filtered_probs` of their own row (NaN zeroed, widened to
-    float64) with the uniform of their stream at position + draft step; it keeps each row's q. It also
-    describes itself to the sampled draft graph (`static_sampling`), which then draws in its place."""
-
-    def __init__(self, params, seeds, positions, describe=True):
-        self.params, self.seeds, self.positions = list(params), list(seeds), list(positions)
-        self.num_rows = len(self.params)
-        self.q = [[] for _ in self.params]
-        self.describe = describe
-
-    def pick_rows(self, logits, step):
-        out = []
-        for r, p in enumerate(self.params):
-            if p.greedy:
-                out.append(torch.argmax(logits[r]))
-                continue
-            q = filtered_probs(logits[r][None].float(), [p]).nan_to_num_(nan=0.0)[0].double()
-            u = stream_uniform(self.seeds[r], self.positions[r] + step, Purpose.SAMPLE)
-            out.append(inverse_cdf(q[None], torch.tensor([u], dtype=torch.float64, device=q.device))[0])
-            self.q[r].append(q)
-        return torch.stack(out)
-
-    def static_sampling(self):
-        if not self.describe:
-            return None
-        return DraftSampling(
-            tuple(self.params), int64_bits(self.seeds), np.asarray(self.positions, dtype=np.int64)
-        )
-
-
 SAMPLED_CASES = (  # (sequences, last positions, per-row params): padded buckets 4 and 8, 1 and 3 rows
     (
         [4, 0, 2],
@@ -277,9 +245,9 @@ def _sampled_check(runner, case, seed):
     seeds = [int(s) + 1000 * seed for s in rng.integers(0, 2**62, len(seqs))]
     positions = [int(p) for p in rng.integers(0, 500, len(seqs))]
     g = runner.draft_graphs
-    eager_ref = _PerRowReference(params, seeds, positions)
+    eager_ref = PerRowDraftReference(params, seeds, positions)
     eager = runner.draft(tokens, K, seq_indices=seqs, sampler=eager_ref, last_positions=lasts)
-    static_ref = _PerRowReference(params, seeds, positions)
+    static_ref = PerRowDraftReference(params, seeds, positions)
     before = (g.replays, g.sampled_replays)
     static = runner.draft(
         tokens, K, seq_indices=seqs, sampler=static_ref, last_positions=lasts, tokens_only=True
@@ -306,7 +274,7 @@ def test_static_sampled_draft_equals_eager_sampled_draft(numerics, request):
     assert buckets == {1, 4, 8}
     # the drafts differ from greedy ones (the sampled path is not the argmax in disguise)
     seqs, lasts, _ = SAMPLED_CASES[3]
-    hot = _PerRowReference([RowParams(temperature=5.0, seed=s) for s in range(3)], [1, 2, 3], [0, 0, 0])
+    hot = PerRowDraftReference([RowParams(temperature=5.0, seed=s) for s in range(3)], [1, 2, 3], [0, 0, 0])
     sampled = runner.draft(
         [5, 6, 7], K, seq_indices=seqs, sampler=hot, last_positions=lasts, tokens_only=True
     )
@@ -327,7 +295,7 @@ def test_static_sampled_draft_makes_no_host_sync(bf16_kvq):
     tokens = [5, 6, 7, 8, 9]
     meta, g = runner._last_meta, runner.draft_graphs
     last = draft_last_positions(runner.model, meta, np.asarray(seqs), tokens, lasts)
-    sampling = _PerRowReference(params, range(5), range(5)).static_sampling()
+    sampling = PerRowDraftReference(params, range(5), range(5)).static_sampling()
     g._sampling_buffers()
     slots = draft_window_slots(meta, np.asarray(seqs), last, g.window, g.window)
     g._fill(8, np.asarray(tokens), last, slots, sampling)
@@ -340,10 +308,10 @@ def test_sampled_drafts_that_cannot_replay_run_eagerly(fp32):
     runner = _prefilled(fp32)
     g = runner.draft_graphs
     seqs, lasts, params = SAMPLED_CASES[0]
-    ref = _PerRowReference(params, [1, 2, 3], [4, 5, 6], describe=False)  # no graph-safe description
+    ref = PerRowDraftReference(params, [1, 2, 3], [4, 5, 6], describe=False)  # no graph-safe description
     d = runner.draft([5, 6, 7], K, seq_indices=seqs, sampler=ref, last_positions=lasts, tokens_only=True)
     assert g.replays == 0 and d[0].logits is not None and ref.q[1]
-    ref = _PerRowReference(params, [1, 2, 3], [4, 5, 6])
+    ref = PerRowDraftReference(params, [1, 2, 3], [4, 5, 6])
     d = runner.draft([5, 6, 7], K, seq_indices=seqs, sampler=ref, last_positions=lasts)  # wants logits
     assert g.replays == 0 and d[0].logits is not None and d[0].probs is None
     with pytest.raises(ValueError, match="logits processors"):

@@ -16,10 +16,10 @@ if not torch.cuda.is_available():
 
 from deepinfer_model.models.deepseek_v41 import DeepseekV41ForCausalLM, load_v41, make_v41_checkpoint  # noqa: E402
 from deepinfer_model.runner import StepBatch  # noqa: E402
-from deepinfer_model.runtime import DraftSampling, PagedRunner  # noqa: E402
+from deepinfer_model.runtime import PagedRunner  # noqa: E402
 from deepinfer_model.runtime.cuda_graphs import DecodeGraphSettings  # noqa: E402
-from deepinfer_model.sampling import RowParams, filtered_probs  # noqa: E402
-from deepinfer_spec import Purpose, int64_bits, inverse_cdf, stream_uniform  # noqa: E402
+from deepinfer_model.sampling import RowParams  # noqa: E402
+from deepinfer_model.testing.draft_reference import PerRowDraftReference  # noqa: E402
 
 DEV = torch.device("cuda")
 BLOCK, MAX_CTX, K = 4, 64, 3
@@ -50,8 +50,8 @@ def _runner(model, capture):
     return runner
 
 
-@pytest.mark.parametrize("native", [False, True])
-def test_draft_graph_replay_equals_static_and_eager(path, native, monkeypatch):
+def _model(path, native: bool, monkeypatch):
+    """The checkpoint on the GPU: exact numerics, or native (BF16 activations, FP8 KV)."""
     if native:
         monkeypatch.setenv("DEEPINFER_NUMERICS", "native")
     model = load_v41(path, device=DEV)
@@ -59,6 +59,12 @@ def test_draft_graph_replay_equals_static_and_eager(path, native, monkeypatch):
         model = DeepseekV41ForCausalLM(
             model.config, model.weights, model.engram.vocab, act_dtype=torch.bfloat16, quantize_kv=True
         )
+    return model
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_draft_graph_replay_equals_static_and_eager(path, native, monkeypatch):
+    model = _model(path, native, monkeypatch)
     graphed, static = _runner(model, True), _runner(model, False)
     for i, seqs in enumerate(CASES):
         rng = np.random.default_rng(i)
@@ -94,32 +100,6 @@ def test_draft_graph_replay_equals_static_and_eager(path, native, monkeypatch):
     assert not graphed.draft_graphs.graphs
 
 
-class _PerRowReference:
-    """Per row from the definitions: greedy rows the argmax, sampled rows an inverse-CDF draw from their
-    own `filtered_probs` (NaN zeroed, float64) with their stream's uniform at position + draft step; q
-    kept per row. `static_sampling` lets the sampled draft graph draw in its place."""
-
-    def __init__(self, params, seeds, positions):
-        self.params, self.seeds, self.positions = params, seeds, positions
-        self.num_rows = len(params)
-        self.q = [[] for _ in params]
-
-    def pick_rows(self, logits, step):
-        out = []
-        for r, p in enumerate(self.params):
-            if p.greedy:
-                out.append(torch.argmax(logits[r]))
-                continue
-            q = filtered_probs(logits[r][None].float(), [p]).nan_to_num_(nan=0.0)[0].double()
-            u = stream_uniform(self.seeds[r], self.positions[r] + step, Purpose.SAMPLE)
-            out.append(inverse_cdf(q[None], torch.tensor([u], dtype=torch.float64, device=q.device))[0])
-            self.q[r].append(q)
-        return torch.stack(out)
-
-    def static_sampling(self):
-        return DraftSampling(tuple(self.params), int64_bits(self.seeds), np.asarray(self.positions, np.int64))
-
-
 PARAMS = (  # cycled over the rows of each case: greedy, nucleus + min-p, top-k, plain
     RowParams(temperature=0.0),
     RowParams(temperature=0.8, top_p=0.9, min_p=0.02, seed=3),
@@ -133,13 +113,7 @@ def test_sampled_draft_graph_replay_equals_static_and_eager(path, native, monkey
     """Sampled drafts (`runtime.draft_sampling`): the replay equals the uncaptured static draft bit for bit
     (tokens, confidence, q); against the eager draft with a per-row reference sampler, the tolerances of
     the greedy test above (FP32: same tokens, confidence and q within 1e-5; native: the replay's own)."""
-    if native:
-        monkeypatch.setenv("DEEPINFER_NUMERICS", "native")
-    model = load_v41(path, device=DEV)
-    if native:
-        model = DeepseekV41ForCausalLM(
-            model.config, model.weights, model.engram.vocab, act_dtype=torch.bfloat16, quantize_kv=True
-        )
+    model = _model(path, native, monkeypatch)
     graphed, static = _runner(model, True), _runner(model, False)
     for i, seqs in enumerate(CASES):
         rng = np.random.default_rng(100 + i)
@@ -151,12 +125,12 @@ def test_sampled_draft_graph_replay_equals_static_and_eager(path, native, monkey
         positions = [int(p) for p in rng.integers(0, 500, len(seqs))]
         kw = dict(seq_indices=seqs, last_positions=lasts)
         g = graphed.draft(
-            tokens, K, sampler=_PerRowReference(params, seeds, positions), tokens_only=True, **kw
+            tokens, K, sampler=PerRowDraftReference(params, seeds, positions), tokens_only=True, **kw
         )
         s = static.draft(
-            tokens, K, sampler=_PerRowReference(params, seeds, positions), tokens_only=True, **kw
+            tokens, K, sampler=PerRowDraftReference(params, seeds, positions), tokens_only=True, **kw
         )
-        ref = _PerRowReference(params, seeds, positions)
+        ref = PerRowDraftReference(params, seeds, positions)
         e = static.draft(tokens, K, sampler=ref, **kw)
         for j, (a, b, c) in enumerate(zip(g, s, e)):
             assert torch.equal(a.tokens, b.tokens), ("sampled replay tokens != static", native, seqs)

@@ -17,26 +17,32 @@ BLOCK, K = 4, 3
 PROMPTS = [[0, 17, 99, 4, 250, 61, 8, 130, 7, 9, 11], [5, 6, 7, 8], [100, 3, 42]]
 
 
-def test_greedy_groups_replay_the_draft_graph(tmp_path):
-    torch.set_num_threads(1)
-    model = load_v41(make_v41_checkpoint(tmp_path, seed=2))
+def prefilled_runner(tmp_path, seed: int):
+    """A random-weight V4.1 and its paged runner (uncaptured static graphs, draft count K) after the
+    prefill of PROMPTS as sequences 10, 11, 12."""
+    model = load_v41(make_v41_checkpoint(tmp_path, seed=seed))
     settings = DecodeGraphSettings(4 * (1 + K), 64, 4, capture=False, max_query_len=1 + K)
     runner = PagedRunner(model, num_blocks=12, block_size=BLOCK, decode_graphs=settings)
     tables, nb = [], 0
     for p in PROMPTS:
         tables.append(np.arange(nb, nb + -(-len(p) // BLOCK), dtype=np.int32))
         nb += len(tables[-1])
-    lens = np.array([len(p) for p in PROMPTS])
     runner.execute(
         StepBatch.of(
             seq_ids=np.array([10, 11, 12]),
             start_positions=np.zeros(3, dtype=np.int64),
-            query_lens=lens,
+            query_lens=np.array([len(p) for p in PROMPTS]),
             block_tables=tables,
             input_ids=np.concatenate(PROMPTS),
             logits_lens=np.ones(3, dtype=np.int64),
         )
     )
+    return model, runner
+
+
+def test_greedy_groups_replay_the_draft_graph(tmp_path):
+    torch.set_num_threads(1)
+    model, runner = prefilled_runner(tmp_path, seed=2)
     paged, stateless = PagedDrafter(runner, model), ModelDrafter(model)
 
     def requests(temperature, k=K, **kw):
@@ -78,23 +84,7 @@ def test_sampled_group_static_draft_equals_the_eager_row_sampler(tmp_path):
     bucket (3 sequences, bucket 4), several stream positions and both verification seeds; then the
     paged drafter's proposals against the stateless drafter's."""
     torch.set_num_threads(1)
-    model = load_v41(make_v41_checkpoint(tmp_path, seed=3))
-    settings = DecodeGraphSettings(4 * (1 + K), 64, 4, capture=False, max_query_len=1 + K)
-    runner = PagedRunner(model, num_blocks=12, block_size=BLOCK, decode_graphs=settings)
-    tables, nb = [], 0
-    for p in PROMPTS:
-        tables.append(np.arange(nb, nb + -(-len(p) // BLOCK), dtype=np.int32))
-        nb += len(tables[-1])
-    runner.execute(
-        StepBatch.of(
-            seq_ids=np.array([10, 11, 12]),
-            start_positions=np.zeros(3, dtype=np.int64),
-            query_lens=np.array([len(p) for p in PROMPTS]),
-            block_tables=tables,
-            input_ids=np.concatenate(PROMPTS),
-            logits_lens=np.ones(3, dtype=np.int64),
-        )
-    )
+    model, runner = prefilled_runner(tmp_path, seed=3)
     g = runner.draft_graphs
     for trial, (params, draft_seed) in enumerate(
         [(MIXED, None), (MIXED[::-1], 77), ([MIXED[1], MIXED[2], MIXED[1]], None)]
