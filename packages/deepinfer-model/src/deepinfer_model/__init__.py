@@ -47,6 +47,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     ".runner": ("StepBatch",),
     ".runtime": (
         "BlockPayload",
+        "DraftSampling",
         "PayloadError",
         "cache_layout",
         "cache_specs",

@@ -29,7 +29,9 @@ import torch
 from deepinfer_spec import Purpose, inverse_cdf, stream_uniforms_tensor
 
 from ..sampling.params import RowParams
-from ..sampling.transform import filter_probs, filter_values
+
+# (`sampling.transform` imports `runtime.device`, whose package imports this module: the filters are
+# imported where they are used, so that either package may be imported first)
 
 # the sampling columns of one drafting row, in this order
 SAMPLED, TEMPERATURE, TOP_P, TOP_K, MIN_P, SEED, POSITION = range(7)
@@ -77,6 +79,8 @@ class DraftSampling:
 
     def columns(self, vocab: int) -> np.ndarray:
         """int64 [rows, NUM_COLUMNS]: the rows' sampling columns."""
+        from ..sampling.transform import filter_values
+
         temps, top_p, top_k, min_p = filter_values(list(self.params), vocab)
         out = np.empty((len(self.params), NUM_COLUMNS), dtype=np.int64)
         out[:, SAMPLED] = self.sampled
@@ -124,6 +128,8 @@ class StaticDraftSampler:
             raise ValueError(
                 f"StaticDraftSampler: logits {tuple(logits.shape)} must be [{self.num_rows}, {self.vocab}]"
             )
+        from ..sampling.transform import filter_probs
+
         probs = filter_probs(
             logits.float(),
             self.temps,

@@ -41,8 +41,14 @@ from typing import Protocol
 
 import numpy as np
 import torch
-from deepinfer_model import RowParams, filtered_probs, model_device, process_logits_, to_device
-from deepinfer_model.runtime import DraftSampling
+from deepinfer_model import (
+    DraftSampling,
+    RowParams,
+    filtered_probs,
+    model_device,
+    process_logits_,
+    to_device,
+)
 from deepinfer_spec import (
     DRAFT_SEED_OFFSET,
     Purpose,
