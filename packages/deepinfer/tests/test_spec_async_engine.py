@@ -287,13 +287,15 @@ def test_a_step_error_in_a_plain_phase_fails_only_its_requests(v41, plain, engin
     engine.close()
 
 
-def test_preemption_while_plain_steps_run_ahead(v41):
+def test_preemption_while_plain_steps_run_ahead(v41, frozen_clock):
     """A KV pool too small for both sequences: schedules made while a step is in flight preempt, the
     preempted sequence recomputes and starts over in the draft policy (a new sequence, as in the
-    synchronous loop); the tokens are those of drafts off and every block comes back."""
-    # a second block each after 12 tokens (3 blocks exist): past the first drafting steps and the first
-    # probe, while the wrong drafter's sequences have backed off and plain steps run ahead
-    prompts = [list(range(40, 44)), list(range(90, 94))]
+    synchronous loop); the tokens are those of drafts off and every block comes back. (The clock is frozen:
+    when the policy backs off, and so whether the loop runs ahead at the preemption, must not depend on
+    the machine's load.)"""
+    # a second block each after 10 tokens (3 blocks exist): past the first drafting steps, while the wrong
+    # drafter's sequences have backed off and plain steps run ahead, before the first probe
+    prompts = [list(range(40, 46)), list(range(90, 96))]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     ref_engine = make_engine(v41, nextn=0, num_kv_blocks=3, max_model_len=48)
     ref = tokens(run(ref_engine, params, prompts=prompts))
