@@ -4,8 +4,9 @@ The workload: many short prompts, a few very long ones, and groups of prompts th
 shuffled and submitted in waves (`--waves`, `--wave-gap-s` apart) to a data-parallel engine, once per
 policy (`dp_routing`), each on fresh rank processes. Per policy, from the ranks' own step traces: each
 rank's busy time (the steps it ran with work), their spread (max / mean), the total wall time, the
-perfectly balanced lower bound (sum of busy time / ranks) and total / bound; the prefix-cache hit rate
-the ranks measured; what the router did (moves, prefix-affine routings); and whether every output equals
+perfectly balanced lower bound (the busy time shared evenly over the ranks; with waves also, for each
+wave, its arrival plus the work done after it shared evenly: the waiting for arrivals is nobody's
+imbalance) and total / bound; the prefix-cache hit rate the ranks measured; what the router did (moves, prefix-affine routings); and whether every output equals
 the first policy's (they must: routing never changes a request's tokens).
 
     uv run --no-sync python benchmarks/bench_dp_balance.py --dp 2 --num-short 32 --num-long 3
@@ -99,14 +100,23 @@ def refuse_tracked(path: Path) -> None:
         sys.exit(f"--out {path} is a committed file; choose another path")
 
 
-def busy_seconds(trace: dict) -> float:
-    """A rank's time in steps that had work (a step with nothing running, waiting, emitted or finished is
-    the rank's loop noticing it is done)."""
-    return sum(
-        s["seconds"]
-        for s in trace["steps"]
-        if s["running"] or s["waiting"] or s["emitted_tokens"] or s["finished"]
-    )
+def busy_steps(trace: dict) -> list[dict]:
+    """A rank's steps that had work (a step with nothing running, waiting, emitted or finished is the
+    rank's loop noticing it is done)."""
+    return [s for s in trace["steps"] if s["running"] or s["waiting"] or s["emitted_tokens"] or s["finished"]]
+
+
+def balanced_bound(traces: list[dict], arrivals: list[float], t0: float, ranks: int) -> float:
+    """Seconds from t0 that perfectly balanced ranks would need at least for the work these ranks did:
+    all of it shared evenly, and, for each wave arriving at `arrivals[w]` (perf_counter times, as the
+    ranks' step ends), the work the ranks did from then on shared evenly after it (a step that began
+    before the arrival counts for its part after it)."""
+    steps = [s for t in traces for s in busy_steps(t)]
+    bound = sum(s["seconds"] for s in steps) / ranks
+    for arrival in arrivals:
+        after = sum(min(s["seconds"], max(0.0, s["end"] - arrival)) for s in steps)
+        bound = max(bound, arrival - t0 + after / ranks)
+    return bound
 
 
 def run_policy(args, model: str, policy: str, prompts: list[list[int]]) -> tuple[dict, dict]:
@@ -125,9 +135,10 @@ def run_policy(args, model: str, policy: str, prompts: list[list[int]]) -> tuple
         waves = [prompts[i :: args.waves] for i in range(args.waves)]
         outputs: dict[str, list[int]] = {}
         t0 = time.perf_counter()
-        next_wave, n = 0, 0
+        next_wave, n, arrivals = 0, 0, []
         while next_wave < len(waves) or engine.has_unfinished_requests():
             if next_wave < len(waves) and time.perf_counter() - t0 >= next_wave * args.wave_gap_s:
+                arrivals.append(time.perf_counter())
                 for prompt in waves[next_wave]:
                     engine.add_request(f"w{next_wave}-{n}", None, params, prompt_token_ids=prompt)
                     n += 1
@@ -140,9 +151,9 @@ def run_policy(args, model: str, policy: str, prompts: list[list[int]]) -> tuple
         traces = engine.step_traces()
         after = engine.scheduler_stats()
         routing = engine.routing_stats()
-    busy = [busy_seconds(t) for t in traces]
+    busy = [sum(s["seconds"] for s in busy_steps(t)) for t in traces]
     mean = sum(busy) / len(busy)
-    bound = sum(busy) / args.dp
+    bound = balanced_bound(traces, arrivals, t0, args.dp)
     query = after["prefix_cache_query_tokens"] - before["prefix_cache_query_tokens"]
     hit = after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"]
     record = {

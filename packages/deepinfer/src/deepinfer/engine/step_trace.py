@@ -32,6 +32,9 @@ class StepRecord:
     finished: int  # requests that finished in the step
     forwards: int  # forwards this rank had submitted after the step (equal across an EP group)
     events: tuple[str, ...] = ()  # EPLB events charged to the step (kinds, one per event)
+    # time.perf_counter() when the step ended: the host's monotonic clock, which every process of one
+    # host shares, so a front can place the ranks' steps against its own times
+    end: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -77,7 +80,7 @@ class StepTrace:
                 keep.append((kind, a, b))
         self._events.extendleft(reversed(keep))
         self._last_end = end
-        rec = StepRecord(seconds=end - start, events=tuple(charged), **fields)
+        rec = StepRecord(seconds=end - start, events=tuple(charged), end=end, **fields)
         self._records.append(rec)
         return rec
 
