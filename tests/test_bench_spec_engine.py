@@ -41,3 +41,23 @@ def test_bad_arguments_name_the_flag(tmp_path):
         bench.main(["--configs", "oracle", "--out", str(tmp_path / "x.json")])
     with pytest.raises(SystemExit, match="--batch must be >= 1"):
         bench.main(["--batch", "0", "--out", str(tmp_path / "x.json")])
+
+
+def test_code_prompts_are_the_starts_of_this_repositorys_sources():
+    """--prompts code: --batch prompts of --prompt-len ids, each the start of a Python source file here,
+    in the model's vocabulary (the built-in checkpoint's tokenizer)."""
+    from types import SimpleNamespace
+
+    from deepinfer.default_model import resolve_model
+    from deepinfer.tokenizer import load_tokenizer
+
+    path, _ = resolve_model(None)
+    tokenizer = load_tokenizer(path)
+    engine = SimpleNamespace(tokenizer=tokenizer, vocab_size=tokenizer.get_vocab_size())
+    args = SimpleNamespace(prompts="code", batch=3, prompt_len=40, model=path)
+    prompts = bench.make_prompts(engine, args)
+    assert len(prompts) == 3 and all(len(p) == 40 for p in prompts) and len({tuple(p) for p in prompts}) == 3
+    sources = [f.read_text() for f in sorted(bench.ROOT.glob("packages/*/src/**/*.py"))]
+    for p in prompts:
+        text = tokenizer.decode(p)
+        assert any(s.startswith(text) for s in sources), text
