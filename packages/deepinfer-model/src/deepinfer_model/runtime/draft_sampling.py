@@ -74,8 +74,11 @@ class DraftSampling:
         return np.array([not p.greedy for p in self.params], dtype=bool)
 
     def needs_sort(self, vocab: int) -> bool:
-        """Whether a sampled row filters by top-p or top-k (the eager sampler's condition for sorting)."""
-        return any(not p.greedy and (p.top_p < 1.0 or 0 < p.top_k < vocab) for p in self.params)
+        """Whether a sampled row filters by top-p or top-k (the eager sampler filters its sampled rows
+        alone, with this condition for sorting)."""
+        from ..sampling.transform import needs_sort
+
+        return needs_sort([p for p in self.params if not p.greedy], vocab)
 
     def columns(self, vocab: int) -> np.ndarray:
         """int64 [rows, NUM_COLUMNS]: the rows' sampling columns."""

@@ -26,6 +26,11 @@ def filter_values(rows: list[RowParams], vocab: int) -> tuple[np.ndarray, np.nda
     return temps, top_p, top_k, min_p
 
 
+def needs_sort(rows: list[RowParams], vocab: int) -> bool:
+    """Whether a row filters by top-p or top-k: the filter's sort pass runs for the batch."""
+    return any(r.top_p < 1.0 or 0 < r.top_k < vocab for r in rows)
+
+
 def filtered_probs(logits: torch.Tensor, rows: list[RowParams]) -> torch.Tensor:
     """float32 probabilities [B, V] (zeros where filtered, not renormalised) for sampled rows.
 
@@ -36,7 +41,7 @@ def filtered_probs(logits: torch.Tensor, rows: list[RowParams]) -> torch.Tensor:
     temps, top_p, top_k, min_p = filter_values(rows, vocab)
     # (per-row values reach the device through pinned asynchronous copies: no wait for the device here;
     # the sort and the min-p pass run only when a row asks for them)
-    need_sort = any(r.top_p < 1.0 or 0 < r.top_k < vocab for r in rows)
+    need_sort = needs_sort(rows, vocab)
     return filter_probs(
         logits,
         to_device(temps, device),
