@@ -199,12 +199,10 @@ class PagedRunner:
         if TOKEN_IDS in self.cache.pools:
             self.cache.write(TOKEN_IDS, meta.write_slots, meta.input_ids)
         self.metadata_s += time.perf_counter() - t0
-        if images is not None:
-            logits = self.family.forward(self.model, meta, self.cache, extras, row_split=split, images=images)
-        elif split is None:
-            logits = self.family.forward(self.model, meta, self.cache, extras)
-        else:
-            logits = self.family.forward(self.model, meta, self.cache, extras, row_split=split)
+        # (a family's forward takes `row_split` / `images` only where its models can: passed when set)
+        optional = {"row_split": split, "images": images}
+        kwargs = {k: v for k, v in optional.items() if v is not None}
+        logits = self.family.forward(self.model, meta, self.cache, extras, **kwargs)
         self._last_meta = meta
         self._last_seq_ids = np.asarray(batch.seq_ids, dtype=np.int64)
         return logits
