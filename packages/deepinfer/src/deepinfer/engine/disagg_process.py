@@ -32,6 +32,7 @@ from ..outputs import RequestMetrics, RequestOutput
 from .handoff import HandoffRecord
 from .llm_engine import LLMEngine
 from .pd_roles import DecodeFull
+from .prompts import engine_prompt
 from .rank_process import _Heartbeat
 from .rank_streaming import StreamedRequests
 
@@ -157,8 +158,7 @@ def _handle(engine: LLMEngine, msg, sender: _Sender, to_mark: set[str]) -> bool:
         failed = []
         for rid, prompt, ids, params, seeds, arrival, images in msg[1]:
             try:
-                # with images: the prepared images and the prompt ids as given (`ids` are the front's text ids)
-                mm, given = (None, ids) if images is None else images
+                given, mm = engine_prompt(ids, images)
                 engine.add_request(
                     rid, prompt, params, prompt_token_ids=given, arrival_time=arrival, seeds=seeds,
                     multi_modal_data=mm,

@@ -60,6 +60,17 @@ class PromptChecks:
         return self.encode(prompt), images
 
 
+def engine_prompt(ids: list[int], images: tuple | None) -> tuple[list[int] | None, object | None]:
+    """What an engine's `add_request` takes for a request a front sent (`PromptChecks.front_request`'s
+    ids and images): (prompt_token_ids, multi_modal_data). Text only: the front's ids, no images. With
+    images: the prompt ids as the caller gave them (the front's are the text's) and the prepared images,
+    which the engine expands."""
+    if images is None:
+        return ids, None
+    prepared, given = images
+    return given, prepared
+
+
 def front_seeds(rng: random.Random, params: SamplingParams) -> list[int] | None:
     """A front's seeds for a request's n samples, drawn from one stream in arrival order as one engine
     draws them (so sampled outputs do not depend on the layout); None when it carries seq_seed."""

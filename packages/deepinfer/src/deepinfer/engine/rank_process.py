@@ -26,6 +26,7 @@ from ..outputs import RequestMetrics, RequestOutput
 from .dp_balance import RankLoad, request_cost
 from .dp_rank import DataParallelRank
 from .llm_engine import LLMEngine
+from .prompts import engine_prompt
 from .rank_streaming import StreamedRequests
 from .step_trace import StepTrace
 
@@ -280,8 +281,7 @@ def _handle(
         failed = []
         for rid, prompt, ids, params, seeds, images in msg[1]:
             try:
-                # with images: the prepared images and the prompt ids as given (`ids` are the front's text ids)
-                mm, given = (None, ids) if images is None else images
+                given, mm = engine_prompt(ids, images)
                 engine.add_request(
                     rid, prompt, params, prompt_token_ids=given, seeds=seeds, multi_modal_data=mm
                 )
