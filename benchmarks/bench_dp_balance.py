@@ -6,8 +6,9 @@ policy (`dp_routing`), each on fresh rank processes. Per policy, from the ranks'
 rank's busy time (the steps it ran with work), their spread (max / mean), the total wall time, the
 perfectly balanced lower bound (the busy time shared evenly over the ranks; with waves also, for each
 wave, its arrival plus the work done after it shared evenly: the waiting for arrivals is nobody's
-imbalance) and total / bound; the prefix-cache hit rate the ranks measured; what the router did (moves, prefix-affine routings); and whether every output equals
-the first policy's (they must: routing never changes a request's tokens).
+imbalance) and total / bound; the prefix-cache hit rate the ranks measured; what the router did
+(moves, prefix-affine routings); and whether every output equals the first policy's (they must: routing
+never changes a request's tokens).
 
     uv run --no-sync python benchmarks/bench_dp_balance.py --dp 2 --num-short 32 --num-long 3
 

@@ -1,5 +1,5 @@
-"""benchmarks/bench_dp_balance.py's lower bound: the busy time shared evenly over the ranks, and with waves the
-work done after each arrival shared evenly after it, against hand-computed values."""
+"""benchmarks/bench_dp_balance.py's lower bound: the busy time shared evenly over the ranks, and with waves
+the work done after each arrival shared evenly after it, against hand-computed values."""
 
 from __future__ import annotations
 

@@ -276,8 +276,9 @@ class DraftVerifier:
         """Verify the packed drafts of a batch.
 
         target_probs: [Σ (1 + k_i), V] target distributions (for greedy rows logits work as well), on
-            the device the verification runs on; widened to float64 unless every request is greedy. A row may allow no token: -inf everywhere (a greedy
-            row's masked logits) or zero mass (a sampled row); see `VerifyResult.no_token`.
+            the device the verification runs on; widened to float64 unless every request is greedy. A
+            row may allow no token: -inf everywhere (a greedy row's masked logits) or zero mass (a
+            sampled row); see `VerifyResult.no_token`.
         draft_tokens: [Σ k_i] draft ids; a negative id (padding) is always rejected. Best passed from
             the host (a list): a device tensor costs one extra copy back.
         draft_probs:  [Σ k_i, V] draft distributions q; needed when a sampled request verifies drafts. A

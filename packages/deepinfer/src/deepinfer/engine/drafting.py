@@ -297,7 +297,8 @@ class PagedDrafter:
                 probs = [None] * len(reqs)
             elif sampler.q is not None:  # the eager draft: the sampler drew and kept q
                 probs = sampler.probs()
-            else:  # the sampled draft graph drew in its place: q in the outputs (None for greedy rows)
+            else:  # the sampled draft graph drew in its place (or no row sampled): q in the outputs,
+                # None for greedy rows
                 probs = [d.probs for d in drafts]
             for (r, _), d, q in zip(members, drafts, probs):
                 out[r] = (d.tokens, d.confidence, q)
