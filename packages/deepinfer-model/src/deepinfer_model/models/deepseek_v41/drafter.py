@@ -184,15 +184,15 @@ def draft_blocks_static(
     moe_fn: MoEFn | None = None,
     pick: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`draft_blocks` with a greedy sampler (or the graph-safe row sampler `pick`), graph-safe: every
-    input a device tensor, every shape fixed by N, Bd and the model, no host sync (CUDA-graph
-    capturable). `windows` [Ld, N, W, D]: sequence k's main keys of positions `last_k - L_k + 1 ..
-    last_k` in columns `0 .. L_k - 1` (L_k = min(last_k + 1, W)), later columns finite (never read);
-    `next_tokens`, `last_positions` long [N]; `temperatures` [Bd] (device). -> (tokens long [N, Bd], FP32 logits [N, Bd, V], FP32 confidence [N, Bd], hidden
-    [N, Bd, H], positions long [N, Bd]), each row bitwise `draft_blocks`' (greedy) for the sequence
-    (the layout differs only in masked padding columns, `_fixed_span`; batch-invariant mode
-    computes every key tile product instead of a host-planned subset). `pick(logits [N, V], s)` -> [N]
-    (a `RowSampler.pick_rows` without host syncs) replaces the argmax of every row."""
+    """`draft_blocks` with a greedy sampler (or the graph-safe row sampler `pick`), graph-safe: every input a
+    device tensor, every shape fixed by N, Bd and the model, no host sync (CUDA-graph capturable). `windows`
+    [Ld, N, W, D]: sequence k's main keys of positions `last_k - L_k + 1 .. last_k` in columns `0 .. L_k - 1`
+    (L_k = min(last_k + 1, W)), later columns finite (never read); `next_tokens`, `last_positions` long [N];
+    `temperatures` [Bd] (device). -> (tokens long [N, Bd], FP32 logits [N, Bd, V], FP32 confidence [N, Bd],
+    hidden [N, Bd, H], positions long [N, Bd]), each row bitwise `draft_blocks`' (greedy) for the sequence
+    (the layout differs only in masked padding columns, `_fixed_span`; batch-invariant mode computes every key
+    tile product instead of a host-planned subset). `pick(logits [N, V], s)` -> [N] (a `RowSampler.pick_rows`
+    without host syncs) replaces the argmax of every row."""
     bd, W = num_draft_tokens, cfg.sliding_window
     n = next_tokens.shape[0]
     if windows.dim() != 4 or windows.shape[1] != n or windows.shape[2] != W or last_positions.shape != (n,):
