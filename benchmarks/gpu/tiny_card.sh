@@ -17,15 +17,18 @@
 # (benchmarks/spec/trace_draft_policy.py) on MODEL at batch 1 and 64 and on the built-in model at 64.
 # SPEC=1 runs benchmarks/spec/bench_spec_engine.py on MODEL with this repository's code as prompts: drafts off,
 # always-right recorded drafts (the oracle) and MODEL's drafter, at batch 1 with nextn 3 and 5 and at batch 64
-# with nextn 5 (spec_engine_batch*_nextn*.json).
+# with nextn 5 (spec_engine_batch*_nextn*.json). MODEL=builtin: the built-in deepinfer-tiny as a checkpoint (random
+# weights; drafts stay on, as for any checkpoint named by path): the oracle's speed needs no trained drafter.
 set -uo pipefail
 START=$(date +%s)
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 WORK=${WORK:-/tmp/deepinfer-tiny}
 OUT=${OUT:-$ROOT/benchmarks/out/tiny-gpu}
 MODEL=${MODEL:-$WORK/drafter/checkpoint}
-[ -f "$MODEL/config.json" ] || MODEL=$WORK/run/checkpoint
-[ -f "$MODEL/config.json" ] || { echo "no trained checkpoint under $WORK (a fresh machine?)" >&2; exit 3; }
+if [ "$MODEL" != builtin ]; then
+    [ -f "$MODEL/config.json" ] || MODEL=$WORK/run/checkpoint
+    [ -f "$MODEL/config.json" ] || { echo "no trained checkpoint under $WORK (a fresh machine?)" >&2; exit 3; }
+fi
 mkdir -p "$OUT"
 el() { echo "[$(( $(date +%s) - START )) s] $*"; }
 for t in .gpu/pysite.tar.xz .gpu/rpds312.tar.xz; do [ -f "$t" ] && tar -C /tmp -xJf "$t"; done
@@ -35,6 +38,10 @@ el "building deepinfer-sched"
 [ -d /tmp/sched-site/deepinfer_sched ] || python3 -m pip install -q --no-build-isolation --no-deps \
     --target /tmp/sched-site packages/deepinfer-sched > "$OUT/sched_build.log" 2>&1 || { tail -20 "$OUT/sched_build.log"; exit 1; }
 export DEEPINFER_ACCELERATOR=nvidia
+if [ "$MODEL" = builtin ]; then  # the built-in deepinfer-tiny, written as a checkpoint that keeps drafts on
+    MODEL=$(python3 -c 'from deepinfer.default_model import ensure_tiny_model; print(ensure_tiny_model())') || exit 1
+    el "MODEL=builtin: $MODEL (random weights: an untrained drafter)"
+fi
 sections=${CARD_SECTIONS-heldout code dspark}
 if [ -n "$sections" ]; then
     el "model card on $MODEL"
