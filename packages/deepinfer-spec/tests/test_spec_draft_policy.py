@@ -165,6 +165,73 @@ def test_cost_model_fits_a_line_and_falls_back_to_per_sequence_time():
     assert single.get(4) == pytest.approx(np.median([1.0, 1.5, 5.0]) * 4)
 
 
+def reference_cost(samples, m: int) -> float:
+    """LinearCost's definition from scratch in float64: least squares through (size, ms) by the normal
+    equations; a fixed cost where the slope is negative, the line through the origin where the intercept
+    is, the median time per unit while there is one size."""
+    sizes = np.array([s for s, _ in samples], dtype=np.float64)
+    ms = np.array([t for _, t in samples], dtype=np.float64)
+    if len(set(sizes.tolist())) < 2:
+        return float(np.median(ms / sizes)) * m
+    n, sx, sy = len(sizes), sizes.sum(), ms.sum()
+    slope = (n * (sizes * ms).sum() - sx * sy) / (n * (sizes * sizes).sum() - sx * sx)
+    intercept = (sy - slope * sx) / n
+    if slope < 0:
+        return float(ms.mean())
+    if intercept < 0:
+        return float((sizes * ms).sum() / (sizes * sizes).sum()) * m
+    return float(intercept + slope * m)
+
+
+def test_cost_model_follows_every_measurement():
+    """The fit is made once per measurement (a plan asks for hundreds of sizes in between): every answer
+    is the definition's over the samples so far, in the window, after each add, for growing, flat and
+    falling costs and a single size."""
+    rng = random.Random(7)
+    for shape in ("growing", "falling", "fixed", "single"):
+        cost = LinearCost(window=16)
+        seen = []
+        for _ in range(40):
+            m = 8 if shape == "single" else rng.randint(1, 64)
+            ms = {"growing": 0.5 + 0.02 * m, "falling": 3.0 - 0.01 * m, "fixed": 1.0, "single": 0.1 * m}[
+                shape
+            ]
+            ms = max(0.0, ms + rng.uniform(-0.05, 0.05))
+            cost.add(m, ms)
+            seen = (seen + [(m, ms)])[-16:]
+            for ask in (1, 7, 64, 300):
+                assert cost.get(ask) == pytest.approx(reference_cost(seen, ask), rel=1e-9, abs=1e-12)
+        assert cost.get(0) == 0.0
+    cost.add(0, 5.0)  # not a measurement: the fit stays
+    assert cost.get(7) == pytest.approx(reference_cost(seen, 7), rel=1e-9)
+
+
+def test_step_times_priced_at_once_are_the_scalar_ones_bit_for_bit():
+    """A plan prices every total of drafts in one array call (`step_ms_array`, `charged_array`): each value
+    is `step_ms`'s / `charged`'s exactly, NaN where that says None, for bucket and linear curves, with and
+    without extrapolation, before and after sampler and host measurements."""
+    rng = random.Random(11)
+    for trial in range(60):
+        curve = random_curve(rng, rng.randint(1, 40))
+        curve.extrapolate = rng.random() < 0.5
+        policy = DraftPolicy(3, ConfidenceScheduler(3, curve))
+        for _ in range(rng.randint(0, 6) if trial % 3 else 0):
+            m = rng.randint(1, 50)
+            policy.record_step_time(m, rng.uniform(0, 2), verified=rng.random() < 0.5)
+            policy.record_host_time(m, rng.uniform(0, 2), verified=rng.random() < 0.5)
+            policy.rule.forward_estimator.add(m, rng.uniform(-0.01, 0.05))
+        num_seqs = rng.randint(1, 20)
+        tokens = np.arange(num_seqs, num_seqs + 60)
+        priced = policy.step_ms_array(tokens, num_seqs)
+        for n, got in zip(tokens.tolist(), priced.tolist()):
+            want = policy.step_ms(n, num_seqs)
+            assert (want is None and np.isnan(got)) or got == want, (trial, n, got, want)
+        sizes, baselines = curve.charged_array(tokens)
+        for n, size, base in zip(tokens.tolist(), sizes.tolist(), baselines.tolist()):
+            want = curve.charged(n)
+            assert (want is None and np.isnan(base)) or (size, base) == want, (trial, n, size, base, want)
+
+
 def simulate(accept: bool, steps: int, num_seqs: int = 4, nextn: int = 3):
     """A batch decoding `steps` steps with a drafter whose drafts are all right / all wrong (and a head
     that says 0.9 either way): drafted sequences per step."""

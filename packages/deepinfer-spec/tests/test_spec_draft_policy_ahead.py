@@ -62,6 +62,9 @@ def random_policy(rng: random.Random) -> tuple[DraftPolicy, list[int]]:
     return policy, seqs
 
 
+MEMOS = {"_fit", "_cached"}  # fits made from the samples beside them when first asked for: not state
+
+
 def snapshot(value):
     """Everything a policy holds, as comparable plain values (floats exactly)."""
     if isinstance(value, np.ndarray):
@@ -71,7 +74,7 @@ def snapshot(value):
     if isinstance(value, (list, tuple, deque)):
         return [snapshot(v) for v in value]
     if hasattr(value, "__dict__"):
-        return (type(value).__name__, snapshot(vars(value)))
+        return (type(value).__name__, snapshot({k: v for k, v in vars(value).items() if k not in MEMOS}))
     return value
 
 

@@ -88,6 +88,12 @@ def _decay(name: str, value: float) -> float:
     return float(value)
 
 
+def _reach(ms: np.ndarray) -> int:
+    """How many of the leading totals the step-time curve prices (the first NaN ends them)."""
+    beyond = np.flatnonzero(np.isnan(ms))
+    return int(beyond[0]) if beyond.size else len(ms)
+
+
 def _tested(num_verified: int, num_accepted: int) -> int:
     """Drafts whose acceptance was tested: the accepted ones and the first rejected one."""
     return min(num_accepted + 1, num_verified)
@@ -134,24 +140,44 @@ class LinearCost:
 
     def __init__(self, window: int = 64) -> None:
         self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+        # (fixed ms, ms per unit) of the current fit: a plan asks for hundreds of sizes between two
+        # measurements, so the fit is made once per `add`, not per `get`
+        self._fit: tuple[float, float] | None = None
 
     def add(self, num_seqs: int, ms: float) -> None:
         if num_seqs >= 1 and ms >= 0:
             self.samples.append((int(num_seqs), float(ms)))
+            self._fit = None
 
     def get(self, num_seqs: int) -> float:
         if num_seqs <= 0 or not self.samples:
             return 0.0
+        if self._fit is None:
+            self._fit = self._fitted()
+        fixed, per_unit = self._fit
+        return fixed + per_unit * num_seqs  # (0.0 + x and x + 0.0 * m are x: each case's exact value)
+
+    def get_array(self, num_seqs: np.ndarray) -> np.ndarray:
+        """`get` of many sizes at once (bit for bit)."""
+        m = np.asarray(num_seqs, dtype=np.int64)
+        if not self.samples:
+            return np.zeros(m.shape)
+        if self._fit is None:
+            self._fit = self._fitted()
+        fixed, per_unit = self._fit
+        return np.where(m > 0, fixed + per_unit * m, 0.0)
+
+    def _fitted(self) -> tuple[float, float]:
         m = np.asarray([s for s, _ in self.samples], dtype=np.float64)
         t = np.asarray([ms for _, ms in self.samples], dtype=np.float64)
         if np.unique(m).size >= 2:
             slope, intercept = np.polyfit(m, t, 1)
             if slope < 0:  # no growth with m: a fixed cost
-                return float(np.mean(t))
+                return float(np.mean(t)), 0.0
             if intercept < 0:  # the line through the origin
-                return float(m @ t / (m @ m)) * num_seqs
-            return float(intercept + slope * num_seqs)
-        return float(np.median(t / m)) * num_seqs
+                return 0.0, float(m @ t / (m @ m))
+            return float(intercept), float(slope)
+        return 0.0, float(np.median(t / m))
 
 
 @dataclass
@@ -274,6 +300,16 @@ class DraftPolicy:
         sampler = self.verify_sampler if self.verify_sampler.samples else self.plain_sampler
         return forward + sampler.get(num_tokens) + self.verify_host_ms(num_tokens, num_seqs)
 
+    def step_ms_array(self, num_tokens: np.ndarray, num_seqs: int) -> np.ndarray:
+        """`step_ms` of many step sizes over the same num_seqs sequences at once (a plan prices every total
+        of drafts), NaN where the curve does not reach; each value `step_ms`'s, bit for bit."""
+        n = np.asarray(num_tokens, dtype=np.int64)
+        forward = self.rule.forward_ms_array(n)
+        sampler = self.verify_sampler if self.verify_sampler.samples else self.plain_sampler
+        added_host = np.maximum(0.0, self.verify_host.get_array(n) - self.plain_host.get(num_seqs))
+        verify = forward + sampler.get_array(n) + added_host
+        return np.where(n == num_seqs, forward + self.plain_sampler.get_array(n), verify)
+
     def verify_host_ms(self, num_tokens: int, num_seqs: int) -> float:
         """Host milliseconds a verification step of num_tokens rows over num_seqs sequences adds to the
         plain step of those sequences (0 until a verification step's host work is measured; the whole
@@ -292,10 +328,13 @@ class DraftPolicy:
         """A step's predicted milliseconds as a plan charges them: times the plain steps' wall ratio, for a
         drafted step times the larger of the two (a clock that catches plain steps slow does not make
         drafting look cheaper, relative to plain steps, than its parts)."""
-        ratio = self.wall_ratio(False)
-        if drafting:
-            ratio = max(ratio, self.wall_ratio(True))
-        return predicted_ms * ratio
+        return predicted_ms * self.charge_ratios()[drafting]
+
+    def charge_ratios(self) -> tuple[float, float]:
+        """The factors `charged_ms` applies to a plain step and to a drafted one (taken once per plan: the
+        wall ratios change only when a step ends)."""
+        plain = self.wall_ratio(False)
+        return plain, max(plain, self.wall_ratio(True))
 
     def plain_step_ms(self, num_seqs: int) -> float | None:
         """A plain step of num_seqs sequences as plans charge it; None where the curve does not reach."""
@@ -379,21 +418,22 @@ class DraftPolicy:
             ((r, idx, j) for idx in members for j, r in enumerate(self.expected_rates(*candidates[idx]))),
             key=lambda e: (-e[0], e[1], e[2]),
         )
-        best_total, best_expected, best_ms, best_rate, predicted = 0, expected, None, -1.0, None
-        touched: set[int] = set()
-        for total in range(len(ranked) + 1):
-            if total:
-                expected += ranked[total - 1][0]
-                touched.add(ranked[total - 1][1])
-            ms = self.step_ms(tokens + total, num_seqs)
-            if ms is None:
-                break
-            drafting = len(forced) + len(touched)
-            ms += self.cost.get(drafting)
-            charged = self.charged_ms(ms, drafting > 0)
-            if expected / charged > best_rate:
-                best_total, best_expected, best_ms, best_rate = total, expected, charged, expected / charged
-                predicted = ms
+        # every total T of the top-ranked positions priced at once: expected tokens, sequences drafting
+        # (the probes and those the top T touch), the step with their draft forward, as charged
+        seen: set[int] = set()
+        first_touch = [not (idx in seen or seen.add(idx)) for _, idx, _ in ranked]
+        drafting = len(forced) + np.cumsum([0, *first_touch])
+        expected_at = np.cumsum([expected, *(r for r, _, _ in ranked)])  # (sequential, as += is)
+        ms = self.step_ms_array(tokens + np.arange(len(ranked) + 1), num_seqs)
+        reach = _reach(ms)
+        best_total, best_expected, best_ms, predicted = 0, expected, None, None
+        if reach:
+            ms = ms[:reach] + self.cost.get_array(drafting[:reach])
+            ratios = self.charge_ratios()
+            charged = ms * np.where(drafting[:reach] > 0, ratios[1], ratios[0])
+            best_total = int(np.argmax(expected_at[:reach] / charged))  # (the first of equal rates)
+            best_expected, best_ms = float(expected_at[best_total]), float(charged[best_total])
+            predicted = float(ms[best_total])
         chosen = {idx for _, idx, _ in ranked[:best_total]}
         draft, probe = [False] * len(candidates), [False] * len(candidates)
         for idx in forced:
@@ -461,15 +501,10 @@ class DraftPolicy:
         expected = float(num_seqs) + sum(sum(r) for r, p in zip(rates, probing) if p)
         free = [[] if p else r for r, p in zip(rates, probing)]
         ranked = sorted((r for req in free for r in req), reverse=True)
-        best_total, best_rate = 0, -1.0
-        for total in range(len(ranked) + 1):
-            if total:
-                expected += ranked[total - 1]
-            ms = self.step_ms(tokens + total, num_seqs)
-            if ms is None:
-                break
-            if expected / ms > best_rate:
-                best_total, best_rate = total, expected / ms
+        expected_at = np.cumsum([expected, *ranked])  # every total of the best-ranked drafts at once
+        ms = self.step_ms_array(tokens + np.arange(len(ranked) + 1), num_seqs)
+        reach = _reach(ms)
+        best_total = int(np.argmax(expected_at[:reach] / ms[:reach])) if reach else 0
         counts = split_by_rates(best_total, free)
         return [len(r) if p else k for r, p, k in zip(rates, probing, counts)]
 

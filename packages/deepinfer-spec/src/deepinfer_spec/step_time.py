@@ -18,6 +18,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import numpy as np
+
 CURVE_MODES = ("bucket", "linear")
 
 
@@ -70,6 +72,33 @@ class StepTimeCurve:
         s0, s1 = self.sizes[idx - 1], self.sizes[idx]
         m0, m1 = self.forward_ms[idx - 1], self.forward_ms[idx]
         return num_tokens, m0 + (m1 - m0) * (num_tokens - s0) / (s1 - s0)
+
+    def charged_array(self, num_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`charged` of many step sizes at once (a plan prices every total): (sizes charged, baseline ms)
+        as float64 arrays, NaN where the curve does not reach; each value the scalar's, bit for bit (the
+        same operations in the same order)."""
+        n = np.asarray(num_tokens, dtype=np.int64)
+        sizes, ms = np.asarray(self.sizes, dtype=np.int64), np.asarray(self.forward_ms, dtype=np.float64)
+        inside = n <= sizes[-1]
+        idx = np.minimum(np.searchsorted(sizes, n, side="left"), len(sizes) - 1)
+        exact = inside & ((sizes[idx] == n) | (idx == 0) | (self.mode == "bucket"))
+        size = np.where(exact & (self.mode == "bucket"), sizes[idx], n).astype(np.float64)
+        baseline = np.full(n.shape, np.nan)
+        baseline[exact] = ms[idx[exact]]
+        between = inside & ~exact
+        lo = idx[between] - 1
+        s0, s1, m0, m1 = sizes[lo], sizes[lo + 1], ms[lo], ms[lo + 1]
+        baseline[between] = m0 + (m1 - m0) * (n[between] - s0) / (s1 - s0)
+        beyond = ~inside
+        if self.extrapolate and beyond.any():
+            last, last_ms = self.sizes[-1], self.forward_ms[-1]
+            per_token = 0.0
+            if len(self.sizes) > 1:
+                per_token = max(0.0, (last_ms - self.forward_ms[-2]) / (last - self.sizes[-2]))
+            baseline[beyond] = last_ms + per_token * (n[beyond] - last)
+        else:
+            size[beyond] = np.nan
+        return size, baseline
 
     def baseline_ms(self, num_tokens: int) -> float | None:
         charged = self.charged(num_tokens)

@@ -17,6 +17,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .step_time import ForwardRuntimeEstimator, SamplerRuntimeEstimator, StepTimeCurve
@@ -172,6 +173,11 @@ class ConfidenceScheduler:
         if charged is None:
             return None
         size, baseline = charged
+        return baseline + max(0.0, self.forward_estimator.get()) * size
+
+    def forward_ms_array(self, num_tokens: np.ndarray) -> np.ndarray:
+        """`forward_ms` of many step sizes at once, NaN where the curve does not reach (bit for bit)."""
+        size, baseline = self.curve.charged_array(num_tokens)
         return baseline + max(0.0, self.forward_estimator.get()) * size
 
     def step_ms(self, num_tokens: int, num_seqs: int) -> float | None:
