@@ -1,7 +1,8 @@
 """Decode CUDA graphs on the GPU: graph replays equal the eager paged step for several batch
 sizes, padded ones included, in exact and native numerics; the static step replayed from a graph
 equals the same static step run without a graph bit for bit, with one context tier and with several
-(a graph per (bucket, tier), captured on first use)."""
+(a graph per (bucket, tier), captured on first use, `capture_on_use=1`); by default a bucket runs uncaptured
+the first time and is captured the second, with the same results each time."""
 
 from __future__ import annotations
 
@@ -79,7 +80,10 @@ def test_graph_replay_equals_eager(path, native, monkeypatch):
         model, NUM_BLOCKS, BLOCK, decode_graphs=DecodeGraphSettings(8, MAX_CTX, 4, **tiered_kw)
     )
     tiered = PagedRunner(
-        model, NUM_BLOCKS, BLOCK, decode_graphs=DecodeGraphSettings(8, MAX_CTX, 4, min_context_tier=16)
+        model,
+        NUM_BLOCKS,
+        BLOCK,
+        decode_graphs=DecodeGraphSettings(8, MAX_CTX, 4, min_context_tier=16, capture_on_use=1),
     )
     assert not tiered.graphs.graphs
     results = _drive([eager, static, graphs, tiered_static, tiered])
@@ -101,6 +105,33 @@ def test_graph_replay_equals_eager(path, native, monkeypatch):
     graphs.close()
     tiered.close()
     assert not graphs.graphs.graphs and not tiered.graphs.graphs
+
+
+def test_a_bucket_is_captured_on_its_second_use_with_the_same_results(path):
+    """Default `capture_on_use` (2): a bucket's first step runs the static step uncaptured, its second
+    captures the graph, later ones replay it; every step equals the static runner's bit for bit."""
+    model = _model(path, engine_numerics=False)
+    static = PagedRunner(
+        model, NUM_BLOCKS, BLOCK, decode_graphs=DecodeGraphSettings(8, MAX_CTX, 4, capture=False)
+    )
+    graphs = PagedRunner(model, NUM_BLOCKS, BLOCK, decode_graphs=DecodeGraphSettings(8, MAX_CTX, 4))
+    assert graphs.graphs.settings.capture_on_use == 2
+    captured = []
+
+    class Watch:  # reads the graph runner's state after each of its steps
+        def execute(self, batch):
+            out = graphs.execute(batch)
+            captured.append(sorted(graphs.graphs.graphs))
+            return out
+
+    steps = [3, 4, 3, 1, 4]  # buckets 4, 4, 4, 1, 4
+    results = _drive([static, Watch()], steps=steps)
+    one = [(4, MAX_CTX)]
+    assert captured == [[], [], one, one, one, one]  # (the first: the prefill, eager)
+    assert graphs.graphs.replays == len(steps)
+    for n, (s, g) in zip(steps, results):
+        assert torch.equal(g, s), f"step of {n} tokens differs from the static step"
+    graphs.close()
 
 
 NEXTN = 3
@@ -149,13 +180,13 @@ def test_verify_graph_replay_equals_eager(path, native, monkeypatch):
     if native:
         monkeypatch.setenv("DEEPINFER_NUMERICS", "native")
     model = _model(path, engine_numerics=native)
-    kw = dict(max_query_len=1 + NEXTN)
+    kw = dict(max_query_len=1 + NEXTN, capture_on_use=1)
     eager = PagedRunner(model, NUM_BLOCKS, BLOCK)
     static = PagedRunner(
         model, NUM_BLOCKS, BLOCK, decode_graphs=DecodeGraphSettings(16, MAX_CTX, 4, capture=False, **kw)
     )
     graphs = PagedRunner(model, NUM_BLOCKS, BLOCK, decode_graphs=DecodeGraphSettings(16, MAX_CTX, 4, **kw))
-    assert not graphs.graphs.graphs  # default: each bucket is captured on its first use
+    assert not graphs.graphs.graphs  # each bucket is captured on its first use (capture_on_use=1)
     results = _drive_verify([eager, static, graphs])
     assert graphs.graphs.verify_replays == len(VERIFY_KS)
     assert {b for b, _ in graphs.graphs.graphs} == {
@@ -185,14 +216,16 @@ def test_graph_replay_equals_eager_batch_invariant(path, engine_numerics, monkey
         model,
         NUM_BLOCKS,
         BLOCK,
-        decode_graphs=DecodeGraphSettings(8, MAX_CTX, 4, min_context_tier=16, batch_invariant=True),
+        decode_graphs=DecodeGraphSettings(
+            8, MAX_CTX, 4, min_context_tier=16, batch_invariant=True, capture_on_use=1
+        ),
     )
     results = _drive([eager, graphs])
     assert graphs.graphs.replays == len(SIZES) and graphs.graphs.mode == ("exact", True)
     for n, (a, g) in zip(SIZES, results):
         assert torch.equal(g, a), f"BI graph replay != eager BI step at {n} tokens"
     graphs.close()
-    kw = dict(max_query_len=1 + NEXTN, batch_invariant=True)
+    kw = dict(max_query_len=1 + NEXTN, batch_invariant=True, capture_on_use=1)
     eager = PagedRunner(model, NUM_BLOCKS, BLOCK)
     graphs = PagedRunner(model, NUM_BLOCKS, BLOCK, decode_graphs=DecodeGraphSettings(16, MAX_CTX, 4, **kw))
     results = _drive_verify([eager, graphs])
@@ -233,7 +266,12 @@ def test_compiled_graph_replay_close_to_plain(path, monkeypatch):
     monkeypatch.setenv("DEEPINFER_NUMERICS", "native")
     model = _model(path, engine_numerics=True)
     runners = [
-        PagedRunner(model, NUM_BLOCKS, BLOCK, decode_graphs=DecodeGraphSettings(8, MAX_CTX, 4, compile=c))
+        PagedRunner(
+            model,
+            NUM_BLOCKS,
+            BLOCK,
+            decode_graphs=DecodeGraphSettings(8, MAX_CTX, 4, compile=c, capture_on_use=1),
+        )
         for c in (None, "inductor")
     ]
     exact = _ExactRunner(PagedRunner(_model(path, engine_numerics=False), NUM_BLOCKS, BLOCK))

@@ -33,7 +33,9 @@ def path(tmp_path_factory):
 
 
 def _runner(model, capture):
-    settings = DecodeGraphSettings(8 * (1 + K), MAX_CTX, 4, capture=capture, max_query_len=1 + K, draft=True)
+    settings = DecodeGraphSettings(
+        8 * (1 + K), MAX_CTX, 4, capture=capture, max_query_len=1 + K, draft=True, capture_on_use=1
+    )
     need = [-(-n // BLOCK) for n in LENGTHS]
     tables = np.split(np.random.default_rng(0).permutation(sum(need)).astype(np.int32), np.cumsum(need)[:-1])
     runner = PagedRunner(model, num_blocks=sum(need), block_size=BLOCK, decode_graphs=settings)

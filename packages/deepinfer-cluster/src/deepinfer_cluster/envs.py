@@ -463,7 +463,15 @@ _VARS = [
         "DEEPINFER_CUDAGRAPH_CAPTURE_ALL",
         BOOLEAN,
         False,
-        "capture every graph bucket at start (default: each on its first use)",
+        "capture every graph bucket at start (default: each on its DEEPINFER_CUDAGRAPH_CAPTURE_ON_USE-th use)",
+        _ENGINE,
+    ),
+    EnvVar(
+        "DEEPINFER_CUDAGRAPH_CAPTURE_ON_USE",
+        integer(lo=1),
+        2,
+        "a graph bucket is captured the N-th time a step needs it, the step running uncaptured before (same "
+        "results): buckets a probe or one batch size needs once cost no capture; 1: capture on first use",
         _ENGINE,
     ),
     EnvVar(

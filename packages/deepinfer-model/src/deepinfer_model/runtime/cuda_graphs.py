@@ -62,6 +62,7 @@ log = logging.getLogger("deepinfer_model.runtime")
 
 DEFAULT_INTERVAL = 8
 DEFAULT_MIN_CONTEXT_TIER = 256
+DEFAULT_CAPTURE_ON_USE = 2  # a bucket's second use captures it (DecodeGraphSettings.capture_on_use)
 PLACEHOLDER_TOKEN = 0
 
 
@@ -114,9 +115,12 @@ class DecodeGraphSettings:
     gathers only the top-k selected entries and the window). `interval`: bucket step. `capture`: False runs the static step eagerly (CPU tests).
     `max_query_len`: the most query tokens one sequence may feed in a graphed step (1 + nextn: a
     verification step feeds the last accepted token and its drafts). `capture_all`: capture every bucket
-    at start (the reference's warm-up); False (default) captures a bucket the first time a step needs it:
-    with drafting the bucket list reaches max_num_seqs x (1 + nextn) tokens (195 buckets at 256 x 6),
-    most of which a given workload never uses. `batch_invariant`: replay graphs in batch-invariant mode
+    at start (the reference's warm-up); False (default) captures a bucket when a step needs it for the
+    `capture_on_use`-th time, running the same static step uncaptured before (the same kernels on the
+    same inputs: the same results): with drafting the bucket list reaches max_num_seqs x (1 + nextn)
+    tokens (195 buckets at 256 x 6), most of which a given workload never uses, and a verification or
+    draft bucket is often needed once (a probe at the batch size of the moment), where a capture costs
+    several steps' time (50-80 ms for the built-in model on an H100, against a few ms for the step). `batch_invariant`: replay graphs in batch-invariant mode
     too (the static step is bitwise the eager batch-invariant step on the CPU, and its replay the static
     step on an H200: `test_cuda_graphs_gpu.py`); False runs such steps eagerly. `draft`: DSpark drafts
     (greedy, and sampled ones without logits processors) through CUDA graphs as well
@@ -131,6 +135,7 @@ class DecodeGraphSettings:
     capture: bool = True
     max_query_len: int = 1
     capture_all: bool = False
+    capture_on_use: int = DEFAULT_CAPTURE_ON_USE
     min_context_tier: int = DEFAULT_MIN_CONTEXT_TIER
     batch_invariant: bool = True
     draft: bool = True
@@ -151,6 +156,12 @@ class DecodeGraphSettings:
             raise ValueError(
                 f"max_query_len must lie in [1, max_batch_size={self.max_batch_size}], got {self.max_query_len}"
             )
+        if (
+            isinstance(self.capture_on_use, bool)
+            or not isinstance(self.capture_on_use, int)
+            or self.capture_on_use < 1
+        ):
+            raise ValueError(f"capture_on_use must be an integer >= 1, got {self.capture_on_use!r}")
         if self.min_context_tier < 1:
             raise ValueError(f"min_context_tier must be >= 1, got {self.min_context_tier}")
 
@@ -166,6 +177,7 @@ def decode_graph_settings(
     batch_invariant: bool = True,
     draft: bool = True,
     compile: str | None = None,
+    capture_on_use: int = DEFAULT_CAPTURE_ON_USE,
 ) -> DecodeGraphSettings | None:
     """The engine's settings: graphs on CUDA devices unless `enforce_eager`; None (eager) elsewhere.
     With `nextn` drafts per step, buckets go up to max_num_seqs x (1 + nextn) tokens and a sequence may
@@ -181,6 +193,7 @@ def decode_graph_settings(
         interval,
         max_query_len=q,
         capture_all=capture_all,
+        capture_on_use=capture_on_use,
         batch_invariant=batch_invariant,
         draft=draft,
         compile=compile,
@@ -199,6 +212,19 @@ def smallest_at_least(sizes: list[int], n: int, what: str) -> int:
     if i == len(sizes):
         raise ValueError(f"{n} {what} exceed the largest CUDA-graph bucket {sizes[-1]}")
     return sizes[i]
+
+
+class CaptureCounter:
+    """When a graph runner captures a key's graph: on its `settings.capture_on_use`-th use (CUDA, capture on)."""
+
+    def __init__(self, settings: DecodeGraphSettings) -> None:
+        self.settings = settings
+        self.uses: dict = {}
+
+    def due(self, key, graphs: dict) -> bool:
+        """Count one use of `key`; True when its graph should be captured now."""
+        uses = self.uses[key] = self.uses.get(key, 0) + 1
+        return self.settings.capture and key not in graphs and uses >= self.settings.capture_on_use
 
 
 class StagedInputs:
@@ -275,6 +301,7 @@ class DecodeGraphRunner:
         self.logits: torch.Tensor | None = None  # every graph's output rows [largest bucket, vocab]
         self.pool = None
         self.mode = None  # (numerics mode, batch-invariant mode) the graphs were captured under
+        self.captures = CaptureCounter(settings)
         self.replays = 0  # steps run through a graph (graph replays, or static steps without capture)
         self.verify_replays = 0  # those of them with a sequence feeding more than one token (drafts)
 
@@ -383,8 +410,8 @@ class DecodeGraphRunner:
         """FP32 logits [len(meta.logits_rows), vocab] of an eligible step (`problem(meta)` is None): the
         rows `meta.logits_rows` (packed token rows) of its (bucket, tier) graph's output."""
         b, tier = self.key(meta)
-        if self.settings.capture and (b, tier) not in self.graphs:
-            self._capture(b, tier)  # first use of this graph (fills placeholder rows: before `_fill`)
+        if self.captures.due((b, tier), self.graphs):
+            self._capture(b, tier)  # (fills placeholder rows: before `_fill`)
         self._fill(b, tier, meta, input_ids)
         self.replays += 1
         self.verify_replays += int(meta.query_lens.max()) > 1
@@ -399,7 +426,7 @@ class DecodeGraphRunner:
     # ---------------------------------------------------------------------------------------------
     def capture(self) -> None:
         """At start: capture every (bucket, tier), largest first, in one shared pool (CUDA, `capture_all`);
-        otherwise each is captured on first use by `run`."""
+        otherwise `run` captures each on its `capture_on_use`-th use."""
         if not (self.settings.capture and self.settings.capture_all):
             return
         import time

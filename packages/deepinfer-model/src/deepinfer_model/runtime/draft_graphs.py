@@ -45,6 +45,7 @@ import torch
 from .. import batch_invariant
 from .cuda_graphs import (
     PLACEHOLDER_TOKEN,
+    CaptureCounter,
     DecodeGraphSettings,
     StagedInputs,
     build_graph_batch_sizes,
@@ -99,6 +100,7 @@ class DraftGraphRunner:
         self.cdf: torch.Tensor | None = None
         self.pool = None
         self.mode = None
+        self.captures = CaptureCounter(settings)
         self.replays = 0  # drafts run through the static path (graph replays, or uncaptured)
         self.sampled_replays = 0  # of which sampled
         # the placeholders' window key: finite (a never-written pool slot is NaN); nothing real reads
@@ -192,7 +194,7 @@ class DraftGraphRunner:
             sort = sampling.needs_sort(self.vocab)
             self._sampling_buffers()
         graphs, key = (self.graphs, b) if sort is None else (self.sampled_graphs, (b, sort))
-        if self.settings.capture and key not in graphs:
+        if self.captures.due(key, graphs):
             self._capture(b, sort)
         slots = self.family.draft_window_slots(meta, np.asarray(seqs, dtype=np.int64), last, self.window)
         self._fill(b, np.asarray(tokens, dtype=np.int64), last, slots, sampling)

@@ -253,6 +253,7 @@ class LLMEngine(PromptChecks):
                 or (dp is not None and dp.ep_size > 1),
                 interval=envs.DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL,
                 capture_all=envs.DEEPINFER_CUDAGRAPH_CAPTURE_ALL,
+                capture_on_use=envs.DEEPINFER_CUDAGRAPH_CAPTURE_ON_USE,
                 batch_invariant=envs.DEEPINFER_CUDAGRAPH_BATCH_INVARIANT,
                 draft=envs.DEEPINFER_CUDAGRAPH_DRAFT,
                 compile=envs.DEEPINFER_CUDAGRAPH_COMPILE,
