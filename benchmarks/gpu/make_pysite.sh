@@ -9,7 +9,8 @@
 # .gpu/servesite.tar.xz (same layout): `deepinfer serve` and its load test (benchmarks/engine/bench_server.py):
 #   fastapi, starlette, uvicorn, pydantic, prometheus' peers and the openai client with their dependencies at the
 #   lock's versions (typing_extensions, anyio, h11 and idna too: the image's are older than these need), plus the
-#   CPython 3.12 wheels of the two compiled ones (pydantic-core, jiter).
+#   CPython 3.12 wheels of the compiled ones (pydantic-core, jiter, and xgrammar with apache-tvm-ffi: the server's
+#   tool calling and structured outputs import xgrammar; the kernel bundle has them too, but does not fit beside).
 set -euo pipefail
 out=${1:-.gpu}
 site=$(ls -d .venv/lib/python3.*/site-packages | head -1)
@@ -30,10 +31,11 @@ for name in "${serve[@]}"; do  # with its dist-info: httpx2 and others read thei
   dist=${name%.py}; [ "$dist" = opentelemetry ] && dist=opentelemetry_api
   cp -r "$site/$name" "$site/$dist"-[0-9]*.dist-info "$work/pysite/"
 done
-for pkg in pydantic_core jiter; do
+for pkg in pydantic_core jiter xgrammar apache_tvm_ffi; do
   ver=$(ls -d "$site/$pkg"-*.dist-info | sed "s,.*/$pkg-,,; s,\.dist-info,,")
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$work" "$pkg==$ver"
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d "$work" "${pkg//_/-}==$ver"
   python3 -m zipfile -e "$work/$pkg"-*.whl "$work/pysite"
 done
 find "$work/pysite" -name __pycache__ -prune -exec rm -rf {} +

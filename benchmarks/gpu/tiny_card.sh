@@ -41,6 +41,7 @@ export DEEPINFER_ACCELERATOR=nvidia
 if [ "$MODEL" = builtin ]; then  # the built-in deepinfer-tiny, written as a checkpoint that keeps drafts on
     MODEL=$(python3 -c 'from deepinfer.default_model import ensure_tiny_model; print(ensure_tiny_model())') || exit 1
     el "MODEL=builtin: $MODEL (random weights: an untrained drafter)"
+    SPEC_MAX_TOKENS=${SPEC_MAX_TOKENS:-120}  # its 256 positions hold a 128-token prompt and 120 more
 fi
 sections=${CARD_SECTIONS-heldout code dspark}
 if [ -n "$sections" ]; then
@@ -68,7 +69,7 @@ if [ "${SPEC:-0}" = 1 ]; then  # the oracle and the trained drafter against draf
         set -- $run
         el "bench_spec_engine.py: batch $1, nextn $2, code prompts"
         timeout 150 python3 benchmarks/spec/bench_spec_engine.py --model "$MODEL" --device cuda --prompts code --prompt-len 128 \
-            --max-tokens 256 --batch "$1" --nextn "$2" --out "$OUT/spec_engine_batch$1_nextn$2.json" 2>&1 | tail -9
+            --max-tokens "${SPEC_MAX_TOKENS:-256}" --batch "$1" --nextn "$2" --out "$OUT/spec_engine_batch$1_nextn$2.json" 2>&1 | tail -9
     done
 fi
 if [ "${UNTRAINED:-0}" = 1 ]; then
