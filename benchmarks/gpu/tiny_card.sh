@@ -41,7 +41,8 @@ export DEEPINFER_ACCELERATOR=nvidia
 if [ "$MODEL" = builtin ]; then  # the built-in deepinfer-tiny, written as a checkpoint that keeps drafts on
     MODEL=$(python3 -c 'from deepinfer.default_model import ensure_tiny_model; print(ensure_tiny_model())') || exit 1
     el "MODEL=builtin: $MODEL (random weights: an untrained drafter)"
-    SPEC_MAX_TOKENS=${SPEC_MAX_TOKENS:-120}  # its 256 positions hold a 128-token prompt and 120 more
+    SPEC_PROMPT_LEN=${SPEC_PROMPT_LEN:-64}  # its 256 positions hold the prompt, 120 tokens, nextn and a margin
+    SPEC_MAX_TOKENS=${SPEC_MAX_TOKENS:-120}
 fi
 sections=${CARD_SECTIONS-heldout code dspark}
 if [ -n "$sections" ]; then
@@ -68,7 +69,7 @@ if [ "${SPEC:-0}" = 1 ]; then  # the oracle and the trained drafter against draf
     for run in "1 3" "1 5" "64 5"; do
         set -- $run
         el "bench_spec_engine.py: batch $1, nextn $2, code prompts"
-        timeout 150 python3 benchmarks/spec/bench_spec_engine.py --model "$MODEL" --device cuda --prompts code --prompt-len 128 \
+        timeout 150 python3 benchmarks/spec/bench_spec_engine.py --model "$MODEL" --device cuda --prompts code --prompt-len "${SPEC_PROMPT_LEN:-128}" \
             --max-tokens "${SPEC_MAX_TOKENS:-256}" --batch "$1" --nextn "$2" --out "$OUT/spec_engine_batch$1_nextn$2.json" 2>&1 | tail -9
     done
 fi
@@ -76,6 +77,6 @@ if [ "${UNTRAINED:-0}" = 1 ]; then
     el "bench throughput, built-in model (untrained drafter), nextn 5 vs drafts off, 256 sequences"
     DEEPINFER_USE_NEXTN_DECODE=5 python3 -m deepinfer.cli bench throughput --num-requests 256 --max-num-seqs 256 \
         --min-input-len 64 --max-input-len 128 --min-output-len 64 --max-output-len 120 --loops async \
-        --repeats 2 --output-json "$OUT/speed_untrained.json" 2>&1 | tail -25
+        --repeats "${UNTRAINED_REPEATS:-3}" --output-json "$OUT/speed_untrained.json" 2>&1 | tail -25
 fi
 el "done"
