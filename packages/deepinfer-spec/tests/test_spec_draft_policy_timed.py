@@ -145,3 +145,44 @@ def test_the_wall_ratio_is_the_median_of_recent_steps_of_its_kind():
     policy.wall_ratios[False].extend([200.0] * 3)
     # plain steps caught slower than drafted ones: drafting is charged the plain ratio, never less
     assert policy.charged_ms(2.0, False) == policy.charged_ms(2.0, True) == 400.0
+
+
+def probe_share(calibrate: bool, steps: int = 400) -> tuple[float, DraftPolicy]:
+    """A never-right drafter whose probes are always due (short back-off), so the probe budget alone
+    bounds them; the curve says 10 ms where a plain step takes 1.25 ms (an eager-forward curve against
+    graphed steps) and a probe's draft forward takes 2 ms. Returns the probes' wall time over the plain
+    steps' wall time (every step's 1.25 ms)."""
+    curve = StepTimeCurve([1, 64], [10.0, 10.0], mode="linear")
+    clock = SimulatedClock()
+    nextn, num_seqs = 3, 8
+    policy = DraftPolicy(
+        nextn, ConfidenceScheduler(nextn, curve), min_backoff=1, max_backoff=2, probe_budget=0.05, clock=clock
+    )
+    probe_wall = 0.0
+    for _ in range(steps):
+        plan = policy.plan([(s, nextn) for s in range(num_seqs)], num_seqs)
+        ids = [s for s, d in enumerate(plan.draft) if d]
+        wall = 1.25
+        if ids:
+            policy.record_draft_time(len(ids), 2.0)
+            conf = [[0.9] * nextn for _ in ids]
+            for s, k in zip(ids, policy.verify_counts(ids, conf, num_seqs)):
+                policy.record(s, conf[0], k, 0)
+            if calibrate:
+                policy.calibrate_budget()
+            wall += 2.0
+            probe_wall += 2.0
+        clock.wait_ms(wall)
+    return probe_wall / (steps * 1.25), policy
+
+
+def test_the_probe_budget_is_wall_time_once_calibrated():
+    """Calibrated after each drafted step (as the engine does), the probes cost about `probe_budget` of the
+    plain steps' wall time, though the curve prices those steps 8x too high; priced on the curve alone the
+    same probes take several times the budget."""
+    calibrated, policy = probe_share(calibrate=True)
+    uncalibrated, _ = probe_share(calibrate=False)
+    assert policy.budget_scale == pytest.approx(0.125)
+    # (the first steps draft before anything is measured, and a due probe runs once the budget allows it)
+    assert calibrated <= 0.05 * 1.6, calibrated
+    assert uncalibrated > 4 * calibrated, (uncalibrated, calibrated)

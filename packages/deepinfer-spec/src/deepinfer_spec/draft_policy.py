@@ -33,8 +33,10 @@ time is then spent) is the varlen rule's ranking of the calibrated rates, timed 
 verify everything.
 
 Probes are exploration, and their cost is bounded: the time they added (their measured draft forward and
-the longer step the curve charges) may reach `probe_budget` of the predicted time of the plain steps
-planned so far. A probe that falls due while the budget is spent waits, and the probes due then run
+the longer step the curve charges) may reach `probe_budget` of the time of the plain steps planned so far.
+The curve's milliseconds count there at the plain steps' measured wall ratio (`calibrate_budget`, which the
+engine calls after each drafted step): a curve measured on eager forwards prices graphed GPU steps ~8x too
+high, and plain time counted on it would let probes cost several times the budget in wall time. A probe that falls due while the budget is spent waits, and the probes due then run
 together in one step: with a draft forward of high fixed cost (host work), probes spread over many steps
 would make most steps pay it. A drafter that is never right therefore costs about `probe_budget` of the
 plain decode time (plus one probe step) once its sequences have backed off.
@@ -52,7 +54,8 @@ cheaper, relative to plain steps, than its parts say. A kind with too few measur
 Both kinds must be measured, the one a drafter that always pays never chooses too: once a few
 drafted steps are timed, the first few plain ones are made to run (plans that let nobody draft,
 `measuring_plain_steps`). A step with prefill in it is not a sample (`untimed_step`). The probe budget
-stays on the parts' predictions (so that `would_draft` can tell ahead which plans it holds back).
+stays on the parts' predictions, scaled as of the last `calibrate_budget` (so that `would_draft` can tell
+ahead which plans it holds back: no plan changes the scale).
 
 Determinism: the choices depend on measured times and on the other sequences of the batch. Greedy
 outputs do not (verification keeps exactly the target's argmax tokens), nor do seeded sampled ones under
@@ -251,8 +254,12 @@ class DraftPolicy:
         self._seqs: dict[Hashable, _History] = {}
         self.plans = 0
         self.drafted = self.skipped = self.probes = 0  # sequence-steps
-        self.plain_ms = 0.0  # predicted time of the plain steps planned so far
+        self.plain_ms = 0.0  # time of the plain steps planned so far (predicted, times budget_scale)
         self.probe_ms = 0.0  # time the probes added: the curve's longer steps, their measured draft forwards
+        # wall ms per predicted ms of a plain step, as of the last `calibrate_budget` (1 until then): the
+        # budget's curve-priced parts are scaled by it, so that a curve far above the steps it prices
+        # (measured on eager forwards, the steps replaying graphs) does not widen the budget
+        self.budget_scale = 1.0
         self.deferred_probes = 0  # sequence-plans a due probe waited for the budget
         self._probe_charge: int | None = None  # probes of the last plan, until their draft time is in
         self.clock = clock  # seconds; None: steps are not timed, the parts' predictions alone decide
@@ -459,7 +466,7 @@ class DraftPolicy:
         now (the curve), its draft forward when measured (`record_draft_time`)."""
         plain = self.step_ms(num_seqs, num_seqs)
         if plain is not None:
-            self.plain_ms += plain
+            self.plain_ms += plain * self.budget_scale
         self._probe_charge = None
         if not due or self.probe_budget is None or plain is None:
             return due
@@ -467,7 +474,7 @@ class DraftPolicy:
             self.deferred_probes += len(due)
             return []
         longer = self.step_ms(num_seqs + sum(candidates[i][1] for i in due), num_seqs)
-        self.probe_ms += max(0.0, longer - plain) if longer is not None else 0.0
+        self.probe_ms += max(0.0, longer - plain) * self.budget_scale if longer is not None else 0.0
         self._probe_charge = len(due)
         return due
 
@@ -578,7 +585,7 @@ class DraftPolicy:
             return True
         plain_ms = self.plain_ms
         for _ in range(lookahead):  # as the plans up to that one add it (the same float additions)
-            plain_ms += plain
+            plain_ms += plain * self.budget_scale
         return not self._budget_spent(plain_ms)
 
     def advance(self, seq_ids: Sequence[Hashable], num_seqs: int) -> None:
@@ -596,7 +603,7 @@ class DraftPolicy:
         )
         plain = self.step_ms(num_seqs, num_seqs)  # as `_afford_probes` counts a plan's plain step
         if plain is not None:
-            self.plain_ms += plain
+            self.plain_ms += plain * self.budget_scale
         self._probe_charge = None
         if due and self.probe_budget is not None and plain is not None and self._budget_spent(self.plain_ms):
             self.deferred_probes += due
@@ -606,6 +613,13 @@ class DraftPolicy:
     def _check_plain_plan(self, seq_ids: Sequence[Hashable], num_seqs: int) -> None:
         if isinstance(num_seqs, bool) or not isinstance(num_seqs, int) or num_seqs < len(seq_ids):
             raise ValueError(f"num_seqs must be an integer >= len(seq_ids)={len(seq_ids)}, got {num_seqs!r}")
+
+    def calibrate_budget(self) -> None:
+        """From now on the probe budget prices the curve's milliseconds at the plain steps' wall ratio
+        (`wall_ratio(False)`; 1 without a clock): plain time and a probe's longer step count as wall time,
+        as its measured draft forward already does. The engine calls it after a drafted step, never
+        within a plan, so that a plan's answer stays what `would_draft` says it will be."""
+        self.budget_scale = self.wall_ratio(False)
 
     def _budget_spent(self, plain_ms: float) -> bool:
         """The probes so far cost more than `probe_budget` of `plain_ms` (the plain steps' time)."""

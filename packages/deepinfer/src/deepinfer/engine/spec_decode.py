@@ -254,6 +254,7 @@ class SpecDecoder:
             for seq_id, k, a in zip(seq_ids, result.num_drafts, result.num_accepted):
                 drafted = self.state.pending(seq_id)[1]  # the confidences of all it drafted, k verified
                 self.policy.record(seq_id, drafted, k, a)
+            self.policy.calibrate_budget()  # (after a drafted step: outside any plan)
         rollbacks = self.state.commit(seq_ids, result)
         ks = [k for k, d in zip(result.num_drafts, decode) if d]
         accepted = [a for a, d in zip(result.num_accepted, decode) if d]
