@@ -7,7 +7,8 @@
 # Carry .gpu/pysite.tar.xz, .gpu/rpds312.tar.xz and .gpu/servesite.tar.xz (benchmarks/gpu/make_pysite.sh: the
 # Python packages the image lacks, the server's among them). Steps:
 #   server  benchmarks/engine/bench_server.py: SERVER_REQUESTS (1000) requests from SERVER_CLIENTS (64) streaming
-#           clients against `deepinfer serve` on loopback, next to the offline engine on the same workload;
+#           clients against `deepinfer serve` on loopback, next to the offline engine on the same workload, both
+#           in batch-invariant mode (SERVER_BATCH_INVARIANT, default 1: texts must equal offline's);
 #   tier    benchmarks/engine/bench_kv_tier.py on the tiny weights with a long context (make_long_tiny_checkpoint.py):
 #           TIER_PREFIXES (3) prefixes of TIER_PREFIX_LEN (16384) tokens, each revisited after the device cache
 #           evicted it: TTFT of a revisit with the host / disk tier against recomputing it;
@@ -37,6 +38,9 @@ if has tier || has disagg; then
 fi
 if has server; then
     el "bench_server.py: ${SERVER_REQUESTS:-1000} requests, ${SERVER_CLIENTS:-64} clients"
+    # batch-invariant mode (both sides): on a GPU another batch rounds otherwise differently, and the bench
+    # checks every text against the offline engine's (SERVER_BATCH_INVARIANT=0: the default mode's speed)
+    DEEPINFER_BATCH_INVARIANT=${SERVER_BATCH_INVARIANT:-1} \
     timeout "${SERVER_LIMIT_S:-240}" python3 benchmarks/engine/bench_server.py --device cuda \
         --num-requests "${SERVER_REQUESTS:-1000}" --concurrency "${SERVER_CLIENTS:-64}" --time-limit-s 200 \
         --output-dir "$OUT" > "$OUT/bench_server.log" 2>&1
