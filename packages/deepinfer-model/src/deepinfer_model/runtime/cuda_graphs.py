@@ -37,8 +37,9 @@ next capture to reuse) and write their logits into one static output buffer [lar
 allocated outside the pool at the first capture (a graph's own output would stay allocated as long as
 the graph), so more tiers cost capture time and graph objects, not activation or logits memory. The static inputs are one flat buffer: the
 (b, t) graph reads its first b x (3 + blocks(t)) values as a [b, 3 + blocks(t)] matrix (one contiguous
-host-to-device copy of just that part per step). A graph is captured on first use (or all of them at
-start with `capture_all`, largest first), each after a warm-up run on the capture stream (fills
+host-to-device copy of just that part per step). A graph is captured on its `capture_on_use`-th use
+(`CaptureCounter`; the static step runs uncaptured before), or all of them at start with `capture_all`
+(largest first), each after a warm-up run on the capture stream (fills
 weight-conversion and kernel caches, which allocate, before capture). `destroy()` frees them (before
 process groups go away).
 

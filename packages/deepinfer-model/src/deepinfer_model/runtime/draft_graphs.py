@@ -25,7 +25,7 @@ Buckets are sequence counts (`build_graph_batch_sizes(max_num_seqs, interval)`);
 sequences replays the smallest bucket b >= n, rows n .. b-1 being placeholders (token 0 drafting after
 position 0 of the reserved dummy block, whose slot 0 the runner initialises with finite keys, greedy):
 each row's attention reads its own window and block only, every other op (the sampling too) is
-row-wise, so a placeholder never changes a real row. Graphs are captured on first use, in the decode
+row-wise, so a placeholder never changes a real row. Graphs are captured on their `capture_on_use`-th use, in the decode
 graphs' memory pool when that exists (the two are never replayed concurrently), under one (numerics
 mode, batch-invariant mode). `capture=False` (CPU tests) runs the same static step without a graph.
 
