@@ -36,9 +36,9 @@ Probes are exploration, and their cost is bounded: the time they added (their me
 the longer step the curve charges) may reach `probe_budget` of the time of the plain steps planned so far.
 The curve's milliseconds count there at the plain steps' measured wall ratio (`calibrate_budget`, which the
 engine calls after each drafted step): a curve measured on eager forwards prices graphed GPU steps ~8x too
-high, and plain time counted on it would let probes cost several times the budget in wall time. A probe that falls due while the budget is spent waits, and the probes due then run
-together in one step: with a draft forward of high fixed cost (host work), probes spread over many steps
-would make most steps pay it. A drafter that is never right therefore costs about `probe_budget` of the
+high, and plain time counted on it would let probes cost several times the budget in wall time. A probe
+that falls due while the budget is spent waits, and the probes due then run together in one step: with a
+draft forward of high fixed cost (host work), probes spread over many steps would make most steps pay it. A drafter that is never right therefore costs about `probe_budget` of the
 plain decode time (plus one probe step) once its sequences have backed off.
 
 The cost model predicts each part of a step; the wall clock says what a step cost. With a `clock` (the
