@@ -38,8 +38,9 @@ The curve's milliseconds count there at the plain steps' measured wall ratio (`c
 engine calls after each drafted step): a curve measured on eager forwards prices graphed GPU steps ~8x too
 high, and plain time counted on it would let probes cost several times the budget in wall time. A probe
 that falls due while the budget is spent waits, and the probes due then run together in one step: with a
-draft forward of high fixed cost (host work), probes spread over many steps would make most steps pay it. A drafter that is never right therefore costs about `probe_budget` of the
-plain decode time (plus one probe step) once its sequences have backed off.
+draft forward of high fixed cost (host work), probes spread over many steps would make most steps pay it.
+A drafter that is never right therefore costs about `probe_budget` of the plain decode time (plus one
+probe step) once its sequences have backed off.
 
 The cost model predicts each part of a step; the wall clock says what a step cost. With a `clock` (the
 engine's), the policy times each planned step (from its plan to the next plan or `advance`: the draft
