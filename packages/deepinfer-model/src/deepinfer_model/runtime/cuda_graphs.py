@@ -122,8 +122,9 @@ class DecodeGraphSettings:
     tokens (195 buckets at 256 x 6), most of which a given workload never uses, and a verification or
     draft bucket is often needed once (a probe at the batch size of the moment), where a capture costs
     several steps' time (50-80 ms for the built-in model on an H100, against a few ms for the step).
-    `batch_invariant`: replay graphs in batch-invariant mode too (the static step is bitwise the eager batch-invariant step on the CPU, and its replay the static
-    step on an H200: `test_cuda_graphs_gpu.py`); False runs such steps eagerly. `draft`: DSpark drafts
+    `batch_invariant`: replay graphs in batch-invariant mode too (the static step is bitwise the eager
+    batch-invariant step on the CPU, and its replay the static step on an H200: `test_cuda_graphs_gpu.py`);
+    False runs such steps eagerly. `draft`: DSpark drafts
     (greedy, and sampled ones without logits processors) through CUDA graphs as well
     (`draft_graphs.DraftGraphRunner`; bitwise the eager draft on the CPU, the greedy replay checked on
     an H200: `test_draft_graphs_gpu.py`); False keeps them eager. `compile`: a

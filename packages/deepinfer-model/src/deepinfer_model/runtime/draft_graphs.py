@@ -27,7 +27,8 @@ position 0 of the reserved dummy block, whose slot 0 the runner initialises with
 each row's attention reads its own window and block only, every other op (the sampling too) is
 row-wise, so a placeholder never changes a real row. Graphs are captured on their `capture_on_use`-th
 use, in the decode graphs' memory pool when that exists (the two are never replayed concurrently), under
-one (numerics mode, batch-invariant mode). `capture=False` (CPU tests) runs the same static step without a graph.
+one (numerics mode, batch-invariant mode). `capture=False` (CPU tests) runs the same static step without a
+graph.
 
 The graph outputs tokens, confidence and positions (and q of sampled rows) only (what the engine reads;
 FP32 logits of every draft would cost bucket x k x vocab floats): a `DraftOutput` from here has
