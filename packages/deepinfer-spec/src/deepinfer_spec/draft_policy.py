@@ -67,6 +67,7 @@ sampler, so seeded sampled outputs are then reproducible only where the same ste
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -172,16 +173,23 @@ class LinearCost:
         return np.where(m > 0, fixed + per_unit * m, 0.0)
 
     def _fitted(self) -> tuple[float, float]:
-        m = np.asarray([s for s, _ in self.samples], dtype=np.float64)
-        t = np.asarray([ms for _, ms in self.samples], dtype=np.float64)
-        if np.unique(m).size >= 2:
-            slope, intercept = np.polyfit(m, t, 1)
+        # least squares by the normal equations in plain Python: a window of at most a few dozen points
+        # (numpy's per-call overhead would be most of the time, and the engine refits after each step)
+        n = len(self.samples)
+        sx = sum(m for m, _ in self.samples)
+        sy = sum(t for _, t in self.samples)
+        sxx = sum(m * m for m, _ in self.samples)
+        sxy = sum(m * t for m, t in self.samples)
+        spread = n * sxx - sx * sx  # 0 while every measurement had one size
+        if spread > 0:
+            slope = (n * sxy - sx * sy) / spread
+            intercept = (sy - slope * sx) / n
             if slope < 0:  # no growth with m: a fixed cost
-                return float(np.mean(t)), 0.0
+                return sy / n, 0.0
             if intercept < 0:  # the line through the origin
-                return 0.0, float(m @ t / (m @ m))
-            return float(intercept), float(slope)
-        return 0.0, float(np.median(t / m))
+                return 0.0, sxy / sxx
+            return intercept, slope
+        return 0.0, statistics.median(t / m for m, t in self.samples)
 
 
 @dataclass
@@ -330,7 +338,7 @@ class DraftPolicy:
         few. (Not the other kind's: a policy that drafted on every step would then never learn that plain
         steps cost less than drafted ones.)"""
         samples = self.wall_ratios[drafting]
-        return float(np.median(samples)) if len(samples) >= _MIN_PERIODS else 1.0
+        return statistics.median(samples) if len(samples) >= _MIN_PERIODS else 1.0
 
     def charged_ms(self, predicted_ms: float, drafting: bool) -> float:
         """A step's predicted milliseconds as a plan charges them: times the plain steps' wall ratio, for a
