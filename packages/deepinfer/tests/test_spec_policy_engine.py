@@ -206,7 +206,9 @@ def test_the_policy_times_its_steps_and_backs_off_where_a_curve_overstates_them(
     timed_steps, n, stats = runs["timed"]
     untimed_steps, _, untimed_stats = runs["untimed"]
     assert untimed_steps >= n - 3 and untimed_stats["policy_wall_ratio_draft"] is None
-    assert timed_steps <= 3, runs
+    # probes only: each of the 3 sequences probes at most twice in these 19 steps (its back-off doubling
+    # from 4), on one schedule or, where timing parts them and the budget does not group them, on its own
+    assert timed_steps <= 2 * 3 < n - 3, runs
     # (steps take milliseconds, tens on a loaded machine: far below the curve's 1,000)
     assert stats["policy_wall_ratio_plain"] < 0.5 and stats["policy_wall_ratio_draft"] < 0.5
     assert stats["policy_wall_ratio_draft"] > stats["policy_wall_ratio_plain"]
