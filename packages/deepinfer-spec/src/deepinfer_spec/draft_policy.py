@@ -157,9 +157,7 @@ class LinearCost:
     def get(self, num_seqs: int) -> float:
         if num_seqs <= 0 or not self.samples:
             return 0.0
-        if self._fit is None:
-            self._fit = self._fitted()
-        fixed, per_unit = self._fit
+        fixed, per_unit = self._line()
         return fixed + per_unit * num_seqs  # (0.0 + x and x + 0.0 * m are x: each case's exact value)
 
     def get_array(self, num_seqs: np.ndarray) -> np.ndarray:
@@ -167,10 +165,14 @@ class LinearCost:
         m = np.asarray(num_seqs, dtype=np.int64)
         if not self.samples:
             return np.zeros(m.shape)
+        fixed, per_unit = self._line()
+        return np.where(m > 0, fixed + per_unit * m, 0.0)
+
+    def _line(self) -> tuple[float, float]:
+        """(fixed ms, ms per unit) of the samples so far, fitted on the first ask after a measurement."""
         if self._fit is None:
             self._fit = self._fitted()
-        fixed, per_unit = self._fit
-        return np.where(m > 0, fixed + per_unit * m, 0.0)
+        return self._fit
 
     def _fitted(self) -> tuple[float, float]:
         # least squares by the normal equations in plain Python: a window of at most a few dozen points
@@ -436,9 +438,12 @@ class DraftPolicy:
         )
         # every total T of the top-ranked positions priced at once: expected tokens, sequences drafting
         # (the probes and those the top T touch), the step with their draft forward, as charged
-        seen: set[int] = set()
-        first_touch = [not (idx in seen or seen.add(idx)) for _, idx, _ in ranked]
-        drafting = len(forced) + np.cumsum([0, *first_touch])
+        touched: set[int] = set()
+        touched_after = [0]  # sequences the top T positions belong to, for T = 0 .. len(ranked)
+        for _, idx, _ in ranked:
+            touched.add(idx)
+            touched_after.append(len(touched))
+        drafting = len(forced) + np.asarray(touched_after)
         expected_at = np.cumsum([expected, *(r for r, _, _ in ranked)])  # (sequential, as += is)
         ms = self.step_ms_array(tokens + np.arange(len(ranked) + 1), num_seqs)
         reach = _reach(ms)
